@@ -1,0 +1,33 @@
+# `make train` / `make test` / `make bench` set up .venv on first use.
+# GPU users: make TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" test
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+PY     := $(VENV)/bin/python
+ARGS   ?=
+
+.PHONY: venv train test bench lint clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+train: venv
+	$(PY) -m trainer recipe=lm $(ARGS)
+
+test: venv
+	$(PY) -m pytest -q tests $(ARGS)
+
+bench: venv
+	$(PY) -m trainer.benchmark $(ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check trainer recipes tests
+	$(VENV)/bin/ruff format --check trainer recipes tests
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache

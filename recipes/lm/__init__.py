@@ -1,0 +1,1 @@
+"""The `lm` recipe: a byte-level decoder-only transformer trained on a local text corpus."""

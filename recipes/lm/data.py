@@ -1,0 +1,145 @@
+"""Byte-level corpora cached as uint8 memmaps, cut into fixed-length windows.
+
+`stdlib_corpus` needs no network: it reads the running Python's standard library sources once.
+`text_file` does the same for any file (`data=text data.path=FILE`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+import zlib
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from trainer import main_process_first
+from trainer.errors import DataError
+from trainer.io import atomic_write_bytes, atomic_write_json
+
+FORMAT = 1  # bump when the cache layout changes
+
+
+def already_batched(batch):
+    """`collate_fn` for datasets whose __getitems__ returns a whole batch."""
+    return batch
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of `seq_len + 1` bytes: sample i is (x, y) = (w[:-1], w[1:]).
+
+    The bytes stay in a memory-mapped file; only the path crosses into data-loader workers.
+    """
+
+    collate_fn = staticmethod(already_batched)
+
+    def __init__(self, path: str | os.PathLike, seq_len: int):
+        self.path, self.seq_len = str(path), seq_len
+        self.num_bytes = os.path.getsize(self.path)
+        self._tokens: torch.Tensor | None = None
+        self._offsets = torch.arange(seq_len + 1)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_tokens": None}
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        if self._tokens is None:
+            self._tokens = torch.from_file(self.path, shared=False, size=self.num_bytes, dtype=torch.uint8)
+        return self._tokens
+
+    def __len__(self) -> int:
+        return max(0, (self.num_bytes - 1) // self.seq_len)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.tokens[i * self.seq_len : i * self.seq_len + self.seq_len + 1].long()
+        return w[:-1], w[1:]
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        # One gather for the whole batch instead of one slice and a stack per sample.
+        starts = torch.tensor(indices) * self.seq_len
+        w = self.tokens[starts[:, None] + self._offsets].long()
+        return w[:, :-1], w[:, 1:]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("TRAINER_CACHE_DIR") or Path.home() / ".cache" / "trainer")
+
+
+def _build(cache: Path, parts: dict[str, bytes], meta: dict) -> None:
+    for name, data in parts.items():
+        atomic_write_bytes(cache / f"{name}.bin", data)
+    atomic_write_json(cache / "meta.json", meta)  # written last: marks the cache complete
+
+
+def _splits(cache: Path, seq_len: int) -> tuple[TokenWindows, TokenWindows | None]:
+    train = TokenWindows(cache / "train.bin", seq_len)
+    val = TokenWindows(cache / "val.bin", seq_len)
+    return train, (val if len(val) > 0 else None)
+
+
+def stdlib_files() -> tuple[Path, list[Path]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
+    files = [p for p in sorted(root.rglob("*.py")) if not skip & set(p.relative_to(root).parts)]
+    return root, files
+
+
+def stdlib_corpus(seq_len: int = 256, cache_dir: str | None = None, val_every: int = 20):
+    """The Python standard library's .py sources (tests excluded), about 12 MB of bytes.
+
+    Whole files go to the validation split when crc32(relative path) % val_every == 0, so the
+    split is deterministic and val text is never seen in training.
+    """
+    root, files = stdlib_files()
+    if not files:
+        raise DataError(f"found no .py files under the standard library at {root}; use data=text data.path=FILE.")
+    listing = [(str(p.relative_to(root)), p.stat().st_size) for p in files]
+    key = hashlib.sha256(repr((FORMAT, val_every, listing)).encode()).hexdigest()[:12]
+    cache = Path(cache_dir or default_cache_dir()) / f"stdlib-{key}"
+    with main_process_first():
+        if not (cache / "meta.json").exists():
+            train, val = bytearray(), bytearray()
+            for p, (rel, _) in zip(files, listing):
+                (val if zlib.crc32(rel.encode()) % val_every == 0 else train).extend(p.read_bytes() + b"\n")
+            _build(cache, {"train": bytes(train), "val": bytes(val)},
+                   {"source": str(root), "files": len(files), "train_bytes": len(train), "val_bytes": len(val)})
+    return _splits(cache, seq_len)
+
+
+def text_file(path: str, seq_len: int = 256, cache_dir: str | None = None, val_fraction: float = 0.1):
+    """Any file as bytes: the last `val_fraction` of it is the validation split."""
+    p = Path(os.path.expanduser(str(path)))
+    hint = "Point data.path at a readable text file, e.g. data=text data.path=/path/to/book.txt."
+    if not p.exists():
+        raise DataError(f"data.path={str(path)!r} does not exist. {hint}")
+    if p.is_dir():
+        raise DataError(f"data.path={str(path)!r} is a directory, not a file. {hint}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"data.val_fraction={val_fraction} must be in [0, 1).")
+    try:
+        st = p.stat()
+        with open(p, "rb"):
+            pass
+    except OSError as e:
+        raise DataError(f"data.path={str(path)!r} cannot be read ({e.strerror}). {hint}") from None
+    if st.st_size == 0:
+        raise DataError(f"data.path={str(path)!r} is empty. {hint}")
+    if st.st_size < seq_len + 1:
+        raise DataError(
+            f"data.path={str(path)!r} has {st.st_size} bytes, fewer than data.seq_len + 1 = {seq_len + 1}. "
+            f"Use a longer file or a smaller data.seq_len."
+        )
+    key = hashlib.sha256(repr((FORMAT, str(p.resolve()), st.st_size, st.st_mtime_ns, val_fraction)).encode())
+    cache = Path(cache_dir or default_cache_dir()) / f"text-{p.stem[:40]}-{key.hexdigest()[:12]}"
+    with main_process_first():
+        if not (cache / "meta.json").exists():
+            data = p.read_bytes()
+            n_val = int(len(data) * val_fraction)
+            if len(data) - n_val < seq_len + 1:  # too short to split: train on all of it, no val
+                n_val = 0
+            _build(cache, {"train": data[: len(data) - n_val], "val": data[len(data) - n_val :]},
+                   {"source": str(p.resolve()), "train_bytes": len(data) - n_val, "val_bytes": n_val})
+    return _splits(cache, seq_len)

@@ -1,0 +1,105 @@
+"""A small decoder-only transformer (GPT) over bytes: token ids [B, T] -> logits [B, T, vocab]."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool):
+        super().__init__()
+        if d_model % n_head:
+            raise ValueError(f"model.d_model={d_model} must be divisible by model.n_head={n_head}")
+        self.n_head = n_head
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.proj = nn.Linear(d_model, d_model, bias=bias)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model, bias=bias)
+        self.attn = CausalSelfAttention(d_model, n_head, dropout, bias)
+        self.ln2 = nn.LayerNorm(d_model, bias=bias)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model, bias=bias),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(4 * d_model, d_model, bias=bias),
+            nn.Dropout(dropout),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Pre-norm GPT with learned positions and tied input/output embeddings (as in nanoGPT)."""
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        seq_len: int = 256,
+        n_layer: int = 4,
+        n_head: int = 4,
+        d_model: int = 256,
+        dropout: float = 0.0,
+        bias: bool = False,
+    ):
+        super().__init__()
+        self.seq_len = seq_len
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(seq_len, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(d_model, n_head, dropout, bias) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model, bias=bias)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        # Scaled init of residual projections (GPT-2): keeps the residual stream's variance flat in depth.
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        if T > self.seq_len:
+            raise ValueError(f"sequence of length {T} is longer than the model's seq_len={self.seq_len}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.seq_len :])[:, -1, :].float() / max(temperature, 1e-5)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
+                logits = logits.masked_fill(logits < kth, -float("inf"))
+            probs = torch.softmax(logits, dim=-1)
+            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        return idx

@@ -1,0 +1,39 @@
+"""Next-byte prediction: the loss, the eval metrics and a generated sample for the `lm` recipe."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class LanguageModeling:
+    """The task object the Trainer calls. See `trainer.task.Task` for the protocol."""
+
+    def __init__(self, sample_prompt: str = "def ", sample_tokens: int = 200, temperature: float = 0.8,
+                 top_k: int | None = 40):
+        self.sample_prompt, self.sample_tokens = sample_prompt, sample_tokens
+        self.temperature, self.top_k = temperature, top_k
+
+    def num_targets(self, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+        return batch[1].numel()
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        logits = model(x)
+        # Summed, not averaged: the trainer divides by the number of targets in the global batch.
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1), reduction="sum")
+
+    def eval_metrics(self, loss: float) -> dict[str, float]:
+        # One token is one byte, so nats per token / ln 2 is bits per byte.
+        return {"bpb": loss / math.log(2)}
+
+    def sample(self, model: nn.Module, device: torch.device) -> str:
+        if self.sample_tokens <= 0:
+            return ""
+        prompt = torch.tensor([list(self.sample_prompt.encode())], dtype=torch.long, device=device)
+        g = torch.Generator(device=device).manual_seed(0)
+        out = model.generate(prompt, self.sample_tokens, temperature=self.temperature, top_k=self.top_k, generator=g)
+        return bytes(out[0].tolist()).decode("utf-8", errors="replace")

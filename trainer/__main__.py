@@ -1,0 +1,6 @@
+"""`python -m trainer [env|check] [overrides...]`"""
+
+from trainer.cli import main
+
+if __name__ == "__main__":
+    main()

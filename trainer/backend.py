@@ -1,0 +1,216 @@
+"""Where this process sits in the job (rank, world size, device) and the collectives around it.
+
+This is the only module that reads RANK / WORLD_SIZE / LOCAL_RANK. Everything else asks a
+`Backend` (`backend.is_main`, `backend.all_reduce`) or uses the helpers at the bottom
+(`is_main_process`, `main_process_first`, `barrier`), which recipes may use too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class WorldInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+
+
+def world_info() -> WorldInfo:
+    """The position of this process as set by the elastic launcher (torchrun or ours)."""
+    env = os.environ
+    return WorldInfo(
+        rank=int(env.get("RANK", 0)),
+        local_rank=int(env.get("LOCAL_RANK", 0)),
+        world_size=int(env.get("WORLD_SIZE", 1)),
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+    )
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def default_pg_backend() -> str:
+    """gloo for CPU tensors, plus nccl for CUDA tensors when there is a GPU."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """'auto' picks cuda:LOCAL_RANK when a GPU is present, else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    return device
+
+
+class Backend:
+    """Device placement, process group, DDP wrapping and collectives for one process.
+
+    With `world_size == 1` every collective is the identity and nothing touches torch.distributed,
+    so the single-process path pays nothing for the distributed one.
+    """
+
+    def __init__(self, device: str = "auto", threads: int | str = "auto", ddp: dict[str, Any] | None = None,
+                 timeout_s: int = 1800):
+        self.info = world_info()
+        self.device = resolve_device(device, self.info.local_rank)
+        self.threads = threads
+        self.ddp_kwargs = dict(ddp or {})
+        self.timeout_s = timeout_s
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.info.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.info.world_size > 1
+
+    def setup(self) -> None:
+        if self.threads == "auto":
+            # Share the cores among the workers on this machine instead of oversubscribing them.
+            if self.info.local_world_size > 1:
+                torch.set_num_threads(max(1, available_cores() // self.info.local_world_size))
+        else:
+            torch.set_num_threads(int(self.threads))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.distributed and not dist.is_initialized():
+            dist.init_process_group(
+                backend=default_pg_backend(),
+                timeout=datetime.timedelta(seconds=self.timeout_s),
+                device_id=self.device if self.device.type == "cuda" else None,
+            )
+
+    def teardown(self) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- model ---------------------------------------------------------------------------------
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Move to the device and, when distributed, wrap in DDP (which also syncs the initial weights)."""
+        model = model.to(self.device)
+        if not self.distributed:
+            return model
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
+
+    @staticmethod
+    def unwrap(model: nn.Module) -> nn.Module:
+        """The plain module under DDP and torch.compile wrappers: what checkpoints save."""
+        while True:
+            if isinstance(model, nn.parallel.DistributedDataParallel):
+                model = model.module
+            elif hasattr(model, "_orig_mod"):
+                model = model._orig_mod
+            else:
+                return model
+
+    def no_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        """Skip DDP's gradient all-reduce in this backward (all micro-steps but the last)."""
+        if enabled and isinstance(model, nn.parallel.DistributedDataParallel):
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    # -- data ----------------------------------------------------------------------------------
+    def to_device(self, batch: Any) -> Any:
+        non_blocking = self.device.type == "cuda"
+        if isinstance(batch, torch.Tensor):
+            return batch.to(self.device, non_blocking=non_blocking)
+        if isinstance(batch, dict):
+            return {k: self.to_device(v) for k, v in batch.items()}
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self.to_device(v) for v in batch)
+        return batch
+
+    # -- collectives ---------------------------------------------------------------------------
+    def all_reduce(self, value: torch.Tensor | float | int, op: str = "sum") -> torch.Tensor | float | int:
+        """Sum (or max/min) over ranks. Numbers stay numbers when there is only one process."""
+        if not self.distributed:
+            return value
+        t = torch.as_tensor(value, device=self.device)
+        t = t.clone() if t is value else t
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+        return t
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if it is True on any rank (e.g. a preemption signal seen by one)."""
+        if not self.distributed:
+            return flag
+        return bool(self.all_reduce(torch.tensor(int(flag), device=self.device), op="max").item())
+
+    def barrier(self) -> None:
+        barrier()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, device=self.device if self.device.type == "cuda" else None)
+        return box[0]
+
+
+# -- helpers for code that has no Backend at hand (recipes, data builders) -------------------------
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def is_main_process() -> bool:
+    """True on global rank 0 (or when not distributed)."""
+    return (dist.get_rank() if _initialized() else world_info().rank) == 0
+
+
+def is_local_main_process() -> bool:
+    """True on the first process of each machine: the one that should touch machine-local files."""
+    return world_info().local_rank == 0
+
+
+def barrier() -> None:
+    if _initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def main_process_first(local: bool = True) -> Iterator[None]:
+    """Run the body on the main process first while the others wait, then on the others.
+
+    The pattern for work that must happen once, such as building a dataset cache::
+
+        with main_process_first():
+            data = build_or_load_cache(path)
+
+    `local=True` (default) elects one process per machine, for caches on machine-local disks.
+    """
+    first = is_local_main_process() if local else is_main_process()
+    if not first:
+        barrier()
+    try:
+        yield
+    finally:
+        if first:
+            barrier()

@@ -1,0 +1,121 @@
+"""Typed schemas for the framework's own config sections, and the checks run when a config is built.
+
+The framework sections (`trainer`, `world`) are dataclasses: Hydra type-checks command-line
+overrides against them. Recipe sections (`model`, `data`, `task`, `optim`, `scheduler`) are
+free-form `_target_` nodes owned by the recipe; `validate` checks the keys the framework reads.
+No torch import here: `--help` and `--cfg job` must stay fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from .errors import ConfigError
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 1000  # optimizer steps to run in total
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    grad_clip: Optional[float] = 1.0  # max global grad norm; null disables clipping
+    log_every: int = 10  # optimizer steps between metric events
+    eval_every: int = 250  # optimizer steps between evals; 0 = only at the end
+    eval_samples: Optional[int] = None  # evaluate on the first N val samples; null = the whole split
+    eval_batch_size: Optional[int] = None  # null = data.batch_size
+    seed: int = 0
+    compile: bool = False  # torch.compile the model (checkpoints still save the plain module)
+    nonfinite: str = "stop"  # on a NaN/inf loss or grad norm: stop | skip
+    max_nonfinite_skips: int = 10  # with nonfinite=skip: stop after this many consecutive skips
+    progress: str = "auto"  # auto (bar on a terminal, lines otherwise) | bar | lines | off
+
+
+@dataclass
+class WorldConfig:
+    strategy: str = "single"  # single | ddp
+    nproc_per_node: Any = 1  # int, or "auto" = one per GPU (1 on CPU)
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: Optional[str] = None  # host:port of node 0 when nnodes > 1
+    max_restarts: int = 0  # elastic restarts of all workers after a failure
+    device: str = "auto"  # auto | cpu | cuda
+    threads: Any = "auto"  # CPU threads per process; auto = cores / processes on this machine
+    ddp: dict = field(default_factory=lambda: {"bucket_cap_mb": 25, "gradient_as_bucket_view": True})
+
+
+@dataclass
+class Config:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    world: WorldConfig = field(default_factory=WorldConfig)
+    model: Any = None
+    data: Any = None
+    task: Any = None
+    optim: Any = None
+    scheduler: Any = None
+    precision: Any = None
+    logger: Any = field(default_factory=dict)
+
+
+ConfigStore.instance().store(name="trainer_schema", node=Config)
+
+# Keys of `data` read by the framework's loaders; the rest go to the dataset builder (`data._target_`).
+LOADER_KEYS = ("batch_size", "shuffle", "num_workers")
+
+
+def _check(ok: bool, key: str, value: Any, expected: str, fix: str = "") -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: expected {expected}.{' ' + fix if fix else ''}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check what the framework reads, before any process group starts or memory is taken."""
+    t, w = cfg.trainer, cfg.world
+    _check(t.max_steps >= 1, "trainer.max_steps", t.max_steps, "an integer >= 1")
+    _check(t.grad_accum_steps >= 1, "trainer.grad_accum_steps", t.grad_accum_steps, "an integer >= 1")
+    _check(t.log_every >= 1, "trainer.log_every", t.log_every, "an integer >= 1")
+    _check(t.eval_every >= 0, "trainer.eval_every", t.eval_every, "an integer >= 0 (0 = eval only at the end)")
+    _check(t.grad_clip is None or t.grad_clip > 0, "trainer.grad_clip", t.grad_clip, "a number > 0, or null")
+    _check(t.nonfinite in ("stop", "skip"), "trainer.nonfinite", t.nonfinite, "'stop' or 'skip'")
+    _check(t.progress in ("auto", "bar", "lines", "off"), "trainer.progress", t.progress, "auto, bar, lines or off")
+    _check(t.eval_samples is None or t.eval_samples >= 1, "trainer.eval_samples", t.eval_samples, "an integer >= 1, or null")
+
+    for key in ("model", "data", "task", "optim", "scheduler", "precision"):
+        node = cfg.get(key)
+        _check(isinstance(node, DictConfig) and "_target_" in node, key, OmegaConf.to_container(node)
+               if isinstance(node, DictConfig) else node, "a config node with a _target_",
+               f"Select one with {key}=NAME or point {key}._target_ at your class.")
+    d = cfg.data
+    bs = d.get("batch_size")
+    _check(_is_int(bs) and bs >= 1, "data.batch_size", bs, "an integer >= 1 (the per-process micro-batch)")
+    nw = d.get("num_workers", 0)
+    _check(_is_int(nw) and nw >= 0, "data.num_workers", nw, "an integer >= 0")
+    _check(isinstance(d.get("shuffle", True), bool), "data.shuffle", d.get("shuffle"), "true or false")
+    if "seq_len" in d:
+        _check(_is_int(d.seq_len) and d.seq_len >= 1, "data.seq_len", d.seq_len, "an integer >= 1")
+    lr = cfg.optim.get("lr")
+    _check(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0, "optim.lr", lr, "a number > 0")
+
+    _check(w.strategy in ("single", "ddp"), "world.strategy", w.strategy, "'single' or 'ddp'",
+           "Select it with world=single or world=ddp.")
+    n = w.nproc_per_node
+    _check(n == "auto" or (_is_int(n) and n >= 1), "world.nproc_per_node", n, "an integer >= 1 or 'auto'")
+    _check(w.nnodes >= 1, "world.nnodes", w.nnodes, "an integer >= 1")
+    _check(0 <= w.node_rank < w.nnodes, "world.node_rank", w.node_rank, f"an integer in [0, world.nnodes={w.nnodes})")
+    _check(w.max_restarts >= 0, "world.max_restarts", w.max_restarts, "an integer >= 0")
+    _check(w.threads == "auto" or (_is_int(w.threads) and w.threads >= 1), "world.threads", w.threads,
+           "an integer >= 1 or 'auto'")
+    if w.strategy == "single":
+        _check(n in (1, "auto") and w.nnodes == 1, "world.nproc_per_node", n,
+               "1 with world=single", "Use world=ddp to run several processes.")
+    if w.nnodes > 1:
+        _check(bool(w.rdzv_endpoint), "world.rdzv_endpoint", w.rdzv_endpoint,
+               "host:port of node 0 when world.nnodes > 1", "Pass world.rdzv_endpoint=NODE0_HOST:29500 on every node.")
+    _check(w.device == "auto" or w.device.split(":")[0] in ("cpu", "cuda", "mps"), "world.device", w.device,
+           "auto, cpu or cuda")

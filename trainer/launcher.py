@@ -1,0 +1,127 @@
+"""Starting the processes of a run: in-process, via torch's elastic launcher, or under torchrun.
+
+`python -m trainer world=ddp world.nproc_per_node=2` composes and resolves the config once, here in
+the parent, then starts the workers with `torch.distributed.launcher.api.elastic_launch`. Workers
+(`trainer.worker`) receive the resolved config through the environment and never re-parse argv.
+Under `torchrun ... -m trainer`, rank 0 composes the config with Hydra and broadcasts it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import uuid
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+CONFIG_ENV, RUN_DIR_ENV = "TRAINER_CONFIG", "TRAINER_RUN_DIR"
+
+
+def in_torchrun() -> bool:
+    """True in a worker started by torchrun (or our launcher)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
+def is_torchrun_follower() -> bool:
+    """A torchrun worker other than rank 0: it waits for rank 0's config instead of parsing argv."""
+    return in_torchrun() and int(os.environ["RANK"]) != 0
+
+
+def _init_bootstrap_group() -> None:
+    """Process group used first to share the config; the Backend later reuses it."""
+    import torch
+    import torch.distributed as dist
+
+    from .backend import default_pg_backend
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        dist.init_process_group(backend=default_pg_backend())
+
+
+def _share_config(payload: list) -> list:
+    import torch.distributed as dist
+
+    _init_bootstrap_group()
+    dist.broadcast_object_list(payload, src=0)
+    return payload
+
+
+def follow_torchrun_rank0() -> int:
+    """Entry of torchrun ranks > 0: receive rank 0's resolved config and train."""
+    from .worker import run_worker
+
+    container, run_dir = _share_config([None, None])
+    return run_worker(OmegaConf.create(container), Path(run_dir))
+
+
+def nproc_per_node(value) -> int:
+    if value == "auto":
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    return int(value)
+
+
+def run(cfg: DictConfig, run_dir: Path) -> dict | None:
+    """Train according to `cfg.world`: here, or in workers started by the elastic launcher."""
+    if in_torchrun():  # we are torchrun's rank 0: hand the config to the other ranks
+        _share_config([OmegaConf.to_container(cfg), str(run_dir)])
+    elif cfg.world.strategy == "ddp":
+        return launch(cfg, run_dir)
+    from .run import train
+
+    return train(cfg, run_dir)
+
+
+def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from .errors import UserError
+
+    w = cfg.world
+    nproc = nproc_per_node(w.nproc_per_node)
+    if w.nnodes > 1:
+        endpoint, run_id = w.rdzv_endpoint, f"trainer-{w.rdzv_endpoint}"
+        # Node 0 hosts the rendezvous store; the others connect to it.
+        rdzv_configs = {"is_host": w.node_rank == 0}
+    else:
+        # Port 0: the rendezvous picks a free port, so concurrent jobs (multirun) never collide.
+        endpoint, run_id, rdzv_configs = "127.0.0.1:0", f"trainer-{uuid.uuid4().hex[:8]}", {}
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    config = LaunchConfig(
+        min_nodes=w.nnodes, max_nodes=w.nnodes, nproc_per_node=nproc, run_id=run_id,
+        rdzv_backend="c10d", rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs,
+        max_restarts=w.max_restarts, monitor_interval=0.1,
+    )
+    os.environ[CONFIG_ENV] = json.dumps(OmegaConf.to_container(cfg))
+    os.environ[RUN_DIR_ENV] = str(run_dir)
+    try:
+        elastic_launch(config, entrypoint=sys.executable)("-m", "trainer.worker")
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        raise WorkerFailed(rank, failure.exitcode, _failure_text(failure)) from None
+    finally:
+        os.environ.pop(CONFIG_ENV, None)
+        os.environ.pop(RUN_DIR_ENV, None)
+    return None
+
+
+def _failure_text(failure) -> str:
+    msg = failure.message
+    if isinstance(msg, dict):
+        text = msg.get("message", "")
+        stack = msg.get("extraInfo", {}).get("py_callstack", "")
+        return stack if stack and not text.startswith("error:") else text
+    return str(msg)
+
+
+class WorkerFailed(Exception):
+    def __init__(self, rank: int, exitcode: int, text: str):
+        super().__init__(text)
+        self.rank, self.exitcode, self.text = rank, exitcode, text

@@ -1,0 +1,208 @@
+"""The training loop. Components arrive built; the Trainer only orders their calls."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .backend import Backend
+from .config import TrainerConfig
+from .data import GlobalBatchSampler, eval_loader, train_loader
+from .errors import NonFiniteError
+from .loggers import NullLogger
+from .progress import NullProgress, Progress
+from .task import Task
+
+
+class Trainer:
+    """Owns the loop: data order, the optimizer step, eval, logging cadence and the run's state.
+
+    `state_dict()` is everything a checkpoint needs besides the components' own state dicts.
+    """
+
+    def __init__(self, *, model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, precision, backend: Backend,
+                 train_data, val_data, batch_size: int, shuffle: bool, num_workers: int,
+                 config: TrainerConfig, loggers: NullLogger | None = None, run_dir: str | Path = "."):
+        self.model, self.task, self.optimizer, self.scheduler = model, task, optimizer, scheduler
+        self.precision, self.backend, self.cfg = precision, backend, config
+        self.train_data, self.val_data = train_data, val_data
+        self.batch_size, self.shuffle, self.num_workers = batch_size, shuffle, num_workers
+        self.loggers = loggers or NullLogger()
+        self.run_dir = Path(run_dir)
+        self.raw_model = backend.unwrap(model)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        # Run state (saved in checkpoints).
+        self.step = 0  # optimizer steps done (skipped fp16/nonfinite steps included)
+        self.samples_seen = 0  # position in the global sample stream
+        self.skipped_steps = 0
+        self._consecutive_skips = 0
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.cfg.grad_accum_steps * self.backend.world_size
+
+    def sampler(self) -> GlobalBatchSampler:
+        return GlobalBatchSampler(len(self.train_data), self.batch_size, self.cfg.grad_accum_steps,
+                                  self.backend.rank, self.backend.world_size, self.cfg.seed, self.shuffle,
+                                  start=self.samples_seen)
+
+    # -- the optimizer step --------------------------------------------------------------------
+    def train_step(self, batches: list[Any]) -> dict[str, Any]:
+        """One optimizer step over this rank's micro-batches. Returns device tensors (no host sync)."""
+        model, opt, be, k = self.model, self.optimizer, self.backend, len(batches)
+        # Token-weighted normalisation: each micro-batch's summed loss is divided by the number of
+        # targets in the whole global batch (all micro-steps, all ranks). So k micro-batches of b
+        # equal one batch of k*b even when batches differ in length. DDP averages gradients over
+        # ranks, hence the factor world_size.
+        n_global = be.all_reduce(sum(self.task.num_targets(b) for b in batches))
+        scale = be.world_size / n_global
+        loss_sum = torch.zeros((), device=be.device)
+        for i, batch in enumerate(batches):
+            # Gradients are all-reduced only in the last micro-step's backward; earlier ones accumulate.
+            with be.no_sync(model, enabled=i < k - 1), self.precision.autocast():
+                loss = self.task.loss(model, batch)
+            self.precision.backward(loss * scale)
+            loss_sum += loss.detach()
+        # Clip the true gradients: fp16 gradients are unscaled first.
+        self.precision.unscale_(opt)
+        if self.cfg.grad_clip is not None:
+            grad_norm = nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        else:
+            grad_norm = nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        stepped = self._apply_update(grad_norm)
+        opt.zero_grad(set_to_none=True)
+        if stepped:
+            # The schedule counts real updates: a skipped step does not advance it.
+            self.scheduler.step()
+        return {"loss_sum": loss_sum, "n_global": n_global, "grad_norm": grad_norm, "stepped": stepped}
+
+    def _apply_update(self, grad_norm: torch.Tensor) -> bool:
+        if self.precision.name == "fp16":
+            stepped = self.precision.step(self.optimizer)  # the scaler skips overflowed steps itself
+        elif math.isfinite(grad_norm.item()):  # grads are synced, so every rank sees the same norm
+            stepped = self.precision.step(self.optimizer)
+        elif self.cfg.nonfinite == "stop":
+            raise NonFiniteError(
+                f"non-finite gradient norm ({grad_norm.item()}) at step {self.step + 1} on rank "
+                f"{self.backend.rank}; the update was not applied and earlier checkpoints are intact. "
+                "Lower optim.lr, enable trainer.grad_clip, use precision=bf16/fp32, or set trainer.nonfinite=skip."
+            )
+        else:
+            stepped = False
+        if stepped:
+            self._consecutive_skips = 0
+            return True
+        self.skipped_steps += 1
+        self._consecutive_skips += 1
+        if self.precision.name != "fp16" and self._consecutive_skips >= self.cfg.max_nonfinite_skips:
+            raise NonFiniteError(
+                f"{self._consecutive_skips} consecutive non-finite steps up to step {self.step + 1} "
+                f"(trainer.max_nonfinite_skips={self.cfg.max_nonfinite_skips}); stopping. Lower optim.lr."
+            )
+        return False
+
+    # -- eval ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, prefix: str = "val") -> dict[str, float]:
+        if self.val_data is None:
+            return {}
+        be = self.backend
+        loader = eval_loader(self.val_data, self.cfg.eval_batch_size or self.batch_size, be.rank,
+                             be.world_size, self.cfg.eval_samples, 0, be.device)
+        self.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=be.device)  # [loss sum, targets]
+        for batch in loader:
+            batch = be.to_device(batch)
+            with self.precision.autocast():
+                # The raw module: DDP's forward would expect a backward to follow.
+                totals[0] += self.task.loss(self.raw_model, batch).double()
+            totals[1] += self.task.num_targets(batch)
+        self.model.train()
+        loss_sum, count = be.all_reduce(totals).tolist()
+        if count == 0:
+            return {}
+        loss = loss_sum / count
+        extra = self.task.eval_metrics(loss) if hasattr(self.task, "eval_metrics") else {}
+        return {f"{prefix}/loss": loss, **{f"{prefix}/{k}": v for k, v in extra.items()}}
+
+    @torch.no_grad()
+    def sample(self) -> str | None:
+        if not (self.backend.is_main and hasattr(self.task, "sample")):
+            return None
+        self.model.eval()
+        with self.precision.autocast():
+            text = self.task.sample(self.raw_model, self.backend.device)
+        self.model.train()
+        return text
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _log_due(self) -> bool:
+        return self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps
+
+    def _eval_due(self) -> bool:
+        return self.cfg.eval_every > 0 and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.max_steps
+
+    def fit(self) -> dict[str, float]:
+        cfg, be = self.cfg, self.backend
+        progress = Progress(cfg.max_steps, self.step, cfg.progress) if be.is_main else NullProgress()
+        batches_iter = iter(train_loader(self.train_data, self.sampler(), self.num_workers, be.device, cfg.seed))
+        self.model.train()
+        window_start, window_targets, window_steps = time.perf_counter(), 0, 0
+        metrics: dict[str, float] = {}
+        while self.step < cfg.max_steps:
+            batches = [be.to_device(next(batches_iter)) for _ in range(cfg.grad_accum_steps)]
+            out = self.train_step(batches)
+            self.step += 1
+            self.samples_seen += self.global_batch
+            window_targets += out["n_global"]
+            window_steps += 1
+
+            if self._log_due():
+                # The only host syncs of the loop happen here, every log_every steps.
+                elapsed = time.perf_counter() - window_start
+                targets = float(window_targets)
+                metrics = {
+                    "train/loss": float(be.all_reduce(out["loss_sum"]) / out["n_global"]),
+                    "train/lr": self.scheduler.get_last_lr()[0],
+                    "train/grad_norm": float(out["grad_norm"]),
+                    "train/tokens_per_s": targets / elapsed,
+                    "train/samples_per_s": window_steps * self.global_batch / elapsed,
+                    "train/step_time_ms": 1000 * elapsed / window_steps,
+                    "train/skipped_steps": self.skipped_steps,
+                }
+                self.loggers.log_metrics(metrics, self.step)
+                progress.update(self.step, metrics)
+                window_start, window_targets, window_steps = time.perf_counter(), 0, 0
+            if self._eval_due():
+                self._eval_and_log(progress)
+                window_start = time.perf_counter()  # eval time is not training throughput
+
+        final = self._eval_and_log(progress)
+        progress.close()
+        return {**metrics, **final}
+
+    def _eval_and_log(self, progress: Progress) -> dict[str, float]:
+        metrics = self.evaluate()
+        if metrics:
+            self.loggers.log_metrics(metrics, self.step)
+            progress.write(f"step {self.step}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+        text = self.sample()
+        if text:
+            self.loggers.log_text("val/sample", text, self.step)
+            progress.write(f"--- sample at step {self.step} ---\n{text}\n---")
+        return metrics
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
+                "global_batch": self.global_batch, "data_fingerprint": self.sampler().fingerprint()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.samples_seen = state["step"], state["samples_seen"]
+        self.skipped_steps = state.get("skipped_steps", 0)

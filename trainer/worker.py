@@ -1,0 +1,56 @@
+"""Entry point of each worker process started by the elastic launcher: `python -m trainer.worker`.
+
+The resolved config arrives in $TRAINER_CONFIG (JSON), the run dir in $TRAINER_RUN_DIR. A failure
+is written to torchelastic's per-worker error file instead of stderr, so the parent can print the
+root cause once rather than once per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+
+def run_worker(cfg: DictConfig, run_dir: Path) -> int:
+    from .errors import UserError
+    from .run import train
+
+    try:
+        train(cfg, run_dir)
+        return 0
+    except UserError as e:
+        _record(f"error: {e}", "")
+        return e.exit_code
+    except Exception as e:  # noqa: BLE001 - reported once by the parent, with its traceback
+        _record(f"{type(e).__name__}: {e}", traceback.format_exc())
+        return 1
+
+
+def _record(message: str, stack: str) -> None:
+    """Write torchelastic's error file (what ChildFailedError reads), or stderr without a launcher."""
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        print(stack or message, file=sys.stderr, flush=True)
+        return
+    payload = {"message": {"message": message, "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time()))}}}
+    with open(path, "w") as f:
+        json.dump(payload, f)
+
+
+def main() -> int:
+    from .launcher import CONFIG_ENV, RUN_DIR_ENV
+
+    cfg = OmegaConf.create(json.loads(os.environ[CONFIG_ENV]))
+    OmegaConf.set_struct(cfg, True)
+    return run_worker(cfg, Path(os.environ[RUN_DIR_ENV]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
