@@ -1,0 +1,85 @@
+"""Shared fixtures: a tiny corpus, composing configs without the CLI, and running the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Dataset caches of the whole session go to one throwaway place (inherited by subprocesses).
+os.environ["TRAINER_CACHE_DIR"] = tempfile.mkdtemp(prefix="trainer-test-cache-")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.pop("WANDB_API_KEY", None)
+
+# Settings that make a run take a second or two on a CPU.
+TINY = [
+    "model=gpt_tiny",
+    "data.seq_len=32",
+    "data.batch_size=4",
+    "trainer.max_steps=20",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "trainer.eval_samples=64",
+    "trainer.progress=off",
+    "task.sample_tokens=0",
+    "scheduler.warmup_steps=2",
+    "world.threads=1",
+]
+
+
+@pytest.fixture(scope="session")
+def corpus() -> Path:
+    """~120 KB of real text (a few stdlib modules), fixed across runs."""
+    import argparse
+    import textwrap
+
+    path = Path(tempfile.mkdtemp(prefix="trainer-corpus-")) / "corpus.txt"
+    path.write_bytes(Path(argparse.__file__).read_bytes() + Path(textwrap.__file__).read_bytes())
+    return path
+
+
+def tiny_overrides(corpus: Path, *extra: str) -> list[str]:
+    return [*TINY, "data=text", f"data.path={corpus}", *extra]
+
+
+def compose_cfg(overrides: list[str]):
+    from trainer.cli import compose, resolve
+
+    return resolve(compose(overrides))
+
+
+def train_in_process(corpus: Path, run_dir: Path, *extra: str) -> list[dict]:
+    """Train through `trainer.train` (no subprocess) and return the metrics.jsonl events."""
+    from trainer import train
+
+    cfg = compose_cfg(tiny_overrides(corpus, *extra))
+    train(cfg, run_dir)
+    return read_metrics(run_dir)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def series(events: list[dict], key: str) -> list[float]:
+    return [e[key] for e in events if key in e]
+
+
+def load_weights(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 180,
+            module: str = "trainer") -> subprocess.CompletedProcess:
+    """`python -m trainer ARGS` in a subprocess, as a user would run it."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)

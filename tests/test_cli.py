@@ -1,0 +1,160 @@
+"""`python -m trainer` as a user runs it: run dirs, Hydra flags, multirun, config groups, custom recipes."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT, TINY, compose_cfg, load_weights, read_metrics, run_cli, series, tiny_overrides
+
+CONF = ROOT / "conf"
+
+
+def test_cli_end_to_end_from_another_directory(corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    r = run_cli(*tiny_overrides(corpus, "trainer.eval_every=10", "task.sample_tokens=20", "trainer.progress=lines"),
+                f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    events = read_metrics(run_dir)
+    assert [e["step"] for e in events if "train/loss" in e] == list(range(1, 21))
+    for key in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s"):
+        assert key in events[0]
+    assert {"val/loss", "val/bpb"} <= set(events[-1])
+    # The resolved config (no interpolations left) and the weights with their model config.
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert cfg["model"]["seq_len"] == 32 and cfg["trainer"]["max_steps"] == 20
+    assert json.loads((run_dir / "model_config.json").read_text())["_target_"] == "recipes.lm.model.GPT"
+    assert "tok_emb.weight" in load_weights(run_dir / "model.safetensors")
+    assert "sample at step 10" in r.stdout and "step 20/20 loss=" in r.stdout
+    assert not (tmp_path / "outputs").exists()  # hydra.run.dir was honoured
+
+
+def test_default_run_dir_is_per_run_under_outputs(corpus, tmp_path):
+    r = run_cli(*tiny_overrides(corpus, "trainer.max_steps=2"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    runs = list((tmp_path / "outputs").glob("*/*/metrics.jsonl"))
+    assert len(runs) == 1 and (runs[0].parent / ".hydra" / "overrides.yaml").exists()
+
+
+def test_help_and_cfg_job_do_not_train(tmp_path):
+    r = run_cli("--help", cwd=tmp_path)
+    assert r.returncode == 0 and "precision: bf16, fp16, fp32" in r.stdout
+    r = run_cli("--cfg", "job", "precision=bf16", "optim.lr=0.01", cwd=tmp_path)
+    assert r.returncode == 0
+    cfg = yaml.safe_load(r.stdout)
+    assert cfg["precision"]["_target_"] == "trainer.precision.BF16" and cfg["optim"]["lr"] == 0.01
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_multirun_sweeps_into_separate_run_dirs(corpus, tmp_path):
+    sweep = tmp_path / "sweep"
+    r = run_cli("-m", *tiny_overrides(corpus, "trainer.max_steps=3"), "optim.lr=1e-3,3e-3",
+                f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lrs = {yaml.safe_load((sweep / str(i) / "config.yaml").read_text())["optim"]["lr"] for i in (0, 1)}
+    assert lrs == {1e-3, 3e-3}
+    assert all(len(series(read_metrics(sweep / str(i)), "train/loss")) == 3 for i in (0, 1))
+
+
+def _options() -> list[tuple[str, str]]:
+    return [(g.name, f.stem) for g in sorted(CONF.iterdir()) if g.is_dir() and not g.name.startswith("_")
+            for f in sorted(g.glob("*.yaml"))]
+
+
+@pytest.mark.parametrize(("group", "option"), _options())
+def test_every_config_option_composes_and_instantiates(corpus, group, option):
+    import torch
+    from hydra.utils import instantiate
+
+    from trainer.run import build_data, build_loggers, build_optimizer
+
+    overrides = [o for o in tiny_overrides(corpus) if not o.startswith(f"{group}=")] + [f"{group}={option}"]
+    if group == "data" and option != "text":
+        overrides = [o for o in overrides if not o.startswith("data.path")]
+    if group == "model" and option != "gpt_tiny":
+        overrides.append("model.n_layer=1")  # keep instantiation cheap; the shape logic is the same
+    cfg = compose_cfg(overrides)
+    model = instantiate(cfg.model)
+    assert model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, 256)
+    opt = build_optimizer(cfg.optim, model)
+    sched = instantiate(cfg.scheduler)(opt, total_steps=10)
+    opt.step()
+    sched.step()
+    instantiate(cfg.precision, device_type="cpu")
+    train, val = build_data(cfg.data)
+    assert len(train) > 0
+    instantiate(cfg.task)
+    build_loggers(cfg.logger, Path("/nonexistent-never-written"), is_main=False)
+
+
+def test_every_config_file_starts_with_a_command_comment():
+    for f in CONF.rglob("*.yaml"):
+        head = f.read_text().splitlines()[:4]
+        assert any("python -m trainer" in line for line in head if line.startswith("#")), f
+
+
+def test_custom_recipe_model_data_and_task_from_the_users_own_config(tmp_path):
+    """A user trains their own model/dataset/loss through the CLI, without touching framework code."""
+    pkg = tmp_path / "myproject"
+    (pkg / "conf" / "recipe").mkdir(parents=True)
+    (pkg / "mymodels.py").write_text(textwrap.dedent('''
+        import torch
+        from torch.utils.data import TensorDataset
+
+        class Linear(torch.nn.Module):
+            def __init__(self, dim: int):
+                super().__init__()
+                self.fc = torch.nn.Linear(dim, 1)
+
+            def forward(self, x):
+                return self.fc(x)
+
+        def regression(dim: int, n: int = 256):
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(n, dim, generator=g)
+            y = x @ torch.arange(1.0, dim + 1).unsqueeze(1) + 0.5
+            return TensorDataset(x[:224], y[:224]), TensorDataset(x[224:], y[224:])
+    '''))
+    (pkg / "conf" / "recipe" / "regress.yaml").write_text(textwrap.dedent('''
+        # @package _global_
+        # python -m trainer --config-dir conf recipe=regress
+        model:
+          _target_: mymodels.Linear
+          dim: 4
+        data:
+          _target_: mymodels.regression
+          dim: 4
+          batch_size: 16
+          shuffle: true
+          num_workers: 0
+        task:
+          _target_: trainer.task.SupervisedTask
+          loss: torch.nn.MSELoss
+        trainer:
+          max_steps: 150
+          log_every: 10
+          eval_every: 50
+          progress: lines
+        optim:
+          lr: 0.05
+          weight_decay: 0.0
+        scheduler:
+          warmup_steps: 0
+    '''))
+    run_dir = tmp_path / "run"
+    r = run_cli("--config-dir", "conf", "recipe=regress", f"hydra.run.dir={run_dir}", cwd=pkg,
+                env={"PYTHONPATH": f"{pkg}:{ROOT}"})
+    assert r.returncode == 0, r.stderr
+    events = read_metrics(run_dir)
+    loss = series(events, "train/loss")
+    assert loss[-1] < 0.01 * loss[0]
+    assert series(events, "val/loss")[-1] < 0.01 * loss[0]
+    assert set(load_weights(run_dir / "model.safetensors")) == {"fc.weight", "fc.bias"}
+
+
+def test_tiny_settings_are_all_real_keys(corpus):
+    cfg = compose_cfg(tiny_overrides(corpus))
+    assert cfg.data.batch_size == 4 and cfg.model.seq_len == 32 and len(TINY) > 5

@@ -1,0 +1,90 @@
+"""The training loop's contracts, in-process on CPU: learning, accumulation, determinism, precision."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import load_weights, read_metrics, series, train_in_process
+
+TIMING = ("train/tokens_per_s", "train/samples_per_s", "train/step_time_ms")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_each_precision_learns(corpus, tmp_path, precision):
+    events = train_in_process(corpus, tmp_path, f"precision={precision}", "trainer.max_steps=40",
+                              "optim.lr=3e-3")
+    loss = series(events, "train/loss")
+    assert len(loss) == 40 and all(math.isfinite(x) for x in loss)
+    # Byte-level uniform guess is ln(256) = 5.55 nats; a working loop gets well below within 40 steps.
+    assert loss[0] > 5.0
+    assert sum(loss[-5:]) / 5 < loss[0] - 1.5
+
+
+def test_accumulation_equals_big_batch(corpus, tmp_path):
+    """k micro-batches of b must be one batch of k*b: same losses, same final weights (fp32)."""
+    big = train_in_process(corpus, tmp_path / "big", "data.batch_size=8")
+    acc = train_in_process(corpus, tmp_path / "acc", "data.batch_size=4", "trainer.grad_accum_steps=2")
+    assert series(acc, "train/loss") == pytest.approx(series(big, "train/loss"), rel=1e-5, abs=1e-5)
+    wa, wb = load_weights(tmp_path / "acc" / "model.safetensors"), load_weights(tmp_path / "big" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+
+
+def test_same_seed_same_metrics(corpus, tmp_path):
+    a = train_in_process(corpus, tmp_path / "a", "trainer.seed=3", "trainer.eval_every=10")
+    b = train_in_process(corpus, tmp_path / "b", "trainer.seed=3", "trainer.eval_every=10")
+    strip = lambda events: [{k: v for k, v in e.items() if k not in TIMING} for e in events]  # noqa: E731
+    assert strip(a) == strip(b)
+    c = train_in_process(corpus, tmp_path / "c", "trainer.seed=4")
+    assert series(c, "train/loss") != series(a, "train/loss")
+
+
+def test_schedule_steps_once_per_optimizer_step(corpus, tmp_path):
+    """With accumulation the LR follows optimizer steps, not micro-batches."""
+    events = train_in_process(corpus, tmp_path, "trainer.grad_accum_steps=3", "trainer.max_steps=10",
+                              "scheduler=cosine", "scheduler.warmup_steps=4", "scheduler.min_lr_ratio=0.1",
+                              "optim.lr=1e-3")
+    lrs = series(events, "train/lr")
+    from trainer.schedule import WarmupCosine
+
+    f = WarmupCosine(total_steps=10, warmup_steps=4, min_lr_ratio=0.1)
+    # After s optimizer steps the scheduler has stepped s times: the next LR is f(s).
+    assert lrs == pytest.approx([1e-3 * f(s) for s in range(1, 11)])
+
+
+def test_fp16_skipped_steps_are_counted_and_do_not_advance_the_schedule(corpus, tmp_path):
+    # A huge initial loss scale overflows the first steps: the scaler halves it and skips each one.
+    events = train_in_process(corpus, tmp_path, "precision=fp16", "precision.init_scale=1e30",
+                              "trainer.max_steps=30", "scheduler=constant", "scheduler.warmup_steps=10",
+                              "optim.lr=1e-3")
+    skipped = int(series(events, "train/skipped_steps")[-1])
+    assert skipped >= 3
+    lrs = series(events, "train/lr")
+    # The warmup advanced only on real updates: LR after 30 steps is that of 30 - skipped updates.
+    assert lrs[-1] == pytest.approx(1e-3 * min(1.0, (30 - skipped + 1) / 10))
+    assert lrs[skipped - 1] == pytest.approx(1e-3 * 1 / 10)  # still at the first warmup value
+
+
+def test_eval_reports_loss_and_bits_per_byte(corpus, tmp_path):
+    events = train_in_process(corpus, tmp_path, "trainer.eval_every=10", "trainer.max_steps=20")
+    evals = [e for e in events if "val/loss" in e]
+    assert [e["step"] for e in evals] == [10, 20]
+    for e in evals:
+        assert e["val/bpb"] == pytest.approx(e["val/loss"] / math.log(2))
+
+
+def test_final_weights_load_into_the_model(corpus, tmp_path):
+    import json
+
+    from hydra.utils import instantiate
+
+    train_in_process(corpus, tmp_path)
+    weights = load_weights(tmp_path / "model.safetensors")
+    model_cfg = json.loads((tmp_path / "model_config.json").read_text())
+    model = instantiate(model_cfg)
+    assert set(weights) == set(model.state_dict())
+    model.load_state_dict(weights)
+    assert read_metrics(tmp_path)[-1]["step"] == 20
