@@ -1,17 +1,29 @@
-"""Test-only task that crashes one rank at a chosen micro-step (used through `task._target_`)."""
+"""Test-only task that misbehaves on one rank at a chosen loss call (used through `task._target_`).
+
+Actions: raise an exception, SIGKILL itself, SIGTERM itself, or SIGTERM its parent (the launcher).
+Calls are counted per process, so call N is micro-batch N of this run (evals come at the end).
+"""
 
 import os
+import signal
 
 from recipes.lm.task import LanguageModeling
 
 
-class CrashOnRank(LanguageModeling):
-    def __init__(self, rank: int = 1, at_call: int = 3, **kwargs):
+class Faulty(LanguageModeling):
+    def __init__(self, rank: int = 1, at_call: int = 3, action: str = "raise", first_attempt_only: bool = False,
+                 **kwargs):
         super().__init__(**kwargs)
-        self.rank, self.at_call, self.calls = rank, at_call, 0
+        self.rank, self.at_call, self.action, self.first_attempt_only = rank, at_call, action, first_attempt_only
+        self.calls = 0
 
     def loss(self, model, batch):
         self.calls += 1
-        if int(os.environ.get("RANK", 0)) == self.rank and self.calls == self.at_call:
-            raise RuntimeError(f"boom from the faulty task on rank {self.rank}")
+        armed = not self.first_attempt_only or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
+        if armed and int(os.environ.get("RANK", 0)) == self.rank and self.calls == self.at_call:
+            if self.action == "raise":
+                raise RuntimeError(f"boom from the faulty task on rank {self.rank}")
+            target = os.getppid() if self.action == "sigterm_parent" else os.getpid()
+            os.kill(target, {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1,
+                             "sigterm_parent": signal.SIGTERM}[self.action])
         return super().loss(model, batch)

@@ -112,7 +112,7 @@ def _processes_with_marker(marker: str) -> list[int]:
 
 def test_a_crashing_rank_fails_the_job_once_and_leaves_no_process(corpus, tmp_path):
     marker = f"TRAINER_TEST_MARKER={uuid.uuid4().hex}"
-    r = run_cli(*tiny_overrides(corpus, "world=ddp", "world.nproc_per_node=2", "task._target_=faulty.CrashOnRank"),
+    r = run_cli(*tiny_overrides(corpus, "world=ddp", "world.nproc_per_node=2", "task._target_=faulty.Faulty"),
                 "+task.rank=1", "+task.at_call=3", f"hydra.run.dir={tmp_path / 'run'}",
                 env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", marker.split("=")[0]: marker.split("=")[1]})
     assert r.returncode != 0

@@ -25,6 +25,7 @@ class WorldInfo:
     local_rank: int = 0
     world_size: int = 1
     local_world_size: int = 1
+    restart_count: int = 0  # how often the elastic launcher restarted the workers
 
 
 def world_info() -> WorldInfo:
@@ -35,6 +36,7 @@ def world_info() -> WorldInfo:
         local_rank=int(env.get("LOCAL_RANK", 0)),
         world_size=int(env.get("WORLD_SIZE", 1)),
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
     )
 
 
@@ -166,6 +168,14 @@ class Backend:
 
     def barrier(self) -> None:
         barrier()
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank (small objects only: RNG states, flags)."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if not self.distributed:

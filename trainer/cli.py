@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from . import config as _config  # registers the typed schema with Hydra's ConfigStore
-from .errors import ConfigError, UserError, suggest
+from .errors import ConfigError, TrainerExit, UserError, suggest
 
 CONFIG_MODULE = "trainer.conf"
 SECRET_MARKERS = ("api_key", "apikey", "token", "secret", "password")
@@ -25,7 +25,7 @@ def debug_enabled() -> bool:
     return bool(os.environ.get("HYDRA_FULL_ERROR") or os.environ.get("TRAINER_DEBUG"))
 
 
-def report(err: UserError) -> None:
+def report(err: TrainerExit) -> None:
     print(f"error: {err}", file=sys.stderr, flush=True)
 
 
@@ -170,7 +170,10 @@ def run_job(cfg: DictConfig) -> float | None:
             text = wf.text if wf.text.startswith("error:") else f"error: worker rank {wf.rank} failed:\n{wf.text}"
             print(text.rstrip(), file=sys.stderr, flush=True)
             sys.exit(wf.exitcode if wf.exitcode > 0 else 1)
-    except UserError as err:
+        except KeyboardInterrupt:
+            print("interrupted: stopped all processes.", file=sys.stderr, flush=True)
+            sys.exit(130)
+    except TrainerExit as err:
         if debug_enabled():
             raise
         report(err)

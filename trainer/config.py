@@ -9,7 +9,7 @@ No torch import here: `--help` and `--cfg job` must stay fast.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -21,11 +21,11 @@ from .errors import ConfigError
 class TrainerConfig:
     max_steps: int = 1000  # optimizer steps to run in total
     grad_accum_steps: int = 1  # micro-batches per optimizer step
-    grad_clip: Optional[float] = 1.0  # max global grad norm; null disables clipping
+    grad_clip: float | None = 1.0  # max global grad norm; null disables clipping
     log_every: int = 10  # optimizer steps between metric events
     eval_every: int = 250  # optimizer steps between evals; 0 = only at the end
-    eval_samples: Optional[int] = None  # evaluate on the first N val samples; null = the whole split
-    eval_batch_size: Optional[int] = None  # null = data.batch_size
+    eval_samples: int | None = None  # evaluate on the first N val samples; null = the whole split
+    eval_batch_size: int | None = None  # null = data.batch_size
     seed: int = 0
     compile: bool = False  # torch.compile the model (checkpoints still save the plain module)
     nonfinite: str = "stop"  # on a NaN/inf loss or grad norm: stop | skip
@@ -39,7 +39,7 @@ class WorldConfig:
     nproc_per_node: Any = 1  # int, or "auto" = one per GPU (1 on CPU)
     nnodes: int = 1
     node_rank: int = 0
-    rdzv_endpoint: Optional[str] = None  # host:port of node 0 when nnodes > 1
+    rdzv_endpoint: str | None = None  # host:port of node 0 when nnodes > 1
     max_restarts: int = 0  # elastic restarts of all workers after a failure
     device: str = "auto"  # auto | cpu | cuda
     threads: Any = "auto"  # CPU threads per process; auto = cores / processes on this machine
@@ -47,9 +47,30 @@ class WorldConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every_n_steps: int = 0  # save every N optimizer steps; 0 = only at the end
+    keep_last: int = 2  # complete checkpoints kept; older ones are deleted after a new one is complete
+    best_metric: str | None = None  # e.g. val/loss: also keep the best checkpoint by this metric
+    best_mode: str = "min"  # min | max
+    save_final: bool = True  # a checkpoint at the end too, so raising trainer.max_steps continues the run
+    max_shard_mb: float = 4096  # model.safetensors larger than this is exported as shards + index.json
+
+
+@dataclass
+class EMAConfig:
+    enabled: bool = False
+    decay: float = 0.999
+    warmup: bool = False  # decay_t = min(decay, (1 + t) / (10 + t)), t = EMA updates so far
+    update_every: int = 1  # optimizer steps between EMA updates
+
+
+@dataclass
 class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     world: WorldConfig = field(default_factory=WorldConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
+    resume: str | None = None  # null = fresh | auto = newest complete checkpoint of this run dir | PATH
     model: Any = None
     data: Any = None
     task: Any = None
@@ -85,6 +106,14 @@ def validate(cfg: DictConfig) -> None:
     _check(t.nonfinite in ("stop", "skip"), "trainer.nonfinite", t.nonfinite, "'stop' or 'skip'")
     _check(t.progress in ("auto", "bar", "lines", "off"), "trainer.progress", t.progress, "auto, bar, lines or off")
     _check(t.eval_samples is None or t.eval_samples >= 1, "trainer.eval_samples", t.eval_samples, "an integer >= 1, or null")
+
+    c, e = cfg.checkpoint, cfg.ema
+    _check(c.every_n_steps >= 0, "checkpoint.every_n_steps", c.every_n_steps, "an integer >= 0 (0 = only at the end)")
+    _check(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "an integer >= 1")
+    _check(c.best_mode in ("min", "max"), "checkpoint.best_mode", c.best_mode, "'min' or 'max'")
+    _check(c.max_shard_mb >= 1, "checkpoint.max_shard_mb", c.max_shard_mb, "an integer >= 1")
+    _check(0.0 <= e.decay < 1.0, "ema.decay", e.decay, "a number in [0, 1), e.g. 0.999")
+    _check(e.update_every >= 1, "ema.update_every", e.update_every, "an integer >= 1")
 
     for key in ("model", "data", "task", "optim", "scheduler", "precision"):
         node = cfg.get(key)

@@ -1,6 +1,6 @@
-"""User-facing errors: one paragraph that names the key or path and says what to do.
+"""Errors that end a run cleanly: one paragraph naming the key or path and what to do, no traceback.
 
-Anything raised as a `UserError` is printed without a traceback and exits with `exit_code`
+Anything raised as a `TrainerExit` is printed without a traceback and exits with its `exit_code`
 (2 for usage errors, as argparse does). Set HYDRA_FULL_ERROR=1 or TRAINER_DEBUG=1 for the traceback.
 """
 
@@ -10,7 +10,13 @@ import difflib
 from collections.abc import Iterable
 
 
-class UserError(Exception):
+class TrainerExit(Exception):
+    """Ends the run with a message and an exit code instead of a traceback."""
+
+    exit_code = 1
+
+
+class UserError(TrainerExit):
     """A mistake the user can fix: bad config, missing file, unusable checkpoint."""
 
     exit_code = 2
@@ -28,10 +34,16 @@ class CheckpointError(UserError):
     pass
 
 
-class NonFiniteError(UserError):
+class NonFiniteError(TrainerExit):
     """Training hit a NaN/inf; the last complete checkpoint is left untouched."""
 
     exit_code = 3
+
+
+class Preempted(TrainerExit):
+    """SIGTERM/SIGUSR1 arrived: a checkpoint was saved; rerun the same command with resume=auto."""
+
+    exit_code = 75  # EX_TEMPFAIL: "try again later"
 
 
 def suggest(name: str, choices: Iterable[str], n: int = 3) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -79,10 +80,10 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
 
 
 def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .errors import UserError
 
     w = cfg.world
     nproc = nproc_per_node(w.nproc_per_node)
@@ -99,6 +100,9 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
         rdzv_backend="c10d", rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs,
         max_restarts=w.max_restarts, monitor_interval=0.1,
     )
+    # Workers of each restart get a fresh rendezvous store. The agent's shared store outlives restarts
+    # and keeps the previous attempt's gloo addresses, which restarted workers then fail to reach.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ[CONFIG_ENV] = json.dumps(OmegaConf.to_container(cfg))
     os.environ[RUN_DIR_ENV] = str(run_dir)
     try:
@@ -106,6 +110,15 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         raise WorkerFailed(rank, failure.exitcode, _failure_text(failure)) from None
+    except SignalException as e:
+        # The agent forwarded the signal to the workers and waited for them: a SIGTERM/SIGUSR1 made
+        # them save a checkpoint; Ctrl-C stopped them.
+        if e.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        from .errors import Preempted
+
+        raise Preempted(f"stopped by {signal.Signals(e.sigval).name}; workers saved a checkpoint at the next "
+                        "step boundary. Rerun the same command with resume=auto to continue.") from None
     finally:
         os.environ.pop(CONFIG_ENV, None)
         os.environ.pop(RUN_DIR_ENV, None)

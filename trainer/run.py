@@ -15,15 +15,22 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from . import checkpoint as ckpt
 from .backend import Backend
-from .config import LOADER_KEYS, TrainerConfig
-from .errors import ConfigError, DataError
+from .config import LOADER_KEYS, CheckpointConfig, EMAConfig, TrainerConfig
+from .ema import EMA
+from .errors import CheckpointError, ConfigError, DataError
 from .loggers import JsonlLogger, LoggerGroup, NullLogger
 
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)  # all devices
+
+
+def typed(schema, node: DictConfig):
+    """The config section as its dataclass (type-checked again: `train` may be called without Hydra)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node or {}))
 
 
 def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -53,10 +60,30 @@ def build_loggers(cfg: DictConfig, run_dir: Path, is_main: bool) -> NullLogger:
     if not is_main:
         return NullLogger()
     loggers = [JsonlLogger(run_dir)]
-    for name, node in (cfg or {}).items():
+    for node in (cfg or {}).values():
         if node is not None:
             loggers.append(instantiate(node, run_dir=str(run_dir)))
     return LoggerGroup(loggers)
+
+
+def find_resume(resume: str | None, checkpointer: ckpt.Checkpointer, restarted: bool, say) -> Path | None:
+    """Which checkpoint to start from. An elastic restart always resumes from the newest one."""
+    if resume is None and not restarted:
+        return None
+    if resume in (None, "auto"):
+        path = checkpointer.latest_valid(warn=say)
+        if path is None and resume == "auto":
+            say(f"resume=auto: no complete checkpoint in {checkpointer.dir}; starting fresh.")
+        return path
+    path = Path(resume).expanduser()
+    if path.is_dir() and not (path / ckpt.MANIFEST).exists():  # a run dir or its checkpoints/ dir
+        inner = ckpt.Checkpointer(path / "checkpoints" if (path / "checkpoints").is_dir() else path)
+        found = inner.complete()
+        if not found:
+            raise CheckpointError(f"resume={resume!r}: no complete checkpoint (step_*/manifest.json) under {path}.")
+        path = found[-1]
+    ckpt.verify(path)  # an explicit path must be intact: no silent fallback
+    return path
 
 
 def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
@@ -67,8 +94,11 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     if backend.device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"world.device={w.device!r} but no CUDA device is available. Use world.device=auto or cpu.")
     backend.setup()
+    say = print if backend.is_main else (lambda *a, **k: None)
     try:
-        tcfg: TrainerConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainerConfig), cfg.trainer))
+        tcfg: TrainerConfig = typed(TrainerConfig, cfg.trainer)
+        ccfg: CheckpointConfig = typed(CheckpointConfig, cfg.get("checkpoint"))
+        ecfg: EMAConfig = typed(EMAConfig, cfg.get("ema"))
         # Same seed on every rank: identical initial weights (DDP broadcasts them anyway).
         seed_everything(tcfg.seed)
         model = instantiate(cfg.model)
@@ -76,6 +106,8 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
         train_data, val_data = build_data(cfg.data)
         precision = instantiate(cfg.precision, device_type=backend.device.type)
         model = backend.wrap(model)
+        raw_model = backend.unwrap(model)
+        ema = EMA(raw_model, ecfg.decay, ecfg.warmup, ecfg.update_every) if ecfg.enabled else None
         if tcfg.compile:
             model = torch.compile(model)
         optimizer = build_optimizer(cfg.optim, model)
@@ -83,31 +115,75 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
         # Different randomness per rank from here on (dropout), reproducible per (seed, rank).
         seed_everything(tcfg.seed + backend.rank)
 
-        loggers = build_loggers(cfg.logger, run_dir, backend.is_main)
+        from .cli import redact
         from .trainer import Trainer
 
+        checkpointer = ckpt.Checkpointer(run_dir / "checkpoints", ccfg.every_n_steps, ccfg.keep_last,
+                                         ccfg.best_metric, ccfg.best_mode, ccfg.save_final)
+        loggers = build_loggers(cfg.logger, run_dir, backend.is_main)
         trainer = Trainer(
             model=model, task=task, optimizer=optimizer, scheduler=scheduler, precision=precision,
             backend=backend, train_data=train_data, val_data=val_data,
             batch_size=cfg.data.batch_size, shuffle=cfg.data.get("shuffle", True),
             num_workers=cfg.data.get("num_workers", 0), config=tcfg, loggers=loggers, run_dir=run_dir,
+            ema=ema, checkpointer=checkpointer,
+            config_yaml=OmegaConf.to_yaml(OmegaConf.create(redact(OmegaConf.to_container(cfg)))),
         )
+        source = find_resume(cfg.get("resume"), checkpointer, backend.info.restart_count > 0, say)
+        if source is not None:
+            trainer.load_checkpoint(source)
+            if hasattr(loggers, "rewind"):
+                loggers.rewind(trainer.step)  # drop events logged after the checkpoint
+            say(f"resumed from {source} at step {trainer.step}")
+            if trainer.step >= tcfg.max_steps:
+                say(f"the run is already finished: step {trainer.step} >= trainer.max_steps={tcfg.max_steps}. "
+                    "Raise trainer.max_steps to train further.")
+                loggers.finish({})
+                return {}
         if backend.is_main:
             loggers.log_config(OmegaConf.to_container(cfg, resolve=True))
         final = trainer.fit()
         if backend.is_main:
-            save_model(backend.unwrap(model), run_dir, OmegaConf.to_container(cfg.model, resolve=True))
+            model_config = OmegaConf.to_container(cfg.model, resolve=True)
+            export_model(raw_model.state_dict(), run_dir, "model", model_config, ccfg.max_shard_mb)
+            if ema is not None:
+                export_model(ema.model_state_dict(), run_dir, "model_ema", model_config, ccfg.max_shard_mb)
         loggers.finish(final)
         return final
     finally:
         backend.teardown()
 
 
-def save_model(model: torch.nn.Module, run_dir: Path, model_config: dict) -> None:
-    """Final weights as `model.safetensors` (keys = the model's state_dict) and `model_config.json`."""
+def export_model(state: dict[str, torch.Tensor], run_dir: Path, name: str, model_config: dict,
+                 max_shard_mb: float) -> None:
+    """Weights as `<name>.safetensors` (keys = the model's state_dict), or, above `max_shard_mb`,
+    shards `<name>-00001-of-0000N.safetensors` plus `<name>.safetensors.index.json` (Hugging Face layout).
+    The model config goes beside them as `model_config.json`."""
     from .io import atomic_save_safetensors, atomic_write_json
 
     # Clones: tied weights share storage, which safetensors refuses; a copy keeps every key.
-    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
-    atomic_save_safetensors(run_dir / "model.safetensors", tensors, metadata={"format": "pt"})
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+    limit = int(max_shard_mb * 2**20)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in tensors.items():
+        nbytes = v.numel() * v.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += nbytes
+    for old in run_dir.glob(f"{name}-*-of-*.safetensors"):  # from an earlier export of this run
+        old.unlink()
+    if len(shards) == 1:
+        atomic_save_safetensors(run_dir / f"{name}.safetensors", tensors, metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            fname = f"{name}-{i:05d}-of-{len(shards):05d}.safetensors"
+            atomic_save_safetensors(run_dir / fname, shard, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, fname))
+        total = sum(v.numel() * v.element_size() for v in tensors.values())
+        atomic_write_json(run_dir / f"{name}.safetensors.index.json",
+                          {"metadata": {"total_size": total}, "weight_map": weight_map})
     atomic_write_json(run_dir / "model_config.json", json.loads(json.dumps(model_config)))

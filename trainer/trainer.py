@@ -1,4 +1,4 @@
-"""The training loop. Components arrive built; the Trainer only orders their calls."""
+"""The training loop. Components arrive built; the Trainer orders their calls and owns the run state."""
 
 from __future__ import annotations
 
@@ -10,34 +10,41 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from . import checkpoint as ckpt
 from .backend import Backend
 from .config import TrainerConfig
 from .data import GlobalBatchSampler, eval_loader, train_loader
-from .errors import NonFiniteError
+from .ema import EMA
+from .errors import CheckpointError, NonFiniteError, Preempted
 from .loggers import NullLogger
+from .preemption import PreemptionFlag
 from .progress import NullProgress, Progress
+from .rng import rng_state, set_rng_state
 from .task import Task
 
 
 class Trainer:
-    """Owns the loop: data order, the optimizer step, eval, logging cadence and the run's state.
+    """Owns the loop: data order, the optimizer step, eval, logging and checkpoint cadence, run state.
 
-    `state_dict()` is everything a checkpoint needs besides the components' own state dicts.
+    Everything stateful is reachable from `state_dict()`; a checkpoint is that plus the model weights.
     """
 
     def __init__(self, *, model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, precision, backend: Backend,
                  train_data, val_data, batch_size: int, shuffle: bool, num_workers: int,
-                 config: TrainerConfig, loggers: NullLogger | None = None, run_dir: str | Path = "."):
+                 config: TrainerConfig, loggers: NullLogger | None = None, run_dir: str | Path = ".",
+                 ema: EMA | None = None, checkpointer: ckpt.Checkpointer | None = None, config_yaml: str = ""):
         self.model, self.task, self.optimizer, self.scheduler = model, task, optimizer, scheduler
         self.precision, self.backend, self.cfg = precision, backend, config
         self.train_data, self.val_data = train_data, val_data
         self.batch_size, self.shuffle, self.num_workers = batch_size, shuffle, num_workers
         self.loggers = loggers or NullLogger()
         self.run_dir = Path(run_dir)
+        self.ema, self.checkpointer, self.config_yaml = ema, checkpointer, config_yaml
         self.raw_model = backend.unwrap(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # Run state (saved in checkpoints).
+        self.preemption = PreemptionFlag()
+        # Run state (in checkpoints).
         self.step = 0  # optimizer steps done (skipped fp16/nonfinite steps included)
         self.samples_seen = 0  # position in the global sample stream
         self.skipped_steps = 0
@@ -53,14 +60,24 @@ class Trainer:
                                   start=self.samples_seen)
 
     # -- the optimizer step --------------------------------------------------------------------
-    def train_step(self, batches: list[Any]) -> dict[str, Any]:
+    def sync_counts(self, batches: list[Any]) -> tuple[Any, bool]:
+        """Targets in the global batch, and whether any rank was asked to stop: one all-reduce."""
+        n_local = sum(self.task.num_targets(b) for b in batches)
+        be = self.backend
+        if not be.distributed:
+            return n_local, self.preemption.requested
+        both = torch.stack([torch.as_tensor(n_local, dtype=torch.float64, device=be.device),
+                            torch.tensor(float(self.preemption.requested), dtype=torch.float64, device=be.device)])
+        both = be.all_reduce(both)
+        return both[0].float(), bool(both[1].item())
+
+    def train_step(self, batches: list[Any], n_global) -> dict[str, Any]:
         """One optimizer step over this rank's micro-batches. Returns device tensors (no host sync)."""
         model, opt, be, k = self.model, self.optimizer, self.backend, len(batches)
         # Token-weighted normalisation: each micro-batch's summed loss is divided by the number of
         # targets in the whole global batch (all micro-steps, all ranks). So k micro-batches of b
         # equal one batch of k*b even when batches differ in length. DDP averages gradients over
         # ranks, hence the factor world_size.
-        n_global = be.all_reduce(sum(self.task.num_targets(b) for b in batches))
         scale = be.world_size / n_global
         loss_sum = torch.zeros((), device=be.device)
         for i, batch in enumerate(batches):
@@ -78,9 +95,11 @@ class Trainer:
         stepped = self._apply_update(grad_norm)
         opt.zero_grad(set_to_none=True)
         if stepped:
-            # The schedule counts real updates: a skipped step does not advance it.
+            # Only real updates advance the schedule and the EMA; a skipped step does not.
             self.scheduler.step()
-        return {"loss_sum": loss_sum, "n_global": n_global, "grad_norm": grad_norm, "stepped": stepped}
+            if self.ema is not None:
+                self.ema.update(self.step + 1)
+        return {"loss_sum": loss_sum, "grad_norm": grad_norm}
 
     def _apply_update(self, grad_norm: torch.Tensor) -> bool:
         if self.precision.name == "fp16":
@@ -141,6 +160,20 @@ class Trainer:
         self.model.train()
         return text
 
+    def _eval_and_log(self, progress: Progress) -> dict[str, float]:
+        metrics = self.evaluate()
+        if self.ema is not None:
+            with self.ema.swapped_in():
+                metrics.update(self.evaluate(prefix="val_ema"))
+        if metrics:
+            self.loggers.log_metrics(metrics, self.step)
+            progress.write(f"step {self.step}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+        text = self.sample()
+        if text:
+            self.loggers.log_text("val/sample", text, self.step)
+            progress.write(f"--- sample at step {self.step} ---\n{text}\n---")
+        return metrics
+
     # -- the loop ------------------------------------------------------------------------------
     def _log_due(self) -> bool:
         return self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps
@@ -152,57 +185,101 @@ class Trainer:
         cfg, be = self.cfg, self.backend
         progress = Progress(cfg.max_steps, self.step, cfg.progress) if be.is_main else NullProgress()
         batches_iter = iter(train_loader(self.train_data, self.sampler(), self.num_workers, be.device, cfg.seed))
+        self.preemption.install()
         self.model.train()
         window_start, window_targets, window_steps = time.perf_counter(), 0, 0
         metrics: dict[str, float] = {}
-        while self.step < cfg.max_steps:
-            batches = [be.to_device(next(batches_iter)) for _ in range(cfg.grad_accum_steps)]
-            out = self.train_step(batches)
-            self.step += 1
-            self.samples_seen += self.global_batch
-            window_targets += out["n_global"]
-            window_steps += 1
+        try:
+            while self.step < cfg.max_steps:
+                batches = [be.to_device(next(batches_iter)) for _ in range(cfg.grad_accum_steps)]
+                n_global, stop = self.sync_counts(batches)
+                if stop:  # every rank agrees on this step boundary
+                    path = self.save_checkpoint()
+                    raise Preempted(f"preempted by a signal at step {self.step}; checkpoint saved to {path}. "
+                                    "Rerun the same command with resume=auto to continue.")
+                out = self.train_step(batches, n_global)
+                self.step += 1
+                self.samples_seen += self.global_batch
+                window_targets += n_global
+                window_steps += 1
 
-            if self._log_due():
-                # The only host syncs of the loop happen here, every log_every steps.
-                elapsed = time.perf_counter() - window_start
-                targets = float(window_targets)
-                metrics = {
-                    "train/loss": float(be.all_reduce(out["loss_sum"]) / out["n_global"]),
-                    "train/lr": self.scheduler.get_last_lr()[0],
-                    "train/grad_norm": float(out["grad_norm"]),
-                    "train/tokens_per_s": targets / elapsed,
-                    "train/samples_per_s": window_steps * self.global_batch / elapsed,
-                    "train/step_time_ms": 1000 * elapsed / window_steps,
-                    "train/skipped_steps": self.skipped_steps,
-                }
-                self.loggers.log_metrics(metrics, self.step)
-                progress.update(self.step, metrics)
-                window_start, window_targets, window_steps = time.perf_counter(), 0, 0
-            if self._eval_due():
-                self._eval_and_log(progress)
-                window_start = time.perf_counter()  # eval time is not training throughput
+                if self._log_due():
+                    # The loop's host syncs for metrics happen here, every log_every steps.
+                    elapsed = time.perf_counter() - window_start
+                    metrics = {
+                        "train/loss": float(be.all_reduce(out["loss_sum"]) / n_global),
+                        "train/lr": self.scheduler.get_last_lr()[0],
+                        "train/grad_norm": float(out["grad_norm"]),
+                        "train/tokens_per_s": float(window_targets) / elapsed,
+                        "train/samples_per_s": window_steps * self.global_batch / elapsed,
+                        "train/step_time_ms": 1000 * elapsed / window_steps,
+                        "train/skipped_steps": self.skipped_steps,
+                    }
+                    self.loggers.log_metrics(metrics, self.step)
+                    progress.update(self.step, metrics)
+                    window_start, window_targets, window_steps = time.perf_counter(), 0, 0
+                evaluated = self._eval_and_log(progress) if self._eval_due() else None
+                if self.checkpointer is not None and self.checkpointer.due(self.step) and self.step < cfg.max_steps:
+                    self.save_checkpoint(evaluated)
+                if evaluated is not None or self.checkpointer is not None and self.checkpointer.due(self.step):
+                    window_start = time.perf_counter()  # eval and saving are not training throughput
 
-        final = self._eval_and_log(progress)
-        progress.close()
+            final = self._eval_and_log(progress)
+            if self.checkpointer is not None and self.checkpointer.save_final:
+                self.save_checkpoint(final)
+        finally:
+            self.preemption.uninstall()
+            progress.close()
         return {**metrics, **final}
 
-    def _eval_and_log(self, progress: Progress) -> dict[str, float]:
-        metrics = self.evaluate()
-        if metrics:
-            self.loggers.log_metrics(metrics, self.step)
-            progress.write(f"step {self.step}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
-        text = self.sample()
-        if text:
-            self.loggers.log_text("val/sample", text, self.step)
-            progress.write(f"--- sample at step {self.step} ---\n{text}\n---")
-        return metrics
-
-    # -- state ---------------------------------------------------------------------------------
+    # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
-                "global_batch": self.global_batch, "data_fingerprint": self.sampler().fingerprint()}
+        """Everything but the model weights. A collective under DDP (gathers each rank's RNG state)."""
+        return {
+            "trainer": {"step": self.step, "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
+                        "global_batch": self.global_batch, "world_size": self.backend.world_size,
+                        "data_fingerprint": self.sampler().fingerprint()},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "precision": self.precision.state_dict(),
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "loggers": self.loggers.state_dict(),
+            "rng": self.backend.gather_object(rng_state()),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step, self.samples_seen = state["step"], state["samples_seen"]
-        self.skipped_steps = state.get("skipped_steps", 0)
+        t = state["trainer"]
+        self.step, self.samples_seen, self.skipped_steps = t["step"], t["samples_seen"], t["skipped_steps"]
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.precision.load_state_dict(state["precision"])
+        if self.ema is not None and state.get("ema"):
+            self.ema.load_state_dict(state["ema"])
+        self.loggers.load_state_dict(state.get("loggers") or {})
+        rngs = state["rng"]
+        if self.backend.rank < len(rngs):  # same world size: continue each rank's own stream
+            set_rng_state(rngs[self.backend.rank])
+        if self.sampler().fingerprint() != t["data_fingerprint"]:
+            raise CheckpointError(
+                f"the data order after step {self.step} differs from the checkpoint's (fingerprint "
+                f"{self.sampler().fingerprint()} vs {t['data_fingerprint']}): the dataset, trainer.seed or "
+                "data.shuffle changed. Resume with the checkpoint's config (its config.yaml) or start fresh with resume=null."
+            )
+
+    def save_checkpoint(self, metrics: dict[str, float] | None = None) -> Path | None:
+        if self.checkpointer is None:
+            return None
+        state = self.state_dict()  # on every rank: it gathers RNG states
+        path = None
+        if self.backend.is_main:
+            path = self.checkpointer.save(self.step, self.raw_model.state_dict(), state, self.config_yaml)
+            if metrics:
+                self.checkpointer.update_best(metrics, path)
+        # The others wait until the checkpoint is complete: nobody exits (or is killed) mid-save.
+        self.backend.barrier()
+        return path or self.checkpointer.dir / f"step_{self.step:08d}"
+
+    def load_checkpoint(self, path: Path) -> None:
+        model_state, state = ckpt.load(path)
+        ckpt.load_model_state(self.raw_model, model_state, path)
+        self.load_state_dict(state)

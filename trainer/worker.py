@@ -17,13 +17,13 @@ from omegaconf import DictConfig, OmegaConf
 
 
 def run_worker(cfg: DictConfig, run_dir: Path) -> int:
-    from .errors import UserError
+    from .errors import TrainerExit
     from .run import train
 
     try:
         train(cfg, run_dir)
         return 0
-    except UserError as e:
+    except TrainerExit as e:
         _record(f"error: {e}", "")
         return e.exit_code
     except Exception as e:  # noqa: BLE001 - reported once by the parent, with its traceback

@@ -1,0 +1,237 @@
+"""Checkpoints: atomic, verified, and free of pickle.
+
+Layout of one checkpoint (a directory under `<run_dir>/checkpoints/`):
+
+    step_000100/
+      model.safetensors   the unwrapped model's state_dict (keys unchanged)
+      state.safetensors   every other tensor (optimizer moments, RNG states, EMA, ...)
+      state.json          everything that is not a tensor, with references into state.safetensors
+      config.yaml         the resolved config of the run (secrets redacted)
+      manifest.json       format version + sha256 of every file; written last = the completion marker
+
+A checkpoint is written into a temp directory beside its final place, fsynced, then renamed, so
+a reader sees a complete checkpoint or none. Loading reads only safetensors and JSON: nothing is
+ever unpickled, so a planted pickle payload cannot run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+from .io import atomic_write_json, fsync_dir
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+# -- nested state <-> (JSON tree, flat tensors) --------------------------------------------------
+def flatten(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
+    """A JSON-able copy of `obj` with tensors moved into `tensors` and replaced by references."""
+    if isinstance(obj, torch.Tensor):
+        tensors[path] = obj.detach().to("cpu", copy=True).contiguous()
+        return {"__tensor__": path}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: flatten(v, tensors, f"{path}/{k}") for k, v in obj.items()}
+        return {"__items__": [[k, flatten(v, tensors, f"{path}/{k}")] for k, v in obj.items()]}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [flatten(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [flatten(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot checkpoint a value of type {type(obj).__name__} at '{path}'")
+
+
+def unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(tree, dict):
+        if "__tensor__" in tree:
+            return tensors[tree["__tensor__"]]
+        if "__items__" in tree:
+            return {k: unflatten(v, tensors) for k, v in tree["__items__"]}
+        if "__tuple__" in tree:
+            return tuple(unflatten(v, tensors) for v in tree["__tuple__"])
+        return {k: unflatten(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [unflatten(v, tensors) for v in tree]
+    return tree
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def step_of(path: Path) -> int:
+    m = _STEP_DIR.match(path.name)
+    return int(m.group(1)) if m else -1
+
+
+class Checkpointer:
+    """Writes, lists, verifies and prunes the checkpoints of one run (main process only writes)."""
+
+    def __init__(self, directory: str | os.PathLike, every_n_steps: int = 0, keep_last: int = 2,
+                 best_metric: str | None = None, best_mode: str = "min", save_final: bool = True):
+        self.dir = Path(directory)
+        self.every_n_steps, self.keep_last, self.save_final = every_n_steps, keep_last, save_final
+        self.best_metric, self.best_mode = best_metric, best_mode
+        self.best: tuple[float, str] | None = None  # (metric value, checkpoint name)
+
+    def due(self, step: int) -> bool:
+        return self.every_n_steps > 0 and step % self.every_n_steps == 0
+
+    # -- writing -----------------------------------------------------------------------------
+    def save(self, step: int, model_state: dict[str, torch.Tensor], state: dict[str, Any],
+             config_yaml: str = "") -> Path:
+        """Write checkpoint `step_<step>` atomically, then prune old ones. Returns its path."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        final = self.dir / f"step_{step:08d}"
+        tmp = Path(tempfile.mkdtemp(dir=self.dir, prefix=f".tmp-{final.name}-"))
+        try:
+            # Clones: tied weights share storage, which safetensors refuses; a copy keeps every key.
+            _write_safetensors(tmp / "model.safetensors",
+                               {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model_state.items()})
+            tensors: dict[str, torch.Tensor] = {}
+            tree = flatten(state, tensors)
+            _write_safetensors(tmp / "state.safetensors", tensors)
+            _write_text(tmp / "state.json", json.dumps(tree))
+            _write_text(tmp / "config.yaml", config_yaml)
+            files = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
+            _write_text(tmp / MANIFEST, json.dumps({"format": FORMAT_VERSION, "step": step, "files": files}, indent=1))
+            fsync_dir(tmp)
+            if final.exists():  # a re-run of the same step (after a resume): replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fsync_dir(self.dir)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError):
+                kept = self.complete()
+                raise CheckpointError(
+                    f"could not write checkpoint {final} ({e.strerror or e}). "
+                    f"{'The previous checkpoint ' + kept[-1].name + ' is intact. ' if kept else ''}"
+                    "Free disk space (or point hydra.run.dir at a larger disk) and rerun with resume=auto."
+                ) from None
+            raise
+        self._prune()
+        return final
+
+    def update_best(self, metrics: dict[str, float], path: Path) -> None:
+        if not self.best_metric or self.best_metric not in metrics:
+            return
+        value = metrics[self.best_metric]
+        better = self.best is None or (value < self.best[0] if self.best_mode == "min" else value > self.best[0])
+        if better:
+            self.best = (value, path.name)
+            atomic_write_json(self.dir / "best.json", {"metric": self.best_metric, "value": value, "checkpoint": path.name})
+
+    def _prune(self) -> None:
+        """Delete all but the newest `keep_last` complete checkpoints (and the best one)."""
+        if self.keep_last <= 0:
+            return
+        keep = {p.name for p in self.complete()[-self.keep_last:]}
+        if self.best:
+            keep.add(self.best[1])
+        for p in self.complete():
+            if p.name not in keep:
+                shutil.rmtree(p, ignore_errors=True)
+        for p in self.dir.glob(".tmp-step_*"):  # left by a process killed mid-save
+            shutil.rmtree(p, ignore_errors=True)
+
+    # -- reading -----------------------------------------------------------------------------
+    def complete(self) -> list[Path]:
+        """Checkpoints with a manifest (the completion marker), oldest first."""
+        if not self.dir.is_dir():
+            return []
+        return sorted((p for p in self.dir.iterdir() if step_of(p) >= 0 and (p / MANIFEST).exists()), key=step_of)
+
+    def latest_valid(self, warn=print) -> Path | None:
+        """The newest checkpoint that verifies; each one skipped is reported through `warn`."""
+        for path in reversed(self.complete()):
+            try:
+                verify(path)
+                return path
+            except CheckpointError as e:
+                warn(f"warning: skipping checkpoint {path}: {e} Falling back to the previous one.")
+        return None
+
+
+def verify(path: Path) -> dict:
+    """Check the manifest's format version and every file's sha256. Returns the manifest."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist (or is not a directory). "
+                              "Pass resume=auto, resume=null or the path of a step_* directory.")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files, fmt = manifest["files"], manifest["format"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{path / MANIFEST} is missing or unreadable: the checkpoint is incomplete.") from None
+    if not isinstance(fmt, int) or fmt > FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format version {fmt}, newer than this trainer's "
+                              f"({FORMAT_VERSION}). Upgrade trainer to load it.")
+    for name, digest in files.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"file {f} listed in the manifest is missing.")
+        if sha256(f) != digest:
+            raise CheckpointError(f"file {f} is corrupted or truncated (sha256 does not match the manifest).")
+    return manifest
+
+
+def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Verify, then read (model_state, state). Only safetensors and JSON are parsed."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    verify(path)
+    try:
+        model_state = load_file(str(path / "model.safetensors"))
+        tensors = load_file(str(path / "state.safetensors"))
+        tree = json.loads((path / "state.json").read_text())
+    except (SafetensorError, ValueError, OSError) as e:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({e}); it is not a valid trainer checkpoint.") from None
+    return model_state, unflatten(tree, tensors)
+
+
+def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
+    """`load_state_dict` with an error listing every missing, unexpected and mis-shaped tensor."""
+    own = model.state_dict()
+    problems = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
+                for k, v in state.items() if k in own and own[k].shape != v.shape]
+    problems += [f"{k}: missing from the checkpoint" for k in own if k not in state]
+    problems += [f"{k}: not in the model" for k in state if k not in own]
+    if problems:
+        raise CheckpointError(f"checkpoint {source} does not match the model ({len(problems)} tensors): "
+                              + "; ".join(problems) + ". Use the model config the checkpoint was trained with "
+                              "(see its config.yaml), or resume=null to start fresh.")
+    model.load_state_dict(state)

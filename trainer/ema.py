@@ -1,0 +1,79 @@
+"""Exponential moving average (EMA) of a model's weights, kept in fp32.
+
+After each real optimizer step t (t = 0, 1, ... counts EMA updates; skipped steps do not count):
+
+    d_t   = min(decay, (1 + t) / (10 + t))  if warmup  else  decay
+    ema  <- d_t * ema + (1 - d_t) * param          (torch._foreach_lerp_)
+
+The EMA starts as a copy of the initial weights. Warmup lets early, fast-moving weights through
+instead of averaging them with the random init. Buffers are copied, not averaged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+
+
+class EMA:
+    def __init__(self, model: nn.Module, decay: float = 0.999, warmup: bool = False, update_every: int = 1):
+        if not 0.0 <= decay < 1.0:
+            from .errors import ConfigError
+
+            raise ConfigError(f"ema.decay={decay} is invalid: expected a number in [0, 1), e.g. 0.999.")
+        self.decay, self.warmup, self.update_every = decay, warmup, update_every
+        self.model = model
+        # named_parameters() lists a tied weight once, so it is averaged once.
+        self.names, self.params = zip(*[(n, p) for n, p in model.named_parameters()])
+        self.shadow = [p.detach().to(torch.float32, copy=True) for p in self.params]
+        self.num_updates = 0
+
+    def decay_at(self, t: int) -> float:
+        return min(self.decay, (1 + t) / (10 + t)) if self.warmup else self.decay
+
+    @torch.no_grad()
+    def update(self, step: int) -> None:
+        """Called after each real optimizer step; `step` is the number of optimizer steps done."""
+        if step % self.update_every:
+            return
+        d = self.decay_at(self.num_updates)
+        params = [p.detach().float() for p in self.params]  # no copy when already fp32
+        torch._foreach_lerp_(self.shadow, params, 1.0 - d)
+        self.num_updates += 1
+
+    def state_dict(self) -> dict:
+        return {"num_updates": self.num_updates, "shadow": dict(zip(self.names, self.shadow))}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_updates = state["num_updates"]
+        for t, name in zip(self.shadow, self.names):
+            t.copy_(state["shadow"][name])
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's full state_dict with EMA weights in place of the parameters (for export)."""
+        out = dict(self.model.state_dict())
+        by_name = dict(zip(self.names, self.shadow))
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            key = name
+            src = by_name.get(key)
+            if src is None:  # the second name of a tied weight
+                src = next(s for n, q, s in zip(self.names, self.params, self.shadow) if q is p)
+            out[key] = src.to(p.dtype)
+        return out
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """Temporarily put the EMA weights into the model (for eval), then restore the raw ones."""
+        backup = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, s in zip(self.params, self.shadow):
+                p.copy_(s)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, b in zip(self.params, backup):
+                    p.copy_(b)
