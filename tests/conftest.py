@@ -83,3 +83,27 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or ROOT, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+# One schedule shared by the distributed and checkpoint tests, so their reference runs are shared too.
+# Odd eval size: 2 ranks get 19 and 18 samples; padding or duplicates would change the mean.
+SHARED = ("trainer.max_steps=12", "trainer.eval_every=6", "trainer.eval_samples=37",
+          "checkpoint.every_n_steps=4", "checkpoint.keep_last=2")
+DDP2 = ("world=ddp", "world.nproc_per_node=2", "data.batch_size=4")
+
+
+@pytest.fixture(scope="session")
+def reference(corpus, tmp_path_factory) -> Path:
+    """One process, batch 8, in-process: what every other split of the same global batch must reproduce."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    train_in_process(corpus, run_dir, "data.batch_size=8", *SHARED)
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def ddp_reference(corpus, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """Two processes x batch 4 through the real CLI (self-launched workers)."""
+    run_dir = tmp_path_factory.mktemp("ddp_reference")
+    r = run_cli(*tiny_overrides(corpus, *SHARED, *DDP2), "trainer.progress=lines", f"hydra.run.dir={run_dir}")
+    assert r.returncode == 0, r.stderr
+    return run_dir, r

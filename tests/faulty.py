@@ -1,7 +1,7 @@
 """Test-only task that misbehaves on one rank at a chosen loss call (used through `task._target_`).
 
 Actions: raise an exception, SIGKILL itself, SIGTERM itself, or SIGTERM its parent (the launcher).
-Calls are counted per process, so call N is micro-batch N of this run (evals come at the end).
+Only training calls count (the model is in train mode), so call N is training micro-batch N.
 """
 
 import os
@@ -18,7 +18,7 @@ class Faulty(LanguageModeling):
         self.calls = 0
 
     def loss(self, model, batch):
-        self.calls += 1
+        self.calls += model.training
         armed = not self.first_attempt_only or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
         if armed and int(os.environ.get("RANK", 0)) == self.rank and self.calls == self.at_call:
             if self.action == "raise":
