@@ -1,6 +1,7 @@
 """Test-only task that misbehaves on one rank at a chosen loss call (used through `task._target_`).
 
-Actions: raise an exception, SIGKILL itself, SIGTERM itself, or SIGTERM its parent (the launcher).
+Actions: raise an exception, SIGKILL / SIGTERM / SIGUSR1 itself, SIGTERM or SIGINT its parent (the
+launcher), return a NaN loss once ("nan_once") or from then on ("nan_always").
 Only training calls count (the model is in train mode), so call N is training micro-batch N.
 """
 
@@ -20,10 +21,15 @@ class Faulty(LanguageModeling):
     def loss(self, model, batch):
         self.calls += model.training
         armed = not self.first_attempt_only or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
-        if armed and int(os.environ.get("RANK", 0)) == self.rank and self.calls == self.at_call:
+        on_rank = int(os.environ.get("RANK", 0)) == self.rank
+        if on_rank and self.action == "nan_always" and self.calls >= self.at_call:
+            return super().loss(model, batch) * float("nan")
+        if armed and on_rank and self.calls == self.at_call:
+            if self.action == "nan_once":
+                return super().loss(model, batch) * float("nan")
             if self.action == "raise":
                 raise RuntimeError(f"boom from the faulty task on rank {self.rank}")
-            target = os.getppid() if self.action == "sigterm_parent" else os.getpid()
+            target = os.getppid() if self.action.endswith("_parent") else os.getpid()
             os.kill(target, {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1,
-                             "sigterm_parent": signal.SIGTERM}[self.action])
+                             "sigterm_parent": signal.SIGTERM, "sigint_parent": signal.SIGINT}[self.action])
         return super().loss(model, batch)

@@ -133,11 +133,13 @@ class Checkpointer:
             os.replace(tmp, final)
             fsync_dir(self.dir)
         except BaseException as e:
+            from safetensors import SafetensorError
+
             shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, OSError):
+            if isinstance(e, OSError | SafetensorError):  # disk full, file too large, I/O error
                 kept = self.complete()
                 raise CheckpointError(
-                    f"could not write checkpoint {final} ({e.strerror or e}). "
+                    f"could not write checkpoint {final} ({getattr(e, 'strerror', None) or e}). "
                     f"{'The previous checkpoint ' + kept[-1].name + ' is intact. ' if kept else ''}"
                     "Free disk space (or point hydra.run.dir at a larger disk) and rerun with resume=auto."
                 ) from None

@@ -108,12 +108,12 @@ def precheck(argv: list[str]) -> None:
     if args.help or args.hydra_help or args.info or args.shell_completion or args.cfg:
         return
     try:
-        overrides = _first_of_sweeps(args.overrides)
-        compose(overrides, args.config_dir)
-    except UserError:
-        raise
+        cfg = compose(_first_of_sweeps(args.overrides), args.config_dir)
     except (Exception, OmegaConfBaseException) as exc:  # hydra raises several unrelated types
         raise explain_composition_error(exc, args.overrides, args.config_dir) from exc
+    # Values and targets too, so a mistake ends here, before Hydra creates a run dir.
+    _config.validate(cfg)
+    _config.check_targets(resolve(cfg))
 
 
 # -- resolving and recording the config ------------------------------------------------------------
@@ -143,6 +143,37 @@ def redact(container):
     return container
 
 
+def secret_values(cfg: DictConfig) -> set[str]:
+    """Values that must never be written: secret-looking config keys and environment variables."""
+    found = {v for k, v in os.environ.items() if any(s in k.lower() for s in SECRET_MARKERS) and len(v) >= 6}
+
+    def walk(node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if any(s in str(k).lower() for s in SECRET_MARKERS) and isinstance(v, str | int) and len(str(v)) >= 6:
+                    found.add(str(v))
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(OmegaConf.to_container(cfg))
+    return found
+
+
+def scrub_hydra_files(run_dir: Path, secrets: set[str]) -> None:
+    """Hydra records the command line in .hydra/; take secrets given there back out."""
+    from .io import atomic_write_text
+
+    for f in (run_dir / ".hydra").glob("*.yaml") if secrets else ():
+        text = f.read_text()
+        clean = text
+        for value in secrets:
+            clean = clean.replace(value, "<redacted>")
+        if clean != text:
+            atomic_write_text(f, clean)
+
+
 def save_config(cfg: DictConfig, run_dir: Path) -> Path:
     from .io import atomic_write_text
 
@@ -160,6 +191,8 @@ def run_job(cfg: DictConfig) -> float | None:
     try:
         _config.validate(cfg)
         resolved = resolve(cfg)
+        scrub_hydra_files(run_dir, secret_values(resolved))
+        _config.check_targets(resolved)
         save_config(resolved, run_dir)
         from .launcher import WorkerFailed, run
 
@@ -177,8 +210,18 @@ def run_job(cfg: DictConfig) -> float | None:
         if debug_enabled():
             raise
         report(err)
+        if isinstance(err, UserError):
+            remove_if_unused(run_dir)
         sys.exit(err.exit_code)
     return (final or {}).get("val/loss")
+
+
+def remove_if_unused(run_dir: Path) -> None:
+    """A run that failed before training leaves no run dir behind (but never touches earlier results)."""
+    import shutil
+
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", "config.yaml", f"{Path(sys.argv[0]).stem}.log", "cli.log"}:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -148,3 +148,49 @@ def validate(cfg: DictConfig) -> None:
                "host:port of node 0 when world.nnodes > 1", "Pass world.rdzv_endpoint=NODE0_HOST:29500 on every node.")
     _check(w.device == "auto" or w.device.split(":")[0] in ("cpu", "cuda", "mps"), "world.device", w.device,
            "auto, cpu or cuda")
+
+
+def iter_targets(node: Any, path: str = ""):
+    """(key path, _target_) for every node of the config that will be instantiated."""
+    if isinstance(node, DictConfig):
+        if "_target_" in node:
+            yield path or "<root>", node._target_
+        for k in node.keys():
+            if OmegaConf.is_missing(node, k):
+                continue
+            yield from iter_targets(node[k], f"{path}.{k}" if path else str(k))
+
+
+def check_targets(cfg: DictConfig) -> None:
+    """Every `_target_` must pass Hydra's instantiate policy (its blocklist stays on) and import.
+
+    Checked once in the parent, before any worker starts, so a typo or a refused target is one
+    clear message instead of a traceback per rank.
+    """
+    from hydra._internal.utils import _locate
+    from hydra.errors import InstantiationException
+
+    try:
+        from hydra._internal.target_policy import _authorize_target_name
+    except ImportError:  # Hydra without a target policy
+        _authorize_target_name = None
+    for key, target in iter_targets(cfg):
+        if not isinstance(target, str):
+            raise ConfigError(f"{key}._target_={target!r} is invalid: expected a dotted path such as mypkg.MyClass.")
+        if _authorize_target_name is not None:
+            try:
+                _authorize_target_name(target, target, key)
+            except InstantiationException:
+                raise ConfigError(
+                    f"{key}._target_={target!r} is refused: Hydra's instantiate blocklist forbids it because it "
+                    "can run commands or change files. Point _target_ at a model, dataset or loss class."
+                ) from None
+        try:
+            _locate(target)
+        except (ImportError, AttributeError, ValueError) as e:
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            reason = lines[-1] if lines else type(e).__name__
+            raise ConfigError(
+                f"{key}._target_={target!r} cannot be imported ({reason}). Check the spelling, and that its "
+                "module is importable (installed, or on PYTHONPATH)."
+            ) from None

@@ -84,7 +84,9 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from .run import preflight
 
+    preflight(cfg)
     w = cfg.world
     nproc = nproc_per_node(w.nproc_per_node)
     if w.nnodes > 1:

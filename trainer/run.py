@@ -28,6 +28,21 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # all devices
 
 
+def build(section: str, node: Any, *args, **kwargs) -> Any:
+    """`hydra.utils.instantiate` with the config section named in the error instead of a traceback."""
+    from hydra.errors import InstantiationException
+
+    try:
+        return instantiate(node, *args, **kwargs)
+    except InstantiationException as e:
+        cause = e.__cause__ or e
+        detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        if isinstance(cause, DataError | ConfigError | CheckpointError):
+            raise cause from None
+        raise ConfigError(f"could not build '{section}' ({node.get('_target_', '?')}): {detail}. "
+                          f"Check the keys under {section} (python -m trainer --cfg job).") from None
+
+
 def typed(schema, node: DictConfig):
     """The config section as its dataclass (type-checked again: `train` may be called without Hydra)."""
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node or {}))
@@ -35,7 +50,7 @@ def typed(schema, node: DictConfig):
 
 def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     """`optim` is a partial (`_partial_: true`); weight decay applies to matrices only (not norms, biases)."""
-    factory = instantiate(cfg)
+    factory = build("optim", cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -46,7 +61,7 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Opti
 def build_data(cfg: DictConfig) -> tuple[Any, Any]:
     """`data._target_` builds (train, val) datasets from every key of `data` except the loader keys."""
     kwargs = {k: v for k, v in cfg.items() if k not in LOADER_KEYS}
-    splits = instantiate(kwargs)
+    splits = build("data", OmegaConf.create(kwargs))
     if not (isinstance(splits, tuple) and len(splits) == 2):
         raise DataError(f"data._target_={cfg._target_!r} must return a (train, val) pair of datasets; "
                         f"val may be None. It returned {type(splits).__name__}.")
@@ -62,7 +77,7 @@ def build_loggers(cfg: DictConfig, run_dir: Path, is_main: bool) -> NullLogger:
     loggers = [JsonlLogger(run_dir)]
     for node in (cfg or {}).values():
         if node is not None:
-            loggers.append(instantiate(node, run_dir=str(run_dir)))
+            loggers.append(build("logger", node, run_dir=str(run_dir)))
     return LoggerGroup(loggers)
 
 
@@ -86,6 +101,23 @@ def find_resume(resume: str | None, checkpointer: ckpt.Checkpointer, restarted: 
     return path
 
 
+def preflight(cfg: DictConfig) -> None:
+    """Build what can fail from a config mistake, cheaply, before any worker process starts:
+    the model on the meta device (no memory), the task, the precision and the datasets (whose
+    cache is then built once, here, for all workers)."""
+    from .backend import resolve_device
+
+    device = resolve_device(cfg.world.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"world.device={cfg.world.device!r} but no CUDA device is available. "
+                          "Use world.device=auto or world.device=cpu.")
+    with torch.device("meta"):
+        build("model", cfg.model)
+    build("task", cfg.task)
+    build("precision", cfg.precision, device_type=device.type)
+    build_data(cfg.data)
+
+
 def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     """Train with a resolved config, writing outputs to `run_dir`. Returns the final metrics."""
     run_dir = Path(run_dir)
@@ -101,17 +133,17 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
         ecfg: EMAConfig = typed(EMAConfig, cfg.get("ema"))
         # Same seed on every rank: identical initial weights (DDP broadcasts them anyway).
         seed_everything(tcfg.seed)
-        model = instantiate(cfg.model)
-        task = instantiate(cfg.task)
+        model = build("model", cfg.model)
+        task = build("task", cfg.task)
         train_data, val_data = build_data(cfg.data)
-        precision = instantiate(cfg.precision, device_type=backend.device.type)
+        precision = build("precision", cfg.precision, device_type=backend.device.type)
         model = backend.wrap(model)
         raw_model = backend.unwrap(model)
         ema = EMA(raw_model, ecfg.decay, ecfg.warmup, ecfg.update_every) if ecfg.enabled else None
         if tcfg.compile:
             model = torch.compile(model)
         optimizer = build_optimizer(cfg.optim, model)
-        scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=tcfg.max_steps)
+        scheduler = build("scheduler", cfg.scheduler)(optimizer, total_steps=tcfg.max_steps)
         # Different randomness per rank from here on (dropout), reproducible per (seed, rank).
         seed_everything(tcfg.seed + backend.rank)
 

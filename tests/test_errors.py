@@ -1,0 +1,189 @@
+"""Bad input through the real CLI: one paragraph naming the key or path, exit 2, nothing left behind.
+
+Each case asserts the exit code, the key content of the message, the absence of a traceback, and
+that nothing was written (or that earlier results survived).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import DDP2, ROOT, SHARED, read_metrics, run_cli, series, tiny_overrides
+
+from trainer.checkpoint import verify
+
+FAULTY_ENV = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+
+
+def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int = 2) -> None:
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr + r.stdout
+    message = r.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: ")
+    for needle in needles:
+        assert needle in message, message
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["trainer.max_stps=3"], ["unknown config key 'trainer.max_stps'", "Did you mean max_steps?", "+trainer.max_stps"]),
+    (["model.n_layr=3"], ["'model.n_layr'", "Did you mean n_layer?"]),
+    (["model=gpt_tny"], ["model=gpt_tny", "Available: gpt_medium, gpt_small, gpt_tiny", "Did you mean gpt_tiny?"]),
+    (["precision=bf61"], ["precision=bf61", "bf16, fp16, fp32"]),
+    (["trainer.max_steps=abc"], ["trainer.max_steps", "'abc'"]),
+    (["trainer.max_steps=0"], ["trainer.max_steps=0", ">= 1"]),
+    (["data.batch_size=0"], ["data.batch_size=0", ">= 1"]),
+    (["trainer.grad_accum_steps=0"], ["trainer.grad_accum_steps=0"]),
+    (["world=ddp", "world.nproc_per_node=0"], ["world.nproc_per_node=0"]),
+    (["optim.lr=0"], ["optim.lr=0", "> 0"]),
+    (["optim.lr=-1e-3"], ["optim.lr=-0.001"]),
+    (["world.nproc_per_node=2"], ["world=ddp"]),  # an incompatible combination: several processes, world=single
+    (["data=text"], ["data.path is required"]),
+    (["model._target_=os.system"], ["model._target_='os.system' is refused", "blocklist"]),
+    (["model._target_=recipes.lm.model.GTP"], ["cannot be imported"]),
+    (["+model.n_layr=2"], ["could not build 'model'", "n_layr"]),
+    (["world.device=cuda"], ["world.device='cuda'", "no CUDA device"]),
+])
+def test_config_mistakes(tmp_path, args, needles):
+    r = run_cli(*args, "hydra.run.dir=run", cwd=tmp_path)
+    assert_clean_error(r, *needles)
+    assert list(tmp_path.iterdir()) == []  # no run dir, no half-written files
+
+
+def test_fp16_on_a_device_that_cannot_run_it():
+    from trainer.errors import ConfigError
+    from trainer.precision import FP16
+
+    with pytest.raises(ConfigError, match="precision=fp16 is not supported on device type 'mps'"):
+        FP16("mps")
+
+
+def _data_case(tmp_path: Path, case: str) -> Path:
+    p = tmp_path / "data.txt"
+    if case == "missing":
+        return tmp_path / "nope.txt"
+    if case == "directory":
+        return tmp_path
+    p.write_bytes(b"" if case == "empty" else b"x" * 20 if case == "short" else b"hello world\n" * 100)
+    if case == "unreadable":
+        p.chmod(0)
+    return p
+
+
+def _without_root_file_access() -> None:
+    """Root reads any file (CAP_DAC_OVERRIDE), so drop those capabilities: permissions then apply as
+    they do for every other user."""
+    if os.geteuid() == 0:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+            if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP: gone from the exec'd process
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
+
+
+@pytest.mark.parametrize(("case", "needle"), [
+    ("missing", "does not exist"), ("directory", "is a directory"), ("empty", "is empty"),
+    ("short", "has 20 bytes, fewer than data.seq_len + 1 = 33"), ("unreadable", "cannot be read"),
+])
+def test_data_mistakes(tmp_path, case, needle):
+    tmp_path.chmod(0o777)
+    path = _data_case(tmp_path, case)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAINER_CACHE_DIR": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-m", "trainer", *tiny_overrides(path), f"hydra.run.dir={run_dir}"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+                       preexec_fn=_without_root_file_access if case == "unreadable" else None)
+    assert_clean_error(r, f"data.path='{path}'", needle)
+    assert not run_dir.exists() and not (tmp_path / "cache").exists()
+
+
+def test_resume_from_a_path_that_does_not_exist(corpus, tmp_path):
+    r = run_cli(*tiny_overrides(corpus), f"hydra.run.dir={tmp_path / 'run'}", f"resume={tmp_path / 'nope'}")
+    assert_clean_error(r, str(tmp_path / "nope"), "does not exist")
+
+
+def test_checkpoint_from_a_newer_format(corpus, tmp_path, reference):
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference / "checkpoints" / "step_00000008", ckpt)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    (ckpt / "manifest.json").write_text(json.dumps({**manifest, "format": 99}))
+    r = run_cli(*tiny_overrides(corpus), f"hydra.run.dir={tmp_path / 'run'}", f"resume={ckpt}")
+    assert_clean_error(r, "format version 99", "Upgrade")
+
+
+def test_nonfinite_stop_keeps_the_last_checkpoint(corpus, tmp_path):
+    r = run_cli(*tiny_overrides(corpus, *SHARED, "task._target_=faulty.Faulty"), "+task.action=nan_once",
+                "+task.at_call=6", "+task.rank=0", f"hydra.run.dir={tmp_path}", env=FAULTY_ENV)
+    assert_clean_error(r, "non-finite gradient norm", "at step 6 on rank 0", "trainer.nonfinite=skip", code=3)
+    ckpts = sorted((tmp_path / "checkpoints").glob("step_*"))
+    assert [p.name for p in ckpts] == ["step_00000004"]
+    verify(ckpts[0])
+    assert series(read_metrics(tmp_path), "train/loss")[-1] == pytest.approx(series(read_metrics(tmp_path), "train/loss")[-1])
+    assert [e["step"] for e in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
+
+
+def test_nonfinite_skip_counts_and_gives_up_after_n_in_a_row(corpus, tmp_path):
+    r = run_cli(*tiny_overrides(corpus, "trainer.nonfinite=skip", "task._target_=faulty.Faulty"),
+                "+task.action=nan_once", "+task.at_call=6", "+task.rank=0", f"hydra.run.dir={tmp_path / 'once'}",
+                env=FAULTY_ENV)
+    assert r.returncode == 0, r.stderr
+    assert series(read_metrics(tmp_path / "once"), "train/skipped_steps")[-1] == 1
+    r = run_cli(*tiny_overrides(corpus, "trainer.nonfinite=skip", "trainer.max_nonfinite_skips=3",
+                                "task._target_=faulty.Faulty"),
+                "+task.action=nan_always", "+task.at_call=6", "+task.rank=0", f"hydra.run.dir={tmp_path / 'many'}",
+                env=FAULTY_ENV)
+    assert_clean_error(r, "3 consecutive non-finite steps up to step 8", code=3)
+
+
+def test_secrets_never_reach_the_run_dir(corpus, tmp_path):
+    env_secret, cli_secret = f"envsecret-{uuid.uuid4().hex}", f"clisecret-{uuid.uuid4().hex}"
+    r = run_cli(*tiny_overrides(corpus, "trainer.max_steps=4", "checkpoint.every_n_steps=2"),
+                f"+hydra.job.env_set.WANDB_API_KEY={cli_secret}", f"hydra.run.dir={tmp_path}",
+                env={"WANDB_API_KEY": env_secret, "HF_TOKEN": env_secret})
+    assert r.returncode == 0, r.stderr
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(files) > 8
+    for p in files:
+        data = p.read_bytes()
+        assert env_secret.encode() not in data and cli_secret.encode() not in data, p
+    assert env_secret not in r.stdout + r.stderr and cli_secret not in r.stdout + r.stderr
+
+
+def _limit_file_size() -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (450_000, 450_000))  # the model (395 kB) fits, the optimizer state (540 kB) does not
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
+
+
+def test_a_checkpoint_that_does_not_fit_keeps_the_previous_one(corpus, tmp_path):
+    args = [*tiny_overrides(corpus, *SHARED), f"hydra.run.dir={tmp_path}"]
+    r = run_cli(*args, "trainer.max_steps=8")
+    assert r.returncode == 0, r.stderr
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "trainer", *args, "resume=auto"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120, preexec_fn=_limit_file_size)
+    assert_clean_error(r, "could not write checkpoint", "step_00000008 is intact", "resume=auto")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000004", "step_00000008"]  # no temp dir
+    verify(tmp_path / "checkpoints" / "step_00000008")
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_worker_promptly(corpus, tmp_path):
+    key, value = "TRAINER_TEST_MARKER", uuid.uuid4().hex
+    r = run_cli(*tiny_overrides(corpus, *DDP2, "task._target_=faulty.Faulty", "trainer.max_steps=1000"),
+                "+task.action=sigint_parent", "+task.at_call=5", "+task.rank=0", f"hydra.run.dir={tmp_path}",
+                env={**FAULTY_ENV, key: value}, timeout=60)
+    assert r.returncode == 130 and "interrupted" in r.stderr
+    assert "Traceback" not in r.stderr
+    from test_distributed import _processes_with_marker
+
+    assert _processes_with_marker(f"{key}={value}") == []

@@ -1,0 +1,180 @@
+"""Weights & Biases logger: `logger=wandb` (conf/logger/wandb.yaml).
+
+wandb is imported only when the run starts, so `--help` and configs without it never pay for the
+import. The run starts lazily, at the first `log_*` call (the framework's first is `log_config`), so
+that a resumed job can `load_state_dict` the previous run id before and continue the same wandb run.
+
+It never prompts and never fails for lack of credentials or network: without an API key (or when
+the server cannot be reached) it logs offline into the run dir and, at the end, prints the
+`wandb sync` command that uploads the run later. wandb's own system metrics (CPU, memory, GPU)
+and machine info are left on.
+"""
+
+from __future__ import annotations
+
+import netrc
+import os
+import re
+import secrets
+import shlex
+import string
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from .loggers import NullLogger
+
+DEFAULT_BASE_URL = "https://api.wandb.ai"
+
+
+class WandbLogger(NullLogger):
+    """Logs metrics, the resolved config, eval samples and the final summary to one wandb run.
+
+    Args:
+        project, entity, name, group, tags: passed to `wandb.init`.
+        mode: "online" | "offline" | "disabled", or None: $WANDB_MODE if set, else online when
+            credentials exist (WANDB_API_KEY, or a ~/.netrc entry from `wandb login`), else offline.
+        dir: where wandb writes its `wandb/` folder; None = the run dir.
+        run_dir: the run's output directory (passed by the framework).
+    """
+
+    def __init__(self, *, run_dir: str | os.PathLike, project: str | None = "trainer",
+                 entity: str | None = None, name: str | None = None, group: str | None = None,
+                 tags: list[str] | None = None, mode: str | None = None, dir: str | None = None):
+        self.init_kwargs = {"project": project, "entity": entity, "name": name, "group": group,
+                            "tags": [str(t) for t in tags or ()] or None}
+        self.mode = mode
+        self.dir = Path(dir if dir is not None else run_dir)
+        self.run_id = new_run_id()  # known before the run starts, so state_dict() works at any time
+        self.run = None
+        self.offline = False  # set when the run starts
+        self._sync_hint: str | None = None  # why we logged offline, when the user did not ask to
+
+    # -- starting the run --------------------------------------------------------------------------
+    def _start(self, config: dict[str, Any] | None = None) -> None:
+        mode = self.mode or os.environ.get("WANDB_MODE") or "online"
+        if mode in ("online", "run") and not has_credentials():
+            mode, self._sync_hint = "offline", "no W&B credentials: set WANDB_API_KEY or run `wandb login`"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run = self._init(mode, config)
+        except Exception as exc:  # noqa: BLE001 - wandb raises several types for a bad key or no network
+            if mode not in ("online", "run"):
+                raise
+            import wandb
+
+            self._sync_hint = f"could not start an online run: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+            # wandb's service still holds the failed run's id; a fresh service lets the same id go offline.
+            wandb.teardown()
+            mode = "offline"
+            self.run = self._init(mode, config)
+        self.offline = mode in ("offline", "dryrun")
+
+    def _init(self, mode: str, config: dict[str, Any] | None):
+        import wandb
+
+        settings = wandb.Settings(
+            # Offline, wandb's own banner ("run `wandb online`...") is noise; we print the sync command.
+            silent=mode in ("offline", "dryrun", "disabled"),
+            quiet=True,
+            # Our own run object, never wandb's global one: an unfinished earlier run (another
+            # logger, a notebook) is neither returned nor finished by this init.
+            reinit="create_new",
+        )
+        return wandb.init(
+            **self.init_kwargs, dir=str(self.dir), mode=mode, config=config, id=self.run_id,
+            # "allow": continue the run with this id if it exists (a resumed job), else create it.
+            resume="allow", settings=settings,
+        )
+
+    def _ensure_started(self) -> None:
+        if self.run is None:
+            self._start()
+
+    # -- the logger interface ----------------------------------------------------------------------
+    def log_config(self, config: dict[str, Any]) -> None:
+        config = redact(config)
+        if self.run is None:
+            self._start(config)
+        else:
+            self.run.config.update(config, allow_val_change=True)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._ensure_started()
+        self.run.log(dict(metrics), step=step)
+
+    def log_text(self, key: str, text: str, step: int) -> None:
+        """Shown as a preformatted HTML panel with a step slider; whitespace is kept as generated."""
+        import html
+
+        import wandb
+
+        self._ensure_started()
+        panel = wandb.Html(f'<pre style="white-space: pre-wrap">{html.escape(text)}</pre>', inject=False)
+        self.run.log({key: panel}, step=step)
+
+    def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:
+        if self.run is None:
+            if not summary:
+                return
+            self._start()
+        run, self.run = self.run, None
+        run.summary.update(dict(summary))
+        run.finish(exit_code=exit_code)
+        if self.offline:
+            why = f" ({self._sync_hint})" if self._sync_hint else ""
+            sync_dir = shlex.quote(str(self.dir / "wandb"))
+            print(f"wandb: run {self.run_id} was logged offline{why}; upload it with: wandb sync {sync_dir}",
+                  file=sys.stderr, flush=True)
+
+    # -- resume --------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        run_id = state.get("run_id")
+        if not run_id or run_id == self.run_id:
+            return
+        if self.run is not None:
+            raise RuntimeError(
+                f"WandbLogger.load_state_dict(run_id={run_id!r}) after wandb run {self.run_id!r} started: "
+                "restore logger state before the first log_config/log_metrics call."
+            )
+        self.run_id = run_id
+
+
+# Words that make a config key secret: "hf_token", "apiKey", "db_password", but not "sample_tokens".
+SECRET_WORDS = frozenset({"token", "secret", "password", "passwd", "apikey", "credential", "credentials"})
+
+
+def is_secret_key(key: Any) -> bool:
+    words = re.split(r"[^a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", str(key)).lower())
+    return any(w in SECRET_WORDS for w in words) or any(a + b in SECRET_WORDS for a, b in zip(words, words[1:]))
+
+
+def redact(container: Any) -> Any:
+    """A copy with the values of secret-looking keys replaced, so secrets never reach the tracker."""
+    if isinstance(container, dict):
+        return {k: "<redacted>" if v and is_secret_key(k) else redact(v) for k, v in container.items()}
+    if isinstance(container, list):
+        return [redact(v) for v in container]
+    return container
+
+
+def has_credentials(base_url: str | None = None) -> bool:
+    """Whether wandb can authenticate without asking: an API key in the environment or in ~/.netrc."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlsplit(base_url or os.environ.get("WANDB_BASE_URL") or DEFAULT_BASE_URL).hostname
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
+        entry = netrc.netrc(path).authenticators(host) if host else None
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(entry and entry[2])
+
+
+def new_run_id() -> str:
+    """A fresh wandb run id: 8 lowercase letters and digits, like the ids wandb makes itself."""
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
