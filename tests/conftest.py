@@ -20,6 +20,7 @@ os.environ.pop("WANDB_API_KEY", None)
 # Settings that make a run take a second or two on a CPU.
 TINY = [
     "model=gpt_tiny",
+    "precision=fp32",
     "data.seq_len=32",
     "data.batch_size=4",
     "trainer.max_steps=20",
@@ -88,7 +89,7 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
 # One schedule shared by the distributed and checkpoint tests, so their reference runs are shared too.
 # Odd eval size: 2 ranks get 19 and 18 samples; padding or duplicates would change the mean.
 SHARED = ("trainer.max_steps=12", "trainer.eval_every=6", "trainer.eval_samples=37",
-          "checkpoint.every_n_steps=4", "checkpoint.keep_last=2")
+          "checkpoint.every_n_steps=4", "checkpoint.keep_last=2", "ema.enabled=true", "ema.decay=0.9")
 DDP2 = ("world=ddp", "world.nproc_per_node=2", "data.batch_size=4")
 
 

@@ -45,8 +45,10 @@ def assert_identical(run_dir: Path, ref_dir: Path) -> None:
     assert [e["step"] for e in got] == [e["step"] for e in ref]
     assert series(got, "train/loss") == series(ref, "train/loss")
     assert series(got, "val/loss") == series(ref, "val/loss")
-    wa, wb = load_weights(run_dir / "model.safetensors"), load_weights(ref_dir / "model.safetensors")
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert series(got, "val_ema/loss") == series(ref, "val_ema/loss")
+    for name in ("model.safetensors", "model_ema.safetensors"):
+        wa, wb = load_weights(run_dir / name), load_weights(ref_dir / name)
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def checkpoints(run_dir: Path) -> list[str]:

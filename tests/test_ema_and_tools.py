@@ -1,0 +1,86 @@
+"""EMA against a closed-form reference, and the `env` / `check` commands."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import (
+    compose_cfg,
+    load_weights,
+    read_metrics,
+    run_cli,
+    series,
+    tiny_overrides,
+    train_in_process,
+)
+
+
+def _ema_reference(weights: list[dict], decay: float, warmup: bool, update_every: int) -> dict:
+    """e_0 = w_0; after optimizer step s (if s % update_every == 0): e <- d_t e + (1 - d_t) w_s, float64."""
+    ema = {k: v.double() for k, v in weights[0].items()}
+    t = 0
+    for step, w in enumerate(weights[1:], start=1):
+        if step % update_every:
+            continue
+        d = min(decay, (1 + t) / (10 + t)) if warmup else decay
+        ema = {k: d * ema[k] + (1 - d) * w[k].double() for k in ema}
+        t += 1
+    return ema
+
+
+@pytest.mark.parametrize(("warmup", "update_every"), [(True, 1), (False, 2)])
+def test_ema_equals_the_closed_form_over_the_raw_weights(corpus, tmp_path, warmup, update_every):
+    from hydra.utils import instantiate
+
+    overrides = ("trainer.max_steps=6", "trainer.grad_accum_steps=2", "checkpoint.every_n_steps=1",
+                 "checkpoint.keep_last=10", "ema.enabled=true", "ema.decay=0.8", f"ema.warmup={warmup}",
+                 f"ema.update_every={update_every}")
+    train_in_process(corpus, tmp_path, *overrides)
+    torch.manual_seed(0)  # trainer.seed: the initial weights
+    init = instantiate(compose_cfg(tiny_overrides(corpus, *overrides)).model).state_dict()
+    raw = [init] + [load_weights(tmp_path / "checkpoints" / f"step_{s:08d}" / "model.safetensors") for s in range(1, 7)]
+    expected = _ema_reference(raw, 0.8, warmup, update_every)
+    got = load_weights(tmp_path / "model_ema.safetensors")
+    assert got.keys() == init.keys()
+    for k in expected:
+        torch.testing.assert_close(got[k].double(), expected[k], rtol=1e-6, atol=1e-7)
+    events = read_metrics(tmp_path)
+    assert series(events, "val_ema/loss") and series(events, "val/loss")
+
+
+def test_ema_skips_steps_the_scaler_skipped(corpus, tmp_path):
+    train_in_process(corpus, tmp_path, "precision=fp16", "precision.init_scale=1e30", "trainer.max_steps=12",
+                     "ema.enabled=true")
+    skipped = int(series(read_metrics(tmp_path), "train/skipped_steps")[-1])
+    state = json.loads((tmp_path / "checkpoints" / "step_00000012" / "state.json").read_text())
+    assert skipped >= 3 and state["ema"]["num_updates"] == 12 - skipped
+
+
+def test_env_prints_versions_devices_and_the_default_config(tmp_path):
+    r = run_cli("env", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    for needle in ("torch", "2.13.0", "hydra-core", "omegaconf", "wandb", "safetensors", "CUDA available",
+                   "gloo / nccl", "torch threads", "max_steps:"):
+        assert needle in r.stdout, needle
+
+
+def test_check_reports_each_equivalence(capsys):
+    from trainer.commands import check
+
+    assert check([]) == 0
+    out = capsys.readouterr().out
+    assert out.count("OK  ") == 3 and "3 passed, 0 failed" in out
+
+
+def test_check_fails_loudly_when_an_equivalence_breaks(capsys, monkeypatch):
+    """Break accumulation on purpose (later micro-batches dropped): check must say FAIL and exit 1."""
+    from trainer import commands
+    from trainer.trainer import Trainer
+
+    original = Trainer.train_step
+    monkeypatch.setattr(Trainer, "train_step", lambda self, batches, n: original(self, batches[:1], n))
+    assert commands.check([]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  accumulation 2 x 4 equals batch 8" in out

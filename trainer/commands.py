@@ -1,0 +1,120 @@
+"""`python -m trainer env` (what is installed and available) and `python -m trainer check`
+(a correctness self-test of this machine: accumulation, data parallelism and resume)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+
+def _version(pkg: str) -> str:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def env(argv: list[str]) -> int:
+    """Print versions, devices and backends, then the default config (like `accelerate env`)."""
+    import torch
+    import torch.distributed as dist
+
+    from .backend import available_cores
+
+    rows = [
+        ("trainer", _version("trainer")),
+        ("Python", f"{platform.python_version()} ({sys.executable})"),
+        ("Platform", platform.platform()),
+        *[(p, _version(p)) for p in ("torch", "hydra-core", "omegaconf", "wandb", "safetensors", "tqdm")],
+        ("CPU cores available", str(available_cores())),
+        ("torch threads (intra-op / inter-op)", f"{torch.get_num_threads()} / {torch.get_num_interop_threads()}"),
+        ("CUDA available", str(torch.cuda.is_available())),
+    ]
+    if torch.cuda.is_available():
+        rows += [("CUDA / cuDNN", f"{torch.version.cuda} / {torch.backends.cudnn.version()}")]
+        rows += [(f"GPU {i}", torch.cuda.get_device_name(i)) for i in range(torch.cuda.device_count())]
+        rows += [("bf16 on GPU", str(torch.cuda.is_bf16_supported()))]
+    rows += [
+        ("torch.distributed", str(dist.is_available())),
+        ("gloo / nccl", f"{dist.is_gloo_available()} / {dist.is_nccl_available()}"),
+        ("MKL / oneDNN (CPU bf16 matmuls)", f"{torch.backends.mkl.is_available()} / {torch.backends.mkldnn.is_available()}"),
+        ("WANDB_MODE", os.environ.get("WANDB_MODE", "(unset)")),
+        ("wandb credentials", "yes" if os.environ.get("WANDB_API_KEY") else "not in the environment"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"- {k.ljust(width)} : {v}" for k, v in rows))
+    print("\nDefault config (python -m trainer --cfg job):\n")
+    from omegaconf import OmegaConf
+
+    from .cli import compose
+
+    print(OmegaConf.to_yaml(compose(argv)))
+    return 0
+
+
+# -- check ---------------------------------------------------------------------------------------
+CHECK_SETTINGS = [
+    "model=gpt_tiny", "precision=fp32", "data=text", "data.seq_len=32", "trainer.max_steps=12",
+    "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_samples=37", "trainer.progress=off",
+    "task.sample_tokens=0", "scheduler.warmup_steps=2", "checkpoint.every_n_steps=6", "world.threads=1",
+]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["train/loss"] for line in lines if "train/loss" in line]
+
+
+def _compare(name: str, got: list[float], want: list[float], tol: float) -> bool:
+    if len(got) != len(want):
+        print(f"FAIL  {name}: {len(got)} logged steps, expected {len(want)}")
+        return False
+    diff = max((abs(a - b) for a, b in zip(got, want)), default=0.0)
+    ok = diff <= tol
+    print(f"{'OK  ' if ok else 'FAIL'}  {name}: max |loss difference| = {diff:.2e} (tolerance {tol:.0e})")
+    return ok
+
+
+def check(argv: list[str]) -> int:
+    """Train a tiny model several ways that must agree, and say which agree. Exit 0 if all do."""
+    import torch
+
+    from . import train
+    from .cli import compose, resolve
+
+    tmp = Path(tempfile.mkdtemp(prefix="trainer-check-"))
+    corpus = tmp / "corpus.txt"
+    corpus.write_bytes(Path(json.__file__).read_bytes() + Path(subprocess.__file__).read_bytes())
+    os.environ.setdefault("TRAINER_CACHE_DIR", str(tmp / "cache"))
+    base = [*CHECK_SETTINGS, f"data.path={corpus}", *argv]
+    # GPU kernels are not bitwise deterministic; on the CPU everything here is.
+    tol_equiv, tol_exact = (1e-3, 1e-3) if torch.cuda.is_available() else (1e-5, 0.0)
+
+    def run_here(name: str, *extra: str) -> Path:
+        run_dir = tmp / name
+        train(resolve(compose([*base, *extra])), run_dir)
+        return run_dir
+
+    print(f"trainer check: tiny GPT, 12 steps, in {tmp}")
+    ref = _losses(run_here("big", "data.batch_size=8"))
+    results = [_compare("accumulation 2 x 4 equals batch 8", _losses(run_here("acc", "data.batch_size=4",
+                                                                            "trainer.grad_accum_steps=2")), ref, tol_equiv)]
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    r = subprocess.run([sys.executable, "-m", "trainer", *base, "data.batch_size=4", "world=ddp",
+                        "world.nproc_per_node=2", f"hydra.run.dir={tmp / 'ddp'}"], capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"FAIL  2 ranks ({backend}) x batch 4 equals 1 rank x batch 8: the run failed:\n{r.stderr.strip()}")
+        results.append(False)
+    else:
+        results.append(_compare(f"2 ranks ({backend}) x batch 4 equals 1 rank x batch 8", _losses(tmp / "ddp"), ref, tol_equiv))
+    resumed = run_here("resumed", "data.batch_size=8", f"resume={tmp / 'big' / 'checkpoints' / 'step_00000006'}")
+    results.append(_compare("save at step 6, resume: steps 7-12 continue the loss stream", _losses(resumed),
+                            ref[6:], tol_exact))
+    print(f"\n{sum(results)} passed, {len(results) - sum(results)} failed")
+    return 0 if all(results) else 1
