@@ -39,6 +39,23 @@ def test_default_run_dir_is_per_run_under_outputs(corpus, tmp_path):
     assert len(runs) == 1 and (runs[0].parent / ".hydra" / "overrides.yaml").exists()
 
 
+def test_run_dir_records_how_to_reproduce_the_run_and_what_it_cost(corpus, tmp_path):
+    import subprocess
+
+    r = run_cli(*tiny_overrides(corpus, "trainer.max_steps=4", "trainer.seed=7"), f"hydra.run.dir={tmp_path}",
+                cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    info = json.loads((tmp_path / "run_info.json").read_text())
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert info["git_commit"] == head and isinstance(info["git_dirty"], bool)
+    assert info["seed"] == 7 and info["world_size"] == 1 and info["packages"]["torch"].startswith("2.")
+    assert "trainer.seed=7" in info["command"]
+    assert "trainer.seed=7" in (tmp_path / ".hydra" / "overrides.yaml").read_text()
+    last = [e for e in read_metrics(tmp_path) if "train/loss" in e][-1]
+    assert 0 < last["train/mfu"] < 1 and last["train/peak_mem_mb"] > 50
+    assert "summary: steps=4" in r.stdout
+
+
 def test_help_and_cfg_job_do_not_train(tmp_path):
     r = run_cli("--help", cwd=tmp_path)
     assert r.returncode == 0 and "precision: bf16, fp16, fp32" in r.stdout

@@ -166,10 +166,10 @@ def scrub_hydra_files(run_dir: Path, secrets: set[str]) -> None:
     from .io import atomic_write_text
 
     for f in (run_dir / ".hydra").glob("*.yaml") if secrets else ():
+        from .run import _scrub
+
         text = f.read_text()
-        clean = text
-        for value in secrets:
-            clean = clean.replace(value, "<redacted>")
+        clean = _scrub(text, secrets)
         if clean != text:
             atomic_write_text(f, clean)
 

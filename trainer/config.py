@@ -31,6 +31,7 @@ class TrainerConfig:
     nonfinite: str = "stop"  # on a NaN/inf loss or grad norm: stop | skip
     max_nonfinite_skips: int = 10  # with nonfinite=skip: stop after this many consecutive skips
     progress: str = "auto"  # auto (bar on a terminal, lines otherwise) | bar | lines | off
+    peak_tflops: float | None = None  # per-device peak for MFU; null = GPU table, or a CPU matmul probe
 
 
 @dataclass

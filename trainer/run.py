@@ -21,6 +21,9 @@ from .config import LOADER_KEYS, CheckpointConfig, EMAConfig, TrainerConfig
 from .ema import EMA
 from .errors import CheckpointError, ConfigError, DataError
 from .loggers import JsonlLogger, LoggerGroup, NullLogger
+from .metrics import Cost
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def seed_everything(seed: int) -> None:
@@ -101,6 +104,51 @@ def find_resume(resume: str | None, checkpointer: ckpt.Checkpointer, restarted: 
     return path
 
 
+def write_run_info(run_dir: Path, cfg: DictConfig, seed: int, backend: Backend) -> None:
+    """`run_info.json`: what it takes to reproduce the run, beside config.yaml and .hydra/overrides.yaml."""
+    import platform
+    import subprocess
+    import sys
+    from importlib import metadata
+
+    from .cli import secret_values
+    from .io import atomic_write_json
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=5)
+            return out.stdout.strip() if out.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+
+    secrets = secret_values(cfg)
+    commit = git("rev-parse", "HEAD")
+    packages = {}
+    for name in ("trainer", "torch", "hydra-core", "omegaconf", "wandb", "safetensors", "tqdm"):
+        try:
+            packages[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            packages[name] = None
+    info = {
+        "command": [_scrub(arg, secrets) for arg in sys.argv],
+        "git_commit": commit,
+        "git_dirty": bool(git("status", "--porcelain")) if commit else None,
+        "seed": seed,
+        "world_size": backend.world_size,
+        "device": str(backend.device),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": packages,
+    }
+    atomic_write_json(run_dir / "run_info.json", info)
+
+
+def _scrub(text: str, secrets: set[str]) -> str:
+    for value in secrets:
+        text = text.replace(value, "<redacted>")
+    return text
+
+
 def preflight(cfg: DictConfig) -> None:
     """Build what can fail from a config mistake, cheaply, before any worker process starts:
     the model on the meta device (no memory), the task, the precision and the datasets (whose
@@ -160,6 +208,8 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
             num_workers=cfg.data.get("num_workers", 0), config=tcfg, loggers=loggers, run_dir=run_dir,
             ema=ema, checkpointer=checkpointer,
             config_yaml=OmegaConf.to_yaml(OmegaConf.create(redact(OmegaConf.to_container(cfg)))),
+            cost=Cost(raw_model, backend.device, PRECISION_DTYPES.get(precision.name, torch.float32),
+                      tcfg.peak_tflops, backend.world_size),
         )
         source = find_resume(cfg.get("resume"), checkpointer, backend.info.restart_count > 0, say)
         if source is not None:
@@ -174,6 +224,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
                 return {}
         if backend.is_main:
             loggers.log_config(OmegaConf.to_container(cfg, resolve=True))
+            write_run_info(run_dir, cfg, tcfg.seed, backend)
         final = trainer.fit()
         if backend.is_main:
             model_config = OmegaConf.to_container(cfg.model, resolve=True)

@@ -17,6 +17,7 @@ from .data import GlobalBatchSampler, eval_loader, train_loader
 from .ema import EMA
 from .errors import CheckpointError, NonFiniteError, Preempted
 from .loggers import NullLogger
+from .metrics import Cost
 from .preemption import PreemptionFlag
 from .progress import NullProgress, Progress
 from .rng import rng_state, set_rng_state
@@ -33,14 +34,15 @@ class Trainer:
                  scheduler: torch.optim.lr_scheduler.LRScheduler, precision, backend: Backend,
                  train_data, val_data, batch_size: int, shuffle: bool, num_workers: int,
                  config: TrainerConfig, loggers: NullLogger | None = None, run_dir: str | Path = ".",
-                 ema: EMA | None = None, checkpointer: ckpt.Checkpointer | None = None, config_yaml: str = ""):
+                 ema: EMA | None = None, checkpointer: ckpt.Checkpointer | None = None, config_yaml: str = "",
+                 cost: Cost | None = None):
         self.model, self.task, self.optimizer, self.scheduler = model, task, optimizer, scheduler
         self.precision, self.backend, self.cfg = precision, backend, config
         self.train_data, self.val_data = train_data, val_data
         self.batch_size, self.shuffle, self.num_workers = batch_size, shuffle, num_workers
         self.loggers = loggers or NullLogger()
         self.run_dir = Path(run_dir)
-        self.ema, self.checkpointer, self.config_yaml = ema, checkpointer, config_yaml
+        self.ema, self.checkpointer, self.config_yaml, self.cost = ema, checkpointer, config_yaml, cost
         self.raw_model = backend.unwrap(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.preemption = PreemptionFlag()
@@ -188,6 +190,7 @@ class Trainer:
         self.preemption.install()
         self.model.train()
         window_start, window_targets, window_steps = time.perf_counter(), 0, 0
+        train_time, train_targets, first_step = 0.0, 0.0, self.step
         metrics: dict[str, float] = {}
         try:
             while self.step < cfg.max_steps:
@@ -206,6 +209,7 @@ class Trainer:
                 if self._log_due():
                     # The loop's host syncs for metrics happen here, every log_every steps.
                     elapsed = time.perf_counter() - window_start
+                    train_time, train_targets = train_time + elapsed, train_targets + float(window_targets)
                     metrics = {
                         "train/loss": float(be.all_reduce(out["loss_sum"]) / n_global),
                         "train/lr": self.scheduler.get_last_lr()[0],
@@ -214,6 +218,7 @@ class Trainer:
                         "train/samples_per_s": window_steps * self.global_batch / elapsed,
                         "train/step_time_ms": 1000 * elapsed / window_steps,
                         "train/skipped_steps": self.skipped_steps,
+                        **(self.cost.metrics(float(window_targets) / elapsed) if self.cost else {}),
                     }
                     self.loggers.log_metrics(metrics, self.step)
                     progress.update(self.step, metrics)
@@ -230,7 +235,19 @@ class Trainer:
         finally:
             self.preemption.uninstall()
             progress.close()
-        return {**metrics, **final}
+        summary = self._summary(self.step - first_step, train_time, train_targets)
+        if summary and be.is_main:
+            print("summary: " + " ".join(f"{k.split('/')[1]}={v:.4g}" for k, v in summary.items()), flush=True)
+        return {**metrics, **final, **summary}
+
+    def _summary(self, steps: int, seconds: float, targets: float) -> dict[str, float]:
+        """Whole-run throughput and cost (training time only: eval and checkpoints excluded)."""
+        if steps == 0 or seconds == 0:
+            return {}
+        out = {"summary/steps": steps, "summary/train_time_s": seconds, "summary/tokens_per_s": targets / seconds}
+        if self.cost:
+            out.update({k.replace("train/", "summary/"): v for k, v in self.cost.metrics(targets / seconds).items()})
+        return out
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -82,6 +82,12 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 x non-embedding-lookup parameters plus attention (PaLM, appendix B)."""
+        n = sum(p.numel() for p in self.parameters()) - self.pos_emb.weight.numel()
+        d, L = self.tok_emb.embedding_dim, len(self.blocks)
+        return 6 * n + 12 * L * d * self.seq_len
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]
         if T > self.seq_len:

@@ -1,0 +1,73 @@
+"""What a run costs: model FLOPs utilisation (MFU) against a peak, and peak memory.
+
+MFU = achieved model FLOPs / peak FLOPs. Model FLOPs per target come from the model's own
+`flops_per_token()` when it has one (the lm GPT counts attention too), else 6 x parameters
+(forward + backward of a dense network). The peak is `trainer.peak_tflops` if given, a table for
+common GPUs, or on a CPU a short matmul probe in the run's precision (the best this CPU reaches).
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import torch
+import torch.nn as nn
+
+# Dense bf16/fp16 tensor-core peaks (TFLOP/s, no sparsity), by a substring of the device name.
+GPU_PEAK_TFLOPS = {
+    "H200": 989.0, "H100 SXM": 989.0, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0,
+    "GH200": 989.0, "B200": 2250.0, "A100": 312.0, "A10G": 125.0, "A10": 125.0, "L40S": 362.0,
+    "L4": 121.0, "RTX 4090": 165.0, "RTX 3090": 71.0, "V100": 125.0, "T4": 65.0,
+}
+
+
+def flops_per_target(model: nn.Module) -> float:
+    if hasattr(model, "flops_per_token"):
+        return float(model.flops_per_token())
+    return 6.0 * sum(p.numel() for p in model.parameters())
+
+
+def gpu_peak_tflops(device: torch.device) -> float | None:
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in GPU_PEAK_TFLOPS.items():  # ordered: specific names first
+        if key in name:
+            return tflops
+    return None
+
+
+def cpu_peak_tflops(dtype: torch.dtype, size: int = 512, seconds: float = 0.05) -> float:
+    """Best matmul throughput of this process's CPU threads in `dtype`, measured in ~50 ms."""
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    a @ b  # warm-up: kernel selection
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t = time.perf_counter()
+        a @ b
+        best = max(best, 2 * size**3 / (time.perf_counter() - t))
+    return best / 1e12
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class Cost:
+    """Turns tokens/s into MFU; measured once at start (the CPU probe) so the loop pays nothing."""
+
+    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, peak_tflops: float | None,
+                 world_size: int = 1):
+        self.device, self.flops_per_target = device, flops_per_target(model)
+        if peak_tflops is None:
+            peak_tflops = gpu_peak_tflops(device) if device.type == "cuda" else cpu_peak_tflops(dtype)
+        self.peak_tflops = peak_tflops  # per process
+        self.world_size = world_size
+
+    def metrics(self, targets_per_s: float) -> dict[str, float]:
+        out = {"train/peak_mem_mb": peak_memory_mb(self.device)}
+        if self.peak_tflops:
+            achieved = self.flops_per_target * targets_per_s / self.world_size
+            out["train/mfu"] = achieved / (self.peak_tflops * 1e12)
+        return out
