@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from .errors import ConfigError
 from .loggers import NullLogger
 
-DEFAULT_BASE_URL = "https://api.wandb.ai"
+MODES = (None, "online", "offline", "disabled")
 
 
 class WandbLogger(NullLogger):
@@ -42,6 +43,9 @@ class WandbLogger(NullLogger):
     def __init__(self, *, run_dir: str | os.PathLike, project: str | None = "trainer",
                  entity: str | None = None, name: str | None = None, group: str | None = None,
                  tags: list[str] | None = None, mode: str | None = None, dir: str | None = None):
+        if mode not in MODES:
+            raise ConfigError(f"logger.wandb.mode={mode!r} is invalid: expected one of "
+                              "online, offline, disabled, or null (online with credentials, else offline).")
         self.init_kwargs = {"project": project, "entity": entity, "name": name, "group": group,
                             "tags": [str(t) for t in tags or ()] or None}
         self.mode = mode
@@ -53,8 +57,11 @@ class WandbLogger(NullLogger):
 
     # -- starting the run --------------------------------------------------------------------------
     def _start(self, config: dict[str, Any] | None = None) -> None:
+        import wandb
+
         mode = self.mode or os.environ.get("WANDB_MODE") or "online"
-        if mode in ("online", "run") and not has_credentials():
+        # The server wandb will use: $WANDB_BASE_URL, or the host saved by `wandb login --host`.
+        if mode in ("online", "run") and not has_credentials(wandb.setup().settings.base_url):
             mode, self._sync_hint = "offline", "no W&B credentials: set WANDB_API_KEY or run `wandb login`"
         self.dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -62,13 +69,9 @@ class WandbLogger(NullLogger):
         except Exception as exc:  # noqa: BLE001 - wandb raises several types for a bad key or no network
             if mode not in ("online", "run"):
                 raise
-            import wandb
-
             self._sync_hint = f"could not start an online run: {type(exc).__name__}: {str(exc).splitlines()[0]}"
-            # wandb's service still holds the failed run's id; a fresh service lets the same id go offline.
-            wandb.teardown()
             mode = "offline"
-            self.run = self._init(mode, config)
+            self.run = self._init_offline_after_failure(config)
         self.offline = mode in ("offline", "dryrun")
 
     def _init(self, mode: str, config: dict[str, Any] | None):
@@ -87,6 +90,18 @@ class WandbLogger(NullLogger):
             # "allow": continue the run with this id if it exists (a resumed job), else create it.
             resume="allow", settings=settings,
         )
+
+    def _init_offline_after_failure(self, config: dict[str, Any] | None):
+        import wandb
+
+        # wandb's service keeps the failed run's id reserved; a fresh service frees it, so the offline
+        # run keeps the id (and a resumed job still continues the same run once synced).
+        wandb.teardown()
+        try:
+            return self._init("offline", config)
+        except Exception:  # noqa: BLE001 - a service shared with a parent process ($WANDB_SERVICE) keeps it
+            self.run_id = new_run_id()
+            return self._init("offline", config)
 
     def _ensure_started(self) -> None:
         if self.run is None:
@@ -162,11 +177,11 @@ def redact(container: Any) -> Any:
     return container
 
 
-def has_credentials(base_url: str | None = None) -> bool:
-    """Whether wandb can authenticate without asking: an API key in the environment or in ~/.netrc."""
+def has_credentials(base_url: str) -> bool:
+    """Whether wandb can authenticate to `base_url` without asking: a key in the environment or ~/.netrc."""
     if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return True
-    host = urlsplit(base_url or os.environ.get("WANDB_BASE_URL") or DEFAULT_BASE_URL).hostname
+    host = urlsplit(base_url).hostname
     path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
     try:
         entry = netrc.netrc(path).authenticators(host) if host else None

@@ -1,0 +1,191 @@
+"""The wandb logger, read back from the offline `.wandb` files it writes (no server, no network)."""
+
+from __future__ import annotations
+
+import functools
+import html
+import json
+import re
+import socket
+import subprocess
+
+import pytest
+from conftest import compose_cfg, read_metrics, run_cli, tiny_overrides
+from omegaconf import OmegaConf
+from wandb_reader import config, history, media_path, records, run_id, run_ids, summary
+
+from trainer.wandb_logger import WandbLogger, has_credentials
+
+FAKE_KEY = "secret123" + "0" * 40  # a well-formed API key: wandb rejects malformed ones early
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+
+
+@pytest.fixture
+def no_stdin(monkeypatch):
+    """`run_cli` with stdin at EOF, as in a batch job: a login prompt would fail instead of waiting."""
+    monkeypatch.setattr(subprocess, "run", functools.partial(subprocess.run, stdin=subprocess.DEVNULL))
+
+
+@pytest.fixture
+def own_service(monkeypatch):
+    """The CLI starts its own wandb service instead of joining this process's (inherited $WANDB_SERVICE)."""
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)
+
+
+@pytest.fixture
+def fresh_wandb():
+    """wandb reads the environment once per process setup: start this test, and the next, with a fresh one."""
+    import wandb
+
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
+def isolated_env(tmp_path, **extra: str) -> dict:
+    """No ~/.netrc or ~/.config/wandb of the developer's: a fresh HOME."""
+    return {"HOME": str(tmp_path / "home"), "NETRC": str(tmp_path / "home" / ".netrc"), **extra}
+
+
+def test_logger_config_composes(tmp_path):
+    from hydra.utils import instantiate
+
+    for choice in ("logger=wandb", "logger=[wandb]", "logger=[none,wandb]"):
+        cfg = compose_cfg([choice, "logger.wandb.tags=[a,b]"])
+        assert OmegaConf.to_container(cfg.logger) == {"wandb": {
+            "_target_": "trainer.wandb_logger.WandbLogger", "project": "trainer", "entity": None,
+            "name": None, "group": None, "tags": ["a", "b"], "mode": None, "dir": None}}
+    logger = instantiate(cfg.logger.wandb, run_dir=str(tmp_path))
+    assert isinstance(logger, WandbLogger) and logger.dir == tmp_path and logger.run is None
+
+
+def test_help_does_not_import_wandb():
+    proc = run_cli("--help", env={"PYTHONPROFILEIMPORTTIME": "1"}, timeout=60)
+    assert proc.returncode == 0
+    assert not re.search(r"\|\s+wandb\b", proc.stderr)
+
+
+def test_wandb_run_mirrors_the_training_run(corpus, tmp_path, offline):
+    from trainer import train
+
+    cfg = compose_cfg(tiny_overrides(corpus, "logger=wandb", "trainer.eval_every=10", "task.sample_tokens=24"))
+    final = train(cfg, tmp_path)
+
+    # Every metrics.jsonl event, at its step, with its exact value (same-step events share a wandb row).
+    expected: dict[int, dict] = {}
+    for event in read_metrics(tmp_path):
+        expected.setdefault(event.pop("step"), {}).update(event)
+    rows = history(tmp_path)
+    assert len({r["step"] for r in rows}) == len(rows)
+    assert {r.pop("step"): {k: v for k, v in r.items() if k != "val/sample"} for r in rows} == expected
+
+    assert config(tmp_path) == OmegaConf.to_container(cfg, resolve=True)
+    assert {k: summary(tmp_path)[k] for k in final} == final
+
+    # Eval samples: one HTML panel per eval, holding the text of samples.jsonl.
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [10, 20]
+    logged = []
+    for row in history(tmp_path):
+        if "val/sample" in row:
+            page = media_path(tmp_path, row["val/sample"]).read_text()
+            logged.append({"step": row["step"], "key": "val/sample",
+                           "text": html.unescape(re.fullmatch(r"<pre[^>]*>(.*)</pre>", page, re.S).group(1))})
+    assert logged == samples
+
+    # System info (wandb's own): the machine description is in the run.
+    machine = [r.environment for r in records(tmp_path, "environment")]
+    assert any(m.python for m in machine) and any(m.cpu_count >= 1 for m in machine)
+    assert len(set(run_ids(tmp_path))) == 1
+
+
+def test_cli_without_credentials_logs_offline_and_says_how_to_sync(corpus, tmp_path, monkeypatch, no_stdin, own_service):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    run_dir = tmp_path / "run"
+    proc = run_cli(*tiny_overrides(corpus, "logger=wandb", "trainer.max_steps=5"), f"hydra.run.dir={run_dir}",
+                   env=isolated_env(tmp_path), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout + proc.stderr
+    assert [line for line in out.splitlines() if "wandb sync" in line] == [
+        f"wandb: run {run_id(run_dir)} was logged offline (no W&B credentials: set WANDB_API_KEY "
+        f"or run `wandb login`); upload it with: wandb sync {run_dir / 'wandb'}"]
+    assert [r["step"] for r in history(run_dir)] == [1, 2, 3, 4, 5]
+
+
+def test_unreachable_server_falls_back_offline_and_the_key_is_never_written(corpus, tmp_path, monkeypatch,
+                                                                             fresh_wandb):
+    from trainer import train
+
+    with socket.socket() as s:  # a port nothing listens on: connections are refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    for var, value in dict(WANDB_API_KEY=FAKE_KEY, WANDB_BASE_URL=f"http://127.0.0.1:{port}",
+                           WANDB_INIT_TIMEOUT="1").items():
+        monkeypatch.setenv(var, value)
+    train(compose_cfg(tiny_overrides(corpus, "logger=wandb", "trainer.max_steps=5")), tmp_path)
+
+    assert [r["step"] for r in history(tmp_path)] == [1, 2, 3, 4, 5]
+    assert len(set(run_ids(tmp_path))) == 1  # the offline run kept the id of the failed online one
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in files)
+    assert [str(p) for p in files if FAKE_KEY.encode() in p.read_bytes()] == []
+
+
+def test_resumed_logger_continues_the_same_run(tmp_path, offline):
+    first = WandbLogger(run_dir=tmp_path, project="p")
+    first.log_config({"lr": 1e-3, "auth": {"api_key": FAKE_KEY, "user": "me"}})
+    first.log_metrics({"loss": 2.0}, step=1)
+    state = first.state_dict()
+    first.finish({"loss": 2.0})
+
+    second = WandbLogger(run_dir=tmp_path, project="p")
+    assert second.state_dict() != state
+    second.load_state_dict(state)
+    second.log_metrics({"loss": 1.0}, step=2)
+    with pytest.raises(RuntimeError, match="before the first"):
+        second.load_state_dict({"run_id": "someother"})
+    second.finish({"loss": 1.0})
+
+    assert run_ids(tmp_path) == [state["run_id"]] * 2
+    assert [(r["step"], r["loss"]) for r in history(tmp_path)] == [(1, 2.0), (2, 1.0)]
+    assert summary(tmp_path)["loss"] == 1.0
+    assert config(tmp_path) == {"lr": 1e-3, "auth": {"api_key": "<redacted>", "user": "me"}}
+
+
+def test_resumed_training_continues_the_same_wandb_run(corpus, tmp_path, offline):
+    """Through `train`: the run id travels in the checkpoint, and the resumed job logs to it."""
+    from trainer import train
+
+    train(compose_cfg(tiny_overrides(corpus, "logger=wandb", "trainer.max_steps=4")), tmp_path)
+    train(compose_cfg(tiny_overrides(corpus, "logger=wandb", "trainer.max_steps=6", "resume=auto")), tmp_path)
+    ids = run_ids(tmp_path)
+    assert len(ids) == 2 and len(set(ids)) == 1
+    assert [r["step"] for r in history(tmp_path)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_credentials_come_from_the_environment_or_netrc(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_IDENTITY_TOKEN_FILE", raising=False)
+    netrc = tmp_path / "netrc"
+    monkeypatch.setenv("NETRC", str(netrc))
+    assert not has_credentials("https://api.wandb.ai")
+    netrc.write_text(f"machine api.wandb.ai\n  login user\n  password {FAKE_KEY}\n")
+    netrc.chmod(0o600)
+    assert has_credentials("https://api.wandb.ai")
+    assert not has_credentials("https://wandb.example.com")
+    monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
+    assert has_credentials("https://wandb.example.com")
+
+
+def test_a_misspelt_mode_fails_with_the_valid_ones(tmp_path):
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="logger.wandb.mode='ofline' is invalid.*online, offline, disabled"):
+        WandbLogger(run_dir=tmp_path, mode="ofline")
