@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import load_weights, read_metrics, series, train_in_process
 
-TIMING = ("train/tokens_per_s", "train/samples_per_s", "train/step_time_ms")
+TIMING = ("train/tokens_per_s", "train/samples_per_s", "train/step_time_ms", "train/mfu", "train/peak_mem_mb")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])

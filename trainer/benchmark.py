@@ -6,14 +6,17 @@
 
 A shared machine drifts, so nothing is compared with a number from another run: each item runs
 the framework and its plain-PyTorch baseline in alternating rounds (A B, then B A, ...) and
-reports the median of the per-round figures.
+reports the median of the per-round figures (differences and ratios are taken per round, then
+the median). In-process loops are timed by the wall clock and in process CPU time; on the CPU
+with one thread the CPU time decides, as it is the less disturbed by other jobs.
 
     loop_tiny, loop_default  Trainer.fit() vs a hand-written loop: same model, AdamW groups, batches,
                              clipping, autocast and LR schedule (gpt_tiny 4x32, gpt_small 16x256, bf16)
     bf16_vs_fp32             tokens/s of the plain loop on the default lm model in each precision
     ddp                      `python -m trainer world=ddp` 2 processes x 1 thread vs 1 x 1 (train/tokens_per_s)
-    checkpoint               checkpoint save/load vs writing/reading the same bytes raw
-    startup                  `python -m trainer` to its first optimizer step, minus `python -c "import torch"`
+    checkpoint               safetensors and trainer.checkpoint save/load vs writing/reading the same bytes raw
+    startup                  `python -m trainer` to its first optimizer step vs `python -c "import torch"` and
+                             vs a plain script doing the same step; whether --help / --cfg job import torch
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ class Sizes:
 
 
 FULL = Sizes(loop_tiny=(30, 100, 100), loop_default=(5, 8, 2), precision=(3, 5, 2), default_model=tuple(DEFAULT),
-             ddp_rounds=2, ddp_model=tuple(DEFAULT), ddp_steps=20, ddp_log_every=4, checkpoint_rounds=5,
+             ddp_rounds=2, ddp_model=tuple(DEFAULT), ddp_steps=12, ddp_log_every=3, checkpoint_rounds=5,
              startup_rounds=5)
 QUICK = Sizes(loop_tiny=(2, 20, 3), loop_default=(2, 3, 1), precision=(2, 3, 1), default_model=tuple(QUICK_DEFAULT),
               ddp_rounds=1, ddp_model=tuple(TINY), ddp_steps=3, ddp_log_every=1, checkpoint_rounds=2,
@@ -137,8 +140,9 @@ def build_trainer(cfg, run_dir: Path):
 class Lap:
     """Seconds per step by the wall clock and in CPU time of this process.
 
-    With one thread on the CPU, CPU time counts only this process's own work: another job taking
-    the core for a while lengthens the wall time of whichever side was running, not its CPU time.
+    With one thread on the CPU, CPU time counts this process's own work: another job taking the
+    core for a while lengthens the wall time of whichever side was running, not its CPU time. (It
+    still feels shared caches and hypervisor steal, so it is less noisy, not noise-free.)
     """
 
     wall: float

@@ -16,9 +16,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from . import config as _config  # registers the typed schema with Hydra's ConfigStore
 from .errors import ConfigError, TrainerExit, UserError, suggest
+from .redaction import redact, scrub, secret_values
 
 CONFIG_MODULE = "trainer.conf"
-SECRET_MARKERS = ("api_key", "apikey", "token", "secret", "password")
 
 
 def debug_enabled() -> bool:
@@ -133,43 +133,13 @@ def resolve(cfg: DictConfig) -> DictConfig:
     return resolved
 
 
-def redact(container):
-    """A copy with values of secret-looking keys replaced: secrets never reach the run dir."""
-    if isinstance(container, dict):
-        return {k: ("<redacted>" if any(s in str(k).lower() for s in SECRET_MARKERS) and v else redact(v))
-                for k, v in container.items()}
-    if isinstance(container, list):
-        return [redact(v) for v in container]
-    return container
-
-
-def secret_values(cfg: DictConfig) -> set[str]:
-    """Values that must never be written: secret-looking config keys and environment variables."""
-    found = {v for k, v in os.environ.items() if any(s in k.lower() for s in SECRET_MARKERS) and len(v) >= 6}
-
-    def walk(node):
-        if isinstance(node, dict):
-            for k, v in node.items():
-                if any(s in str(k).lower() for s in SECRET_MARKERS) and isinstance(v, str | int) and len(str(v)) >= 6:
-                    found.add(str(v))
-                walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
-
-    walk(OmegaConf.to_container(cfg))
-    return found
-
-
 def scrub_hydra_files(run_dir: Path, secrets: set[str]) -> None:
     """Hydra records the command line in .hydra/; take secrets given there back out."""
     from .io import atomic_write_text
 
     for f in (run_dir / ".hydra").glob("*.yaml") if secrets else ():
-        from .run import _scrub
-
         text = f.read_text()
-        clean = _scrub(text, secrets)
+        clean = scrub(text, secrets)
         if clean != text:
             atomic_write_text(f, clean)
 
@@ -191,7 +161,7 @@ def run_job(cfg: DictConfig) -> float | None:
     try:
         _config.validate(cfg)
         resolved = resolve(cfg)
-        scrub_hydra_files(run_dir, secret_values(resolved))
+        scrub_hydra_files(run_dir, secret_values(OmegaConf.to_container(resolved)))
         _config.check_targets(resolved)
         save_config(resolved, run_dir)
         from .launcher import WorkerFailed, run

@@ -86,7 +86,7 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
 
     from .run import preflight
 
-    preflight(cfg)
+    preflight(cfg, run_dir)
     w = cfg.world
     nproc = nproc_per_node(w.nproc_per_node)
     if w.nnodes > 1:

@@ -111,8 +111,8 @@ def write_run_info(run_dir: Path, cfg: DictConfig, seed: int, backend: Backend) 
     import sys
     from importlib import metadata
 
-    from .cli import secret_values
     from .io import atomic_write_json
+    from .redaction import scrub, secret_values
 
     def git(*args: str) -> str | None:
         try:
@@ -121,7 +121,7 @@ def write_run_info(run_dir: Path, cfg: DictConfig, seed: int, backend: Backend) 
         except (OSError, subprocess.TimeoutExpired):
             return None
 
-    secrets = secret_values(cfg)
+    secrets = secret_values(OmegaConf.to_container(cfg))
     commit = git("rev-parse", "HEAD")
     packages = {}
     for name in ("trainer", "torch", "hydra-core", "omegaconf", "wandb", "safetensors", "tqdm"):
@@ -130,7 +130,7 @@ def write_run_info(run_dir: Path, cfg: DictConfig, seed: int, backend: Backend) 
         except metadata.PackageNotFoundError:
             packages[name] = None
     info = {
-        "command": [_scrub(arg, secrets) for arg in sys.argv],
+        "command": [scrub(arg, secrets) for arg in sys.argv],
         "git_commit": commit,
         "git_dirty": bool(git("status", "--porcelain")) if commit else None,
         "seed": seed,
@@ -143,13 +143,7 @@ def write_run_info(run_dir: Path, cfg: DictConfig, seed: int, backend: Backend) 
     atomic_write_json(run_dir / "run_info.json", info)
 
 
-def _scrub(text: str, secrets: set[str]) -> str:
-    for value in secrets:
-        text = text.replace(value, "<redacted>")
-    return text
-
-
-def preflight(cfg: DictConfig) -> None:
+def preflight(cfg: DictConfig, run_dir: Path) -> None:
     """Build what can fail from a config mistake, cheaply, before any worker process starts:
     the model on the meta device (no memory), the task, the precision and the datasets (whose
     cache is then built once, here, for all workers)."""
@@ -164,6 +158,9 @@ def preflight(cfg: DictConfig) -> None:
     build("task", cfg.task)
     build("precision", cfg.precision, device_type=device.type)
     build_data(cfg.data)
+    for node in (cfg.logger or {}).values():  # trackers' constructors validate and start nothing
+        if node is not None:
+            build("logger", node, run_dir=str(run_dir))
 
 
 def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
@@ -195,7 +192,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
         # Different randomness per rank from here on (dropout), reproducible per (seed, rank).
         seed_everything(tcfg.seed + backend.rank)
 
-        from .cli import redact
+        from .redaction import redact
         from .trainer import Trainer
 
         checkpointer = ckpt.Checkpointer(run_dir / "checkpoints", ccfg.every_n_steps, ccfg.keep_last,
@@ -225,12 +222,16 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
         if backend.is_main:
             loggers.log_config(OmegaConf.to_container(cfg, resolve=True))
             write_run_info(run_dir, cfg, tcfg.seed, backend)
-        final = trainer.fit()
-        if backend.is_main:
-            model_config = OmegaConf.to_container(cfg.model, resolve=True)
-            export_model(raw_model.state_dict(), run_dir, "model", model_config, ccfg.max_shard_mb)
-            if ema is not None:
-                export_model(ema.model_state_dict(), run_dir, "model_ema", model_config, ccfg.max_shard_mb)
+        try:
+            final = trainer.fit()
+            if backend.is_main:
+                model_config = OmegaConf.to_container(cfg.model, resolve=True)
+                export_model(raw_model.state_dict(), run_dir, "model", model_config, ccfg.max_shard_mb)
+                if ema is not None:
+                    export_model(ema.model_state_dict(), run_dir, "model_ema", model_config, ccfg.max_shard_mb)
+        except BaseException as e:
+            loggers.finish({}, exit_code=getattr(e, "exit_code", 1))  # trackers mark the run failed/preempted
+            raise
         loggers.finish(final)
         return final
     finally:

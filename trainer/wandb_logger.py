@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import netrc
 import os
-import re
 import secrets
 import shlex
 import string
@@ -25,6 +24,7 @@ from urllib.parse import urlsplit
 
 from .errors import ConfigError
 from .loggers import NullLogger
+from .redaction import redact
 
 MODES = (None, "online", "offline", "disabled")
 
@@ -160,23 +160,6 @@ class WandbLogger(NullLogger):
 
 
 # Words that make a config key secret: "hf_token", "apiKey", "db_password", but not "sample_tokens".
-SECRET_WORDS = frozenset({"token", "secret", "password", "passwd", "apikey", "credential", "credentials"})
-
-
-def is_secret_key(key: Any) -> bool:
-    words = re.split(r"[^a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", str(key)).lower())
-    return any(w in SECRET_WORDS for w in words) or any(a + b in SECRET_WORDS for a, b in zip(words, words[1:]))
-
-
-def redact(container: Any) -> Any:
-    """A copy with the values of secret-looking keys replaced, so secrets never reach the tracker."""
-    if isinstance(container, dict):
-        return {k: "<redacted>" if v and is_secret_key(k) else redact(v) for k, v in container.items()}
-    if isinstance(container, list):
-        return [redact(v) for v in container]
-    return container
-
-
 def has_credentials(base_url: str) -> bool:
     """Whether wandb can authenticate to `base_url` without asking: a key in the environment or ~/.netrc."""
     if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
