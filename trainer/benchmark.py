@@ -22,10 +22,13 @@ with one thread the CPU time decides, as it is the less disturbed by other jobs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import io
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -69,8 +72,8 @@ class Sizes:
     startup_warmup: bool = True  # one untimed run first (dataset cache, .pyc files, page cache)
 
 
-FULL = Sizes(loop_tiny=(30, 100, 100), loop_default=(5, 8, 2), precision=(3, 5, 2), default_model=tuple(DEFAULT),
-             ddp_rounds=2, ddp_model=tuple(DEFAULT), ddp_steps=12, ddp_log_every=3, checkpoint_rounds=5,
+FULL = Sizes(loop_tiny=(30, 100, 100), loop_default=(16, 2, 2), precision=(4, 3, 1), default_model=tuple(DEFAULT),
+             ddp_rounds=3, ddp_model=tuple(DEFAULT), ddp_steps=12, ddp_log_every=3, checkpoint_rounds=5,
              startup_rounds=5)
 QUICK = Sizes(loop_tiny=(2, 20, 3), loop_default=(2, 3, 1), precision=(2, 3, 1), default_model=tuple(QUICK_DEFAULT),
               ddp_rounds=1, ddp_model=tuple(TINY), ddp_steps=3, ddp_log_every=1, checkpoint_rounds=2,
@@ -110,30 +113,31 @@ def no_checkpoints(cfg) -> list[str]:
 
 
 # -- a. the Trainer loop vs a plain loop -----------------------------------------------------------
-class _Built(BaseException):
-    """Raised from inside `train` to hand back the Trainer it built, before any step runs."""
+def with_trainer(cfg, run_dir: Path, body: Callable[[Any], Any]) -> Any:
+    """`body(trainer)` in place of `trainer.fit()` inside `trainer.run.train(cfg, run_dir)`.
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-
-
-def build_trainer(cfg, run_dir: Path):
-    """The Trainer exactly as `trainer.run.train` builds it (loggers, data, precision ...), not yet fitted."""
+    So the Trainer is exactly the one `train` builds (loggers, data, precision, checkpointer ...),
+    and whatever `train` does around fit() happens once, outside the timed rounds. `body` may call
+    the real `trainer.fit()` as often as it likes.
+    """
     from trainer.run import train
     from trainer.trainer import Trainer
 
-    def capture(self):
-        raise _Built(self)
+    original, result = Trainer.fit, []
 
-    original = Trainer.fit
-    Trainer.fit = capture
+    def instead(self):
+        Trainer.fit = original
+        result.append(body(self))
+        return {}
+
+    Trainer.fit = instead
     try:
         train(cfg, run_dir)
-    except _Built as built:
-        return built.trainer
     finally:
         Trainer.fit = original
-    raise RuntimeError("trainer.run.train returned without calling Trainer.fit")
+    if not result:
+        raise RuntimeError("trainer.run.train returned without calling Trainer.fit")
+    return result[0]
 
 
 @dataclass(frozen=True)
@@ -161,11 +165,12 @@ class Stopwatch:
 
 
 def fit_steps(trainer, n: int) -> Lap:
-    """Time per step of `trainer.fit()` continued for `n` more steps."""
+    """Time per step of `trainer.fit()` continued for `n` more steps (its end-of-run summary line muted)."""
     trainer.cfg.max_steps = trainer.step + n
-    watch = Stopwatch(trainer.backend.device)
-    trainer.fit()
-    return watch.lap(n)
+    with contextlib.redirect_stdout(io.StringIO()):
+        watch = Stopwatch(trainer.backend.device)
+        trainer.fit()
+        return watch.lap(n)
 
 
 def _synchronizer(device) -> Callable[[], None]:
@@ -247,23 +252,35 @@ def bench_loop(overrides: list[str], sizes: tuple[int, int, int], target: dict) 
     base = compose([*COMMON, *overrides])
     cfg = compose([*COMMON, *overrides, f"trainer.max_steps={warmup + rounds * steps + 1}", f"world.threads={THREADS}",
                    *no_checkpoints(base)])
-    tmp = Path(tempfile.mkdtemp(prefix="bench-loop-"))
-    try:
-        trainer = build_trainer(cfg, tmp)
+
+    def measure(trainer) -> tuple[dict, float, Any]:
         trainer.val_data = None  # eval is not per-step work: each fit() round ends without one
-        plain = PlainLoop(cfg, trainer.train_data, trainer.backend.device, bf16=cfg.precision._target_.endswith("BF16"))
+        bf16 = cfg.precision._target_.endswith("BF16")
+        plain = PlainLoop(cfg, trainer.train_data, trainer.backend.device, bf16)
+        # An A/A control: a second, identical plain loop. Its "overhead" over the first is pure noise.
+        control = PlainLoop(cfg, trainer.train_data, trainer.backend.device, bf16)
         fit_steps(trainer, warmup)
         plain.run(warmup)
+        control.run(warmup)
         # What one fit() call costs besides its steps (loader, progress, end-of-run work), amortised per round.
         fixed = median([fit_steps(trainer, 0).wall for _ in range(5)])
-        t = alternate({"trainer": lambda: fit_steps(trainer, steps), "plain": lambda: plain.run(steps)}, rounds)
-        trainer.loggers.finish({})
+        # The plain loop runs between the other two in every round (T P C, then C P T), so both are paired
+        # with a plain round right beside them.
+        t = alternate({"trainer": lambda: fit_steps(trainer, steps), "plain": lambda: plain.run(steps),
+                       "control": lambda: control.run(steps)}, rounds)
+        return t, fixed, trainer.backend.device
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-loop-"))
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # train's own messages
+            t, fixed, device = with_trainer(cfg, tmp, measure)
         logged = sum(1 for _ in open(tmp / "metrics.jsonl"))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     tokens = cfg.data.batch_size * cfg.data.seq_len
     both = {c: paired(t["trainer"], t["plain"], c) for c in ("wall", "cpu")}
-    clock = judging_clock(trainer.backend.device)
+    clock = judging_clock(device)
+    aa = paired(t["control"], t["plain"], clock)
     out = {
         "model": f"GPT n_layer={cfg.model.n_layer} d_model={cfg.model.d_model}",
         "batch": f"{cfg.data.batch_size}x{cfg.data.seq_len}", "precision": "bf16", "threads": THREADS,
@@ -271,7 +288,9 @@ def bench_loop(overrides: list[str], sizes: tuple[int, int, int], target: dict) 
         **both[clock],
         "trainer_tokens_per_s": tokens / both[clock]["trainer_ms_per_step"] * 1000,
         "plain_tokens_per_s": tokens / both[clock]["plain_ms_per_step"] * 1000,
-        "fit_call_fixed_ms": 1000 * fixed, "metrics_lines_written": logged, **both,
+        "fit_call_fixed_ms": 1000 * fixed, "metrics_lines_written": logged,
+        "control_overhead_ms_per_step": aa["overhead_ms_per_step"], "control_throughput_ratio": aa["throughput_ratio"],
+        "control_per_round_ms": aa["per_round_ms"]["trainer"], **both,
     }
     value = out[target["key"]]
     out["target"] = target["text"]
@@ -595,7 +614,9 @@ def table(res: dict) -> list[str]:
             rows.append(f"| {label} {r['batch']} bf16, {r['threads']} thread(s), {r['clock']} time | "
                         f"{r['trainer_ms_per_step']:.3f} ms/step | {r['plain_ms_per_step']:.3f} ms/step | "
                         f"{r['overhead_ms_per_step']:+.3f} ms/step, {r['throughput_ratio']:.3f}x throughput "
-                        f"(wall clock: {w['overhead_ms_per_step']:+.3f} ms/step, {w['throughput_ratio']:.3f}x) | "
+                        f"(wall clock: {w['overhead_ms_per_step']:+.3f}, {w['throughput_ratio']:.3f}x; A/A control, "
+                        f"plain vs plain: {r['control_overhead_ms_per_step']:+.3f}, "
+                        f"{r['control_throughput_ratio']:.3f}x) | "
                         f"{r['target']} | {_yes(r['met'])} |")
     if "bf16_vs_fp32" in res:
         r = res["bf16_vs_fp32"]
@@ -682,16 +703,69 @@ def write_report(path: Path, res: dict) -> None:
         "",
         "Notes: the loop rows time `Trainer.fit()` as built by `trainer.run.train` (data loader, metrics.jsonl every "
         "`log_every` steps, no progress display, no eval, no checkpoints) against a hand-written loop doing the same "
-        "math on the same batches. DDP reads `train/tokens_per_s` from metrics.jsonl, first window left out. "
-        "Start-up is the wall time from launching `python -m trainer` (log_every=1) until metrics.jsonl gets its "
-        "first line.",
+        "math on the same batches, in one process with a fixed thread count; differences and ratios are per round, "
+        "then the median (`overhead_ms_per_step_of_fastest_rounds` in the JSON is a second estimate). DDP reads "
+        "`train/tokens_per_s` from metrics.jsonl, first window left out. Start-up is the wall time from launching "
+        "`python -m trainer` (log_every=1) until metrics.jsonl gets its first line; the plain script builds the same "
+        "model and optimizer and takes one step (building any `torch.optim` optimizer imports `torch._dynamo`).",
         "",
+        *busy_warning(res),
         "```json",
-        json.dumps(res, indent=1, sort_keys=False),
+        compact_json(res),
         "```",
         "",
     ]
     path.write_text("\n".join(lines))
+
+
+class OtherJobs:
+    """How many cores other processes kept busy meanwhile: machine-wide busy time minus our own."""
+
+    def __init__(self):
+        self.start = self._now()
+
+    @staticmethod
+    def _now() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                ticks = [int(v) for v in f.readline().split()[1:9]]
+        except (OSError, ValueError):
+            return None  # not Linux
+        t = os.times()  # children: waited-for subprocesses, their own children included
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+        return time.perf_counter(), busy, t.user + t.system + t.children_user + t.children_system
+
+    def cores(self) -> float | None:
+        end = self._now()
+        if self.start is None or end is None or end[0] <= self.start[0]:
+            return None
+        return max(0.0, ((end[1] - self.start[1]) - (end[2] - self.start[2])) / (end[0] - self.start[0]))
+
+
+def compact_json(obj: Any) -> str:
+    """Indented JSON with floats to 6 significant digits and lists of numbers on one line."""
+
+    def rounded(o):
+        if isinstance(o, float):
+            return float(f"{o:.6g}")
+        if isinstance(o, dict):
+            return {k: rounded(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [rounded(v) for v in o]
+        return o
+
+    text = json.dumps(rounded(obj), indent=1)
+    return re.sub(r"\[\s+([-+\d.eE,\s]+?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
+
+
+def busy_warning(res: dict) -> list[str]:
+    busy = {k: v["other_jobs_cores"] for k, v in res.items() if isinstance(v, dict) and v.get("other_jobs_cores")}
+    if not busy or max(busy.values()) < 0.15:
+        return []
+    worst = ", ".join(f"{k} {v:.2f}" for k, v in busy.items())
+    return [f"**The machine was not idle.** Cores kept busy by other processes while each item ran: {worst} "
+            f"(of {res['meta']['cores']}). Paired rounds cancel slow drift, not bursts, and DDP, which needs every "
+            "core, suffers most. Re-run `make bench` on an idle machine for figures to quote.", ""]
 
 
 def quick_corpus() -> list[str]:
@@ -733,9 +807,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in only:
         load = os.getloadavg()[0]
         say(f"{name} (load average {load:.2f})")
-        t = time.perf_counter()
+        t, others = time.perf_counter(), OtherJobs()
         res[name] = {**items[name](), "load_avg_at_start": load}
-        res[name]["wall_s"] = time.perf_counter() - t
+        res[name].update(wall_s=time.perf_counter() - t, other_jobs_cores=others.cores())
         say(f"{name} done in {res[name]['wall_s']:.0f} s")
     res["meta"].update(load_avg_end=os.getloadavg()[0], wall_s=time.perf_counter() - start)
     out = Path(args.out)
