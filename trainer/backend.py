@@ -141,6 +141,8 @@ class Backend:
 
     # -- data ----------------------------------------------------------------------------------
     def to_device(self, batch: Any) -> Any:
+        if self.device.type == "cpu":  # batches are built on the CPU
+            return batch
         non_blocking = self.device.type == "cuda"
         if isinstance(batch, torch.Tensor):
             return batch.to(self.device, non_blocking=non_blocking)

@@ -81,13 +81,13 @@ class Trainer:
         # equal one batch of k*b even when batches differ in length. DDP averages gradients over
         # ranks, hence the factor world_size.
         scale = be.world_size / n_global
-        loss_sum = torch.zeros((), device=be.device)
+        loss_sum = None
         for i, batch in enumerate(batches):
             # Gradients are all-reduced only in the last micro-step's backward; earlier ones accumulate.
             with be.no_sync(model, enabled=i < k - 1), self.precision.autocast():
                 loss = self.task.loss(model, batch)
             self.precision.backward(loss * scale)
-            loss_sum += loss.detach()
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         # Clip the true gradients: fp16 gradients are unscaled first.
         self.precision.unscale_(opt)
         if self.cfg.grad_clip is not None:
