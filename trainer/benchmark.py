@@ -461,8 +461,21 @@ def real_checkpoint_cases(model_state, state, tmp: Path, raw: bytes) -> tuple[di
     from trainer.io import atomic_write_bytes
 
     raw_path = tmp / "raw-durable.bin"
+    background = ckpt.Checkpointer(tmp / "async", keep_last=1, async_save=True)
+
+    def save_blocking() -> float:
+        """Seconds training waits for with checkpoint.async_save (the CPU snapshot); the write is not timed."""
+        background.wait()
+        t = time.perf_counter()
+        background.save(1, model_state, state)
+        blocked = time.perf_counter() - t
+        background.wait()
+        return blocked
+
+    save_blocking.self_timed = True
     return {
         "save": lambda: checkpointer.save(1, model_state, state),
+        "save_blocking": save_blocking,
         "raw_write_fsync": lambda: atomic_write_bytes(raw_path, raw),
         "load": lambda: materialize(ckpt.load(path)),
         "raw_read": lambda: raw_path.read_bytes(),
@@ -494,7 +507,8 @@ def bench_checkpoint(sizes: Sizes, data: list[str]) -> dict:
             fn()
         t = alternate({k: (lambda fn=fn: _timed(fn)) for k, fn in fmt.items()}, rounds)
         real, api = real_checkpoint_cases(model_state, state, tmp, raw)
-        rt = alternate({k: (lambda fn=fn: _timed(fn)) for k, fn in real.items()}, rounds) if real else {}
+        rt = alternate({k: (fn if getattr(fn, "self_timed", False) else (lambda fn=fn: _timed(fn)))
+                        for k, fn in real.items()}, rounds) if real else {}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     ms = {k: 1000 * median(v) for k, v in {**t, **{f"checkpoint_{k}": v for k, v in rt.items()}}.items()}
@@ -505,6 +519,7 @@ def bench_checkpoint(sizes: Sizes, data: list[str]) -> dict:
     }
     if rt:
         out["save_ratio"] = median([a / b for a, b in zip(rt["save"], rt["raw_write_fsync"])])
+        out["save_blocking_ratio"] = median([a / b for a, b in zip(rt["save_blocking"], rt["raw_write_fsync"])])
         out["load_ratio"] = median([a / b for a, b in zip(rt["load"], rt["raw_read"])])
     return out
 
@@ -636,10 +651,15 @@ def table(res: dict) -> list[str]:
                     f"{ms['raw_read']:.1f} ms | {r['format_load_ratio']:.2f}x (sha256 of the bytes: "
                     f"{ms['sha256_of_the_bytes']:.1f} ms) | — | — |")
         if "save_ratio" in r:
-            rows.append(f"| d. checkpoint save (Checkpointer.save) | {ms['checkpoint_save']:.1f} ms | raw write + fsync "
-                        f"{ms['checkpoint_raw_write_fsync']:.1f} ms | {r['save_ratio']:.2f}x | — | — |")
-            rows.append(f"| d. checkpoint load (checkpoint.load: verify sha256, read, touch) | {ms['checkpoint_load']:.1f} ms | "
-                        f"raw read {ms['checkpoint_raw_read']:.1f} ms | {r['load_ratio']:.2f}x | — | — |")
+            # The target is on speed (raw time / our time >= 0.8), i.e. our time at most 1.25x raw.
+            for label, key, ratio in (("checkpoint save, synchronous (Checkpointer.save)", "checkpoint_save", "save_ratio"),
+                                      ("checkpoint save: time training is blocked (async_save, the default)",
+                                       "checkpoint_save_blocking", "save_blocking_ratio")):
+                rows.append(f"| d. {label} | {ms[key]:.1f} ms | raw write + fsync {ms['checkpoint_raw_write_fsync']:.1f} ms "
+                            f"| {1 / r[ratio]:.2f}x raw speed | >= 0.8x | {_yes(1 / r[ratio] >= 0.8)} |")
+            rows.append(f"| d. checkpoint load (checkpoint.load: read once, verify sha256, parse, touch) | "
+                        f"{ms['checkpoint_load']:.1f} ms | raw read {ms['checkpoint_raw_read']:.1f} ms | "
+                        f"{1 / r['load_ratio']:.2f}x raw speed | >= 0.8x | {_yes(1 / r['load_ratio'] >= 0.8)} |")
     if "startup" in res:
         r = res["startup"]
         rows.append(f"| e. start-up to first step, gpt_tiny | {r['first_step_s']:.2f} s | `import torch` "

@@ -10,7 +10,8 @@ Layout of one checkpoint (a directory under `<run_dir>/checkpoints/`):
       manifest.json       format version + sha256 of every file; written last = the completion marker
 
 A checkpoint is written into a temp directory beside its final place, fsynced, then renamed, so
-a reader sees a complete checkpoint or none. Loading reads only safetensors and JSON: nothing is
+a reader sees a complete checkpoint or none. With `async_save` the state is copied to CPU memory at
+the step boundary (training waits for that only) and written by a background thread. Loading reads only safetensors and JSON: nothing is
 ever unpickled, so a planted pickle payload cannot run.
 """
 
@@ -69,6 +70,7 @@ def unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def sha256(path: Path) -> str:
+    """sha256 of a file, read in chunks (for tools and tests; saving hashes bytes in memory)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -76,19 +78,13 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def _write_text(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
+def _write(path: Path, data: bytes) -> str:
+    """Write and fsync `data`; return its sha256 (hashed from memory: no second read of the file)."""
+    with open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    return hashlib.sha256(data).hexdigest()
 
 
 def step_of(path: Path) -> int:
@@ -100,9 +96,11 @@ class Checkpointer:
     """Writes, lists, verifies and prunes the checkpoints of one run (main process only writes)."""
 
     def __init__(self, directory: str | os.PathLike, every_n_steps: int = 0, keep_last: int = 2,
-                 best_metric: str | None = None, best_mode: str = "min", save_final: bool = True):
+                 best_metric: str | None = None, best_mode: str = "min", save_final: bool = True,
+                 async_save: bool = False):
         self.dir = Path(directory)
         self.every_n_steps, self.keep_last, self.save_final = every_n_steps, keep_last, save_final
+        self.async_save, self._pool, self._pending = async_save, None, None
         self.best_metric, self.best_mode = best_metric, best_mode
         self.best: tuple[float, str] | None = None  # (metric value, checkpoint name)
 
@@ -111,30 +109,60 @@ class Checkpointer:
 
     # -- writing -----------------------------------------------------------------------------
     def save(self, step: int, model_state: dict[str, torch.Tensor], state: dict[str, Any],
-             config_yaml: str = "") -> Path:
-        """Write checkpoint `step_<step>` atomically, then prune old ones. Returns its path."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+             config_yaml: str = "", metrics: dict[str, float] | None = None) -> Path:
+        """Snapshot the state to CPU now; write `step_<step>` atomically (in the background with
+        `async_save`), then prune old checkpoints. Returns the checkpoint's final path."""
+        self.wait()  # one save in flight at a time; an earlier failure surfaces here
+        # Copies: training goes on mutating the originals; tied weights share storage, which
+        # safetensors refuses, and a copy per key keeps every key of the state_dict.
+        model_tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model_state.items()}
+        tensors: dict[str, torch.Tensor] = {}
+        tree = flatten(state, tensors)
         final = self.dir / f"step_{step:08d}"
+        args = (final, step, model_tensors, tensors, tree, config_yaml, metrics)
+        if self.async_save:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = self._pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+            self._pending = self._pool.submit(self._write_checkpoint, *args)
+        else:
+            self._write_checkpoint(*args)
+        return final
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete; re-raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        self.wait()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    def _write_checkpoint(self, final: Path, step: int, model_tensors: dict, tensors: dict, tree: Any,
+                          config_yaml: str, metrics: dict[str, float] | None) -> None:
+        from safetensors import SafetensorError
+        from safetensors.torch import save
+
+        self.dir.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=self.dir, prefix=f".tmp-{final.name}-"))
         try:
-            # Clones: tied weights share storage, which safetensors refuses; a copy keeps every key.
-            _write_safetensors(tmp / "model.safetensors",
-                               {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model_state.items()})
-            tensors: dict[str, torch.Tensor] = {}
-            tree = flatten(state, tensors)
-            _write_safetensors(tmp / "state.safetensors", tensors)
-            _write_text(tmp / "state.json", json.dumps(tree))
-            _write_text(tmp / "config.yaml", config_yaml)
-            files = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
-            _write_text(tmp / MANIFEST, json.dumps({"format": FORMAT_VERSION, "step": step, "files": files}, indent=1))
+            files = {
+                "model.safetensors": _write(tmp / "model.safetensors", save(model_tensors, metadata={"format": "pt"})),
+                "state.safetensors": _write(tmp / "state.safetensors", save(tensors, metadata={"format": "pt"})),
+                "state.json": _write(tmp / "state.json", json.dumps(tree).encode()),
+                "config.yaml": _write(tmp / "config.yaml", config_yaml.encode()),
+            }
+            manifest = {"format": FORMAT_VERSION, "step": step, "files": files}
+            _write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: marks it complete
             fsync_dir(tmp)
             if final.exists():  # a re-run of the same step (after a resume): replace it
                 shutil.rmtree(final)
             os.replace(tmp, final)
             fsync_dir(self.dir)
         except BaseException as e:
-            from safetensors import SafetensorError
-
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(e, OSError | SafetensorError):  # disk full, file too large, I/O error
                 kept = self.complete()
@@ -144,8 +172,9 @@ class Checkpointer:
                     "Free disk space (or point hydra.run.dir at a larger disk) and rerun with resume=auto."
                 ) from None
             raise
+        if metrics:
+            self.update_best(metrics, final)
         self._prune()
-        return final
 
     def update_best(self, metrics: dict[str, float], path: Path) -> None:
         if not self.best_metric or self.best_metric not in metrics:
@@ -187,40 +216,55 @@ class Checkpointer:
         return None
 
 
-def verify(path: Path) -> dict:
-    """Check the manifest's format version and every file's sha256. Returns the manifest."""
+def _manifest(path: Path) -> dict:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist (or is not a directory). "
                               "Pass resume=auto, resume=null or the path of a step_* directory.")
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-        files, fmt = manifest["files"], manifest["format"]
-    except (OSError, ValueError, KeyError, TypeError):
+        fmt = manifest["format"]
+        manifest["files"].items()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise CheckpointError(f"{path / MANIFEST} is missing or unreadable: the checkpoint is incomplete.") from None
     if not isinstance(fmt, int) or fmt > FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format version {fmt}, newer than this trainer's "
                               f"({FORMAT_VERSION}). Upgrade trainer to load it.")
-    for name, digest in files.items():
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"file {f} listed in the manifest is missing.")
-        if sha256(f) != digest:
-            raise CheckpointError(f"file {f} is corrupted or truncated (sha256 does not match the manifest).")
+    return manifest
+
+
+def _read_verified(path: Path, name: str, digest: str) -> bytes:
+    f = path / name
+    try:
+        data = f.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"file {f} listed in the manifest is missing.") from None
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise CheckpointError(f"file {f} is corrupted or truncated (sha256 does not match the manifest).")
+    return data
+
+
+def verify(path: Path) -> dict:
+    """Check the manifest's format version and every file's sha256. Returns the manifest."""
+    manifest = _manifest(path)
+    for name, digest in manifest["files"].items():
+        _read_verified(Path(path), name, digest)
     return manifest
 
 
 def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Verify, then read (model_state, state). Only safetensors and JSON are parsed."""
+    """Read each file once, verify its sha256, then parse it. Only safetensors and JSON are parsed."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load as load_safetensors
 
-    verify(path)
+    path = Path(path)
+    files = _manifest(path)["files"]
+    data = {name: _read_verified(path, name, digest) for name, digest in files.items()}
     try:
-        model_state = load_file(str(path / "model.safetensors"))
-        tensors = load_file(str(path / "state.safetensors"))
-        tree = json.loads((path / "state.json").read_text())
-    except (SafetensorError, ValueError, OSError) as e:
+        model_state = load_safetensors(data["model.safetensors"])
+        tensors = load_safetensors(data["state.safetensors"])
+        tree = json.loads(data["state.json"])
+    except (SafetensorError, ValueError, KeyError, OSError) as e:
         raise CheckpointError(f"checkpoint {path} cannot be read ({e}); it is not a valid trainer checkpoint.") from None
     return model_state, unflatten(tree, tensors)
 

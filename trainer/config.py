@@ -54,6 +54,7 @@ class CheckpointConfig:
     best_metric: str | None = None  # e.g. val/loss: also keep the best checkpoint by this metric
     best_mode: str = "min"  # min | max
     save_final: bool = True  # a checkpoint at the end too, so raising trainer.max_steps continues the run
+    async_save: bool = True  # copy the state to CPU at the step, write it in a background thread
     max_shard_mb: float = 4096  # model.safetensors larger than this is exported as shards + index.json
 
 

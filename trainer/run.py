@@ -196,7 +196,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
         from .trainer import Trainer
 
         checkpointer = ckpt.Checkpointer(run_dir / "checkpoints", ccfg.every_n_steps, ccfg.keep_last,
-                                         ccfg.best_metric, ccfg.best_mode, ccfg.save_final)
+                                         ccfg.best_metric, ccfg.best_mode, ccfg.save_final, ccfg.async_save)
         loggers = build_loggers(cfg.logger, run_dir, backend.is_main)
         trainer = Trainer(
             model=model, task=task, optimizer=optimizer, scheduler=scheduler, precision=precision,

@@ -197,7 +197,7 @@ class Trainer:
                 batches = [be.to_device(next(batches_iter)) for _ in range(cfg.grad_accum_steps)]
                 n_global, stop = self.sync_counts(batches)
                 if stop:  # every rank agrees on this step boundary
-                    path = self.save_checkpoint()
+                    path = self.save_checkpoint(wait=True)
                     raise Preempted(f"preempted by a signal at step {self.step}; checkpoint saved to {path}. "
                                     "Rerun the same command with resume=auto to continue.")
                 out = self.train_step(batches, n_global)
@@ -231,7 +231,16 @@ class Trainer:
 
             final = self._eval_and_log(progress)
             if self.checkpointer is not None and self.checkpointer.save_final:
-                self.save_checkpoint(final)
+                self.save_checkpoint(final, wait=True)
+            if self.checkpointer is not None:
+                self.checkpointer.close()  # surfaces a failed background save
+        except BaseException:
+            if self.checkpointer is not None:  # finish a save in flight, but keep the original error
+                try:
+                    self.checkpointer.close()
+                except Exception:  # noqa: BLE001
+                    pass
+            raise
         finally:
             self.preemption.uninstall()
             progress.close()
@@ -283,18 +292,18 @@ class Trainer:
                 "data.shuffle changed. Resume with the checkpoint's config (its config.yaml) or start fresh with resume=null."
             )
 
-    def save_checkpoint(self, metrics: dict[str, float] | None = None) -> Path | None:
+    def save_checkpoint(self, metrics: dict[str, float] | None = None, wait: bool = False) -> Path | None:
+        """Save (in the background with checkpoint.async_save); `wait` before exiting the process."""
         if self.checkpointer is None:
             return None
         state = self.state_dict()  # on every rank: it gathers RNG states
-        path = None
         if self.backend.is_main:
-            path = self.checkpointer.save(self.step, self.raw_model.state_dict(), state, self.config_yaml)
-            if metrics:
-                self.checkpointer.update_best(metrics, path)
-        # The others wait until the checkpoint is complete: nobody exits (or is killed) mid-save.
-        self.backend.barrier()
-        return path or self.checkpointer.dir / f"step_{self.step:08d}"
+            self.checkpointer.save(self.step, self.raw_model.state_dict(), state, self.config_yaml, metrics)
+            if wait:
+                self.checkpointer.wait()
+        if wait:  # nobody exits (and gets the job torn down) while rank 0 is still writing
+            self.backend.barrier()
+        return self.checkpointer.dir / f"step_{self.step:08d}"
 
     def load_checkpoint(self, path: Path) -> None:
         model_state, state = ckpt.load(path)

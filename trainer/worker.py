@@ -23,6 +23,8 @@ def run_worker(cfg: DictConfig, run_dir: Path) -> int:
     try:
         train(cfg, run_dir)
         return 0
+    except KeyboardInterrupt:  # Ctrl-C reached every process of the job; the parent says so once
+        return 130
     except TrainerExit as e:
         _record(f"error: {e}", "")
         return e.exit_code

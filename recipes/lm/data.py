@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import sysconfig
 import zlib
 from pathlib import Path
@@ -93,16 +94,20 @@ def stdlib_corpus(seq_len: int = 256, cache_dir: str | None = None, val_every: i
     Whole files go to the validation split when crc32(relative path) % val_every == 0, so the
     split is deterministic and val text is never seen in training.
     """
-    root, files = stdlib_files()
-    if not files:
-        raise DataError(f"found no .py files under the standard library at {root}; use data=text data.path=FILE.")
-    listing = [(str(p.relative_to(root)), p.stat().st_size) for p in files]
-    key = hashlib.sha256(repr((FORMAT, val_every, listing)).encode()).hexdigest()[:12]
+    # Keyed on the interpreter and where its stdlib lives, not on a listing of ~2000 files: listing
+    # them cost ~0.5 s at every start. An installed stdlib does not change under a given version.
+    root = Path(sysconfig.get_paths()["stdlib"])
+    key = hashlib.sha256(repr((FORMAT, val_every, sys.version, str(root.resolve()))).encode()).hexdigest()[:12]
     cache = Path(cache_dir or default_cache_dir()) / f"stdlib-{key}"
     with main_process_first():
         if not (cache / "meta.json").exists():
+            root, files = stdlib_files()
+            if not files:
+                raise DataError(f"found no .py files under the standard library at {root}; "
+                                "use data=text data.path=FILE.")
             train, val = bytearray(), bytearray()
-            for p, (rel, _) in zip(files, listing):
+            for p in files:
+                rel = str(p.relative_to(root))
                 (val if zlib.crc32(rel.encode()) % val_every == 0 else train).extend(p.read_bytes() + b"\n")
             _build(cache, {"train": bytes(train), "val": bytes(val)},
                    {"source": str(root), "files": len(files), "train_bytes": len(train), "val_bytes": len(val)})
