@@ -174,3 +174,14 @@ def test_export_shards_above_the_size_limit(corpus, tmp_path):
     assert set(merged) == set(index["weight_map"])
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in merged.values())
     assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_best_checkpoint_by_metric_survives_pruning(corpus, tmp_path):
+    events = train_in_process(corpus, tmp_path, "trainer.max_steps=8", "trainer.eval_every=2", "optim.lr=3e-2",
+                              "checkpoint.every_n_steps=2", "checkpoint.keep_last=1", "checkpoint.best_metric=val/loss")
+    best = json.loads((tmp_path / "checkpoints" / "best.json").read_text())
+    val = {e["step"]: e["val/loss"] for e in events if "val/loss" in e}
+    best_step = min(val, key=val.get)
+    assert best == {"metric": "val/loss", "value": val[best_step], "checkpoint": f"step_{best_step:08d}"}
+    kept = checkpoints(tmp_path)
+    assert f"step_{best_step:08d}" in kept and "step_00000008" in kept and len(kept) <= 2

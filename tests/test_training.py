@@ -88,3 +88,13 @@ def test_final_weights_load_into_the_model(corpus, tmp_path):
     assert set(weights) == set(model.state_dict())
     model.load_state_dict(weights)
     assert read_metrics(tmp_path)[-1]["step"] == 20
+
+
+@pytest.mark.slow
+def test_compile_trains_and_saves_the_plain_module(corpus, tmp_path):
+    eager = train_in_process(corpus, tmp_path / "eager", "trainer.max_steps=3")
+    compiled = train_in_process(corpus, tmp_path / "compiled", "trainer.max_steps=3", "trainer.compile=true")
+    assert series(compiled, "train/loss") == pytest.approx(series(eager, "train/loss"), rel=1e-4)
+    weights = load_weights(tmp_path / "compiled" / "model.safetensors")
+    assert not any(k.startswith("_orig_mod") for k in weights)
+    assert weights.keys() == load_weights(tmp_path / "eager" / "model.safetensors").keys()
