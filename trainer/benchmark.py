@@ -704,6 +704,60 @@ def meta(quick: bool) -> dict:
             "load_avg_start": os.getloadavg()[0]}
 
 
+CURVE_HEADING = "## Quality per second: `make train`"
+
+
+def curve_section(run_dir: Path) -> list[str]:
+    """Markdown for the val bits-per-byte curve of a finished `make train` run (its metrics.jsonl)."""
+    events = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    info = json.loads((Path(run_dir) / "run_info.json").read_text()) if (Path(run_dir) / "run_info.json").exists() else {}
+    last_step, seconds, tokens, rows = 0, 0.0, 0.0, []
+    for e in events:
+        if "train/step_time_ms" in e:  # one window of (step - last_step) steps
+            window = e["step"] - last_step
+            seconds += window * e["train/step_time_ms"] / 1000
+            tokens += window * e["train/step_time_ms"] / 1000 * e["train/tokens_per_s"]
+            last_step = e["step"]
+        if "val/bpb" in e:
+            rows.append(f"| {e['step']} | {tokens / 1e6:.2f} M | {seconds:.0f} s | {e['val/loss']:.4f} | {e['val/bpb']:.4f} |")
+    cfg = Path(run_dir) / "config.yaml"
+    return [
+        CURVE_HEADING,
+        "",
+        f"Validation bits per byte of the default `recipe=lm` run (`make train`: {info.get('device', 'cpu')}, "
+        f"commit {str(info.get('git_commit'))[:7]}), against training time (eval and start-up excluded). "
+        "Refresh with `python -m trainer.benchmark --curve RUN_DIR` after `make train`.",
+        "",
+        "| step | tokens | train time | val/loss | val/bpb |",
+        "|---|---|---|---|---|",
+        *rows,
+        "",
+        f"Settings: {_settings(cfg)}",
+        "",
+    ]
+
+
+def _settings(cfg: Path) -> str:
+    if not cfg.exists():
+        return "(config.yaml not found)"
+    import yaml
+
+    c = yaml.safe_load(cfg.read_text())
+    m, d, t, o = c["model"], c["data"], c["trainer"], c["optim"]
+    return (f"model {m['n_layer']} layers x {m['d_model']} ({m['n_head']} heads), batch {d['batch_size']} x "
+            f"{d['seq_len']} bytes, {t['max_steps']} steps, AdamW lr {o['lr']} with {c['scheduler']['warmup_steps']} "
+            f"warmup steps then cosine to {c['scheduler'].get('min_lr_ratio', 1)} x lr, "
+            f"precision {c['precision']['_target_'].rsplit('.', 1)[-1]}.")
+
+
+def kept_curve(path: Path) -> list[str]:
+    """The quality section of an existing report: `make bench` regenerates the rest, not this."""
+    if not path.exists() or CURVE_HEADING not in path.read_text():
+        return []
+    text = path.read_text()
+    return text[text.index(CURVE_HEADING):].rstrip("\n").split("\n") + [""]
+
+
 def write_report(path: Path, res: dict) -> None:
     m = res["meta"]
     lines = [
@@ -734,6 +788,7 @@ def write_report(path: Path, res: dict) -> None:
         compact_json(res),
         "```",
         "",
+        *kept_curve(path),
     ]
     path.write_text("\n".join(lines))
 
@@ -804,7 +859,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="BENCHMARKS.md", help="markdown report to write (default: BENCHMARKS.md)")
     p.add_argument("--only", default=",".join(ITEMS), help=f"comma-separated subset of {','.join(ITEMS)}")
     p.add_argument("--threads", type=int, default=THREADS, help="CPU threads of the in-process items (default: 1)")
+    p.add_argument("--curve", metavar="RUN_DIR", help="only (re)write the quality-per-second section from a run dir")
     args = p.parse_args(argv)
+    if args.curve:
+        out = Path(args.out)
+        kept = out.read_text() if out.exists() else "# Benchmarks\n\n"
+        kept = kept[: kept.index(CURVE_HEADING)] if CURVE_HEADING in kept else kept
+        out.write_text(kept.rstrip("\n") + "\n\n" + "\n".join(curve_section(Path(args.curve))))
+        print(f"wrote the quality-per-second section of {out} from {args.curve}")
+        return 0
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(only) - set(ITEMS)
     if unknown:
