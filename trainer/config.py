@@ -28,6 +28,7 @@ class TrainerConfig:
     eval_batch_size: int | None = None  # null = data.batch_size
     seed: int = 0
     compile: bool = False  # torch.compile the model (checkpoints still save the plain module)
+    compile_backend: str = "inductor"  # torch.compile backend (inductor generates fused kernels)
     nonfinite: str = "stop"  # on a NaN/inf loss or grad norm: stop | skip
     max_nonfinite_skips: int = 10  # with nonfinite=skip: stop after this many consecutive skips
     progress: str = "auto"  # auto (bar on a terminal, lines otherwise) | bar | lines | off

@@ -186,7 +186,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
         raw_model = backend.unwrap(model)
         ema = EMA(raw_model, ecfg.decay, ecfg.warmup, ecfg.update_every) if ecfg.enabled else None
         if tcfg.compile:
-            model = torch.compile(model)
+            model = torch.compile(model, backend=tcfg.compile_backend)
         optimizer = build_optimizer(cfg.optim, model)
         scheduler = build("scheduler", cfg.scheduler)(optimizer, total_steps=tcfg.max_steps)
         # Different randomness per rank from here on (dropout), reproducible per (seed, rank).
