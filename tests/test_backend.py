@@ -1,0 +1,34 @@
+"""The rank helpers recipes use: main_process_first, is_main_process, barrier, with 2 gloo processes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world: int, store: str, log: str) -> None:
+    import torch.distributed as dist
+
+    from trainer.backend import barrier, is_main_process, main_process_first
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        with main_process_first():
+            cache = Path(log).with_suffix(".cache")
+            existed = cache.exists()
+            if not existed:
+                cache.write_text("built")
+            with open(log, "a") as f:
+                f.write(f"{rank} main={is_main_process()} cache_existed={existed}\n")
+        barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_main_process_first_runs_rank_0_then_the_others(tmp_path):
+    log = tmp_path / "log.txt"
+    mp.start_processes(_worker, args=(2, str(tmp_path / "store"), str(log)), nprocs=2, start_method="fork")
+    assert log.read_text().splitlines() == ["0 main=True cache_existed=False", "1 main=False cache_existed=True"]
