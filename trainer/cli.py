@@ -195,10 +195,6 @@ def remove_if_unused(run_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import warnings
-
-    # torch warns at import when NumPy is absent; nothing here uses NumPy, so it is only noise.
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["env"], ["check"]):
         from . import commands

@@ -143,16 +143,22 @@ def write_run_info(run_dir: Path, cfg: DictConfig, seed: int, backend: Backend) 
     atomic_write_json(run_dir / "run_info.json", info)
 
 
+def usable_device(name: str) -> torch.device:
+    """The device `world.device` names, or a ConfigError when this machine has none such."""
+    from .backend import resolve_device
+
+    device = resolve_device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"world.device={name!r} but no CUDA device is available. "
+                          "Use world.device=auto or world.device=cpu.")
+    return device
+
+
 def preflight(cfg: DictConfig, run_dir: Path) -> None:
     """Build what can fail from a config mistake, cheaply, before any worker process starts:
     the model on the meta device (no memory), the task, the precision and the datasets (whose
     cache is then built once, here, for all workers)."""
-    from .backend import resolve_device
-
-    device = resolve_device(cfg.world.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"world.device={cfg.world.device!r} but no CUDA device is available. "
-                          "Use world.device=auto or world.device=cpu.")
+    device = usable_device(cfg.world.device)
     with torch.device("meta"):
         build("model", cfg.model)
     build("task", cfg.task)
@@ -167,9 +173,8 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     """Train with a resolved config, writing outputs to `run_dir`. Returns the final metrics."""
     run_dir = Path(run_dir)
     w = cfg.world
+    usable_device(w.device)
     backend = Backend(device=w.device, threads=w.threads, ddp=OmegaConf.to_container(w.ddp))
-    if backend.device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"world.device={w.device!r} but no CUDA device is available. Use world.device=auto or cpu.")
     backend.setup()
     say = print if backend.is_main else (lambda *a, **k: None)
     try:

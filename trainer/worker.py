@@ -47,11 +47,7 @@ def _record(message: str, stack: str) -> None:
 
 
 def main() -> int:
-    import warnings
-
     from .launcher import CONFIG_ENV, RUN_DIR_ENV
-
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # see cli.main
 
     cfg = OmegaConf.create(json.loads(os.environ[CONFIG_ENV]))
     OmegaConf.set_struct(cfg, True)
