@@ -27,7 +27,6 @@ bench: venv
 
 lint: venv
 	$(VENV)/bin/ruff check trainer recipes tests
-	$(VENV)/bin/ruff format --check trainer recipes tests
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache
