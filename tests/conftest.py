@@ -17,6 +17,9 @@ os.environ["TRAINER_CACHE_DIR"] = tempfile.mkdtemp(prefix="trainer-test-cache-")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.pop("WANDB_API_KEY", None)
 
+# Lets subprocesses import tests/faulty.py (task._target_=faulty.Faulty).
+FAULTY_ENV = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+
 # Settings that make a run take a second or two on a CPU.
 TINY = [
     "model=gpt_tiny",

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import (
     DDP2,
-    ROOT,
+    FAULTY_ENV,
     SHARED,
     load_weights,
     read_metrics,
@@ -31,7 +31,6 @@ from trainer.errors import CheckpointError
 pytestmark = pytest.mark.slow
 
 SINGLE = ("data.batch_size=8", *SHARED)  # the `reference` fixture's settings
-FAULTY_ENV = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
 
 
 def faulty(action: str, at_call: int, rank: int = 0, first_attempt_only: bool = False) -> list[str]:
@@ -127,7 +126,7 @@ def test_resume_refuses_a_different_model_or_data_order(corpus, tmp_path, refere
 def test_sigterm_saves_a_checkpoint_and_resume_continues_exactly(corpus, tmp_path, reference):
     r = run_cli(*tiny_overrides(corpus, *SINGLE), f"hydra.run.dir={tmp_path}", *faulty("sigterm", 6), env=FAULTY_ENV)
     assert r.returncode == 75, r.stderr
-    assert "resume=auto" in r.stderr
+    assert "preempted by SIGTERM at step 6" in r.stderr and "resume=auto" in r.stderr
     assert checkpoints(tmp_path)[-1] == "step_00000006"  # step 6 finished, then it stopped
     train_in_process(corpus, tmp_path, *SINGLE, "resume=auto")
     assert_identical(tmp_path, reference)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import (
     DDP2,
+    FAULTY_ENV,
     ROOT,
     SHARED,
     load_weights,
@@ -108,7 +109,7 @@ def _processes_with_marker(marker: str) -> list[int]:
 def test_a_crashing_rank_fails_the_job_once_and_leaves_no_process(corpus, tmp_path):
     key, value = "TRAINER_TEST_MARKER", uuid.uuid4().hex
     r = run_cli(*tiny_overrides(corpus, *DDP2, "task._target_=faulty.Faulty"), "+task.rank=1", "+task.at_call=3",
-                f"hydra.run.dir={tmp_path}", env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", key: value})
+                f"hydra.run.dir={tmp_path}", env={**FAULTY_ENV, key: value})
     assert r.returncode == 1
     output = r.stdout + r.stderr
     assert output.count("boom from the faulty task on rank 1") == 1, output

@@ -16,11 +16,19 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import DDP2, ROOT, SHARED, read_metrics, run_cli, series, tiny_overrides, train_in_process
+from conftest import (
+    DDP2,
+    FAULTY_ENV,
+    ROOT,
+    SHARED,
+    read_metrics,
+    run_cli,
+    series,
+    tiny_overrides,
+    train_in_process,
+)
 
 from trainer.checkpoint import verify
-
-FAULTY_ENV = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
 
 
 def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int = 2) -> None:

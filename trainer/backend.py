@@ -162,12 +162,6 @@ class Backend:
         dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
         return t
 
-    def any(self, flag: bool) -> bool:
-        """True on every rank if it is True on any rank (e.g. a preemption signal seen by one)."""
-        if not self.distributed:
-            return flag
-        return bool(self.all_reduce(torch.tensor(int(flag), device=self.device), op="max").item())
-
     def barrier(self) -> None:
         barrier()
 
@@ -178,13 +172,6 @@ class Backend:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=src, device=self.device if self.device.type == "cuda" else None)
-        return box[0]
 
 
 # -- helpers for code that has no Backend at hand (recipes, data builders) -------------------------

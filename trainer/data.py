@@ -115,13 +115,3 @@ def eval_loader(dataset: Dataset, batch_size: int, rank: int, world: int, limit:
         collate_fn=_collate_fn(dataset),
         pin_memory=device.type == "cuda",
     )
-
-
-def first_tensor(batch: Any) -> torch.Tensor:
-    if isinstance(batch, torch.Tensor):
-        return batch
-    values = batch.values() if isinstance(batch, dict) else batch
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            return v
-    raise TypeError("batch holds no tensor")

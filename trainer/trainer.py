@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -198,7 +199,9 @@ class Trainer:
                 n_global, stop = self.sync_counts(batches)
                 if stop:  # every rank agrees on this step boundary
                     path = self.save_checkpoint(wait=True)
-                    raise Preempted(f"preempted by a signal at step {self.step}; checkpoint saved to {path}. "
+                    signum = self.preemption.signum
+                    cause = signal.Signals(signum).name if signum else "a signal to another rank"
+                    raise Preempted(f"preempted by {cause} at step {self.step}; checkpoint saved to {path}. "
                                     "Rerun the same command with resume=auto to continue.")
                 out = self.train_step(batches, n_global)
                 self.step += 1
