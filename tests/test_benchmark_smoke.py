@@ -37,7 +37,8 @@ def test_quick_benchmark_writes_table_and_json(tmp_path):
     assert {"bytes", "api", "ms", "format_save_ratio", "format_load_ratio"} <= set(res["checkpoint"])
     assert {"safetensors_save", "raw_write", "safetensors_load", "raw_read"} <= set(res["checkpoint"]["ms"])
     s = res["startup"]
-    assert {"import_torch_s", "first_step_s", "first_step_minus_import_torch_s", "help_s", "cfg_job_s"} <= set(s)
+    assert {"import_torch_s", "first_step_s", "first_step_minus_import_torch_s", "help_s", "cfg_job_s",
+            "first_step_minus_import_torch_dynamo_s"} <= set(s)
     assert isinstance(s["help_imports_torch"], bool) and isinstance(s["cfg_job_imports_torch"], bool)
     # Every figure is a finite positive number.
     for key in ("loop_tiny", "loop_default"):

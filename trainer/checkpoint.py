@@ -11,8 +11,9 @@ Layout of one checkpoint (a directory under `<run_dir>/checkpoints/`):
 
 A checkpoint is written into a temp directory beside its final place, fsynced, then renamed, so
 a reader sees a complete checkpoint or none. With `async_save` the state is copied to CPU memory at
-the step boundary (training waits for that only) and written by a background thread. Loading reads only safetensors and JSON: nothing is
-ever unpickled, so a planted pickle payload cannot run.
+the step boundary (training waits for that only) and written by a background thread. Loading
+parses only safetensors and JSON: nothing is ever unpickled, so a planted pickle payload cannot run.
+`tensorfile` writes and reads the safetensors files with their sha256 computed alongside.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from . import tensorfile
 from .errors import CheckpointError
 from .io import atomic_write_json, fsync_dir
 
@@ -37,19 +39,24 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 # -- nested state <-> (JSON tree, flat tensors) --------------------------------------------------
-def flatten(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
-    """A JSON-able copy of `obj` with tensors moved into `tensors` and replaced by references."""
+def on_cpu(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
+    return t.detach().to("cpu", copy=copy).contiguous()
+
+
+def flatten(obj: Any, tensors: dict[str, torch.Tensor], path: str = "", copy: bool = True) -> Any:
+    """A JSON-able copy of `obj` with tensors moved into `tensors` and replaced by references.
+    With copy=False, CPU tensors go in as they are (for a write that happens before they change)."""
     if isinstance(obj, torch.Tensor):
-        tensors[path] = obj.detach().to("cpu", copy=True).contiguous()
+        tensors[path] = on_cpu(obj, copy)
         return {"__tensor__": path}
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj):
-            return {k: flatten(v, tensors, f"{path}/{k}") for k, v in obj.items()}
-        return {"__items__": [[k, flatten(v, tensors, f"{path}/{k}")] for k, v in obj.items()]}
+            return {k: flatten(v, tensors, f"{path}/{k}", copy) for k, v in obj.items()}
+        return {"__items__": [[k, flatten(v, tensors, f"{path}/{k}", copy)] for k, v in obj.items()]}
     if isinstance(obj, tuple):
-        return {"__tuple__": [flatten(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]}
+        return {"__tuple__": [flatten(v, tensors, f"{path}/{i}", copy) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
-        return [flatten(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]
+        return [flatten(v, tensors, f"{path}/{i}", copy) for i, v in enumerate(obj)]
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     raise TypeError(f"cannot checkpoint a value of type {type(obj).__name__} at '{path}'")
@@ -70,12 +77,8 @@ def unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def sha256(path: Path) -> str:
-    """sha256 of a file, read in chunks (for tools and tests; saving hashes bytes in memory)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    """sha256 of a file (for tools and tests; saving and loading hash the bytes they move)."""
+    return tensorfile.sha256_all({"": tensorfile.map_file(path)})[""]
 
 
 def _write(path: Path, data: bytes) -> str:
@@ -113,11 +116,12 @@ class Checkpointer:
         """Snapshot the state to CPU now; write `step_<step>` atomically (in the background with
         `async_save`), then prune old checkpoints. Returns the checkpoint's final path."""
         self.wait()  # one save in flight at a time; an earlier failure surfaces here
-        # Copies: training goes on mutating the originals; tied weights share storage, which
-        # safetensors refuses, and a copy per key keeps every key of the state_dict.
-        model_tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model_state.items()}
+        # A background write needs a snapshot: training goes on mutating the originals. A synchronous
+        # one writes CPU tensors straight from their memory. Tied weights are written once per key.
+        copy = self.async_save
+        model_tensors = {k: on_cpu(v, copy) for k, v in model_state.items()}
         tensors: dict[str, torch.Tensor] = {}
-        tree = flatten(state, tensors)
+        tree = flatten(state, tensors, copy=copy)
         final = self.dir / f"step_{step:08d}"
         args = (final, step, model_tensors, tensors, tree, config_yaml, metrics)
         if self.async_save:
@@ -143,15 +147,12 @@ class Checkpointer:
 
     def _write_checkpoint(self, final: Path, step: int, model_tensors: dict, tensors: dict, tree: Any,
                           config_yaml: str, metrics: dict[str, float] | None) -> None:
-        from safetensors import SafetensorError
-        from safetensors.torch import save
-
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=self.dir, prefix=f".tmp-{final.name}-"))
         try:
             files = {
-                "model.safetensors": _write(tmp / "model.safetensors", save(model_tensors, metadata={"format": "pt"})),
-                "state.safetensors": _write(tmp / "state.safetensors", save(tensors, metadata={"format": "pt"})),
+                "model.safetensors": tensorfile.write(tmp / "model.safetensors", model_tensors, {"format": "pt"}),
+                "state.safetensors": tensorfile.write(tmp / "state.safetensors", tensors, {"format": "pt"}),
                 "state.json": _write(tmp / "state.json", json.dumps(tree).encode()),
                 "config.yaml": _write(tmp / "config.yaml", config_yaml.encode()),
             }
@@ -164,7 +165,7 @@ class Checkpointer:
             fsync_dir(self.dir)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, OSError | SafetensorError):  # disk full, file too large, I/O error
+            if isinstance(e, OSError):  # disk full, file too large, I/O error
                 kept = self.complete()
                 raise CheckpointError(
                     f"could not write checkpoint {final} ({getattr(e, 'strerror', None) or e}). "
@@ -233,39 +234,46 @@ def _manifest(path: Path) -> dict:
     return manifest
 
 
-def _read_verified(path: Path, name: str, digest: str) -> bytes:
-    f = path / name
+def _map_all(path: Path, files: dict[str, str]) -> dict[str, Any]:
     try:
-        data = f.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"file {f} listed in the manifest is missing.") from None
-    if hashlib.sha256(data).hexdigest() != digest:
-        raise CheckpointError(f"file {f} is corrupted or truncated (sha256 does not match the manifest).")
-    return data
+        return {name: tensorfile.map_file(path / name) for name in files}
+    except FileNotFoundError as e:
+        raise CheckpointError(f"file {e.filename} listed in the manifest is missing.") from None
+
+
+def _check_digests(path: Path, files: dict[str, str], digests: dict[str, str]) -> None:
+    for name, digest in digests.items():
+        if digest != files[name]:
+            raise CheckpointError(f"file {path / name} is corrupted or truncated (sha256 does not match the manifest).")
 
 
 def verify(path: Path) -> dict:
     """Check the manifest's format version and every file's sha256. Returns the manifest."""
+    path = Path(path)
     manifest = _manifest(path)
-    for name, digest in manifest["files"].items():
-        _read_verified(Path(path), name, digest)
+    _check_digests(path, manifest["files"], tensorfile.sha256_all(_map_all(path, manifest["files"])))
     return manifest
 
 
 def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Read each file once, verify its sha256, then parse it. Only safetensors and JSON are parsed."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load as load_safetensors
+    """Map each file once; hash them in the background while parsing (only safetensors and JSON are
+    parsed, and nothing is returned unless every sha256 matches the manifest)."""
+    from concurrent.futures import ThreadPoolExecutor
 
     path = Path(path)
     files = _manifest(path)["files"]
-    data = {name: _read_verified(path, name, digest) for name, digest in files.items()}
-    try:
-        model_state = load_safetensors(data["model.safetensors"])
-        tensors = load_safetensors(data["state.safetensors"])
-        tree = json.loads(data["state.json"])
-    except (SafetensorError, ValueError, KeyError, OSError) as e:
-        raise CheckpointError(f"checkpoint {path} cannot be read ({e}); it is not a valid trainer checkpoint.") from None
+    data = _map_all(path, files)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        digests = pool.submit(tensorfile.sha256_all, data)
+        try:
+            model_state = tensorfile.parse(data["model.safetensors"], path / "model.safetensors")
+            tensors = tensorfile.parse(data["state.safetensors"], path / "state.safetensors")
+            tree, error = json.loads(bytes(data["state.json"])), None
+        except (ValueError, KeyError) as e:
+            error = e
+        _check_digests(path, files, digests.result())  # a damaged file is reported as such first
+    if error is not None:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({error}); it is not a valid trainer checkpoint.")
     return model_state, unflatten(tree, tensors)
 
 

@@ -1,0 +1,66 @@
+"""Our streamed safetensors writer and mapped reader speak exactly the safetensors format.
+
+Checkpoints are written by `trainer.tensorfile` (hashing while writing) but must stay readable by
+`safetensors` and Hugging Face, and anything the library writes must load back through our reader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save, save_file
+
+from trainer import tensorfile
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(3, 5, generator=g).bfloat16(), "b": torch.randn(5, generator=g),
+            "step": torch.tensor(7, dtype=torch.int64), "flags": torch.tensor([True, False, True]),
+            "rng": torch.randint(0, 256, (9,), dtype=torch.uint8, generator=g), "empty": torch.empty(0, 4),
+            "half": torch.randn(2, 2, generator=g).half()}
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k], b[k]), k
+
+
+def test_written_files_load_with_the_safetensors_library_and_hash_to_the_returned_digest(tmp_path):
+    path = tmp_path / "x.safetensors"
+    digest = tensorfile.write(path, _tensors(), {"format": "pt"})
+    assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    _same(load_file(str(path)), _tensors())
+    n = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    assert json.loads(path.read_bytes()[8:8 + n])["__metadata__"] == {"format": "pt"}
+    assert (8 + n) % 8 == 0  # tensor data starts aligned, as the format asks
+
+
+def test_files_written_by_the_library_parse_to_the_same_tensors(tmp_path):
+    path = tmp_path / "lib.safetensors"
+    save_file(_tensors(), str(path), metadata={"format": "pt"})
+    loaded = tensorfile.parse(tensorfile.map_file(path), path)
+    _same(loaded, _tensors())
+    loaded["w"].add_(1)  # tensors own their memory: the file is untouched
+    _same(load_file(str(path)), _tensors())
+
+
+@pytest.mark.parametrize("mangle, why", [
+    (lambda b: b[:5], "shorter than its 8-byte header length"),
+    (lambda b: struct.pack("<Q", 1 << 40) + b[8:], "runs past the end of the file"),
+    (lambda b: b[:-1], "do not tile the data section"),
+    (lambda b: b + b"\0", "do not tile the data section"),
+    (lambda b: b.replace(b'"F32"', b'"F99"'), "has no valid dtype"),
+    (lambda b: b.replace(b'"BF16","shape":[3,5]', b'"BF16","shape":[3,6]'), r"bytes for shape \[3, 6\]"),
+    (lambda b: struct.pack("<Q", 8) + b"not json" + b[16:], "header is not JSON"),
+])
+def test_malformed_files_are_refused_with_the_reason(tmp_path, mangle, why):
+    data = mangle(save(_tensors()))
+    with pytest.raises(ValueError, match=why) as e:
+        tensorfile.parse(data, tmp_path / "bad.safetensors")
+    assert "bad.safetensors" in str(e.value)
