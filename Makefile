@@ -20,7 +20,7 @@ train: venv
 	$(PY) -m trainer recipe=lm $(ARGS)
 
 test: venv
-	$(PY) -m pytest -q tests $(ARGS)
+	$(PY) -m pytest -q -n auto tests $(ARGS)
 
 bench: venv
 	$(PY) -m trainer.benchmark $(ARGS)

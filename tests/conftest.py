@@ -104,10 +104,38 @@ def reference(corpus, tmp_path_factory) -> Path:
     return run_dir
 
 
+def once_per_run(tmp_path_factory, name: str, build) -> Path:
+    """A directory that `build(dir)` fills once per test run, shared by every pytest-xdist worker.
+
+    `make test` runs the suite in several worker processes, each with its own session fixtures; an
+    expensive reference run is built by whichever worker needs it first (under a file lock) and
+    reused by the others."""
+    import fcntl
+    import shutil
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        path = tmp_path_factory.mktemp(name)
+        build(path)
+        return path
+    root = tmp_path_factory.getbasetemp().parent  # this run's temp dir, common to its workers
+    path, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
+            build(path)
+            done.touch()
+    return path
+
+
 @pytest.fixture(scope="session")
-def ddp_reference(corpus, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """Two processes x batch 4 through the real CLI (self-launched workers)."""
-    run_dir = tmp_path_factory.mktemp("ddp_reference")
-    r = run_cli(*tiny_overrides(corpus, *SHARED, *DDP2), "trainer.progress=lines", f"hydra.run.dir={run_dir}")
-    assert r.returncode == 0, r.stderr
-    return run_dir, r
+def ddp_reference(corpus, tmp_path_factory) -> tuple[Path, str]:
+    """Two processes x batch 4 through the real CLI (self-launched workers): (run dir, its stdout)."""
+    def build(run_dir: Path) -> None:
+        r = run_cli(*tiny_overrides(corpus, *SHARED, *DDP2), "trainer.progress=lines", f"hydra.run.dir={run_dir}")
+        assert r.returncode == 0, r.stderr
+        (run_dir.parent / "ddp_reference.stdout").write_text(r.stdout)
+
+    run_dir = once_per_run(tmp_path_factory, "ddp_reference", build)
+    return run_dir, (run_dir.parent / "ddp_reference.stdout").read_text()

@@ -13,11 +13,13 @@ from conftest import ROOT, TINY, compose_cfg, load_weights, read_metrics, run_cl
 CONF = ROOT / "conf"
 
 
-def test_cli_end_to_end_from_another_directory(corpus, tmp_path):
-    run_dir = tmp_path / "run"
+def test_cli_end_to_end_from_another_directory_into_a_per_run_dir_under_outputs(corpus, tmp_path):
     r = run_cli(*tiny_overrides(corpus, "trainer.eval_every=10", "task.sample_tokens=20", "trainer.progress=lines"),
-                f"hydra.run.dir={run_dir}", cwd=tmp_path)
+                cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+    runs = list((tmp_path / "outputs").glob("*/*/metrics.jsonl"))  # Hydra's default outputs/<date>/<time>
+    assert len(runs) == 1 and (runs[0].parent / ".hydra" / "overrides.yaml").exists()
+    run_dir = runs[0].parent
     events = read_metrics(run_dir)
     assert [e["step"] for e in events if "train/loss" in e] == list(range(1, 21))
     for key in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s"):
@@ -29,14 +31,6 @@ def test_cli_end_to_end_from_another_directory(corpus, tmp_path):
     assert json.loads((run_dir / "model_config.json").read_text())["_target_"] == "recipes.lm.model.GPT"
     assert "tok_emb.weight" in load_weights(run_dir / "model.safetensors")
     assert "sample at step 10" in r.stdout and "step 20/20 loss=" in r.stdout
-    assert not (tmp_path / "outputs").exists()  # hydra.run.dir was honoured
-
-
-def test_default_run_dir_is_per_run_under_outputs(corpus, tmp_path):
-    r = run_cli(*tiny_overrides(corpus, "trainer.max_steps=2"), cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    runs = list((tmp_path / "outputs").glob("*/*/metrics.jsonl"))
-    assert len(runs) == 1 and (runs[0].parent / ".hydra" / "overrides.yaml").exists()
 
 
 def test_run_dir_records_how_to_reproduce_the_run_and_what_it_cost(corpus, tmp_path):
@@ -64,16 +58,6 @@ def test_help_and_cfg_job_do_not_train(tmp_path):
     cfg = yaml.safe_load(r.stdout)
     assert cfg["precision"]["_target_"] == "trainer.precision.BF16" and cfg["optim"]["lr"] == 0.01
     assert not (tmp_path / "outputs").exists()
-
-
-def test_multirun_sweeps_into_separate_run_dirs(corpus, tmp_path):
-    sweep = tmp_path / "sweep"
-    r = run_cli("-m", *tiny_overrides(corpus, "trainer.max_steps=3"), "optim.lr=1e-3,3e-3",
-                f"hydra.sweep.dir={sweep}", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    lrs = {yaml.safe_load((sweep / str(i) / "config.yaml").read_text())["optim"]["lr"] for i in (0, 1)}
-    assert lrs == {1e-3, 3e-3}
-    assert all(len(series(read_metrics(sweep / str(i)), "train/loss")) == 3 for i in (0, 1))
 
 
 def _options() -> list[tuple[str, str]]:

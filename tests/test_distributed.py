@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import (
     DDP2,
     FAULTY_ENV,
@@ -43,13 +44,13 @@ def test_two_ranks_equal_one_rank_with_accumulation_and_big_batch(corpus, tmp_pa
     train_in_process(corpus, acc, "data.batch_size=4", "trainer.grad_accum_steps=2", *SHARED)
     assert_same_run(acc, reference)
 
-    run_dir, r = ddp_reference
+    run_dir, stdout = ddp_reference
     assert_same_run(run_dir, reference)
     # One run dir, written by rank 0 only: no per-rank files, each event once, printed once.
     assert {p.name for p in run_dir.iterdir()} == {".hydra", "cli.log", "config.yaml", "metrics.jsonl", "checkpoints",
                                                    "model.safetensors", "model_ema.safetensors", "model_config.json",
                                                    "run_info.json"}
-    assert r.stdout.count("step 6: val/loss") == 1 and r.stdout.count("step 12/12 loss=") == 1
+    assert stdout.count("step 6: val/loss") == 1 and stdout.count("step 12/12 loss=") == 1
 
 
 def test_torchrun_launch_matches_self_launch(corpus, tmp_path, reference):
@@ -86,12 +87,15 @@ def test_two_nodes_on_localhost(corpus, tmp_path, reference):
     assert_same_run(written[0], reference)
 
 
-def test_multirun_with_ddp_gets_a_port_and_a_run_dir_per_job(corpus, tmp_path):
-    r = run_cli("-m", *tiny_overrides(corpus, *DDP2, "trainer.max_steps=2"), "optim.lr=1e-3,3e-3",
-                f"hydra.sweep.dir={tmp_path}")
+def test_multirun_sweeps_ddp_jobs_into_separate_run_dirs_each_with_its_own_port(corpus, tmp_path):
+    r = run_cli("-m", *tiny_overrides(corpus, *DDP2, "trainer.max_steps=3"), "optim.lr=1e-3,3e-3",
+                f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    lrs = [series(read_metrics(tmp_path / str(i)), "train/lr")[0] for i in (0, 1)]
-    assert lrs[1] == pytest.approx(3 * lrs[0])
+    lrs = {yaml.safe_load((tmp_path / str(i) / "config.yaml").read_text())["optim"]["lr"] for i in (0, 1)}
+    assert lrs == {1e-3, 3e-3}
+    assert all(len(series(read_metrics(tmp_path / str(i)), "train/loss")) == 3 for i in (0, 1))
+    first_lr = [series(read_metrics(tmp_path / str(i)), "train/lr")[0] for i in (0, 1)]
+    assert first_lr[1] == pytest.approx(3 * first_lr[0])
 
 
 def _processes_with_marker(marker: str) -> list[int]:
