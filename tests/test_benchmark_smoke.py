@@ -21,6 +21,7 @@ def test_quick_benchmark_writes_table_and_json(tmp_path):
     text = out.read_text()
 
     for row in ("a. loop overhead, gpt_tiny", "a. loop overhead, gpt_small", "b. bf16 vs fp32", "c. DDP 2 proc",
+                "c. the same scaling for a hand-written DDP loop",
                 "d. safetensors save_file", "d. safetensors load_file + touch", "e. start-up to first step",
                 "e. `python -m trainer --help`", "e. `python -m trainer --cfg job`"):
         assert re.search(rf"^\| {re.escape(row)}.*\|$", text, flags=re.M), row
@@ -33,7 +34,7 @@ def test_quick_benchmark_writes_table_and_json(tmp_path):
                 "per_round_ms", "target", "met"} <= set(res[key])
         assert res[key]["metrics_lines_written"] > 0  # the Trainer really logged to metrics.jsonl
     assert {"bf16_tokens_per_s", "fp32_tokens_per_s", "ratio"} <= set(res["bf16_vs_fp32"])
-    assert {"single_tokens_per_s", "ddp_tokens_per_s", "ratio", "met"} <= set(res["ddp"])
+    assert {"single_tokens_per_s", "ddp_tokens_per_s", "ratio", "met", "plain_ratio", "ddp_vs_plain_ddp"} <= set(res["ddp"])
     assert {"bytes", "api", "ms", "format_save_ratio", "format_load_ratio"} <= set(res["checkpoint"])
     assert {"safetensors_save", "raw_write", "safetensors_load", "raw_read"} <= set(res["checkpoint"]["ms"])
     s = res["startup"]

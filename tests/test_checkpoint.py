@@ -81,8 +81,9 @@ def test_keep_last_and_resuming_a_finished_run(corpus, tmp_path, reference):
 
 def test_corrupt_newest_checkpoint_falls_back_on_auto_and_fails_on_path(corpus, tmp_path, reference, capsys):
     args = [*tiny_overrides(corpus, *SINGLE), f"hydra.run.dir={tmp_path}"]
-    r = run_cli(*args, *faulty("sigkill", 11), env=FAULTY_ENV)  # dies in step 11: checkpoints 4 and 8 exist
-    assert r.returncode == -9
+    # Synchronous saves, so step 8's is complete when the kill lands (a background one may not be).
+    r = run_cli(*args, "checkpoint.async_save=false", *faulty("sigkill", 11), env=FAULTY_ENV)
+    assert r.returncode == -9  # died in step 11: checkpoints 4 and 8 exist
     bad = tmp_path / "checkpoints" / "step_00000008" / "state.safetensors"
     bad.write_bytes(bad.read_bytes()[:-100])  # truncated
     r = run_cli(*args, f"resume={bad.parent}")
@@ -159,8 +160,9 @@ def test_sigterm_to_the_launcher_then_resume_on_one_process(corpus, tmp_path, dd
 
 
 def test_elastic_restart_after_a_rank_dies_ends_with_the_same_weights(corpus, tmp_path, ddp_reference):
-    r = run_cli(*tiny_overrides(corpus, *SHARED, *DDP2, "world.max_restarts=1"), f"hydra.run.dir={tmp_path}",
-                *faulty("sigkill", 11, rank=1, first_attempt_only=True), env=FAULTY_ENV)
+    # Synchronous saves, so step 8's is complete when rank 1 dies in step 11 (a background one may not be).
+    r = run_cli(*tiny_overrides(corpus, *SHARED, *DDP2, "world.max_restarts=1", "checkpoint.async_save=false"),
+                f"hydra.run.dir={tmp_path}", *faulty("sigkill", 11, rank=1, first_attempt_only=True), env=FAULTY_ENV)
     assert r.returncode == 0, r.stderr
     assert "resumed from" in r.stdout and "step_00000008" in r.stdout
     assert_identical(tmp_path, ddp_reference[0])

@@ -13,10 +13,12 @@ with one thread the CPU time decides, as it is the less disturbed by other jobs.
     loop_tiny, loop_default  Trainer.fit() vs a hand-written loop: same model, AdamW groups, batches,
                              clipping, autocast and LR schedule (gpt_tiny 4x32, gpt_small 16x256, bf16)
     bf16_vs_fp32             tokens/s of the plain loop on the default lm model in each precision
-    ddp                      `python -m trainer world=ddp` 2 processes x 1 thread vs 1 x 1 (train/tokens_per_s)
+    ddp                      `python -m trainer world=ddp` 2 processes x 1 thread vs 1 x 1 (train/tokens_per_s),
+                             and the same pair for a hand-written DDP loop (what the machine allows)
     checkpoint               safetensors and trainer.checkpoint save/load vs writing/reading the same bytes raw
-    startup                  `python -m trainer` to its first optimizer step vs `python -c "import torch"` and
-                             vs a plain script doing the same step; whether --help / --cfg job import torch
+    startup                  `python -m trainer` to its first optimizer step vs `python -c "import torch"`, vs
+                             `import torch, torch._dynamo` (every torch.optim optimizer imports it) and vs
+                             a plain script doing the same step; whether --help / --cfg job import torch
 """
 
 from __future__ import annotations
@@ -379,16 +381,71 @@ def bench_ddp(sizes: Sizes, data: list[str]) -> dict:
             return rate
         return go
 
-    t = alternate({"single": run("single", []), "ddp": run("ddp", ["world=ddp", "world.nproc_per_node=2"])},
+    from omegaconf import OmegaConf
+
+    cfg = compose(base)
+    plain_cfg = OmegaConf.to_container(cfg)
+    warmup, timed = sizes.ddp_log_every, sizes.ddp_steps - sizes.ddp_log_every
+    t = alternate({"single": run("single", []), "ddp": run("ddp", ["world=ddp", "world.nproc_per_node=2"]),
+                   "plain_single": lambda: plain_ddp_tokens_per_s(1, plain_cfg, warmup, timed),
+                   "plain_ddp": lambda: plain_ddp_tokens_per_s(2, plain_cfg, warmup, timed)},
                   sizes.ddp_rounds)
     ratio = median([d / s for s, d in zip(t["single"], t["ddp"])])
-    cfg = compose(base)
+    plain_ratio = median([d / s for s, d in zip(t["plain_single"], t["plain_ddp"])])
     return {
         "model": sizes.ddp_model[0].split("=")[1], "batch_per_process": f"{cfg.data.batch_size}x{cfg.data.seq_len}",
         "steps": sizes.ddp_steps, "log_every": sizes.ddp_log_every, "rounds": sizes.ddp_rounds,
         "windows_used": windows, "single_tokens_per_s": median(t["single"]), "ddp_tokens_per_s": median(t["ddp"]),
         "ratio": ratio, "per_round_tokens_per_s": t, "target": ">= 1.8x", "met": bool(ratio >= 1.8),
+        "plain_single_tokens_per_s": median(t["plain_single"]), "plain_ddp_tokens_per_s": median(t["plain_ddp"]),
+        "plain_ratio": plain_ratio,
+        "ddp_vs_plain_ddp": median([d / p for d, p in zip(t["ddp"], t["plain_ddp"])]),
     }
+
+
+def plain_ddp_tokens_per_s(world: int, cfg: dict, warmup: int, steps: int) -> float:
+    """The same DDP job written by hand (PlainLoop wrapped in DDP, gloo, 1 thread per process), started
+    with torch.multiprocessing: how far 2 processes scale on this machine without any framework."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = Path(tempfile.mkdtemp(prefix="bench-plain-ddp-")) / "rate.json"
+    try:
+        mp.spawn(_plain_ddp_worker, args=(world, port, cfg, warmup, steps, str(out)), nprocs=world)
+        return json.loads(out.read_text())
+    finally:
+        shutil.rmtree(out.parent, ignore_errors=True)
+
+
+def _plain_ddp_worker(rank: int, world: int, port: int, cfg: dict, warmup: int, steps: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainer.run import build_data
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    cfg = OmegaConf.create(cfg)
+    train_data, _ = build_data(cfg.data)
+    loop = PlainLoop(cfg, train_data, torch.device("cpu"), bf16=cfg.precision._target_.endswith("BF16"))
+    if world > 1:
+        loop.model = DistributedDataParallel(loop.model)
+    loop.pos = rank * loop.batch_size  # each rank its own batches
+    loop.run(warmup)
+    dist.barrier()
+    t = time.perf_counter()
+    loop.run(steps)
+    dist.barrier()
+    if rank == 0:
+        tokens = world * steps * loop.batch_size * cfg.data.seq_len
+        Path(out).write_text(json.dumps(tokens / (time.perf_counter() - t)))
+    dist.destroy_process_group()
 
 
 # -- d. checkpoints ----------------------------------------------------------------------------------
@@ -647,6 +704,10 @@ def table(res: dict) -> list[str]:
         rows.append(f"| c. DDP 2 proc x 1 thread vs 1 x 1, {r['model']} {r['batch_per_process']}/proc | "
                     f"{r['ddp_tokens_per_s']:,.0f} tok/s | {r['single_tokens_per_s']:,.0f} tok/s (1 proc) | "
                     f"{r['ratio']:.2f}x | {r['target']} | {_yes(r['met'])} |")
+        rows.append(f"| c. the same scaling for a hand-written DDP loop (this machine's ceiling) | "
+                    f"{r['plain_ddp_tokens_per_s']:,.0f} tok/s | {r['plain_single_tokens_per_s']:,.0f} tok/s (1 proc) | "
+                    f"{r['plain_ratio']:.2f}x; framework DDP at {r['ddp_vs_plain_ddp']:.2f}x the plain DDP loop's "
+                    f"tokens/s | — | — |")
     if "checkpoint" in res:
         r, ms, mb = res["checkpoint"], res["checkpoint"]["ms"], res["checkpoint"]["bytes"] / 2**20
         rows.append(f"| d. safetensors save_file, {mb:.1f} MiB model+optimizer | {ms['safetensors_save']:.1f} ms | "
