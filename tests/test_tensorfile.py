@@ -64,3 +64,19 @@ def test_malformed_files_are_refused_with_the_reason(tmp_path, mangle, why):
     with pytest.raises(ValueError, match=why) as e:
         tensorfile.parse(data, tmp_path / "bad.safetensors")
     assert "bad.safetensors" in str(e.value)
+
+
+@pytest.mark.parametrize("damage", ["missing", "directory"])
+def test_a_checkpoint_file_that_cannot_be_read_is_named_not_a_traceback(tmp_path, damage):
+    from trainer.checkpoint import Checkpointer, load, verify
+    from trainer.errors import CheckpointError
+
+    path = Checkpointer(tmp_path).save(1, {"w": torch.ones(2)}, {"step": torch.tensor(1)})
+    bad = path / "state.safetensors"
+    bad.unlink()
+    if damage == "directory":
+        bad.mkdir()
+    for read in (verify, load):
+        with pytest.raises(CheckpointError, match="listed in the manifest") as e:
+            read(path)
+        assert str(bad) in str(e.value)

@@ -78,7 +78,7 @@ def unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 def sha256(path: Path) -> str:
     """sha256 of a file (for tools and tests; saving and loading hash the bytes they move)."""
-    return tensorfile.sha256_all({"": tensorfile.map_file(path)})[""]
+    return hashlib.sha256(tensorfile.map_file(path)).hexdigest()
 
 
 def _write(path: Path, data: bytes) -> str:
@@ -239,6 +239,8 @@ def _map_all(path: Path, files: dict[str, str]) -> dict[str, Any]:
         return {name: tensorfile.map_file(path / name) for name in files}
     except FileNotFoundError as e:
         raise CheckpointError(f"file {e.filename} listed in the manifest is missing.") from None
+    except OSError as e:  # a directory in its place, no permission, an I/O error
+        raise CheckpointError(f"file {e.filename} listed in the manifest cannot be read ({e.strerror}).") from None
 
 
 def _check_digests(path: Path, files: dict[str, str], digests: dict[str, str]) -> None:

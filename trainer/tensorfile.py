@@ -77,7 +77,7 @@ def map_file(path: str | os.PathLike) -> mmap.mmap | bytes:
 
 def sha256_all(buffers: dict[str, mmap.mmap | bytes]) -> dict[str, str]:
     """sha256 of each buffer, the big ones hashed in parallel."""
-    with ThreadPoolExecutor(max_workers=min(len(buffers), os.cpu_count() or 1) or 1) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(len(buffers), os.cpu_count() or 1))) as pool:
         return dict(zip(buffers, pool.map(lambda b: hashlib.sha256(b).hexdigest(), buffers.values())))
 
 
