@@ -153,11 +153,15 @@ class Backend:
         return batch
 
     # -- collectives ---------------------------------------------------------------------------
-    def all_reduce(self, value: torch.Tensor | float | int, op: str = "sum") -> torch.Tensor | float | int:
-        """Sum (or max/min) over ranks. Numbers stay numbers when there is only one process."""
+    def all_reduce(self, value: torch.Tensor | float | int, op: str = "sum",
+                   on_host: bool = False) -> torch.Tensor | float | int:
+        """Sum (or max/min) over ranks. Numbers stay numbers when there is only one process.
+
+        `on_host` reduces in CPU memory (gloo) instead of on the device: for small host-side values,
+        whose reduction must not wait for the GPU's queue of work."""
         if not self.distributed:
             return value
-        t = torch.as_tensor(value, device=self.device)
+        t = torch.as_tensor(value, device="cpu" if on_host else self.device)
         t = t.clone() if t is value else t
         dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
         return t

@@ -31,6 +31,7 @@ class TrainerConfig:
     compile_backend: str = "inductor"  # torch.compile backend (inductor generates fused kernels)
     nonfinite: str = "stop"  # on a NaN/inf loss or grad norm: stop | skip
     max_nonfinite_skips: int = 10  # with nonfinite=skip: stop after this many consecutive skips
+    nonfinite_check: str = "auto"  # step (host reads the grad norm every step) | log (no per-step host sync) | auto
     progress: str = "auto"  # auto (bar on a terminal, lines otherwise) | bar | lines | off
     peak_tflops: float | None = None  # per-device peak for MFU; null = GPU table, or a CPU matmul probe
 
@@ -107,6 +108,10 @@ def validate(cfg: DictConfig) -> None:
     _check(t.eval_every >= 0, "trainer.eval_every", t.eval_every, "an integer >= 0 (0 = eval only at the end)")
     _check(t.grad_clip is None or t.grad_clip > 0, "trainer.grad_clip", t.grad_clip, "a number > 0, or null")
     _check(t.nonfinite in ("stop", "skip"), "trainer.nonfinite", t.nonfinite, "'stop' or 'skip'")
+    _check(t.nonfinite_check in ("auto", "step", "log"), "trainer.nonfinite_check", t.nonfinite_check,
+           "auto, step or log")
+    _check(t.nonfinite_check != "log" or t.nonfinite == "stop", "trainer.nonfinite_check", t.nonfinite_check,
+           "step or auto with trainer.nonfinite=skip", "Whether a skipped step advances the LR schedule is decided on the host.")
     _check(t.progress in ("auto", "bar", "lines", "off"), "trainer.progress", t.progress, "auto, bar, lines or off")
     _check(t.eval_samples is None or t.eval_samples >= 1, "trainer.eval_samples", t.eval_samples, "an integer >= 1, or null")
 

@@ -22,6 +22,7 @@ from .ema import EMA
 from .errors import CheckpointError, ConfigError, DataError
 from .loggers import JsonlLogger, LoggerGroup, NullLogger
 from .metrics import Cost
+from .nonfinite import NonFiniteGuard
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -194,6 +195,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
             model = torch.compile(model, backend=tcfg.compile_backend)
         optimizer = build_optimizer(cfg.optim, model)
         scheduler = build("scheduler", cfg.scheduler)(optimizer, total_steps=tcfg.max_steps)
+        guard = NonFiniteGuard.build(tcfg, precision.name, optimizer, backend.device, backend.rank)
         # Different randomness per rank from here on (dropout), reproducible per (seed, rank).
         seed_everything(tcfg.seed + backend.rank)
 
@@ -208,7 +210,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
             backend=backend, train_data=train_data, val_data=val_data,
             batch_size=cfg.data.batch_size, shuffle=cfg.data.get("shuffle", True),
             num_workers=cfg.data.get("num_workers", 0), config=tcfg, loggers=loggers, run_dir=run_dir,
-            ema=ema, checkpointer=checkpointer,
+            ema=ema, checkpointer=checkpointer, guard=guard,
             config_yaml=OmegaConf.to_yaml(OmegaConf.create(redact(OmegaConf.to_container(cfg)))),
             cost=Cost(raw_model, backend.device, PRECISION_DTYPES.get(precision.name, torch.float32),
                       tcfg.peak_tflops, backend.world_size),

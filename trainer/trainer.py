@@ -16,9 +16,10 @@ from .backend import Backend
 from .config import TrainerConfig
 from .data import GlobalBatchSampler, eval_loader, train_loader
 from .ema import EMA
-from .errors import CheckpointError, NonFiniteError, Preempted
+from .errors import CheckpointError, Preempted
 from .loggers import NullLogger
 from .metrics import Cost
+from .nonfinite import NonFiniteGuard
 from .preemption import PreemptionFlag
 from .progress import NullProgress, Progress
 from .rng import rng_state, set_rng_state
@@ -36,7 +37,7 @@ class Trainer:
                  train_data, val_data, batch_size: int, shuffle: bool, num_workers: int,
                  config: TrainerConfig, loggers: NullLogger | None = None, run_dir: str | Path = ".",
                  ema: EMA | None = None, checkpointer: ckpt.Checkpointer | None = None, config_yaml: str = "",
-                 cost: Cost | None = None):
+                 cost: Cost | None = None, guard: NonFiniteGuard | None = None):
         self.model, self.task, self.optimizer, self.scheduler = model, task, optimizer, scheduler
         self.precision, self.backend, self.cfg = precision, backend, config
         self.train_data, self.val_data = train_data, val_data
@@ -51,7 +52,7 @@ class Trainer:
         self.step = 0  # optimizer steps done (skipped fp16/nonfinite steps included)
         self.samples_seen = 0  # position in the global sample stream
         self.skipped_steps = 0
-        self._consecutive_skips = 0
+        self.guard = guard or NonFiniteGuard.build(config, precision.name, optimizer, backend.device, backend.rank)
 
     @property
     def global_batch(self) -> int:
@@ -64,15 +65,20 @@ class Trainer:
 
     # -- the optimizer step --------------------------------------------------------------------
     def sync_counts(self, batches: list[Any]) -> tuple[Any, bool]:
-        """Targets in the global batch, and whether any rank was asked to stop: one all-reduce."""
+        """Targets in the global batch, and whether any rank was asked to stop.
+
+        Both are reduced in host memory (gloo), which never waits for the GPU; only a task that counts
+        its targets on the device (a tensor) gets a second, asynchronous reduction there.
+        """
         n_local = sum(self.task.num_targets(b) for b in batches)
         be = self.backend
         if not be.distributed:
             return n_local, self.preemption.requested
-        both = torch.stack([torch.as_tensor(n_local, dtype=torch.float64, device=be.device),
-                            torch.tensor(float(self.preemption.requested), dtype=torch.float64, device=be.device)])
-        both = be.all_reduce(both)
-        return both[0].float(), bool(both[1].item())
+        on_device = isinstance(n_local, torch.Tensor)
+        host = be.all_reduce(torch.tensor([0.0 if on_device else float(n_local), float(self.preemption.requested)],
+                                          dtype=torch.float64), on_host=True).tolist()
+        n_global = be.all_reduce(n_local.to(torch.float64)).float() if on_device else host[0]
+        return n_global, host[1] > 0
 
     def train_step(self, batches: list[Any], n_global) -> dict[str, Any]:
         """One optimizer step over this rank's micro-batches. Returns device tensors (no host sync)."""
@@ -95,7 +101,9 @@ class Trainer:
             grad_norm = nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         else:
             grad_norm = nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
-        stepped = self._apply_update(grad_norm)
+        stepped = self.guard.step(self.precision, opt, grad_norm, self.step + 1)
+        if not stepped:
+            self.skipped_steps += 1
         opt.zero_grad(set_to_none=True)
         if stepped:
             # Only real updates advance the schedule and the EMA; a skipped step does not.
@@ -103,31 +111,6 @@ class Trainer:
             if self.ema is not None:
                 self.ema.update(self.step + 1)
         return {"loss_sum": loss_sum, "grad_norm": grad_norm}
-
-    def _apply_update(self, grad_norm: torch.Tensor) -> bool:
-        if self.precision.name == "fp16":
-            stepped = self.precision.step(self.optimizer)  # the scaler skips overflowed steps itself
-        elif math.isfinite(grad_norm.item()):  # grads are synced, so every rank sees the same norm
-            stepped = self.precision.step(self.optimizer)
-        elif self.cfg.nonfinite == "stop":
-            raise NonFiniteError(
-                f"non-finite gradient norm ({grad_norm.item()}) at step {self.step + 1} on rank "
-                f"{self.backend.rank}; the update was not applied and earlier checkpoints are intact. "
-                "Lower optim.lr, enable trainer.grad_clip, use precision=bf16/fp32, or set trainer.nonfinite=skip."
-            )
-        else:
-            stepped = False
-        if stepped:
-            self._consecutive_skips = 0
-            return True
-        self.skipped_steps += 1
-        self._consecutive_skips += 1
-        if self.precision.name != "fp16" and self._consecutive_skips >= self.cfg.max_nonfinite_skips:
-            raise NonFiniteError(
-                f"{self._consecutive_skips} consecutive non-finite steps up to step {self.step + 1} "
-                f"(trainer.max_nonfinite_skips={self.cfg.max_nonfinite_skips}); stopping. Lower optim.lr."
-            )
-        return False
 
     # -- eval ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -164,6 +147,7 @@ class Trainer:
         return text
 
     def _eval_and_log(self, progress: Progress) -> dict[str, float]:
+        self.guard.read()  # a run that hit a non-finite step stops before evaluating it
         metrics = self.evaluate()
         if self.ema is not None:
             with self.ema.swapped_in():
@@ -210,7 +194,8 @@ class Trainer:
                 window_steps += 1
 
                 if self._log_due():
-                    # The loop's host syncs for metrics happen here, every log_every steps.
+                    # The loop's host syncs happen here, every log_every steps (and at eval and checkpoints).
+                    self.guard.read()
                     elapsed = time.perf_counter() - window_start
                     train_time, train_targets = train_time + elapsed, train_targets + float(window_targets)
                     metrics = {
@@ -299,6 +284,7 @@ class Trainer:
         """Save (in the background with checkpoint.async_save); `wait` before exiting the process."""
         if self.checkpointer is None:
             return None
+        self.guard.read()  # never save the state after a non-finite step
         state = self.state_dict()  # on every rank: it gathers RNG states
         if self.backend.is_main:
             self.checkpointer.save(self.step, self.raw_model.state_dict(), state, self.config_yaml, metrics)

@@ -1,0 +1,132 @@
+"""The non-finite guard's two ways of checking (`trainer.nonfinite_check`): every step, or at log steps
+with the skip done on the device. Both must leave the same weights; `log` must not read the device
+between log steps. Runs on the CPU by forcing `log`, which `auto` picks only on accelerators."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, load_weights, read_metrics, series, train_in_process
+
+sys.path.insert(0, str(ROOT / "tests"))  # faulty.Faulty, in-process
+
+NAN_AT_STEP_6 = ("task._target_=faulty.Faulty", "+task.action=nan_once", "+task.at_call=6", "+task.rank=0")
+# A constant schedule, so a 5-step run is exactly the first 5 steps of a 20-step one.
+COMMON = ("scheduler=constant", "trainer.log_every=5", "checkpoint.every_n_steps=4")
+
+
+@pytest.fixture
+def trainers(monkeypatch) -> list:
+    """Every Trainer whose fit() runs in this test, for a look at its state after the run."""
+    from trainer.trainer import Trainer
+
+    seen, fit = [], Trainer.fit
+
+    def recording_fit(self):
+        seen.append(self)
+        return fit(self)
+
+    monkeypatch.setattr(Trainer, "fit", recording_fit)
+    return seen
+
+
+@pytest.mark.parametrize("check", ["step", "log"])
+def test_a_nan_stops_with_the_weights_from_before_it(corpus, tmp_path, trainers, check):
+    from trainer.errors import NonFiniteError
+
+    # log: step 6's NaN is on the device only; the host sees it at the checkpoint due at step 8.
+    expected = "at step 6 on rank 0; that update and the 2 after it" if check == "log" else "at step 6 on rank 0"
+    with pytest.raises(NonFiniteError, match=expected):
+        train_in_process(corpus, tmp_path / "nan", *COMMON, f"trainer.nonfinite_check={check}", *NAN_AT_STEP_6)
+    train_in_process(corpus, tmp_path / "five", *COMMON, "trainer.max_steps=5")
+    after_five = load_weights(tmp_path / "five" / "model.safetensors")
+    stopped = trainers[0].raw_model.state_dict()
+    assert stopped.keys() == after_five.keys()
+    for k, v in after_five.items():
+        assert torch.equal(stopped[k], v), k  # bit-identical: steps 6, 7 and 8 changed nothing
+    # Nothing after the NaN was saved: the checkpoint due at step 8 never happened.
+    assert [p.name for p in sorted((tmp_path / "nan" / "checkpoints").glob("step_*"))] == ["step_00000004"]
+    assert [e["step"] for e in read_metrics(tmp_path / "nan")] == [5]
+
+
+def test_log_check_trains_exactly_like_step_check(corpus, tmp_path):
+    by_step = train_in_process(corpus, tmp_path / "step", "trainer.nonfinite_check=step")
+    by_log = train_in_process(corpus, tmp_path / "log", "trainer.nonfinite_check=log")
+    assert series(by_log, "train/loss") == series(by_step, "train/loss")
+    a, b = load_weights(tmp_path / "log" / "model.safetensors"), load_weights(tmp_path / "step" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+
+
+@pytest.mark.parametrize("check", ["step", "log"])
+def test_log_check_reads_nothing_from_the_device_between_log_steps(corpus, tmp_path, trainers, monkeypatch, check):
+    """Every Python-level read of a tensor's value, tagged with the step it happened in."""
+    from trainer.data import GlobalBatchSampler
+    from trainer.trainer import Trainer
+
+    reads: list[tuple[str, int]] = []  # (where, trainer.step at the time)
+    phase = ["loop"]
+    for name in READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            if trainers:
+                reads.append((phase[0], trainers[0].step))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    # The sampler's permutation is drawn in host memory (a CPU tensor even on a GPU run): not a device read.
+    for cls, method, where in ((Trainer, "train_step", "step"), (Trainer, "sync_counts", "step"),
+                               (GlobalBatchSampler, "_perm", "data order")):
+        original = getattr(cls, method)
+
+        def tagged(self, *args, _original=original, _where=where, **kwargs):
+            phase[0] = _where
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                phase[0] = "loop"
+
+        monkeypatch.setattr(cls, method, tagged)
+
+    train_in_process(corpus, tmp_path, "trainer.log_every=5", "trainer.max_steps=10", f"trainer.nonfinite_check={check}")
+    in_steps = [s for where, s in reads if where == "step"]
+    if check == "step":
+        assert len(in_steps) == 10  # the instrument sees the per-step read it is there to catch
+    else:
+        assert in_steps == []
+        # The log steps (and the final eval and checkpoint), nowhere else.
+        assert {s for where, s in reads if where != "data order"} == {5, 10}
+
+
+def test_log_check_refuses_what_it_cannot_do(corpus, tmp_path):
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="fused=true"):
+        train_in_process(corpus, tmp_path / "a", "trainer.nonfinite_check=log", "optim.fused=false")
+    with pytest.raises(ConfigError, match="precision=fp16"):
+        train_in_process(corpus, tmp_path / "b", "trainer.nonfinite_check=log", "precision=fp16")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_no_device_sync_between_log_steps_on_cuda(corpus, tmp_path, monkeypatch):
+    """`auto` on CUDA: torch raises on any synchronizing call inside the steps between log steps."""
+    from trainer.trainer import Trainer
+
+    original = Trainer.train_step
+
+    def strict(self, *args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(Trainer, "train_step", strict)
+    events = train_in_process(corpus, tmp_path, "world.device=cuda", "precision=bf16", "trainer.log_every=5",
+                              "trainer.max_steps=10")
+    assert len(series(events, "train/loss")) == 2

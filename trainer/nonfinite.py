@@ -1,0 +1,119 @@
+"""What happens to an optimizer step whose gradient norm is NaN or inf (`trainer.nonfinite`).
+
+Deciding on the host means reading the norm every step: `.item()`, which on a GPU waits for the
+whole step to finish and lets the device run dry while Python prepares the next one. So there are
+two ways to check, chosen by `trainer.nonfinite_check`:
+
+- `step`: read the norm every step. Exact for both policies; free on the CPU, where nothing runs
+  ahead of Python. `nonfinite=skip` always uses it: whether a skipped step advances the LR schedule
+  and the EMA is a host decision.
+- `log`: no host read between log steps. A device-side latch turns on at the first non-finite norm
+  and is handed to the fused optimizer as `found_inf` (the way `torch.amp.GradScaler` skips steps),
+  so that update and every later one are skipped on the device. The host reads the latch at the
+  next log step, eval or checkpoint, and stops there naming the first bad step: the weights are
+  those before it, exactly as with `step`, and nothing after it was saved. Needs `nonfinite=stop`
+  and an optimizer that takes `found_inf` (`fused=True` Adam, AdamW, SGD, Adagrad).
+
+`auto` picks `log` on accelerators when it applies, `step` otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .errors import ConfigError, NonFiniteError
+
+FIX = "Lower optim.lr, enable trainer.grad_clip, use precision=bf16/fp32, or set trainer.nonfinite=skip."
+
+
+def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` honours a `found_inf` tensor (torch sets this flag for fused optimizers)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def resolve_check(check: str, policy: str, precision: str, optimizer: torch.optim.Optimizer,
+                  device: torch.device) -> str:
+    """`step` or `log` for `trainer.nonfinite_check`; a ConfigError when `log` is asked for but cannot work."""
+    why_not = None
+    if policy != "stop":
+        why_not = "trainer.nonfinite=skip (whether a skipped step advances the LR schedule is decided on the host)"
+    elif precision == "fp16":
+        why_not = "precision=fp16 (its loss scaler decides on the host whether each step is applied)"
+    elif not supports_found_inf(optimizer):
+        why_not = f"{type(optimizer).__name__} without fused=true (only fused optimizers can skip a step on the device)"
+    if check == "log" and why_not:
+        raise ConfigError(f"trainer.nonfinite_check=log does not work with {why_not}. "
+                          "Use trainer.nonfinite_check=auto or step.")
+    if check == "auto":
+        return "step" if why_not or device.type == "cpu" else "log"
+    return check
+
+
+class NonFiniteGuard:
+    """Applies the optimizer step unless the gradient norm is non-finite; see the module docstring."""
+
+    @classmethod
+    def build(cls, config, precision_name: str, optimizer: torch.optim.Optimizer, device: torch.device,
+              rank: int) -> NonFiniteGuard:
+        """From the `trainer` config section (`nonfinite`, `nonfinite_check`, `max_nonfinite_skips`)."""
+        check = resolve_check(config.nonfinite_check, config.nonfinite, precision_name, optimizer, device)
+        return cls(config.nonfinite, check, config.max_nonfinite_skips, device, rank)
+
+    def __init__(self, policy: str, check: str, max_skips: int, device: torch.device, rank: int):
+        if check not in ("step", "log"):
+            raise ValueError(f"check must be 'step' or 'log' (resolve 'auto' with resolve_check), not {check!r}")
+        self.policy, self.check, self.max_skips, self.rank = policy, check, max_skips, rank
+        self.consecutive_skips = 0
+        # `log` mode: 1.0 from the first non-finite norm on (the value fused kernels test for), and the
+        # norms since the last read, to name the step.
+        self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        self.pending: list[tuple[int, torch.Tensor]] = []
+
+    def step(self, precision, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, step: int) -> bool:
+        """Run `precision.step(optimizer)` for optimizer step number `step` unless it must be skipped.
+
+        Returns whether the update was applied (in `log` mode: True; a skip there ends the run at the next read).
+        """
+        if precision.name == "fp16":
+            # The scaler skips overflowed steps itself; those are routine, so they never stop the run.
+            return self._count(precision.step(optimizer), step, limit=False)
+        if self.check == "log":
+            self.found_inf = torch.where(torch.isfinite(grad_norm), self.found_inf, 1.0)
+            self.pending.append((step, grad_norm))
+            optimizer.grad_scale, optimizer.found_inf = None, self.found_inf
+            try:
+                precision.step(optimizer)
+            finally:
+                del optimizer.grad_scale, optimizer.found_inf
+            return True
+        norm = grad_norm.item()  # grads are synced, so every rank sees the same norm
+        if math.isfinite(norm):
+            return self._count(precision.step(optimizer), step)
+        if self.policy == "stop":
+            raise NonFiniteError(f"non-finite gradient norm ({norm}) at step {step} on rank {self.rank}; the update "
+                                 f"was not applied and earlier checkpoints are intact. {FIX}")
+        return self._count(False, step)
+
+    def _count(self, applied: bool, step: int, limit: bool = True) -> bool:
+        self.consecutive_skips = 0 if applied else self.consecutive_skips + 1
+        if limit and self.consecutive_skips >= self.max_skips:
+            raise NonFiniteError(f"{self.consecutive_skips} consecutive non-finite steps up to step {step} "
+                                 f"(trainer.max_nonfinite_skips={self.max_skips}); stopping. Lower optim.lr.")
+        return applied
+
+    def read(self) -> None:
+        """`log` mode: read the latch (one host sync) and stop if a step since the last read was non-finite."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        if not self.found_inf.item():
+            return
+        norms = torch.stack([n for _, n in pending]).tolist()
+        step, norm = next((s, n) for (s, _), n in zip(pending, norms) if not math.isfinite(n))
+        raise NonFiniteError(
+            f"non-finite gradient norm ({norm}) at step {step} on rank {self.rank}; that update and the "
+            f"{pending[-1][0] - step} after it (up to this check at step {pending[-1][0]}) were skipped on the "
+            f"device, so the weights are those before step {step}, and earlier checkpoints are intact. {FIX}"
+        )
