@@ -11,7 +11,8 @@ the median). In-process loops are timed by the wall clock and in process CPU tim
 with one thread the CPU time decides, as it is the less disturbed by other jobs.
 
     loop_tiny, loop_default  Trainer.fit() vs a hand-written loop: same model, AdamW groups, batches,
-                             clipping, autocast and LR schedule (gpt_tiny 4x32, gpt_small 16x256, bf16)
+                             clipping, autocast and LR schedule (gpt_tiny 4x32, gpt_small 16x256, bf16);
+                             the plain loop runs in turns between windows of the Trainer's steps
     bf16_vs_fp32             tokens/s of the plain loop on the default lm model in each precision
     ddp                      `python -m trainer world=ddp` 2 processes x 1 thread vs 1 x 1 (train/tokens_per_s),
                              and the same pair for a hand-written DDP loop (what the machine allows)
@@ -59,7 +60,8 @@ THREADS = 1
 
 @dataclass(frozen=True)
 class Sizes:
-    """How long each item runs. (rounds, steps per round, warm-up steps) for the in-process loops."""
+    """How long each item runs. (rounds, steps per round, warm-up steps) for the in-process loops; for the
+    loop items a round is one window of Trainer steps with the plain loops' turn just before it."""
 
     loop_tiny: tuple[int, int, int]
     loop_default: tuple[int, int, int]
@@ -74,10 +76,10 @@ class Sizes:
     startup_warmup: bool = True  # one untimed run first (dataset cache, .pyc files, page cache)
 
 
-FULL = Sizes(loop_tiny=(30, 100, 100), loop_default=(16, 2, 2), precision=(4, 3, 1), default_model=tuple(DEFAULT),
+FULL = Sizes(loop_tiny=(600, 5, 100), loop_default=(20, 1, 2), precision=(4, 3, 1), default_model=tuple(DEFAULT),
              ddp_rounds=3, ddp_model=tuple(DEFAULT), ddp_steps=12, ddp_log_every=3, checkpoint_rounds=5,
              startup_rounds=5)
-QUICK = Sizes(loop_tiny=(2, 20, 3), loop_default=(2, 3, 1), precision=(2, 3, 1), default_model=tuple(QUICK_DEFAULT),
+QUICK = Sizes(loop_tiny=(3, 5, 3), loop_default=(2, 2, 1), precision=(2, 3, 1), default_model=tuple(QUICK_DEFAULT),
               ddp_rounds=1, ddp_model=tuple(TINY), ddp_steps=3, ddp_log_every=1, checkpoint_rounds=2,
               startup_rounds=1, startup_warmup=False)
 
@@ -249,28 +251,67 @@ def _cosine(step: int, warmup: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+class Interleaved:
+    """The training set, with `turn()` called before every `every`-th batch is cut from it.
+
+    That is where the plain loops take their turn: between two of the Trainer's steps, inside one
+    `fit()` call. So each window of `every` Trainer steps sits right beside `every` plain steps
+    (milliseconds apart, where rounds of separate fit() calls were seconds apart), and no per-call
+    setup of fit() is counted. The wrapper's own call per batch is counted against the Trainer.
+    """
+
+    def __init__(self, dataset, every: int, turn: Callable[[], None]):
+        self.dataset, self.every, self.turn, self.batches = dataset, every, turn, 0
+        if hasattr(dataset, "collate_fn"):
+            self.collate_fn = dataset.collate_fn
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitems__(self, indices: list[int]):
+        if self.batches % self.every == 0:
+            self.turn()
+        self.batches += 1
+        return self.dataset.__getitems__(indices)
+
+
 def bench_loop(overrides: list[str], sizes: tuple[int, int, int], target: dict) -> dict:
-    rounds, steps, warmup = sizes
+    windows, steps, warmup = sizes
     base = compose([*COMMON, *overrides])
-    cfg = compose([*COMMON, *overrides, f"trainer.max_steps={warmup + rounds * steps + 1}", f"world.threads={THREADS}",
-                   *no_checkpoints(base)])
+    cfg = compose([*COMMON, *overrides, f"trainer.max_steps={warmup + (windows + 1) * steps + 1}",
+                   f"world.threads={THREADS}", *no_checkpoints(base)])
 
     def measure(trainer) -> tuple[dict, float, Any]:
-        trainer.val_data = None  # eval is not per-step work: each fit() round ends without one
+        trainer.val_data = None  # eval is not per-step work
+        device = trainer.backend.device
         bf16 = cfg.precision._target_.endswith("BF16")
-        plain = PlainLoop(cfg, trainer.train_data, trainer.backend.device, bf16)
+        plain = PlainLoop(cfg, trainer.train_data, device, bf16)
         # An A/A control: a second, identical plain loop. Its "overhead" over the first is pure noise.
-        control = PlainLoop(cfg, trainer.train_data, trainer.backend.device, bf16)
+        control = PlainLoop(cfg, trainer.train_data, device, bf16)
         fit_steps(trainer, warmup)
         plain.run(warmup)
         control.run(warmup)
-        # What one fit() call costs besides its steps (loader, progress, end-of-run work), amortised per round.
+        # What one fit() call costs besides its steps (loader, progress, end-of-run work): paid once per run.
         fixed = median([fit_steps(trainer, 0).wall for _ in range(5)])
-        # The plain loop runs between the other two in every round (T P C, then C P T), so both are paired
-        # with a plain round right beside them.
-        t = alternate({"trainer": lambda: fit_steps(trainer, steps), "plain": lambda: plain.run(steps),
-                       "control": lambda: control.run(steps)}, rounds)
-        return t, fixed, trainer.backend.device
+        laps: dict[str, list[Lap]] = {"trainer": [], "plain": [], "control": []}
+        watch: list[Stopwatch] = []
+
+        def turn() -> None:
+            if watch:
+                laps["trainer"].append(watch.pop().lap(steps))
+            loops = [("plain", plain), ("control", control)]
+            for name, loop in loops if len(laps["plain"]) % 2 == 0 else loops[::-1]:
+                laps[name].append(loop.run(steps))
+            watch.append(Stopwatch(device))
+
+        dataset = trainer.train_data
+        trainer.train_data = Interleaved(dataset, steps, turn)
+        try:
+            fit_steps(trainer, (windows + 1) * steps)  # turns before windows 0..windows; windows are timed
+        finally:
+            trainer.train_data = dataset
+        # Window i of the Trainer is paired with the plain turn just before it.
+        return {k: v[:windows] for k, v in laps.items()}, fixed, device
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-loop-"))
     try:
@@ -286,7 +327,7 @@ def bench_loop(overrides: list[str], sizes: tuple[int, int, int], target: dict) 
     out = {
         "model": f"GPT n_layer={cfg.model.n_layer} d_model={cfg.model.d_model}",
         "batch": f"{cfg.data.batch_size}x{cfg.data.seq_len}", "precision": "bf16", "threads": THREADS,
-        "log_every": cfg.trainer.log_every, "rounds": rounds, "steps_per_round": steps, "clock": clock,
+        "log_every": cfg.trainer.log_every, "rounds": windows, "steps_per_round": steps, "clock": clock,
         **both[clock],
         "trainer_tokens_per_s": tokens / both[clock]["trainer_ms_per_step"] * 1000,
         "plain_tokens_per_s": tokens / both[clock]["plain_ms_per_step"] * 1000,
@@ -310,6 +351,8 @@ def paired(a: list[Lap], b: list[Lap], clock: str) -> dict:
     a_ms, b_ms = [1000 * getattr(x, clock) for x in a], [1000 * getattr(x, clock) for x in b]
     return {"trainer_ms_per_step": median(a_ms), "plain_ms_per_step": median(b_ms),
             "overhead_ms_per_step": median([x - y for x, y in zip(a_ms, b_ms)]),
+            # The mean counts every window fully, the few with a log step (or a stall) included.
+            "overhead_ms_per_step_mean": statistics.fmean([x - y for x, y in zip(a_ms, b_ms)]),
             "throughput_ratio": median([y / x for x, y in zip(a_ms, b_ms)]),
             # Noise only ever adds time, so the fastest rounds are a second estimate of the intrinsic cost.
             "overhead_ms_per_step_of_fastest_rounds": min(a_ms) - min(b_ms),
@@ -690,7 +733,8 @@ def table(res: dict) -> list[str]:
             rows.append(f"| {label} {r['batch']} bf16, {r['threads']} thread(s), {r['clock']} time | "
                         f"{r['trainer_ms_per_step']:.3f} ms/step | {r['plain_ms_per_step']:.3f} ms/step | "
                         f"{r['overhead_ms_per_step']:+.3f} ms/step, {r['throughput_ratio']:.3f}x throughput "
-                        f"(wall clock: {w['overhead_ms_per_step']:+.3f}, {w['throughput_ratio']:.3f}x; A/A control, "
+                        f"(mean {r['overhead_ms_per_step_mean']:+.3f}; "
+                        f"wall clock: {w['overhead_ms_per_step']:+.3f}, {w['throughput_ratio']:.3f}x; A/A control, "
                         f"plain vs plain: {r['control_overhead_ms_per_step']:+.3f}, "
                         f"{r['control_throughput_ratio']:.3f}x) | "
                         f"{r['target']} | {_yes(r['met'])} |")
@@ -845,8 +889,11 @@ def write_report(path: Path, res: dict) -> None:
         "",
         "Notes: the loop rows time `Trainer.fit()` as built by `trainer.run.train` (data loader, metrics.jsonl every "
         "`log_every` steps, no progress display, no eval, no checkpoints) against a hand-written loop doing the same "
-        "math on the same batches, in one process with a fixed thread count; differences and ratios are per round, "
-        "then the median (`overhead_ms_per_step_of_fastest_rounds` in the JSON is a second estimate). DDP reads "
+        "math on the same batches, in one process with a fixed thread count. Inside one fit() call, the plain loop "
+        "and an identical A/A control take turns between windows of the Trainer's steps (short windows, many of them: "
+        "this host's noise is per window, not per step, so the median's error shrinks with the number of windows); "
+        "differences and ratios are per window, then the median (the JSON also has the mean, which counts the "
+        "windows holding a log step in full, and `overhead_ms_per_step_of_fastest_rounds`). DDP reads "
         "`train/tokens_per_s` from metrics.jsonl, first window left out. Start-up is the wall time from launching "
         "`python -m trainer` (log_every=1) until metrics.jsonl gets its first line; the plain script builds the same "
         "model and optimizer and takes one step (building any `torch.optim` optimizer imports `torch._dynamo`).",
