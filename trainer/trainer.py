@@ -100,15 +100,16 @@ class Trainer:
             grad_norm = nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         else:
             grad_norm = nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        # The update, unless the norm is NaN/inf (trainer.nonfinite; see trainer/nonfinite.py).
         stepped = self.guard.step(self.precision, opt, grad_norm, self.step + 1)
-        if not stepped:
-            self.skipped_steps += 1
         opt.zero_grad(set_to_none=True)
         if stepped:
             # Only real updates advance the schedule and the EMA; a skipped step does not.
             self.scheduler.step()
             if self.ema is not None:
                 self.ema.update(self.step + 1)
+        else:
+            self.skipped_steps += 1
         return {"loss_sum": loss_sum, "grad_norm": grad_norm}
 
     # -- eval ----------------------------------------------------------------------------------
