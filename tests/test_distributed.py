@@ -120,3 +120,17 @@ def test_a_crashing_rank_fails_the_job_once_and_leaves_no_process(corpus, tmp_pa
     assert "worker rank 1 failed" in r.stderr
     assert _processes_with_marker(f"{key}={value}") == []
     assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_a_nan_on_one_rank_stops_every_rank_at_the_next_read_with_nonfinite_check_log(corpus, tmp_path):
+    """Gradients are averaged before the norm, so rank 1's NaN latches the skip on both ranks alike; both
+    read the latch at the checkpoint due at step 8 and stop there, with nothing saved after step 4."""
+    r = run_cli(*tiny_overrides(corpus, *DDP2, "trainer.log_every=5", "checkpoint.every_n_steps=4",
+                                "trainer.nonfinite_check=log", "task._target_=faulty.Faulty"),
+                "+task.action=nan_once", "+task.at_call=6", "+task.rank=1", f"hydra.run.dir={tmp_path}", env=FAULTY_ENV)
+    assert r.returncode == 3, r.stderr
+    # One paragraph: the worker's message, not the elastic agent's log of the failed worker as well.
+    [message] = r.stderr.strip().splitlines()
+    assert "non-finite gradient norm (nan) at step 6" in message and "the 2 after it" in message, message
+    assert [p.name for p in sorted((tmp_path / "checkpoints").glob("step_*"))] == ["step_00000004"]
+    assert [e["step"] for e in read_metrics(tmp_path)] == [5]

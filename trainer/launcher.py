@@ -97,6 +97,9 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
         # Port 0: the rendezvous picks a free port, so concurrent jobs (multirun) never collide.
         endpoint, run_id, rdzv_configs = "127.0.0.1:0", f"trainer-{uuid.uuid4().hex[:8]}", {}
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # The agent logs every failed worker ("failed (exitcode: 3) local_rank: ..."); we report the failure
+    # ourselves, once, as the worker's own message (or its traceback), so drop that line.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_drop_worker_failed_line)
     config = LaunchConfig(
         min_nodes=w.nnodes, max_nodes=w.nnodes, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs,
@@ -125,6 +128,10 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
         os.environ.pop(CONFIG_ENV, None)
         os.environ.pop(RUN_DIR_ENV, None)
     return None
+
+
+def _drop_worker_failed_line(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("failed (exitcode")
 
 
 def _failure_text(failure) -> str:
