@@ -51,9 +51,10 @@ def test_a_nan_stops_with_the_weights_from_before_it(corpus, tmp_path, trainers,
     assert [e["step"] for e in read_metrics(tmp_path / "nan")] == [5]
 
 
-def test_log_check_trains_exactly_like_step_check(corpus, tmp_path):
-    by_step = train_in_process(corpus, tmp_path / "step", "trainer.nonfinite_check=step")
-    by_log = train_in_process(corpus, tmp_path / "log", "trainer.nonfinite_check=log")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_log_check_trains_exactly_like_step_check(corpus, tmp_path, precision):
+    by_step = train_in_process(corpus, tmp_path / "step", "trainer.nonfinite_check=step", f"precision={precision}")
+    by_log = train_in_process(corpus, tmp_path / "log", "trainer.nonfinite_check=log", f"precision={precision}")
     assert series(by_log, "train/loss") == series(by_step, "train/loss")
     a, b = load_weights(tmp_path / "log" / "model.safetensors"), load_weights(tmp_path / "step" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in b)
@@ -130,3 +131,34 @@ def test_no_device_sync_between_log_steps_on_cuda(corpus, tmp_path, monkeypatch)
     events = train_in_process(corpus, tmp_path, "world.device=cuda", "precision=bf16", "trainer.log_every=5",
                               "trainer.max_steps=10")
     assert len(series(events, "train/loss")) == 2
+
+
+def test_guard_skips_on_the_device_names_the_first_bad_step_and_recovers_after_a_caught_stop():
+    from trainer.backend import Backend
+    from trainer.errors import NonFiniteError
+    from trainer.nonfinite import NonFiniteGuard
+    from trainer.precision import FP32
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    guard = NonFiniteGuard("stop", "log", max_skips=10, backend=Backend(device="cpu"))
+
+    def step(n: int, grad: float) -> dict:
+        for p in model.parameters():
+            p.grad = torch.full_like(p, grad)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        guard.step(FP32(), opt, norm, n)
+        opt.zero_grad(set_to_none=True)
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    before = step(1, 0.5)
+    for n, grad in ((2, float("nan")), (3, 0.5), (4, float("inf"))):
+        after = step(n, grad)
+        assert all(torch.equal(after[k], before[k]) for k in before)  # skipped on the device, and so are later ones
+    assert all(int(s["step"]) == 1 for s in opt.state.values())  # AdamW's step count too
+    with pytest.raises(NonFiniteError, match=r"\(nan\) at step 2 on rank 0; that update and the 2 after it"):
+        guard.read(4)
+    after = step(5, 0.5)  # the caller caught the error: training goes on normally
+    assert not all(torch.equal(after[k], before[k]) for k in before)
+    guard.read(5)

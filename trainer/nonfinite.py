@@ -55,21 +55,22 @@ class NonFiniteGuard:
     """Applies the optimizer step unless the gradient norm is non-finite; see the module docstring."""
 
     @classmethod
-    def build(cls, config, precision_name: str, optimizer: torch.optim.Optimizer, device: torch.device,
-              rank: int) -> NonFiniteGuard:
+    def build(cls, config, precision_name: str, optimizer: torch.optim.Optimizer, backend) -> NonFiniteGuard:
         """From the `trainer` config section (`nonfinite`, `nonfinite_check`, `max_nonfinite_skips`)."""
-        check = resolve_check(config.nonfinite_check, config.nonfinite, precision_name, optimizer, device)
-        return cls(config.nonfinite, check, config.max_nonfinite_skips, device, rank)
+        check = resolve_check(config.nonfinite_check, config.nonfinite, precision_name, optimizer, backend.device)
+        return cls(config.nonfinite, check, config.max_nonfinite_skips, backend)
 
-    def __init__(self, policy: str, check: str, max_skips: int, device: torch.device, rank: int):
+    def __init__(self, policy: str, check: str, max_skips: int, backend):
         if check not in ("step", "log"):
             raise ValueError(f"check must be 'step' or 'log' (resolve 'auto' with resolve_check), not {check!r}")
-        self.policy, self.check, self.max_skips, self.rank = policy, check, max_skips, rank
+        self.policy, self.check, self.max_skips, self.backend = policy, check, max_skips, backend
         self.consecutive_skips = 0
-        # `log` mode: 1.0 from the first non-finite norm on (the value fused kernels test for), and the
-        # norms since the last read, to name the step.
-        self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        self.pending: list[tuple[int, torch.Tensor]] = []
+        # `log` mode, all on the device: 1.0 from the first non-finite norm on (the value fused kernels
+        # test for), and that step's number and norm, for the message.
+        self.found_inf = torch.zeros((), dtype=torch.float32, device=backend.device)
+        self.first_bad_step = torch.zeros((), dtype=torch.int64, device=backend.device)
+        self.first_bad_norm = torch.zeros((), dtype=torch.float32, device=backend.device)
+        self.unread_since: int | None = None  # the first step not yet read, if any
 
     def step(self, precision, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, step: int) -> bool:
         """Run `precision.step(optimizer)` for optimizer step number `step` unless it must be skipped.
@@ -80,8 +81,7 @@ class NonFiniteGuard:
             # The scaler skips overflowed steps itself; those are routine, so they never stop the run.
             return self._count(precision.step(optimizer), step, limit=False)
         if self.check == "log":
-            self.found_inf = torch.where(torch.isfinite(grad_norm), self.found_inf, 1.0)
-            self.pending.append((step, grad_norm))
+            self._latch(grad_norm, step)
             optimizer.grad_scale, optimizer.found_inf = None, self.found_inf
             try:
                 precision.step(optimizer)
@@ -92,9 +92,18 @@ class NonFiniteGuard:
         if math.isfinite(norm):
             return self._count(precision.step(optimizer), step)
         if self.policy == "stop":
-            raise NonFiniteError(f"non-finite gradient norm ({norm}) at step {step} on rank {self.rank}; the update "
-                                 f"was not applied and earlier checkpoints are intact. {FIX}")
+            raise NonFiniteError(f"non-finite gradient norm ({norm}) at step {step} on rank {self.backend.rank}; "
+                                 f"the update was not applied and earlier checkpoints are intact. {FIX}")
         return self._count(False, step)
+
+    def _latch(self, grad_norm: torch.Tensor, step: int) -> None:
+        finite = torch.isfinite(grad_norm)
+        first = ~finite & (self.found_inf == 0)
+        self.first_bad_step = torch.where(first, step, self.first_bad_step)
+        self.first_bad_norm = torch.where(first, grad_norm.float(), self.first_bad_norm)
+        self.found_inf = torch.where(finite, self.found_inf, 1.0)
+        if self.unread_since is None:
+            self.unread_since = step
 
     def _count(self, applied: bool, step: int, limit: bool = True) -> bool:
         self.consecutive_skips = 0 if applied else self.consecutive_skips + 1
@@ -103,17 +112,25 @@ class NonFiniteGuard:
                                  f"(trainer.max_nonfinite_skips={self.max_skips}); stopping. Lower optim.lr.")
         return applied
 
-    def read(self) -> None:
-        """`log` mode: read the latch (one host sync) and stop if a step since the last read was non-finite."""
-        if not self.pending:
+    def read(self, step: int) -> None:
+        """`log` mode, at step `step`: read the latch (one host sync) and stop if a step since the last read
+        was non-finite. Every rank reads at the same steps and takes the max over ranks, so all stop together."""
+        if self.unread_since is None:
             return
-        pending, self.pending = self.pending, []
-        if not self.found_inf.item():
+        self.unread_since = None
+        found = self.backend.all_reduce(self.found_inf, op="max")
+        if not float(found):
             return
-        norms = torch.stack([n for _, n in pending]).tolist()
-        step, norm = next((s, n) for (s, _), n in zip(pending, norms) if not math.isfinite(n))
+        local, bad_step, norm = torch.stack([self.found_inf.double(), self.first_bad_step.double(),
+                                             self.first_bad_norm.double()]).tolist()
+        self.found_inf.zero_()  # a caller that catches the error and goes on trains normally again
+        if not local:
+            raise NonFiniteError(f"another rank hit a non-finite gradient norm by step {step} (rank "
+                                 f"{self.backend.rank}'s gradients were finite); its updates were skipped on the "
+                                 f"device and earlier checkpoints are intact. {FIX}")
+        bad_step = int(bad_step)
         raise NonFiniteError(
-            f"non-finite gradient norm ({norm}) at step {step} on rank {self.rank}; that update and the "
-            f"{pending[-1][0] - step} after it (up to this check at step {pending[-1][0]}) were skipped on the "
-            f"device, so the weights are those before step {step}, and earlier checkpoints are intact. {FIX}"
+            f"non-finite gradient norm ({norm}) at step {bad_step} on rank {self.backend.rank}; that update and "
+            f"the {step - bad_step} after it (up to this check at step {step}) were skipped on the device, so "
+            f"the weights are those before step {bad_step}, and earlier checkpoints are intact. {FIX}"
         )

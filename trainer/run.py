@@ -195,7 +195,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
             model = torch.compile(model, backend=tcfg.compile_backend)
         optimizer = build_optimizer(cfg.optim, model)
         scheduler = build("scheduler", cfg.scheduler)(optimizer, total_steps=tcfg.max_steps)
-        guard = NonFiniteGuard.build(tcfg, precision.name, optimizer, backend.device, backend.rank)
+        guard = NonFiniteGuard.build(tcfg, precision.name, optimizer, backend)
         # Different randomness per rank from here on (dropout), reproducible per (seed, rank).
         seed_everything(tcfg.seed + backend.rank)
 

@@ -51,7 +51,7 @@ class Trainer:
         self.step = 0  # optimizer steps done (skipped fp16/nonfinite steps included)
         self.samples_seen = 0  # position in the global sample stream
         self.skipped_steps = 0
-        self.guard = guard or NonFiniteGuard.build(config, precision.name, optimizer, backend.device, backend.rank)
+        self.guard = guard or NonFiniteGuard.build(config, precision.name, optimizer, backend)
 
     @property
     def global_batch(self) -> int:
@@ -147,7 +147,7 @@ class Trainer:
         return text
 
     def _eval_and_log(self, progress: Progress) -> dict[str, float]:
-        self.guard.read()  # a run that hit a non-finite step stops before evaluating it
+        self.guard.read(self.step)  # a run that hit a non-finite step stops before evaluating it
         metrics = self.evaluate()
         if self.ema is not None:
             with self.ema.swapped_in():
@@ -195,7 +195,7 @@ class Trainer:
 
                 if self._log_due():
                     # The loop's host syncs happen here, every log_every steps (and at eval and checkpoints).
-                    self.guard.read()
+                    self.guard.read(self.step)
                     elapsed = time.perf_counter() - window_start
                     train_time, train_targets = train_time + elapsed, train_targets + float(window_targets)
                     metrics = {
@@ -284,7 +284,7 @@ class Trainer:
         """Save (in the background with checkpoint.async_save); `wait` before exiting the process."""
         if self.checkpointer is None:
             return None
-        self.guard.read()  # never save the state after a non-finite step
+        self.guard.read(self.step)  # never save the state after a non-finite step
         state = self.state_dict()  # on every rank: it gathers RNG states
         if self.backend.is_main:
             self.checkpointer.save(self.step, self.raw_model.state_dict(), state, self.config_yaml, metrics)
