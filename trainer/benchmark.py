@@ -11,7 +11,7 @@ the median). In-process loops are timed by the wall clock and in process CPU tim
 with one thread the CPU time decides, as it is the less disturbed by other jobs.
 
     loop_tiny, loop_default  Trainer.fit() vs a hand-written loop: same model, AdamW groups, batches,
-                             clipping, autocast and LR schedule (gpt_tiny 4x32, gpt_small 16x256, bf16);
+                             clipping, autocast and LR schedule (gpt_tiny 4x32, gpt_small 8x256, bf16);
                              the plain loop runs in turns between windows of the Trainer's steps
     bf16_vs_fp32             tokens/s of the plain loop on the default lm model in each precision
     ddp                      `python -m trainer world=ddp` 2 processes x 1 thread vs 1 x 1 (train/tokens_per_s),
@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ITEMS = ("loop_tiny", "loop_default", "bf16_vs_fp32", "ddp", "checkpoint", "startup")
 
 TINY = ["model=gpt_tiny", "data.batch_size=4", "data.seq_len=32"]
-DEFAULT = ["model=gpt_small", "data.batch_size=16", "data.seq_len=256"]  # the lm recipe's own sizes
+DEFAULT = ["model=gpt_small", "data.batch_size=8", "data.seq_len=256"]  # the lm recipe's own sizes
 QUICK_DEFAULT = ["model=gpt_small", "data.batch_size=2", "data.seq_len=32"]
 # What every benchmark run shares: the lm recipe in bf16, no display, no text sampling at eval.
 COMMON = ["recipe=lm", "precision=bf16", "trainer.progress=off", "task.sample_tokens=0"]
