@@ -109,8 +109,14 @@ class Backend:
                 device_id=self.device if self.device.type == "cuda" else None,
             )
 
-    def teardown(self) -> None:
+    def teardown(self, wait_for_peers: bool = False) -> None:
+        """Leave the process group. `wait_for_peers` (after a run that finished on every rank): all ranks
+        leave together. A gloo process that destroys its group while a peer is still working (rank 0
+        exporting weights) can abort at exit ("terminate called without an active exception"). Not after
+        a failure: the peers may be gone, and the barrier would wait for them until the timeout."""
         if dist.is_available() and dist.is_initialized():
+            if wait_for_peers:
+                dist.barrier()
             dist.destroy_process_group()
 
     # -- model ---------------------------------------------------------------------------------

@@ -178,6 +178,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     backend = Backend(device=w.device, threads=w.threads, ddp=OmegaConf.to_container(w.ddp))
     backend.setup()
     say = print if backend.is_main else (lambda *a, **k: None)
+    finished = False
     try:
         tcfg: TrainerConfig = typed(TrainerConfig, cfg.trainer)
         ccfg: CheckpointConfig = typed(CheckpointConfig, cfg.get("checkpoint"))
@@ -225,6 +226,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
                 say(f"the run is already finished: step {trainer.step} >= trainer.max_steps={tcfg.max_steps}. "
                     "Raise trainer.max_steps to train further.")
                 loggers.finish({})
+                finished = True
                 return {}
         if backend.is_main:
             loggers.log_config(OmegaConf.to_container(cfg, resolve=True))
@@ -240,9 +242,10 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
             loggers.finish({}, exit_code=getattr(e, "exit_code", 1))  # trackers mark the run failed/preempted
             raise
         loggers.finish(final)
+        finished = True
         return final
     finally:
-        backend.teardown()
+        backend.teardown(wait_for_peers=finished)
 
 
 def export_model(state: dict[str, torch.Tensor], run_dir: Path, name: str, model_config: dict,
