@@ -58,6 +58,8 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
     (["model._target_=recipes.lm.model.GTP"], ["cannot be imported"]),
     (["+model.n_layr=2"], ["could not build 'model'", "n_layr"]),
     (["world.device=cuda"], ["world.device='cuda'", "no CUDA device"]),
+    (["trainer.nonfinite_check=log", "trainer.nonfinite=skip"], ["trainer.nonfinite_check='log'", "nonfinite=skip"]),
+    (["trainer.nonfinite_check=sometimes"], ["trainer.nonfinite_check='sometimes'", "auto, step or log"]),
 ])
 def test_config_mistakes(tmp_path, args, needles):
     r = run_cli(*args, "hydra.run.dir=run", cwd=tmp_path)
