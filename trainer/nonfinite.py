@@ -70,7 +70,7 @@ class NonFiniteGuard:
         self.found_inf = torch.zeros((), dtype=torch.float32, device=backend.device)
         self.first_bad_step = torch.zeros((), dtype=torch.int64, device=backend.device)
         self.first_bad_norm = torch.zeros((), dtype=torch.float32, device=backend.device)
-        self.unread_since: int | None = None  # the first step not yet read, if any
+        self.unread = False  # steps latched since the last read
 
     def step(self, precision, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, step: int) -> bool:
         """Run `precision.step(optimizer)` for optimizer step number `step` unless it must be skipped.
@@ -102,8 +102,7 @@ class NonFiniteGuard:
         self.first_bad_step = torch.where(first, step, self.first_bad_step)
         self.first_bad_norm = torch.where(first, grad_norm.float(), self.first_bad_norm)
         self.found_inf = torch.where(finite, self.found_inf, 1.0)
-        if self.unread_since is None:
-            self.unread_since = step
+        self.unread = True
 
     def _count(self, applied: bool, step: int, limit: bool = True) -> bool:
         self.consecutive_skips = 0 if applied else self.consecutive_skips + 1
@@ -115,9 +114,9 @@ class NonFiniteGuard:
     def read(self, step: int) -> None:
         """`log` mode, at step `step`: read the latch (one host sync) and stop if a step since the last read
         was non-finite. Every rank reads at the same steps and takes the max over ranks, so all stop together."""
-        if self.unread_since is None:
+        if not self.unread:
             return
-        self.unread_since = None
+        self.unread = False
         found = self.backend.all_reduce(self.found_inf, op="max")
         if not float(found):
             return
