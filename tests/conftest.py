@@ -20,21 +20,8 @@ os.environ.pop("WANDB_API_KEY", None)
 # Lets subprocesses import tests/faulty.py (task._target_=faulty.Faulty).
 FAULTY_ENV = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
 
-# Settings that make a run take a second or two on a CPU.
-TINY = [
-    "model=gpt_tiny",
-    "precision=fp32",
-    "data.seq_len=32",
-    "data.batch_size=4",
-    "trainer.max_steps=20",
-    "trainer.log_every=1",
-    "trainer.eval_every=0",
-    "trainer.eval_samples=64",
-    "trainer.progress=off",
-    "task.sample_tokens=0",
-    "scheduler.warmup_steps=2",
-    "world.threads=1",
-]
+# A run of a second or two on a CPU (conf/debug/smoke.yaml: gpt_tiny, fp32, 20 steps of 4 x 32 bytes).
+TINY = ["debug=smoke"]
 
 
 @pytest.fixture(scope="session")
@@ -53,9 +40,9 @@ def tiny_overrides(corpus: Path, *extra: str) -> list[str]:
 
 
 def compose_cfg(overrides: list[str]):
-    from trainer.cli import compose, resolve
+    from trainer import compose
 
-    return resolve(compose(overrides))
+    return compose(overrides)
 
 
 def train_in_process(corpus: Path, run_dir: Path, *extra: str) -> list[dict]:

@@ -8,7 +8,7 @@ Only training calls count (the model is in train mode), so call N is training mi
 import os
 import signal
 
-from recipes.lm.task import LanguageModeling
+from trainer.recipes.lm.task import LanguageModeling
 
 
 class Faulty(LanguageModeling):

@@ -55,7 +55,7 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
     (["world.nproc_per_node=2"], ["world=ddp"]),  # an incompatible combination: several processes, world=single
     (["data=text"], ["data.path is required"]),
     (["model._target_=os.system"], ["model._target_='os.system' is refused", "blocklist"]),
-    (["model._target_=recipes.lm.model.GTP"], ["cannot be imported"]),
+    (["model._target_=trainer.recipes.lm.model.GTP"], ["cannot be imported"]),
     (["+model.n_layr=2"], ["could not build 'model'", "n_layr"]),
     (["world.device=cuda"], ["world.device='cuda'", "no CUDA device"]),
     (["trainer.nonfinite_check=log", "trainer.nonfinite=skip"], ["trainer.nonfinite_check='log'", "nonfinite=skip"]),

@@ -148,7 +148,9 @@ def test_guard_skips_on_the_device_names_the_first_bad_step_and_recovers_after_a
         for p in model.parameters():
             p.grad = torch.full_like(p, grad)
         norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
-        guard.step(FP32(), opt, norm, n)
+        assert guard.allows(norm, n)  # `log` mode decides on the device
+        with guard.skip_on_device(opt):
+            guard.record(FP32().step(opt), n)
         opt.zero_grad(set_to_none=True)
         return {k: v.clone() for k, v in model.state_dict().items()}
 

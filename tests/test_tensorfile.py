@@ -68,7 +68,7 @@ def test_malformed_files_are_refused_with_the_reason(tmp_path, mangle, why):
 
 @pytest.mark.parametrize("damage", ["missing", "directory"])
 def test_a_checkpoint_file_that_cannot_be_read_is_named_not_a_traceback(tmp_path, damage):
-    from trainer.checkpoint import Checkpointer, load, verify
+    from trainer.checkpoint import Checkpointer, read, verify
     from trainer.errors import CheckpointError
 
     path = Checkpointer(tmp_path).save(1, {"w": torch.ones(2)}, {"step": torch.tensor(1)})
@@ -76,7 +76,7 @@ def test_a_checkpoint_file_that_cannot_be_read_is_named_not_a_traceback(tmp_path
     bad.unlink()
     if damage == "directory":
         bad.mkdir()
-    for read in (verify, load):
+    for read_ in (verify, read):
         with pytest.raises(CheckpointError, match="listed in the manifest") as e:
-            read(path)
+            read_(path)
         assert str(bad) in str(e.value)

@@ -1,7 +1,9 @@
 """trainer: a declarative PyTorch training framework driven by Hydra configs.
 
 Public API (imported lazily so `python -m trainer --help` does not pay for torch):
-    train(cfg, run_dir)       build everything from a resolved config and train
+    compose(overrides)        the checked, resolved config of `python -m trainer OVERRIDES`
+    build(cfg, run_dir)       the Trainer a run of `cfg` starts from (model, data, optimizer, ... built)
+    train(cfg, run_dir)       build, resume, fit and export
     Trainer                   the loop, for use without Hydra
     main_process_first()      run a block on the main process first (caches), then the rest
     is_main_process(), barrier()
@@ -12,6 +14,8 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "compose": "trainer.composition",
+    "build": "trainer.run",
     "train": "trainer.run",
     "Trainer": "trainer.trainer",
     "Backend": "trainer.backend",
@@ -24,7 +28,10 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
+_RENAMED = {"compose": "load"}  # public name -> name in its module
+
+
 def __getattr__(name):
     if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
+        return getattr(import_module(_EXPORTS[name]), _RENAMED.get(name, name))
     raise AttributeError(f"module 'trainer' has no attribute {name!r}")

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 
 @dataclass(frozen=True)
@@ -63,18 +62,17 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 
 class Backend:
-    """Device placement, process group, DDP wrapping and collectives for one process.
+    """Device placement, process group and collectives for one process (how the model is wrapped and
+    synchronised is the strategy's part: trainer/strategies/).
 
     With `world_size == 1` every collective is the identity and nothing touches torch.distributed,
     so the single-process path pays nothing for the distributed one.
     """
 
-    def __init__(self, device: str = "auto", threads: int | str = "auto", ddp: dict[str, Any] | None = None,
-                 timeout_s: int = 1800):
+    def __init__(self, device: str = "auto", threads: int | str = "auto", timeout_s: int = 1800):
         self.info = world_info()
         self.device = resolve_device(device, self.info.local_rank)
         self.threads = threads
-        self.ddp_kwargs = dict(ddp or {})
         self.timeout_s = timeout_s
 
     @property
@@ -93,7 +91,8 @@ class Backend:
     def distributed(self) -> bool:
         return self.info.world_size > 1
 
-    def setup(self) -> None:
+    def setup(self, process_group: bool = False) -> None:
+        """Threads, device, and the process group when there are several processes (or `process_group`)."""
         if self.threads == "auto":
             # Share the cores among the workers on this machine instead of oversubscribing them.
             if self.info.local_world_size > 1:
@@ -102,12 +101,15 @@ class Backend:
             torch.set_num_threads(int(self.threads))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        if self.distributed and not dist.is_initialized():
-            dist.init_process_group(
-                backend=default_pg_backend(),
-                timeout=datetime.timedelta(seconds=self.timeout_s),
-                device_id=self.device if self.device.type == "cuda" else None,
-            )
+        if dist.is_initialized():
+            return
+        device_id = self.device if self.device.type == "cuda" else None
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        if self.distributed:
+            dist.init_process_group(backend=default_pg_backend(), timeout=timeout, device_id=device_id)
+        elif process_group:  # a strategy built on DTensor (FSDP at one process) needs a group of one
+            dist.init_process_group(backend=default_pg_backend(), store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout, device_id=device_id)
 
     def teardown(self, wait_for_peers: bool = False) -> None:
         """Leave the process group. `wait_for_peers` (after a run that finished on every rank): all ranks
@@ -118,32 +120,6 @@ class Backend:
             if wait_for_peers:
                 dist.barrier()
             dist.destroy_process_group()
-
-    # -- model ---------------------------------------------------------------------------------
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """Move to the device and, when distributed, wrap in DDP (which also syncs the initial weights)."""
-        model = model.to(self.device)
-        if not self.distributed:
-            return model
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
-
-    @staticmethod
-    def unwrap(model: nn.Module) -> nn.Module:
-        """The plain module under DDP and torch.compile wrappers: what checkpoints save."""
-        while True:
-            if isinstance(model, nn.parallel.DistributedDataParallel):
-                model = model.module
-            elif hasattr(model, "_orig_mod"):
-                model = model._orig_mod
-            else:
-                return model
-
-    def no_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-        """Skip DDP's gradient all-reduce in this backward (all micro-steps but the last)."""
-        if enabled and isinstance(model, nn.parallel.DistributedDataParallel):
-            return model.no_sync()
-        return contextlib.nullcontext()
 
     # -- data ----------------------------------------------------------------------------------
     def to_device(self, batch: Any) -> Any:
@@ -159,9 +135,10 @@ class Backend:
         return batch
 
     # -- collectives ---------------------------------------------------------------------------
-    def all_reduce(self, value: torch.Tensor | float | int, op: str = "sum",
-                   on_host: bool = False) -> torch.Tensor | float | int:
-        """Sum (or max/min) over ranks. Numbers stay numbers when there is only one process.
+    def all_reduce(self, value: torch.Tensor | float | int, op: str = "sum", on_host: bool = False,
+                   group: Any = None) -> torch.Tensor | float | int:
+        """Sum (or max/min) over the ranks of `group` (default: all). Numbers stay numbers when there is
+        only one process.
 
         `on_host` reduces in CPU memory (gloo) instead of on the device: for small host-side values,
         whose reduction must not wait for the GPU's queue of work."""
@@ -169,8 +146,17 @@ class Backend:
             return value
         t = torch.as_tensor(value, device="cpu" if on_host else self.device)
         t = t.clone() if t is value else t
-        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+        op_ = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        dist.all_reduce(t, op=op_, group=group)
         return t
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """`obj` from rank `src`, on every rank (small objects: a checkpoint path, an error message)."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
 
     def barrier(self) -> None:
         barrier()

@@ -193,7 +193,7 @@ class PlainLoop:
     def __init__(self, cfg, dataset, device, bf16: bool):
         import torch
 
-        from recipes.lm.model import GPT
+        from trainer.recipes.lm.model import GPT
 
         torch.manual_seed(cfg.trainer.seed)
         self.device, self.bf16, self.data = device, bf16, dataset
@@ -678,7 +678,7 @@ def imports_torch(args: list[str]) -> bool:
 # Building any torch.optim optimizer imports torch._dynamo (1-2 s here), so a plain script pays it too.
 PLAIN_FIRST_STEP = """
 import torch, torch.nn.functional as F
-from recipes.lm.model import GPT
+from trainer.recipes.lm.model import GPT
 torch.manual_seed(0)
 model = GPT(vocab_size=256, seq_len=32, n_layer=1, n_head=2, d_model=64)
 params = list(model.parameters())

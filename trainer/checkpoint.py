@@ -1,19 +1,22 @@
-"""Checkpoints: atomic, verified, and free of pickle.
+"""Checkpoints: atomic, verified, free of pickle, and written by every rank that holds a shard.
 
 Layout of one checkpoint (a directory under `<run_dir>/checkpoints/`):
 
-    step_000100/
-      model.safetensors   the unwrapped model's state_dict (keys unchanged)
-      state.safetensors   every other tensor (optimizer moments, RNG states, EMA, ...)
-      state.json          everything that is not a tensor, with references into state.safetensors
-      config.yaml         the resolved config of the run (secrets redacted)
-      manifest.json       format version + sha256 of every file; written last = the completion marker
+    step_00000100/
+      model.safetensors          the model's state_dict (keys unchanged); under a sharded strategy, the
+      model.rank00001.safetensors  chunks each rank holds (global shape and offset in the file's metadata)
+      state.safetensors          every other tensor (optimizer moments, RNG states, EMA, ...), same scheme
+      state.json                 everything that is not a tensor, with references into the tensor files
+      config.yaml                the resolved config of the run (secrets redacted)
+      manifest.json              format version + sha256 of every file; written last = the completion marker
 
-A checkpoint is written into a temp directory beside its final place, fsynced, then renamed, so
-a reader sees a complete checkpoint or none. With `async_save` the state is copied to CPU memory at
-the step boundary (training waits for that only) and written by a background thread. Loading
+A checkpoint is written into a temp directory beside its final place, fsynced, then renamed by the main
+rank once every rank's files are complete, so a reader sees a complete checkpoint or none. With
+`async_save` the state is copied to CPU memory at the step boundary (training waits for that only)
+and written by a background thread; ranks that write shards agree on completion over a process group
+of their own, never the training one (whose collectives the save would interleave with). Loading
 parses only safetensors and JSON: nothing is ever unpickled, so a planted pickle payload cannot run.
-`tensorfile` writes and reads the safetensors files with their sha256 computed alongside.
+The main rank checks every sha256 once; then every rank reads the chunks it needs.
 """
 
 from __future__ import annotations
@@ -23,57 +26,26 @@ import json
 import os
 import re
 import shutil
-import tempfile
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import tensorfile
+from . import snapshot, tensorfile
 from .errors import CheckpointError
 from .io import atomic_write_json, fsync_dir
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: tensors may be chunks of a sharded tensor; optimizer state keyed by parameter name
 MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_FILE = re.compile(r"^(model|state)(\.rank\d{5})?\.safetensors$|^state\.json$|^config\.yaml$")
 
 
-# -- nested state <-> (JSON tree, flat tensors) --------------------------------------------------
-def on_cpu(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
-    return t.detach().to("cpu", copy=copy).contiguous()
-
-
-def flatten(obj: Any, tensors: dict[str, torch.Tensor], path: str = "", copy: bool = True) -> Any:
-    """A JSON-able copy of `obj` with tensors moved into `tensors` and replaced by references.
-    With copy=False, CPU tensors go in as they are (for a write that happens before they change)."""
-    if isinstance(obj, torch.Tensor):
-        tensors[path] = on_cpu(obj, copy)
-        return {"__tensor__": path}
-    if isinstance(obj, dict):
-        if all(isinstance(k, str) for k in obj):
-            return {k: flatten(v, tensors, f"{path}/{k}", copy) for k, v in obj.items()}
-        return {"__items__": [[k, flatten(v, tensors, f"{path}/{k}", copy)] for k, v in obj.items()]}
-    if isinstance(obj, tuple):
-        return {"__tuple__": [flatten(v, tensors, f"{path}/{i}", copy) for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        return [flatten(v, tensors, f"{path}/{i}", copy) for i, v in enumerate(obj)]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise TypeError(f"cannot checkpoint a value of type {type(obj).__name__} at '{path}'")
-
-
-def unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(tree, dict):
-        if "__tensor__" in tree:
-            return tensors[tree["__tensor__"]]
-        if "__items__" in tree:
-            return {k: unflatten(v, tensors) for k, v in tree["__items__"]}
-        if "__tuple__" in tree:
-            return tuple(unflatten(v, tensors) for v in tree["__tuple__"])
-        return {k: unflatten(v, tensors) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [unflatten(v, tensors) for v in tree]
-    return tree
+def tensor_file(kind: str, rank: int) -> str:
+    return f"{kind}.safetensors" if rank == 0 else f"{kind}.rank{rank:05d}.safetensors"
 
 
 def sha256(path: Path) -> str:
@@ -95,38 +67,61 @@ def step_of(path: Path) -> int:
     return int(m.group(1)) if m else -1
 
 
+class _Local:
+    """The backend of a checkpointer used outside a run (tools, benchmarks): one process."""
+
+    rank, world_size, is_main, distributed = 0, 1, True, False
+
+
 class Checkpointer:
-    """Writes, lists, verifies and prunes the checkpoints of one run (main process only writes)."""
+    """Writes, lists, verifies, reads and prunes the checkpoints of one run.
+
+    Every rank calls `save` (the main rank only, unless `sharded`: then every rank writes its chunks)."""
 
     def __init__(self, directory: str | os.PathLike, every_n_steps: int = 0, keep_last: int = 2,
                  best_metric: str | None = None, best_mode: str = "min", save_final: bool = True,
-                 async_save: bool = False):
+                 async_save: bool = False, config_yaml: str = "", backend=None, sharded: bool = False):
         self.dir = Path(directory)
         self.every_n_steps, self.keep_last, self.save_final = every_n_steps, keep_last, save_final
         self.async_save, self._pool, self._pending = async_save, None, None
         self.best_metric, self.best_mode = best_metric, best_mode
         self.best: tuple[float, str] | None = None  # (metric value, checkpoint name)
+        self.config_yaml = config_yaml
+        self.backend = backend or _Local()
+        self.sharded = sharded and self.backend.distributed
+        self.writes = self.sharded or self.backend.is_main
+        self._group, nonce = None, uuid.uuid4().hex[:8]
+        if self.sharded:
+            import torch.distributed as dist
+
+            # The ranks' writes meet over a group of their own: a background save must never interleave its
+            # collectives with the training group's (FSDP's all-gathers), which gloo would deadlock on.
+            self._group = dist.new_group(backend="gloo")
+            nonce = self.backend.broadcast_object(nonce)
+        self._nonce = nonce
 
     def due(self, step: int) -> bool:
         return self.every_n_steps > 0 and step % self.every_n_steps == 0
 
     # -- writing -----------------------------------------------------------------------------
     def save(self, step: int, model_state: dict[str, torch.Tensor], state: dict[str, Any],
-             config_yaml: str = "", metrics: dict[str, float] | None = None) -> Path:
-        """Snapshot the state to CPU now; write `step_<step>` atomically (in the background with
-        `async_save`), then prune old checkpoints. Returns the checkpoint's final path."""
+             metrics: dict[str, float] | None = None) -> Path:
+        """Snapshot this rank's part of the state to CPU now; write `step_<step>` atomically (in the
+        background with `async_save`), then prune old checkpoints. Returns the checkpoint's final path."""
+        final = self.dir / f"step_{step:08d}"
+        if not self.writes:
+            return final
         self.wait()  # one save in flight at a time; an earlier failure surfaces here
         # A background write needs a snapshot: training goes on mutating the originals. A synchronous
         # one writes CPU tensors straight from their memory. Tied weights are written once per key.
-        copy = self.async_save
-        model_tensors = {k: on_cpu(v, copy) for k, v in model_state.items()}
-        tensors: dict[str, torch.Tensor] = {}
-        tree = flatten(state, tensors, copy=copy)
-        final = self.dir / f"step_{step:08d}"
-        args = (final, step, model_tensors, tensors, tree, config_yaml, metrics)
+        copy, main = self.async_save, self.backend.is_main
+        model_chunks: dict[str, snapshot.Chunk] = {}
+        for k, v in model_state.items():
+            snapshot.flatten(v, model_chunks, main, k, copy)
+        state_chunks: dict[str, snapshot.Chunk] = {}
+        tree = snapshot.flatten(state, state_chunks, main, copy=copy)
+        args = (final, step, model_chunks, state_chunks, tree, metrics)
         if self.async_save:
-            from concurrent.futures import ThreadPoolExecutor
-
             self._pool = self._pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
             self._pending = self._pool.submit(self._write_checkpoint, *args)
         else:
@@ -145,18 +140,39 @@ class Checkpointer:
             self._pool.shutdown()
             self._pool = None
 
-    def _write_checkpoint(self, final: Path, step: int, model_tensors: dict, tensors: dict, tree: Any,
-                          config_yaml: str, metrics: dict[str, float] | None) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=self.dir, prefix=f".tmp-{final.name}-"))
+    def _write_checkpoint(self, final: Path, step: int, model_chunks: dict, state_chunks: dict, tree: Any,
+                          metrics: dict[str, float] | None) -> None:
+        rank = self.backend.rank
+        tmp = self.dir / f".tmp-{final.name}-{self._nonce}"
+        files, error = {}, None
         try:
-            files = {
-                "model.safetensors": tensorfile.write(tmp / "model.safetensors", model_tensors, {"format": "pt"}),
-                "state.safetensors": tensorfile.write(tmp / "state.safetensors", tensors, {"format": "pt"}),
-                "state.json": _write(tmp / "state.json", json.dumps(tree).encode()),
-                "config.yaml": _write(tmp / "config.yaml", config_yaml.encode()),
-            }
-            manifest = {"format": FORMAT_VERSION, "step": step, "files": files}
+            tmp.mkdir(parents=True, exist_ok=True)
+            for kind, chunks in (("model", model_chunks), ("state", state_chunks)):
+                if chunks or rank == 0:
+                    name = tensor_file(kind, rank)
+                    files[name] = tensorfile.write(tmp / name, {k: c.local for k, c in chunks.items()},
+                                                   snapshot.chunk_metadata(chunks))
+        except OSError as e:
+            error = e
+        if self.sharded:  # every rank's files are complete (or failed) once the main rank has heard from all
+            import torch.distributed as dist
+
+            gathered = [None] * self.backend.world_size if rank == 0 else None
+            dist.gather_object((files, str(error) if error else None), gathered, dst=0, group=self._group)
+            if rank != 0:
+                if error:
+                    raise self._failed(final, error)
+                return
+            for other_files, other_error in gathered[1:]:
+                files.update(other_files)
+                error = error or (OSError(other_error) if other_error else None)
+        try:
+            if error:
+                raise error
+            files["state.json"] = _write(tmp / "state.json", json.dumps(tree).encode())
+            files["config.yaml"] = _write(tmp / "config.yaml", self.config_yaml.encode())
+            manifest = {"format": FORMAT_VERSION, "step": step, "world_size": self.backend.world_size,
+                        "files": dict(sorted(files.items()))}
             _write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: marks it complete
             fsync_dir(tmp)
             if final.exists():  # a re-run of the same step (after a resume): replace it
@@ -166,16 +182,19 @@ class Checkpointer:
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(e, OSError):  # disk full, file too large, I/O error
-                kept = self.complete()
-                raise CheckpointError(
-                    f"could not write checkpoint {final} ({getattr(e, 'strerror', None) or e}). "
-                    f"{'The previous checkpoint ' + kept[-1].name + ' is intact. ' if kept else ''}"
-                    "Free disk space (or point hydra.run.dir at a larger disk) and rerun with resume=auto."
-                ) from None
+                raise self._failed(final, e) from None
             raise
         if metrics:
             self.update_best(metrics, final)
         self._prune()
+
+    def _failed(self, final: Path, e: BaseException) -> CheckpointError:
+        kept = self.complete()
+        return CheckpointError(
+            f"could not write checkpoint {final} ({getattr(e, 'strerror', None) or e}). "
+            f"{'The previous checkpoint ' + kept[-1].name + ' is intact. ' if kept else ''}"
+            "Free disk space (or point hydra.run.dir at a larger disk) and rerun with resume=auto."
+        )
 
     def update_best(self, metrics: dict[str, float], path: Path) -> None:
         if not self.best_metric or self.best_metric not in metrics:
@@ -188,8 +207,6 @@ class Checkpointer:
 
     def _prune(self) -> None:
         """Delete all but the newest `keep_last` complete checkpoints (and the best one)."""
-        if self.keep_last <= 0:
-            return
         keep = {p.name for p in self.complete()[-self.keep_last:]}
         if self.best:
             keep.add(self.best[1])
@@ -197,24 +214,15 @@ class Checkpointer:
             if p.name not in keep:
                 shutil.rmtree(p, ignore_errors=True)
         for p in self.dir.glob(".tmp-step_*"):  # left by a process killed mid-save
-            shutil.rmtree(p, ignore_errors=True)
+            if not p.name.endswith(self._nonce):
+                shutil.rmtree(p, ignore_errors=True)
 
     # -- reading -----------------------------------------------------------------------------
     def complete(self) -> list[Path]:
         """Checkpoints with a manifest (the completion marker), oldest first."""
         if not self.dir.is_dir():
             return []
-        return sorted((p for p in self.dir.iterdir() if step_of(p) >= 0 and (p / MANIFEST).exists()), key=step_of)
-
-    def latest_valid(self, warn=print) -> Path | None:
-        """The newest checkpoint that verifies; each one skipped is reported through `warn`."""
-        for path in reversed(self.complete()):
-            try:
-                verify(path)
-                return path
-            except CheckpointError as e:
-                warn(f"warning: skipping checkpoint {path}: {e} Falling back to the previous one.")
-        return None
+        return sorted((p for p in self.dir.iterdir() if step_of(p) >= 0 and (p / MANIFEST).is_file()), key=step_of)
 
 
 def _manifest(path: Path) -> dict:
@@ -223,24 +231,38 @@ def _manifest(path: Path) -> dict:
         raise CheckpointError(f"checkpoint {path} does not exist (or is not a directory). "
                               "Pass resume=auto, resume=null or the path of a step_* directory.")
     try:
+        if not (path / MANIFEST).is_file():
+            raise OSError
         manifest = json.loads((path / MANIFEST).read_text())
-        fmt = manifest["format"]
-        manifest["files"].items()
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        fmt, files = manifest["format"], manifest["files"]
+        assert isinstance(files, dict) and all(isinstance(v, str) for v in files.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, AssertionError, RecursionError):
         raise CheckpointError(f"{path / MANIFEST} is missing or unreadable: the checkpoint is incomplete.") from None
-    if not isinstance(fmt, int) or fmt > FORMAT_VERSION:
+    if not isinstance(fmt, int) or isinstance(fmt, bool):
+        raise CheckpointError(f"{path / MANIFEST}: format {fmt!r} is not a version number; the checkpoint is damaged.")
+    if fmt > FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format version {fmt}, newer than this trainer's "
                               f"({FORMAT_VERSION}). Upgrade trainer to load it.")
+    if fmt < FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format version {fmt}, written by an older trainer whose "
+                              "optimizer state this one cannot map; resume it with that version, or start fresh.")
+    names = set(files)
+    if not {"model.safetensors", "state.safetensors", "state.json"} <= names or not all(_FILE.match(n) for n in names):
+        raise CheckpointError(f"{path / MANIFEST} lists {sorted(names)}: not the files of a trainer checkpoint.")
     return manifest
 
 
 def _map_all(path: Path, files: dict[str, str]) -> dict[str, Any]:
-    try:
-        return {name: tensorfile.map_file(path / name) for name in files}
-    except FileNotFoundError as e:
-        raise CheckpointError(f"file {e.filename} listed in the manifest is missing.") from None
-    except OSError as e:  # a directory in its place, no permission, an I/O error
-        raise CheckpointError(f"file {e.filename} listed in the manifest cannot be read ({e.strerror}).") from None
+    out = {}
+    for name in files:
+        p = path / name
+        try:
+            if p.is_symlink() or not p.is_file():  # only regular files inside the checkpoint: no FIFO, no link out
+                raise CheckpointError(f"file {p} listed in the manifest is missing or not a regular file.")
+            out[name] = tensorfile.map_file(p)
+        except OSError as e:  # a directory in its place, no permission, an I/O error
+            raise CheckpointError(f"file {p} listed in the manifest cannot be read ({e.strerror}).") from None
+    return out
 
 
 def _check_digests(path: Path, files: dict[str, str], digests: dict[str, str]) -> None:
@@ -257,37 +279,103 @@ def verify(path: Path) -> dict:
     return manifest
 
 
-def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Map each file once; hash them in the background while parsing (only safetensors and JSON are
-    parsed, and nothing is returned unless every sha256 matches the manifest)."""
-    from concurrent.futures import ThreadPoolExecutor
+@dataclass
+class Loaded:
+    """A checkpoint mapped into memory: its tree and the stored chunks of every tensor (views into the files)."""
 
+    path: Path
+    step: int
+    tree: Any
+    model: dict[str, list[snapshot.Stored]]
+    state: dict[str, list[snapshot.Stored]]
+    buffers: dict[str, Any]  # keeps the mappings alive while the views are in use
+
+
+def read(path: Path, backend=None) -> Loaded:
+    """Map a checkpoint and index its tensors. The main rank verifies every sha256 (in parallel with
+    parsing) and tells the others; nothing is returned unless every file matches the manifest."""
+    backend = backend or _Local()
     path = Path(path)
-    files = _manifest(path)["files"]
-    data = _map_all(path, files)
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        digests = pool.submit(tensorfile.sha256_all, data)
-        try:
-            model_state = tensorfile.parse(data["model.safetensors"], path / "model.safetensors")
-            tensors = tensorfile.parse(data["state.safetensors"], path / "state.safetensors")
-            tree, error = json.loads(bytes(data["state.json"])), None
-        except (ValueError, KeyError) as e:
-            error = e
-        _check_digests(path, files, digests.result())  # a damaged file is reported as such first
+    error, loaded = None, None
+    try:
+        manifest = _manifest(path)
+        files = manifest["files"]
+        data = _map_all(path, files)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            digests = pool.submit(tensorfile.sha256_all, data) if backend.is_main else None
+            try:
+                loaded = _index(path, manifest, data)
+            except CheckpointError as e:
+                error = e
+            if digests is not None:
+                _check_digests(path, files, digests.result())  # a damaged file is reported as such first
+        if error is not None:
+            raise error
+    except CheckpointError as e:
+        error = e
+    if backend.distributed:  # one verdict for all ranks: the main rank's hashes, or any rank's failure
+        import torch.distributed as dist
+
+        verdicts = [None] * backend.world_size
+        dist.all_gather_object(verdicts, str(error) if error else None)
+        first = next((v for v in verdicts if v), None)
+        error = CheckpointError(first) if first else None
     if error is not None:
-        raise CheckpointError(f"checkpoint {path} cannot be read ({error}); it is not a valid trainer checkpoint.")
-    return model_state, unflatten(tree, tensors)
+        raise error
+    return loaded
 
 
-def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
-    """`load_state_dict` with an error listing every missing, unexpected and mis-shaped tensor."""
-    own = model.state_dict()
-    problems = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
-                for k, v in state.items() if k in own and own[k].shape != v.shape]
-    problems += [f"{k}: missing from the checkpoint" for k in own if k not in state]
-    problems += [f"{k}: not in the model" for k in state if k not in own]
-    if problems:
-        raise CheckpointError(f"checkpoint {source} does not match the model ({len(problems)} tensors): "
-                              + "; ".join(problems) + ". Use the model config the checkpoint was trained with "
-                              "(see its config.yaml), or resume=null to start fresh.")
-    model.load_state_dict(state)
+def _index(path: Path, manifest: dict, data: dict[str, Any]) -> Loaded:
+    chunks: dict[str, dict[str, list[snapshot.Stored]]] = {"model": {}, "state": {}}
+    try:
+        for name, buf in data.items():
+            kind = name.split(".", 1)[0]
+            if not name.endswith(".safetensors"):
+                continue
+            metadata, entries = tensorfile.read_header(buf, path / name)
+            views = {k: tensorfile.view(buf, e) for k, e in entries.items()}
+            for k, stored in snapshot.stored_chunks(metadata, views, path / name).items():
+                chunks[kind].setdefault(k, []).append(stored)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({e}); it is not a valid trainer checkpoint.") from None
+    tree = snapshot.parse_tree(data["state.json"], path / "state.json")
+    step = manifest.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**62:
+        raise CheckpointError(f"{path / MANIFEST}: step {step!r} is not a step number; the checkpoint is damaged.")
+    return Loaded(path, step, tree, chunks["model"], chunks["state"], data)
+
+
+def model_mismatches(loaded: Loaded, live: dict[str, torch.Tensor]) -> list[str]:
+    """Every model tensor whose name, global shape or dtype differs between the checkpoint and the live model."""
+    problems = []
+    for k, v in live.items():
+        found = loaded.model.get(k)
+        if not found:
+            problems.append(f"{k}: missing from the checkpoint")
+        elif found[0].shape != tuple(v.shape):
+            problems.append(f"{k}: checkpoint {found[0].shape} vs model {tuple(v.shape)}")
+        elif found[0].data.dtype != v.dtype:
+            problems.append(f"{k}: checkpoint {found[0].data.dtype} vs model {v.dtype}")
+    problems += [f"{k}: not in the model" for k in loaded.model if k not in live]
+    return problems
+
+
+class NullCheckpointer:
+    """No checkpoints (`checkpoint.save_final=false` and no `every_n_steps`, or a Trainer built by hand)."""
+
+    dir, save_final, best = None, False, None
+
+    def due(self, step: int) -> bool:
+        return False
+
+    def save(self, *args, **kwargs) -> None:
+        return None
+
+    def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def complete(self) -> list[Path]:
+        return []

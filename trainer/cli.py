@@ -1,8 +1,8 @@
-"""The command line: Hydra at the edge, turning argv into a resolved config and a call to `train`.
+"""The command line: Hydra at the edge, turning argv into a prepared config and a call to the launcher.
 
-Composition errors (unknown keys, unknown group options, wrong types) are caught before Hydra
-prints its own advice (whose "use +key=value to append" invites silent typos) and turned into one
-paragraph with the nearest valid names, exit code 2.
+Every job of the command is composed and checked first (`compose.load`), so a mistake is one
+paragraph with exit code 2 before Hydra creates a run dir; then `hydra.main` runs the job(s), and
+`run_job` records the config and starts training here or in worker processes.
 """
 
 from __future__ import annotations
@@ -12,127 +12,37 @@ import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
-from . import config as _config  # registers the typed schema with Hydra's ConfigStore
-from .errors import ConfigError, TrainerExit, UserError, suggest
+from .composition import CONFIG_MODULE, load, resolve, sweep_jobs
+from .errors import TrainerExit, UserError
 from .redaction import redact, scrub, secret_values
 
-CONFIG_MODULE = "trainer.conf"
+COMMANDS = ("env", "check")
 
 
 def debug_enabled() -> bool:
-    return bool(os.environ.get("HYDRA_FULL_ERROR") or os.environ.get("TRAINER_DEBUG"))
+    """Tracebacks for our errors too: HYDRA_FULL_ERROR=1 (Hydra's own switch) or TRAINER_DEBUG=1."""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("TRAINER_DEBUG") == "1"
 
 
 def report(err: TrainerExit) -> None:
     print(f"error: {err}", file=sys.stderr, flush=True)
 
 
-# -- friendly composition errors -------------------------------------------------------------------
-def _first_of_sweeps(overrides: list[str]) -> list[str]:
-    """Multirun sweeps (a=1,2) compose one job at a time; check them with their first value."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    out = []
-    for o in OverridesParser.create().parse_overrides(overrides):
-        if o.is_sweep_override():
-            out.append(f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}")
-        else:
-            out.append(o.input_line)
-    return out
-
-
-def compose(overrides: list[str], config_dir: str | None = None) -> DictConfig:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-
-    if config_dir:
-        overrides = [*overrides, f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
-    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-        return hydra_compose("config", overrides=overrides)
-
-
-def explain_composition_error(exc: Exception, overrides: list[str], config_dir: str | None) -> ConfigError:
-    """Turn a Hydra/OmegaConf composition error into a ConfigError naming the key and the fix."""
-    import re
-
-    from hydra.errors import MissingConfigException
-
-    msg = str(exc)
-    cause = exc.__cause__ or exc
-    if isinstance(exc, MissingConfigException) or "Could not find" in msg:
-        m = re.search(r"Could not (?:find|load) '([^']+)/([^']+)'", msg)
-        if m:
-            group, option = m.groups()
-            options = list(exc.options or []) if isinstance(exc, MissingConfigException) else []
-            if not options:
-                options = re.findall(r"^\t(\S+)$", msg, flags=re.M)
-            return ConfigError(
-                f"{group}={option} is not an option of config group '{group}'. "
-                f"Available: {', '.join(options) or '(none)'}.{suggest(option, options)}"
-            )
-    full_key = getattr(cause, "full_key", None)
-    m = re.search(r"Could not override '([^']+)'", msg)
-    if m and ("To append" in msg or "not in" in str(cause)):
-        key = m.group(1)
-        parent, _, leaf = key.rpartition(".")
-        others = [o for o in overrides if o.split("=")[0].lstrip("+~") != key]
-        valid = _keys_at(parent, others, config_dir)
-        where = f"under '{parent}'" if parent else "at the top level"
-        return ConfigError(
-            f"unknown config key '{key}'.{suggest(leaf, valid)} Valid keys {where}: {', '.join(sorted(valid))}. "
-            f"To add a new key on purpose, write +{key}=VALUE."
-        )
-    if full_key and cause is not exc:
-        first = str(cause).splitlines()[0]
-        return ConfigError(f"{full_key}: {first}. See the expected types with: python -m trainer --cfg job")
-    first = msg.strip().splitlines()[0] if msg.strip() else type(exc).__name__
-    return ConfigError(f"{first} (see python -m trainer --help for the config groups and their options)")
-
-
-def _keys_at(path: str, overrides: list[str], config_dir: str | None) -> list[str]:
-    try:
-        cfg = compose(overrides, config_dir)
-        node = OmegaConf.select(cfg, path) if path else cfg
-        return [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
-    except Exception:
-        return []
-
-
 def precheck(argv: list[str]) -> None:
-    """Compose once up front so mistakes get our message, not Hydra's traceback-style report."""
+    """Compose and check every job of this command up front, so mistakes end here, before any file is written."""
     from hydra._internal.utils import get_args_parser
 
     args, _ = get_args_parser().parse_known_args(argv)
-    if args.help or args.hydra_help or args.info or args.shell_completion or args.cfg:
+    if args.help or args.hydra_help or args.info or args.shell_completion:
         return
-    try:
-        cfg = compose(_first_of_sweeps(args.overrides), args.config_dir)
-    except (Exception, OmegaConfBaseException) as exc:  # hydra raises several unrelated types
-        raise explain_composition_error(exc, args.overrides, args.config_dir) from exc
-    # Values and targets too, so a mistake ends here, before Hydra creates a run dir.
-    _config.validate(cfg)
-    _config.check_targets(resolve(cfg))
+    jobs = sweep_jobs(args.overrides) if args.multirun else [args.overrides]
+    for overrides in jobs:
+        # `--cfg job` prints without running: check values, but import nothing (no torch).
+        load(overrides, args.config_dir, targets=not args.cfg)
 
 
-# -- resolving and recording the config ------------------------------------------------------------
-def resolve(cfg: DictConfig) -> DictConfig:
-    """Resolve every interpolation once (in the parent), so workers see exactly the same values."""
-    from omegaconf.errors import MissingMandatoryValue
-
-    try:
-        container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except MissingMandatoryValue as e:
-        key = getattr(e, "full_key", "?")
-        raise ConfigError(f"{key} is required but not set. Pass it on the command line, e.g. {key}=VALUE.") from None
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{getattr(e, 'full_key', '')}: {str(e).splitlines()[0]}") from None
-    resolved = OmegaConf.create(container)
-    OmegaConf.set_struct(resolved, True)
-    return resolved
-
-
+# -- recording the config ------------------------------------------------------------------------
 def scrub_hydra_files(run_dir: Path, secrets: set[str]) -> None:
     """Hydra records the command line in .hydra/; take secrets given there back out."""
     from .io import atomic_write_text
@@ -154,15 +64,13 @@ def save_config(cfg: DictConfig, run_dir: Path) -> Path:
 
 # -- the Hydra task ----------------------------------------------------------------------------------
 def run_job(cfg: DictConfig) -> float | None:
-    """Hydra's task function: validate, resolve, record, then train here or launch workers."""
+    """Hydra's task function: record the (already checked) config, then train here or launch workers."""
     from hydra.core.hydra_config import HydraConfig
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        _config.validate(cfg)
         resolved = resolve(cfg)
         scrub_hydra_files(run_dir, secret_values(OmegaConf.to_container(resolved)))
-        _config.check_targets(resolved)
         save_config(resolved, run_dir)
         from .launcher import WorkerFailed, run
 
@@ -196,7 +104,7 @@ def remove_if_unused(run_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] in (["env"], ["check"]):
+    if argv[:1] and argv[0] in COMMANDS:
         from . import commands
 
         sys.exit(getattr(commands, argv[0])(argv[1:]))
@@ -204,6 +112,9 @@ def main(argv: list[str] | None = None) -> None:
 
     if is_torchrun_follower():
         sys.exit(follow_torchrun_rank0())
+    # Hydra's parser wants -m before the overrides; accept it anywhere.
+    flags = [a for a in argv if a in ("-m", "--multirun")]
+    argv = flags[:1] + [a for a in argv if a not in ("-m", "--multirun")]
     try:
         precheck(argv)
     except UserError as err:

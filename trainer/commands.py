@@ -52,18 +52,15 @@ def env(argv: list[str]) -> int:
     print("\nDefault config (python -m trainer --cfg job):\n")
     from omegaconf import OmegaConf
 
-    from .cli import compose
+    from .composition import compose
 
     print(OmegaConf.to_yaml(compose(argv)))
     return 0
 
 
 # -- check ---------------------------------------------------------------------------------------
-CHECK_SETTINGS = [
-    "model=gpt_tiny", "precision=fp32", "data=text", "data.seq_len=32", "trainer.max_steps=12",
-    "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_samples=37", "trainer.progress=off",
-    "task.sample_tokens=0", "scheduler.warmup_steps=2", "checkpoint.every_n_steps=6", "world.threads=1",
-]
+CHECK_SETTINGS = ["debug=smoke", "data=text", "trainer.max_steps=12", "trainer.eval_samples=37",
+                  "checkpoint.every_n_steps=6"]
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -77,44 +74,56 @@ def _compare(name: str, got: list[float], want: list[float], tol: float) -> bool
         return False
     diff = max((abs(a - b) for a, b in zip(got, want)), default=0.0)
     ok = diff <= tol
-    print(f"{'OK  ' if ok else 'FAIL'}  {name}: max |loss difference| = {diff:.2e} (tolerance {tol:.0e})")
+    print(f"{'OK  ' if ok else 'FAIL'}  {name}: max |loss difference| = {diff:.2e} (tolerance {tol:.0e})", flush=True)
     return ok
 
 
 def check(argv: list[str]) -> int:
     """Train a tiny model several ways that must agree, and say which agree. Exit 0 if all do."""
+    import contextlib
+    import io
+    import shutil
+
     import torch
 
-    from . import train
-    from .cli import compose, resolve
+    from . import compose, train
 
     tmp = Path(tempfile.mkdtemp(prefix="trainer-check-"))
-    corpus = tmp / "corpus.txt"
-    corpus.write_bytes(Path(json.__file__).read_bytes() + Path(subprocess.__file__).read_bytes())
-    os.environ.setdefault("TRAINER_CACHE_DIR", str(tmp / "cache"))
-    base = [*CHECK_SETTINGS, f"data.path={corpus}", *argv]
-    # GPU kernels are not bitwise deterministic; on the CPU everything here is.
-    tol_equiv, tol_exact = (1e-3, 1e-3) if torch.cuda.is_available() else (1e-5, 0.0)
+    try:
+        corpus = tmp / "corpus.txt"
+        corpus.write_bytes(Path(json.__file__).read_bytes() + Path(subprocess.__file__).read_bytes())
+        os.environ.setdefault("TRAINER_CACHE_DIR", str(tmp / "cache"))
+        base = [*CHECK_SETTINGS, f"data.path={corpus}", *argv]
+        # GPU kernels are not bitwise deterministic; on the CPU everything here is.
+        tol_equiv, tol_exact = (1e-3, 1e-3) if torch.cuda.is_available() else (1e-5, 0.0)
 
-    def run_here(name: str, *extra: str) -> Path:
-        run_dir = tmp / name
-        train(resolve(compose([*base, *extra])), run_dir)
-        return run_dir
+        def run_here(name: str, *extra: str) -> Path:
+            run_dir = tmp / name
+            with contextlib.redirect_stdout(io.StringIO()):  # the inner runs' own summary lines
+                train(compose([*base, *extra]), run_dir)
+            return run_dir
 
-    print(f"trainer check: tiny GPT, 12 steps, in {tmp}")
-    ref = _losses(run_here("big", "data.batch_size=8"))
-    results = [_compare("accumulation 2 x 4 equals batch 8", _losses(run_here("acc", "data.batch_size=4",
-                                                                            "trainer.grad_accum_steps=2")), ref, tol_equiv)]
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    r = subprocess.run([sys.executable, "-m", "trainer", *base, "data.batch_size=4", "world=ddp",
-                        "world.nproc_per_node=2", f"hydra.run.dir={tmp / 'ddp'}"], capture_output=True, text=True)
-    if r.returncode != 0:
-        print(f"FAIL  2 ranks ({backend}) x batch 4 equals 1 rank x batch 8: the run failed:\n{r.stderr.strip()}")
-        results.append(False)
-    else:
-        results.append(_compare(f"2 ranks ({backend}) x batch 4 equals 1 rank x batch 8", _losses(tmp / "ddp"), ref, tol_equiv))
-    resumed = run_here("resumed", "data.batch_size=8", f"resume={tmp / 'big' / 'checkpoints' / 'step_00000006'}")
-    results.append(_compare("save at step 6, resume: steps 7-12 continue the loss stream", _losses(resumed),
-                            ref[6:], tol_exact))
-    print(f"\n{sum(results)} passed, {len(results) - sum(results)} failed")
-    return 0 if all(results) else 1
+        def run_procs(name: str, *extra: str) -> tuple[Path, str | None]:
+            r = subprocess.run([sys.executable, "-m", "trainer", *base, *extra, f"hydra.run.dir={tmp / name}"],
+                               capture_output=True, text=True)
+            return tmp / name, (r.stderr.strip() or f"exit code {r.returncode}") if r.returncode else None
+
+        print(f"trainer check: tiny GPT, 12 steps, in {tmp} (removed afterwards)", flush=True)
+        ref = _losses(run_here("big", "data.batch_size=8"))
+        results = [_compare("accumulation 2 x 4 equals batch 8",
+                            _losses(run_here("acc", "data.batch_size=4", "trainer.grad_accum_steps=2")), ref, tol_equiv)]
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        for label, world in ((f"2 ranks ({backend}) x batch 4 equals 1 rank x batch 8", "ddp"),):
+            run_dir, failed = run_procs(world, "data.batch_size=4", f"world={world}", "world.nproc_per_node=2")
+            if failed:
+                print(f"FAIL  {label}: the run failed:\n{failed}")
+                results.append(False)
+            else:
+                results.append(_compare(label, _losses(run_dir), ref, tol_equiv))
+        resumed = run_here("resumed", "data.batch_size=8", f"resume={tmp / 'big' / 'checkpoints' / 'step_00000006'}")
+        results.append(_compare("save at step 6, resume: steps 7-12 continue the loss stream", _losses(resumed),
+                                ref[6:], tol_exact))
+        print(f"\n{sum(results)} passed, {len(results) - sum(results)} failed")
+        return 0 if all(results) else 1
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

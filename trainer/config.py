@@ -1,20 +1,21 @@
 """Typed schemas for the framework's own config sections, and the checks run when a config is built.
 
-The framework sections (`trainer`, `world`) are dataclasses: Hydra type-checks command-line
-overrides against them. Recipe sections (`model`, `data`, `task`, `optim`, `scheduler`) are
-free-form `_target_` nodes owned by the recipe; `validate` checks the keys the framework reads.
-No torch import here: `--help` and `--cfg job` must stay fast.
+The framework sections (`trainer`, `checkpoint`, `ema`) are dataclasses: Hydra type-checks command-line
+overrides against them. `world` is the strategy (`world._target_`, with its options) plus the launch
+topology (`LAUNCH_KEYS`, typed by `LaunchConfig`). Recipe sections (`model`, `data`, `task`, `optim`,
+`scheduler`) are free-form `_target_` nodes owned by the recipe; `validate` checks the keys the
+framework reads. No torch import here: `--help` and `--cfg job` must stay fast.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from .errors import ConfigError
+from .errors import ConfigError, suggest
 
 
 @dataclass
@@ -37,8 +38,9 @@ class TrainerConfig:
 
 
 @dataclass
-class WorldConfig:
-    strategy: str = "single"  # single | ddp
+class LaunchConfig:
+    """The launch topology under `world` (the other keys of `world` are the strategy's options)."""
+
     nproc_per_node: Any = 1  # int, or "auto" = one per GPU (1 on CPU)
     nnodes: int = 1
     node_rank: int = 0
@@ -46,7 +48,9 @@ class WorldConfig:
     max_restarts: int = 0  # elastic restarts of all workers after a failure
     device: str = "auto"  # auto | cpu | cuda
     threads: Any = "auto"  # CPU threads per process; auto = cores / processes on this machine
-    ddp: dict = field(default_factory=lambda: {"bucket_cap_mb": 25, "gradient_as_bucket_view": True})
+
+
+LAUNCH_KEYS = tuple(f.name for f in fields(LaunchConfig))
 
 
 @dataclass
@@ -71,10 +75,11 @@ class EMAConfig:
 @dataclass
 class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    world: WorldConfig = field(default_factory=WorldConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ema: EMAConfig = field(default_factory=EMAConfig)
     resume: str | None = None  # null = fresh | auto = newest complete checkpoint of this run dir | PATH
+    # The launch keys' defaults; conf/world/NAME.yaml adds the strategy (_target_) and its options.
+    world: Any = field(default_factory=lambda: asdict(LaunchConfig()))
     model: Any = None
     data: Any = None
     task: Any = None
@@ -90,6 +95,26 @@ ConfigStore.instance().store(name="trainer_schema", node=Config)
 LOADER_KEYS = ("batch_size", "shuffle", "num_workers")
 
 
+def typed(schema, node: DictConfig | dict | None):
+    """A config section as its dataclass (values type-checked against the schema)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node or {}))
+
+
+def launch_config(world: DictConfig) -> LaunchConfig:
+    """The launch keys of `world` as a typed LaunchConfig (a ConfigError names a key of the wrong type)."""
+    try:
+        return typed(LaunchConfig, {k: world[k] for k in LAUNCH_KEYS if k in world})
+    except Exception as e:  # noqa: BLE001 - OmegaConf's ValidationError
+        key = getattr(e, "full_key", "") or "?"
+        raise ConfigError(f"world.{key}: {str(e).splitlines()[0]}. See python -m trainer --cfg job.") from None
+
+
+def strategy_options(world: DictConfig) -> dict[str, Any]:
+    """`world` without the launch keys: what the strategy class receives."""
+    return {k: v for k, v in world.items() if k not in LAUNCH_KEYS}
+
+
+# -- validation ---------------------------------------------------------------------------------------
 def _check(ok: bool, key: str, value: Any, expected: str, fix: str = "") -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r} is invalid: expected {expected}.{' ' + fix if fix else ''}")
@@ -99,36 +124,55 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node) if isinstance(node, (DictConfig, ListConfig)) else node
+
+
 def validate(cfg: DictConfig) -> None:
-    """Check what the framework reads, before any process group starts or memory is taken."""
-    t, w = cfg.trainer, cfg.world
+    """Check the types and ranges of what the framework reads, before any process group starts or any
+    file is written. Torch-free, so `--cfg job` runs it too."""
+    t = cfg.trainer
     _check(t.max_steps >= 1, "trainer.max_steps", t.max_steps, "an integer >= 1")
     _check(t.grad_accum_steps >= 1, "trainer.grad_accum_steps", t.grad_accum_steps, "an integer >= 1")
     _check(t.log_every >= 1, "trainer.log_every", t.log_every, "an integer >= 1")
     _check(t.eval_every >= 0, "trainer.eval_every", t.eval_every, "an integer >= 0 (0 = eval only at the end)")
-    _check(t.grad_clip is None or t.grad_clip > 0, "trainer.grad_clip", t.grad_clip, "a number > 0, or null")
+    _check(t.grad_clip is None or t.grad_clip > 0, "trainer.grad_clip", t.grad_clip, "a number > 0, or null",
+           "null switches clipping off.")
     _check(t.nonfinite in ("stop", "skip"), "trainer.nonfinite", t.nonfinite, "'stop' or 'skip'")
+    _check(t.max_nonfinite_skips >= 1, "trainer.max_nonfinite_skips", t.max_nonfinite_skips, "an integer >= 1")
     _check(t.nonfinite_check in ("auto", "step", "log"), "trainer.nonfinite_check", t.nonfinite_check,
            "auto, step or log")
     _check(t.nonfinite_check != "log" or t.nonfinite == "stop", "trainer.nonfinite_check", t.nonfinite_check,
            "step or auto with trainer.nonfinite=skip", "Whether a skipped step advances the LR schedule is decided on the host.")
     _check(t.progress in ("auto", "bar", "lines", "off"), "trainer.progress", t.progress, "auto, bar, lines or off")
     _check(t.eval_samples is None or t.eval_samples >= 1, "trainer.eval_samples", t.eval_samples, "an integer >= 1, or null")
+    _check(t.eval_batch_size is None or t.eval_batch_size >= 1, "trainer.eval_batch_size", t.eval_batch_size,
+           "an integer >= 1, or null (= data.batch_size)")
+    _check(t.peak_tflops is None or t.peak_tflops > 0, "trainer.peak_tflops", t.peak_tflops, "a number > 0, or null")
 
     c, e = cfg.checkpoint, cfg.ema
     _check(c.every_n_steps >= 0, "checkpoint.every_n_steps", c.every_n_steps, "an integer >= 0 (0 = only at the end)")
     _check(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "an integer >= 1")
     _check(c.best_mode in ("min", "max"), "checkpoint.best_mode", c.best_mode, "'min' or 'max'")
-    _check(c.max_shard_mb >= 1, "checkpoint.max_shard_mb", c.max_shard_mb, "an integer >= 1")
+    _check(c.max_shard_mb > 0, "checkpoint.max_shard_mb", c.max_shard_mb, "a number > 0")
     _check(0.0 <= e.decay < 1.0, "ema.decay", e.decay, "a number in [0, 1), e.g. 0.999")
     _check(e.update_every >= 1, "ema.update_every", e.update_every, "an integer >= 1")
 
-    for key in ("model", "data", "task", "optim", "scheduler", "precision"):
+    for key in ("model", "data", "task", "optim", "scheduler", "precision", "world"):
         node = cfg.get(key)
-        _check(isinstance(node, DictConfig) and "_target_" in node, key, OmegaConf.to_container(node)
-               if isinstance(node, DictConfig) else node, "a config node with a _target_",
+        _check(isinstance(node, DictConfig) and "_target_" in node, key, _plain(node), "a config node with a _target_",
                f"Select one with {key}=NAME or point {key}._target_ at your class.")
-    d = cfg.data
+    _validate_data(cfg.data)
+    _validate_optim(cfg.optim)
+    _validate_scheduler(cfg.scheduler)
+    _validate_world(cfg.world)
+
+
+def _validate_data(d: DictConfig) -> None:
     bs = d.get("batch_size")
     _check(_is_int(bs) and bs >= 1, "data.batch_size", bs, "an integer >= 1 (the per-process micro-batch)")
     nw = d.get("num_workers", 0)
@@ -136,11 +180,30 @@ def validate(cfg: DictConfig) -> None:
     _check(isinstance(d.get("shuffle", True), bool), "data.shuffle", d.get("shuffle"), "true or false")
     if "seq_len" in d:
         _check(_is_int(d.seq_len) and d.seq_len >= 1, "data.seq_len", d.seq_len, "an integer >= 1")
-    lr = cfg.optim.get("lr")
-    _check(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0, "optim.lr", lr, "a number > 0")
 
-    _check(w.strategy in ("single", "ddp"), "world.strategy", w.strategy, "'single' or 'ddp'",
-           "Select it with world=single or world=ddp.")
+
+def _validate_optim(o: DictConfig) -> None:
+    """The keys torch's optimizers share. Which keys a given optimizer takes is checked at its class."""
+    lr = o.get("lr")
+    _check(_is_number(lr) and lr > 0, "optim.lr", lr, "a number > 0")
+    if o.get("betas") is not None:
+        b = _plain(o.betas)
+        _check(isinstance(b, (list, tuple)) and len(b) == 2 and all(_is_number(x) and 0 <= x < 1 for x in b),
+               "optim.betas", b, "two numbers in [0, 1), e.g. [0.9, 0.95]")
+    for key in ("eps", "weight_decay", "momentum"):
+        v = o.get(key)
+        _check(v is None or (_is_number(v) and v >= 0), f"optim.{key}", _plain(v), "a number >= 0")
+
+
+def _validate_scheduler(s: DictConfig) -> None:
+    w = s.get("warmup_steps", 0)
+    _check(_is_int(w) and w >= 0, "scheduler.warmup_steps", _plain(w), "an integer >= 0")
+    r = s.get("min_lr_ratio", 0.0)
+    _check(_is_number(r) and 0 <= r <= 1, "scheduler.min_lr_ratio", _plain(r), "a number in [0, 1]")
+
+
+def _validate_world(world: DictConfig) -> None:
+    w = launch_config(world)
     n = w.nproc_per_node
     _check(n == "auto" or (_is_int(n) and n >= 1), "world.nproc_per_node", n, "an integer >= 1 or 'auto'")
     _check(w.nnodes >= 1, "world.nnodes", w.nnodes, "an integer >= 1")
@@ -148,9 +211,6 @@ def validate(cfg: DictConfig) -> None:
     _check(w.max_restarts >= 0, "world.max_restarts", w.max_restarts, "an integer >= 0")
     _check(w.threads == "auto" or (_is_int(w.threads) and w.threads >= 1), "world.threads", w.threads,
            "an integer >= 1 or 'auto'")
-    if w.strategy == "single":
-        _check(n in (1, "auto") and w.nnodes == 1, "world.nproc_per_node", n,
-               "1 with world=single", "Use world=ddp to run several processes.")
     if w.nnodes > 1:
         _check(bool(w.rdzv_endpoint), "world.rdzv_endpoint", w.rdzv_endpoint,
                "host:port of node 0 when world.nnodes > 1", "Pass world.rdzv_endpoint=NODE0_HOST:29500 on every node.")
@@ -158,8 +218,9 @@ def validate(cfg: DictConfig) -> None:
            "auto, cpu or cuda")
 
 
+# -- targets ---------------------------------------------------------------------------------------------
 def iter_targets(node: Any, path: str = ""):
-    """(key path, _target_) for every node of the config that will be instantiated."""
+    """(key path, _target_) for every node of the config that will be instantiated, lists included."""
     if isinstance(node, DictConfig):
         if "_target_" in node:
             yield path or "<root>", node._target_
@@ -167,14 +228,13 @@ def iter_targets(node: Any, path: str = ""):
             if OmegaConf.is_missing(node, k):
                 continue
             yield from iter_targets(node[k], f"{path}.{k}" if path else str(k))
+    elif isinstance(node, ListConfig):
+        for i, v in enumerate(node):
+            yield from iter_targets(v, f"{path}[{i}]")
 
 
-def check_targets(cfg: DictConfig) -> None:
-    """Every `_target_` must pass Hydra's instantiate policy (its blocklist stays on) and import.
-
-    Checked once in the parent, before any worker starts, so a typo or a refused target is one
-    clear message instead of a traceback per rank.
-    """
+def locate(key: str, target: Any) -> Any:
+    """Import a `_target_` after Hydra's instantiate policy allows it; a ConfigError otherwise."""
     from hydra._internal.utils import _locate
     from hydra.errors import InstantiationException
 
@@ -182,23 +242,60 @@ def check_targets(cfg: DictConfig) -> None:
         from hydra._internal.target_policy import _authorize_target_name
     except ImportError:  # Hydra without a target policy
         _authorize_target_name = None
-    for key, target in iter_targets(cfg):
-        if not isinstance(target, str):
-            raise ConfigError(f"{key}._target_={target!r} is invalid: expected a dotted path such as mypkg.MyClass.")
-        if _authorize_target_name is not None:
-            try:
-                _authorize_target_name(target, target, key)
-            except InstantiationException:
-                raise ConfigError(
-                    f"{key}._target_={target!r} is refused: Hydra's instantiate blocklist forbids it because it "
-                    "can run commands or change files. Point _target_ at a model, dataset or loss class."
-                ) from None
+    if not isinstance(target, str):
+        raise ConfigError(f"{key}._target_={target!r} is invalid: expected a dotted path such as mypkg.MyClass.")
+    if _authorize_target_name is not None:
         try:
-            _locate(target)
-        except (ImportError, AttributeError, ValueError) as e:
-            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-            reason = lines[-1] if lines else type(e).__name__
+            _authorize_target_name(target, target, key)
+        except InstantiationException:
             raise ConfigError(
-                f"{key}._target_={target!r} cannot be imported ({reason}). Check the spelling, and that its "
-                "module is importable (installed, or on PYTHONPATH)."
+                f"{key}._target_={target!r} is refused: Hydra's instantiate blocklist forbids it because it "
+                "can run commands or change files. Point _target_ at a model, dataset or loss class."
             ) from None
+    try:
+        return _locate(target)
+    except (ImportError, AttributeError, ValueError) as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        reason = lines[-1] if lines else type(e).__name__
+        raise ConfigError(
+            f"{key}._target_={target!r} cannot be imported ({reason}). Check the spelling, and that its "
+            "module is importable (installed, or on PYTHONPATH)."
+        ) from None
+
+
+def check_targets(cfg: DictConfig) -> None:
+    """Every `_target_` must pass the instantiate policy and import; the strategy must take world's options.
+
+    Checked once in the parent, before any worker starts, so a typo or a refused target is one
+    clear message instead of a traceback per rank. Imports the targets (and so torch).
+    """
+    for key, target in iter_targets(cfg):
+        locate(key, target)
+    strategy = locate("world", cfg.world._target_)
+    check_keywords("world", strategy, strategy_options(cfg.world), extra_ok=LAUNCH_KEYS)
+    procs = launch_config(cfg.world)
+    if not getattr(strategy, "distributed", True):
+        _check(procs.nproc_per_node in (1, "auto") and procs.nnodes == 1, "world.nproc_per_node",
+               procs.nproc_per_node, f"1 with world._target_={cfg.world._target_}",
+               "Use world=ddp (or world=fsdp) to run several processes.")
+
+
+def check_keywords(section: str, target: Any, node: dict, extra_ok: tuple[str, ...] = ()) -> None:
+    """Every key of `node` (but `_target_`, `_partial_`) must be a parameter of `target`'s signature."""
+    import inspect
+
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for k in node:
+        if k.startswith("_") or k in extra_ok or k in names:
+            continue
+        raise ConfigError(
+            f"{section}.{k} is not an option of {section}._target_={getattr(target, '__qualname__', target)}.{suggest(k, names)} "
+            f"It takes: {', '.join(n for n in names if n not in ('self', 'params', 'run_dir')) or '(nothing)'}. "
+            f"Remove the key with ~{section}.{k}."
+        )

@@ -7,7 +7,9 @@ performance knobs and a resume continues exactly where the run stopped, on any w
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -115,3 +117,31 @@ def eval_loader(dataset: Dataset, batch_size: int, rank: int, world: int, limit:
         collate_fn=_collate_fn(dataset),
         pin_memory=device.type == "cuda",
     )
+
+
+def eval_batches(dataset: Dataset, batch_size: int, rank: int, world: int, limit: int | None,
+                 device: torch.device, lockstep: bool = False) -> Iterator[tuple[Any, bool]]:
+    """(batch, counted) pairs of this rank's share of the eval samples. With `lockstep`, a rank with fewer
+    batches than rank 0 repeats one, uncounted, until it has run as many (forwards that are collectives)."""
+    n = len(dataset) if limit is None else min(limit, len(dataset))
+    batch, count = None, 0
+    for batch in eval_loader(dataset, batch_size, rank, world, limit, 0, device):
+        count += 1
+        yield batch, True
+    if lockstep:
+        most = math.ceil(len(range(0, n, world)) / batch_size)
+        if batch is None and count < most:  # this rank got no sample at all
+            batch = next(iter(eval_loader(dataset, batch_size, 0, 1, 1, 0, device)))
+        for _ in range(most - count):
+            yield batch, False
+
+
+@dataclass
+class Data:
+    """The datasets and loader settings a Trainer trains and evaluates on."""
+
+    train: Dataset
+    val: Dataset | None = None
+    batch_size: int = 1  # per-process micro-batch
+    shuffle: bool = True
+    num_workers: int = 0

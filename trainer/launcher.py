@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-CONFIG_ENV, RUN_DIR_ENV = "TRAINER_CONFIG", "TRAINER_RUN_DIR"
+from .worker import CONFIG_ENV, RUN_DIR_ENV, run_worker
 
 
 def in_torchrun() -> bool:
@@ -54,8 +54,6 @@ def _share_config(payload: list) -> list:
 
 def follow_torchrun_rank0() -> int:
     """Entry of torchrun ranks > 0: receive rank 0's resolved config and train."""
-    from .worker import run_worker
-
     container, run_dir = _share_config([None, None])
     return run_worker(OmegaConf.create(container), Path(run_dir))
 
@@ -70,10 +68,15 @@ def nproc_per_node(value) -> int:
 
 def run(cfg: DictConfig, run_dir: Path) -> dict | None:
     """Train according to `cfg.world`: here, or in workers started by the elastic launcher."""
+    from .config import launch_config, locate
+
     if in_torchrun():  # we are torchrun's rank 0: hand the config to the other ranks
         _share_config([OmegaConf.to_container(cfg), str(run_dir)])
-    elif cfg.world.strategy == "ddp":
-        return launch(cfg, run_dir)
+    else:
+        w = launch_config(cfg.world)
+        several = nproc_per_node(w.nproc_per_node) * w.nnodes > 1
+        if several and locate("world", cfg.world._target_).distributed:
+            return launch(cfg, run_dir)
     from .run import train
 
     return train(cfg, run_dir)
@@ -84,10 +87,11 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from .config import launch_config
     from .run import preflight
 
     preflight(cfg, run_dir)
-    w = cfg.world
+    w = launch_config(cfg.world)
     nproc = nproc_per_node(w.nproc_per_node)
     if w.nnodes > 1:
         endpoint, run_id = w.rdzv_endpoint, f"trainer-{w.rdzv_endpoint}"

@@ -71,3 +71,33 @@ class Cost:
             achieved = self.flops_per_target * targets_per_s / self.world_size
             out["train/mfu"] = achieved / (self.peak_tflops * 1e12)
         return out
+
+
+class Throughput:
+    """Training time and targets per log window and over the whole run; eval and checkpoints excluded.
+
+    `add` takes a step's target count as it comes (a number, or a device tensor that is only read at
+    `window()`, so the loop adds no host sync)."""
+
+    def __init__(self):
+        self.run_seconds, self.run_targets, self.run_steps = 0.0, 0.0, 0
+        self.restart()
+
+    def restart(self) -> None:
+        """Start a new window now (after eval or a checkpoint save: not training time)."""
+        self.start, self.targets, self.steps = time.perf_counter(), 0, 0
+
+    def add(self, targets) -> None:
+        self.targets += targets
+        self.steps += 1
+
+    def window(self, samples_per_step: int) -> dict[str, float]:
+        """Rates of the window since the last one; starts the next."""
+        elapsed = time.perf_counter() - self.start
+        targets = float(self.targets)
+        self.run_seconds, self.run_targets, self.run_steps = (self.run_seconds + elapsed, self.run_targets + targets,
+                                                              self.run_steps + self.steps)
+        out = {"targets_per_s": targets / elapsed, "samples_per_s": self.steps * samples_per_step / elapsed,
+               "step_time_ms": 1000 * elapsed / max(self.steps, 1)}
+        self.restart()
+        return out

@@ -19,7 +19,9 @@ two ways to check, chosen by `trainer.nonfinite_check`:
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -52,18 +54,27 @@ def resolve_check(check: str, policy: str, precision: str, optimizer: torch.opti
 
 
 class NonFiniteGuard:
-    """Applies the optimizer step unless the gradient norm is non-finite; see the module docstring."""
+    """Decides whether an optimizer step's update is applied when its gradient norm may be NaN/inf.
+
+    The Trainer's step reads::
+
+        if guard.allows(grad_norm, step):          # `step` mode: reads the norm; `log` mode: latches it
+            with guard.skip_on_device(optimizer):  # `log` mode: a latched NaN skips the fused update
+                applied = precision.step(optimizer)
+        guard.record(applied, step)                # counts consecutive skips (fp16's too), stops after too many
+    """
 
     @classmethod
-    def build(cls, config, precision_name: str, optimizer: torch.optim.Optimizer, backend) -> NonFiniteGuard:
+    def build(cls, config, precision, optimizer: torch.optim.Optimizer, backend) -> NonFiniteGuard:
         """From the `trainer` config section (`nonfinite`, `nonfinite_check`, `max_nonfinite_skips`)."""
-        check = resolve_check(config.nonfinite_check, config.nonfinite, precision_name, optimizer, backend.device)
-        return cls(config.nonfinite, check, config.max_nonfinite_skips, backend)
+        check = resolve_check(config.nonfinite_check, config.nonfinite, precision.name, optimizer, backend.device)
+        return cls(config.nonfinite, check, config.max_nonfinite_skips, backend, scaler=precision.scaler)
 
-    def __init__(self, policy: str, check: str, max_skips: int, backend):
+    def __init__(self, policy: str, check: str, max_skips: int, backend, scaler=None):
         if check not in ("step", "log"):
             raise ValueError(f"check must be 'step' or 'log' (resolve 'auto' with resolve_check), not {check!r}")
         self.policy, self.check, self.max_skips, self.backend = policy, check, max_skips, backend
+        self.scaler = scaler  # fp16's loss scaler, which skips overflowed steps itself
         self.consecutive_skips = 0
         # `log` mode, all on the device: 1.0 from the first non-finite norm on (the value fused kernels
         # test for), and that step's number and norm, for the message.
@@ -72,29 +83,52 @@ class NonFiniteGuard:
         self.first_bad_norm = torch.zeros((), dtype=torch.float32, device=backend.device)
         self.unread = False  # steps latched since the last read
 
-    def step(self, precision, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, step: int) -> bool:
-        """Run `precision.step(optimizer)` for optimizer step number `step` unless it must be skipped.
-
-        Returns whether the update was applied (in `log` mode: True; a skip there ends the run at the next read).
-        """
-        if precision.name == "fp16":
-            # The scaler skips overflowed steps itself; those are routine, so they never stop the run.
-            return self._count(precision.step(optimizer), step, limit=False)
+    def allows(self, grad_norm: torch.Tensor, step: int) -> bool:
+        """Whether optimizer step number `step` may apply its update. `step` mode reads the norm (grads are
+        synced, so every rank sees the same one) and stops or skips on NaN/inf; `log` mode latches it on
+        the device and says yes: the skip then happens inside the optimizer (`skip_on_device`)."""
+        if self.scaler is not None:
+            return True
         if self.check == "log":
             self._latch(grad_norm, step)
-            optimizer.grad_scale, optimizer.found_inf = None, self.found_inf
-            try:
-                precision.step(optimizer)
-            finally:
-                del optimizer.grad_scale, optimizer.found_inf
             return True
-        norm = grad_norm.item()  # grads are synced, so every rank sees the same norm
+        norm = grad_norm.item()
         if math.isfinite(norm):
-            return self._count(precision.step(optimizer), step)
+            return True
         if self.policy == "stop":
             raise NonFiniteError(f"non-finite gradient norm ({norm}) at step {step} on rank {self.backend.rank}; "
                                  f"the update was not applied and earlier checkpoints are intact. {FIX}")
-        return self._count(False, step)
+        return False
+
+    @contextlib.contextmanager
+    def skip_on_device(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        """`log` mode: hand the latch to the fused optimizer as `found_inf`, the protocol torch.amp.GradScaler
+        uses, so a non-finite step (and every later one) leaves parameters and moments untouched."""
+        if self.check != "log":
+            yield
+            return
+        optimizer.grad_scale, optimizer.found_inf = None, self.found_inf
+        try:
+            yield
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+
+    def record(self, applied: bool, step: int) -> None:
+        """Count a skipped update; stop after `max_skips` in a row. fp16's loss scaler skips an overflowed step
+        and halves its scale: routine while the scale is above 1, but an overflow at a scale of 1 or less
+        means the gradients themselves are NaN/inf, and those count."""
+        if not applied and self.scaler is not None and self.scaler.get_scale() >= 1.0:
+            return  # (the scaler already synced with the host to decide; reading its scale costs nothing)
+        self.consecutive_skips = 0 if applied else self.consecutive_skips + 1
+        if self.consecutive_skips >= self.max_skips:
+            raise NonFiniteError(f"{self.consecutive_skips} consecutive non-finite steps up to step {step}, each one "
+                                 f"skipped (trainer.max_nonfinite_skips={self.max_skips}); stopping. {FIX}")
+
+    def state_dict(self) -> dict:
+        return {"consecutive_skips": self.consecutive_skips}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
 
     def _latch(self, grad_norm: torch.Tensor, step: int) -> None:
         finite = torch.isfinite(grad_norm)
@@ -103,13 +137,6 @@ class NonFiniteGuard:
         self.first_bad_norm = torch.where(first, grad_norm.float(), self.first_bad_norm)
         self.found_inf = torch.where(finite, self.found_inf, 1.0)
         self.unread = True
-
-    def _count(self, applied: bool, step: int, limit: bool = True) -> bool:
-        self.consecutive_skips = 0 if applied else self.consecutive_skips + 1
-        if limit and self.consecutive_skips >= self.max_skips:
-            raise NonFiniteError(f"{self.consecutive_skips} consecutive non-finite steps up to step {step} "
-                                 f"(trainer.max_nonfinite_skips={self.max_skips}); stopping. Lower optim.lr.")
-        return applied
 
     def read(self, step: int) -> None:
         """`log` mode, at step `step`: read the latch (one host sync) and stop if a step since the last read

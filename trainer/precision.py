@@ -2,7 +2,9 @@
 
 Each exposes the same narrow interface the training step uses, in this order:
 `autocast()` around forward + loss, `backward(loss)`, `unscale_(opt)` before clipping,
-`step(opt) -> bool` (False when the step was skipped), and `state_dict()` for checkpoints.
+`step(opt) -> bool` (False when the step was skipped), and `state_dict()` for checkpoints; plus what
+other components need to know: `dtype` (the compute dtype: FSDP's mixed-precision policy, the MFU
+probe) and `scaler` (fp16's loss scaler, None otherwise).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ class FP32:
     """Full precision: every method is the plain PyTorch call."""
 
     name = "fp32"
+    dtype = torch.float32
+    scaler: torch.amp.GradScaler | None = None
 
     def __init__(self, device_type: str = "cpu"):
         self.device_type = device_type
@@ -46,9 +50,10 @@ class BF16(FP32):
     """bfloat16 autocast. Same exponent range as fp32, so no loss scaling is needed."""
 
     name = "bf16"
+    dtype = torch.bfloat16
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        return torch.autocast(self.device_type, dtype=torch.bfloat16)
+        return torch.autocast(self.device_type, dtype=self.dtype)
 
 
 class FP16(FP32):
@@ -59,6 +64,7 @@ class FP16(FP32):
     """
 
     name = "fp16"
+    dtype = torch.float16
 
     def __init__(self, device_type: str = "cpu", init_scale: float = 2.0**16, growth_interval: int = 2000):
         super().__init__(device_type)
@@ -70,7 +76,7 @@ class FP16(FP32):
         self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, growth_interval=growth_interval)
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        return torch.autocast(self.device_type, dtype=torch.float16)
+        return torch.autocast(self.device_type, dtype=self.dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()

@@ -20,6 +20,7 @@ import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -81,8 +82,17 @@ def sha256_all(buffers: dict[str, mmap.mmap | bytes]) -> dict[str, str]:
         return dict(zip(buffers, pool.map(lambda b: hashlib.sha256(b).hexdigest(), buffers.values())))
 
 
-def parse(buf: mmap.mmap | bytes, source: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file held in `buf`, each copied out of it once.
+class Entry(NamedTuple):
+    """One tensor of a safetensors file: where its bytes are and what they hold."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offsets in the file
+    end: int
+
+
+def read_header(buf: mmap.mmap | bytes, source: Path) -> tuple[dict[str, str], dict[str, Entry]]:
+    """The metadata and the tensor entries of a safetensors file held in `buf`, nothing copied.
 
     Validates like the library does (header length, dtypes, shapes, offsets that tile the data
     exactly) and raises ValueError naming `source` otherwise."""
@@ -96,32 +106,41 @@ def parse(buf: mmap.mmap | bytes, source: Path) -> dict[str, torch.Tensor]:
         raise bad(f"header length {n} runs past the end of the file")
     try:
         header = json.loads(bytes(buf[8:8 + n]))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise bad("header is not JSON") from None
     if not isinstance(header, dict):
         raise bad("header is not a JSON object")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise bad("__metadata__ is not a map of strings")
     start, data_len = 8 + n, len(buf) - 8 - n
-    entries = []
+    spans = []
     for name, info in header.items():
         try:
             dtype, shape, (b, e) = _BY_NAME[info["dtype"]], info["shape"], info["data_offsets"]
-            ok = all(isinstance(x, int) and x >= 0 for x in (*shape, b, e))
+            ok = isinstance(shape, list) and all(isinstance(x, int) and 0 <= x < 2**62 for x in (*shape, b, e))
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
             raise bad(f"entry '{name}' has no valid dtype, shape and data_offsets")
         if e - b != math.prod(shape) * dtype.itemsize:
             raise bad(f"entry '{name}' has {e - b} bytes for shape {shape} of {info['dtype']}")
-        entries.append((b, e, name, dtype, shape))
-    entries.sort(key=lambda x: x[:2])
-    if [x[0] for x in entries] != [0, *(x[1] for x in entries[:-1])] or (entries[-1][1] if entries else 0) != data_len:
+        spans.append((b, e, name, dtype, tuple(shape)))
+    spans.sort(key=lambda x: x[:2])
+    if [x[0] for x in spans] != [0, *(x[1] for x in spans[:-1])] or (spans[-1][1] if spans else 0) != data_len:
         raise bad("the tensors' data_offsets do not tile the data section")
-    out = {}
-    for b, e, name, dtype, shape in entries:
-        if e == b:
-            out[name] = torch.empty(shape, dtype=dtype)
-        else:  # a view of the mapping, then one copy into memory of its own
-            out[name] = torch.frombuffer(buf, dtype=dtype, offset=start + b, count=(e - b) // dtype.itemsize) \
-                .reshape(shape).clone()
-    return out
+    return metadata, {name: Entry(dtype, shape, start + b, start + e) for b, e, name, dtype, shape in spans}
+
+
+def view(buf: mmap.mmap | bytes, entry: Entry) -> torch.Tensor:
+    """The tensor of `entry`, as a view of `buf` (no copy: clone what must outlive the mapping)."""
+    if entry.end == entry.begin:
+        return torch.empty(entry.shape, dtype=entry.dtype)
+    count = (entry.end - entry.begin) // entry.dtype.itemsize
+    return torch.frombuffer(buf, dtype=entry.dtype, offset=entry.begin, count=count).reshape(entry.shape)
+
+
+def parse(buf: mmap.mmap | bytes, source: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file held in `buf`, each copied out of it once."""
+    _, entries = read_header(buf, source)
+    return {name: view(buf, e).clone() for name, e in entries.items()}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -11,55 +10,57 @@ import torch
 import torch.nn as nn
 
 from . import checkpoint as ckpt
-from .backend import Backend
 from .config import TrainerConfig
-from .data import GlobalBatchSampler, eval_loader, train_loader
+from .data import Data, GlobalBatchSampler, eval_batches, train_loader
 from .ema import EMA
 from .errors import CheckpointError, Preempted
 from .loggers import NullLogger
-from .metrics import Cost
+from .metrics import Cost, Throughput
 from .nonfinite import NonFiniteGuard
 from .preemption import PreemptionFlag
 from .progress import NullProgress, Progress
 from .rng import rng_state, set_rng_state
+from .strategies import Strategy, unwrap
 from .task import Task
 
 
 class Trainer:
     """Owns the loop: data order, the optimizer step, eval, logging and checkpoint cadence, run state.
 
-    Everything stateful is reachable from `state_dict()`; a checkpoint is that plus the model weights.
+    A checkpoint is the model's state plus `checkpoint_state()`: the Trainer's own run state, the
+    optimizer's, every rank's RNG state, and the `state_dict()` of each stateful component (scheduler,
+    precision, non-finite guard, loggers, EMA, and whatever the recipe adds through `components`).
     """
 
     def __init__(self, *, model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler, precision, backend: Backend,
-                 train_data, val_data, batch_size: int, shuffle: bool, num_workers: int,
-                 config: TrainerConfig, loggers: NullLogger | None = None, run_dir: str | Path = ".",
-                 ema: EMA | None = None, checkpointer: ckpt.Checkpointer | None = None, config_yaml: str = "",
-                 cost: Cost | None = None, guard: NonFiniteGuard | None = None):
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, precision, strategy: Strategy, data: Data,
+                 config: TrainerConfig, loggers: NullLogger | None = None, checkpointer=None,
+                 ema: EMA | None = None, guard: NonFiniteGuard | None = None, cost: Cost | None = None,
+                 components: dict[str, Any] | None = None):
         self.model, self.task, self.optimizer, self.scheduler = model, task, optimizer, scheduler
-        self.precision, self.backend, self.cfg = precision, backend, config
-        self.train_data, self.val_data = train_data, val_data
-        self.batch_size, self.shuffle, self.num_workers = batch_size, shuffle, num_workers
+        self.precision, self.strategy, self.backend, self.cfg = precision, strategy, strategy.backend, config
+        self.data = data
         self.loggers = loggers or NullLogger()
-        self.run_dir = Path(run_dir)
-        self.ema, self.checkpointer, self.config_yaml, self.cost = ema, checkpointer, config_yaml, cost
-        self.raw_model = backend.unwrap(model)
+        self.checkpointer = checkpointer or ckpt.NullCheckpointer()
+        self.ema, self.cost = ema, cost
+        self.raw_model = unwrap(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.guard = guard or NonFiniteGuard.build(config, precision, optimizer, self.backend)
         self.preemption = PreemptionFlag()
+        self.components = {"scheduler": scheduler, "precision": precision, "nonfinite": self.guard,
+                           "loggers": self.loggers, **({"ema": ema} if ema is not None else {}), **(components or {})}
         # Run state (in checkpoints).
         self.step = 0  # optimizer steps done (skipped fp16/nonfinite steps included)
         self.samples_seen = 0  # position in the global sample stream
         self.skipped_steps = 0
-        self.guard = guard or NonFiniteGuard.build(config, precision.name, optimizer, backend)
 
     @property
     def global_batch(self) -> int:
-        return self.batch_size * self.cfg.grad_accum_steps * self.backend.world_size
+        return self.data.batch_size * self.cfg.grad_accum_steps * self.strategy.dp_size
 
     def sampler(self) -> GlobalBatchSampler:
-        return GlobalBatchSampler(len(self.train_data), self.batch_size, self.cfg.grad_accum_steps,
-                                  self.backend.rank, self.backend.world_size, self.cfg.seed, self.shuffle,
+        return GlobalBatchSampler(len(self.data.train), self.data.batch_size, self.cfg.grad_accum_steps,
+                                  self.strategy.dp_rank, self.strategy.dp_size, self.cfg.seed, self.data.shuffle,
                                   start=self.samples_seen)
 
     # -- the optimizer step --------------------------------------------------------------------
@@ -67,43 +68,46 @@ class Trainer:
         """Targets in the global batch, and whether any rank was asked to stop.
 
         Both are reduced in host memory (gloo), which never waits for the GPU; only a task that counts
-        its targets on the device (a tensor) gets a second, asynchronous reduction there.
-        """
+        its targets on the device (a tensor) gets a second, asynchronous reduction there. Ranks that
+        share a batch (tensor-parallel peers) count it once."""
         n_local = sum(self.task.num_targets(b) for b in batches)
         be = self.backend
         if not be.distributed:
             return n_local, self.preemption.requested
+        replicas = be.world_size // self.strategy.dp_size
         on_device = isinstance(n_local, torch.Tensor)
         host = be.all_reduce(torch.tensor([0.0 if on_device else float(n_local), float(self.preemption.requested)],
                                           dtype=torch.float64), on_host=True).tolist()
-        n_global = be.all_reduce(n_local.to(torch.float64)).float() if on_device else host[0]
-        return n_global, host[1] > 0
+        if on_device:
+            return be.all_reduce(n_local.to(torch.float64)).float() / replicas, host[1] > 0
+        return host[0] / replicas, host[1] > 0
 
     def train_step(self, batches: list[Any], n_global) -> dict[str, Any]:
         """One optimizer step over this rank's micro-batches. Returns device tensors (no host sync)."""
-        model, opt, be, k = self.model, self.optimizer, self.backend, len(batches)
+        model, opt, k = self.model, self.optimizer, len(batches)
         # Token-weighted normalisation: each micro-batch's summed loss is divided by the number of
         # targets in the whole global batch (all micro-steps, all ranks). So k micro-batches of b
-        # equal one batch of k*b even when batches differ in length. DDP averages gradients over
-        # ranks, hence the factor world_size.
-        scale = be.world_size / n_global
+        # equal one batch of k*b even when batches differ in length. Data-parallel ranks average their
+        # gradients, hence the factor dp_size.
+        scale = self.strategy.dp_size / n_global
         loss_sum = None
         for i, batch in enumerate(batches):
-            # Gradients are all-reduced only in the last micro-step's backward; earlier ones accumulate.
-            with be.no_sync(model, enabled=i < k - 1), self.precision.autocast():
+            # Gradients are synced only in the last micro-step's backward; earlier ones accumulate.
+            with self.strategy.no_sync(model, enabled=i < k - 1), self.precision.autocast():
                 loss = self.task.loss(model, batch)
             self.precision.backward(loss * scale)
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         # Clip the true gradients: fp16 gradients are unscaled first.
         self.precision.unscale_(opt)
-        if self.cfg.grad_clip is not None:
-            grad_norm = nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
-        else:
-            grad_norm = nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        grad_norm = self.strategy.clip_grad_norm_(self.params, self.cfg.grad_clip)
         # The update, unless the norm is NaN/inf (trainer.nonfinite; see trainer/nonfinite.py).
-        stepped = self.guard.step(self.precision, opt, grad_norm, self.step + 1)
+        applied = False
+        if self.guard.allows(grad_norm, self.step + 1):
+            with self.guard.skip_on_device(opt):
+                applied = self.precision.step(opt)  # False when fp16's loss scaler skipped an overflowed step
+        self.guard.record(applied, self.step + 1)
         opt.zero_grad(set_to_none=True)
-        if stepped:
+        if applied:
             # Only real updates advance the schedule and the EMA; a skipped step does not.
             self.scheduler.step()
             if self.ema is not None:
@@ -115,21 +119,24 @@ class Trainer:
     # -- eval ----------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, prefix: str = "val") -> dict[str, float]:
-        if self.val_data is None:
+        if self.data.val is None:
             return {}
-        be = self.backend
-        loader = eval_loader(self.val_data, self.cfg.eval_batch_size or self.batch_size, be.rank,
-                             be.world_size, self.cfg.eval_samples, 0, be.device)
+        st, be = self.strategy, self.backend
+        # Under FSDP or tensor parallelism a forward is a collective: every rank runs as many batches.
+        batches = eval_batches(self.data.val, self.cfg.eval_batch_size or self.data.batch_size, st.dp_rank, st.dp_size,
+                               self.cfg.eval_samples, be.device, lockstep=st.collective_forward)
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=be.device)  # [loss sum, targets]
-        for batch in loader:
+        for batch, counted in batches:
             batch = be.to_device(batch)
             with self.precision.autocast():
                 # The raw module: DDP's forward would expect a backward to follow.
-                totals[0] += self.task.loss(self.raw_model, batch).double()
-            totals[1] += self.task.num_targets(batch)
+                loss = self.task.loss(self.raw_model, batch)
+            if counted:
+                totals[0] += loss.double()
+                totals[1] += self.task.num_targets(batch)
         self.model.train()
-        loss_sum, count = be.all_reduce(totals).tolist()
+        loss_sum, count = be.all_reduce(totals, group=st.dp_group).tolist()
         if count == 0:
             return {}
         loss = loss_sum / count
@@ -138,13 +145,14 @@ class Trainer:
 
     @torch.no_grad()
     def sample(self) -> str | None:
-        if not (self.backend.is_main and hasattr(self.task, "sample")):
+        """The task's sample, on the main rank (on every rank when a forward is a collective)."""
+        if not hasattr(self.task, "sample") or not (self.backend.is_main or self.strategy.collective_forward):
             return None
         self.model.eval()
         with self.precision.autocast():
             text = self.task.sample(self.raw_model, self.backend.device)
         self.model.train()
-        return text
+        return text if self.backend.is_main else None
 
     def _eval_and_log(self, progress: Progress) -> dict[str, float]:
         self.guard.read(self.step)  # a run that hit a non-finite step stops before evaluating it
@@ -168,133 +176,178 @@ class Trainer:
     def _eval_due(self) -> bool:
         return self.cfg.eval_every > 0 and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.max_steps
 
+    def _train_metrics(self, out: dict[str, Any], n_global, meter: Throughput) -> dict[str, float]:
+        """The log step's metrics: the loop's host syncs happen here, every log_every steps."""
+        self.guard.read(self.step)
+        rates = meter.window(self.global_batch)
+        return {
+            "train/loss": float(self.backend.all_reduce(out["loss_sum"], group=self.strategy.dp_group) / n_global),
+            "train/lr": self.scheduler.get_last_lr()[0],
+            "train/grad_norm": float(out["grad_norm"]),
+            "train/tokens_per_s": rates["targets_per_s"],
+            "train/samples_per_s": rates["samples_per_s"],
+            "train/step_time_ms": rates["step_time_ms"],
+            "train/skipped_steps": self.skipped_steps,
+            **(self.cost.metrics(rates["targets_per_s"]) if self.cost else {}),
+        }
+
+    def _preempted(self) -> None:
+        """Every rank agreed at this step boundary: save, then stop with exit code 75."""
+        path = self.save_checkpoint(wait=True)
+        signum = self.preemption.signum
+        cause = signal.Signals(signum).name if signum else "a signal to another rank"
+        raise Preempted(f"preempted by {cause} at step {self.step}; checkpoint saved to {path}. "
+                        "Rerun the same command with resume=auto to continue.")
+
     def fit(self) -> dict[str, float]:
         cfg, be = self.cfg, self.backend
         progress = Progress(cfg.max_steps, self.step, cfg.progress) if be.is_main else NullProgress()
-        batches_iter = iter(train_loader(self.train_data, self.sampler(), self.num_workers, be.device, cfg.seed))
+        batches_iter = iter(train_loader(self.data.train, self.sampler(), self.data.num_workers, be.device, cfg.seed))
         self.preemption.install()
         self.model.train()
-        window_start, window_targets, window_steps = time.perf_counter(), 0, 0
-        train_time, train_targets, first_step = 0.0, 0.0, self.step
-        metrics: dict[str, float] = {}
+        meter, metrics, first_step = Throughput(), {}, self.step
         try:
             while self.step < cfg.max_steps:
                 batches = [be.to_device(next(batches_iter)) for _ in range(cfg.grad_accum_steps)]
                 n_global, stop = self.sync_counts(batches)
-                if stop:  # every rank agrees on this step boundary
-                    path = self.save_checkpoint(wait=True)
-                    signum = self.preemption.signum
-                    cause = signal.Signals(signum).name if signum else "a signal to another rank"
-                    raise Preempted(f"preempted by {cause} at step {self.step}; checkpoint saved to {path}. "
-                                    "Rerun the same command with resume=auto to continue.")
+                if stop:
+                    self._preempted()
                 out = self.train_step(batches, n_global)
                 self.step += 1
                 self.samples_seen += self.global_batch
-                window_targets += n_global
-                window_steps += 1
-
-                if self._log_due():
-                    # The loop's host syncs happen here, every log_every steps (and at eval and checkpoints).
-                    self.guard.read(self.step)
-                    elapsed = time.perf_counter() - window_start
-                    train_time, train_targets = train_time + elapsed, train_targets + float(window_targets)
-                    metrics = {
-                        "train/loss": float(be.all_reduce(out["loss_sum"]) / n_global),
-                        "train/lr": self.scheduler.get_last_lr()[0],
-                        "train/grad_norm": float(out["grad_norm"]),
-                        "train/tokens_per_s": float(window_targets) / elapsed,
-                        "train/samples_per_s": window_steps * self.global_batch / elapsed,
-                        "train/step_time_ms": 1000 * elapsed / window_steps,
-                        "train/skipped_steps": self.skipped_steps,
-                        **(self.cost.metrics(float(window_targets) / elapsed) if self.cost else {}),
-                    }
+                meter.add(n_global)
+                logged = self._log_due()
+                if logged:
+                    metrics = self._train_metrics(out, n_global, meter)
                     self.loggers.log_metrics(metrics, self.step)
-                    progress.update(self.step, metrics)
-                    window_start, window_targets, window_steps = time.perf_counter(), 0, 0
+                progress.update(self.step, metrics if logged else None)
                 evaluated = self._eval_and_log(progress) if self._eval_due() else None
-                if self.checkpointer is not None and self.checkpointer.due(self.step) and self.step < cfg.max_steps:
+                saving = self.checkpointer.due(self.step) and self.step < cfg.max_steps
+                if saving:
                     self.save_checkpoint(evaluated)
-                if evaluated is not None or self.checkpointer is not None and self.checkpointer.due(self.step):
-                    window_start = time.perf_counter()  # eval and saving are not training throughput
+                if evaluated is not None or saving:
+                    meter.restart()  # eval and saving are not training throughput
 
             final = self._eval_and_log(progress)
-            if self.checkpointer is not None and self.checkpointer.save_final:
+            if self.checkpointer.save_final:
                 self.save_checkpoint(final, wait=True)
-            if self.checkpointer is not None:
-                self.checkpointer.close()  # surfaces a failed background save
+            self.checkpointer.close()  # surfaces a failed background save
         except BaseException:
-            if self.checkpointer is not None:  # finish a save in flight, but keep the original error
-                try:
-                    self.checkpointer.close()
-                except Exception:  # noqa: BLE001
-                    pass
+            try:  # finish a save in flight, but keep the original error
+                self.checkpointer.close()
+            except Exception:  # noqa: BLE001
+                pass
             raise
         finally:
             self.preemption.uninstall()
             progress.close()
-        summary = self._summary(self.step - first_step, train_time, train_targets)
+        summary = self._summary(self.step - first_step, meter)
         if summary and be.is_main:
             print("summary: " + " ".join(f"{k.split('/')[1]}={v:.4g}" for k, v in summary.items()), flush=True)
         return {**metrics, **final, **summary}
 
-    def _summary(self, steps: int, seconds: float, targets: float) -> dict[str, float]:
+    def _summary(self, steps: int, meter: Throughput) -> dict[str, float]:
         """Whole-run throughput and cost (training time only: eval and checkpoints excluded)."""
-        if steps == 0 or seconds == 0:
+        if steps == 0 or meter.run_seconds == 0:
             return {}
-        out = {"summary/steps": steps, "summary/train_time_s": seconds, "summary/tokens_per_s": targets / seconds}
+        rate = meter.run_targets / meter.run_seconds
+        out = {"summary/steps": steps, "summary/train_time_s": meter.run_seconds, "summary/tokens_per_s": rate}
         if self.cost:
-            out.update({k.replace("train/", "summary/"): v for k, v in self.cost.metrics(targets / seconds).items()})
+            out.update({k.replace("train/", "summary/"): v for k, v in self.cost.metrics(rate).items()})
         return out
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything but the model weights. A collective under DDP (gathers each rank's RNG state)."""
-        return {
-            "trainer": {"step": self.step, "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
-                        "global_batch": self.global_batch, "world_size": self.backend.world_size,
-                        "data_fingerprint": self.sampler().fingerprint()},
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "precision": self.precision.state_dict(),
-            "ema": self.ema.state_dict() if self.ema is not None else None,
-            "loggers": self.loggers.state_dict(),
-            "rng": self.backend.gather_object(rng_state()),
-        }
+        """The run state: where the loop is, and what the data order depends on."""
+        return {"step": self.step, "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
+                "global_batch": self.global_batch, "world_size": self.backend.world_size,
+                "data_fingerprint": self.sampler().fingerprint()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        t = state["trainer"]
-        self.step, self.samples_seen, self.skipped_steps = t["step"], t["samples_seen"], t["skipped_steps"]
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.precision.load_state_dict(state["precision"])
-        if self.ema is not None and state.get("ema"):
-            self.ema.load_state_dict(state["ema"])
-        self.loggers.load_state_dict(state.get("loggers") or {})
-        rngs = state["rng"]
-        if self.backend.rank < len(rngs):  # same world size: continue each rank's own stream
-            set_rng_state(rngs[self.backend.rank])
-        if self.sampler().fingerprint() != t["data_fingerprint"]:
+        self._check_run_state(state)
+        self.step, self.samples_seen, self.skipped_steps = state["step"], state["samples_seen"], state["skipped_steps"]
+
+    def _check_run_state(self, state: dict[str, Any]) -> None:
+        """Counts that are counts, and the same data order from the checkpoint's position on."""
+        for key in ("step", "samples_seen", "skipped_steps"):
+            if not isinstance(state[key], int) or not 0 <= state[key] < 2**62:
+                raise CheckpointError(f"trainer.{key}={state[key]!r} in the checkpoint is not a count.")
+        sampler = GlobalBatchSampler(len(self.data.train), self.data.batch_size, self.cfg.grad_accum_steps,
+                                     self.strategy.dp_rank, self.strategy.dp_size, self.cfg.seed, self.data.shuffle,
+                                     start=state["samples_seen"])
+        if sampler.fingerprint() != state["data_fingerprint"]:
             raise CheckpointError(
-                f"the data order after step {self.step} differs from the checkpoint's (fingerprint "
-                f"{self.sampler().fingerprint()} vs {t['data_fingerprint']}): the dataset, trainer.seed or "
+                f"the data order after step {state['step']} differs from the checkpoint's (fingerprint "
+                f"{sampler.fingerprint()} vs {state['data_fingerprint']}): the dataset, trainer.seed or "
                 "data.shuffle changed. Resume with the checkpoint's config (its config.yaml) or start fresh with resume=null."
             )
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything but the model weights. A collective when distributed (gathers each rank's RNG state)."""
+        return {"trainer": self.state_dict(),
+                "optimizer": self.strategy.optimizer_state_dict(self.model, self.optimizer),
+                "rng": self.backend.gather_object(rng_state()),
+                **{name: c.state_dict() for name, c in self.components.items()}}
+
     def save_checkpoint(self, metrics: dict[str, float] | None = None, wait: bool = False) -> Path | None:
         """Save (in the background with checkpoint.async_save); `wait` before exiting the process."""
-        if self.checkpointer is None:
-            return None
         self.guard.read(self.step)  # never save the state after a non-finite step
-        state = self.state_dict()  # on every rank: it gathers RNG states
-        if self.backend.is_main:
-            self.checkpointer.save(self.step, self.raw_model.state_dict(), state, self.config_yaml, metrics)
-            if wait:
-                self.checkpointer.wait()
-        if wait:  # nobody exits (and gets the job torn down) while rank 0 is still writing
+        model_state = self.strategy.model_state_dict(self.model)
+        state = self.checkpoint_state()  # on every rank: it gathers RNG states
+        path = self.checkpointer.save(self.step, model_state, state, metrics)
+        if wait:  # nobody exits (and gets the job torn down) while a rank is still writing
+            self.checkpointer.wait()
             self.backend.barrier()
-        return self.checkpointer.dir / f"step_{self.step:08d}"
+        return path
 
     def load_checkpoint(self, path: Path) -> None:
-        model_state, state = ckpt.load(path)
-        ckpt.load_model_state(self.raw_model, model_state, path)
-        self.load_state_dict(state)
+        """Load a checkpoint written under any strategy and world size (with the same global batch). Every
+        tensor and value is checked against the live objects first; nothing is changed unless all fit."""
+        from . import snapshot
+
+        loaded = ckpt.read(path, self.backend)
+        where = f"checkpoint {path}"
+        live_model = self.strategy.model_state_dict(self.model)
+        problems = ckpt.model_mismatches(loaded, live_model)
+        if problems:
+            raise CheckpointError(f"{where} does not match the model ({len(problems)} tensors): " + "; ".join(problems)
+                                  + ". Use the model config the checkpoint was trained with (see its config.yaml), "
+                                  "or resume=null to start fresh.")
+        tree = loaded.tree if isinstance(loaded.tree, dict) else {}
+        like = {"trainer": self.state_dict(), "rng": [rng_state()],
+                **{n: c.state_dict() for n, c in self.components.items()}, "loggers": {}}
+        missing = [k for k in ("optimizer", *like) if k not in tree]
+        if missing:
+            raise CheckpointError(f"{where} has no {', '.join(missing)} state: it was saved by another configuration "
+                                  "(e.g. without ema.enabled). Resume with the checkpoint's config.yaml, or resume=null.")
+        fresh_optimizer = not self.optimizer.state
+        saved_optimizer = isinstance(tree["optimizer"], dict) and bool(tree["optimizer"].get("state"))
+        try:
+            model_state = {k: snapshot.assemble(k, loaded.model[k], v, where) for k, v in live_model.items()}
+            like["optimizer"] = (self.strategy.optimizer_template(self.model, self.optimizer) if saved_optimizer
+                                 else {"state": {}, "param_groups": []})
+            state = snapshot.conform({k: tree[k] for k in like}, like, loaded.state, where)
+            _check_optimizer(state["optimizer"], like["optimizer"], where)
+            self._check_run_state(state["trainer"])
+        except BaseException:
+            if fresh_optimizer:  # the template initialised it; a fresh run must not start from that
+                self.strategy.reset_optimizer(self.optimizer)
+            raise
+        self.strategy.load_model_state_dict(self.model, model_state)
+        self.strategy.load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        for name, c in self.components.items():
+            c.load_state_dict(state[name])
+        self.load_state_dict(state["trainer"])
+        rngs = state["rng"]
+        if self.backend.rank < len(rngs):  # same world size: continue each rank's own stream
+            set_rng_state(rngs[self.backend.rank])
+
+
+def _check_optimizer(state: dict, like: dict, where: str) -> None:
+    """The checkpoint's optimizer holds the same parameters, in the same groups, as the live one."""
+    if not state["state"]:
+        return  # saved before the first step
+    groups = [list(g["params"]) for g in state["param_groups"]]
+    if groups != [list(g["params"]) for g in like["param_groups"]]:
+        raise CheckpointError(f"{where}: the optimizer's parameter groups differ from this run's "
+                              "(another model or optim config). Resume with the checkpoint's config.yaml.")

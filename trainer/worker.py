@@ -1,6 +1,6 @@
 """Entry point of each worker process started by the elastic launcher: `python -m trainer.worker`.
 
-The resolved config arrives in $TRAINER_CONFIG (JSON), the run dir in $TRAINER_RUN_DIR. A failure
+The prepared config arrives in $TRAINER_CONFIG (JSON), the run dir in $TRAINER_RUN_DIR. A failure
 is written to torchelastic's per-worker error file instead of stderr, so the parent can print the
 root cause once rather than once per rank.
 """
@@ -14,6 +14,9 @@ import traceback
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
+
+# What the launcher sets for each worker (this module reads them; the launcher imports the names).
+CONFIG_ENV, RUN_DIR_ENV = "TRAINER_CONFIG", "TRAINER_RUN_DIR"
 
 
 def run_worker(cfg: DictConfig, run_dir: Path) -> int:
@@ -47,8 +50,6 @@ def _record(message: str, stack: str) -> None:
 
 
 def main() -> int:
-    from .launcher import CONFIG_ENV, RUN_DIR_ENV
-
     cfg = OmegaConf.create(json.loads(os.environ[CONFIG_ENV]))
     OmegaConf.set_struct(cfg, True)
     return run_worker(cfg, Path(os.environ[RUN_DIR_ENV]))

@@ -1,0 +1,44 @@
+"""The weights a finished run leaves in its run dir, in the layout Hugging Face tools read.
+
+`model.safetensors` (keys = the plain model's state_dict), or above `checkpoint.max_shard_mb` the shards
+`model-00001-of-0000N.safetensors` plus `model.safetensors.index.json`; `model_config.json` beside them
+(`hydra.utils.instantiate(json.load(...))` rebuilds the model). Every file is written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .io import atomic_save_safetensors, atomic_write_json
+
+
+def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, model_config: dict,
+                 max_shard_mb: float) -> None:
+    """Write `tensors` (whole, on the CPU) as `<name>.safetensors` or as shards with an index."""
+    limit = int(max_shard_mb * 2**20)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in tensors.items():
+        nbytes = v.numel() * v.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += nbytes
+    for old in run_dir.glob(f"{name}-*-of-*.safetensors"):  # from an earlier export of this run
+        old.unlink()
+    if len(shards) == 1:
+        atomic_save_safetensors(run_dir / f"{name}.safetensors", tensors, metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            fname = f"{name}-{i:05d}-of-{len(shards):05d}.safetensors"
+            atomic_save_safetensors(run_dir / fname, shard, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, fname))
+        total = sum(v.numel() * v.element_size() for v in tensors.values())
+        atomic_write_json(run_dir / f"{name}.safetensors.index.json",
+                          {"metadata": {"total_size": total}, "weight_map": weight_map})
+    atomic_write_json(run_dir / "model_config.json", json.loads(json.dumps(model_config)))

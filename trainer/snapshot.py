@@ -1,0 +1,257 @@
+"""A checkpoint's state between memory and files: nested state <-> (a JSON tree, named tensors).
+
+Tensors leave the tree and go to safetensors files; the tree keeps a reference (`{"__tensor__": name}`).
+A DTensor (a shard of a model under FSDP or tensor parallelism) is saved as its local chunk, with the
+global shape and the chunk's offset in the file's metadata; only one rank of each group of replicas
+writes it. Loading assembles, for each tensor the live objects hold, exactly the region this rank
+needs from whichever chunks cover it, so a checkpoint resumes on any number of processes and under
+any strategy. Before anything is applied, every tensor is checked against the live one (global
+shape and dtype) and every other value against the type the live state has.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+
+TENSOR, ITEMS, TUPLE = "__tensor__", "__items__", "__tuple__"
+MAX_DEPTH = 64  # nesting of a state tree; deeper is refused before parsing recurses
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The region [offset, offset + local.shape) of a tensor whose whole shape is `shape`."""
+
+    local: torch.Tensor
+    shape: tuple[int, ...]
+    offset: tuple[int, ...]
+
+    @property
+    def whole(self) -> bool:
+        return tuple(self.local.shape) == self.shape
+
+
+def chunk_of(t: torch.Tensor, is_main: bool) -> Chunk | None:
+    """What this rank writes of `t`: its shard of a DTensor (None for all but one rank of a group of
+    replicas), or a plain tensor whole from the main rank (every rank holds the same one)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return Chunk(t, tuple(t.shape), (0,) * t.dim()) if is_main else None
+    mesh = t.device_mesh
+    if any(p.is_replicate() and mesh.get_local_rank(i) != 0 for i, p in enumerate(t.placements)):
+        return None
+    (meta,) = t.__create_chunk_list__()
+    return Chunk(t.to_local(), tuple(t.shape), tuple(meta.offsets))
+
+
+# -- nested state <-> (JSON tree, tensors) --------------------------------------------------------------
+def flatten(obj: Any, tensors: dict[str, Chunk], is_main: bool = True, path: str = "", copy: bool = True) -> Any:
+    """A JSON-able copy of `obj` with tensors moved into `tensors` (as this rank's chunks) and replaced by
+    references. With copy=False, CPU tensors go in as they are (for a write that happens before they change)."""
+    if isinstance(obj, torch.Tensor):
+        c = chunk_of(obj, is_main)
+        if c is not None:
+            tensors[path] = Chunk(c.local.detach().to("cpu", copy=copy).contiguous(), c.shape, c.offset)
+        return {TENSOR: path}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: flatten(v, tensors, is_main, f"{path}/{k}", copy) for k, v in obj.items()}
+        return {ITEMS: [[k, flatten(v, tensors, is_main, f"{path}/{k}", copy)] for k, v in obj.items()]}
+    if isinstance(obj, tuple):
+        return {TUPLE: [flatten(v, tensors, is_main, f"{path}/{i}", copy) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [flatten(v, tensors, is_main, f"{path}/{i}", copy) for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot checkpoint a value of type {type(obj).__name__} at '{path}'")
+
+
+def chunk_metadata(chunks: dict[str, Chunk]) -> dict[str, str]:
+    """safetensors metadata recording which tensors of a file are chunks of a bigger one."""
+    parts = {k: {"shape": list(c.shape), "offset": list(c.offset)} for k, c in chunks.items() if not c.whole}
+    return {"format": "pt", **({"chunks": json.dumps(parts, separators=(",", ":"))} if parts else {})}
+
+
+def parse_tree(data: bytes | memoryview, source) -> Any:
+    """state.json, refusing trees nested deeper than MAX_DEPTH (json would recurse into a RecursionError)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in bytes(data):  # bracket depth outside strings
+        if in_string:
+            escaped, in_string = (False, in_string) if escaped else (ch == 0x5C, ch != 0x22)
+        elif ch == 0x22:
+            in_string = True
+        elif ch in (0x5B, 0x7B):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in (0x5D, 0x7D):
+            depth -= 1
+    if deepest > MAX_DEPTH:
+        raise CheckpointError(f"{source} nests {deepest} levels deep (at most {MAX_DEPTH}); it is not a valid trainer checkpoint.")
+    try:
+        return json.loads(bytes(data))
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{source} is not valid JSON ({e}); it is not a valid trainer checkpoint.") from None
+
+
+# -- assembling tensors from chunks -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Stored:
+    """One chunk as found in a file: a view into the mapped file, and where it sits in the whole tensor."""
+
+    data: torch.Tensor
+    shape: tuple[int, ...]
+    offset: tuple[int, ...]
+
+
+def stored_chunks(metadata: dict[str, str], views: dict[str, torch.Tensor], source) -> dict[str, Stored]:
+    try:
+        parts = json.loads(metadata.get("chunks", "{}"))
+        out = {}
+        for name, t in views.items():
+            info = parts.get(name)
+            shape = tuple(info["shape"]) if info else tuple(t.shape)
+            offset = tuple(info["offset"]) if info else (0,) * t.dim()
+            if len(shape) != t.dim() or len(offset) != t.dim() or any(
+                    not isinstance(x, int) or x < 0 for x in (*shape, *offset)) or any(
+                    o + n > s for o, n, s in zip(offset, t.shape, shape)):
+                raise ValueError(f"chunk '{name}' does not fit its tensor")
+            out[name] = Stored(t, shape, offset)
+        return out
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise CheckpointError(f"{source}: invalid chunk metadata ({e}); it is not a valid trainer checkpoint.") from None
+
+
+def assemble(name: str, chunks: list[Stored], like: torch.Tensor, where: str) -> torch.Tensor:
+    """The part of tensor `name` that `like` holds on this rank (a DTensor's local shard, or a whole
+    plain tensor), copied out of the stored chunks; a DTensor again if `like` is one. Refuses a global
+    shape or dtype other than `like`'s, and chunks that leave a gap or overlap."""
+    from torch.distributed.tensor import DTensor
+
+    if not chunks:
+        raise CheckpointError(f"{where}: '{name}' is missing from the checkpoint.")
+    shape, dtype = tuple(like.shape), like.dtype
+    if chunks[0].shape != shape or any(c.shape != shape for c in chunks):
+        raise CheckpointError(f"{where}: '{name}' is {chunks[0].shape} in the checkpoint but {shape} here.")
+    if any(c.data.dtype != dtype for c in chunks):
+        raise CheckpointError(f"{where}: '{name}' is {chunks[0].data.dtype} in the checkpoint but {dtype} here.")
+    if isinstance(like, DTensor):
+        local = like.to_local()
+        (meta,) = like.__create_chunk_list__()
+        want_offset, want_shape = tuple(meta.offsets), tuple(local.shape)
+    else:
+        want_offset, want_shape = (0,) * len(shape), shape
+    out = torch.empty(want_shape, dtype=dtype)
+    covered = 0
+    for c in chunks:
+        box = [(max(o, wo), min(o + n, wo + wn)) for o, n, wo, wn in zip(c.offset, c.data.shape, want_offset, want_shape)]
+        if any(lo >= hi for lo, hi in box):
+            continue
+        src, dst = c.data, out
+        for d, (lo, hi) in enumerate(box):
+            src = src.narrow(d, lo - c.offset[d], hi - lo)
+            dst = dst.narrow(d, lo - want_offset[d], hi - lo)
+        dst.copy_(src)
+        covered += math.prod(hi - lo for lo, hi in box)
+    if covered != out.numel():
+        raise CheckpointError(f"{where}: the chunks of '{name}' cover {covered} of its {out.numel()} elements here "
+                              "(a gap or an overlap); it is not a valid trainer checkpoint.")
+    if isinstance(like, DTensor):
+        out = out.to(like.device)
+        return DTensor.from_local(out, like.device_mesh, like.placements, shape=like.shape, stride=like.stride(),
+                                  run_check=False)
+    return out.to(like.device)
+
+
+# -- the tree against the live state ------------------------------------------------------------------------
+def conform(tree: Any, like: Any, chunks: dict[str, list[Stored]], where: str, path: str = "") -> Any:
+    """`tree` (from state.json) turned back into live values shaped like `like` (the live state_dict):
+    tensors assembled for this rank, containers and plain values checked against the live ones.
+
+    Keys the live state has must be in the checkpoint; keys it lacks are ignored. Where the live state has
+    an empty container (lists whose length the checkpoint decides, such as one RNG state per rank), the
+    checkpoint's values are taken after a check of their kind only."""
+    label = path or "<root>"
+    if isinstance(tree, dict) and TENSOR in tree:
+        ref = tree[TENSOR]
+        if isinstance(like, torch.Tensor):
+            return assemble(ref, chunks.get(ref, []) if isinstance(ref, str) else [], like, where)
+        if like is None:
+            return _free(tree, chunks, where, path)
+        raise CheckpointError(f"{where}: '{label}' is a tensor in the checkpoint but {type(like).__name__} here.")
+    if isinstance(like, torch.Tensor):
+        raise CheckpointError(f"{where}: '{label}' is {type(tree).__name__} in the checkpoint but a tensor here.")
+    if isinstance(like, dict):
+        if not isinstance(tree, dict):
+            raise CheckpointError(f"{where}: '{label}' is {type(tree).__name__} in the checkpoint but a mapping here.")
+        items = dict(_items(tree, where, label))
+        if not like:
+            return {k: _free(v, chunks, where, f"{path}/{k}") for k, v in items.items()}
+        missing = [str(k) for k in like if k not in items and str(k) not in items]
+        if missing:
+            raise CheckpointError(f"{where}: '{label}' lacks {', '.join(missing[:5])}.")
+        return {k: conform(items[k] if k in items else items[str(k)], v, chunks, where, f"{path}/{k}")
+                for k, v in like.items()}
+    if isinstance(like, (list, tuple)):
+        seq = tree.get(TUPLE) if isinstance(tree, dict) and TUPLE in tree else tree
+        if not isinstance(seq, list):
+            raise CheckpointError(f"{where}: '{label}' is {type(tree).__name__} in the checkpoint but a sequence here.")
+        if not like:
+            out = [_free(v, chunks, where, f"{path}/{i}") for i, v in enumerate(seq)]
+        else:
+            # A list of like items (one per rank, one per parameter group): each checked against the first.
+            out = [conform(v, like[i] if i < len(like) and len(like) == len(seq) else like[0], chunks, where,
+                           f"{path}/{i}") for i, v in enumerate(seq)]
+        return tuple(out) if isinstance(like, tuple) else out
+    return _plain(tree, like, where, label)
+
+
+def _items(tree: dict, where: str, label: str):
+    if ITEMS in tree:
+        items = tree[ITEMS]
+        if not isinstance(items, list) or not all(isinstance(p, list) and len(p) == 2 for p in items):
+            raise CheckpointError(f"{where}: '{label}' has malformed items.")
+        return [tuple(p) for p in items]
+    return tree.items()
+
+
+def _plain(value: Any, like: Any, where: str, label: str) -> Any:
+    """A JSON value where the live state has `like`: same kind (an int where an int is, a finite number)."""
+    if like is None or value is None:
+        return value
+    if isinstance(like, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(like, int):
+        ok = isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63
+    elif isinstance(like, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif isinstance(like, str):
+        ok = isinstance(value, str)
+    else:
+        ok = True
+    if not ok:
+        raise CheckpointError(f"{where}: '{label}' is {value!r} in the checkpoint; expected a {type(like).__name__}.")
+    return float(value) if isinstance(like, float) else value
+
+
+def _free(tree: Any, chunks: dict[str, list[Stored]], where: str, path: str) -> Any:
+    """A value the live state gives no template for: rebuilt as saved (tensors whole)."""
+    if isinstance(tree, dict):
+        if TENSOR in tree:
+            found = chunks.get(tree[TENSOR]) if isinstance(tree[TENSOR], str) else None
+            if not found or len(found) != 1 or found[0].shape != tuple(found[0].data.shape):
+                raise CheckpointError(f"{where}: tensor '{tree[TENSOR]}' is missing or not whole.")
+            return found[0].data.clone()
+        if TUPLE in tree:
+            return tuple(_free(v, chunks, where, f"{path}/{i}") for i, v in enumerate(tree[TUPLE]))
+        return {k: _free(v, chunks, where, f"{path}/{k}") for k, v in _items(tree, where, path)}
+    if isinstance(tree, list):
+        return [_free(v, chunks, where, f"{path}/{i}") for i, v in enumerate(tree)]
+    return tree

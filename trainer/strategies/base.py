@@ -1,0 +1,164 @@
+"""The strategy interface, and its simplest case: one process on one device.
+
+A strategy owns what changes with the parallelism: placing, wrapping and initialising the model,
+gradient sync during accumulation, gradient clipping, the data-parallel coordinates that the sampler
+and the loss normalisation use, and the model and optimizer state of checkpoints and exports.
+`world._target_` picks the class; the other keys of `world` (but the launch keys) are its options.
+
+Model and optimizer state go through `torch.distributed.checkpoint.state_dict`, which gives the same
+keys (the plain module's parameter names) for a plain module, DDP and FSDP, so a checkpoint of one
+strategy resumes under another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # all devices
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under DDP and torch.compile wrappers: what checkpoints and exports save."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+class Strategy:
+    """One process, one device: every method is the plain PyTorch call. The base of the others.
+
+    Class attributes say what the launcher and the checkpointer must do:
+    `distributed` (may run on several processes), `sharded` (each rank holds part of the state, so
+    every rank writes checkpoint files and takes part in exports), `needs_process_group` (DTensor
+    machinery: a process group even at one process), `collective_forward` (every rank must run each
+    forward pass: eval and sampling happen on all ranks in lockstep).
+    """
+
+    distributed = False
+    sharded = False
+    needs_process_group = False
+    collective_forward = False  # a forward pass is a collective (FSDP, tensor parallel): eval in lockstep
+
+    def setup(self, backend, precision) -> None:
+        """Called once per process, after the process group exists and before the model is built."""
+        self.backend, self.precision = backend, precision
+
+    # -- where this rank sits in the data-parallel dimension --------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        return self.backend.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.backend.world_size
+
+    @property
+    def dp_group(self) -> Any:
+        """The process group over which batches differ (None: all ranks)."""
+        return None
+
+    # -- the model ---------------------------------------------------------------------------------------
+    def build_model(self, factory: Callable[[], nn.Module], seed: int) -> nn.Module:
+        """Construct the model and wrap it for training. Every rank builds the same initial weights.
+
+        A model with `init_weights()` is re-initialised from `seed` after construction, so its initial
+        weights are those a sharded strategy gets when it materialises the model shard by shard."""
+        seed_everything(seed)
+        model = factory()
+        if hasattr(model, "init_weights"):
+            seed_everything(seed)
+            with torch.no_grad():
+                model.init_weights()
+        return self.wrap(model)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model.to(self.backend.device)
+
+    def no_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        """Skip the gradient sync in this backward (all micro-steps of an accumulation but the last)."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+        """Clip to `max_norm` (None: only measure). Returns the total norm before clipping, on the device."""
+        if max_norm is None:
+            return nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        return nn.utils.clip_grad_norm_(params, max_norm)
+
+    # -- state ----------------------------------------------------------------------------------------------
+    def state_module(self, model: nn.Module) -> nn.Module:
+        """The module whose state_dict keys are the plain model's (no DDP/compile prefixes)."""
+        return unwrap(model)
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's model state (DTensors under sharded strategies), keyed like the plain module's."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.state_module(model))
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state keyed by parameter name (not position), so any strategy can load it.
+
+        Before the first step the state is empty and stays so: torch's helper would initialise it with a
+        zero-gradient step (AdamW's step count would then be off by one after a resume)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        if not optimizer.state:
+            return {"state": {}, "param_groups": []}
+        return get_optimizer_state_dict(self.state_module(model), optimizer)
+
+    def optimizer_template(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The shape of a stepped optimizer's state (to check a checkpoint against before loading it).
+        Initialises an empty state with torch's zero-gradient step; `reset_optimizer` undoes that."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.state_module(model), optimizer)
+
+    @staticmethod
+    def reset_optimizer(optimizer: torch.optim.Optimizer) -> None:
+        optimizer.state.clear()
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.state_module(model), state)
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        if not state.get("state"):  # saved before the first step: a fresh optimizer
+            self.reset_optimizer(optimizer)
+            return
+        set_optimizer_state_dict(self.state_module(model), optimizer, state)
+
+    def full_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Whole CPU tensors of `state` on the main rank ({} elsewhere). Under sharded strategies every
+        rank must call it (each tensor is gathered in turn, so no rank holds more than one at a time
+        besides the main rank's copy of the whole)."""
+        if not self.backend.is_main:
+            return {}
+        # Copies: tied weights share storage, which safetensors refuses; a copy keeps every key.
+        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+
+
+class SingleDevice(Strategy):
+    """`world=single`: one process on one device (cuda if present, else the CPU)."""
