@@ -23,10 +23,10 @@ test: venv
 	$(PY) -m pytest -q -n auto tests $(ARGS)
 
 bench: venv
-	$(PY) -m trainer.benchmark $(ARGS)
+	$(PY) -m benchmarks $(ARGS)
 
 lint: venv
-	$(VENV)/bin/ruff check trainer recipes tests
+	$(VENV)/bin/ruff check trainer recipes tests benchmarks
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

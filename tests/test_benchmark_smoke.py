@@ -1,4 +1,4 @@
-"""`python -m trainer.benchmark --quick` runs every item and writes the table and a parseable JSON block.
+"""`python -m benchmarks --quick` runs every item and writes the markdown table and, beside it, the JSON data.
 
 No timing is asserted: on a shared CPU any threshold would be flaky. `make bench` is where numbers count.
 """
@@ -11,12 +11,31 @@ import re
 import pytest
 from conftest import run_cli
 
-pytestmark = pytest.mark.slow  # starts several `python -m trainer` processes, DDP included
+CURVE = "## Quality per second: `make train`"
+# A report's quality section as `--curve` writes it, with notes written by hand below its `Settings:` line.
+OLD_CURVE = f"""{CURVE}
+
+Validation bits per byte of the default `recipe=lm` run (old).
+
+| step | tokens | train time | val/loss | val/bpb |
+|---|---|---|---|---|
+| 250 | 0.51 M | 29 s | 2.4481 | 3.5319 |
+
+Settings: model 4 layers x 128 (old).
+
+How the defaults were chosen: by hand.
+
+| model | val/bpb |
+|---|---|
+| 4 x 128 | 2.11 |
+"""
 
 
+@pytest.mark.slow  # starts several `python -m trainer` processes, DDP included
 def test_quick_benchmark_writes_table_and_json(tmp_path):
     out = tmp_path / "BENCH.md"
-    r = run_cli("--quick", "--out", str(out), module="trainer.benchmark", timeout=300)
+    out.write_text("# Benchmarks\n\nan old table\n\n" + OLD_CURVE)
+    r = run_cli("--quick", "--out", str(out), module="benchmarks", timeout=300)  # run_cli puts the repo on the path
     assert r.returncode == 0, r.stderr
     text = out.read_text()
 
@@ -25,8 +44,12 @@ def test_quick_benchmark_writes_table_and_json(tmp_path):
                 "d. safetensors save_file", "d. safetensors load_file + touch", "e. start-up to first step",
                 "e. `python -m trainer --help`", "e. `python -m trainer --cfg job`"):
         assert re.search(rf"^\| {re.escape(row)}.*\|$", text, flags=re.M), row
+    # The rest is regenerated; the quality section, hand-written notes included, is kept as it was.
+    assert "an old table" not in text and text.endswith("\n" + OLD_CURVE)
 
-    res = json.loads(re.search(r"```json\n(.*?)\n```", text, flags=re.S).group(1))
+    # The raw data lives beside the markdown (BENCH.json), not in it.
+    assert "```json" not in text and "per_round_ms" not in text and "`BENCH.json`" in text
+    res = json.loads((tmp_path / "BENCH.json").read_text())
     assert set(res) == {"meta", "loop_tiny", "loop_default", "bf16_vs_fp32", "ddp", "checkpoint", "startup"}
     assert res["meta"]["quick"] is True
     for key in ("loop_tiny", "loop_default"):
@@ -45,3 +68,23 @@ def test_quick_benchmark_writes_table_and_json(tmp_path):
     for key in ("loop_tiny", "loop_default"):
         assert res[key]["trainer_ms_per_step"] > 0 and res[key]["plain_ms_per_step"] > 0
     assert res["ddp"]["ddp_tokens_per_s"] > 0 and res["startup"]["first_step_s"] > 0
+
+
+def test_curve_rewrites_only_its_generated_part(tmp_path):
+    """`--curve RUN_DIR` replaces the curve and its settings; the table above and the notes below stay."""
+    run = tmp_path / "run"
+    run.mkdir()
+    events = [{"step": 10, "train/step_time_ms": 100.0, "train/tokens_per_s": 2048.0},
+              {"step": 10, "val/loss": 1.5, "val/bpb": 2.1640}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (run / "run_info.json").write_text(json.dumps({"device": "cpu", "git_commit": "abcdef0123"}))
+    out = tmp_path / "BENCH.md"
+    out.write_text("# Benchmarks\n\nthe table\n\n" + OLD_CURVE)
+
+    r = run_cli("--out", str(out), "--curve", str(run), module="benchmarks")
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert text.startswith("# Benchmarks\n\nthe table\n\n" + CURVE)
+    assert "| 10 | 0.00 M | 1 s | 1.5000 | 2.1640 |" in text and "commit abcdef0" in text
+    assert "(old)" not in text and "Settings: (config.yaml not found)" in text
+    assert text.endswith("Settings: (config.yaml not found)\n\n" + OLD_CURVE.split("(old).\n\n")[-1])

@@ -1,0 +1,45 @@
+"""Benchmarks of `trainer` where every figure is a ratio against plain PyTorch, measured side by side in one run.
+
+    make bench                                         # the full suite: BENCHMARKS.md and BENCHMARKS.json (~5 min, 2 cores)
+    python -m benchmarks --quick --out /tmp/B.md       # tiny sizes in seconds (the smoke test); data in /tmp/B.json
+    python -m benchmarks --only loop_tiny,startup
+    python -m benchmarks --curve RUN_DIR               # the quality-per-second section, from a `make train` run
+
+Repository tooling, not part of the installed package: run it from the checkout, whose `trainer` it
+measures. A shared machine drifts, so nothing is compared with a number from another run: each item
+runs the framework and its plain-PyTorch baseline in alternating rounds (A B, then B A, ...) and
+reports the median of the per-round figures (differences and ratios are taken per round, then the
+median). In-process loops are timed by the wall clock and in process CPU time; on the CPU with one
+thread the CPU time decides, as it is the less disturbed by other jobs.
+
+    loop_tiny, loop_default  Trainer.fit() vs a hand-written loop: same model, AdamW groups, batches,
+                             clipping, autocast and LR schedule (gpt_tiny 4x32, gpt_small 8x256, bf16);
+                             the plain loop runs in turns between windows of the Trainer's steps  (loop.py)
+    bf16_vs_fp32             tokens/s of the plain loop on the default lm model in each precision  (loop.py)
+    ddp                      `python -m trainer world=ddp` 2 processes x 1 thread vs 1 x 1 (train/tokens_per_s),
+                             and the same pair for a hand-written DDP loop (what the machine allows)  (ddp.py)
+    checkpoint               safetensors and trainer.checkpoint save/read vs writing/reading the same bytes raw
+                             (checkpoint.py)
+    startup                  `python -m trainer` to its first optimizer step vs `python -c "import torch"`, vs
+                             `import torch, torch._dynamo` (every torch.optim optimizer imports it) and vs
+                             a plain script doing the same step; whether --help / --cfg job import torch  (startup.py)
+
+An item is a module with an `Item` (harness.py: how it measures, its rows of the table, its sizes in a
+full and a quick run) and one line in ITEMS below.
+"""
+
+from .checkpoint import CHECKPOINT
+from .ddp import DDP
+from .harness import Item
+from .loop import BF16_VS_FP32, LOOP_DEFAULT, LOOP_TINY
+from .startup import STARTUP
+
+# The suite, in the order it runs and its rows appear in the table. Names are the JSON keys.
+ITEMS: dict[str, Item] = {
+    "loop_tiny": LOOP_TINY,
+    "loop_default": LOOP_DEFAULT,
+    "bf16_vs_fp32": BF16_VS_FP32,
+    "ddp": DDP,
+    "checkpoint": CHECKPOINT,
+    "startup": STARTUP,
+}
