@@ -32,14 +32,15 @@ def _ema_reference(weights: list[dict], decay: float, warmup: bool, update_every
 
 @pytest.mark.parametrize(("warmup", "update_every"), [(True, 1), (False, 2)])
 def test_ema_equals_the_closed_form_over_the_raw_weights(corpus, tmp_path, warmup, update_every):
-    from hydra.utils import instantiate
+    from trainer import build
 
     overrides = ("trainer.max_steps=6", "trainer.grad_accum_steps=2", "checkpoint.every_n_steps=1",
                  "checkpoint.keep_last=10", "ema.enabled=true", "ema.decay=0.8", f"ema.warmup={warmup}",
                  f"ema.update_every={update_every}")
     train_in_process(corpus, tmp_path, *overrides)
-    torch.manual_seed(0)  # trainer.seed: the initial weights
-    init = instantiate(compose_cfg(tiny_overrides(corpus, *overrides)).model).state_dict()
+    # The initial weights: those of the Trainer a run builds, before its first step.
+    built = build(compose_cfg(tiny_overrides(corpus, *overrides)), tmp_path / "built")
+    init = {k: v.clone() for k, v in built.raw_model.state_dict().items()}
     raw = [init] + [load_weights(tmp_path / "checkpoints" / f"step_{s:08d}" / "model.safetensors") for s in range(1, 7)]
     expected = _ema_reference(raw, 0.8, warmup, update_every)
     got = load_weights(tmp_path / "model_ema.safetensors")

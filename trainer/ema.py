@@ -6,7 +6,9 @@ After each real optimizer step t (t = 0, 1, ... counts EMA updates; skipped step
     ema  <- d_t * ema + (1 - d_t) * param          (torch._foreach_lerp_)
 
 The EMA starts as a copy of the initial weights. Warmup lets early, fast-moving weights through
-instead of averaging them with the random init. Buffers are copied, not averaged.
+instead of averaging them with the random init. Buffers are copied, not averaged. Under a sharded
+strategy the parameters are DTensors: the EMA keeps DTensors of the same sharding (each rank averages
+its own shard; checkpoints save them sharded, exports gather them whole).
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ class EMA:
         self.shadow = [p.detach().to(torch.float32, copy=True) for p in self.params]
         self.num_updates = 0
 
+    @staticmethod
+    def _local(tensors) -> list[torch.Tensor]:
+        """This rank's part of each tensor (a DTensor's shard; a plain tensor itself), for foreach kernels."""
+        from torch.distributed.tensor import DTensor
+
+        return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
     def decay_at(self, t: int) -> float:
         return min(self.decay, (1 + t) / (10 + t)) if self.warmup else self.decay
 
@@ -40,8 +49,8 @@ class EMA:
         if step % self.update_every:
             return
         d = self.decay_at(self.num_updates)
-        params = [p.detach().float() for p in self.params]  # no copy when already fp32
-        torch._foreach_lerp_(self.shadow, params, 1.0 - d)
+        params = [p.float() for p in self._local(p.detach() for p in self.params)]  # no copy when already fp32
+        torch._foreach_lerp_(self._local(self.shadow), params, 1.0 - d)
         self.num_updates += 1
 
     def state_dict(self) -> dict:
@@ -67,13 +76,14 @@ class EMA:
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
         """Temporarily put the EMA weights into the model (for eval), then restore the raw ones."""
-        backup = [p.detach().clone() for p in self.params]
+        params = self._local(p.detach() for p in self.params)
+        backup = [p.clone() for p in params]
         with torch.no_grad():
-            for p, s in zip(self.params, self.shadow):
+            for p, s in zip(params, self._local(self.shadow)):
                 p.copy_(s)
         try:
             yield
         finally:
             with torch.no_grad():
-                for p, b in zip(self.params, backup):
+                for p, b in zip(params, backup):
                     p.copy_(b)

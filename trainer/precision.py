@@ -39,6 +39,9 @@ class FP32:
         optimizer.step()
         return True
 
+    def distribute(self) -> None:
+        """Gradients will be sharded over ranks (FSDP, tensor parallel): see FP16."""
+
     def state_dict(self) -> dict:
         return {}
 
@@ -73,7 +76,14 @@ class FP16(FP32):
                 f"precision=fp16 is not supported on device type '{device_type}'. "
                 "Use precision=bf16 or precision=fp32."
             )
+        self.init_scale, self.growth_interval = init_scale, growth_interval
         self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, growth_interval=growth_interval)
+
+    def distribute(self) -> None:
+        """With sharded gradients an overflow shows in one rank's shard only: the overflow flag is reduced
+        over ranks, so every rank skips the same steps."""
+        self.scaler = _ShardedGradScaler(self.device_type, init_scale=self.init_scale,
+                                         growth_interval=self.growth_interval)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device_type, dtype=self.dtype)
@@ -98,3 +108,15 @@ class FP16(FP32):
     def load_state_dict(self, state: dict) -> None:
         if state:
             self.scaler.load_state_dict(state)
+
+
+class _ShardedGradScaler(torch.amp.GradScaler):
+    """GradScaler whose overflow flag is the max over ranks. (torch's FSDP ShardedGradScaler does the same
+    but keeps the flag as a 1-element tensor, which fused optimizers refuse next to their scalar steps.)"""
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        import torch.distributed as dist
+
+        super().unscale_(optimizer)
+        for found_inf in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)

@@ -105,9 +105,9 @@ def preflight(cfg: DictConfig, run_dir: Path) -> None:
     the strategy, the model on the meta device (no memory), the task, the precision and the datasets
     (whose cache is then built once, here, for all workers)."""
     device = usable_device(cfg.world.device)
-    build_strategy(cfg.world)
+    strategy = build_strategy(cfg.world)
     with torch.device("meta"):
-        build_node("model", cfg.model)
+        strategy.check_model(build_node("model", cfg.model))
     build_node("task", cfg.task)
     build_node("precision", cfg.precision, device_type=device.type)
     build_data(cfg.data)

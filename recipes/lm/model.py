@@ -50,6 +50,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Pre-norm GPT with learned positions and tied input/output embeddings (as in nanoGPT)."""
 
+    # The repeated unit: each Block becomes one FSDP unit (and, with tensor parallelism, gets a plan).
+    _no_split_modules = ["Block"]
+
     def __init__(
         self,
         vocab_size: int = 256,
@@ -69,18 +72,25 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(d_model, bias=bias)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight
-        self.apply(self._init_weights)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Every parameter from the global RNG, in a fixed order. The framework calls it again after a
+        sharded strategy materialises the model built on the meta device (same seed, same weights)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
         # Scaled init of residual projections (GPT-2): keeps the residual stream's variance flat in depth.
         for name, p in self.named_parameters():
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * len(self.blocks)))
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 x non-embedding-lookup parameters plus attention (PaLM, appendix B)."""

@@ -2,5 +2,6 @@
 
 from .base import SingleDevice, Strategy, seed_everything, unwrap
 from .ddp import DDP
+from .fsdp import FSDP
 
-__all__ = ["DDP", "SingleDevice", "Strategy", "seed_everything", "unwrap"]
+__all__ = ["DDP", "FSDP", "SingleDevice", "Strategy", "seed_everything", "unwrap"]

@@ -77,6 +77,9 @@ class Strategy:
         return None
 
     # -- the model ---------------------------------------------------------------------------------------
+    def check_model(self, model: nn.Module) -> None:
+        """Config mistakes visible on the model built on the meta device (called before workers start)."""
+
     def build_model(self, factory: Callable[[], nn.Module], seed: int) -> nn.Module:
         """Construct the model and wrap it for training. Every rank builds the same initial weights.
 
