@@ -52,10 +52,20 @@ def build_node(section: str, node: Any, *args, **kwargs) -> Any:
                           f"Check the keys under {section} (python -m trainer --cfg job).") from None
 
 
-def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(cfg: DictConfig, model: torch.nn.Module, say=print) -> torch.optim.Optimizer:
     """`optim` is a partial (`_partial_: true`); weight decay applies to matrices only (not norms, biases)."""
-    factory = build_node("optim", cfg)
+    from torch.distributed.tensor import DTensor
+
     params = [p for p in model.parameters() if p.requires_grad]
+    kinds = {isinstance(p, DTensor) for p in params}
+    if len(kinds) == 2 and (cfg.get("fused") or cfg.get("foreach") is not False) and "fused" in cfg:
+        # Tensor parallelism without FSDP leaves the parameters it does not split as plain tensors, and
+        # torch's fused and foreach kernels refuse a mix of plain tensors and DTensors in one list (splitting
+        # the groups by kind would make checkpoints of this layout unloadable under the others).
+        say("note: world=ddp with world.tp mixes DTensor shards and plain tensors, which optim.fused and "
+            "optim.foreach kernels refuse; using the per-parameter loop (optim.fused=false optim.foreach=false).")
+        cfg = OmegaConf.merge(cfg, {"fused": False, "foreach": False})
+    factory = build_node("optim", cfg)
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -139,7 +149,7 @@ def build(cfg: DictConfig, run_dir: str | Path) -> Trainer:
         ema = EMA(raw_model, ecfg.decay, ecfg.warmup, ecfg.update_every) if ecfg.enabled else None
         if tcfg.compile:
             model = torch.compile(model, backend=tcfg.compile_backend)
-        optimizer = build_optimizer(cfg.optim, model)
+        optimizer = build_optimizer(cfg.optim, model, say=print if backend.is_main else lambda *a: None)
         scheduler = build_node("scheduler", cfg.scheduler)(optimizer, total_steps=tcfg.max_steps)
         # Different randomness per rank from here on (dropout), reproducible per (seed, rank).
         seed_everything(tcfg.seed + backend.rank)

@@ -38,14 +38,18 @@ class Chunk:
 
 
 def chunk_of(t: torch.Tensor, is_main: bool) -> Chunk | None:
-    """What this rank writes of `t`: its shard of a DTensor (None for all but one rank of a group of
-    replicas), or a plain tensor whole from the main rank (every rank holds the same one)."""
+    """What this rank writes of `t`: its shard of a DTensor (None for all but one copy of a replicated
+    piece), or a plain tensor whole from the main rank (every rank holds the same one)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(t, DTensor):
         return Chunk(t, tuple(t.shape), (0,) * t.dim()) if is_main else None
     mesh = t.device_mesh
+    # One copy of each replicated piece: from coordinate 0 of every replicated mesh dimension, and, for a
+    # DTensor on a sub-mesh (FSDP's dp dimension beside tensor parallelism), from the sub-mesh holding rank 0.
     if any(p.is_replicate() and mesh.get_local_rank(i) != 0 for i, p in enumerate(t.placements)):
+        return None
+    if not bool((mesh.mesh == 0).any()):
         return None
     (meta,) = t.__create_chunk_list__()
     return Chunk(t.to_local(), tuple(t.shape), tuple(meta.offsets))

@@ -97,6 +97,7 @@ class Trainer:
                 loss = self.task.loss(model, batch)
             self.precision.backward(loss * scale)
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        self.strategy.reduce_gradients(self.params)  # where the wrapper did not (tensor parallel without FSDP)
         # Clip the true gradients: fp16 gradients are unscaled first.
         self.precision.unscale_(opt)
         grad_norm = self.strategy.clip_grad_norm_(self.params, self.cfg.grad_clip)

@@ -14,19 +14,22 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         if d_model % n_head:
             raise ValueError(f"model.d_model={d_model} must be divisible by model.n_head={n_head}")
-        self.n_head = n_head
+        self.n_head, self.head_dim = n_head, d_model // n_head
+        # One projection for q, k and v, its outputs ordered head by head ([q k v] of head 0, then of
+        # head 1, ...): a tensor-parallel rank's column chunk then holds whole heads.
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # -1: this rank's heads (all of them without tensor parallelism).
+        q, k, v = self.qkv(x).view(B, T, -1, 3, self.head_dim).unbind(3)
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            dropout_p=self.dropout if self.training else 0.0,
         )
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class Block(nn.Module):
@@ -50,8 +53,16 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Pre-norm GPT with learned positions and tied input/output embeddings (as in nanoGPT)."""
 
-    # The repeated unit: each Block becomes one FSDP unit (and, with tensor parallelism, gets a plan).
+    # The repeated unit: each Block becomes one FSDP unit.
     _no_split_modules = ["Block"]
+    # Tensor parallelism (world.tp=N): attention heads and the MLP's hidden units split across ranks.
+    # Column-wise layers shard their outputs, row-wise ones their inputs and sum the partial results.
+    _tp_plan = {
+        "blocks.*.attn.qkv": "colwise",
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.mlp.0": "colwise",
+        "blocks.*.mlp.2": "rowwise",
+    }
 
     def __init__(
         self,

@@ -37,12 +37,6 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-def is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 class Strategy:
     """One process, one device: every method is the plain PyTorch call. The base of the others.
 
@@ -58,43 +52,84 @@ class Strategy:
     needs_process_group = False
     collective_forward = False  # a forward pass is a collective (FSDP, tensor parallel): eval in lockstep
 
+    tp = 1  # tensor-parallel degree (world.tp, on strategies that take it)
+    mesh = None  # the device mesh, ("dp",) or ("dp", "tp"), on strategies built on DTensor
+
     def setup(self, backend, precision) -> None:
         """Called once per process, after the process group exists and before the model is built."""
         self.backend, self.precision = backend, precision
 
+    def make_mesh(self):
+        """The ("dp",) mesh, or ("dp", "tp") with tensor parallelism."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        ws, tp, device = self.backend.world_size, self.tp, self.backend.device.type
+        if tp > 1:
+            return init_device_mesh(device, (ws // tp, tp), mesh_dim_names=("dp", "tp"))
+        return init_device_mesh(device, (ws,), mesh_dim_names=("dp",))
+
     # -- where this rank sits in the data-parallel dimension --------------------------------------------
     @property
     def dp_rank(self) -> int:
-        return self.backend.rank
+        return self.mesh.get_local_rank("dp") if self.mesh is not None else self.backend.rank
 
     @property
     def dp_size(self) -> int:
-        return self.backend.world_size
+        return self.mesh["dp"].size() if self.mesh is not None else self.backend.world_size
 
     @property
     def dp_group(self) -> Any:
         """The process group over which batches differ (None: all ranks)."""
-        return None
+        return self.mesh["dp"].get_group() if self.mesh is not None and self.tp > 1 else None
 
     # -- the model ---------------------------------------------------------------------------------------
     def check_model(self, model: nn.Module) -> None:
         """Config mistakes visible on the model built on the meta device (called before workers start)."""
 
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether parameters become DTensor shards: the model is then built on the meta device."""
+        return False
+
     def build_model(self, factory: Callable[[], nn.Module], seed: int) -> nn.Module:
         """Construct the model and wrap it for training. Every rank builds the same initial weights.
 
-        A model with `init_weights()` is re-initialised from `seed` after construction, so its initial
-        weights are those a sharded strategy gets when it materialises the model shard by shard."""
-        seed_everything(seed)
-        model = factory()
-        if hasattr(model, "init_weights"):
+        A model with `init_weights()` is re-initialised from `seed` after construction. Under a strategy
+        that shards parameters it is built on the meta device, parallelised, then materialised shard by
+        shard by that same `init_weights()`, which gives the same weights (see materialize.py), so the
+        whole model never exists on one process. A model without it is built whole on every rank first."""
+        model = None
+        if self.shards_parameters:
+            with torch.device("meta"):
+                model = factory()
+        on_meta = model is not None and hasattr(model, "init_weights")
+        if not on_meta:
             seed_everything(seed)
-            with torch.no_grad():
-                model.init_weights()
+            model = factory()
+            if hasattr(model, "init_weights"):
+                seed_everything(seed)
+                with torch.no_grad():
+                    model.init_weights()
+        self.parallelize(model)
+        if on_meta:
+            from .materialize import materialize
+
+            materialize(model, self.param_device, seed, seed_everything)
         return self.wrap(model)
 
+    @property
+    def param_device(self) -> torch.device:
+        return self.backend.device
+
+    def parallelize(self, model: nn.Module) -> None:
+        """Apply tensor parallelism and/or sharding in place (nothing here)."""
+
+    def reduce_gradients(self, params: list[torch.Tensor]) -> None:
+        """Average gradients over data-parallel ranks where the wrapper did not (DDP and FSDP do it in the
+        last micro-step's backward)."""
+
     def wrap(self, model: nn.Module) -> nn.Module:
-        return model.to(self.backend.device)
+        return model.to(self.param_device)
 
     def no_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         """Skip the gradient sync in this backward (all micro-steps of an accumulation but the last)."""
@@ -102,6 +137,8 @@ class Strategy:
 
     def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
         """Clip to `max_norm` (None: only measure). Returns the total norm before clipping, on the device."""
+        if self.shards_parameters:
+            return clip_grad_norm_across_meshes(params, max_norm)
         if max_norm is None:
             return nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         return nn.utils.clip_grad_norm_(params, max_norm)
@@ -154,13 +191,42 @@ class Strategy:
         set_optimizer_state_dict(self.state_module(model), optimizer, state)
 
     def full_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Whole CPU tensors of `state` on the main rank ({} elsewhere). Under sharded strategies every
-        rank must call it (each tensor is gathered in turn, so no rank holds more than one at a time
-        besides the main rank's copy of the whole)."""
-        if not self.backend.is_main:
-            return {}
-        # Copies: tied weights share storage, which safetensors refuses; a copy keeps every key.
-        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+        """Whole CPU tensors of `state` on the main rank ({} elsewhere). With sharded parameters every rank
+        must call it: each tensor is gathered in turn, so no rank holds more than one whole tensor besides
+        the main rank's copy of the whole."""
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for k, v in state.items():  # the same order on every rank
+            whole = v.full_tensor() if isinstance(v, DTensor) else v
+            if self.backend.is_main:
+                # Copies: tied weights share storage, which safetensors refuses; a copy keeps every key.
+                out[k] = whole.detach().to("cpu", copy=True).contiguous()
+        return out
+
+
+def clip_grad_norm_across_meshes(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+    """The total 2-norm of the gradients, over DTensors on any number of meshes and plain tensors alike,
+    clipped to `max_norm`. torch's clip_grad_norm_ stacks the per-tensor norms, which fails across meshes
+    (FSDP x tensor parallel in torch 2.13); here each mesh's norm is reduced on its own and the squares
+    are summed."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    squares = []
+    for grads in groups.values():
+        norm = nn.utils.get_total_norm(grads)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    if max_norm is not None:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        local = [g.to_local() if isinstance(g, DTensor) else g for grads in groups.values() for g in grads]
+        if local:
+            torch._foreach_mul_(local, coef.to(local[0].device))
+    return total
 
 
 class SingleDevice(Strategy):

@@ -52,7 +52,26 @@ class ShardedInit(TorchFunctionMode):
 
 def materialize(model: nn.Module, device: torch.device, seed: int, seed_everything: Callable[[int], None]) -> None:
     """Allocate a sharded meta-device model's shards on `device` and run its `init_weights()` under `seed`."""
-    model.to_empty(device=device)
+    tied = tied_parameters(model)
+    model.to_empty(device=device)  # gives each name of a shared plain parameter its own tensor
+    retie(model, tied)
     seed_everything(seed)
     with torch.no_grad(), ShardedInit():
         model.init_weights()
+
+
+def tied_parameters(model: nn.Module) -> list[list[str]]:
+    """Groups of names that share one parameter (an embedding tied to the output head)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def retie(model: nn.Module, groups: list[list[str]]) -> None:
+    """Make every name of each group point at the group's first parameter again."""
+    for names in groups:
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner) if owner else model, attr, first)
