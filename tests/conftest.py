@@ -126,3 +126,42 @@ def ddp_reference(corpus, tmp_path_factory) -> tuple[Path, str]:
 
     run_dir = once_per_run(tmp_path_factory, "ddp_reference", build)
     return run_dir, (run_dir.parent / "ddp_reference.stdout").read_text()
+
+
+def assert_same_run(run_dir: Path, ref_dir: Path, weights_atol: float = 1e-5) -> None:
+    """Same losses (train and val, EMA's too) and final weights, to float tolerance (reduction order differs)."""
+    import torch
+
+    events, ref_events = read_metrics(run_dir), read_metrics(ref_dir)
+    assert [e["step"] for e in events] == [e["step"] for e in ref_events]
+    for key in ("train/loss", "val/loss", "val_ema/loss"):
+        assert series(events, key) == pytest.approx(series(ref_events, key), rel=1e-5, abs=1e-5), key
+    for name in ("model.safetensors", "model_ema.safetensors"):
+        if (ref_dir / name).exists():
+            wa, wb = load_weights(run_dir / name), load_weights(ref_dir / name)
+            assert wa.keys() == wb.keys()
+            for k in wb:
+                torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=weights_atol)
+
+
+def assert_identical(run_dir: Path, ref_dir: Path) -> None:
+    """Bitwise: the same loss stream (every step logged once) and the same final weights."""
+    import torch
+
+    got, ref = read_metrics(run_dir), read_metrics(ref_dir)
+    assert [e["step"] for e in got] == [e["step"] for e in ref]
+    for key in ("train/loss", "val/loss", "val_ema/loss"):
+        assert series(got, key) == series(ref, key), key
+    for name in ("model.safetensors", "model_ema.safetensors"):
+        wa, wb = load_weights(run_dir / name), load_weights(ref_dir / name)
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def checkpoints(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (Path(run_dir) / "checkpoints").glob("step_*"))
+
+
+def faulty(action: str, at_call: int, rank: int = 0, first_attempt_only: bool = False) -> list[str]:
+    """Overrides that make tests/faulty.py misbehave on `rank` at training loss call `at_call`."""
+    return ["task._target_=faulty.Faulty", f"+task.action={action}", f"+task.at_call={at_call}",
+            f"+task.rank={rank}", f"+task.first_attempt_only={first_attempt_only}"]

@@ -13,11 +13,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import (
     DDP2,
     FAULTY_ENV,
     SHARED,
+    assert_identical,
+    checkpoints,
+    faulty,
     load_weights,
     read_metrics,
     run_cli,
@@ -31,27 +33,6 @@ from trainer.errors import CheckpointError
 pytestmark = pytest.mark.slow
 
 SINGLE = ("data.batch_size=8", *SHARED)  # the `reference` fixture's settings
-
-
-def faulty(action: str, at_call: int, rank: int = 0, first_attempt_only: bool = False) -> list[str]:
-    return ["task._target_=faulty.Faulty", f"+task.action={action}", f"+task.at_call={at_call}",
-            f"+task.rank={rank}", f"+task.first_attempt_only={first_attempt_only}"]
-
-
-def assert_identical(run_dir: Path, ref_dir: Path) -> None:
-    """Bitwise: the same loss stream (every step logged once) and the same final weights."""
-    got, ref = read_metrics(run_dir), read_metrics(ref_dir)
-    assert [e["step"] for e in got] == [e["step"] for e in ref]
-    assert series(got, "train/loss") == series(ref, "train/loss")
-    assert series(got, "val/loss") == series(ref, "val/loss")
-    assert series(got, "val_ema/loss") == series(ref, "val_ema/loss")
-    for name in ("model.safetensors", "model_ema.safetensors"):
-        wa, wb = load_weights(run_dir / name), load_weights(ref_dir / name)
-        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-
-
-def checkpoints(run_dir: Path) -> list[str]:
-    return sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
 
 
 @pytest.mark.parametrize(("kill_call", "workers", "async_save"), [(7, 0, False), (11, 2, True)])

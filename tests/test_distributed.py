@@ -10,14 +10,13 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from conftest import (
     DDP2,
     FAULTY_ENV,
     ROOT,
     SHARED,
-    load_weights,
+    assert_same_run,
     read_metrics,
     run_cli,
     series,
@@ -26,17 +25,6 @@ from conftest import (
 )
 
 pytestmark = pytest.mark.slow
-
-
-def assert_same_run(run_dir: Path, ref_dir: Path) -> None:
-    """Same losses (train and val) and final weights, to float tolerance (reduction order differs)."""
-    events, ref_events = read_metrics(run_dir), read_metrics(ref_dir)
-    for key in ("train/loss", "val/loss"):
-        assert series(events, key) == pytest.approx(series(ref_events, key), rel=1e-5, abs=1e-5), key
-    assert [e["step"] for e in events] == [e["step"] for e in ref_events]
-    wa, wb = load_weights(run_dir / "model.safetensors"), load_weights(ref_dir / "model.safetensors")
-    for k in wb:
-        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
 
 
 def test_two_ranks_equal_one_rank_with_accumulation_and_big_batch(corpus, tmp_path, reference, ddp_reference):

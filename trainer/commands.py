@@ -1,5 +1,5 @@
 """`python -m trainer env` (what is installed and available) and `python -m trainer check`
-(a correctness self-test of this machine: accumulation, data parallelism and resume)."""
+(a correctness self-test of this machine: accumulation, DDP, FSDP, tensor parallelism and resume)."""
 
 from __future__ import annotations
 
@@ -86,6 +86,8 @@ def check(argv: list[str]) -> int:
 
     import torch
 
+    from .backend import available_cores
+
     from . import compose, train
 
     tmp = Path(tempfile.mkdtemp(prefix="trainer-check-"))
@@ -113,8 +115,17 @@ def check(argv: list[str]) -> int:
         results = [_compare("accumulation 2 x 4 equals batch 8",
                             _losses(run_here("acc", "data.batch_size=4", "trainer.grad_accum_steps=2")), ref, tol_equiv)]
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        for label, world in ((f"2 ranks ({backend}) x batch 4 equals 1 rank x batch 8", "ddp"),):
-            run_dir, failed = run_procs(world, "data.batch_size=4", f"world={world}", "world.nproc_per_node=2")
+        # Tensor parallelism on 4 processes (fsdp 2 x tp 2) where there are 4 cores or GPUs, else tp 2 alone.
+        four = (torch.cuda.device_count() if torch.cuda.is_available() else available_cores()) >= 4
+        tp = ["world=fsdp", "world.nproc_per_node=4", "world.tp=2", "data.batch_size=4"] if four else \
+             ["world=ddp", "world.nproc_per_node=2", "world.tp=2", "data.batch_size=8"]
+        runs = [(f"2 ranks ({backend}, ddp) x batch 4 equals 1 rank x batch 8", "ddp",
+                 ["world=ddp", "world.nproc_per_node=2", "data.batch_size=4"]),
+                (f"2 ranks ({backend}, fsdp) x batch 4 equals 1 rank x batch 8", "fsdp",
+                 ["world=fsdp", "world.nproc_per_node=2", "data.batch_size=4"]),
+                (f"tensor parallel 2 ({backend}{', x fsdp 2' if four else ''}) equals 1 rank x batch 8", "tp", tp)]
+        for label, name, args in runs:
+            run_dir, failed = run_procs(name, *args)
             if failed:
                 print(f"FAIL  {label}: the run failed:\n{failed}")
                 results.append(False)
