@@ -86,9 +86,8 @@ def check(argv: list[str]) -> int:
 
     import torch
 
-    from .backend import available_cores
-
     from . import compose, train
+    from .backend import available_cores
 
     tmp = Path(tempfile.mkdtemp(prefix="trainer-check-"))
     try:

@@ -2,7 +2,9 @@
 
 `model.safetensors` (keys = the plain model's state_dict), or above `checkpoint.max_shard_mb` the shards
 `model-00001-of-0000N.safetensors` plus `model.safetensors.index.json`; `model_config.json` beside them
-(`hydra.utils.instantiate(json.load(...))` rebuilds the model). Every file is written atomically.
+(`hydra.utils.instantiate(json.load(...))` rebuilds the model); `task_state.safetensors` when the task
+is stateful (a data normaliser: what sampling from the weights needs besides them). Every file is
+written atomically.
 """
 
 from __future__ import annotations
@@ -42,3 +44,12 @@ def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, mod
         atomic_write_json(run_dir / f"{name}.safetensors.index.json",
                           {"metadata": {"total_size": total}, "weight_map": weight_map})
     atomic_write_json(run_dir / "model_config.json", json.loads(json.dumps(model_config)))
+
+
+def export_task_state(state: dict, run_dir: Path) -> None:
+    """A stateful task's `state_dict()` (tensors, by name) as `task_state.safetensors`."""
+    bad = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise TypeError(f"task.state_dict() must map names to tensors to be exported; {', '.join(bad)} are not.")
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+    atomic_save_safetensors(run_dir / "task_state.safetensors", tensors, metadata={"format": "pt"})

@@ -25,6 +25,9 @@ class NullLogger:
     def log_text(self, key: str, text: str, step: int) -> None:
         pass
 
+    def log_image(self, key: str, image, step: int) -> None:
+        """`image`: a tensor [H, W], [H, W, C] or [C, H, W], uint8 or float in [0, 1] (see trainer/images.py)."""
+
     def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:
         pass
 
@@ -36,7 +39,8 @@ class NullLogger:
 
 
 class JsonlLogger(NullLogger):
-    """One JSON object per event in `metrics.jsonl` (and eval samples in `samples.jsonl`), flushed as it goes."""
+    """One JSON object per event in `metrics.jsonl`, eval samples in `samples.jsonl` (text, and the paths of
+    images written as PNG under `samples/`), flushed as it goes."""
 
     def __init__(self, run_dir: str | os.PathLike):
         self.path = Path(run_dir) / "metrics.jsonl"
@@ -49,8 +53,20 @@ class JsonlLogger(NullLogger):
         self._file.flush()
 
     def log_text(self, key: str, text: str, step: int) -> None:
+        self._sample({"step": step, "key": key, "text": text})
+
+    def log_image(self, key: str, image, step: int) -> None:
+        from .images import png_bytes
+        from .io import atomic_write_bytes
+
+        name = key.rsplit("/", 1)[-1]
+        path = self.path.parent / "samples" / (f"step_{step}.png" if name == "image" else f"{name}_step_{step}.png")
+        atomic_write_bytes(path, png_bytes(image))
+        self._sample({"step": step, "key": key, "image": str(path.relative_to(self.path.parent))})
+
+    def _sample(self, event: dict) -> None:
         with open(self.samples_path, "a") as f:
-            f.write(json.dumps({"step": step, "key": key, "text": text}) + "\n")
+            f.write(json.dumps(event) + "\n")
 
     def rewind(self, step: int) -> None:
         """On resume: drop events after `step`, so the file reads as if the run had never stopped."""
@@ -90,6 +106,10 @@ class LoggerGroup(NullLogger):
     def log_text(self, key, text, step):
         for lg in self.loggers:
             lg.log_text(key, text, step)
+
+    def log_image(self, key, image, step):
+        for lg in self.loggers:
+            lg.log_image(key, image, step)
 
     def finish(self, summary, exit_code=0):
         for lg in self.loggers:

@@ -143,6 +143,8 @@ def build(cfg: DictConfig, run_dir: str | Path) -> Trainer:
         strategy.setup(backend, precision)
         task = build_node("task", cfg.task)
         train_data, val_data = build_data(cfg.data)
+        if hasattr(task, "setup"):  # e.g. fit a normaliser on the training split (see trainer/task.py)
+            task.setup(train_data, val_data, run_dir)
         # Same seed on every rank: identical initial weights.
         model = strategy.build_model(lambda: build_node("model", cfg.model), tcfg.seed)
         raw_model = unwrap(model)
@@ -164,6 +166,7 @@ def build(cfg: DictConfig, run_dir: str | Path) -> Trainer:
             strategy=strategy, data=data, config=tcfg, loggers=build_loggers(cfg.logger, run_dir, backend.is_main),
             checkpointer=checkpointer, ema=ema, guard=NonFiniteGuard.build(tcfg, precision, optimizer, backend),
             cost=Cost(raw_model, backend.device, precision.dtype, tcfg.peak_tflops, backend.world_size),
+            components={"task": task} if hasattr(task, "state_dict") else None,
         )
     except BaseException:
         backend.teardown()
@@ -249,7 +252,7 @@ def write_run_info(run_dir: Path, cfg: DictConfig, trainer: Trainer) -> None:
 def export(trainer: Trainer, cfg: DictConfig, run_dir: Path) -> None:
     """The final weights (and the EMA's) as whole tensors in the run dir. Every rank takes part under a
     sharded strategy (each tensor is gathered in turn); the main rank writes."""
-    from .export import export_model
+    from .export import export_model, export_task_state
 
     ccfg: CheckpointConfig = typed(CheckpointConfig, cfg.get("checkpoint"))
     model_config = OmegaConf.to_container(cfg.model, resolve=True)
@@ -262,6 +265,8 @@ def export(trainer: Trainer, cfg: DictConfig, run_dir: Path) -> None:
         tensors = trainer.strategy.full_state_dict(state)
         if trainer.backend.is_main:
             export_model(tensors, run_dir, name, model_config, ccfg.max_shard_mb)
+    if trainer.backend.is_main and hasattr(trainer.task, "state_dict"):
+        export_task_state(trainer.task.state_dict(), run_dir)
 
 
 def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:

@@ -22,8 +22,16 @@ class Task(Protocol):
 
 
 # Optional methods, used when present:
+#   setup(train, val, run_dir) -> None     once per process after the datasets are built, e.g. to fit a data
+#                                          normaliser on the main process (trainer.main_process_first) and
+#                                          share it with the others through a file in run_dir
+#   state_dict() / load_state_dict(state)  the task's own state (tensors by name): saved in checkpoints as
+#                                          "task", exported beside the weights as task_state.safetensors
 #   eval_metrics(mean_loss: float) -> dict[str, float]   extra val metrics, e.g. {"bpb": ...}
-#   sample(model, device) -> str                           text logged at each eval
+#   sample(model, device) -> str | dict    at each eval, from the EMA weights when EMA is on: a string, or a
+#                                          dict of named artefacts: strings (text), tensors (images: [H, W],
+#                                          [H, W, C] or [C, H, W]; written to samples/step_N.png for the key
+#                                          "image") and numbers (sample-quality metrics, logged as val/NAME)
 
 
 class SupervisedTask:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from .config import TrainerConfig
 from .data import Data, GlobalBatchSampler, eval_batches, train_loader
 from .ema import EMA
 from .errors import CheckpointError, Preempted
+from .images import is_image
 from .loggers import NullLogger
 from .metrics import Cost, Throughput
 from .nonfinite import NonFiniteGuard
@@ -145,15 +147,19 @@ class Trainer:
         return {f"{prefix}/loss": loss, **{f"{prefix}/{k}": v for k, v in extra.items()}}
 
     @torch.no_grad()
-    def sample(self) -> str | None:
-        """The task's sample, on the main rank (on every rank when a forward is a collective)."""
+    def sample(self) -> dict[str, Any]:
+        """The task's samples, from the EMA weights when EMA is on: a dict of named artefacts (text, images
+        as tensors, numbers as metrics; a plain string is {"sample": text}). Computed on the main rank (on
+        every rank when a forward is a collective); {} on the others."""
         if not hasattr(self.task, "sample") or not (self.backend.is_main or self.strategy.collective_forward):
-            return None
+            return {}
         self.model.eval()
-        with self.precision.autocast():
-            text = self.task.sample(self.raw_model, self.backend.device)
+        with self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext(), self.precision.autocast():
+            out = self.task.sample(self.raw_model, self.backend.device)
         self.model.train()
-        return text if self.backend.is_main else None
+        if not self.backend.is_main or not out:
+            return {}
+        return dict(out) if isinstance(out, dict) else {"sample": out}
 
     def _eval_and_log(self, progress: Progress) -> dict[str, float]:
         self.guard.read(self.step)  # a run that hit a non-finite step stops before evaluating it
@@ -161,13 +167,22 @@ class Trainer:
         if self.ema is not None:
             with self.ema.swapped_in():
                 metrics.update(self.evaluate(prefix="val_ema"))
+        prefix = "val_ema" if self.ema is not None else "val"
+        for name, value in self.sample().items():
+            key = f"{prefix if isinstance(value, (int, float)) else 'val'}/{name}"
+            if isinstance(value, str):
+                self.loggers.log_text(key, value, self.step)
+                progress.write(f"--- {name} at step {self.step} ---\n{printable(value)}\n---")
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                metrics[key] = float(value)
+            elif is_image(value):
+                self.loggers.log_image(key, value, self.step)
+            else:
+                raise TypeError(f"task.sample() returned {type(value).__name__} for '{name}': expected a string, "
+                                "an image tensor or a number.")
         if metrics:
             self.loggers.log_metrics(metrics, self.step)
             progress.write(f"step {self.step}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
-        text = self.sample()
-        if text:
-            self.loggers.log_text("val/sample", text, self.step)
-            progress.write(f"--- sample at step {self.step} ---\n{text}\n---")
         return metrics
 
     # -- the loop ------------------------------------------------------------------------------
@@ -352,3 +367,9 @@ def _check_optimizer(state: dict, like: dict, where: str) -> None:
     if groups != [list(g["params"]) for g in like["param_groups"]]:
         raise CheckpointError(f"{where}: the optimizer's parameter groups differ from this run's "
                               "(another model or optim config). Resume with the checkpoint's config.yaml.")
+
+
+def printable(text: str) -> str:
+    """`text` with control characters (a generated sample may hold any byte) shown as escapes, not sent to
+    the terminal."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)

@@ -129,6 +129,14 @@ class WandbLogger(NullLogger):
         panel = wandb.Html(f'<pre style="white-space: pre-wrap">{html.escape(text)}</pre>', inject=False)
         self.run.log({key: panel}, step=step)
 
+    def log_image(self, key: str, image, step: int) -> None:
+        import wandb
+
+        from .images import to_hwc_uint8
+
+        self._ensure_started()
+        self.run.log({key: wandb.Image(to_hwc_uint8(image).numpy())}, step=step)
+
     def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:
         if self.run is None:
             if not summary:
