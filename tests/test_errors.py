@@ -181,7 +181,8 @@ def test_a_checkpoint_that_does_not_fit_keeps_the_previous_one(corpus, tmp_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-m", "trainer", *args, "resume=auto"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120, preexec_fn=_limit_file_size)
-    assert_clean_error(r, "could not write checkpoint", "step_00000008 is intact", "resume=auto")
+    # A full disk is not a usage error: its own exit code (74, EX_IOERR), so a scheduler can tell it from a typo.
+    assert_clean_error(r, "could not write checkpoint", "step_00000008 is intact", "resume=auto", code=74)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000004", "step_00000008"]  # no temp dir
     verify(tmp_path / "checkpoints" / "step_00000008")
 

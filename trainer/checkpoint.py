@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from . import snapshot, tensorfile
-from .errors import CheckpointError
+from .errors import CheckpointError, StorageError
 from .io import atomic_write_json, fsync_dir
 
 FORMAT_VERSION = 2  # 2: tensors may be chunks of a sharded tensor; optimizer state keyed by parameter name
@@ -85,7 +85,7 @@ class Checkpointer:
         self.every_n_steps, self.keep_last, self.save_final = every_n_steps, keep_last, save_final
         self.async_save, self._pool, self._pending = async_save, None, None
         self.best_metric, self.best_mode = best_metric, best_mode
-        self.best: tuple[float, str] | None = None  # (metric value, checkpoint name)
+        self.best: tuple[float, str] | None = None  # (metric value, checkpoint name); in checkpoints too
         self.config_yaml = config_yaml
         self.backend = backend or _Local()
         self.sharded = sharded and self.backend.distributed
@@ -102,6 +102,22 @@ class Checkpointer:
 
     def due(self, step: int) -> bool:
         return self.every_n_steps > 0 and step % self.every_n_steps == 0
+
+    def consider(self, metrics: dict[str, float] | None, step: int) -> None:
+        """Before saving step `step` with `metrics`: remember it as the best if it is (so the state it saves
+        knows; best.json follows once the checkpoint is complete)."""
+        if not self.best_metric or not metrics or self.best_metric not in metrics:
+            return
+        value = metrics[self.best_metric]
+        if self.best is None or (value < self.best[0] if self.best_mode == "min" else value > self.best[0]):
+            self.best = (value, f"step_{step:08d}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": list(self.best) if self.best else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        best = state.get("best")
+        self.best = (float(best[0]), str(best[1])) if best else None
 
     # -- writing -----------------------------------------------------------------------------
     def save(self, step: int, model_state: dict[str, torch.Tensor], state: dict[str, Any],
@@ -171,8 +187,11 @@ class Checkpointer:
                 raise error
             files["state.json"] = _write(tmp / "state.json", json.dumps(tree).encode())
             files["config.yaml"] = _write(tmp / "config.yaml", self.config_yaml.encode())
-            manifest = {"format": FORMAT_VERSION, "step": step, "world_size": self.backend.world_size,
-                        "files": dict(sorted(files.items()))}
+            # `written` orders checkpoints by completion, not by step: after a rollback (resume=PATH to an
+            # earlier step) the new branch's checkpoints are the newest, and resume=auto follows them.
+            written = 1 + max((_written(p) for p in self.complete()), default=0)
+            manifest = {"format": FORMAT_VERSION, "step": step, "written": written,
+                        "world_size": self.backend.world_size, "files": dict(sorted(files.items()))}
             _write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: marks it complete
             fsync_dir(tmp)
             if final.exists():  # a re-run of the same step (after a resume): replace it
@@ -184,33 +203,31 @@ class Checkpointer:
             if isinstance(e, OSError):  # disk full, file too large, I/O error
                 raise self._failed(final, e) from None
             raise
-        if metrics:
-            self.update_best(metrics, final)
+        if self.best and self.best[1] == final.name:
+            atomic_write_json(self.dir / "best.json", {"metric": self.best_metric, "value": self.best[0],
+                                                      "checkpoint": final.name})
         self._prune()
 
-    def _failed(self, final: Path, e: BaseException) -> CheckpointError:
+    def _failed(self, final: Path, e: BaseException) -> StorageError:
         kept = self.complete()
-        return CheckpointError(
+        return StorageError(
             f"could not write checkpoint {final} ({getattr(e, 'strerror', None) or e}). "
             f"{'The previous checkpoint ' + kept[-1].name + ' is intact. ' if kept else ''}"
             "Free disk space (or point hydra.run.dir at a larger disk) and rerun with resume=auto."
         )
 
-    def update_best(self, metrics: dict[str, float], path: Path) -> None:
-        if not self.best_metric or self.best_metric not in metrics:
-            return
-        value = metrics[self.best_metric]
-        better = self.best is None or (value < self.best[0] if self.best_mode == "min" else value > self.best[0])
-        if better:
-            self.best = (value, path.name)
-            atomic_write_json(self.dir / "best.json", {"metric": self.best_metric, "value": value, "checkpoint": path.name})
-
     def _prune(self) -> None:
-        """Delete all but the newest `keep_last` complete checkpoints (and the best one)."""
-        keep = {p.name for p in self.complete()[-self.keep_last:]}
+        """Delete all but the `keep_last` most recently written complete checkpoints, never the best one
+        (in memory or named by best.json)."""
+        done = self.complete()
+        keep = {p.name for p in done[-self.keep_last:]}
         if self.best:
             keep.add(self.best[1])
-        for p in self.complete():
+        try:
+            keep.add(str(json.loads((self.dir / "best.json").read_text())["checkpoint"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        for p in done:
             if p.name not in keep:
                 shutil.rmtree(p, ignore_errors=True)
         for p in self.dir.glob(".tmp-step_*"):  # left by a process killed mid-save
@@ -219,10 +236,20 @@ class Checkpointer:
 
     # -- reading -----------------------------------------------------------------------------
     def complete(self) -> list[Path]:
-        """Checkpoints with a manifest (the completion marker), oldest first."""
+        """Checkpoints with a manifest (the completion marker), in the order they were written (oldest first)."""
         if not self.dir.is_dir():
             return []
-        return sorted((p for p in self.dir.iterdir() if step_of(p) >= 0 and (p / MANIFEST).is_file()), key=step_of)
+        found = [p for p in self.dir.iterdir() if step_of(p) >= 0 and (p / MANIFEST).is_file()]
+        return sorted(found, key=lambda p: (_written(p), step_of(p)))
+
+
+def _written(path: Path) -> int:
+    """A checkpoint's place in the order of completion (its manifest's `written`; 0 if unreadable)."""
+    try:
+        written = json.loads((path / MANIFEST).read_text()).get("written", 0)
+        return written if isinstance(written, int) and not isinstance(written, bool) else 0
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return 0
 
 
 def _manifest(path: Path) -> dict:
@@ -361,12 +388,21 @@ def model_mismatches(loaded: Loaded, live: dict[str, torch.Tensor]) -> list[str]
 
 
 class NullCheckpointer:
-    """No checkpoints (`checkpoint.save_final=false` and no `every_n_steps`, or a Trainer built by hand)."""
+    """No checkpoints (a Trainer built by hand without a checkpointer)."""
 
     dir, save_final, best = None, False, None
 
     def due(self, step: int) -> bool:
         return False
+
+    def consider(self, metrics, step: int) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
     def save(self, *args, **kwargs) -> None:
         return None

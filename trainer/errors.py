@@ -34,6 +34,12 @@ class CheckpointError(UserError):
     pass
 
 
+class StorageError(TrainerExit):
+    """Writing failed (disk full, I/O error): not the user's typo, so not exit 2. What was complete is kept."""
+
+    exit_code = 74  # EX_IOERR
+
+
 class NonFiniteError(TrainerExit):
     """Training hit a NaN/inf; the last complete checkpoint is left untouched."""
 

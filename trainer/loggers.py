@@ -31,6 +31,12 @@ class NullLogger:
     def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:
         pass
 
+    def rewind(self, step: int) -> None:
+        """On resume from a checkpoint at `step`: forget what was logged after it."""
+
+    def start_fresh(self) -> None:
+        """A run dir's run starts over (no usable checkpoint): set what an earlier attempt logged aside."""
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -80,6 +86,14 @@ class JsonlLogger(NullLogger):
                 atomic_write_text(path, "".join(keep))
         self._file = open(self.path, "a")
 
+    def start_fresh(self) -> None:
+        """Keep an earlier attempt's events as `metrics.prev.jsonl` (and `samples.prev.jsonl`), start empty."""
+        self._file.close()
+        for path in (self.path, self.samples_path):
+            if path.exists() and path.stat().st_size:
+                path.replace(path.with_suffix(".prev.jsonl"))
+        self._file = open(self.path, "a")
+
     def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:
         self._file.close()
 
@@ -117,8 +131,11 @@ class LoggerGroup(NullLogger):
 
     def rewind(self, step: int) -> None:
         for lg in self.loggers:
-            if hasattr(lg, "rewind"):
-                lg.rewind(step)
+            lg.rewind(step)
+
+    def start_fresh(self) -> None:
+        for lg in self.loggers:
+            lg.start_fresh()
 
     def state_dict(self):
         return {type(lg).__name__: lg.state_dict() for lg in self.loggers}

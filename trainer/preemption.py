@@ -21,8 +21,12 @@ class PreemptionFlag:
     def _handler(self, signum, frame):
         self.requested, self.signum = True, signum
 
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
     def install(self) -> PreemptionFlag:
-        if threading.current_thread() is threading.main_thread():  # signal handlers live there only
+        if not self._previous and threading.current_thread() is threading.main_thread():  # handlers live there only
             for s in self.SIGNALS:
                 self._previous[s] = signal.signal(s, self._handler)
         return self

@@ -28,7 +28,7 @@ from .config import (
 )
 from .data import Data
 from .ema import EMA
-from .errors import CheckpointError, ConfigError, DataError
+from .errors import CheckpointError, ConfigError, DataError, Preempted
 from .loggers import JsonlLogger, LoggerGroup, NullLogger
 from .metrics import Cost
 from .nonfinite import NonFiniteGuard
@@ -126,7 +126,7 @@ def preflight(cfg: DictConfig, run_dir: Path) -> None:
             build_node("logger", node, run_dir=str(run_dir))
 
 
-def build(cfg: DictConfig, run_dir: str | Path) -> Trainer:
+def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
     """The Trainer a run of `cfg` starts from, on this process (joining the process group if there is one).
     Leave the group with `trainer.backend.teardown()` (`train` does)."""
     run_dir = Path(run_dir)
@@ -166,7 +166,7 @@ def build(cfg: DictConfig, run_dir: str | Path) -> Trainer:
             strategy=strategy, data=data, config=tcfg, loggers=build_loggers(cfg.logger, run_dir, backend.is_main),
             checkpointer=checkpointer, ema=ema, guard=NonFiniteGuard.build(tcfg, precision, optimizer, backend),
             cost=Cost(raw_model, backend.device, precision.dtype, tcfg.peak_tflops, backend.world_size),
-            components={"task": task} if hasattr(task, "state_dict") else None,
+            components={"task": task} if hasattr(task, "state_dict") else None, preemption=preemption,
         )
     except BaseException:
         backend.teardown()
@@ -190,23 +190,65 @@ def resume_candidates(resume: str | None, checkpointer: ckpt.Checkpointer, resta
     return [path], False
 
 
-def resume(trainer: Trainer, resume_from: str | None, say) -> Path | None:
-    """Load the checkpoint `resume` names into `trainer`: with `auto`, the newest one that loads (each one
-    skipped is named, with why); an explicit path must load, or the run stops with the reason."""
+def resume(trainer: Trainer, cfg: DictConfig, say) -> Path | None:
+    """Load the checkpoint `cfg.resume` names into `trainer`: with `auto`, the most recently written one that
+    loads (each one skipped is named, with why); an explicit path must load, or the run stops with the
+    reason. Says which settings differ from the checkpoint's config (they apply from here on)."""
     restarted = trainer.backend.info.restart_count > 0
-    candidates, fallback = resume_candidates(resume_from, trainer.checkpointer, restarted)
+    candidates, fallback = resume_candidates(cfg.get("resume"), trainer.checkpointer, restarted)
     candidates = trainer.backend.broadcast_object(candidates)  # one list for every rank
     for path in candidates:
         try:
             trainer.load_checkpoint(path)
-            return path
         except CheckpointError as e:
             if not fallback:
                 raise
             say(f"warning: skipping checkpoint {path}: {e} Falling back to the previous one.")
-    if resume_from == "auto":
-        say(f"resume=auto: no complete checkpoint in {trainer.checkpointer.dir}; starting fresh.")
+            continue
+        if trainer.backend.is_main:
+            for line in resume_notes(path, cfg, trainer.checkpointer):
+                say(line)
+        return path
+    if cfg.get("resume") == "auto":
+        left = trainer.checkpointer.complete()
+        say(f"resume=auto: no complete checkpoint in {trainer.checkpointer.dir}; starting fresh."
+            + (f" ({len(left)} unusable checkpoint(s) there will be pruned as new ones are written.)" if left else ""))
     return None
+
+
+def resume_notes(path: Path, cfg: DictConfig, checkpointer: ckpt.Checkpointer) -> list[str]:
+    """What a user should know after a resume: the settings that changed, and newer checkpoints left behind."""
+    import yaml
+
+    notes = []
+    try:
+        before = _flat(yaml.safe_load((path / "config.yaml").read_text()) or {})
+    except (OSError, yaml.YAMLError):
+        before = {}
+    now = _flat(redact(OmegaConf.to_container(cfg, resolve=True)))
+    changed = [k for k in sorted(set(before) | set(now)) if k != "resume" and before.get(k) != now.get(k)
+               and not k.startswith("logger.")]
+    if before and changed:
+        notes.append("resume: these settings differ from the checkpoint's and apply from here on (optimizer and "
+                     "schedule settings included: the schedule keeps its position and takes the new shape): "
+                     + "; ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed))
+    done = checkpointer.complete()
+    if checkpointer.dir is not None and path.parent.resolve() == checkpointer.dir.resolve() and path in done:
+        later = [p.name for p in done[done.index(path) + 1:]]
+        if later:
+            notes.append(f"resume: {path.name} is older than {', '.join(later)}, written before this rollback. "
+                         "They stay on disk, but resume=auto now follows this run (checkpoints are ordered by when "
+                         "they were written), and checkpoint.keep_last prunes them as new checkpoints are written.")
+    return notes
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
 
 
 def write_run_info(run_dir: Path, cfg: DictConfig, trainer: Trainer) -> None:
@@ -249,56 +291,95 @@ def write_run_info(run_dir: Path, cfg: DictConfig, trainer: Trainer) -> None:
     atomic_write_json(run_dir / "run_info.json", info)
 
 
+EXPORT_MARKER = "export.json"
+
+
 def export(trainer: Trainer, cfg: DictConfig, run_dir: Path) -> None:
-    """The final weights (and the EMA's) as whole tensors in the run dir. Every rank takes part under a
-    sharded strategy (each tensor is gathered in turn); the main rank writes."""
+    """The final weights (and the EMA's, and a stateful task's) as whole tensors in the run dir, then
+    `export.json` naming the step: written last, so a missing or older one means the export must be
+    (re)done. Every rank takes part under a sharded strategy (each tensor is gathered in turn)."""
     from .export import export_model, export_task_state
+    from .io import atomic_write_json
 
     ccfg: CheckpointConfig = typed(CheckpointConfig, cfg.get("checkpoint"))
     model_config = OmegaConf.to_container(cfg.model, resolve=True)
     parts = [("model", trainer.strategy.model_state_dict(trainer.model))]
     if trainer.ema is not None:
         parts.append(("model_ema", trainer.ema.model_state_dict()))
-    for name, state in parts:
-        if not (trainer.backend.is_main or trainer.strategy.sharded):
-            continue
-        tensors = trainer.strategy.full_state_dict(state)
+    try:
+        for name, state in parts:
+            if not (trainer.backend.is_main or trainer.strategy.sharded):
+                continue
+            tensors = trainer.strategy.full_state_dict(state)
+            if trainer.backend.is_main:
+                export_model(tensors, run_dir, name, model_config, ccfg.max_shard_mb)
         if trainer.backend.is_main:
-            export_model(tensors, run_dir, name, model_config, ccfg.max_shard_mb)
-    if trainer.backend.is_main and hasattr(trainer.task, "state_dict"):
-        export_task_state(trainer.task.state_dict(), run_dir)
+            if hasattr(trainer.task, "state_dict"):
+                export_task_state(trainer.task.state_dict(), run_dir)
+            atomic_write_json(run_dir / EXPORT_MARKER, {"step": trainer.step, "names": [n for n, _ in parts]})
+    except OSError as e:
+        from .errors import StorageError
+
+        raise StorageError(f"could not write the exported weights to {run_dir} ({e.strerror or e}). The final "
+                           f"checkpoint (step {trainer.step}) is complete: free disk space and rerun with "
+                           "resume=auto, which writes the export.") from None
+
+
+def exported(run_dir: Path, step: int) -> bool:
+    import json
+
+    try:
+        return json.loads((run_dir / EXPORT_MARKER).read_text())["step"] == step
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     """Train with a prepared config, writing outputs to `run_dir`. Returns the final metrics."""
+    from .preemption import PreemptionFlag
+
     run_dir = Path(run_dir)
-    trainer = build(cfg, run_dir)
-    backend, loggers = trainer.backend, trainer.loggers
-    say = print if backend.is_main else (lambda *a, **k: None)
+    # From the very start: a SIGTERM while the model or the data are built stops the run with exit 75 too.
+    preemption = PreemptionFlag().install()
     finished = False
     try:
-        source = resume(trainer, cfg.get("resume"), say)
+        trainer = build(cfg, run_dir, preemption)
+    except BaseException:
+        preemption.uninstall()
+        raise
+    backend, loggers = trainer.backend, trainer.loggers
+    say = print if backend.is_main else (lambda *a, **k: None)
+    try:
+        source = resume(trainer, cfg, say)
         if source is not None:
-            if hasattr(loggers, "rewind"):
-                loggers.rewind(trainer.step)  # drop events logged after the checkpoint
+            loggers.rewind(trainer.step)  # drop events logged after the checkpoint
             say(f"resumed from {source} at step {trainer.step}")
             if trainer.step >= trainer.cfg.max_steps:
+                if not backend.broadcast_object(exported(run_dir, trainer.step)):
+                    say(f"the run finished at step {trainer.step} but its export is missing or incomplete: writing it.")
+                    export(trainer, cfg, run_dir)
                 say(f"the run is already finished: step {trainer.step} >= trainer.max_steps={trainer.cfg.max_steps}. "
                     "Raise trainer.max_steps to train further.")
                 loggers.finish({})
                 finished = True
                 return {}
+        else:
+            loggers.start_fresh()  # a rerun that found no checkpoint: set the earlier run's events aside
         if backend.is_main:
             loggers.log_config(OmegaConf.to_container(cfg, resolve=True))
             write_run_info(run_dir, cfg, trainer)
         try:
             final = trainer.fit()
             export(trainer, cfg, run_dir)
+            trainer.stop_if_preempted("while the weights were exported")
         except BaseException as e:
+            # Every rank stops at the same step boundary on preemption: they can leave together.
+            finished = isinstance(e, Preempted)
             loggers.finish({}, exit_code=getattr(e, "exit_code", 1))  # trackers mark the run failed/preempted
             raise
         loggers.finish(final)
         finished = True
         return final
     finally:
+        preemption.uninstall()
         backend.teardown(wait_for_peers=finished)

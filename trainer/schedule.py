@@ -2,6 +2,10 @@
 
 The multipliers are small callable objects rather than lambdas so the scheduler's `state_dict`
 holds plain numbers (JSON in checkpoints) and a resumed run computes exactly the same LR.
+
+On resume the schedule's shape (base LR, warmup, length) comes from the run's current config and only
+its position (optimizer steps done) from the checkpoint: resuming with a higher `trainer.max_steps`
+stretches the schedule to the new length, and a new `optim.lr` applies from the resumed step on.
 """
 
 from __future__ import annotations
@@ -37,10 +41,22 @@ class WarmupConstant:
         return (step + 1) / self.warmup_steps if step < self.warmup_steps else 1.0
 
 
+class Schedule(LambdaLR):
+    """A LambdaLR whose `load_state_dict` takes the position from the checkpoint and keeps the shape
+    (base LRs and multiplier) this run was built with, then sets the LR for that position."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.last_epoch, self._step_count = state_dict["last_epoch"], state_dict["_step_count"]
+        lrs = [base * fn(self.last_epoch) for base, fn in zip(self.base_lrs, self.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self._last_lr = lrs
+
+
 def cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
            min_lr_ratio: float = 0.1) -> LambdaLR:
-    return LambdaLR(optimizer, WarmupCosine(total_steps, warmup_steps, min_lr_ratio))
+    return Schedule(optimizer, WarmupCosine(total_steps, warmup_steps, min_lr_ratio))
 
 
 def constant(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0) -> LambdaLR:
-    return LambdaLR(optimizer, WarmupConstant(warmup_steps))
+    return Schedule(optimizer, WarmupConstant(warmup_steps))

@@ -38,7 +38,7 @@ class Trainer:
                  scheduler: torch.optim.lr_scheduler.LRScheduler, precision, strategy: Strategy, data: Data,
                  config: TrainerConfig, loggers: NullLogger | None = None, checkpointer=None,
                  ema: EMA | None = None, guard: NonFiniteGuard | None = None, cost: Cost | None = None,
-                 components: dict[str, Any] | None = None):
+                 components: dict[str, Any] | None = None, preemption: PreemptionFlag | None = None):
         self.model, self.task, self.optimizer, self.scheduler = model, task, optimizer, scheduler
         self.precision, self.strategy, self.backend, self.cfg = precision, strategy, strategy.backend, config
         self.data = data
@@ -48,9 +48,10 @@ class Trainer:
         self.raw_model = unwrap(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.guard = guard or NonFiniteGuard.build(config, precision, optimizer, self.backend)
-        self.preemption = PreemptionFlag()
+        self.preemption = preemption or PreemptionFlag()
         self.components = {"scheduler": scheduler, "precision": precision, "nonfinite": self.guard,
-                           "loggers": self.loggers, **({"ema": ema} if ema is not None else {}), **(components or {})}
+                           "loggers": self.loggers, "checkpointer": self.checkpointer,
+                           **({"ema": ema} if ema is not None else {}), **(components or {})}
         # Run state (in checkpoints).
         self.step = 0  # optimizer steps done (skipped fp16/nonfinite steps included)
         self.samples_seen = 0  # position in the global sample stream
@@ -207,18 +208,30 @@ class Trainer:
             **(self.cost.metrics(rates["targets_per_s"]) if self.cost else {}),
         }
 
-    def _preempted(self) -> None:
-        """Every rank agreed at this step boundary: save, then stop with exit code 75."""
+    def _preempted(self, first_step: int) -> None:
+        """Every rank agreed at this step boundary: save (unless no step was taken), then stop with exit code 75."""
+        if self.step == first_step:
+            raise Preempted(f"stopped by {self._cause()} before the first step of this attempt (step {self.step}); "
+                            "nothing new to save. Rerun the same command with resume=auto to continue.")
         path = self.save_checkpoint(wait=True)
-        signum = self.preemption.signum
-        cause = signal.Signals(signum).name if signum else "a signal to another rank"
-        raise Preempted(f"preempted by {cause} at step {self.step}; checkpoint saved to {path}. "
+        raise Preempted(f"preempted by {self._cause()} at step {self.step}; checkpoint saved to {path}. "
                         "Rerun the same command with resume=auto to continue.")
+
+    def stop_if_preempted(self, when: str) -> None:
+        """A stop signal that came after the loop (the end's checkpoint is complete): still exit 75."""
+        if self.preemption.requested:
+            raise Preempted(f"preempted by {self._cause()} {when}; the run's final checkpoint (step {self.step}) is "
+                            "complete. Rerun the same command with resume=auto to finish.")
+
+    def _cause(self) -> str:
+        signum = self.preemption.signum
+        return signal.Signals(signum).name if signum else "a signal to another rank"
 
     def fit(self) -> dict[str, float]:
         cfg, be = self.cfg, self.backend
         progress = Progress(cfg.max_steps, self.step, cfg.progress) if be.is_main else NullProgress()
         batches_iter = iter(train_loader(self.data.train, self.sampler(), self.data.num_workers, be.device, cfg.seed))
+        installed_here = not self.preemption.installed
         self.preemption.install()
         self.model.train()
         meter, metrics, first_step = Throughput(), {}, self.step
@@ -227,7 +240,7 @@ class Trainer:
                 batches = [be.to_device(next(batches_iter)) for _ in range(cfg.grad_accum_steps)]
                 n_global, stop = self.sync_counts(batches)
                 if stop:
-                    self._preempted()
+                    self._preempted(first_step)
                 out = self.train_step(batches, n_global)
                 self.step += 1
                 self.samples_seen += self.global_batch
@@ -255,7 +268,8 @@ class Trainer:
                 pass
             raise
         finally:
-            self.preemption.uninstall()
+            if installed_here:
+                self.preemption.uninstall()
             progress.close()
         summary = self._summary(self.step - first_step, meter)
         if summary and be.is_main:
@@ -308,6 +322,7 @@ class Trainer:
     def save_checkpoint(self, metrics: dict[str, float] | None = None, wait: bool = False) -> Path | None:
         """Save (in the background with checkpoint.async_save); `wait` before exiting the process."""
         self.guard.read(self.step)  # never save the state after a non-finite step
+        self.checkpointer.consider(metrics, self.step)  # before the state is taken: it records the best
         model_state = self.strategy.model_state_dict(self.model)
         state = self.checkpoint_state()  # on every rank: it gathers RNG states
         path = self.checkpointer.save(self.step, model_state, state, metrics)
@@ -349,8 +364,14 @@ class Trainer:
             if fresh_optimizer:  # the template initialised it; a fresh run must not start from that
                 self.strategy.reset_optimizer(self.optimizer)
             raise
+        # The optimizer's hyperparameters (betas, weight decay, ...) are this run's config's; its moments and
+        # step counts the checkpoint's. (The LR follows the schedule: see trainer/schedule.py.)
+        hyper = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
+                 for g in self.optimizer.param_groups]
         self.strategy.load_model_state_dict(self.model, model_state)
         self.strategy.load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        for group, h in zip(self.optimizer.param_groups, hyper):
+            group.update(h)
         for name, c in self.components.items():
             c.load_state_dict(state[name])
         self.load_state_dict(state["trainer"])
