@@ -1,0 +1,206 @@
+"""The TensorBoard logger, read back with TensorBoard's own reader (EventAccumulator), as its UI reads it."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import DDP2, ROOT, compose_cfg, faulty, read_metrics, run_cli, tiny_overrides
+from omegaconf import OmegaConf
+
+from trainer.errors import ConfigError
+from trainer.tensorboard_logger import TensorBoardLogger, as_code_block
+
+pytest.importorskip("tensorboard")
+
+
+def accumulator(log_dir: Path):
+    """Everything TensorBoard would show for `log_dir` (no sampling: size_guidance 0 keeps every event)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0, "images": 0})
+    acc.Reload()
+    return acc
+
+
+def scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    acc = accumulator(log_dir)
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def texts(log_dir: Path, tag: str) -> list[tuple[int, str]]:
+    """(step, text) of a text tag, with the code-block indentation the logger adds taken off."""
+    acc = accumulator(log_dir)
+    out = []
+    for e in acc.Tensors(f"{tag}/text_summary"):
+        block = e.tensor_proto.string_val[0].decode()
+        out.append((e.step, "\n".join(line[4:] for line in block.split("\n"))))
+    return out
+
+
+def expected_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """metrics.jsonl as TensorBoard stores it: one series per key, values as float32."""
+    out: dict[str, list] = {}
+    for event in read_metrics(run_dir):
+        step = event.pop("step")
+        for key, value in event.items():
+            out.setdefault(key, []).append((step, float(np.float32(value))))
+    return out
+
+
+def test_logger_config_composes_alone_and_beside_wandb(tmp_path):
+    from hydra.utils import instantiate
+
+    for choice in ("logger=tensorboard", "logger=[tensorboard]", "logger=[wandb,tensorboard]"):
+        cfg = compose_cfg([choice])
+        assert OmegaConf.to_container(cfg.logger.tensorboard) == {
+            "_target_": "trainer.tensorboard_logger.TensorBoardLogger", "dir": None}
+    assert list(cfg.logger) == ["wandb", "tensorboard"]
+    logger = instantiate(cfg.logger.tensorboard, run_dir=str(tmp_path))
+    assert logger.dir == tmp_path / "tensorboard"
+    assert list(tmp_path.iterdir()) == []  # building it writes nothing (the framework builds it before workers start)
+
+
+def test_scalars_config_and_text_samples_mirror_the_run(corpus, tmp_path):
+    from trainer import train
+    from trainer.redaction import redact
+
+    cfg = compose_cfg(tiny_overrides(corpus, "logger=tensorboard", "trainer.eval_every=10", "task.sample_tokens=24"))
+    train(cfg, tmp_path)
+    log_dir = tmp_path / "tensorboard"
+
+    # Every metric of metrics.jsonl, at the same steps, with the same values (float32, as TensorBoard keeps them).
+    assert scalars(log_dir) == expected_scalars(tmp_path)
+    assert {"train/loss", "val/loss", "val/bpb", "train/lr"} <= set(scalars(log_dir))
+
+    # The resolved config, as config.yaml writes it, at step 0.
+    config_yaml = OmegaConf.to_yaml(OmegaConf.create(redact(OmegaConf.to_container(cfg, resolve=True))))
+    assert texts(log_dir, "config") == [(0, config_yaml.rstrip("\n"))]
+
+    # Eval samples: the text of samples.jsonl at the same steps, verbatim.
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [10, 20]
+    assert texts(log_dir, "val/sample") == [(s["step"], s["text"]) for s in samples]
+
+
+def test_config_is_redacted_and_text_kept_verbatim(tmp_path):
+    logger = TensorBoardLogger(run_dir=tmp_path)
+    logger.log_config({"lr": 0.001, "auth": {"api_key": "abcdef0123456789", "user": "me"}})
+    sample = "# not a heading\n\n  *not emphasis*   and_under_scores\n\tend"
+    logger.log_text("val/sample", sample, step=3)
+    logger.finish({})
+    assert texts(tmp_path / "tensorboard", "config") == [(0, "lr: 0.001\nauth:\n  api_key: <redacted>\n  user: me")]
+    assert b"abcdef0123456789" not in b"".join(p.read_bytes() for p in (tmp_path / "tensorboard").iterdir())
+    assert texts(tmp_path / "tensorboard", "val/sample") == [(3, sample)]
+    assert as_code_block("") == "    "
+
+
+def test_image_samples_are_images(corpus, tmp_path):
+    from PIL import Image
+
+    from trainer import train
+    from trainer.images import to_hwc_uint8
+
+    image_task = pytest.importorskip("image_task")  # tests/image_task.py
+    train(compose_cfg(tiny_overrides(corpus, "logger=tensorboard", "trainer.eval_every=10",
+                                     "task._target_=image_task.ImageSamples")), tmp_path)
+    images = accumulator(tmp_path / "tensorboard").Images("val/image")
+    assert [e.step for e in images] == [10, 20]
+    expected = to_hwc_uint8(image_task.pattern()).numpy()  # [6, 8, 3] uint8
+    for e in images:
+        assert (e.height, e.width) == (6, 8)
+        assert np.array_equal(np.asarray(Image.open(io.BytesIO(e.encoded_image_string))), expected)
+    assert (tmp_path / "samples" / "step_10.png").exists()  # metrics.jsonl's own record is still written
+
+
+def test_a_resumed_run_shows_each_step_once(corpus, tmp_path):
+    """The first run logs steps 1-6, then dies at step 7; it resumes from its checkpoint at step 4 and logs
+    5-8 again. The event files hold steps 5 and 6 twice; TensorBoard shows each step once, the resumed values."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    from trainer import train
+
+    overrides = tiny_overrides(corpus, "logger=tensorboard", "trainer.max_steps=8", "checkpoint.every_n_steps=4",
+                               *faulty("raise", at_call=7, rank=0))
+    with pytest.raises(RuntimeError, match="boom"):
+        train(compose_cfg(overrides), tmp_path)
+    train(compose_cfg([*overrides, "resume=auto"]), tmp_path)
+    log_dir = tmp_path / "tensorboard"
+
+    files = sorted(log_dir.glob("events.out.tfevents.*"))
+    assert len(files) == 2
+    written = [ev.step for f in files for ev in EventFileLoader(str(f)).Load()
+               if any(v.tag == "train/loss" for v in ev.summary.value)]
+    assert written == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]  # the restart really overlapped
+
+    shown = scalars(log_dir)
+    assert [step for step, _ in shown["train/loss"]] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert shown == expected_scalars(tmp_path)  # metrics.jsonl (rewound on resume) and TensorBoard agree
+
+
+def test_a_fresh_rerun_sets_the_earlier_events_aside(corpus, tmp_path):
+    from trainer import train
+
+    train(compose_cfg(tiny_overrides(corpus, "logger=tensorboard", "trainer.max_steps=3")), tmp_path)
+    # The same run dir again, without resume=: a new run.
+    train(compose_cfg(tiny_overrides(corpus, "logger=tensorboard", "trainer.max_steps=2")), tmp_path)
+    assert [s for s, _ in scalars(tmp_path / "tensorboard")["train/loss"]] == [1, 2]
+    assert [s for s, _ in scalars(tmp_path / "tensorboard.prev")["train/loss"]] == [1, 2, 3]
+    assert scalars(tmp_path / "tensorboard") == expected_scalars(tmp_path)
+
+
+def test_only_rank_0_writes(corpus, tmp_path):
+    r = run_cli(*tiny_overrides(corpus, *DDP2, "logger=tensorboard", "trainer.max_steps=3"),
+                f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    assert [p.relative_to(tmp_path).parent for p in tmp_path.rglob("events.out.tfevents.*")] == [Path("tensorboard")]
+    assert scalars(tmp_path / "tensorboard") == expected_scalars(tmp_path)
+
+
+def test_wandb_and_tensorboard_together(corpus, tmp_path, monkeypatch):
+    from wandb_reader import history
+
+    from trainer import train
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    train(compose_cfg(tiny_overrides(corpus, "logger=[wandb,tensorboard]", "trainer.max_steps=5")), tmp_path)
+    assert [r["step"] for r in history(tmp_path)] == [1, 2, 3, 4, 5]
+    assert [s for s, _ in scalars(tmp_path / "tensorboard")["train/loss"]] == [1, 2, 3, 4, 5]
+
+
+def test_logger_dir_moves_the_event_files(corpus, tmp_path):
+    from trainer import train
+
+    train(compose_cfg(tiny_overrides(corpus, "logger=tensorboard", f"logger.tensorboard.dir={tmp_path / 'tb'}",
+                                     "trainer.max_steps=2")), tmp_path / "run")
+    assert not (tmp_path / "run" / "tensorboard").exists()
+    assert [s for s, _ in scalars(tmp_path / "tb")["train/loss"]] == [1, 2]
+
+
+def test_without_tensorboard_the_error_says_how_to_install_it(corpus, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` now raises ImportError
+    with pytest.raises(ConfigError) as e:
+        TensorBoardLogger(run_dir=tmp_path)
+    assert "pip install tensorboard" in str(e.value) and "\n" not in str(e.value)
+
+    # Through the CLI, before any worker starts: one paragraph, exit code 2, no traceback, no run dir.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules['tensorboard'] = None\n")
+    run_dir = tmp_path / "run"
+    r = run_cli(*tiny_overrides(corpus, *DDP2, "logger=tensorboard"), f"hydra.run.dir={run_dir}",
+                env={"PYTHONPATH": f"{site}:{ROOT}"})
+    assert r.returncode == 2, r.stderr
+    assert re.fullmatch(r"error: [^\n]*pip install tensorboard[^\n]*\n", r.stderr), r.stderr
+    assert not run_dir.exists()
+
+
+def test_describing_the_config_imports_neither_tensorboard_nor_torch():
+    r = run_cli("--cfg", "job", "logger=tensorboard", env={"PYTHONPROFILEIMPORTTIME": "1"}, timeout=60)
+    assert r.returncode == 0 and "TensorBoardLogger" in r.stdout
+    assert not re.search(r"\|\s+(tensorboard|torch)\b", r.stderr)

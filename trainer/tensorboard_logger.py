@@ -1,0 +1,104 @@
+"""TensorBoard logger: `logger=tensorboard` (conf/logger/tensorboard.yaml).
+
+Writes TensorBoard event files with `torch.utils.tensorboard.SummaryWriter` into `<run dir>/tensorboard/`:
+every metric as a scalar at its step, the resolved config (secrets redacted) and eval samples as text,
+image samples as images. `tensorboard --logdir outputs` shows every run below that folder.
+
+tensorboard is imported only when the first event is written, so `--help` and runs without this logger
+never pay for it; the constructor (which the framework calls before any worker starts) only checks that
+the package is installed. Events are flushed as they are logged, like metrics.jsonl, so a killed run
+keeps everything it logged. A resumed run continues the same curves: `rewind(step)` opens the next
+writer with `purge_step=step + 1`, TensorBoard's own way of hiding what a crashed run logged after the
+step it restarts from, so every step shows once.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .loggers import NullLogger
+from .redaction import redact
+
+
+class TensorBoardLogger(NullLogger):
+    """Logs metrics, the resolved config and eval samples (text and images) as TensorBoard events.
+
+    Args:
+        dir: the folder for the event files; None = `<run_dir>/tensorboard`.
+        run_dir: the run's output directory (passed by the framework).
+    """
+
+    def __init__(self, *, run_dir: str | os.PathLike, dir: str | None = None):
+        try:
+            import tensorboard  # noqa: F401 - only checks that it is installed; cheap (its modules load lazily)
+        except ImportError:
+            raise ConfigError(
+                "logger=tensorboard needs the tensorboard package, which is not installed here. Install it with "
+                "`pip install tensorboard` (in this repository: pip install -e '.[tensorboard]'), or drop "
+                "tensorboard from logger=."
+            ) from None
+        self.dir = Path(dir).expanduser() if dir is not None else Path(run_dir) / "tensorboard"
+        self._writer = None  # opened at the first event: building the logger writes nothing
+        self._first_step = 0  # the step a run (or a resumed run) starts from: where its config text goes
+        self._purge_step: int | None = None
+
+    def _events(self):
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.dir), purge_step=self._purge_step)
+        return self._writer
+
+    # -- the logger interface ----------------------------------------------------------------------
+    def log_config(self, config: dict[str, Any]) -> None:
+        from omegaconf import OmegaConf
+
+        text = OmegaConf.to_yaml(OmegaConf.create(redact(config)))
+        self._events().add_text("config", as_code_block(text), self._first_step)
+        self._writer.flush()
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        events = self._events()
+        for key, value in metrics.items():
+            events.add_scalar(key, value, step)
+        events.flush()
+
+    def log_text(self, key: str, text: str, step: int) -> None:
+        # TensorBoard renders text as Markdown; an indented block keeps a sample's whitespace and symbols as generated.
+        self._events().add_text(key, as_code_block(text), step)
+        self._writer.flush()
+
+    def log_image(self, key: str, image, step: int) -> None:
+        from .images import to_hwc_uint8
+
+        self._events().add_image(key, to_hwc_uint8(image).numpy(), step, dataformats="HWC")
+        self._writer.flush()
+
+    def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def start_fresh(self) -> None:
+        """A rerun into the same run dir that found no checkpoint: an earlier attempt's event files move to
+        `<dir>.prev/` (replacing an older one), which TensorBoard shows as a run of its own."""
+        self.finish({})
+        if self.dir.is_dir() and any(self.dir.glob("events.out.tfevents.*")):
+            prev = self.dir.with_name(self.dir.name + ".prev")
+            shutil.rmtree(prev, ignore_errors=True)
+            self.dir.rename(prev)
+
+    def rewind(self, step: int) -> None:
+        """On resume from a checkpoint at `step`: events of the earlier run after `step` are discarded
+        (TensorBoard hides events at or after `purge_step` written before the restart marker)."""
+        self.finish({})
+        self._first_step, self._purge_step = step, step + 1
+
+
+def as_code_block(text: str) -> str:
+    """`text` as a Markdown code block (every line indented by four spaces), shown verbatim."""
+    return "\n".join("    " + line for line in text.splitlines()) or "    "
