@@ -68,12 +68,12 @@ def nproc_per_node(value) -> int:
 
 def run(cfg: DictConfig, run_dir: Path) -> dict | None:
     """Train according to `cfg.world`: here, or in workers started by the elastic launcher."""
-    from .config import launch_config, locate
+    from .config import locate
 
     if in_torchrun():  # we are torchrun's rank 0: hand the config to the other ranks
         _share_config([OmegaConf.to_container(cfg), str(run_dir)])
     else:
-        w = launch_config(cfg.world)
+        w = launch_topology(cfg.world)
         several = nproc_per_node(w.nproc_per_node) * w.nnodes > 1
         if several and locate("world", cfg.world._target_).distributed:
             return launch(cfg, run_dir)
@@ -82,16 +82,42 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
     return train(cfg, run_dir)
 
 
+# -- SLURM: the multi-node topology from the job's environment (trainer/slurm.py) ---------------------
+def launch_topology(world: DictConfig, say=None):
+    """The launch keys of `world` (a LaunchConfig). Under SLURM (SLURM_JOB_ID set) on several nodes, when
+    world.nnodes, world.node_rank and world.rdzv_endpoint are all left at their defaults (1, 0, null), the
+    three come from SLURM_NNODES, SLURM_NODEID and the first host of SLURM_JOB_NODELIST (port MASTER_PORT,
+    default 29500). Setting any one of them yourself turns this off: then the three are yours."""
+    from . import slurm
+    from .config import launch_config
+    from .errors import ConfigError
+
+    w = launch_config(world)
+    if (w.nnodes, w.node_rank, w.rdzv_endpoint) != (1, 0, None):
+        return w
+    try:
+        found = slurm.topology(os.environ)
+    except ValueError as e:
+        raise ConfigError(f"cannot read the nodes of SLURM job {os.environ.get('SLURM_JOB_ID')}: {e}. Set "
+                          "world.nnodes, world.node_rank and world.rdzv_endpoint=HOST:PORT yourself.") from None
+    if found is not None:
+        w.nnodes, w.node_rank, w.rdzv_endpoint = found
+        if say is not None:
+            say(f"world.nnodes={w.nnodes} world.node_rank={w.node_rank} world.rdzv_endpoint={w.rdzv_endpoint} "
+                f"(from SLURM job {os.environ['SLURM_JOB_ID']})", flush=True)
+    return w
+# -- end SLURM -------------------------------------------------------------------------------------------
+
+
 def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .config import launch_config
     from .run import preflight
 
     preflight(cfg, run_dir)
-    w = launch_config(cfg.world)
+    w = launch_topology(cfg.world, say=print)
     nproc = nproc_per_node(w.nproc_per_node)
     if w.nnodes > 1:
         endpoint, run_id = w.rdzv_endpoint, f"trainer-{w.rdzv_endpoint}"

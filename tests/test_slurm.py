@@ -1,0 +1,159 @@
+"""SLURM: node lists, the multi-node topology from SLURM's environment, and Hydra's submitit launcher."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import ROOT, SHARED, assert_same_run, read_metrics, run_cli, series, tiny_overrides
+from omegaconf import OmegaConf
+
+from trainer.errors import ConfigError
+from trainer.launcher import launch_topology
+from trainer.slurm import expand_hosts, first_host, topology
+
+
+@pytest.mark.parametrize(("nodelist", "hosts"), [
+    ("node01", ["node01"]),
+    ("127.0.0.1", ["127.0.0.1"]),
+    ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
+    ("node[8-11]", ["node8", "node9", "node10", "node11"]),  # no padding unless SLURM wrote it
+    ("gpu[098-101]", ["gpu098", "gpu099", "gpu100", "gpu101"]),
+    ("a,b,c", ["a", "b", "c"]),
+    ("gpu-a[1-2],cpu-b[07],login", ["gpu-a1", "gpu-a2", "cpu-b07", "login"]),
+    ("rack[1-2]-gpu[1,3]", ["rack1-gpu1", "rack1-gpu3", "rack2-gpu1", "rack2-gpu3"]),
+    ("127.0.0.[1-2]", ["127.0.0.1", "127.0.0.2"]),
+])
+def test_node_lists_expand_like_scontrol_show_hostnames(nodelist, hosts):
+    assert list(expand_hosts(nodelist)) == hosts
+    assert first_host(nodelist) == hosts[0]
+
+
+def test_the_first_host_of_a_huge_list_is_found_without_expanding_it():
+    assert first_host("n[000000-999999],m[0-999999]") == "n000000"
+
+
+@pytest.mark.parametrize("bad", ["node[01-03", "node]01[", "node[a-b]", "node[]", "", "node[[1]]"])
+def test_malformed_node_lists_are_refused(bad):
+    with pytest.raises(ValueError):
+        first_host(bad)
+
+
+SLURM_2 = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "node[07-08]"}
+
+
+def test_topology_from_the_environment():
+    assert topology({}) is None  # not under SLURM
+    assert topology({**SLURM_2, "SLURM_JOB_ID": ""}) is None
+    assert topology({**SLURM_2, "SLURM_NNODES": "1"}) is None  # one node: nothing to rendezvous with
+    assert topology(SLURM_2) == (2, 1, "node07:29500")
+    assert topology({**SLURM_2, "MASTER_PORT": "1234"}) == (2, 1, "node07:1234")
+    assert topology({**SLURM_2, "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "1234"}) == (2, 1, "10.0.0.5:1234")
+    assert topology({"SLURM_JOB_ID": "1", "SLURM_JOB_NUM_NODES": "3", "SLURM_NODEID": "2",
+                     "SLURM_NODELIST": "a,b,c"}) == (3, 2, "a:29500")
+    with pytest.raises(ValueError, match="SLURM_NODEID=2"):
+        topology({**SLURM_2, "SLURM_NODEID": "2"})
+
+
+def _world(**keys):
+    return OmegaConf.create({"_target_": "trainer.strategies.DDP", "nproc_per_node": 1, "nnodes": 1,
+                             "node_rank": 0, "rdzv_endpoint": None, **keys})
+
+
+def test_slurm_fills_the_topology_only_when_the_user_left_it_at_its_defaults(monkeypatch):
+    for k in [k for k in os.environ if k.startswith(("SLURM_", "MASTER_"))]:
+        monkeypatch.delenv(k)
+    assert (launch_topology(_world()).nnodes, launch_topology(_world()).rdzv_endpoint) == (1, None)  # no SLURM
+
+    for k, v in SLURM_2.items():
+        monkeypatch.setenv(k, v)
+    said = []
+    w = launch_topology(_world(), say=lambda *a, **k: said.append(a[0]))
+    assert (w.nnodes, w.node_rank, w.rdzv_endpoint) == (2, 1, "node07:29500")
+    assert said == ["world.nnodes=2 world.node_rank=1 world.rdzv_endpoint=node07:29500 (from SLURM job 4242)"]
+
+    # Any one of the three set by the user: the three are the user's, SLURM is not read.
+    for given in ({"nnodes": 3, "rdzv_endpoint": "h:1"}, {"node_rank": 0, "nnodes": 2, "rdzv_endpoint": "h:1"},
+                  {"rdzv_endpoint": "h:1"}):
+        w = launch_topology(_world(**given))
+        assert (w.nnodes, w.node_rank, w.rdzv_endpoint) == (given.get("nnodes", 1), given.get("node_rank", 0), "h:1")
+
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[07-")
+    with pytest.raises(ConfigError, match=r"SLURM job 4242.*world.rdzv_endpoint=HOST:PORT yourself"):
+        launch_topology(_world())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_localhost_from_slurm_variables_alone(corpus, tmp_path, reference):
+    """As tests/test_distributed.py::test_two_nodes_on_localhost, but no world.nnodes / node_rank /
+    rdzv_endpoint on the command line: each "node" reads them from faked SLURM variables."""
+    port = str(_free_port())
+    slurm = {"SLURM_JOB_ID": "777", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "127.0.0.[1-2]", "MASTER_PORT": port}
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "trainer",
+             *tiny_overrides(corpus, *SHARED, "world=ddp", "world.nproc_per_node=1", "data.batch_size=4"),
+             f"hydra.run.dir={tmp_path / f'node{rank}'}"],
+            cwd=ROOT, env={**base, "PYTHONPATH": str(ROOT), **slurm, "SLURM_NODEID": str(rank)},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    for rank, (out, _) in enumerate(outs):
+        assert (f"world.nnodes=2 world.node_rank={rank} world.rdzv_endpoint=127.0.0.1:{port} (from SLURM job 777)"
+                in out), out
+    written = [d for d in (tmp_path / "node0", tmp_path / "node1") if (d / "metrics.jsonl").exists()]
+    assert len(written) == 1
+    assert_same_run(written[0], reference)
+
+
+needs_submitit = pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
+                                    reason="needs hydra-submitit-launcher (pip install -e '.[slurm]')")
+
+
+@needs_submitit
+def test_a_sweep_through_submitit_local_runs_real_jobs(corpus, tmp_path):
+    """hydra/launcher=submitit_local: each job is pickled by submitit and run in its own process, as on SLURM."""
+    sweep = tmp_path / "sweep"
+    r = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5",
+                *tiny_overrides(corpus, "trainer.max_steps=3"), "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={sweep}",
+                cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for job, lr in ((0, 1e-3), (1, 2e-3)):
+        assert yaml.safe_load((sweep / str(job) / "config.yaml").read_text())["optim"]["lr"] == lr
+        assert len(series(read_metrics(sweep / str(job)), "train/loss")) == 3
+        assert (sweep / str(job) / "model.safetensors").exists()
+    logs = sorted((sweep / ".submitit").glob("*/*_log.out"))
+    assert len(logs) == 2 and all("Job completed successfully" in p.read_text() for p in logs)
+
+
+@needs_submitit
+def test_the_submitit_slurm_command_composes():
+    """The options of the README's submitit_slurm command exist (nothing is submitted: --cfg hydra only prints)."""
+    r = run_cli("--cfg", "hydra", "hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu",
+                "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1", "hydra.launcher.gpus_per_node=8",
+                "hydra.launcher.timeout_min=1440", "hydra.launcher.signal_delay_s=120",
+                "hydra.launcher.max_num_timeout=5", "world=ddp", "resume=auto", timeout=60)
+    assert r.returncode == 0, r.stderr
+    launcher = yaml.safe_load(r.stdout)["hydra"]["launcher"]
+    assert launcher["_target_"].endswith("SlurmLauncher")
+    assert (launcher["partition"], launcher["nodes"], launcher["tasks_per_node"], launcher["signal_delay_s"]) == (
+        "gpu", 2, 1, 120)
+
+
+def test_the_sbatch_example_is_valid_bash_and_uses_the_cli():
+    script = (ROOT / "examples" / "slurm" / "train.sbatch").read_text()
+    assert subprocess.run(["bash", "-n", str(ROOT / "examples" / "slurm" / "train.sbatch")]).returncode == 0
+    assert "#SBATCH --requeue" in script and "srun python -m trainer" in script and "resume=auto" in script
