@@ -1,6 +1,6 @@
 """The command line: Hydra at the edge, turning argv into a prepared config and a call to the launcher.
 
-Every job of the command is composed and checked first (`compose.load`), so a mistake is one
+Every job of the command is composed and checked first (`precheck`), so a mistake is one
 paragraph with exit code 2 before Hydra creates a run dir; then `hydra.main` runs the job(s), and
 `run_job` records the config and starts training here or in worker processes.
 """
@@ -11,9 +11,11 @@ import os
 import sys
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
-from .composition import CONFIG_MODULE, load, resolve, sweep_jobs
+from .composition import CONFIG_MODULE, explain, prepare, resolve, sweep_jobs
+from .config import check_hydra_hooks
 from .errors import TrainerExit, UserError
 from .redaction import redact, scrub, secret_values
 
@@ -37,9 +39,32 @@ def precheck(argv: list[str]) -> None:
     if args.help or args.hydra_help or args.info or args.shell_completion:
         return
     jobs = sweep_jobs(args.overrides) if args.multirun else [args.overrides]
-    for overrides in jobs:
-        # `--cfg job` prints without running: check values, but import nothing (no torch).
-        load(overrides, args.config_dir, targets=not args.cfg)
+    try:
+        for overrides in jobs:
+            cfg = compose_with_hydra(overrides, args.config_dir)
+            check_hydra_hooks(cfg)  # what Hydra itself builds before the job: callbacks, logging, env_set
+            with open_dict(cfg):
+                del cfg["hydra"]  # now the config `compose` gives
+            # `--cfg job` prints without running: check values, but import nothing (no torch).
+            prepare(cfg, targets=not args.cfg)
+    except UserError as err:
+        # A message quotes config values, and those may come from the environment's secrets.
+        err.args = (scrub(str(err), secret_values()),)
+        raise
+
+
+def compose_with_hydra(overrides: list[str], config_dir: str | None) -> DictConfig:
+    """`composition.load`'s config with the `hydra` node kept (callbacks, logging, env_set), so that the
+    config trust model can check Hydra's hooks before Hydra runs them. Errors are explained as by `load`."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+
+    full = [*overrides, f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"] if config_dir else overrides
+    try:
+        with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+            return hydra_compose("config", overrides=full, return_hydra_config=True)
+    except (Exception, OmegaConfBaseException) as exc:  # hydra raises several unrelated types
+        raise explain(exc, overrides, config_dir) from exc
 
 
 # -- recording the config ------------------------------------------------------------------------

@@ -53,13 +53,19 @@ class JsonlLogger(NullLogger):
         self.samples_path = Path(run_dir) / "samples.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a")
+        self._config: dict[str, Any] | None = None  # the run's config, as given to log_config
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._file.flush()
 
+    def log_config(self, config: dict[str, Any]) -> None:
+        self._config = config  # its secret keys' values are secrets in samples too
+
     def log_text(self, key: str, text: str, step: int) -> None:
-        self._sample({"step": step, "key": key, "text": text})
+        from .redaction import redact_text
+
+        self._sample({"step": step, "key": key, "text": redact_text(text, self._config)})
 
     def log_image(self, key: str, image, step: int) -> None:
         from .images import png_bytes

@@ -259,7 +259,7 @@ def write_run_info(run_dir: Path, cfg: DictConfig, trainer: Trainer) -> None:
     from importlib import metadata
 
     from .io import atomic_write_json
-    from .redaction import scrub, secret_values
+    from .redaction import secret_values
 
     def git(*args: str) -> str | None:
         try:
@@ -268,7 +268,6 @@ def write_run_info(run_dir: Path, cfg: DictConfig, trainer: Trainer) -> None:
         except (OSError, subprocess.TimeoutExpired):
             return None
 
-    secrets = secret_values(OmegaConf.to_container(cfg))
     commit = git("rev-parse", "HEAD")
     packages = {}
     for name in ("trainer", "torch", "hydra-core", "omegaconf", "wandb", "safetensors", "tqdm"):
@@ -277,7 +276,7 @@ def write_run_info(run_dir: Path, cfg: DictConfig, trainer: Trainer) -> None:
         except metadata.PackageNotFoundError:
             packages[name] = None
     info = {
-        "command": [scrub(arg, secrets) for arg in sys.argv],
+        "command": sys.argv,
         "git_commit": commit,
         "git_dirty": bool(git("status", "--porcelain")) if commit else None,
         "seed": trainer.cfg.seed,
@@ -288,7 +287,8 @@ def write_run_info(run_dir: Path, cfg: DictConfig, trainer: Trainer) -> None:
         "platform": platform.platform(),
         "packages": packages,
     }
-    atomic_write_json(run_dir / "run_info.json", info)
+    # Secrets out of every value (the command line, and anything else here): the config's and the environment's.
+    atomic_write_json(run_dir / "run_info.json", redact(info, secret_values(OmegaConf.to_container(cfg))))
 
 
 EXPORT_MARKER = "export.json"

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 from .errors import ConfigError
 from .loggers import NullLogger
-from .redaction import redact
+from .redaction import redact, redact_text, scrub, secret_values
 
 MODES = (None, "online", "offline", "disabled")
 
@@ -54,6 +54,7 @@ class WandbLogger(NullLogger):
         self.run = None
         self.offline = False  # set when the run starts
         self._sync_hint: str | None = None  # why we logged offline, when the user did not ask to
+        self._config: dict[str, Any] | None = None  # the run's config, as given to log_config
 
     # -- starting the run --------------------------------------------------------------------------
     def _start(self, config: dict[str, Any] | None = None) -> None:
@@ -85,11 +86,17 @@ class WandbLogger(NullLogger):
             # logger, a notebook) is neither returned nor finished by this init.
             reinit="create_new",
         )
-        return wandb.init(
-            **self.init_kwargs, dir=str(self.dir), mode=mode, config=config, id=self.run_id,
-            # "allow": continue the run with this id if it exists (a resumed job), else create it.
-            resume="allow", settings=settings,
-        )
+        # wandb records the name, group and tags, and sys.argv as the run's metadata: secrets taken out.
+        secrets = secret_values(self._config)  # of the environment and the config as given (unredacted)
+        argv, sys.argv = sys.argv, [scrub(arg, secrets) for arg in sys.argv]
+        try:
+            return wandb.init(
+                **redact(self.init_kwargs, secrets), dir=str(self.dir), mode=mode, config=config, id=self.run_id,
+                # "allow": continue the run with this id if it exists (a resumed job), else create it.
+                resume="allow", settings=settings,
+            )
+        finally:
+            sys.argv = argv
 
     def _init_offline_after_failure(self, config: dict[str, Any] | None):
         import wandb
@@ -109,6 +116,7 @@ class WandbLogger(NullLogger):
 
     # -- the logger interface ----------------------------------------------------------------------
     def log_config(self, config: dict[str, Any]) -> None:
+        self._config = config  # its secret keys' values are secrets in logged text too
         config = redact(config)
         if self.run is None:
             self._start(config)
@@ -126,6 +134,7 @@ class WandbLogger(NullLogger):
         import wandb
 
         self._ensure_started()
+        text = redact_text(text, self._config)
         panel = wandb.Html(f'<pre style="white-space: pre-wrap">{html.escape(text)}</pre>', inject=False)
         self.run.log({key: panel}, step=step)
 
