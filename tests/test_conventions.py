@@ -1,0 +1,65 @@
+"""Hydra's conventions users already know: HYDRA_FULL_ERROR, -m anywhere, and null to switch a feature off."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from conftest import read_metrics, run_cli, series, tiny_overrides
+
+QUIET = {"HYDRA_FULL_ERROR": "0", "TRAINER_DEBUG": "0"}
+
+
+@pytest.mark.parametrize(("switch", "traceback"), [
+    ({}, False),
+    ({"HYDRA_FULL_ERROR": "0"}, False),
+    ({"TRAINER_DEBUG": "0"}, False),
+    ({"HYDRA_FULL_ERROR": "1"}, True),
+    ({"TRAINER_DEBUG": "1"}, True),
+])
+def test_only_an_explicit_1_shows_the_traceback_of_a_config_mistake(tmp_path, switch, traceback):
+    r = run_cli("debug=smoke", "trainer.max_stepz=3", f"hydra.run.dir={tmp_path / 'run'}",
+                env={"HYDRA_FULL_ERROR": "", "TRAINER_DEBUG": "", **switch}, timeout=60)
+    assert r.returncode in ((1, 2) if traceback else (2,)), r.stderr
+    assert ("Traceback" in r.stderr) is traceback, r.stderr
+    if not traceback:  # one paragraph naming the key and the fix
+        assert r.stderr.startswith("error: unknown config key 'trainer.max_stepz'. Did you mean max_steps?")
+        assert r.stderr.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("full_error", ["0", "1"])
+def test_a_mistake_found_while_the_job_runs_follows_the_same_switch(corpus, tmp_path, full_error):
+    """A checkpoint path that does not exist is found after Hydra started the job (inside its task function)."""
+    r = run_cli(*tiny_overrides(corpus, f"resume={tmp_path / 'nowhere'}"), f"hydra.run.dir={tmp_path / 'run'}",
+                env={**QUIET, "HYDRA_FULL_ERROR": full_error}, timeout=120)
+    assert r.returncode in ((2,) if full_error == "0" else (1, 2)), r.stderr
+    assert "does not exist" in r.stderr
+    assert ("Traceback" in r.stderr) is (full_error == "1"), r.stderr
+
+
+@pytest.mark.parametrize("where", ["middle", "end"])
+def test_multirun_flag_may_stand_anywhere(corpus, tmp_path, where):
+    overrides = tiny_overrides(corpus, "trainer.max_steps=2")
+    flag = "-m" if where == "middle" else "--multirun"
+    args = ([*overrides, "optim.lr=1e-3,2e-3", flag, f"hydra.sweep.dir={tmp_path}"] if where == "middle"
+            else [*overrides, "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={tmp_path}", flag])
+    r = run_cli(*args, cwd=tmp_path, env=QUIET)
+    assert r.returncode == 0, r.stderr
+    lrs = [yaml.safe_load((tmp_path / str(i) / "config.yaml").read_text())["optim"]["lr"] for i in (0, 1)]
+    assert lrs == [1e-3, 2e-3]
+    assert all(len(series(read_metrics(tmp_path / str(i)), "train/loss")) == 2 for i in (0, 1))
+
+
+def test_grad_clip_zero_is_refused_and_the_message_says_null_switches_clipping_off(tmp_path):
+    r = run_cli("debug=smoke", "trainer.grad_clip=0", f"hydra.run.dir={tmp_path / 'run'}", env=QUIET, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr == ("error: trainer.grad_clip=0.0 is invalid: expected a number > 0, or null. "
+                        "null switches clipping off.\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_grad_clip_null_switches_clipping_off():
+    from trainer import compose
+    from trainer.composition import prepare
+
+    assert prepare(compose(["debug=smoke", "trainer.grad_clip=null"]), targets=False).trainer.grad_clip is None
