@@ -1,5 +1,6 @@
 """Test-only task that misbehaves on one rank at a chosen loss call (used through `task._target_`).
 
+It wraps a real task (`base`: the lm recipe's by default; the other keys of `task` go to it).
 Actions: raise an exception, SIGKILL / SIGTERM / SIGUSR1 itself, SIGTERM or SIGINT its parent (the
 launcher), return a NaN loss once ("nan_once") or from then on ("nan_always").
 Only training calls count (the model is in train mode), so call N is training micro-batch N.
@@ -8,28 +9,33 @@ Only training calls count (the model is in train mode), so call N is training mi
 import os
 import signal
 
-from trainer.recipes.lm.task import LanguageModeling
+from hydra.utils import get_class
 
 
-class Faulty(LanguageModeling):
+class Faulty:
     def __init__(self, rank: int = 1, at_call: int = 3, action: str = "raise", first_attempt_only: bool = False,
-                 **kwargs):
-        super().__init__(**kwargs)
+                 base: str = "trainer.recipes.lm.task.LanguageModeling", **kwargs):
+        self.inner = get_class(base)(**kwargs)
         self.rank, self.at_call, self.action, self.first_attempt_only = rank, at_call, action, first_attempt_only
         self.calls = 0
+
+    def __getattr__(self, name):  # num_targets, sample, setup, state_dict, ... of the wrapped task
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     def loss(self, model, batch):
         self.calls += model.training
         armed = not self.first_attempt_only or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
         on_rank = int(os.environ.get("RANK", 0)) == self.rank
         if on_rank and self.action == "nan_always" and self.calls >= self.at_call:
-            return super().loss(model, batch) * float("nan")
+            return self.inner.loss(model, batch) * float("nan")
         if armed and on_rank and self.calls == self.at_call:
             if self.action == "nan_once":
-                return super().loss(model, batch) * float("nan")
+                return self.inner.loss(model, batch) * float("nan")
             if self.action == "raise":
                 raise RuntimeError(f"boom from the faulty task on rank {self.rank}")
             target = os.getppid() if self.action.endswith("_parent") else os.getpid()
             os.kill(target, {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1,
                              "sigterm_parent": signal.SIGTERM, "sigint_parent": signal.SIGINT}[self.action])
-        return super().loss(model, batch)
+        return self.inner.loss(model, batch)

@@ -120,20 +120,22 @@ def eval_loader(dataset: Dataset, batch_size: int, rank: int, world: int, limit:
 
 
 def eval_batches(dataset: Dataset, batch_size: int, rank: int, world: int, limit: int | None,
-                 device: torch.device, lockstep: bool = False) -> Iterator[tuple[Any, bool]]:
-    """(batch, counted) pairs of this rank's share of the eval samples. With `lockstep`, a rank with fewer
-    batches than rank 0 repeats one, uncounted, until it has run as many (forwards that are collectives)."""
+                 device: torch.device, lockstep: bool = False) -> Iterator[tuple[Any, bool, list[int]]]:
+    """(batch, counted, sample indices) for this rank's share of the eval samples. With `lockstep`, a rank
+    with fewer batches than rank 0 repeats one, uncounted, until it has run as many (forwards that are
+    collectives)."""
     n = len(dataset) if limit is None else min(limit, len(dataset))
-    batch, count = None, 0
-    for batch in eval_loader(dataset, batch_size, rank, world, limit, 0, device):
-        count += 1
-        yield batch, True
+    mine = list(range(rank, n, world))
+    batch, indices, count = None, [], 0
+    for count, batch in enumerate(eval_loader(dataset, batch_size, rank, world, limit, 0, device), start=1):
+        indices = mine[(count - 1) * batch_size : count * batch_size]
+        yield batch, True, indices
     if lockstep:
         most = math.ceil(len(range(0, n, world)) / batch_size)
         if batch is None and count < most:  # this rank got no sample at all
-            batch = next(iter(eval_loader(dataset, batch_size, 0, 1, 1, 0, device)))
+            batch, indices = next(iter(eval_loader(dataset, batch_size, 0, 1, 1, 0, device))), [0]
         for _ in range(most - count):
-            yield batch, False
+            yield batch, False, indices
 
 
 @dataclass

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from . import checkpoint as ckpt
+from . import noise
 from .config import TrainerConfig
 from .data import Data, GlobalBatchSampler, eval_batches, train_loader
 from .ema import EMA
@@ -24,6 +25,8 @@ from .progress import NullProgress, Progress
 from .rng import rng_state, set_rng_state
 from .strategies import Strategy, unwrap
 from .task import Task
+
+EVAL_STREAM = 1 << 48  # val sample i draws its noise (trainer.noise) as sample EVAL_STREAM + i of the stream
 
 
 class Trainer:
@@ -93,10 +96,15 @@ class Trainer:
         # equal one batch of k*b even when batches differ in length. Data-parallel ranks average their
         # gradients, hence the factor dp_size.
         scale = self.strategy.dp_size / n_global
+        b, dp = self.data.batch_size, self.strategy.dp_size
         loss_sum = None
         for i, batch in enumerate(batches):
+            # Where this micro-batch sits in the global sample stream: a task's per-sample noise
+            # (trainer.noise) depends on it alone, not on how the global batch is split.
+            first = self.samples_seen + (i * dp + self.strategy.dp_rank) * b
             # Gradients are synced only in the last micro-step's backward; earlier ones accumulate.
-            with self.strategy.no_sync(model, enabled=i < k - 1), self.precision.autocast():
+            with self.strategy.no_sync(model, enabled=i < k - 1), self.precision.autocast(), \
+                    noise.for_samples(torch.arange(first, first + b), self.cfg.seed):
                 loss = self.task.loss(model, batch)
             self.precision.backward(loss * scale)
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
@@ -131,10 +139,11 @@ class Trainer:
                                self.cfg.eval_samples, be.device, lockstep=st.collective_forward)
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=be.device)  # [loss sum, targets]
-        for batch, counted in batches:
+        for batch, counted, indices in batches:
             batch = be.to_device(batch)
-            with self.precision.autocast():
-                # The raw module: DDP's forward would expect a backward to follow.
+            # The raw module: DDP's forward would expect a backward to follow. Noise by val sample: the same
+            # at every eval and on any number of ranks.
+            with self.precision.autocast(), noise.for_samples(EVAL_STREAM + torch.tensor(indices), self.cfg.seed):
                 loss = self.task.loss(self.raw_model, batch)
             if counted:
                 totals[0] += loss.double()

@@ -6,22 +6,29 @@ to tune. Its sampling paths are nearly straight, so a few dozen plain Euler step
 where DDPM needs a tuned schedule and a DDIM sampler for the same step count. With a model this small
 and a CPU budget of minutes, fewer moving parts and fewer sampling steps win.
 
-Training randomness (noise, times, dropped labels) comes from torch's global RNG, which the trainer
-saves and restores, so resume is exact. Sampling uses its own `torch.Generator` seeded with
+Training randomness (noise, times, dropped labels) comes from `trainer.noise`: a function of each image's
+place in the global sample stream, so 2 ranks draw what 1 rank draws and a resume continues exactly. Sampling uses its own `torch.Generator` seeded with
 `task.seed`, so the samples of every eval start from the same noise and are comparable across evals.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import torch
 import torch.nn as nn
+from safetensors.torch import load_file
 
+from trainer import is_main_process, main_process_first
+from trainer import noise as sample_noise
 from trainer.errors import ConfigError
+from trainer.io import atomic_save_safetensors
 
 from .data import NUM_CLASSES, SIDE, Normalizer
 
+NORMALIZER_FILE = "normalizer.safetensors"  # in the run dir: the main process's fit, read by every other rank
 THRESHOLD_QUANTILE = 0.95  # a sample counts as a digit if it is as close to the training set as 95% of val
 
 
@@ -159,10 +166,22 @@ class Diffusion:
         self.reference = math.nan   # mean nn distance of real held-out digits
         self.threshold = math.nan   # their 95th percentile: the "looks like a digit" cut-off
 
-    def setup(self, train, val) -> None:
-        """Fit the normaliser and the reference distances on the datasets (deterministic; writes nothing)."""
+    def setup(self, train, val, run_dir: str | os.PathLike | None = None) -> None:
+        """Fit the normaliser on the training split on the main process, write it to
+        `run_dir/normalizer.safetensors`, and load it on every other rank after a barrier (the framework's
+        `main_process_first`), so all ranks share one normaliser, computed once. Then the reference
+        distances of the sample metrics (every rank: cheap, deterministic)."""
         self.train_images, self.train_labels = _all_samples(train)
-        self.normalizer.fit(self.train_images)
+        if run_dir is None:
+            self.normalizer.fit(self.train_images)
+        else:
+            path = Path(run_dir) / NORMALIZER_FILE
+            with main_process_first(local=False):  # the run dir is shared by every node
+                if is_main_process():
+                    self.normalizer.fit(self.train_images)
+                    atomic_save_safetensors(path, self.normalizer.state_dict(), metadata={"format": "pt"})
+                else:
+                    self.normalizer.load_state_dict(load_file(str(path)))
         if val is not None and len(val) > 0:
             ref, _ = nearest_neighbours(_all_samples(val)[0], self.train_images)
         else:  # no val split: leave-one-out distances within the training set stand in for it
@@ -176,11 +195,13 @@ class Diffusion:
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         images, labels = batch
         x0 = self.normalizer.normalize(images)
-        # Global RNG, in a fixed order: noise, times, then (only with dropout) which labels to drop.
-        noise = torch.randn_like(x0)
-        t = torch.rand(len(x0), device=x0.device)
+        # Per-sample randomness (trainer.noise: each image's draws depend on its place in the global sample
+        # stream, so any split of the batch over ranks gives the same noise), in a fixed order: noise,
+        # times, then (only with dropout) which labels to drop.
+        noise = sample_noise.randn_like(x0)
+        t = sample_noise.rand(len(x0), device=x0.device)
         if self.label_dropout:
-            drop = torch.rand(len(x0), device=x0.device) < self.label_dropout
+            drop = sample_noise.rand(len(x0), device=x0.device) < self.label_dropout
             labels = torch.where(drop, torch.full_like(labels, self.num_classes), labels)
         # Summed, not averaged: the trainer divides by the number of images in the global batch.
         return flow_matching_losses(model, x0, labels, noise, t).sum()
