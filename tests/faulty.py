@@ -1,8 +1,9 @@
 """Test-only task that misbehaves on one rank at a chosen loss call (used through `task._target_`).
 
 It wraps a real task (`base`: the lm recipe's by default; the other keys of `task` go to it).
-Actions: raise an exception, SIGKILL / SIGTERM / SIGUSR1 itself, SIGTERM or SIGINT its parent (the
-launcher), return a NaN loss once ("nan_once") or from then on ("nan_always").
+Actions: raise an exception, SIGKILL / SIGTERM / SIGUSR1 itself, SIGTERM, SIGUSR1 or SIGINT its parent (the
+launcher), return a NaN loss once ("nan_once") or from then on ("nan_always"), or SIGTERM itself while
+it is being built ("sigterm_at_build": before any training step, in every process that builds it).
 Only training calls count (the model is in train mode), so call N is training micro-batch N.
 """
 
@@ -18,6 +19,8 @@ class Faulty:
         self.inner = get_class(base)(**kwargs)
         self.rank, self.at_call, self.action, self.first_attempt_only = rank, at_call, action, first_attempt_only
         self.calls = 0
+        if action == "sigterm_at_build":
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def __getattr__(self, name):  # num_targets, sample, setup, state_dict, ... of the wrapped task
         if name == "inner":
@@ -37,5 +40,6 @@ class Faulty:
                 raise RuntimeError(f"boom from the faulty task on rank {self.rank}")
             target = os.getppid() if self.action.endswith("_parent") else os.getpid()
             os.kill(target, {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1,
-                             "sigterm_parent": signal.SIGTERM, "sigint_parent": signal.SIGINT}[self.action])
+                             "sigterm_parent": signal.SIGTERM, "sigusr1_parent": signal.SIGUSR1,
+                             "sigint_parent": signal.SIGINT}[self.action])
         return self.inner.loss(model, batch)

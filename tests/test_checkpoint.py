@@ -171,3 +171,26 @@ def test_best_checkpoint_by_metric_survives_pruning(corpus, tmp_path):
     assert best == {"metric": "val/loss", "value": val[best_step], "checkpoint": f"step_{best_step:08d}"}
     kept = checkpoints(tmp_path)
     assert f"step_{best_step:08d}" in kept and "step_00000008" in kept and len(kept) <= 2
+
+
+def test_sigusr1_to_the_launcher_stops_every_worker_with_a_checkpoint(corpus, tmp_path):
+    """SLURM's preemption notice goes to the job's main process: the launcher forwards it to the workers."""
+    import uuid
+
+    from test_distributed import _processes_with_marker
+
+    key, value = "TRAINER_TEST_MARKER", uuid.uuid4().hex
+    r = run_cli(*tiny_overrides(corpus, *SHARED, *DDP2), f"hydra.run.dir={tmp_path}",
+                *faulty("sigusr1_parent", 9, rank=0), env={**FAULTY_ENV, key: value})
+    assert r.returncode == 75, r.stderr
+    assert "SIGUSR1" in r.stderr and checkpoints(tmp_path)
+    assert _processes_with_marker(f"{key}={value}") == []  # no orphaned worker trains on
+
+
+@pytest.mark.parametrize("world", [(), DDP2])
+def test_a_stop_signal_before_the_first_step_exits_75(corpus, tmp_path, world):
+    r = run_cli(*tiny_overrides(corpus, *world), f"hydra.run.dir={tmp_path}", *faulty("sigterm_at_build", 1),
+                env=FAULTY_ENV)
+    assert r.returncode == 75, r.stderr
+    assert "SIGTERM" in r.stderr and "nothing" in r.stderr and "resume=auto" in r.stderr
+    assert not checkpoints(tmp_path) if (tmp_path / "checkpoints").exists() else True

@@ -32,10 +32,14 @@ from trainer.checkpoint import verify
 
 
 def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int = 2) -> None:
+    """One paragraph ("error: ..."), maybe followed by the command that continues the run; no traceback."""
     assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
     assert "Traceback" not in r.stderr + r.stdout
-    message = r.stderr.strip().splitlines()[-1]
-    assert message.startswith("error: ")
+    lines = r.stderr.strip().splitlines()
+    errors = [i for i, line in enumerate(lines) if line.startswith("error: ")]
+    assert len(errors) == 1, r.stderr
+    assert all(line.startswith("to continue this run: ") for line in lines[errors[0] + 1:]), r.stderr
+    message = lines[errors[0]]
     for needle in needles:
         assert needle in message, message
 

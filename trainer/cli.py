@@ -16,7 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .composition import CONFIG_MODULE, explain, prepare, resolve, sweep_jobs
 from .config import check_hydra_hooks
-from .errors import TrainerExit, UserError
+from .errors import NonFiniteError, TrainerExit, UserError
 from .redaction import redact, scrub, secret_values
 
 COMMANDS = ("env", "check")
@@ -28,7 +28,8 @@ def debug_enabled() -> bool:
 
 
 def report(err: TrainerExit) -> None:
-    print(f"error: {err}", file=sys.stderr, flush=True)
+    # A message may quote config values, and those may come from the environment's secrets.
+    print(f"error: {scrub(str(err), secret_values())}", file=sys.stderr, flush=True)
 
 
 def precheck(argv: list[str]) -> None:
@@ -92,39 +93,84 @@ def run_job(cfg: DictConfig) -> float | None:
     """Hydra's task function: record the (already checked) config, then train here or launch workers."""
     from hydra.core.hydra_config import HydraConfig
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    from .rundir import RunDirLock, continue_command, find_run_to_continue
+
+    hc = HydraConfig.get()
+    run_dir, lock, started = Path(hc.runtime.output_dir), None, False
     try:
         resolved = resolve(cfg)
+        if resolved.get("resume") == "auto" and not _chose_run_dir(hc):
+            # The default run dir is new at every start: continue the newest unfinished run with this config.
+            found = find_run_to_continue(run_dir, redact(OmegaConf.to_container(resolved)))
+            if found is not None:
+                print(f"resume=auto: continuing {found}, the newest unfinished run under {found.parent.parent} "
+                      "with this config (pass hydra.run.dir=DIR to choose another).", flush=True)
+                remove_if_unused(run_dir)
+                run_dir = found
+        lock = RunDirLock(run_dir).acquire()
         scrub_hydra_files(run_dir, secret_values(OmegaConf.to_container(resolved)))
         save_config(resolved, run_dir)
+        print(f"run dir: {run_dir}", flush=True)
         from .launcher import WorkerFailed, run
 
+        started = True
         try:
             final = run(resolved, run_dir)
         except WorkerFailed as wf:
             # The root cause, once: a worker's own user error, or its traceback.
             text = wf.text if wf.text.startswith("error:") else f"error: worker rank {wf.rank} failed:\n{wf.text}"
-            print(text.rstrip(), file=sys.stderr, flush=True)
+            print(scrub(text.rstrip(), secret_values()), file=sys.stderr, flush=True)
+            _say_how_to_continue(run_dir, continue_command(run_dir))
             sys.exit(wf.exitcode if wf.exitcode > 0 else 1)
         except KeyboardInterrupt:
             print("interrupted: stopped all processes.", file=sys.stderr, flush=True)
+            _say_how_to_continue(run_dir, continue_command(run_dir))
             sys.exit(130)
+        print(f"done: {run_dir}", flush=True)
     except TrainerExit as err:
         if debug_enabled():
             raise
         report(err)
         if isinstance(err, UserError):
             remove_if_unused(run_dir)
+        elif started and not isinstance(err, NonFiniteError):  # preempted, disk full (a NaN would come back)
+            _say_how_to_continue(run_dir, continue_command(run_dir))
         sys.exit(err.exit_code)
+    except Exception:
+        if started:  # a crash: say how to continue from the newest checkpoint, then the traceback
+            _say_how_to_continue(run_dir, continue_command(run_dir))
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
     return (final or {}).get("val/loss")
 
 
+def _chose_run_dir(hc) -> bool:
+    """Whether the user named the run dir (hydra.run.dir=..., or a sweep's dir) rather than the default's timestamp."""
+    chosen = [o.split("=", 1)[0].lstrip("+~") for o in hc.overrides.hydra]
+    return "hydra.run.dir" in chosen or str(hc.mode) == "RunMode.MULTIRUN"
+
+
+def _say_how_to_continue(run_dir: Path, command: str) -> None:
+    """After an interruption: the exact command that continues the run (if it has a checkpoint to continue from)."""
+    if any((p / "manifest.json").is_file() for p in (run_dir / "checkpoints").glob("step_*")):
+        print(f"to continue this run: {scrub(command, secret_values())}", file=sys.stderr, flush=True)
+
+
 def remove_if_unused(run_dir: Path) -> None:
-    """A run that failed before training leaves no run dir behind (but never touches earlier results)."""
+    """A run that failed before it trained leaves no run dir behind (but never touches earlier results: the
+    dir goes only if it holds nothing but the records of this attempt's start)."""
     import shutil
 
-    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", "config.yaml", f"{Path(sys.argv[0]).stem}.log", "cli.log"}:
-        shutil.rmtree(run_dir, ignore_errors=True)
+    if not run_dir.is_dir():
+        return
+    records = {".hydra", ".lock", "config.yaml", "run_info.json", f"{Path(sys.argv[0]).stem}.log", "cli.log"}
+    for p in run_dir.iterdir():
+        if p.name in records or (p.name in ("metrics.jsonl", "samples.jsonl") and p.stat().st_size == 0):
+            continue
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -167,6 +167,13 @@ def validate(cfg: DictConfig) -> None:
         node = cfg.get(key)
         _check(isinstance(node, DictConfig) and "_target_" in node, key, _plain(node), "a config node with a _target_",
                f"Select one with {key}=NAME or point {key}._target_ at your class.")
+    resume = cfg.get("resume")
+    if resume not in (None, "auto"):
+        from pathlib import Path
+
+        if not (isinstance(resume, str) and Path(resume).expanduser().is_dir()):
+            raise ConfigError(f"resume={resume!r} does not exist (or is not a directory): pass auto, null, or the "
+                              "path of a checkpoint (RUN_DIR/checkpoints/step_N), a checkpoints/ dir or a run dir.")
     _validate_data(cfg.data)
     _validate_optim(cfg.optim)
     _validate_scheduler(cfg.scheduler)

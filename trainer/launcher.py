@@ -114,9 +114,20 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from .preemption import PreemptionFlag
     from .run import preflight
 
-    preflight(cfg, run_dir)
+    # A stop signal before the workers exist (while the datasets are built): nothing to save, exit 75.
+    early = PreemptionFlag().install()
+    try:
+        preflight(cfg, run_dir)
+    finally:
+        early.uninstall()
+    if early.requested:
+        from .errors import Preempted
+
+        raise Preempted(f"stopped by {signal.Signals(early.signum).name} before training started; nothing to save. "
+                        "Rerun the same command with resume=auto to continue.")
     w = launch_topology(cfg.world, say=print)
     nproc = nproc_per_node(w.nproc_per_node)
     if w.nnodes > 1:
@@ -134,6 +145,9 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
         min_nodes=w.nnodes, max_nodes=w.nnodes, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs,
         max_restarts=w.max_restarts, monitor_interval=0.1,
+        # The agent forwards these to the workers (and raises SignalException here): SIGUSR1, a scheduler's
+        # preemption notice, too. Not in torch's default list, it would kill this process and orphan the workers.
+        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
     )
     # Workers of each restart get a fresh rendezvous store. The agent's shared store outlives restarts
     # and keeps the previous attempt's gloo addresses, which restarted workers then fail to reach.
