@@ -15,10 +15,12 @@ from hydra.utils import get_class
 
 class Faulty:
     def __init__(self, rank: int = 1, at_call: int = 3, action: str = "raise", first_attempt_only: bool = False,
-                 base: str = "trainer.recipes.lm.task.LanguageModeling", **kwargs):
+                 base: str = "trainer.recipes.lm.task.LanguageModeling", once: str | None = None, **kwargs):
         self.inner = get_class(base)(**kwargs)
         self.rank, self.at_call, self.action, self.first_attempt_only = rank, at_call, action, first_attempt_only
         self.calls = 0
+        self.once = once  # a marker file: act only if it does not exist yet (then create it), so a rerun of the
+        # very same command (same config) runs clean
         if action == "sigterm_at_build":
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -30,6 +32,10 @@ class Faulty:
     def loss(self, model, batch):
         self.calls += model.training
         armed = not self.first_attempt_only or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
+        if self.once is not None and self.calls == self.at_call:
+            armed = armed and not os.path.exists(self.once)
+            if armed:
+                open(self.once, "w").close()
         on_rank = int(os.environ.get("RANK", 0)) == self.rank
         if on_rank and self.action == "nan_always" and self.calls >= self.at_call:
             return self.inner.loss(model, batch) * float("nan")

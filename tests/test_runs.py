@@ -1,0 +1,176 @@
+"""A run dir through interruptions, reruns and mistakes: what continues it, what it keeps, what it refuses.
+
+Each case reproduces a way work was lost or silently changed (issues 16, 18, 19) and checks the fix."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    FAULTY_ENV,
+    ROOT,
+    SHARED,
+    assert_identical,
+    checkpoints,
+    faulty,
+    load_weights,
+    read_metrics,
+    run_cli,
+    series,
+    tiny_overrides,
+    train_in_process,
+)
+from test_errors import assert_clean_error
+
+pytestmark = pytest.mark.slow
+
+SINGLE = ("data.batch_size=8", *SHARED)  # the `reference` fixture's settings
+
+
+def test_a_second_job_in_a_locked_run_dir_is_refused_naming_the_holder(corpus, tmp_path):
+    from trainer.rundir import RunDirLock
+
+    run_dir = tmp_path / "run"
+    lock = RunDirLock(run_dir).acquire()  # this test process holds it, as a running job would
+    try:
+        r = run_cli(*tiny_overrides(corpus), f"hydra.run.dir={run_dir}")
+    finally:
+        lock.release()
+    import os
+
+    assert_clean_error(r, "is in use by process", str(os.getpid()))
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
+
+
+def test_preempted_run_prints_the_command_that_continues_it_and_that_command_does(corpus, tmp_path, reference):
+    """The default run dir is a new timestamp at every start: the printed command pins it."""
+    marker = tmp_path / "fired"
+    args = [*tiny_overrides(corpus, *SINGLE), *faulty("sigterm", 6), f"+task.once={marker}"]
+    r = run_cli(*args, cwd=tmp_path, env=FAULTY_ENV)
+    assert r.returncode == 75, r.stderr
+    line = next(ln for ln in r.stderr.splitlines() if ln.startswith("to continue this run: "))
+    command = shlex.split(line.removeprefix("to continue this run: "))
+    assert command[:3] == ["python", "-m", "trainer"] and command[-1] == "resume=auto"
+    run_dir = Path(next(a for a in command if a.startswith("hydra.run.dir=")).split("=", 1)[1])
+    assert f"run dir: {run_dir}" in r.stdout
+    r = run_cli(*command[3:], cwd=tmp_path, env=FAULTY_ENV)
+    assert r.returncode == 0, r.stderr
+    assert f"done: {run_dir}" in r.stdout
+    assert_identical(run_dir, reference)
+
+
+def test_resume_auto_without_a_run_dir_continues_the_newest_unfinished_run_with_this_config(corpus, tmp_path, reference):
+    marker = tmp_path / "fired"
+    args = [*tiny_overrides(corpus, *SINGLE), "checkpoint.async_save=false", *faulty("sigkill", 11),
+            f"+task.once={marker}"]
+    assert run_cli(*args, cwd=tmp_path, env=FAULTY_ENV).returncode == -9
+    other = run_cli(*tiny_overrides(corpus, *SINGLE, "trainer.max_steps=4"), cwd=tmp_path)  # another config
+    assert other.returncode == 0
+    killed = next(p.parent for p in (tmp_path / "outputs").glob("*/*/checkpoints") if not (p.parent / "export.json").exists())
+    r = run_cli(*args, "resume=auto", cwd=tmp_path, env=FAULTY_ENV)
+    assert r.returncode == 0, r.stderr
+    assert f"resume=auto: continuing {killed}" in r.stdout
+    assert len(list((tmp_path / "outputs").glob("*/*"))) == 2  # no third run dir left behind
+    assert_identical(killed, reference)
+
+
+def test_a_fresh_restart_sets_the_earlier_events_aside_instead_of_appending(corpus, tmp_path):
+    args = [*tiny_overrides(corpus, "checkpoint.every_n_steps=8"), f"hydra.run.dir={tmp_path}"]
+    assert run_cli(*args, *faulty("sigkill", 5), f"+task.once={tmp_path / 'fired'}", env=FAULTY_ENV).returncode == -9
+    assert [e["step"] for e in read_metrics(tmp_path)] == [1, 2, 3, 4]
+    r = run_cli(*args, *faulty("sigkill", 5), f"+task.once={tmp_path / 'fired'}", "resume=auto", env=FAULTY_ENV)
+    assert r.returncode == 0 and "starting fresh" in r.stdout
+    assert [e["step"] for e in read_metrics(tmp_path) if "train/loss" in e] == list(range(1, 21))
+    prev = [json.loads(line)["step"] for line in (tmp_path / "metrics.prev.jsonl").read_text().splitlines()]
+    assert prev == [1, 2, 3, 4]
+
+
+def test_resume_auto_follows_a_rollback_not_the_highest_step(corpus, tmp_path, reference):
+    r = run_cli(*tiny_overrides(corpus, *SINGLE, "checkpoint.keep_last=3", "checkpoint.async_save=false"),
+                f"hydra.run.dir={tmp_path}", *faulty("sigkill", 9), env=FAULTY_ENV)
+    assert r.returncode == -9 and checkpoints(tmp_path) == ["step_00000004", "step_00000008"]
+    # Roll back to step 4 and get preempted at step 6 (the newer step 8 is still on disk).
+    r = run_cli(*tiny_overrides(corpus, *SINGLE, "checkpoint.keep_last=3"), f"hydra.run.dir={tmp_path}",
+                f"resume={tmp_path}/checkpoints/step_00000004", *faulty("sigterm", 2), env=FAULTY_ENV)
+    assert r.returncode == 75, r.stderr
+    assert "step_00000004 is older than step_00000008" in r.stdout and "resume=auto now follows this run" in r.stdout
+    train_in_process(corpus, tmp_path, *SINGLE, "checkpoint.keep_last=3", "resume=auto")
+    events = read_metrics(tmp_path)
+    assert [e["step"] for e in events if "train/loss" in e] == list(range(1, 13))  # 7-12 continue from 6
+    assert_identical(tmp_path, reference)
+
+
+def test_pruning_keeps_the_new_checkpoints_not_the_corrupt_old_ones(corpus, tmp_path):
+    train_in_process(corpus, tmp_path, *SINGLE)
+    for ckpt in checkpoints(tmp_path):  # every checkpoint damaged
+        f = tmp_path / "checkpoints" / ckpt / "state.safetensors"
+        f.write_bytes(f.read_bytes()[:-10])
+    events = train_in_process(corpus, tmp_path, *SINGLE, "trainer.max_steps=8", "checkpoint.keep_last=1", "resume=auto")
+    assert [e["step"] for e in events if "train/loss" in e] == list(range(1, 9))
+    assert checkpoints(tmp_path) == ["step_00000008"]  # the new one; the corrupt step 12 went
+    from trainer.checkpoint import verify
+
+    verify(tmp_path / "checkpoints" / "step_00000008")
+
+
+def test_the_best_checkpoint_survives_a_kill_before_the_first_prune(corpus, tmp_path):
+    best = ("checkpoint.best_metric=val/loss", "checkpoint.best_mode=max", "checkpoint.keep_last=1",
+            "trainer.eval_every=2", "checkpoint.every_n_steps=2", "trainer.max_steps=10", "checkpoint.async_save=false")
+    args = [*tiny_overrides(corpus, *best), f"hydra.run.dir={tmp_path}"]
+    assert run_cli(*args, *faulty("sigkill", 5), f"+task.once={tmp_path / 'fired'}", env=FAULTY_ENV).returncode == -9
+    assert run_cli(*args, *faulty("sigkill", 5), f"+task.once={tmp_path / 'fired'}", "resume=auto",
+                   env=FAULTY_ENV).returncode == 0
+    val = {e["step"]: e["val/loss"] for e in read_metrics(tmp_path) if "val/loss" in e and e["step"] < 10}
+    want = max(val, key=val.get)  # best_mode=max: the worst loss is "best", so it is an early one
+    named = json.loads((tmp_path / "checkpoints" / "best.json").read_text())
+    assert named["checkpoint"] == f"step_{want:08d}" and named["value"] == val[want]
+    assert named["checkpoint"] in checkpoints(tmp_path)
+
+
+def test_a_finished_run_whose_export_is_missing_writes_it_on_resume(corpus, tmp_path):
+    train_in_process(corpus, tmp_path, "trainer.max_steps=4")
+    weights = load_weights(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").unlink()  # killed between the final checkpoint and the export
+    (tmp_path / "export.json").unlink()
+    r = run_cli(*tiny_overrides(corpus, "trainer.max_steps=4"), f"hydra.run.dir={tmp_path}", "resume=auto")
+    assert r.returncode == 0 and "export is missing" in r.stdout and "already finished" in r.stdout
+    again = load_weights(tmp_path / "model.safetensors")
+    assert all(torch.equal(again[k], weights[k]) for k in weights)
+
+
+def test_a_failed_export_is_one_paragraph_with_its_own_exit_code_and_resume_finishes_it(corpus, tmp_path):
+    (tmp_path / "model.safetensors").mkdir(parents=True)  # the export cannot be written there
+    args = [*tiny_overrides(corpus, "trainer.max_steps=4"), f"hydra.run.dir={tmp_path}"]
+    r = run_cli(*args)
+    assert_clean_error(r, "could not write the exported weights", "resume=auto", code=74)
+    (tmp_path / "model.safetensors").rmdir()
+    assert run_cli(*args, "resume=auto").returncode == 0
+    assert json.loads((tmp_path / "export.json").read_text())["step"] == 4 and (tmp_path / "model.safetensors").is_file()
+
+
+def test_raising_max_steps_on_resume_stretches_the_schedule_and_says_so(corpus, tmp_path):
+    train_in_process(corpus, tmp_path, "trainer.max_steps=8", "scheduler.warmup_steps=0")
+    r = run_cli(*tiny_overrides(corpus, "trainer.max_steps=12", "scheduler.warmup_steps=0", "optim.lr=0.002"),
+                f"hydra.run.dir={tmp_path}", "resume=auto")
+    assert r.returncode == 0, r.stderr
+    assert "trainer.max_steps: 8 -> 12" in r.stdout and "optim.lr: 0.005 -> 0.002" in r.stdout
+    from trainer.schedule import WarmupCosine
+
+    f = WarmupCosine(total_steps=12, warmup_steps=0, min_lr_ratio=0.1)
+    lrs = series(read_metrics(tmp_path), "train/lr")
+    assert lrs[8:] == pytest.approx([0.002 * f(s) for s in range(9, 13)])  # the 12-step schedule, the new lr
+    import yaml
+
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["trainer"]["max_steps"] == 12  # truthful
+
+
+def test_the_smoke_settings_are_runnable_from_a_fresh_clone_layout():
+    """What `python -m trainer debug=smoke` needs is in the package (not only in this checkout)."""
+    assert (ROOT / "conf" / "debug" / "smoke.yaml").is_file() and sys.executable
+    assert shutil.which("git")
