@@ -164,3 +164,22 @@ def test_guard_skips_on_the_device_names_the_first_bad_step_and_recovers_after_a
     after = step(5, 0.5)  # the caller caught the error: training goes on normally
     assert not all(torch.equal(after[k], before[k]) for k in before)
     guard.read(5)
+
+
+def test_fp16_stops_on_a_nan_loss_and_counts_skips_across_a_resume(corpus, tmp_path):
+    """fp16's loss scaler skips overflowed gradients (routine), but a NaN loss is no overflow: with
+    trainer.nonfinite=stop it stops like any precision; with skip, the consecutive-skip count survives a
+    resume (it is in the checkpoint)."""
+    from trainer.errors import NonFiniteError
+
+    with pytest.raises(NonFiniteError, match="non-finite loss .* at step 6"):
+        train_in_process(corpus, tmp_path / "stop", "precision=fp16", *NAN_AT_STEP_6)
+    args = ("precision=fp16", "trainer.nonfinite=skip", "trainer.max_nonfinite_skips=4", "task._target_=faulty.Faulty",
+            "+task.action=nan_always", "+task.at_call=3", "+task.rank=0", "checkpoint.every_n_steps=4")
+    with pytest.raises(NonFiniteError, match="4 consecutive non-finite steps up to step 6"):
+        train_in_process(corpus, tmp_path / "skip", *args)
+    # Resumed from step 4 (steps 3 and 4 skipped, counted in the checkpoint) with NaNs from its first call on:
+    # two more make four, at step 6 again (a count that restarted at 0 would stop at step 8).
+    resumed = [a.replace("+task.at_call=3", "+task.at_call=1") for a in args]
+    with pytest.raises(NonFiniteError, match="4 consecutive non-finite steps up to step 6"):
+        train_in_process(corpus, tmp_path / "skip", *resumed, f"resume={tmp_path}/skip/checkpoints/step_00000004")

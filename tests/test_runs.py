@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import json
 import shlex
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import (
     FAULTY_ENV,
-    ROOT,
     SHARED,
     assert_identical,
     checkpoints,
@@ -168,9 +165,3 @@ def test_raising_max_steps_on_resume_stretches_the_schedule_and_says_so(corpus, 
     import yaml
 
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["trainer"]["max_steps"] == 12  # truthful
-
-
-def test_the_smoke_settings_are_runnable_from_a_fresh_clone_layout():
-    """What `python -m trainer debug=smoke` needs is in the package (not only in this checkout)."""
-    assert (ROOT / "conf" / "debug" / "smoke.yaml").is_file() and sys.executable
-    assert shutil.which("git")

@@ -75,6 +75,7 @@ class NonFiniteGuard:
             raise ValueError(f"check must be 'step' or 'log' (resolve 'auto' with resolve_check), not {check!r}")
         self.policy, self.check, self.max_skips, self.backend = policy, check, max_skips, backend
         self.scaler = scaler  # fp16's loss scaler, which skips overflowed steps itself
+        self._loss_skip = False  # this step was refused for a NaN/inf loss (fp16 with nonfinite=skip)
         self.consecutive_skips = 0
         # `log` mode, all on the device: 1.0 from the first non-finite norm on (the value fused kernels
         # test for), and that step's number and norm, for the message.
@@ -83,12 +84,27 @@ class NonFiniteGuard:
         self.first_bad_norm = torch.zeros((), dtype=torch.float32, device=backend.device)
         self.unread = False  # steps latched since the last read
 
-    def allows(self, grad_norm: torch.Tensor, step: int) -> bool:
+    def allows(self, grad_norm: torch.Tensor, step: int, loss: torch.Tensor | None = None) -> bool:
         """Whether optimizer step number `step` may apply its update. `step` mode reads the norm (grads are
         synced, so every rank sees the same one) and stops or skips on NaN/inf; `log` mode latches it on
-        the device and says yes: the skip then happens inside the optimizer (`skip_on_device`)."""
+        the device and says yes: the skip then happens inside the optimizer (`skip_on_device`).
+
+        With fp16 the loss scaler skips steps whose *gradients* overflowed (routine); a NaN/inf *loss* is
+        not an overflow of the scaling, so it is judged like a NaN gradient elsewhere (the scaler already
+        reads the host every step, so this read costs nothing more)."""
         if self.scaler is not None:
-            return True
+            if loss is None:
+                return True
+            # Every rank must decide alike: the min over ranks of "my loss is finite".
+            finite = float(self.backend.all_reduce(torch.isfinite(loss.detach()).float(), op="min"))
+            if finite:
+                return True
+            if self.policy == "stop":
+                raise NonFiniteError(f"non-finite loss ({loss.item()}) at step {step} on rank {self.backend.rank} (or "
+                                     f"another rank); the update was not applied and earlier checkpoints are intact. {FIX}")
+            self.scaler.update()  # close the scaler's step (unscale_ ran) without stepping
+            self._loss_skip = True  # not an overflow of the scaling: it counts toward max_skips
+            return False
         if self.check == "log":
             self._latch(grad_norm, step)
             return True
@@ -117,7 +133,8 @@ class NonFiniteGuard:
         """Count a skipped update; stop after `max_skips` in a row. fp16's loss scaler skips an overflowed step
         and halves its scale: routine while the scale is above 1, but an overflow at a scale of 1 or less
         means the gradients themselves are NaN/inf, and those count."""
-        if not applied and self.scaler is not None and self.scaler.get_scale() >= 1.0:
+        loss_skip, self._loss_skip = self._loss_skip, False
+        if not applied and not loss_skip and self.scaler is not None and self.scaler.get_scale() >= 1.0:
             return  # (the scaler already synced with the host to decide; reading its scale costs nothing)
         self.consecutive_skips = 0 if applied else self.consecutive_skips + 1
         if self.consecutive_skips >= self.max_skips:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 from pathlib import Path
 from typing import Any
@@ -15,11 +16,11 @@ from . import noise
 from .config import TrainerConfig
 from .data import Data, GlobalBatchSampler, eval_batches, train_loader
 from .ema import EMA
-from .errors import CheckpointError, Preempted
+from .errors import CheckpointError, NonFiniteError, Preempted
 from .images import is_image
 from .loggers import NullLogger
 from .metrics import Cost, Throughput
-from .nonfinite import NonFiniteGuard
+from .nonfinite import FIX, NonFiniteGuard
 from .preemption import PreemptionFlag
 from .progress import NullProgress, Progress
 from .rng import rng_state, set_rng_state
@@ -114,7 +115,7 @@ class Trainer:
         grad_norm = self.strategy.clip_grad_norm_(self.params, self.cfg.grad_clip)
         # The update, unless the norm is NaN/inf (trainer.nonfinite; see trainer/nonfinite.py).
         applied = False
-        if self.guard.allows(grad_norm, self.step + 1):
+        if self.guard.allows(grad_norm, self.step + 1, loss_sum):
             with self.guard.skip_on_device(opt):
                 applied = self.precision.step(opt)  # False when fp16's loss scaler skipped an overflowed step
         self.guard.record(applied, self.step + 1)
@@ -153,6 +154,9 @@ class Trainer:
         if count == 0:
             return {}
         loss = loss_sum / count
+        if not math.isfinite(loss) and self.cfg.nonfinite == "stop":
+            raise NonFiniteError(f"{prefix}/loss is {loss} at step {self.step}: the model's outputs are no longer "
+                                 f"finite. {FIX} Earlier checkpoints are intact.")
         extra = self.task.eval_metrics(loss) if hasattr(self.task, "eval_metrics") else {}
         return {f"{prefix}/loss": loss, **{f"{prefix}/{k}": v for k, v in extra.items()}}
 
