@@ -43,6 +43,7 @@ class PlainLoop:
 
     def __init__(self, cfg, dataset, device, bf16: bool):
         import torch
+
         from trainer.recipes.lm.model import GPT
 
         torch.manual_seed(cfg.trainer.seed)

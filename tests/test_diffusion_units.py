@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
+
+from trainer.errors import ConfigError, DataError
 from trainer.recipes.diffusion.data import DigitImages, Normalizer, digits, read_digits, stratified_split
 from trainer.recipes.diffusion.model import UNet
 from trainer.recipes.diffusion.task import Diffusion, flow_matching_losses, image_grid, sample_metrics
-
-from trainer.errors import ConfigError, DataError
 
 CPU = torch.device("cpu")
 

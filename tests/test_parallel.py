@@ -17,7 +17,6 @@ from conftest import (
     SHARED,
     assert_identical,
     assert_same_run,
-    checkpoints,
     faulty,
     load_weights,
     once_per_run,
