@@ -26,6 +26,10 @@ def env(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from .backend import available_cores
+    from .precision import choose_for, cpu_flags
+
+    flags = cpu_flags()
+    relevant = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16", "amx_tile", "avx512f", "avx2", "bf16")
 
     rows = [
         ("trainer", _version("trainer")),
@@ -44,11 +48,15 @@ def env(argv: list[str]) -> int:
         ("torch.distributed", str(dist.is_available())),
         ("gloo / nccl", f"{dist.is_gloo_available()} / {dist.is_nccl_available()}"),
         ("MKL / oneDNN (CPU bf16 matmuls)", f"{torch.backends.mkl.is_available()} / {torch.backends.mkldnn.is_available()}"),
+        ("CPU flags (bf16/fp16 units)", "unknown (no /proc/cpuinfo)" if flags is None else
+         " ".join(f for f in relevant if f in flags) or "none of " + " ".join(relevant)),
         ("WANDB_MODE", os.environ.get("WANDB_MODE", "(unset)")),
         ("wandb credentials", "yes" if os.environ.get("WANDB_API_KEY") else "not in the environment"),
     ]
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"- {k.ljust(width)} : {v}" for k, v in rows))
+    name, why = choose_for("auto")
+    print(f"\nprecision=auto would choose: {name} ({why})")
     print("\nDefault config (python -m trainer --cfg job):\n")
     from omegaconf import OmegaConf
 

@@ -2,8 +2,11 @@
 
 MFU = achieved model FLOPs / peak FLOPs. Model FLOPs per target come from the model's own
 `flops_per_token()` when it has one (the lm GPT counts attention too), else 6 x parameters
-(forward + backward of a dense network). The peak is `trainer.peak_tflops` if given, a table for
-common GPUs, or on a CPU a short matmul probe in the run's precision (the best this CPU reaches).
+(forward + backward of a dense network). The peak is `trainer.peak_tflops` if given, a table of
+common GPUs' dense bf16/fp16 peaks, or on a CPU a short matmul probe (`cpu_peak_tflops`): the process's
+threads x one thread's best matmul throughput in fp32 or the run's dtype, whichever is faster. So a run
+in a dtype this CPU only emulates (fp16 on most CPUs, bf16 without avx512_bf16/amx_bf16) is measured
+against what the CPU does in fp32, and its low MFU shows what the choice costs.
 """
 
 from __future__ import annotations
@@ -36,16 +39,30 @@ def gpu_peak_tflops(device: torch.device) -> float | None:
     return None
 
 
-def cpu_peak_tflops(dtype: torch.dtype, size: int = 512, seconds: float = 0.05) -> float:
-    """Best matmul throughput of this process's CPU threads in `dtype`, measured in ~50 ms."""
-    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-    a @ b  # warm-up: kernel selection
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        t = time.perf_counter()
-        a @ b
-        best = max(best, 2 * size**3 / (time.perf_counter() - t))
-    return best / 1e12
+def cpu_matmul_tflops(dtype: torch.dtype, size: int = 512, seconds: float = 0.05) -> float:
+    """One CPU thread's best throughput on a `size` x `size` matmul in `dtype`, over ~`seconds` (at least one
+    matmul: an emulated fp16 one of 512 takes ~0.1 s). One thread, because a probe that needs every core at
+    once is ruined by any other process on the machine, and one that needs a single core is not."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+        best, deadline = 0.0, time.perf_counter() + seconds
+        while True:  # the first matmul also selects the kernel: the best of the later ones counts
+            t = time.perf_counter()
+            a @ b
+            best = max(best, 2 * size**3 / (time.perf_counter() - t))
+            if time.perf_counter() >= deadline:
+                return best / 1e12
+    finally:
+        torch.set_num_threads(threads)
+
+
+def cpu_peak_tflops(dtype: torch.dtype) -> float:
+    """The peak of this process on a CPU: its threads x one thread's best matmul throughput in the faster of
+    fp32 and `dtype` (~0.1 s). An upper bound on what the threads reach together, so MFU stays below 1."""
+    probes = {torch.float32, dtype}
+    return torch.get_num_threads() * max(cpu_matmul_tflops(d) for d in probes)
 
 
 def peak_memory_mb(device: torch.device) -> float:

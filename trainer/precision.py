@@ -1,17 +1,24 @@
-"""Numerical precision: one small class per mode, selected by `precision=fp32|bf16|fp16`.
+"""Numerical precision: one small class per mode, selected by `precision=fp32|bf16|fp16|auto`.
 
 Each exposes the same narrow interface the training step uses, in this order:
 `autocast()` around forward + loss, `backward(loss)`, `unscale_(opt)` before clipping,
 `step(opt) -> bool` (False when the step was skipped), and `state_dict()` for checkpoints; plus what
 other components need to know: `dtype` (the compute dtype: FSDP's mixed-precision policy, the MFU
-probe) and `scaler` (fp16's loss scaler, None otherwise).
+probe), `scaler` (fp16's loss scaler, None otherwise) and `reason` (why this mode).
+
+`precision=auto` is not a mode but a rule (`choose`): bf16 where the device computes it natively, fp16
+with loss scaling on older CUDA GPUs, fp32 otherwise. `resolve_auto` applies it once per job, before any
+worker starts, so every rank computes in the same mode and the run dir's config.yaml names it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+from collections.abc import Callable, Iterable
 
 import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .errors import ConfigError
 
@@ -23,8 +30,9 @@ class FP32:
     dtype = torch.float32
     scaler: torch.amp.GradScaler | None = None
 
-    def __init__(self, device_type: str = "cpu"):
+    def __init__(self, device_type: str = "cpu", reason: str | None = None):
         self.device_type = device_type
+        self.reason = reason or "set in the config"  # precision=auto's reason when it chose this mode
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -43,10 +51,21 @@ class FP32:
         """Gradients will be sharded over ranks (FSDP, tensor parallel): see FP16."""
 
     def state_dict(self) -> dict:
-        return {}
+        # The same keys in every mode, so that a checkpoint resumes in any other (snapshot.conform wants every
+        # key the live state has): `scaler` is a list of fp16's loss scaler state, empty in the other modes,
+        # and conform checks a list item by item for the items the checkpoint has.
+        return {"name": self.name, "reason": self.reason,
+                "scaler": [self.scaler.state_dict()] if self.scaler is not None else []}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        if self.scaler is not None and state["scaler"]:  # fp16 after fp16; a fresh scaler after another mode
+            self.scaler.load_state_dict(state["scaler"][0])
+        if state["name"] != self.name:
+            from .backend import is_main_process
+
+            if is_main_process():
+                print(f"resume: the checkpoint was trained in {state['name']} ({state['reason']}); "
+                      f"this run uses {self.name} ({self.reason})", flush=True)
 
 
 class BF16(FP32):
@@ -69,8 +88,9 @@ class FP16(FP32):
     name = "fp16"
     dtype = torch.float16
 
-    def __init__(self, device_type: str = "cpu", init_scale: float = 2.0**16, growth_interval: int = 2000):
-        super().__init__(device_type)
+    def __init__(self, device_type: str = "cpu", init_scale: float = 2.0**16, growth_interval: int = 2000,
+                 reason: str | None = None):
+        super().__init__(device_type, reason)
         if device_type not in ("cuda", "cpu"):
             raise ConfigError(
                 f"precision=fp16 is not supported on device type '{device_type}'. "
@@ -102,13 +122,6 @@ class FP16(FP32):
         self.scaler.update()
         return self.scaler.get_scale() >= before
 
-    def state_dict(self) -> dict:
-        return self.scaler.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        if state:
-            self.scaler.load_state_dict(state)
-
 
 class _ShardedGradScaler(torch.amp.GradScaler):
     """GradScaler whose overflow flag is the max over ranks. (torch's FSDP ShardedGradScaler does the same
@@ -120,3 +133,116 @@ class _ShardedGradScaler(torch.amp.GradScaler):
         super().unscale_(optimizer)
         for found_inf in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+
+
+# -- precision=auto ------------------------------------------------------------------------------------
+AUTO_TARGET = "trainer.precision.auto"
+MODES = {"fp32": FP32, "bf16": BF16, "fp16": FP16}
+# x86 flags of the units that compute bf16 (fp16) dot products; without them torch converts to fp32 and back.
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+NATIVE_FP16_FLAGS = ("avx512_fp16", "amx_fp16")
+CLEARLY_FASTER = 1.5  # bf16 / fp32 matmul throughput from which the probe counts bf16 as native
+
+
+def choose(device_type: str, cuda_capability: tuple[int, int] | None = None, cpu_flags: Iterable[str] | None = None,
+           probe: Callable[[], float] | None = None) -> tuple[str, str]:
+    """The mode precision=auto picks, and why: bf16 where the device computes it natively, fp16 with loss
+    scaling on CUDA GPUs older than compute capability 8.0, fp32 otherwise.
+
+    `cuda_capability` is the GPU's (major, minor); `cpu_flags` the CPU's feature flags (None where they cannot
+    be read); `probe()` says how many times faster bf16 matmuls run than fp32 ones on this CPU, and is called
+    only when the flags do not show bf16 units. `_is_mkldnn_bf16_supported()` cannot decide: it is also
+    true where bf16 is emulated (and 3-4x slower than fp32)."""
+    if device_type == "cuda":
+        major, minor = cuda_capability
+        if (major, minor) >= (8, 0):
+            return "bf16", f"this GPU (compute capability {major}.{minor}) computes bf16 natively"
+        return "fp16", f"this GPU (compute capability {major}.{minor}) has no bf16 units; fp16 with loss scaling"
+    if device_type != "cpu":
+        return "fp32", f"no bf16 rule for device type '{device_type}'"
+    flags = set(cpu_flags or ())
+    found = [f for f in NATIVE_BF16_FLAGS if f in flags]
+    if found:
+        return "bf16", f"this CPU has {' and '.join(found)}"
+    lacks = "no avx512_bf16 or amx_bf16" if cpu_flags is not None else "CPU flags unknown"
+    speedup = probe() if probe is not None else None
+    if speedup is not None and speedup >= CLEARLY_FASTER:
+        return "bf16", f"{lacks}, but bf16 matmuls ran {speedup:.1f}x as fast as fp32 here"
+    measured = f", and bf16 matmuls ran {speedup:.2f}x as fast as fp32" if speedup is not None else ""
+    return "fp32", f"no native bf16 on this CPU: {lacks}{measured}"
+
+
+def cpu_flags() -> frozenset[str] | None:
+    """This CPU's feature flags (Linux's /proc/cpuinfo: `flags` on x86, `Features` on ARM); None elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return None
+
+
+def matmul_speedup(dtype: torch.dtype, seconds: float = 0.015) -> float:
+    """How many times faster one CPU thread multiplies 256 x 256 matrices in `dtype` than in fp32 (~2 x `seconds`)."""
+    from .metrics import cpu_matmul_tflops
+
+    fp32 = cpu_matmul_tflops(torch.float32, size=256, seconds=seconds)
+    return cpu_matmul_tflops(dtype, size=256, seconds=seconds) / fp32
+
+
+def choose_for(device: str | torch.device) -> tuple[str, str]:
+    """`choose` with this machine's capabilities for `device` (`world.device`; 'auto' is a GPU if there is one)."""
+    from .backend import resolve_device
+
+    device = resolve_device(device) if isinstance(device, str) else device
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"world.device={device} but no CUDA device is available. "
+                          "Use world.device=auto or world.device=cpu.")
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return choose(device.type, capability, cpu_flags(), lambda: matmul_speedup(torch.bfloat16))
+
+
+def auto(device_type: str = "cpu") -> FP32:
+    """`precision=auto` built as it stands (without `resolve_auto`): the mode `choose` picks on this machine."""
+    name, why = choose_for(device_type)
+    return MODES[name](device_type, reason=f"precision=auto: {why}")
+
+
+def resolve_auto(cfg: DictConfig) -> tuple[DictConfig, str | None]:
+    """`cfg` with `precision=auto` replaced by the mode it picks here (`precision._target_: trainer.precision.BF16`,
+    and `precision.reason`), and the line that says so ("precision=auto: bf16 (this CPU has avx512_bf16)");
+    `(cfg, None)` for any other precision. The device is `world.device`.
+
+    Called once per job before any worker starts (the CLI's job function; `build` for a config that still
+    says auto, on rank 0), so that every rank computes in the same mode and config.yaml records it."""
+    node = cfg.get("precision")
+    if not isinstance(node, DictConfig) or node.get("_target_") != AUTO_TARGET:
+        return cfg, None
+    name, why = choose_for(cfg.world.device)
+    concrete = {"_target_": f"{__name__}.{MODES[name].__name__}"}
+    if name == "fp16":  # its loss scaler's settings, as precision=fp16 has them
+        from importlib.resources import files
+
+        concrete = OmegaConf.to_container(OmegaConf.create((files("trainer.conf") / "precision" / "fp16.yaml").read_text()))
+    resolved = copy.deepcopy(cfg)
+    with open_dict(resolved):
+        resolved.precision = {**concrete, "reason": f"precision=auto: {why}"}
+    return resolved, f"precision=auto: {name} ({why})"
+
+
+def emulation_note(node: DictConfig, device: torch.device) -> str | None:
+    """One line when the config's mode is one this device only emulates (slower than fp32), else None."""
+    target = node.get("_target_")
+    if target == f"{__name__}.BF16" and device.type in ("cpu", "cuda"):
+        native, why = choose_for(device)
+        if native != "bf16":
+            return f"note: precision=bf16 is emulated here ({why}), usually slower; precision=auto would choose {native}."
+    if target == f"{__name__}.FP16" and device.type == "cpu" and not set(NATIVE_FP16_FLAGS) & set(cpu_flags() or ()):
+        speedup = matmul_speedup(torch.float16)
+        if speedup < 1:
+            return (f"note: precision=fp16 is emulated on this CPU (fp16 matmuls ran {speedup:.2f}x as fast as fp32): "
+                    "expect it several times slower than fp32; precision=auto picks the fastest mode here.")
+    return None

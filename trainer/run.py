@@ -136,6 +136,16 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
     strategy = build_strategy(cfg.world)
     backend.setup(process_group=strategy.needs_process_group)
     try:
+        from .precision import AUTO_TARGET, emulation_note, resolve_auto
+
+        # precision=auto, unless the CLI resolved it already: rank 0 chooses, every rank computes in its choice.
+        if cfg.precision.get("_target_") == AUTO_TARGET:
+            cfg, chosen = backend.broadcast_object(resolve_auto(cfg) if backend.is_main else None)
+            if backend.is_main:
+                print(chosen, flush=True)
+        note = emulation_note(cfg.precision, backend.device) if backend.is_main else None
+        if note:
+            print(note, flush=True)
         tcfg: TrainerConfig = typed(TrainerConfig, cfg.trainer)
         ccfg: CheckpointConfig = typed(CheckpointConfig, cfg.get("checkpoint"))
         ecfg: EMAConfig = typed(EMAConfig, cfg.get("ema"))
@@ -283,6 +293,7 @@ def write_run_info(run_dir: Path, cfg: DictConfig, trainer: Trainer) -> None:
         "world_size": trainer.backend.world_size,
         "strategy": type(trainer.strategy).__name__,
         "device": str(trainer.backend.device),
+        "precision": {"name": trainer.precision.name, "reason": getattr(trainer.precision, "reason", None)},
         "python": platform.python_version(),
         "platform": platform.platform(),
         "packages": packages,
