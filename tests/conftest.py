@@ -76,6 +76,38 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
                           capture_output=True, text=True, timeout=timeout)
 
 
+def run_main(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m trainer ARGS` for a command that ends before Hydra runs a job (a config mistake, --help,
+    --cfg job): the same exit code and output as `run_cli`, in this process, without an interpreter's
+    start-up (seconds each). Fails if the command gets as far as Hydra: use `run_cli` for those."""
+    import contextlib
+    import io
+
+    import hydra
+
+    from trainer.cli import main
+
+    def refuse(*a, **k):
+        raise AssertionError(f"python -m trainer {' '.join(args)} reached Hydra's job: run it with run_cli")
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    old_cwd, old_env, old_main = os.getcwd(), dict(os.environ), hydra.main
+    os.chdir(cwd)
+    os.environ.update(env or {})
+    hydra.main = refuse
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main(list(args))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        hydra.main = old_main
+        os.chdir(old_cwd)
+        os.environ.clear()
+        os.environ.update(old_env)
+    return subprocess.CompletedProcess(["python", "-m", "trainer", *args], code, out.getvalue(), err.getvalue())
+
+
 # One schedule shared by the distributed and checkpoint tests, so their reference runs are shared too.
 # Odd eval size: 2 ranks get 19 and 18 samples; padding or duplicates would change the mean.
 SHARED = ("trainer.max_steps=12", "trainer.eval_every=6", "trainer.eval_samples=37",

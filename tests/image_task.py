@@ -1,6 +1,7 @@
 """Test-only task whose eval sample is an image (used through `task._target_=image_task.ImageSamples`)."""
 
 import torch
+
 from trainer.recipes.lm.task import LanguageModeling
 
 

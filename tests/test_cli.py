@@ -52,7 +52,8 @@ def test_run_dir_records_how_to_reproduce_the_run_and_what_it_cost(corpus, tmp_p
 
 def test_help_and_cfg_job_do_not_train(tmp_path):
     r = run_cli("--help", cwd=tmp_path)
-    assert r.returncode == 0 and "precision: bf16, fp16, fp32" in r.stdout
+    assert r.returncode == 0 and "precision: auto, bf16, fp16, fp32" in r.stdout
+    assert "python -m trainer env" in r.stdout and "python -m trainer check" in r.stdout  # the commands too
     r = run_cli("--cfg", "job", "precision=bf16", "optim.lr=0.01", cwd=tmp_path)
     assert r.returncode == 0
     cfg = yaml.safe_load(r.stdout)

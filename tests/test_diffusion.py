@@ -76,6 +76,7 @@ def test_samples_are_png_grids_and_metrics_and_the_export_is_enough_to_sample(di
     # Everything sampling needs is beside the weights: the model config, the EMA weights, the normaliser.
     from hydra.utils import instantiate
     from safetensors.torch import load_file
+
     from trainer.recipes.diffusion.task import Diffusion
 
     model = instantiate(json.loads((ref / "model_config.json").read_text()))

@@ -35,9 +35,9 @@ def test_two_ranks_equal_one_rank_with_accumulation_and_big_batch(corpus, tmp_pa
     run_dir, stdout = ddp_reference
     assert_same_run(run_dir, reference)
     # One run dir, written by rank 0 only: no per-rank files, each event once, printed once.
-    assert {p.name for p in run_dir.iterdir()} == {".hydra", "cli.log", "config.yaml", "metrics.jsonl", "checkpoints",
+    assert {p.name for p in run_dir.iterdir()} == {".hydra", ".lock", "config.yaml", "metrics.jsonl", "checkpoints",
                                                    "model.safetensors", "model_ema.safetensors", "model_config.json",
-                                                   "run_info.json"}
+                                                   "run_info.json", "export.json"}
     assert stdout.count("step 6: val/loss") == 1 and stdout.count("step 12/12 loss=") == 1
 
 

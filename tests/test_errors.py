@@ -23,6 +23,7 @@ from conftest import (
     SHARED,
     read_metrics,
     run_cli,
+    run_main,
     series,
     tiny_overrides,
     train_in_process,
@@ -60,13 +61,32 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
     (["data=text"], ["data.path is required"]),
     (["model._target_=os.system"], ["model._target_='os.system' is refused", "blocklist"]),
     (["model._target_=trainer.recipes.lm.model.GTP"], ["cannot be imported"]),
-    (["+model.n_layr=2"], ["could not build 'model'", "n_layr"]),
+    (["+model.n_layr=2"], ["model.n_layr is not an option of model._target_=GPT", "Did you mean n_layer?"]),
+    # Values that used to crash mid-run or pass silently (issues 16 and 18): one paragraph before anything runs.
+    (["optim.betas=0.9"], ["optim.betas=0.9", "two numbers in [0, 1)"]),
+    (["optim.betas=[0.9,1.5]"], ["optim.betas=[0.9, 1.5]"]),
+    (["optim.eps=-1"], ["optim.eps=-1", ">= 0"]),
+    (["optim.weight_decay=-1"], ["optim.weight_decay=-1"]),
+    (["optim._target_=torch.optim.SGD"], ["optim.betas is not an option of optim._target_=SGD", "momentum"]),
+    (["data.batch_size=-1"], ["data.batch_size=-1"]),
+    (["trainer.eval_batch_size=0"], ["trainer.eval_batch_size=0"]),
+    (["scheduler.warmup_steps=-1"], ["scheduler.warmup_steps=-1"]),
+    (["scheduler.min_lr_ratio=abc"], ["scheduler.min_lr_ratio='abc'"]),
+    (["trainer.max_nonfinite_skips=0"], ["trainer.max_nonfinite_skips=0"]),
+    (["model.vocab_size=100"], ["model.vocab_size=100", "256"]),
+    (["model.seq_len=16"], ["model.seq_len=16 is shorter than data.seq_len=256"]),
+    (["logger=wandb", "logger.wandb.tags=baseline"], ["logger.wandb.tags='baseline'", "a list"]),
+    (["trainer.compile=true", "trainer.compile_backend=nosuch"], ["trainer.compile_backend='nosuch'", "inductor"]),
+    (["checkpoint.best_metric=loss"], ["checkpoint.best_metric='loss'", "val/"]),
     (["world.device=cuda"], ["world.device='cuda'", "no CUDA device"]),
     (["trainer.nonfinite_check=log", "trainer.nonfinite=skip"], ["trainer.nonfinite_check='log'", "nonfinite=skip"]),
     (["trainer.nonfinite_check=sometimes"], ["trainer.nonfinite_check='sometimes'", "auto, step or log"]),
 ])
 def test_config_mistakes(tmp_path, args, needles):
-    r = run_cli(*args, "hydra.run.dir=run", cwd=tmp_path)
+    # Most mistakes end before Hydra writes anything: checked in this process (`run_main`, the same
+    # output without an interpreter start-up). Those the recipe's task finds run through the real CLI.
+    inside_the_job = any(a.startswith(("model.vocab_size", "model.seq_len")) for a in args)
+    r = (run_cli if inside_the_job else run_main)(*args, "hydra.run.dir=run", cwd=tmp_path)
     assert_clean_error(r, *needles)
     assert list(tmp_path.iterdir()) == []  # no run dir, no half-written files
 
@@ -84,7 +104,13 @@ def _data_case(tmp_path: Path, case: str) -> Path:
     if case == "missing":
         return tmp_path / "nope.txt"
     if case == "directory":
-        return tmp_path
+        (tmp_path / "empty_dir").mkdir()
+        return tmp_path / "empty_dir"
+    if case == "fifo":
+        os.mkfifo(p)  # reading it would block forever
+        return p
+    if case == "glob":
+        return tmp_path / "*.nothing"
     p.write_bytes(b"" if case == "empty" else b"x" * 20 if case == "short" else b"hello world\n" * 100)
     if case == "unreadable":
         p.chmod(0)
@@ -104,8 +130,9 @@ def _without_root_file_access() -> None:
 
 
 @pytest.mark.parametrize(("case", "needle"), [
-    ("missing", "does not exist"), ("directory", "is a directory"), ("empty", "is empty"),
+    ("missing", "does not exist"), ("directory", "is a directory with no files"), ("empty", "is empty"),
     ("short", "has 20 bytes, fewer than data.seq_len + 1 = 33"), ("unreadable", "cannot be read"),
+    ("fifo", "is not a regular file"), ("glob", "matches no file"),
 ])
 def test_data_mistakes(tmp_path, case, needle):
     tmp_path.chmod(0o777)

@@ -100,3 +100,24 @@ def test_compile_trains_and_saves_the_plain_module(corpus, tmp_path):
     weights = load_weights(tmp_path / "compiled" / "model.safetensors")
     assert not any(k.startswith("_orig_mod") for k in weights)
     assert weights.keys() == load_weights(tmp_path / "eager" / "model.safetensors").keys()
+
+
+def test_text_data_from_a_directory_or_a_glob(tmp_path):
+    """data=text takes a directory (every file under it, sorted) or a glob, concatenated with newlines."""
+    import numpy as np
+
+    from trainer.recipes.lm.data import text_file
+
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    (docs / "b.txt").write_bytes(b"second " * 50)
+    (docs / "a.txt").write_bytes(b"first " * 50)
+    (docs / "sub" / "c.md").write_bytes(b"third " * 50)
+    (docs / ".hidden").write_bytes(b"never")
+    whole = b"first " * 50 + b"\n" + b"second " * 50 + b"\n" + b"third " * 50
+    for path, expected in ((docs, whole), (f"{docs}/*.txt", whole[: 300 + 1 + 350])):
+        train, val = text_file(str(path), seq_len=16, cache_dir=str(tmp_path / "cache"), val_fraction=0.1)
+        got = np.fromfile(train.path, dtype=np.uint8).tobytes() + np.fromfile(val.path, dtype=np.uint8).tobytes()
+        assert got == expected
+    events = train_in_process(docs, tmp_path / "run", "trainer.max_steps=3")
+    assert len(series(events, "train/loss")) == 3

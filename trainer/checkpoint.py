@@ -106,8 +106,13 @@ class Checkpointer:
     def consider(self, metrics: dict[str, float] | None, step: int) -> None:
         """Before saving step `step` with `metrics`: remember it as the best if it is (so the state it saves
         knows; best.json follows once the checkpoint is complete)."""
-        if not self.best_metric or not metrics or self.best_metric not in metrics:
+        if not self.best_metric or not metrics:
             return
+        if self.best_metric not in metrics:
+            from .errors import ConfigError
+
+            raise ConfigError(f"checkpoint.best_metric={self.best_metric!r} is not among the metrics of this run's "
+                              f"evals ({', '.join(sorted(metrics))}). Pick one of them, or null.")
         value = metrics[self.best_metric]
         if self.best is None or (value < self.best[0] if self.best_mode == "min" else value > self.best[0]):
             self.best = (value, f"step_{step:08d}")

@@ -98,7 +98,12 @@ def run_job(cfg: DictConfig) -> float | None:
     hc = HydraConfig.get()
     run_dir, lock, started = Path(hc.runtime.output_dir), None, False
     try:
-        resolved = resolve(cfg)
+        from .precision import resolve_auto
+
+        # precision=auto is decided once, here, before any worker starts; config.yaml records the choice.
+        resolved, chosen = resolve_auto(resolve(cfg))
+        if chosen:
+            print(chosen, flush=True)
         if resolved.get("resume") == "auto" and not _chose_run_dir(hc):
             # The default run dir is new at every start: continue the newest unfinished run with this config.
             found = find_run_to_continue(run_dir, redact(OmegaConf.to_container(resolved)))
@@ -120,7 +125,8 @@ def run_job(cfg: DictConfig) -> float | None:
             # The root cause, once: a worker's own user error, or its traceback.
             text = wf.text if wf.text.startswith("error:") else f"error: worker rank {wf.rank} failed:\n{wf.text}"
             print(scrub(text.rstrip(), secret_values()), file=sys.stderr, flush=True)
-            _say_how_to_continue(run_dir, continue_command(run_dir))
+            if wf.exitcode not in (UserError.exit_code, NonFiniteError.exit_code):  # rerunning would not help
+                _say_how_to_continue(run_dir, continue_command(run_dir))
             sys.exit(wf.exitcode if wf.exitcode > 0 else 1)
         except KeyboardInterrupt:
             print("interrupted: stopped all processes.", file=sys.stderr, flush=True)

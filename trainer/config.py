@@ -159,6 +159,8 @@ def validate(cfg: DictConfig) -> None:
     _check(c.every_n_steps >= 0, "checkpoint.every_n_steps", c.every_n_steps, "an integer >= 0 (0 = only at the end)")
     _check(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "an integer >= 1")
     _check(c.best_mode in ("min", "max"), "checkpoint.best_mode", c.best_mode, "'min' or 'max'")
+    _check(c.best_metric is None or c.best_metric.startswith(("val/", "val_ema/")), "checkpoint.best_metric",
+           c.best_metric, "a metric logged at eval, e.g. val/loss or val_ema/loss", "Or null.")
     _check(c.max_shard_mb > 0, "checkpoint.max_shard_mb", c.max_shard_mb, "a number > 0")
     _check(0.0 <= e.decay < 1.0, "ema.decay", e.decay, "a number in [0, 1), e.g. 0.999")
     _check(e.update_every >= 1, "ema.update_every", e.update_every, "an integer >= 1")
@@ -291,11 +293,27 @@ def check_targets(cfg: DictConfig) -> None:
     Checked once in the parent, before any worker starts, so a typo or a refused target is one
     clear message instead of a traceback per rank. Imports the targets (and so torch).
     """
-    for key, target in iter_targets(cfg):
-        locate(key, target)
+    found = [(key, locate(key, target)) for key, target in iter_targets(cfg)]  # the trust model first, for all
+    for key, obj in found:
+        node = OmegaConf.select(cfg, key) if key != "<root>" else cfg
+        # The keys a target's call takes (a typo here would otherwise surface as a TypeError in every worker).
+        extra = LOADER_KEYS if key == "data" else LAUNCH_KEYS if key == "world" else ()
+        if isinstance(node, DictConfig):
+            check_keywords(key, obj, {k: node[k] for k in node if k not in ("_target_", "_partial_", "_args_",
+                                                                           "_recursive_", "_convert_")}, extra_ok=extra)
     strategy = locate("world", cfg.world._target_)
-    check_keywords("world", strategy, strategy_options(cfg.world), extra_ok=LAUNCH_KEYS)
+    if cfg.trainer.compile:
+        import torch._dynamo
+
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        _check(cfg.trainer.compile_backend in backends, "trainer.compile_backend", cfg.trainer.compile_backend,
+               f"one of torch.compile's backends: {', '.join(backends)}", "inductor is the usual one.")
     procs = launch_config(cfg.world)
+    if procs.device.startswith("cuda"):
+        import torch
+
+        _check(torch.cuda.is_available(), "world.device", procs.device, "auto or cpu on this machine",
+               "no CUDA device is available here.")
     if not getattr(strategy, "distributed", True):
         _check(procs.nproc_per_node in (1, "auto") and procs.nnodes == 1, "world.nproc_per_node",
                procs.nproc_per_node, f"1 with world._target_={cfg.world._target_}",
@@ -314,6 +332,13 @@ def check_keywords(section: str, target: Any, node: dict, extra_ok: tuple[str, .
         return
     names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     for k in node:
+        if k in names and isinstance(node[k], str):
+            # A string where the signature wants a list would be taken apart into characters ("baseline" ->
+            # ['b', 'a', ...]) without a word: refuse it.
+            annotation = str(params[k].annotation)
+            if any(t in annotation for t in ("list", "tuple", "Sequence")) and "str |" not in annotation \
+                    and not annotation.startswith("str"):
+                raise ConfigError(f"{section}.{k}={node[k]!r} is invalid: expected a list, e.g. {section}.{k}=[{node[k]}].")
         if k.startswith("_") or k in extra_ok or k in names:
             continue
         raise ConfigError(

@@ -53,19 +53,13 @@ class JsonlLogger(NullLogger):
         self.samples_path = Path(run_dir) / "samples.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a")
-        self._config: dict[str, Any] | None = None  # the run's config, as given to log_config
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._file.flush()
 
-    def log_config(self, config: dict[str, Any]) -> None:
-        self._config = config  # its secret keys' values are secrets in samples too
-
     def log_text(self, key: str, text: str, step: int) -> None:
-        from .redaction import redact_text
-
-        self._sample({"step": step, "key": key, "text": redact_text(text, self._config)})
+        self._sample({"step": step, "key": key, "text": text})
 
     def log_image(self, key: str, image, step: int) -> None:
         from .images import png_bytes
@@ -112,10 +106,15 @@ def _step_of(line: str) -> int | None:
 
 
 class LoggerGroup(NullLogger):
+    """Fans out to several loggers. Text (a generated sample may echo anything) is redacted here, once for
+    all of them: every secret value of the environment and of the config's secret keys is replaced."""
+
     def __init__(self, loggers: list[NullLogger]):
         self.loggers = loggers
+        self._config: dict[str, Any] | None = None
 
     def log_config(self, config):
+        self._config = config
         for lg in self.loggers:
             lg.log_config(config)
 
@@ -124,6 +123,9 @@ class LoggerGroup(NullLogger):
             lg.log_metrics(metrics, step)
 
     def log_text(self, key, text, step):
+        from .redaction import redact_text
+
+        text = redact_text(text, self._config)
         for lg in self.loggers:
             lg.log_text(key, text, step)
 

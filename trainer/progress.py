@@ -26,11 +26,12 @@ class Progress:
             self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, unit="step")
 
     def update(self, step: int, metrics: dict[str, float] | None = None) -> None:
-        """Called at log steps only, so the bar costs nothing on the other steps."""
+        """Called every step (tqdm redraws at most every 0.1 s, so this costs microseconds), with the metrics
+        at log steps: they are set before the step is counted, so a redraw shows this log step's values."""
         if self.bar is not None:
-            self.bar.update(step - self.bar.n)
             if metrics:
                 self.bar.set_postfix_str(_fmt(metrics), refresh=False)
+            self.bar.update(step - self.bar.n)
         elif self.mode == "lines" and metrics:
             print(f"step {step}/{self.total} {_fmt(metrics)}", flush=True)
 

@@ -171,13 +171,15 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
             backend=backend, sharded=strategy.sharded)
         data = Data(train_data, val_data, cfg.data.batch_size, cfg.data.get("shuffle", True),
                     cfg.data.get("num_workers", 0))
-        return Trainer(
+        trainer = Trainer(
             model=model, task=task, optimizer=optimizer, scheduler=scheduler, precision=precision,
             strategy=strategy, data=data, config=tcfg, loggers=build_loggers(cfg.logger, run_dir, backend.is_main),
             checkpointer=checkpointer, ema=ema, guard=NonFiniteGuard.build(tcfg, precision, optimizer, backend),
             cost=Cost(raw_model, backend.device, precision.dtype, tcfg.peak_tflops, backend.world_size),
             components={"task": task} if hasattr(task, "state_dict") else None, preemption=preemption,
         )
+        trainer.config = cfg  # the run's config as built (precision=auto resolved), for what the run records
+        return trainer
     except BaseException:
         backend.teardown()
         raise
@@ -313,7 +315,7 @@ def export(trainer: Trainer, cfg: DictConfig, run_dir: Path) -> None:
     from .io import atomic_write_json
 
     ccfg: CheckpointConfig = typed(CheckpointConfig, cfg.get("checkpoint"))
-    model_config = OmegaConf.to_container(cfg.model, resolve=True)
+    model_config = redact(OmegaConf.to_container(cfg.model, resolve=True))
     parts = [("model", trainer.strategy.model_state_dict(trainer.model))]
     if trainer.ema is not None:
         parts.append(("model_ema", trainer.ema.model_state_dict()))
@@ -358,7 +360,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     except BaseException:
         preemption.uninstall()
         raise
-    backend, loggers = trainer.backend, trainer.loggers
+    backend, loggers, cfg = trainer.backend, trainer.loggers, trainer.config
     say = print if backend.is_main else (lambda *a, **k: None)
     try:
         source = resume(trainer, cfg, say)

@@ -23,6 +23,7 @@ from .metrics import Cost, Throughput
 from .nonfinite import FIX, NonFiniteGuard
 from .preemption import PreemptionFlag
 from .progress import NullProgress, Progress
+from .redaction import redact_text
 from .rng import rng_state, set_rng_state
 from .strategies import Strategy, unwrap
 from .task import Task
@@ -186,7 +187,7 @@ class Trainer:
             key = f"{prefix if isinstance(value, (int, float)) else 'val'}/{name}"
             if isinstance(value, str):
                 self.loggers.log_text(key, value, self.step)
-                progress.write(f"--- {name} at step {self.step} ---\n{printable(value)}\n---")
+                progress.write(f"--- {name} at step {self.step} ---\n{printable(redact_text(value))}\n---")
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 metrics[key] = float(value)
             elif is_image(value):
@@ -248,6 +249,9 @@ class Trainer:
         self.preemption.install()
         self.model.train()
         meter, metrics, first_step = Throughput(), {}, self.step
+        if self.cfg.compile and be.is_main:
+            progress.write(f"compiling the model (trainer.compile_backend={self.cfg.compile_backend}): the first "
+                           "steps take longer.")
         try:
             while self.step < cfg.max_steps:
                 batches = [be.to_device(next(batches_iter)) for _ in range(cfg.grad_accum_steps)]

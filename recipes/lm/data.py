@@ -114,37 +114,65 @@ def stdlib_corpus(seq_len: int = 256, cache_dir: str | None = None, val_every: i
     return _splits(cache, seq_len)
 
 
-def text_file(path: str, seq_len: int = 256, cache_dir: str | None = None, val_fraction: float = 0.1):
-    """Any file as bytes: the last `val_fraction` of it is the validation split."""
-    p = Path(os.path.expanduser(str(path)))
-    hint = "Point data.path at a readable text file, e.g. data=text data.path=/path/to/book.txt."
+def text_files(path: str) -> list[Path]:
+    """The files `data.path` names: a file, every regular file under a directory (hidden ones skipped), or the
+    files a glob pattern matches (`~/books/*.txt`, `corpus/**/*.md`), in sorted order."""
+    import glob
+
+    raw = os.path.expanduser(str(path))
+    hint = ("Point data.path at a readable text file, a directory of them or a glob pattern, e.g. "
+            "data=text data.path=/path/to/book.txt.")
+    if glob.has_magic(raw):
+        files = sorted(Path(f) for f in glob.glob(raw, recursive=True) if Path(f).is_file())
+        if not files:
+            raise DataError(f"data.path={str(path)!r} matches no file. {hint}")
+        return files
+    p = Path(raw)
     if not p.exists():
         raise DataError(f"data.path={str(path)!r} does not exist. {hint}")
     if p.is_dir():
-        raise DataError(f"data.path={str(path)!r} is a directory, not a file. {hint}")
+        files = sorted(f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".")
+                                                                          for part in f.relative_to(p).parts))
+        if not files:
+            raise DataError(f"data.path={str(path)!r} is a directory with no files in it. {hint}")
+        return files
+    if not p.is_file():  # a FIFO or a device would block the read forever
+        raise DataError(f"data.path={str(path)!r} is not a regular file (a pipe or a device?). {hint}")
+    return [p]
+
+
+def text_file(path: str, seq_len: int = 256, cache_dir: str | None = None, val_fraction: float = 0.1):
+    """Text as bytes from `text_files(path)`, concatenated (a newline between files): the last `val_fraction`
+    of it is the validation split."""
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"data.val_fraction={val_fraction} must be in [0, 1).")
+    files = text_files(path)
+    hint = "Point data.path at a readable text file, e.g. data=text data.path=/path/to/book.txt."
     try:
-        st = p.stat()
-        with open(p, "rb"):
-            pass
+        stats = [f.stat() for f in files]
+        for f in files:
+            with open(f, "rb"):
+                pass
     except OSError as e:
-        raise DataError(f"data.path={str(path)!r} cannot be read ({e.strerror}). {hint}") from None
-    if st.st_size == 0:
+        raise DataError(f"data.path={str(path)!r} cannot be read ({e.strerror}: {e.filename}). {hint}") from None
+    size = sum(st.st_size for st in stats) + len(files) - 1
+    if size <= 0:
         raise DataError(f"data.path={str(path)!r} is empty. {hint}")
-    if st.st_size < seq_len + 1:
+    if size < seq_len + 1:
         raise DataError(
-            f"data.path={str(path)!r} has {st.st_size} bytes, fewer than data.seq_len + 1 = {seq_len + 1}. "
+            f"data.path={str(path)!r} has {size} bytes, fewer than data.seq_len + 1 = {seq_len + 1}. "
             f"Use a longer file or a smaller data.seq_len."
         )
-    key = hashlib.sha256(repr((FORMAT, str(p.resolve()), st.st_size, st.st_mtime_ns, val_fraction)).encode())
-    cache = Path(cache_dir or default_cache_dir()) / f"text-{p.stem[:40]}-{key.hexdigest()[:12]}"
+    key = hashlib.sha256(repr((FORMAT, [(str(f.resolve()), st.st_size, st.st_mtime_ns) for f, st in zip(files, stats)],
+                               val_fraction)).encode())
+    name = files[0].stem if len(files) == 1 else f"{len(files)}files"
+    cache = Path(cache_dir or default_cache_dir()) / f"text-{name[:40]}-{key.hexdigest()[:12]}"
     with main_process_first():
         if not (cache / "meta.json").exists():
-            data = p.read_bytes()
+            data = b"\n".join(f.read_bytes() for f in files)
             n_val = int(len(data) * val_fraction)
             if len(data) - n_val < seq_len + 1:  # too short to split: train on all of it, no val
                 n_val = 0
             _build(cache, {"train": data[: len(data) - n_val], "val": data[len(data) - n_val :]},
-                   {"source": str(p.resolve()), "train_bytes": len(data) - n_val, "val_bytes": n_val})
+                   {"source": [str(f.resolve()) for f in files], "train_bytes": len(data) - n_val, "val_bytes": n_val})
     return _splits(cache, seq_len)

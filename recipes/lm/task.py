@@ -8,12 +8,23 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from trainer.errors import ConfigError
+
 
 class LanguageModeling:
     """The task object the Trainer calls. See `trainer.task.Task` for the protocol."""
 
     def __init__(self, sample_prompt: str = "def ", sample_tokens: int = 200, temperature: float = 0.8,
-                 top_k: int | None = 40):
+                 top_k: int | None = 40, vocab_size: int | None = None, seq_len: int | None = None,
+                 data_seq_len: int | None = None):
+        # The recipe passes the model's vocab_size and seq_len and the data's seq_len (interpolations), so
+        # mismatches are one paragraph at start instead of an IndexError in the middle of a step.
+        if vocab_size is not None and vocab_size < 256:
+            raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the data's 256 byte values. "
+                              "Use model.vocab_size=256 (the lm recipe's tokens are bytes).")
+        if seq_len is not None and data_seq_len is not None and seq_len < data_seq_len:
+            raise ConfigError(f"model.seq_len={seq_len} is shorter than data.seq_len={data_seq_len}: the model has no "
+                              "positions for the later tokens. Set model.seq_len >= data.seq_len (the default follows it).")
         self.sample_prompt, self.sample_tokens = sample_prompt, sample_tokens
         self.temperature, self.top_k = temperature, top_k
 
