@@ -150,9 +150,11 @@ def once_per_run(tmp_path_factory, name: str, build) -> Path:
 
 @pytest.fixture(scope="session")
 def ddp_reference(corpus, tmp_path_factory) -> tuple[Path, str]:
-    """Two processes x batch 4 through the real CLI (self-launched workers): (run dir, its stdout)."""
+    """Two processes x batch 4 through the real CLI (self-launched workers): (run dir, its stdout). It also
+    logs to TensorBoard, which tests/test_tensorboard.py reads (only rank 0 may write events)."""
     def build(run_dir: Path) -> None:
-        r = run_cli(*tiny_overrides(corpus, *SHARED, *DDP2), "trainer.progress=lines", f"hydra.run.dir={run_dir}")
+        r = run_cli(*tiny_overrides(corpus, *SHARED, *DDP2, "logger=tensorboard"), "trainer.progress=lines",
+                    f"hydra.run.dir={run_dir}")
         assert r.returncode == 0, r.stderr
         (run_dir.parent / "ddp_reference.stdout").write_text(r.stdout)
 

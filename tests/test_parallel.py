@@ -158,16 +158,6 @@ def test_tensor_parallel_by_fsdp_equals_one_process_and_resumes_anywhere(corpus,
         assert_same_run(d, reference, weights_atol=1e-4)
 
 
-def test_tensor_parallel_alone_and_under_ddp(corpus, tmp_path, reference):
-    """tp 2 on 2 processes (one data-parallel rank: both see the same batch of 8)."""
-    r = run_cli(*tiny_overrides(corpus, *SHARED, "world=ddp", "world.nproc_per_node=2", "world.tp=2",
-                                "data.batch_size=8", "trainer.progress=lines"), f"hydra.run.dir={tmp_path}")
-    assert r.returncode == 0, r.stderr
-    assert "using the per-parameter loop" in r.stdout  # fused AdamW refuses plain tensors beside DTensors
-    assert_same_run(tmp_path, reference, weights_atol=1e-4)
-    assert "step 6: val/loss" in r.stdout and r.stdout.count("step 6: val/loss") == 1  # metrics reduced once
-
-
 def _traps(rank: int, world: int, store: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
