@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import sys
 
+SHORT = {"tokens": "tok"}
 
-def _fmt(metrics: dict[str, float]) -> str:
-    keys = ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s")
-    parts = []
-    for k in keys:
-        if k in metrics:
-            v = metrics[k]
-            parts.append(f"{k.split('/')[1]}={v:.3g}" if k != "train/tokens_per_s" else f"tok/s={v:,.0f}")
+
+def _fmt(metrics: dict[str, float], unit: str = "tokens") -> str:
+    rate = f"train/{unit}_per_s"
+    parts = [f"{k.split('/')[1]}={metrics[k]:.3g}" for k in ("train/loss", "train/lr", "train/grad_norm") if k in metrics]
+    if rate in metrics:
+        parts.append(f"{SHORT.get(unit, unit)}/s={metrics[rate]:,.0f}")
     return " ".join(parts)
 
 
 class Progress:
-    def __init__(self, total: int, initial: int = 0, mode: str = "auto"):
+    def __init__(self, total: int, initial: int = 0, mode: str = "auto", unit: str = "tokens"):
+        self.unit = unit
         if mode == "auto":
             mode = "bar" if sys.stderr.isatty() else "lines"
         self.mode, self.total, self.bar = mode, total, None
@@ -30,10 +31,10 @@ class Progress:
         at log steps: they are set before the step is counted, so a redraw shows this log step's values."""
         if self.bar is not None:
             if metrics:
-                self.bar.set_postfix_str(_fmt(metrics), refresh=False)
+                self.bar.set_postfix_str(_fmt(metrics, self.unit), refresh=False)
             self.bar.update(step - self.bar.n)
         elif self.mode == "lines" and metrics:
-            print(f"step {step}/{self.total} {_fmt(metrics)}", flush=True)
+            print(f"step {step}/{self.total} {_fmt(metrics, self.unit)}", flush=True)
 
     def write(self, text: str) -> None:
         if self.mode == "off":

@@ -17,10 +17,15 @@ class Task(Protocol):
     def num_targets(self, batch: Any) -> int | torch.Tensor:
         """How many loss terms `loss` sums over for this batch (tokens for an LM, rows for regression)."""
 
-    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        """The SUM (not the mean) of the per-target losses of this batch, as a scalar tensor."""
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The SUM (not the mean) of the per-target losses of this batch, as a scalar tensor; or a dict with
+        that sum as "loss" and other additive sums (correct predictions, ...) under their own names. The
+        Trainer reduces each sum over micro-batches and ranks exactly like the loss and logs it divided by
+        the number of targets: {"loss": ..., "accuracy": n_correct} gives train/accuracy and val/accuracy."""
 
 
+# Optional attribute: target_unit, what num_targets counts ("tokens", "samples", "images"; default "targets"):
+# throughput is logged as train/<target_unit>_per_s.
 # Optional methods, used when present:
 #   setup(train, val, run_dir) -> None     once per process after the datasets are built, e.g. to fit a data
 #                                          normaliser on the main process (trainer.main_process_first) and
@@ -37,21 +42,40 @@ class Task(Protocol):
 class SupervisedTask:
     """A ready-made task for `model(x) -> prediction`, batches `(x, y)` and a torch loss class.
 
-    `loss_fn` is built with reduction='sum'. Example config::
+    `loss_fn` is built with reduction='sum'. With a classification loss (CrossEntropyLoss, NLLLoss) the
+    accuracy is logged too (train/accuracy, val/accuracy). Example config::
 
         task:
           _target_: trainer.task.SupervisedTask
           loss: torch.nn.MSELoss
     """
 
+    target_unit = "samples"
+
     def __init__(self, loss: str = "torch.nn.MSELoss"):
         from hydra.utils import get_class
 
-        self.loss_fn = get_class(loss)(reduction="sum")
+        cls = get_class(loss)
+        self.loss_fn = cls(reduction="sum")
+        self.classification = issubclass(cls, (nn.CrossEntropyLoss, nn.NLLLoss))
 
     def num_targets(self, batch: Any) -> int:
         return len(batch[0])
 
-    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor | dict[str, torch.Tensor]:
         x, y = batch
-        return self.loss_fn(model(x), y)
+        pred = model(x)
+        loss = self.loss_fn(pred, y)
+        if not self.classification:
+            return loss
+        return {"loss": loss, "accuracy": (pred.argmax(-1) == y).sum()}
+
+
+def split_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """What `task.loss` returned, as (the summed loss, the other additive sums by name)."""
+    if isinstance(out, dict):
+        if "loss" not in out:
+            raise TypeError(f"task.loss() returned a dict without 'loss' (keys: {', '.join(out)}); put the summed "
+                            "loss under 'loss'.")
+        return out["loss"], {k: v for k, v in out.items() if k != "loss"}
+    return out, {}

@@ -26,7 +26,7 @@ from .progress import NullProgress, Progress
 from .redaction import redact_text
 from .rng import rng_state, set_rng_state
 from .strategies import Strategy, unwrap
-from .task import Task
+from .task import Task, split_loss
 
 EVAL_STREAM = 1 << 48  # val sample i draws its noise (trainer.noise) as sample EVAL_STREAM + i of the stream
 
@@ -99,7 +99,7 @@ class Trainer:
         # gradients, hence the factor dp_size.
         scale = self.strategy.dp_size / n_global
         b, dp = self.data.batch_size, self.strategy.dp_size
-        loss_sum = None
+        loss_sum, sums = None, {}
         for i, batch in enumerate(batches):
             # Where this micro-batch sits in the global sample stream: a task's per-sample noise
             # (trainer.noise) depends on it alone, not on how the global batch is split.
@@ -107,9 +107,11 @@ class Trainer:
             # Gradients are synced only in the last micro-step's backward; earlier ones accumulate.
             with self.strategy.no_sync(model, enabled=i < k - 1), self.precision.autocast(), \
                     noise.for_samples(torch.arange(first, first + b), self.cfg.seed):
-                loss = self.task.loss(model, batch)
+                loss, extra = split_loss(self.task.loss(model, batch))
             self.precision.backward(loss * scale)
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            for name, value in extra.items():  # additive sums (accuracy counts, ...): summed like the loss
+                sums[name] = sums.get(name, 0) + torch.as_tensor(value).detach().double()
         self.strategy.reduce_gradients(self.params)  # where the wrapper did not (tensor parallel without FSDP)
         # Clip the true gradients: fp16 gradients are unscaled first.
         self.precision.unscale_(opt)
@@ -128,7 +130,7 @@ class Trainer:
                 self.ema.update(self.step + 1)
         else:
             self.skipped_steps += 1
-        return {"loss_sum": loss_sum, "grad_norm": grad_norm}
+        return {"loss_sum": loss_sum, "grad_norm": grad_norm, "sums": sums}
 
     # -- eval ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -141,17 +143,24 @@ class Trainer:
                                self.cfg.eval_samples, be.device, lockstep=st.collective_forward)
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=be.device)  # [loss sum, targets]
+        sums: dict[str, torch.Tensor] = {}
         for batch, counted, indices in batches:
             batch = be.to_device(batch)
             # The raw module: DDP's forward would expect a backward to follow. Noise by val sample: the same
             # at every eval and on any number of ranks.
             with self.precision.autocast(), noise.for_samples(EVAL_STREAM + torch.tensor(indices), self.cfg.seed):
-                loss = self.task.loss(self.raw_model, batch)
+                loss, extra = split_loss(self.task.loss(self.raw_model, batch))
             if counted:
                 totals[0] += loss.double()
                 totals[1] += self.task.num_targets(batch)
+                for name, value in extra.items():
+                    sums[name] = sums.get(name, 0) + torch.as_tensor(value).double()
         self.model.train()
-        loss_sum, count = be.all_reduce(totals, group=st.dp_group).tolist()
+        # Every rank reduces the same names (a rank without val samples has none of its own).
+        names = sorted(set().union(*be.gather_object(sorted(sums)))) if be.distributed else sorted(sums)
+        values = torch.stack([totals[0], totals[1], *(torch.as_tensor(sums.get(n, 0.0), dtype=torch.float64,
+                                                                        device=be.device) for n in names)])
+        loss_sum, count, *reduced = be.all_reduce(values, group=st.dp_group).tolist()
         if count == 0:
             return {}
         loss = loss_sum / count
@@ -159,6 +168,7 @@ class Trainer:
             raise NonFiniteError(f"{prefix}/loss is {loss} at step {self.step}: the model's outputs are no longer "
                                  f"finite. {FIX} Earlier checkpoints are intact.")
         extra = self.task.eval_metrics(loss) if hasattr(self.task, "eval_metrics") else {}
+        extra.update({n: v / count for n, v in zip(names, reduced)})
         return {f"{prefix}/loss": loss, **{f"{prefix}/{k}": v for k, v in extra.items()}}
 
     @torch.no_grad()
@@ -211,16 +221,26 @@ class Trainer:
         """The log step's metrics: the loop's host syncs happen here, every log_every steps."""
         self.guard.read(self.step)
         rates = meter.window(self.global_batch)
+        names = sorted(out["sums"])
+        sums = torch.stack([out["loss_sum"].double(), *(out["sums"][n].to(out["loss_sum"].device) for n in names)])
+        loss, *others = (self.backend.all_reduce(sums, group=self.strategy.dp_group) / n_global).tolist()
+        unit = self.target_unit
         return {
-            "train/loss": float(self.backend.all_reduce(out["loss_sum"], group=self.strategy.dp_group) / n_global),
+            "train/loss": loss,
+            **{f"train/{n}": v for n, v in zip(names, others)},
             "train/lr": self.scheduler.get_last_lr()[0],
             "train/grad_norm": float(out["grad_norm"]),
-            "train/tokens_per_s": rates["targets_per_s"],
+            **({} if unit == "samples" else {f"train/{unit}_per_s": rates["targets_per_s"]}),
             "train/samples_per_s": rates["samples_per_s"],
             "train/step_time_ms": rates["step_time_ms"],
             "train/skipped_steps": self.skipped_steps,
             **(self.cost.metrics(rates["targets_per_s"]) if self.cost else {}),
         }
+
+    @property
+    def target_unit(self) -> str:
+        """What the task's num_targets counts ("tokens", "samples", ...; trainer/task.py)."""
+        return getattr(self.task, "target_unit", "targets")
 
     def _preempted(self, first_step: int) -> None:
         """Every rank agreed at this step boundary: save (unless no step was taken), then stop with exit code 75."""
@@ -243,7 +263,7 @@ class Trainer:
 
     def fit(self) -> dict[str, float]:
         cfg, be = self.cfg, self.backend
-        progress = Progress(cfg.max_steps, self.step, cfg.progress) if be.is_main else NullProgress()
+        progress = Progress(cfg.max_steps, self.step, cfg.progress, self.target_unit) if be.is_main else NullProgress()
         batches_iter = iter(train_loader(self.data.train, self.sampler(), self.data.num_workers, be.device, cfg.seed))
         installed_here = not self.preemption.installed
         self.preemption.install()
@@ -298,7 +318,8 @@ class Trainer:
         if steps == 0 or meter.run_seconds == 0:
             return {}
         rate = meter.run_targets / meter.run_seconds
-        out = {"summary/steps": steps, "summary/train_time_s": meter.run_seconds, "summary/tokens_per_s": rate}
+        out = {"summary/steps": steps, "summary/train_time_s": meter.run_seconds,
+               f"summary/{self.target_unit}_per_s": rate}
         if self.cost:
             out.update({k.replace("train/", "summary/"): v for k, v in self.cost.metrics(rate).items()})
         return out

@@ -148,6 +148,8 @@ class Diffusion:
     floor on per-pixel std (in [0, 1] pixel units).
     """
 
+    target_unit = "images"  # num_targets counts images: train/images_per_s
+
     def __init__(self, num_samples: int = 64, sample_steps: int = 32, guidance: float = 0.0, seed: int = 0,
                  label_dropout: float = 0.0, num_classes: int = NUM_CLASSES, upscale: int = 4,
                  min_std: float = 0.1):

@@ -14,6 +14,8 @@ from trainer.errors import ConfigError
 class LanguageModeling:
     """The task object the Trainer calls. See `trainer.task.Task` for the protocol."""
 
+    target_unit = "tokens"  # num_targets counts bytes: train/tokens_per_s
+
     def __init__(self, sample_prompt: str = "def ", sample_tokens: int = 200, temperature: float = 0.8,
                  top_k: int | None = 40, vocab_size: int | None = None, seq_len: int | None = None,
                  data_seq_len: int | None = None):

@@ -1,0 +1,55 @@
+"""Metrics from the task: additive sums (here, correct predictions) reduced over micro-batches and ranks
+exactly like the loss, and throughput named after what the task counts."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from conftest import FAULTY_ENV, ROOT, read_metrics, run_cli, series
+
+sys.path.insert(0, str(ROOT / "tests"))  # classify.py, in-process
+CONF = str(ROOT / "tests" / "conf")
+
+
+def train_classifier(run_dir, *extra):
+    from trainer import compose, train
+
+    train(compose(["recipe=classify", *extra], config_dir=CONF), run_dir)
+    return read_metrics(run_dir)
+
+
+def test_accuracy_is_logged_for_a_classification_loss_and_is_exact(tmp_path):
+    from hydra.utils import instantiate
+    from safetensors.torch import load_file
+
+    events = train_classifier(tmp_path)
+    acc = series(events, "train/accuracy")
+    assert len(acc) == 3 and all(0.0 <= a <= 1.0 for a in acc) and acc[-1] > 0.7
+    final = [e for e in events if "val/accuracy" in e][-1]
+    # Recompute with the exported weights: the logged value is exactly correct / val samples.
+    model = instantiate(json.loads((tmp_path / "model_config.json").read_text()))
+    model.load_state_dict(load_file(str(tmp_path / "model.safetensors")))
+    from classify import blobs
+
+    _, val = blobs()
+    x, y = val.tensors
+    with torch.no_grad():
+        correct = (model(x).argmax(-1) == y).sum().item()
+    assert final["val/accuracy"] == pytest.approx(correct / len(y), abs=1e-12)
+    # Throughput says what the task counts: samples, not tokens.
+    assert "train/samples_per_s" in events[0] and "train/tokens_per_s" not in events[0]
+
+
+@pytest.mark.slow
+def test_accuracy_over_two_ranks_and_micro_batches_equals_one_process(tmp_path):
+    """val: 61 samples split 31/30; train: 2 ranks x 2 micro-batches of 4 = 1 x 16."""
+    one = train_classifier(tmp_path / "one")
+    r = run_cli("--config-dir", CONF, "recipe=classify", "world=ddp", "world.nproc_per_node=2", "data.batch_size=4",
+                "trainer.grad_accum_steps=2", f"hydra.run.dir={tmp_path / 'two'}", env=FAULTY_ENV)
+    assert r.returncode == 0, r.stderr
+    two = read_metrics(tmp_path / "two")
+    for key in ("train/accuracy", "val/accuracy", "train/loss", "val/loss"):
+        assert series(two, key) == pytest.approx(series(one, key), abs=1e-6), key
