@@ -199,3 +199,18 @@ def faulty(action: str, at_call: int, rank: int = 0, first_attempt_only: bool = 
     """Overrides that make tests/faulty.py misbehave on `rank` at training loss call `at_call`."""
     return ["task._target_=faulty.Faulty", f"+task.action={action}", f"+task.at_call={at_call}",
             f"+task.rank={rank}", f"+task.first_attempt_only={first_attempt_only}"]
+
+
+# 12 steps of the diffusion smoke sizes (8 channels, 8 samples of 4 Euler steps); EMA on (the recipe's default).
+DIFFUSION = ("recipe=diffusion", "debug=smoke", "trainer.max_steps=12", "trainer.eval_every=6",
+             "checkpoint.every_n_steps=4", "ema.decay=0.9", "trainer.log_every=2")
+
+
+@pytest.fixture(scope="session")
+def diffusion_reference(tmp_path_factory) -> Path:
+    """The diffusion recipe on one process, batch 16, through the real CLI."""
+    def build(run_dir: Path) -> None:
+        r = run_cli(*DIFFUSION, "data.batch_size=16", f"hydra.run.dir={run_dir}")
+        assert r.returncode == 0, r.stderr
+
+    return once_per_run(tmp_path_factory, "diffusion_reference", build)

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    DIFFUSION,
     FAULTY_ENV,
     assert_identical,
     checkpoints,
     faulty,
     load_weights,
-    once_per_run,
     read_metrics,
     run_cli,
     series,
@@ -24,21 +24,12 @@ from conftest import (
 
 pytestmark = pytest.mark.slow
 
-# 12 steps of the smoke sizes (8 channels, 8 samples of 4 Euler steps); EMA on (the recipe's default).
-DIFFUSION = ("recipe=diffusion", "debug=smoke", "trainer.max_steps=12", "trainer.eval_every=6",
-             "checkpoint.every_n_steps=4", "ema.decay=0.9", "trainer.log_every=2")
 
 
 def run(run_dir: Path, *extra: str, env: dict | None = None, code: int = 0):
     r = run_cli(*DIFFUSION, *extra, f"hydra.run.dir={run_dir}", env=env)
     assert r.returncode == code, r.stderr
     return r
-
-
-@pytest.fixture(scope="session")
-def diffusion_reference(tmp_path_factory) -> Path:
-    """One process, batch 16."""
-    return once_per_run(tmp_path_factory, "diffusion_reference", lambda d: run(d, "data.batch_size=16"))
 
 
 def test_two_ranks_draw_the_same_noise_as_one_and_share_one_normaliser(tmp_path, diffusion_reference):

@@ -4,6 +4,7 @@ Public API (imported lazily so `python -m trainer --help` does not pay for torch
     compose(overrides)        the checked, resolved config of `python -m trainer OVERRIDES`
     build(cfg, run_dir)       the Trainer a run of `cfg` starts from (model, data, optimizer, ... built)
     train(cfg, run_dir)       build, resume, fit and export
+    load(run_dir, ema=False)  a finished run's model with its weights
     Trainer                   the loop, for use without Hydra
     main_process_first()      run a block on the main process first (caches), then the rest
     is_main_process(), barrier()
@@ -17,6 +18,7 @@ _EXPORTS = {
     "compose": "trainer.composition",
     "build": "trainer.run",
     "train": "trainer.run",
+    "load": "trainer.finished",
     "Trainer": "trainer.trainer",
     "Backend": "trainer.backend",
     "main_process_first": "trainer.backend",

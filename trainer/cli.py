@@ -19,7 +19,7 @@ from .config import check_hydra_hooks
 from .errors import NonFiniteError, TrainerExit, UserError
 from .redaction import redact, scrub, secret_values
 
-COMMANDS = ("env", "check")
+COMMANDS = ("env", "check", "eval", "sample")  # trainer/commands.py
 
 
 def debug_enabled() -> bool:
@@ -80,14 +80,6 @@ def scrub_hydra_files(run_dir: Path, secrets: set[str]) -> None:
             atomic_write_text(f, clean)
 
 
-def save_config(cfg: DictConfig, run_dir: Path) -> Path:
-    from .io import atomic_write_text
-
-    path = run_dir / "config.yaml"
-    atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.create(redact(OmegaConf.to_container(cfg)))))
-    return path
-
-
 # -- the Hydra task ----------------------------------------------------------------------------------
 def run_job(cfg: DictConfig) -> float | None:
     """Hydra's task function: record the (already checked) config, then train here or launch workers."""
@@ -114,6 +106,8 @@ def run_job(cfg: DictConfig) -> float | None:
                 run_dir = found
         lock = RunDirLock(run_dir).acquire()
         scrub_hydra_files(run_dir, secret_values(OmegaConf.to_container(resolved)))
+        from .run import save_config
+
         save_config(resolved, run_dir)
         print(f"run dir: {run_dir}", flush=True)
         from .launcher import WorkerFailed, run
@@ -184,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] and argv[0] in COMMANDS:
         from . import commands
 
-        sys.exit(getattr(commands, argv[0])(argv[1:]))
+        sys.exit(commands.COMMANDS[argv[0]](argv[1:]))
     from .launcher import follow_torchrun_rank0, is_torchrun_follower
 
     if is_torchrun_follower():

@@ -1,5 +1,6 @@
-"""`python -m trainer env` (what is installed and available) and `python -m trainer check`
-(a correctness self-test of this machine: accumulation, DDP, FSDP, tensor parallelism and resume)."""
+"""The commands beside training: `python -m trainer env` (what is installed and available), `check` (a
+correctness self-test of this machine: accumulation, DDP, FSDP, tensor parallelism and resume), and for a
+finished run `eval RUN_DIR` (its val metrics, on any world size) and `sample RUN_DIR`."""
 
 from __future__ import annotations
 
@@ -145,3 +146,105 @@ def check(argv: list[str]) -> int:
         return 0 if all(results) else 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- eval and sample: a finished run -------------------------------------------------------------------------
+def _run_and_options(argv: list[str], usage: str, options: tuple[str, ...]) -> tuple[str, dict[str, str], list[str]]:
+    from .errors import ConfigError
+
+    if not argv or "=" in argv[0] or argv[0].startswith("-"):
+        raise ConfigError(f"usage: {usage}")
+    opts = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv[1:] if a.split("=", 1)[0] in options}
+    rest = [a for a in argv[1:] if a.split("=", 1)[0] not in options]
+    return argv[0], opts, rest
+
+
+def _user_errors(fn):
+    """A command's user mistakes are one paragraph and exit 2, as for training."""
+    import functools
+
+    @functools.wraps(fn)
+    def inner(argv: list[str]) -> int:
+        from .cli import debug_enabled, report
+        from .errors import TrainerExit
+
+        try:
+            return fn(argv)
+        except TrainerExit as err:
+            if debug_enabled():
+                raise
+            report(err)
+            return err.exit_code
+    return inner
+
+
+@_user_errors
+def evaluate(argv: list[str]) -> int:
+    """`python -m trainer eval RUN_DIR [checkpoint=latest|best|PATH] [OVERRIDES...]`: the val metrics of a run's
+    final (or best, or a given) checkpoint, its EMA's too, on any world size (world=ddp world.nproc_per_node=2)
+    and eval settings (trainer.eval_samples=null: the whole val split). Prints one JSON line."""
+    import shutil
+
+    from omegaconf import open_dict
+
+    from .composition import prepare
+    from .finished import checkpoint_of, config_of
+    from .launcher import run
+
+    usage = "python -m trainer eval RUN_DIR [checkpoint=latest|best|PATH] [KEY=VALUE ...]"
+    run_dir, opts, overrides = _run_and_options(argv, usage, ("checkpoint",))
+    cfg = config_of(run_dir, overrides)
+    with open_dict(cfg):
+        cfg.resume = str(checkpoint_of(run_dir, opts.get("checkpoint", "latest")))
+    cfg = prepare(cfg)
+    scratch = Path(tempfile.mkdtemp(prefix="trainer-eval-"))
+    try:
+        run(cfg, scratch, entry="evaluate")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+@_user_errors
+def sample(argv: list[str]) -> int:
+    """`python -m trainer sample RUN_DIR [ema=true|false] [out=PATH]`: what the run's task samples from its final
+    weights (the EMA's when the run kept them): text is printed, an image grid is written (default
+    RUN_DIR/samples/sample.png), sample metrics are printed."""
+    import torch
+
+    from .finished import load, load_task
+    from .images import is_image, png_bytes
+    from .io import atomic_write_bytes
+    from .trainer import printable
+
+    run_dir, opts, rest = _run_and_options(argv, "python -m trainer sample RUN_DIR [ema=true|false] [out=PATH]",
+                                           ("ema", "out"))
+    if rest:
+        from .errors import ConfigError
+
+        raise ConfigError(f"python -m trainer sample takes ema= and out=, not {' '.join(rest)}.")
+    run = Path(run_dir)
+    has_ema = (run / "model_ema.safetensors").is_file() or (run / "model_ema.safetensors.index.json").is_file()
+    ema = opts.get("ema", "true" if has_ema else "false").lower() in ("1", "true", "yes")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, task = load(run, ema=ema, device=device), load_task(run)
+    if not hasattr(task, "sample"):
+        from .errors import ConfigError
+
+        raise ConfigError(f"the task of {run} ({type(task).__name__}) has no sample().")
+    with torch.no_grad():
+        out = task.sample(model, torch.device(device))
+    out = out if isinstance(out, dict) else {"sample": out}
+    for name, value in out.items():
+        if isinstance(value, str):
+            print(printable(value))
+        elif is_image(value):
+            path = Path(opts.get("out", run / "samples" / ("sample.png" if name == "image" else f"sample_{name}.png")))
+            atomic_write_bytes(path, png_bytes(value))
+            print(f"{name}: {path}")
+        else:
+            print(f"{name}: {value:.4g}" if isinstance(value, float) else f"{name}: {value}")
+    return 0
+
+
+COMMANDS = {"env": env, "check": check, "eval": evaluate, "sample": sample}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from .worker import CONFIG_ENV, RUN_DIR_ENV, run_worker
+from .worker import CONFIG_ENV, ENTRY_ENV, RUN_DIR_ENV, run_worker
 
 
 def in_torchrun() -> bool:
@@ -54,8 +54,8 @@ def _share_config(payload: list) -> list:
 
 def follow_torchrun_rank0() -> int:
     """Entry of torchrun ranks > 0: receive rank 0's resolved config and train."""
-    container, run_dir = _share_config([None, None])
-    return run_worker(OmegaConf.create(container), Path(run_dir))
+    container, run_dir, entry = _share_config([None, None, None])
+    return run_worker(OmegaConf.create(container), Path(run_dir), entry)
 
 
 def nproc_per_node(value) -> int:
@@ -66,20 +66,20 @@ def nproc_per_node(value) -> int:
     return int(value)
 
 
-def run(cfg: DictConfig, run_dir: Path) -> dict | None:
-    """Train according to `cfg.world`: here, or in workers started by the elastic launcher."""
+def run(cfg: DictConfig, run_dir: Path, entry: str = "train") -> dict | None:
+    """Run `trainer.run.<entry>` (train, or evaluate) according to `cfg.world`: here, or in workers started by
+    the elastic launcher."""
+    from . import run as entries
     from .config import locate
 
     if in_torchrun():  # we are torchrun's rank 0: hand the config to the other ranks
-        _share_config([OmegaConf.to_container(cfg), str(run_dir)])
+        _share_config([OmegaConf.to_container(cfg), str(run_dir), entry])
     else:
         w = launch_topology(cfg.world)
         several = nproc_per_node(w.nproc_per_node) * w.nnodes > 1
         if several and locate("world", cfg.world._target_).distributed:
-            return launch(cfg, run_dir)
-    from .run import train
-
-    return train(cfg, run_dir)
+            return launch(cfg, run_dir, entry)
+    return getattr(entries, entry)(cfg, run_dir)
 
 
 # -- SLURM: the multi-node topology from the job's environment (trainer/slurm.py) ---------------------
@@ -109,7 +109,7 @@ def launch_topology(world: DictConfig, say=None):
 # -- end SLURM -------------------------------------------------------------------------------------------
 
 
-def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
+def launch(cfg: DictConfig, run_dir: Path, entry: str = "train") -> dict | None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -154,6 +154,7 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ[CONFIG_ENV] = json.dumps(OmegaConf.to_container(cfg))
     os.environ[RUN_DIR_ENV] = str(run_dir)
+    os.environ[ENTRY_ENV] = entry
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "trainer.worker")
     except ChildFailedError as e:
@@ -169,8 +170,8 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
         raise Preempted(f"stopped by {signal.Signals(e.sigval).name}; workers saved a checkpoint at the next "
                         "step boundary. Rerun the same command with resume=auto to continue.") from None
     finally:
-        os.environ.pop(CONFIG_ENV, None)
-        os.environ.pop(RUN_DIR_ENV, None)
+        for name in (CONFIG_ENV, RUN_DIR_ENV, ENTRY_ENV):
+            os.environ.pop(name, None)
     return None
 
 

@@ -114,7 +114,7 @@ def preflight(cfg: DictConfig, run_dir: Path) -> None:
     """Build what can fail from a config mistake, cheaply, before any worker process starts:
     the strategy, the model on the meta device (no memory), the task, the precision and the datasets
     (whose cache is then built once, here, for all workers)."""
-    device = usable_device(cfg.world.device)
+    device = usable_device(launch_config(cfg.world).device)
     strategy = build_strategy(cfg.world)
     with torch.device("meta"):
         strategy.check_model(build_node("model", cfg.model))
@@ -263,6 +263,15 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
+def save_config(cfg: DictConfig, run_dir: Path) -> Path:
+    """`config.yaml`: the run's resolved config, secrets redacted (what `trainer eval` and `resume` read)."""
+    from .io import atomic_write_text
+
+    path = Path(run_dir) / "config.yaml"
+    atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.create(redact(OmegaConf.to_container(cfg)))))
+    return path
+
+
 def write_run_info(run_dir: Path, cfg: DictConfig, trainer: Trainer) -> None:
     """`run_info.json`: what it takes to reproduce the run, beside config.yaml and .hydra/overrides.yaml."""
     import platform
@@ -329,6 +338,9 @@ def export(trainer: Trainer, cfg: DictConfig, run_dir: Path) -> None:
         if trainer.backend.is_main:
             if hasattr(trainer.task, "state_dict"):
                 export_task_state(trainer.task.state_dict(), run_dir)
+            config = getattr(trainer.raw_model, "config", None)
+            if hasattr(config, "save_pretrained"):  # a Hugging Face model: config.json, so from_pretrained(RUN_DIR) works
+                config.save_pretrained(str(run_dir))
             atomic_write_json(run_dir / EXPORT_MARKER, {"step": trainer.step, "names": [n for n, _ in parts]})
     except OSError as e:
         from .errors import StorageError
@@ -345,6 +357,27 @@ def exported(run_dir: Path, step: int) -> bool:
         return json.loads((run_dir / EXPORT_MARKER).read_text())["step"] == step
     except (OSError, ValueError, KeyError, TypeError):
         return False
+
+
+def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
+    """The val metrics of the checkpoint `cfg.resume` names (its weights, and its EMA's when the run kept one),
+    on this config's world; `run_dir` is scratch space. The main rank prints them as one JSON line."""
+    import json
+
+    trainer = build(cfg, Path(run_dir))
+    done = False
+    try:
+        trainer.load_checkpoint(Path(cfg.resume), resume=False)
+        metrics = trainer.evaluate()
+        if trainer.ema is not None:
+            with trainer.ema.swapped_in():
+                metrics.update(trainer.evaluate(prefix="val_ema"))
+        if trainer.backend.is_main:
+            print(json.dumps({"checkpoint": str(cfg.resume), "step": trainer.step, **metrics}), flush=True)
+        done = True
+        return metrics
+    finally:
+        trainer.backend.teardown(wait_for_peers=done)
 
 
 def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
@@ -379,6 +412,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
         else:
             loggers.start_fresh()  # a rerun that found no checkpoint: set the earlier run's events aside
         if backend.is_main:
+            save_config(cfg, run_dir)  # (the CLI wrote it before the workers started; this is the API's path)
             loggers.log_config(OmegaConf.to_container(cfg, resolve=True))
             write_run_info(run_dir, cfg, trainer)
         try:

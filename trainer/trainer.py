@@ -369,9 +369,10 @@ class Trainer:
             self.backend.barrier()
         return path
 
-    def load_checkpoint(self, path: Path) -> None:
+    def load_checkpoint(self, path: Path, resume: bool = True) -> None:
         """Load a checkpoint written under any strategy and world size (with the same global batch). Every
-        tensor and value is checked against the live objects first; nothing is changed unless all fit."""
+        tensor and value is checked against the live objects first; nothing is changed unless all fit.
+        `resume=False` (an eval): the data order need not continue (any world size or batch)."""
         from . import snapshot
 
         loaded = ckpt.read(path, self.backend)
@@ -397,7 +398,8 @@ class Trainer:
                                  else {"state": {}, "param_groups": []})
             state = snapshot.conform({k: tree[k] for k in like}, like, loaded.state, where)
             _check_optimizer(state["optimizer"], like["optimizer"], where)
-            self._check_run_state(state["trainer"])
+            if resume:
+                self._check_run_state(state["trainer"])
         except BaseException:
             if fresh_optimizer:  # the template initialised it; a fresh run must not start from that
                 self.strategy.reset_optimizer(self.optimizer)
@@ -412,7 +414,10 @@ class Trainer:
             group.update(h)
         for name, c in self.components.items():
             c.load_state_dict(state[name])
-        self.load_state_dict(state["trainer"])
+        if resume:
+            self.load_state_dict(state["trainer"])
+        else:
+            self.step = state["trainer"]["step"]
         rngs = state["rng"]
         if self.backend.rank < len(rngs):  # same world size: continue each rank's own stream
             set_rng_state(rngs[self.backend.rank])

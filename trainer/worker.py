@@ -16,15 +16,16 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 # What the launcher sets for each worker (this module reads them; the launcher imports the names).
-CONFIG_ENV, RUN_DIR_ENV = "TRAINER_CONFIG", "TRAINER_RUN_DIR"
+CONFIG_ENV, RUN_DIR_ENV, ENTRY_ENV = "TRAINER_CONFIG", "TRAINER_RUN_DIR", "TRAINER_ENTRY"
+ENTRIES = ("train", "evaluate")  # functions of trainer.run a job runs on every rank
 
 
-def run_worker(cfg: DictConfig, run_dir: Path) -> int:
+def run_worker(cfg: DictConfig, run_dir: Path, entry: str = "train") -> int:
+    from . import run
     from .errors import TrainerExit
-    from .run import train
 
     try:
-        train(cfg, run_dir)
+        getattr(run, entry)(cfg, run_dir)
         return 0
     except KeyboardInterrupt:  # Ctrl-C reached every process of the job; the parent says so once
         return 130
@@ -52,7 +53,8 @@ def _record(message: str, stack: str) -> None:
 def main() -> int:
     cfg = OmegaConf.create(json.loads(os.environ[CONFIG_ENV]))
     OmegaConf.set_struct(cfg, True)
-    return run_worker(cfg, Path(os.environ[RUN_DIR_ENV]))
+    entry = os.environ.get(ENTRY_ENV, "train")
+    return run_worker(cfg, Path(os.environ[RUN_DIR_ENV]), entry if entry in ENTRIES else "train")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,112 @@
+"""A finished run, used: `trainer.load(RUN_DIR)`, `python -m trainer eval RUN_DIR` (any checkpoint, any world
+size) and `python -m trainer sample RUN_DIR`."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from conftest import SHARED, load_weights, read_metrics, run_cli, run_main, tiny_overrides
+
+
+def test_load_gives_the_model_with_its_final_or_ema_weights(reference):
+    import trainer
+
+    for ema, name in ((False, "model.safetensors"), (True, "model_ema.safetensors")):
+        model = trainer.load(reference, ema=ema)
+        assert not model.training
+        weights = load_weights(reference / name)
+        assert all(torch.equal(model.state_dict()[k], weights[k]) for k in weights)
+
+
+def test_load_refuses_a_model_config_that_runs_code(reference, tmp_path):
+    import shutil
+
+    import trainer
+    from trainer.errors import ConfigError
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    (run / "model_config.json").write_text(json.dumps({"_target_": "os.system", "command": f"touch {tmp_path}/x"}))
+    with pytest.raises(ConfigError, match="refused"):
+        trainer.load(run)
+    assert not (tmp_path / "x").exists()
+
+
+def test_eval_reports_the_final_checkpoints_metrics(reference, capsys):
+    from trainer.commands import evaluate
+
+    assert evaluate([str(reference)]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    final = read_metrics(reference)[-1]
+    assert got["step"] == 12 and got["checkpoint"].endswith("step_00000012")
+    for key in ("val/loss", "val/bpb", "val_ema/loss"):
+        assert got[key] == pytest.approx(final[key], abs=1e-9), key
+
+
+@pytest.mark.slow
+def test_eval_on_two_processes_of_another_checkpoint_with_other_eval_settings(reference, corpus, tmp_path):
+    """checkpoint=PATH (step 8), 2 ranks, the first 20 val samples: equal to one process's eval of the same."""
+    from trainer.commands import evaluate
+
+    step8 = reference / "checkpoints" / "step_00000008"
+    r = run_cli("eval", str(reference), f"checkpoint={step8}", "world=ddp", "world.nproc_per_node=2",
+                "data.batch_size=4", "trainer.eval_samples=20")
+    assert r.returncode == 0, r.stderr
+    two = json.loads(r.stdout.strip().splitlines()[-1])
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        evaluate([str(reference), f"checkpoint={step8}", "trainer.eval_samples=20"])
+    one = json.loads(buf.getvalue().strip().splitlines()[-1])
+    assert two["step"] == one["step"] == 8
+    assert two["val/loss"] == pytest.approx(one["val/loss"], rel=1e-6)
+    assert two["val_ema/loss"] == pytest.approx(one["val_ema/loss"], rel=1e-6)
+
+
+def test_eval_mistakes_are_one_paragraph(reference, tmp_path):
+    from test_errors import assert_clean_error
+
+    for args, needle in ((["eval"], "usage: python -m trainer eval RUN_DIR"),
+                         (["eval", str(tmp_path)], "is not a run dir"),
+                         (["eval", str(reference), "checkpoint=best"], "no checkpoints/best.json"),
+                         (["eval", str(reference), "trainer.nosuch=1"], "nosuch")):
+        r = run_main(*args, cwd=tmp_path)
+        assert_clean_error(r, needle)
+
+
+def test_sample_writes_the_grid_from_the_ema_weights_and_needs_nothing_else(diffusion_reference, tmp_path):
+    out = tmp_path / "grid.png"
+    r = run_main("sample", str(diffusion_reference), f"out={out}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"image: {out}" in r.stdout
+    png = out.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24]) > (8, 8)
+
+
+def test_sample_prints_the_lm_text(corpus, tmp_path):
+    from trainer import compose, train
+
+    train(compose(tiny_overrides(corpus, "trainer.max_steps=2", "task.sample_tokens=30")), tmp_path / "run")
+    r = run_main("sample", str(tmp_path / "run"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("def ") and len(r.stdout.strip()) >= 30
+
+
+def test_a_hugging_face_model_gets_its_config_json(corpus, tmp_path):
+    """A model with `config.save_pretrained` (Hugging Face's): the export writes config.json beside the weights,
+    so `from_pretrained(RUN_DIR)` finds both. (transformers is not installed here: a stand-in model.)"""
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from trainer import compose, train
+
+    train(compose(tiny_overrides(corpus, "trainer.max_steps=2", "model._target_=hf_like.HFLike")), tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "hf-like"
+    assert SHARED  # (the shared schedule is not needed here)
