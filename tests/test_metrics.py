@@ -44,12 +44,16 @@ def test_accuracy_is_logged_for_a_classification_loss_and_is_exact(tmp_path):
 
 
 @pytest.mark.slow
-def test_accuracy_over_two_ranks_and_micro_batches_equals_one_process(tmp_path):
-    """val: 61 samples split 31/30; train: 2 ranks x 2 micro-batches of 4 = 1 x 16."""
-    one = train_classifier(tmp_path / "one")
+def test_accuracy_over_two_ranks_and_micro_batches_equals_one_process_and_both_stop_early_alike(tmp_path):
+    """val: 61 samples split 31/30; train: 2 ranks x 2 micro-batches of 4 = 1 x 16. Early stopping on the
+    accuracy with mode=min (it rises: the first eval stays the best) stops both at the second eval, step 30."""
+    stop = ["trainer.max_steps=60", "callbacks=early_stopping", "callbacks.early_stopping.monitor=val/accuracy",
+            "callbacks.early_stopping.mode=min", "callbacks.early_stopping.patience=1"]
+    one = train_classifier(tmp_path / "one", *stop)
     r = run_cli("--config-dir", CONF, "recipe=classify", "world=ddp", "world.nproc_per_node=2", "data.batch_size=4",
-                "trainer.grad_accum_steps=2", f"hydra.run.dir={tmp_path / 'two'}", env=FAULTY_ENV)
+                "trainer.grad_accum_steps=2", *stop, f"hydra.run.dir={tmp_path / 'two'}", env=FAULTY_ENV)
     assert r.returncode == 0, r.stderr
     two = read_metrics(tmp_path / "two")
     for key in ("train/accuracy", "val/accuracy", "train/loss", "val/loss"):
         assert series(two, key) == pytest.approx(series(one, key), abs=1e-6), key
+    assert one[-1]["step"] == two[-1]["step"] == 30

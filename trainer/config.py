@@ -36,6 +36,9 @@ class TrainerConfig:
     nonfinite_check: str = "auto"  # step (host reads the grad norm every step) | log (no per-step host sync) | auto
     progress: str = "auto"  # auto (bar on a terminal, lines otherwise) | bar | lines | off
     peak_tflops: float | None = None  # per-device peak for MFU; null = GPU table, or a CPU matmul probe
+    max_epochs: int | None = None  # instead of max_steps: passes over the training split (the steps are derived)
+    eval_every_epochs: int | None = None  # instead of eval_every: an eval every N epochs
+    activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, more time
 
 
 @dataclass
@@ -60,6 +63,7 @@ class CheckpointConfig:
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted after a new one is complete
     best_metric: str | None = None  # e.g. val/loss: also keep the best checkpoint by this metric
     best_mode: str = "min"  # min | max
+    every_n_epochs: int | None = None  # instead of every_n_steps: a checkpoint every N epochs
     save_final: bool = True  # a checkpoint at the end too, so raising trainer.max_steps continues the run
     async_save: bool = True  # copy the state to CPU at the step, write it in a background thread
     max_shard_mb: float = 4096  # model.safetensors larger than this is exported as shards + index.json
@@ -88,6 +92,7 @@ class Config:
     scheduler: Any = None
     precision: Any = None
     logger: Any = field(default_factory=dict)
+    callbacks: Any = field(default_factory=dict)  # name -> a _target_ node (trainer/callbacks.py)
 
 
 ConfigStore.instance().store(name="trainer_schema", node=Config)
@@ -154,6 +159,10 @@ def validate(cfg: DictConfig) -> None:
     _check(t.eval_batch_size is None or t.eval_batch_size >= 1, "trainer.eval_batch_size", t.eval_batch_size,
            "an integer >= 1, or null (= data.batch_size)")
     _check(t.peak_tflops is None or t.peak_tflops > 0, "trainer.peak_tflops", t.peak_tflops, "a number > 0, or null")
+    for key in ("max_epochs", "eval_every_epochs"):
+        _check(t[key] is None or t[key] >= 1, f"trainer.{key}", t[key], "an integer >= 1, or null")
+    _check(cfg.checkpoint.every_n_epochs is None or cfg.checkpoint.every_n_epochs >= 1, "checkpoint.every_n_epochs",
+           cfg.checkpoint.every_n_epochs, "an integer >= 1, or null")
 
     c, e = cfg.checkpoint, cfg.ema
     _check(c.every_n_steps >= 0, "checkpoint.every_n_steps", c.every_n_steps, "an integer >= 0 (0 = only at the end)")

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint as ckpt
 from .backend import Backend
+from .callbacks import Callbacks
 from .config import (
     LOADER_KEYS,
     CheckpointConfig,
@@ -53,7 +54,8 @@ def build_node(section: str, node: Any, *args, **kwargs) -> Any:
 
 
 def build_optimizer(cfg: DictConfig, model: torch.nn.Module, say=print) -> torch.optim.Optimizer:
-    """`optim` is a partial (`_partial_: true`); weight decay applies to matrices only (not norms, biases)."""
+    """`optim` is a partial (`_partial_: true`); weight decay applies to matrices only (not norms, biases),
+    unless the optimizer class groups the parameters itself (`param_groups(model)`, as optim=muon does)."""
     from torch.distributed.tensor import DTensor
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -66,6 +68,9 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, say=print) -> torch
             "optim.foreach kernels refuse; using the per-parameter loop (optim.fused=false optim.foreach=false).")
         cfg = OmegaConf.merge(cfg, {"fused": False, "foreach": False})
     factory = build_node("optim", cfg)
+    grouping = getattr(getattr(factory, "func", factory), "param_groups", None)
+    if grouping is not None:
+        return factory(grouping(model))
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -93,6 +98,22 @@ def build_loggers(cfg: DictConfig, run_dir: Path, is_main: bool) -> NullLogger:
         if node is not None:
             loggers.append(build_node("logger", node, run_dir=str(run_dir)))
     return LoggerGroup(loggers)
+
+
+def epochs_to_steps(tcfg: TrainerConfig, ccfg: CheckpointConfig, samples: int, global_batch: int, say) -> None:
+    """trainer.max_epochs / eval_every_epochs and checkpoint.every_n_epochs as steps of the global batch (an
+    epoch is `samples` positions of the one global sample stream: ceil(samples / global batch) steps)."""
+    import math
+
+    per_epoch = math.ceil(samples / global_batch)
+    if tcfg.max_epochs is not None:
+        tcfg.max_steps = tcfg.max_epochs * per_epoch
+        say(f"trainer.max_epochs={tcfg.max_epochs}: {tcfg.max_steps} steps of {global_batch} samples "
+            f"({per_epoch} per epoch of {samples}).")
+    if tcfg.eval_every_epochs is not None:
+        tcfg.eval_every = tcfg.eval_every_epochs * per_epoch
+    if ccfg.every_n_epochs is not None:
+        ccfg.every_n_steps = ccfg.every_n_epochs * per_epoch
 
 
 def build_strategy(world: DictConfig):
@@ -156,12 +177,15 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
         if hasattr(task, "setup"):  # e.g. fit a normaliser on the training split (see trainer/task.py)
             task.setup(train_data, val_data, run_dir)
         # Same seed on every rank: identical initial weights.
-        model = strategy.build_model(lambda: build_node("model", cfg.model), tcfg.seed)
+        model = strategy.build_model(lambda: build_node("model", cfg.model), tcfg.seed, tcfg.activation_checkpointing)
         raw_model = unwrap(model)
         ema = EMA(raw_model, ecfg.decay, ecfg.warmup, ecfg.update_every) if ecfg.enabled else None
         if tcfg.compile:
             model = torch.compile(model, backend=tcfg.compile_backend)
-        optimizer = build_optimizer(cfg.optim, model, say=print if backend.is_main else lambda *a: None)
+        say = print if backend.is_main else (lambda *a, **k: None)
+        optimizer = build_optimizer(cfg.optim, model, say=say)
+        epochs_to_steps(tcfg, ccfg, len(train_data), cfg.data.batch_size * tcfg.grad_accum_steps * strategy.dp_size,
+                        say)
         scheduler = build_node("scheduler", cfg.scheduler)(optimizer, total_steps=tcfg.max_steps)
         # Different randomness per rank from here on (dropout), reproducible per (seed, rank).
         seed_everything(tcfg.seed + backend.rank)
@@ -177,6 +201,8 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
             checkpointer=checkpointer, ema=ema, guard=NonFiniteGuard.build(tcfg, precision, optimizer, backend),
             cost=Cost(raw_model, backend.device, precision.dtype, tcfg.peak_tflops, backend.world_size),
             components={"task": task} if hasattr(task, "state_dict") else None, preemption=preemption,
+            callbacks=Callbacks({name: build_node(f"callbacks.{name}", node)
+                                 for name, node in (cfg.get("callbacks") or {}).items() if node is not None}),
         )
         trainer.config = cfg  # the run's config as built (precision=auto resolved), for what the run records
         return trainer
@@ -400,12 +426,13 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
         if source is not None:
             loggers.rewind(trainer.step)  # drop events logged after the checkpoint
             say(f"resumed from {source} at step {trainer.step}")
-            if trainer.step >= trainer.cfg.max_steps:
+            if trainer.finished:
                 if not backend.broadcast_object(exported(run_dir, trainer.step)):
                     say(f"the run finished at step {trainer.step} but its export is missing or incomplete: writing it.")
                     export(trainer, cfg, run_dir)
-                say(f"the run is already finished: step {trainer.step} >= trainer.max_steps={trainer.cfg.max_steps}. "
-                    "Raise trainer.max_steps to train further.")
+                say(f"the run is already finished: {trainer.stop_reason or 'step'}"
+                    + ("" if trainer.stop_reason else f" {trainer.step} >= trainer.max_steps={trainer.cfg.max_steps}. "
+                       "Raise trainer.max_steps to train further."))
                 loggers.finish({})
                 finished = True
                 return {}

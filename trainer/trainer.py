@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from . import checkpoint as ckpt
 from . import noise
+from .callbacks import Callbacks
 from .config import TrainerConfig
 from .data import Data, GlobalBatchSampler, eval_batches, train_loader
 from .ema import EMA
@@ -43,7 +44,8 @@ class Trainer:
                  scheduler: torch.optim.lr_scheduler.LRScheduler, precision, strategy: Strategy, data: Data,
                  config: TrainerConfig, loggers: NullLogger | None = None, checkpointer=None,
                  ema: EMA | None = None, guard: NonFiniteGuard | None = None, cost: Cost | None = None,
-                 components: dict[str, Any] | None = None, preemption: PreemptionFlag | None = None):
+                 components: dict[str, Any] | None = None, preemption: PreemptionFlag | None = None,
+                 callbacks: Callbacks | None = None):
         self.model, self.task, self.optimizer, self.scheduler = model, task, optimizer, scheduler
         self.precision, self.strategy, self.backend, self.cfg = precision, strategy, strategy.backend, config
         self.data = data
@@ -54,13 +56,23 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.guard = guard or NonFiniteGuard.build(config, precision, optimizer, self.backend)
         self.preemption = preemption or PreemptionFlag()
+        self.callbacks = callbacks or Callbacks()
         self.components = {"scheduler": scheduler, "precision": precision, "nonfinite": self.guard,
-                           "loggers": self.loggers, "checkpointer": self.checkpointer,
+                           "loggers": self.loggers, "checkpointer": self.checkpointer, "callbacks": self.callbacks,
                            **({"ema": ema} if ema is not None else {}), **(components or {})}
         # Run state (in checkpoints).
         self.step = 0  # optimizer steps done (skipped fp16/nonfinite steps included)
         self.samples_seen = 0  # position in the global sample stream
         self.skipped_steps = 0
+        self.stop_reason: str | None = None  # set by request_stop (early stopping): the run ends at this step
+
+    def request_stop(self, reason: str) -> None:
+        """End the run after the current step, as if it were the last (a callback's way to stop training)."""
+        self.stop_reason = reason
+
+    @property
+    def finished(self) -> bool:
+        return self.step >= self.cfg.max_steps or self.stop_reason is not None
 
     @property
     def global_batch(self) -> int:
@@ -208,6 +220,7 @@ class Trainer:
         if metrics:
             self.loggers.log_metrics(metrics, self.step)
             progress.write(f"step {self.step}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+            self.callbacks.on_eval_end(self, metrics)
         return metrics
 
     # -- the loop ------------------------------------------------------------------------------
@@ -273,7 +286,8 @@ class Trainer:
             progress.write(f"compiling the model (trainer.compile_backend={self.cfg.compile_backend}): the first "
                            "steps take longer.")
         try:
-            while self.step < cfg.max_steps:
+            evaluated_at, final = None, {}
+            while not self.finished:
                 batches = [be.to_device(next(batches_iter)) for _ in range(cfg.grad_accum_steps)]
                 n_global, stop = self.sync_counts(batches)
                 if stop:
@@ -287,14 +301,21 @@ class Trainer:
                     metrics = self._train_metrics(out, n_global, meter)
                     self.loggers.log_metrics(metrics, self.step)
                 progress.update(self.step, metrics if logged else None)
+                self.callbacks.on_step_end(self)
                 evaluated = self._eval_and_log(progress) if self._eval_due() else None
-                saving = self.checkpointer.due(self.step) and self.step < cfg.max_steps
+                if evaluated is not None:
+                    evaluated_at, final = self.step, evaluated
+                saving = self.checkpointer.due(self.step) and not self.finished
                 if saving:
                     self.save_checkpoint(evaluated)
                 if evaluated is not None or saving:
                     meter.restart()  # eval and saving are not training throughput
 
-            final = self._eval_and_log(progress)
+            if self.stop_reason and be.is_main:
+                progress.write(f"stopping at step {self.step}: {self.stop_reason}")
+            if evaluated_at != self.step:  # (a stop requested at an eval: that eval is the final one)
+                final = self._eval_and_log(progress)
+            self.callbacks.on_fit_end(self, final)
             if self.checkpointer.save_final:
                 self.save_checkpoint(final, wait=True)
             self.checkpointer.close()  # surfaces a failed background save
@@ -329,11 +350,12 @@ class Trainer:
         """The run state: where the loop is, and what the data order depends on."""
         return {"step": self.step, "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
                 "global_batch": self.global_batch, "world_size": self.backend.world_size,
-                "data_fingerprint": self.sampler().fingerprint()}
+                "data_fingerprint": self.sampler().fingerprint(), "stop_reason": self.stop_reason}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._check_run_state(state)
         self.step, self.samples_seen, self.skipped_steps = state["step"], state["samples_seen"], state["skipped_steps"]
+        self.stop_reason = state.get("stop_reason")
 
     def _check_run_state(self, state: dict[str, Any]) -> None:
         """Counts that are counts, and the same data order from the checkpoint's position on."""
@@ -367,6 +389,7 @@ class Trainer:
         if wait:  # nobody exits (and gets the job torn down) while a rank is still writing
             self.checkpointer.wait()
             self.backend.barrier()
+        self.callbacks.on_save(self, path)
         return path
 
     def load_checkpoint(self, path: Path, resume: bool = True) -> None:

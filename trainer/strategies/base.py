@@ -54,6 +54,7 @@ class Strategy:
 
     tp = 1  # tensor-parallel degree (world.tp, on strategies that take it)
     mesh = None  # the device mesh, ("dp",) or ("dp", "tp"), on strategies built on DTensor
+    unit_classes: list[str] | None = None  # the model's repeated blocks, by class name (FSDP's world.wrap)
 
     def setup(self, backend, precision) -> None:
         """Called once per process, after the process group exists and before the model is built."""
@@ -91,7 +92,29 @@ class Strategy:
         """Whether parameters become DTensor shards: the model is then built on the meta device."""
         return False
 
-    def build_model(self, factory: Callable[[], nn.Module], seed: int) -> nn.Module:
+    def units(self, model: nn.Module) -> list[nn.Module]:
+        """The model's repeated blocks, children before parents: FSDP's units, and what activation
+        checkpointing wraps. `unit_classes` (world.wrap), else the model's `_no_split_modules` (the lm GPT says
+        Block; Hugging Face models say theirs), else each child of the model's nn.ModuleLists."""
+        names = self.unit_classes if self.unit_classes is not None else getattr(model, "_no_split_modules", None)
+        if names is None:
+            found = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+        else:
+            present = {type(m).__name__ for m in model.modules()}
+            unknown = [n for n in names if n not in present]
+            if unknown:
+                from ..errors import ConfigError, suggest
+
+                raise ConfigError(
+                    f"world.wrap names {', '.join(unknown)}, which the model ({type(model).__name__}) does not "
+                    f"contain.{suggest(unknown[0], present)} Its module classes: {', '.join(sorted(present))}. "
+                    "Name the class of its repeated blocks, e.g. world.wrap=[Block]."
+                )
+            found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+        return list(reversed(found))
+
+    def build_model(self, factory: Callable[[], nn.Module], seed: int,
+                    activation_checkpointing: bool = False) -> nn.Module:
         """Construct the model and wrap it for training. Every rank builds the same initial weights.
 
         A model with `init_weights()` is re-initialised from `seed` after construction. Under a strategy
@@ -110,6 +133,13 @@ class Strategy:
                 seed_everything(seed)
                 with torch.no_grad():
                     model.init_weights()
+        if activation_checkpointing:
+            # Each block's activations are recomputed in backward instead of kept: torch's composable API
+            # (hooks; the parameter names stay as they are, so checkpoints do not change).
+            from torch.distributed._composable import checkpoint
+
+            for unit in self.units(model):
+                checkpoint(unit)
         self.parallelize(model)
         if on_meta:
             from .materialize import materialize

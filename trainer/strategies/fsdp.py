@@ -17,7 +17,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from ..errors import ConfigError, suggest
+from ..errors import ConfigError
 from . import tensor_parallel
 from .base import Strategy
 
@@ -62,23 +62,6 @@ class FSDP(Strategy):
     @property
     def param_device(self) -> torch.device:
         return torch.device("cpu") if self.cpu_offload else self.backend.device
-
-    def units(self, model: nn.Module) -> list[nn.Module]:
-        """The submodules that become FSDP units, children before parents (fully_shard goes bottom-up)."""
-        names = self.unit_classes if self.unit_classes is not None else getattr(model, "_no_split_modules", None)
-        if names is None:
-            found = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
-        else:
-            present = {type(m).__name__ for m in model.modules()}
-            unknown = [n for n in names if n not in present]
-            if unknown:
-                raise ConfigError(
-                    f"world.wrap names {', '.join(unknown)}, which the model ({type(model).__name__}) does not "
-                    f"contain.{suggest(unknown[0], present)} Its module classes: {', '.join(sorted(present))}. "
-                    "Name the class of its repeated blocks, e.g. world.wrap=[Block]."
-                )
-            found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
-        return list(reversed(found))
 
     def check_model(self, model: nn.Module) -> None:
         self.units(model)
