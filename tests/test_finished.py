@@ -89,12 +89,21 @@ def test_sample_writes_the_grid_from_the_ema_weights_and_needs_nothing_else(diff
 
 
 def test_sample_prints_the_lm_text(corpus, tmp_path):
+    """The run's task settings by default, task.KEY=VALUE to change them; a run whose task samples nothing
+    (debug=smoke: task.sample_tokens=0) says so and how to ask for text; a key the task lacks is an error."""
     from trainer import compose, train
 
     train(compose(tiny_overrides(corpus, "trainer.max_steps=2", "task.sample_tokens=30")), tmp_path / "run")
     r = run_main("sample", str(tmp_path / "run"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("def ") and len(r.stdout.strip()) >= 30
+    longer = run_main("sample", str(tmp_path / "run"), "task.sample_tokens=60", cwd=tmp_path)
+    assert longer.stdout.startswith(r.stdout.strip()[:30]) and len(longer.stdout.strip()) > len(r.stdout.strip())
+    none = run_main("sample", str(tmp_path / "run"), "task.sample_tokens=0", cwd=tmp_path)
+    assert none.returncode == 0 and not none.stdout and "task.sample_tokens=200" in none.stderr
+    bad = run_main("sample", str(tmp_path / "run"), "task.sample_tokenz=5", cwd=tmp_path)
+    assert bad.returncode == 2 and "task.sample_tokenz" in bad.stderr and "task.sample_tokens" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 def test_a_hugging_face_model_gets_its_config_json(corpus, tmp_path):

@@ -207,34 +207,39 @@ def evaluate(argv: list[str]) -> int:
 
 @_user_errors
 def sample(argv: list[str]) -> int:
-    """`python -m trainer sample RUN_DIR [ema=true|false] [out=PATH]`: what the run's task samples from its final
-    weights (the EMA's when the run kept them): text is printed, an image grid is written (default
+    """`python -m trainer sample RUN_DIR [ema=true|false] [out=PATH] [task.KEY=VALUE ...]`: what the run's task
+    samples from its final weights (the EMA's when the run kept them), with the task's settings changed by
+    task.KEY=VALUE (task.sample_tokens=500): text is printed, an image grid is written (default
     RUN_DIR/samples/sample.png), sample metrics are printed."""
     import torch
+    import yaml
 
+    from .errors import ConfigError
     from .finished import load, load_task
     from .images import is_image, png_bytes
     from .io import atomic_write_bytes
     from .trainer import printable
 
-    run_dir, opts, rest = _run_and_options(argv, "python -m trainer sample RUN_DIR [ema=true|false] [out=PATH]",
-                                           ("ema", "out"))
-    if rest:
-        from .errors import ConfigError
-
-        raise ConfigError(f"python -m trainer sample takes ema= and out=, not {' '.join(rest)}.")
+    usage = "python -m trainer sample RUN_DIR [ema=true|false] [out=PATH] [task.KEY=VALUE ...]"
+    run_dir, opts, rest = _run_and_options(argv, usage, ("ema", "out"))
+    if any(not a.startswith("task.") or "=" not in a for a in rest):
+        raise ConfigError(f"python -m trainer sample takes ema=, out= and task.KEY=VALUE, not {' '.join(rest)}. "
+                          f"Usage: {usage}")
+    task_keys = {a.split("=", 1)[0][len("task."):]: yaml.safe_load(a.split("=", 1)[1]) for a in rest}
     run = Path(run_dir)
     has_ema = (run / "model_ema.safetensors").is_file() or (run / "model_ema.safetensors.index.json").is_file()
     ema = opts.get("ema", "true" if has_ema else "false").lower() in ("1", "true", "yes")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, task = load(run, ema=ema, device=device), load_task(run)
+    model, task = load(run, ema=ema, device=device), load_task(run, task_keys)
     if not hasattr(task, "sample"):
-        from .errors import ConfigError
-
         raise ConfigError(f"the task of {run} ({type(task).__name__}) has no sample().")
     with torch.no_grad():
         out = task.sample(model, torch.device(device))
     out = out if isinstance(out, dict) else {"sample": out}
+    if not any(v != "" for v in out.values()):  # e.g. the lm task with sample_tokens=0 (debug=smoke)
+        print(f"the task sampled nothing: its settings in {run / 'config.yaml'} ask for no output "
+              "(for lm: add task.sample_tokens=200).", file=sys.stderr)
+        return 0
     for name, value in out.items():
         if isinstance(value, str):
             print(printable(value))

@@ -117,12 +117,23 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
     if full_key and cause is not exc:
         first = str(cause).splitlines()[0]
         return ConfigError(f"{full_key}: {first}. See the expected types with: python -m trainer --cfg job")
-    first = msg.strip().splitlines()[0] if msg.strip() else type(exc).__name__
-    # Keep what Hydra says under its summary line ("Key 'recipe' not in 'Config'"): it is the cause.
+    lines = [line.strip() for line in msg.strip().splitlines() if line.strip()] or [type(exc).__name__]
+    first = lines[0]
+    # Keep what Hydra says under its summary line ("... while composing config:" / "Key 'recipe' not in
+    # 'Config'"): it is the cause.
     detail = str(cause).strip().splitlines()[0] if cause is not exc and str(cause).strip() else ""
+    if not detail and first.endswith(":") and len(lines) > 1:
+        detail = lines[1]
     if detail and detail not in first:
-        first = f"{first}: {detail}"
-    return ConfigError(f"{first} (see python -m trainer --help for the config groups and their options)")
+        first = f"{first.rstrip(':')}: {detail}"
+    hint = "see python -m trainer --help for the config groups and their options"
+    m = re.match(r"In '([^'/]+)/([^']+)'", first)
+    if m and re.search(r"Key '[^']+' not in '", first):
+        # A group option that sets keys outside its group (a recipe) is read into the group's node unless its
+        # first line is the package header.
+        hint = (f"if {m.group(1)}/{m.group(2)}.yaml sets top-level keys, its first line must be "
+                "'# @package _global_': Hydra reads that header on the first line only")
+    return ConfigError(f"{first} ({hint})")
 
 
 def _keys_at(path: str, overrides: list[str], config_dir: str | None) -> list[str]:

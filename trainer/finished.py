@@ -74,14 +74,20 @@ def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "c
     return model.to(device).eval()
 
 
-def load_task(run_dir: str | Path) -> Any:
-    """The run's task, built from its config.yaml, with its exported state (a data normaliser) if it has one."""
+def load_task(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> Any:
+    """The run's task, built from its config.yaml with `overrides` of its keys (`{"sample_tokens": 200}`), with
+    its exported state (a data normaliser) if it has one."""
     from safetensors.torch import load_file
 
     path = _run_dir(run_dir)
     task_node = (yaml.safe_load((path / "config.yaml").read_text()) or {}).get("task")
     if not isinstance(task_node, dict) or "_target_" not in task_node:
         raise ConfigError(f"{path / 'config.yaml'} has no task with a _target_.")
+    if overrides:
+        from .config import check_keywords, locate
+
+        check_keywords("task", locate("task._target_", task_node["_target_"]), overrides)  # a typo is named
+        task_node.update(overrides)
     task = _instantiate_checked(task_node, "task")
     if (path / "task_state.safetensors").is_file() and hasattr(task, "load_state_dict"):
         task.load_state_dict(load_file(str(path / "task_state.safetensors")))

@@ -1,0 +1,219 @@
+"""Every command and code block in the README works as written (issue 16.2), so the README cannot drift.
+
+`test_readme_walkthrough` follows the README top to bottom in one fresh directory, as a new user would:
+each single-process command runs through the real CLI (`trainer.cli.main`, in this process to save an
+interpreter's start-up per command), with only its length shrunk (`debug=smoke` appended where the README
+trains for minutes); the Python blocks run; the YAML block is written where its first line says. Commands
+that need several processes, machines or services are composed and checked exactly as the CLI does before
+it runs anything (`trainer.cli.precheck`: config groups, keys, types, ranges, imports of every
+`_target_`), and the test that runs the same command for real is named in `CHECKED_ONLY`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from conftest import ROOT, load_weights, read_metrics, series
+
+README = ROOT / "README.md"
+
+# Commands the walkthrough composes and checks but does not run here, and where the same thing runs.
+CHECKED_ONLY = {
+    "world.nnodes=2": "two machines; tests/test_distributed.py runs two nodes on this one",
+    "world.nproc_per_node=2": "two processes; tests/test_distributed.py and test_finished.py run DDP on 2 ranks",
+    "world.nproc_per_node=4": "four processes; tests/test_parallel.py runs dp 2 x tp 2",
+    "torchrun": "torchrun; tests/test_distributed.py runs the same command under torchrun",
+    "hydra/launcher=submitit_slurm": "a SLURM cluster; tests/test_slurm.py runs the same sweep with submitit_local",
+    "logger=wandb": "wandb's service (seconds to start); tests/test_wandb.py runs it offline and reads its files",
+}
+# `make` targets are the CI's and the measurements' own commands: .ci/run runs `make test`, and
+# BENCHMARKS.md records `make bench` and `make train`.
+NOT_RUN = ("make ",)
+# Where the README trains for minutes, the walkthrough trains for steps.
+SHRINK = {"trainer.max_steps=50": "trainer.max_steps=5"}
+
+
+def blocks(lang: str) -> list[tuple[int, str]]:
+    """(line number, text) of each fenced block of `lang`."""
+    found, current, start = [], None, 0
+    for n, line in enumerate(README.read_text().splitlines(), 1):
+        if current is None and line.strip() == f"```{lang}":
+            current, start = [], n + 1
+        elif current is not None and line.strip() == "```":
+            found.append((start, "\n".join(current)))
+            current = None
+        elif current is not None:
+            current.append(line)
+    return found
+
+
+def commands() -> list[tuple[int, str]]:
+    """Every command line of the bash blocks: continuations joined, comments dropped."""
+    out = []
+    for start, text in blocks("bash"):
+        pending, first = "", 0
+        for n, line in enumerate(text.splitlines(), start):
+            line = line.split(" #")[0].rstrip() if not line.lstrip().startswith("#") else ""
+            if not pending:
+                first = n
+            if line.endswith("\\"):
+                pending += line[:-1]
+                continue
+            line = (pending + line).strip()
+            pending = ""
+            if line:
+                out.append((first, " ".join(line.split())))
+    return out
+
+
+def test_the_readme_has_what_the_walkthrough_expects():
+    """The extraction itself: if these fail, the walkthrough below would silently test less."""
+    cmds = [c for _, c in commands()]
+    assert len(cmds) >= 25 and all(c.startswith(("python -m trainer", "torchrun", "PYTHONPATH=", "make "))
+                                   for c in cmds), cmds
+    assert any("\\" in t for _, t in blocks("bash"))  # the SLURM sweep's continuation lines were joined
+    assert len(blocks("python")) == 3 and len(blocks("yaml")) == 1
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python -m trainer ARGS` through `trainer.cli.main`, Hydra and all, in this process. What a run
+    changes in the process (argv, cwd, environment, signal handlers, torch's thread count) is put back."""
+    from trainer.cli import main
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    saved = (list(sys.argv), os.getcwd(), dict(os.environ), torch.get_num_threads(),
+             {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)})
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main(list(args))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv[:] = saved[0]
+        os.chdir(saved[1])
+        os.environ.clear()
+        os.environ.update(saved[2])
+        torch.set_num_threads(saved[3])
+        for s, handler in saved[4].items():
+            signal.signal(s, handler)
+    return subprocess.CompletedProcess(["python", "-m", "trainer", *args], code, out.getvalue(), err.getvalue())
+
+
+def precheck(args: list[str], cwd: Path) -> None:
+    """What the CLI checks before it runs anything, without running: a mistake raises UserError."""
+    from trainer.cli import precheck as check
+
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        if args[0] == "eval":  # trainer/commands.py's evaluate up to its launch
+            from trainer.commands import _run_and_options
+            from trainer.composition import prepare
+            from trainer.finished import checkpoint_of, config_of
+
+            run_dir, opts, overrides = _run_and_options(args[1:], "eval", ("checkpoint",))
+            checkpoint_of(run_dir, opts.get("checkpoint", "latest"))
+            prepare(config_of(run_dir, overrides))
+        else:
+            flags = [a for a in args if a in ("-m", "--multirun")][:1]
+            check(flags + [a for a in args if a not in ("-m", "--multirun")])
+    finally:
+        os.chdir(old)
+
+
+def test_readme_walkthrough(tmp_path):
+    home = tmp_path / "project"
+    home.mkdir()
+    (home / "README.md").write_bytes(README.read_bytes())  # `data.path=README.md`
+    places = {"$SCRATCH": str(tmp_path / "scratch"), "/shared/run1": str(tmp_path / "shared" / "run1")}
+    finished: list[str] = []  # run dirs, for RUN_DIR
+
+    def run_dir_of(result) -> str:
+        found = re.findall(r"^done: (.+)$", result.stdout, re.M)
+        assert found, result.stdout + result.stderr
+        return found[-1]
+
+    # The files of "Your own model": the Python block as mymodels.py, the YAML block where its comment says.
+    (line_py, model_code), = [b for b in blocks("python") if b[1].startswith("# mymodels.py")]
+    (home / "mymodels.py").write_text(model_code)
+    (_, recipe), = blocks("yaml")
+    target = re.search(r"^# (conf/\S+\.yaml)", recipe, re.M)
+    assert target, "the README's recipe block no longer says where it goes"
+    (home / target.group(1)).parent.mkdir(parents=True)
+    (home / target.group(1)).write_text(recipe)
+
+    sys.path.insert(0, str(home))  # PYTHONPATH=. (only that command needs it; harmless for the others)
+    try:
+        for line, command in commands():
+            where = f"README.md line {line}: {command}"
+            if command.startswith(NOT_RUN):
+                continue
+            for placeholder, value in places.items():
+                command = command.replace(placeholder, value)
+            if "RUN_DIR" in command or "outputs/DATE/TIME" in command:
+                assert finished, f"{where}: no run has finished before this line"
+                command = command.replace("RUN_DIR", finished[0]).replace("outputs/DATE/TIME", finished[-1])
+            for old, new in SHRINK.items():
+                command = command.replace(old, new)
+            words = shlex.split(command)
+            args = words[words.index("trainer") + 1:] if "trainer" in words else []
+            assert args or command.endswith("trainer"), f"{where}: not a trainer command"
+
+            skip = [why for key, why in CHECKED_ONLY.items() if key in command]
+            if skip:
+                precheck(args, home)  # raises on any mistake the CLI would refuse
+                continue
+            if args[:1] in (["eval"], ["sample"]):
+                r = cli(*args, cwd=home)
+                assert r.returncode == 0, f"{where}\n{r.stdout}\n{r.stderr}"
+                # (sample on a debug=smoke lm run, which asks for no text, says how to ask for it)
+                said = r.stdout.strip() or "task.sample_tokens=" in r.stderr
+                assert ("val/loss" in r.stdout) if args[0] == "eval" else said, f"{where}\n{r.stdout}\n{r.stderr}"
+                continue
+            if "--help" in args or "--cfg" in args:
+                r = cli(*args, cwd=home)
+                assert r.returncode == 0 and r.stdout.strip() and not r.stderr, f"{where}\n{r.stderr}"
+                continue
+            if "debug=smoke" not in args and "recipe=regress" not in args:
+                args.append("debug=smoke")  # the README's minutes, as seconds
+            if not any(a.startswith("hydra.run.dir=") for a in args) and "-m" not in args:
+                # The default dir has the second in its name: two runs in one second would share it.
+                args.append(f"hydra.run.dir=outputs/line{line}")
+            r = cli(*args, cwd=home)
+            assert r.returncode == 0, f"{where}\n{r.stdout}\n{r.stderr}"
+            assert "Traceback" not in r.stderr, f"{where}\n{r.stderr}"
+            if "-m" not in args:
+                finished.append(run_dir_of(r))
+    finally:
+        sys.path.remove(str(home))
+        sys.modules.pop("mymodels", None)
+
+    # Python blocks: the loading example runs on a finished run with EMA weights (diffusion's); the _tp_plan
+    # excerpt is the model's own.
+    (_, loading), = [b for b in blocks("python") if "trainer.load" in b[1]]
+    scope: dict = {}
+    exec(loading.replace("RUN_DIR", next(d for d in finished if (Path(d) / "model_ema.safetensors").is_file())), scope)
+    assert isinstance(scope["model"], torch.nn.Module) and not scope["model"].training
+    assert isinstance(scope["ema_model"], torch.nn.Module)
+    (_, excerpt), = [b for b in blocks("python") if "_tp_plan" in b[1]]
+    from trainer.recipes.lm.model import GPT
+
+    plan = eval(re.search(r"_tp_plan = (\{.*?\})", excerpt, re.S).group(1))
+    assert plan == GPT._tp_plan, "the README's _tp_plan is not the lm model's"
+
+    # What the commands promise: the resume trio continued runs/a, the regression recipe learned.
+    assert (home / "runs" / "a" / "checkpoints").is_dir()
+    regress = Path(next(d for d in finished if "mymodels" in (Path(d) / "config.yaml").read_text()))
+    events = read_metrics(regress)
+    assert series(events, "val/loss")[-1] < 0.01 * series(events, "train/loss")[0]
+    assert set(load_weights(regress / "model.safetensors")) == {"fc.weight", "fc.bias"}
