@@ -23,6 +23,12 @@ thread the CPU time decides, as it is the less disturbed by other jobs.
     startup                  `python -m trainer` to its first optimizer step vs `python -c "import torch"`, vs
                              `import torch, torch._dynamo` (every torch.optim optimizer imports it) and vs
                              a plain script doing the same step; whether --help / --cfg job import torch  (startup.py)
+    fsdp                     bytes of params + grads + AdamW state one rank holds under world=fsdp vs world=ddp
+                             (2 processes, after a step); `python -m trainer world=fsdp` 2 x 1 thread vs a
+                             hand-written FSDP2 loop (fully_shard per Block, then the root) and vs world=ddp  (fsdp.py)
+    tp                       `python -m trainer world=ddp world.tp=2` (2 x 1 thread, one data-parallel rank) vs a
+                             hand-written loop (parallelize_module with the model's _tp_plan) and vs one
+                             process; on CUDA with 2 GPUs also gpt_medium  (tp.py)
 
 An item is a module with an `Item` (harness.py: how it measures, its rows of the table, its sizes in a
 full and a quick run) and one line in ITEMS below.
@@ -30,9 +36,11 @@ full and a quick run) and one line in ITEMS below.
 
 from .checkpoint import CHECKPOINT
 from .ddp import DDP
+from .fsdp import FSDP
 from .harness import Item
 from .loop import BF16_VS_FP32, LOOP_DEFAULT, LOOP_TINY
 from .startup import STARTUP
+from .tp import TP
 
 # The suite, in the order it runs and its rows appear in the table. Names are the JSON keys.
 ITEMS: dict[str, Item] = {
@@ -42,4 +50,6 @@ ITEMS: dict[str, Item] = {
     "ddp": DDP,
     "checkpoint": CHECKPOINT,
     "startup": STARTUP,
+    "fsdp": FSDP,
+    "tp": TP,
 }

@@ -1,10 +1,12 @@
 """What every benchmark item shares: the run's context and the `Item` shape, alternating rounds and
-medians, clocks and paired figures, the CLI runner, the machine's description and load."""
+medians, clocks and paired figures, the CLI runner, hand-written multi-process jobs, the machine's
+description and load."""
 
 from __future__ import annotations
 
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -153,6 +155,39 @@ def cli(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
 def check(r: subprocess.CompletedProcess, what: str) -> None:
     if r.returncode != 0:
         raise RuntimeError(f"{what} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
+
+
+# -- hand-written multi-process baselines -----------------------------------------------------------
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn(worker: Callable[..., None], nprocs: int, *args: Any) -> list[Any]:
+    """`worker(rank, nprocs, port, out_dir, *args)` in `nprocs` fresh processes (torch.multiprocessing, as a
+    user starts a hand-written job), `port` free for its rendezvous on 127.0.0.1. Each rank may write its
+    result as JSON to `out_dir/RANK.json`; returns those results in rank order."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    out = Path(tempfile.mkdtemp(prefix="bench-spawn-"))
+    try:
+        mp.spawn(worker, args=(nprocs, free_port(), str(out), *args), nprocs=nprocs)
+        return [json.loads((out / f"{r}.json").read_text()) for r in range(nprocs) if (out / f"{r}.json").exists()]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def distributed_device(nprocs: int) -> str:
+    """Where an item's `nprocs` processes run: one GPU each where there are enough (what world.device=auto
+    picks), else the CPU (then the CLI gets world.device=cpu, which a machine with fewer GPUs needs)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "cpu"
 
 
 def python_seconds(args: list[str]) -> float:

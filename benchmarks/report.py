@@ -43,7 +43,19 @@ NOTES = (
     "mean over all windows and `overhead_ms_per_step_of_fastest_rounds`. DDP reads "
     "`train/tokens_per_s` from metrics.jsonl, first window left out. Start-up is the wall time from launching "
     "`python -m trainer` (log_every=1) until metrics.jsonl gets its first line; the plain script builds the same "
-    "model and optimizer and takes one step (building any `torch.optim` optimizer imports `torch._dynamo`)."
+    "model and optimizer and takes one step (building any `torch.optim` optimizer imports `torch._dynamo`). "
+    "FSDP bytes are counted on each rank inside the Trainer a 2-process run builds, in an optimizer post-step hook "
+    "after its first step: parameters, their gradients and every tensor of the AdamW state (moments and step "
+    "counters), a DTensor by its local shard (`to_local()`), a tied weight once; the larger rank is reported. "
+    "DDP's gradients are views of its buckets (gradient_as_bucket_view), so the buckets count once; parameters "
+    "FSDP gathers for a unit's forward and backward, and activations, are transient and not counted. The FSDP and "
+    "tensor-parallel rows run the CLI (2 processes, `world.threads=1`) and a hand-written loop started with "
+    "torch.multiprocessing (gloo and 1 thread per process on the CPU; nccl and a GPU each on CUDA) on the same "
+    "model, AdamW groups, batch shapes from the same data, clipping and bf16 "
+    "(FSDP: MixedPrecisionPolicy bf16 with fp32 reduction, as world=fsdp uses, plus autocast); both time log "
+    "windows on rank 0 after a warm-up window and take the median. Tensor parallelism uses the per-parameter "
+    "AdamW (fused=False foreach=False) on both sides: the fused and foreach kernels refuse the mix of DTensor "
+    "shards and plain tensors, and the hand-written loop clips the mix by hand."
 )
 
 

@@ -1,6 +1,8 @@
-"""`python -m benchmarks --quick` runs every item and writes the markdown table and, beside it, the JSON data.
+"""`python -m benchmarks --quick` runs the items and writes the markdown table and, beside it, the JSON data.
 
 No timing is asserted: on a shared CPU any threshold would be flaky. `make bench` is where numbers count.
+The fsdp and tp items are left out here: their 2-process CLI runs and hand-written jobs add ~50 s at
+quick sizes on 2 cores. Run them by hand: python -m benchmarks --quick --only fsdp,tp --out /tmp/B.md
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import re
 import pytest
 from conftest import run_cli
 
+SMOKE_ITEMS = "loop_tiny,loop_default,bf16_vs_fp32,ddp,checkpoint,startup"  # not fsdp, tp (see above)
 CURVE = "## Quality per second: `make train`"
 # A report's quality section as `--curve` writes it, with notes written by hand below its `Settings:` line.
 OLD_CURVE = f"""{CURVE}
@@ -35,7 +38,8 @@ How the defaults were chosen: by hand.
 def test_quick_benchmark_writes_table_and_json(tmp_path):
     out = tmp_path / "BENCH.md"
     out.write_text("# Benchmarks\n\nan old table\n\n" + OLD_CURVE)
-    r = run_cli("--quick", "--out", str(out), module="benchmarks", timeout=300)  # run_cli puts the repo on the path
+    r = run_cli("--quick", "--only", SMOKE_ITEMS, "--out", str(out), module="benchmarks",
+                timeout=300)  # run_cli puts the repo on the path
     assert r.returncode == 0, r.stderr
     text = out.read_text()
 
