@@ -5,20 +5,23 @@
     b. `python -m trainer world=fsdp world.nproc_per_node=2` (train/tokens_per_s) vs a hand-written
        FSDP2 loop over the same model, and vs the framework's `world=ddp`, in alternating rounds.
 
-The hand-written multi-process loop (`plain_parallel_tokens_per_s`) is shared with tp.py.
+Both sides time log windows of a few steps on rank 0, the first (warm-up) left out; a round's figure is
+the median window. The CLI runs, the hand-written multi-process loop (`plain_parallel_window_rates`) and
+the summary of rounds are shared with tp.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from .ddp import cli_tokens_per_s
 from .harness import (
     COMMON,
     DEFAULT,
@@ -26,6 +29,8 @@ from .harness import (
     Context,
     Item,
     alternate,
+    check,
+    cli,
     compose,
     distributed_device,
     free_port,
@@ -45,6 +50,30 @@ def cli_overrides(ctx: Context, model: tuple[str, ...], windows: int, log_every:
             f"trainer.log_every={log_every}", "trainer.eval_every=0", "trainer.eval_samples=4",
             "world.threads=1", f"world.device={device}"]
     return base + no_checkpoints(compose(base))
+
+
+def cli_window_rates(args: list[str]) -> list[float]:
+    """train/tokens_per_s of each log window of a CLI run, the first (warm-up) left out."""
+    tmp = Path(tempfile.mkdtemp(prefix="bench-cli-"))
+    try:
+        r = cli([*args, f"hydra.run.dir={tmp}"])
+        check(r, "python -m trainer " + " ".join(args))
+        events = [json.loads(ln) for ln in (tmp / "metrics.jsonl").read_text().splitlines()]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [e["train/tokens_per_s"] for e in events if "train/tokens_per_s" in e][1:]
+
+
+def summarize(t: dict[str, list[list[float]]]) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """From each case's window rates per round: its median window per round, and its fastest window of all
+    rounds (noise only ever slows a window down, so the fastest are a second estimate on a busy machine)."""
+    return ({k: [median(w) for w in rounds] for k, rounds in t.items()},
+            {k: max(x for w in rounds for x in w) for k, rounds in t.items()})
+
+
+def ratio(per_round: dict[str, list[float]], a: str, b: str) -> float:
+    """The median over rounds of a's tokens/s over b's in the same round."""
+    return median([x / y for x, y in zip(per_round[a], per_round[b])])
 
 
 # -- a. bytes held per rank ----------------------------------------------------------------------------
@@ -67,9 +96,6 @@ def held_bytes(model, optimizer) -> dict[str, int]:
 
 def _held_bytes_worker(rank: int, nprocs: int, port: int, out: str, runs: list[tuple[str, list[str], int]]) -> None:
     """One rank of each run in turn, started as the launcher starts it (its environment variables)."""
-    import json
-    from pathlib import Path
-
     res = {}
     for name, overrides, run_port in runs:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
@@ -147,20 +173,17 @@ def fully_shard_loop(loop: PlainLoop, cfg, mesh) -> int:
     return mesh.size()
 
 
-def plain_parallel_tokens_per_s(prepare: Callable[[PlainLoop, Any, Any], int], cfg: dict, windows: int,
-                                log_every: int, device: str, nprocs: int = NPROC) -> float:
+def plain_parallel_window_rates(prepare: Callable[[PlainLoop, Any, Any], int], cfg: dict, windows: int,
+                                log_every: int, device: str, nprocs: int = NPROC) -> list[float]:
     """tokens/s of PlainLoop in `nprocs` processes started with torch.multiprocessing (gloo and 1 thread per
     process on the CPU, nccl and one GPU each on CUDA), the model parallelised by `prepare(loop, cfg, mesh)`
-    on a 1-D mesh over them: the median over `windows` windows of `log_every` steps, after one warm-up
-    window, timed on rank 0 as the Trainer times its train/tokens_per_s windows."""
+    on a 1-D mesh over them: `windows` windows of `log_every` steps after one warm-up window, timed on
+    rank 0 as the Trainer times its train/tokens_per_s windows."""
     return spawn(_plain_parallel_worker, nprocs, prepare, cfg, windows, log_every, device)[0]
 
 
 def _plain_parallel_worker(rank: int, nprocs: int, port: int, out: str, prepare, cfg: dict, windows: int,
                            log_every: int, device_type: str) -> None:
-    import json
-    from pathlib import Path
-
     import torch
     import torch.distributed as dist
     from omegaconf import OmegaConf
@@ -184,7 +207,7 @@ def _plain_parallel_worker(rank: int, nprocs: int, port: int, out: str, prepare,
         loop.run(log_every)  # warm-up: the CLI's first window is left out too
         rates = [tokens_per_step / loop.run(log_every).wall for _ in range(windows)]
         if rank == 0:
-            Path(out, "0.json").write_text(json.dumps(median(rates)))
+            Path(out, "0.json").write_text(json.dumps(rates))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -202,21 +225,25 @@ def measure(ctx: Context, sizes: dict) -> dict:
     cfg = compose(base)
     plain_cfg = OmegaConf.to_container(cfg)
     world = [f"world.nproc_per_node={NPROC}"]
-    t = alternate({"fsdp": lambda: cli_tokens_per_s([*base, "world=fsdp", *world])[0],
-                   "plain_fsdp": lambda: plain_parallel_tokens_per_s(fully_shard_loop, plain_cfg, windows, log_every,
+    t = alternate({"fsdp": lambda: cli_window_rates([*base, "world=fsdp", *world]),
+                   "plain_fsdp": lambda: plain_parallel_window_rates(fully_shard_loop, plain_cfg, windows, log_every,
                                                                      device),
-                   "ddp": lambda: cli_tokens_per_s([*base, "world=ddp", *world])[0]},
+                   "ddp": lambda: cli_window_rates([*base, "world=ddp", *world])},
                   rounds)
-    vs_plain = median([f / p for f, p in zip(t["fsdp"], t["plain_fsdp"])])
-    vs_ddp = median([f / d for f, d in zip(t["fsdp"], t["ddp"])])
+    per_round, fastest = summarize(t)
+    vs_plain = ratio(per_round, "fsdp", "plain_fsdp")
     return {
         "model": model[0].split("=")[1], "batch_per_process": f"{cfg.data.batch_size}x{cfg.data.seq_len}",
         "device": device, "processes": NPROC, "threads_per_process": 1, "precision": "bf16",
         "windows": windows, "log_every": log_every, "rounds": rounds,
         **held, "bytes_target": "<= 0.55x", "bytes_met": bool(held["bytes_ratio"] <= 0.55),
-        "fsdp_tokens_per_s": median(t["fsdp"]), "plain_fsdp_tokens_per_s": median(t["plain_fsdp"]),
-        "ddp_tokens_per_s": median(t["ddp"]), "fsdp_vs_plain_fsdp": vs_plain, "fsdp_vs_ddp": vs_ddp,
-        "per_round_tokens_per_s": t, "throughput_target": ">= 0.97x", "throughput_met": bool(vs_plain >= 0.97),
+        "fsdp_tokens_per_s": median(per_round["fsdp"]), "plain_fsdp_tokens_per_s": median(per_round["plain_fsdp"]),
+        "ddp_tokens_per_s": median(per_round["ddp"]), "fsdp_vs_plain_fsdp": vs_plain,
+        "fsdp_vs_ddp": ratio(per_round, "fsdp", "ddp"),
+        "fastest_window_tokens_per_s": fastest,
+        "fsdp_vs_plain_fsdp_fastest_windows": fastest["fsdp"] / fastest["plain_fsdp"],
+        "per_round_tokens_per_s": per_round, "per_window_tokens_per_s": t,
+        "throughput_target": ">= 0.97x", "throughput_met": bool(vs_plain >= 0.97),
         "target": "bytes <= 0.55x of ddp; tokens/s >= 0.97x of the hand-written FSDP2 loop",
         "met": bool(held["bytes_ratio"] <= 0.55 and vs_plain >= 0.97),
     }
@@ -233,7 +260,8 @@ def rows(r: dict) -> list[str]:
             f"{r['bytes_target']} | {met_cell(r['bytes_met'])} |",
             f"| f. FSDP (`world=fsdp`), {where}, {r['model']} {r['batch_per_process']}/proc | "
             f"{r['fsdp_tokens_per_s']:,.0f} tok/s | hand-written fully_shard loop "
-            f"{r['plain_fsdp_tokens_per_s']:,.0f} tok/s | {r['fsdp_vs_plain_fsdp']:.3f}x | "
+            f"{r['plain_fsdp_tokens_per_s']:,.0f} tok/s | {r['fsdp_vs_plain_fsdp']:.3f}x (fastest windows: "
+            f"{r['fsdp_vs_plain_fsdp_fastest_windows']:.3f}x) | "
             f"{r['throughput_target']} | {met_cell(r['throughput_met'])} |",
             f"| f. FSDP vs the framework's DDP, same processes and batches | {r['fsdp_tokens_per_s']:,.0f} tok/s | "
             f"world=ddp {r['ddp_tokens_per_s']:,.0f} tok/s | {r['fsdp_vs_ddp']:.3f}x | — | — |"]
