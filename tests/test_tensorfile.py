@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
+import time
 
 import pytest
 import torch
@@ -52,9 +54,10 @@ def test_files_written_by_the_library_parse_to_the_same_tensors(tmp_path):
 
 @pytest.mark.parametrize("mangle, why", [
     (lambda b: b[:5], "shorter than its 8-byte header length"),
-    (lambda b: struct.pack("<Q", 1 << 40) + b[8:], "runs past the end of the file"),
-    (lambda b: b[:-1], "do not tile the data section"),
-    (lambda b: b + b"\0", "do not tile the data section"),
+    (lambda b: struct.pack("<Q", len(b)) + b[8:], "runs past the end of the file"),
+    (lambda b: b[:-1], r"header describes \d+: it is truncated"),
+    (lambda b: b + b"\0", r"header describes \d+: bytes follow the data"),
+    (lambda b: struct.pack("<Q", 200 << 20) + b[8:], "more than the 104857600 bytes a header may have"),
     (lambda b: b.replace(b'"F32"', b'"F99"'), "has no valid dtype"),
     (lambda b: b.replace(b'"BF16","shape":[3,5]', b'"BF16","shape":[3,6]'), r"bytes for shape \[3, 6\]"),
     (lambda b: struct.pack("<Q", 8) + b"not json" + b[16:], "header is not JSON"),
@@ -80,3 +83,32 @@ def test_a_checkpoint_file_that_cannot_be_read_is_named_not_a_traceback(tmp_path
         with pytest.raises(CheckpointError, match="listed in the manifest") as e:
             read_(path)
         assert str(bad) in str(e.value)
+
+
+def test_a_header_is_checked_against_the_size_before_anything_is_mapped_or_hashed(tmp_path):
+    path = tmp_path / "x.safetensors"
+    tensorfile.write(path, _tensors())
+    buf, _, entries = tensorfile.map_safetensors(path)
+    assert bytes(buf) == path.read_bytes() and entries.keys() == _tensors().keys()
+    os.truncate(path, 200 << 30)  # a 200 GiB sparse file: hashing it would take minutes, mapping it may fail
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=rf"{path} is not a valid safetensors file: the file is {200 << 30} bytes"):
+        tensorfile.map_safetensors(path)
+    assert time.monotonic() - started < 1
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink"])
+def test_only_regular_files_are_read_and_a_fifo_never_blocks(tmp_path, kind):
+    target = tmp_path / "real.safetensors"
+    tensorfile.write(target, _tensors())
+    path = tmp_path / "x.safetensors"
+    {"fifo": os.mkfifo, "directory": os.mkdir, "symlink": lambda p: p.symlink_to(target)}[kind](path)
+    what = {"fifo": "a FIFO", "directory": "a directory", "symlink": "a symbolic link"}[kind]
+    with pytest.raises(tensorfile.NotRegularFile, match=f"{what}, not a regular file"):
+        tensorfile.map_safetensors(path)  # links are not followed here
+    with pytest.raises(tensorfile.NotRegularFile, match=f"{what}, not a regular file"):
+        tensorfile.map_file(path, follow_links=False, max_size=1 << 20)
+    if kind == "symlink":  # tools may follow them
+        assert bytes(tensorfile.map_file(path)) == target.read_bytes()
+    with pytest.raises(ValueError, match="more than the 10 such a file may have"):
+        tensorfile.map_file(target, max_size=10)

@@ -14,9 +14,16 @@ A checkpoint is written into a temp directory beside its final place, fsynced, t
 rank once every rank's files are complete, so a reader sees a complete checkpoint or none. With
 `async_save` the state is copied to CPU memory at the step boundary (training waits for that only)
 and written by a background thread; ranks that write shards agree on completion over a process group
-of their own, never the training one (whose collectives the save would interleave with). Loading
-parses only safetensors and JSON: nothing is ever unpickled, so a planted pickle payload cannot run.
-The main rank checks every sha256 once; then every rank reads the chunks it needs.
+of their own, never the training one (whose collectives the save would interleave with).
+
+Loading parses only safetensors and JSON: nothing is ever unpickled, so a planted pickle payload cannot
+run. The sha256 manifest proves integrity, not sanity (whoever can write a checkpoint can rewrite its
+hashes), so nothing in a checkpoint is trusted: the manifest must name the checkpoint's own files (no
+path elsewhere), a step number and this format; only regular files are opened (a FIFO never blocks, a
+symbolic link is not followed); each safetensors header is checked against its file's size before
+anything is mapped or hashed; JSON is depth-limited; and `snapshot` checks every tensor and value
+against the live state before anything is applied. The main rank checks every sha256 once; then every
+rank reads the chunks it needs.
 """
 
 from __future__ import annotations
@@ -40,8 +47,11 @@ from .io import atomic_write_json, fsync_dir
 
 FORMAT_VERSION = 2  # 2: tensors may be chunks of a sharded tensor; optimizer state keyed by parameter name
 MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
-_FILE = re.compile(r"^(model|state)(\.rank\d{5})?\.safetensors$|^state\.json$|^config\.yaml$")
+_STEP_DIR = re.compile(r"^step_([0-9]{8,})$")  # ASCII digits only: no sign, no other script's digits
+_FILE = re.compile(r"^(model|state)(\.rank[0-9]{5})?\.safetensors$|^state\.json$|^config\.yaml$")
+_REQUIRED = ("model.safetensors", "state.safetensors", "state.json", "config.yaml")  # every trainer checkpoint has them
+_MAX_TEXT = 256 << 20  # manifest.json, state.json, config.yaml: far more than a trainer writes (~10 KB a rank)
+_MAX_STEP = 2**62
 
 
 def tensor_file(kind: str, rank: int) -> str:
@@ -229,8 +239,8 @@ class Checkpointer:
         if self.best:
             keep.add(self.best[1])
         try:
-            keep.add(str(json.loads((self.dir / "best.json").read_text())["checkpoint"]))
-        except (OSError, ValueError, KeyError, TypeError):
+            keep.add(str(_read_json(self.dir / "best.json")["checkpoint"]))
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             pass
         for p in done:
             if p.name not in keep:
@@ -248,53 +258,97 @@ class Checkpointer:
         return sorted(found, key=lambda p: (_written(p), step_of(p)))
 
 
+def _read_json(path: Path) -> Any:
+    """A small JSON file, read only if it is a regular file (a FIFO would block the reader forever)."""
+    return json.loads(bytes(tensorfile.map_file(path, follow_links=False, max_size=_MAX_TEXT)))
+
+
 def _written(path: Path) -> int:
     """A checkpoint's place in the order of completion (its manifest's `written`; 0 if unreadable)."""
     try:
-        written = json.loads((path / MANIFEST).read_text()).get("written", 0)
-        return written if isinstance(written, int) and not isinstance(written, bool) else 0
+        written = _read_json(path / MANIFEST).get("written", 0)
+        return written if _is_count(written) else 0
     except (OSError, ValueError, AttributeError, RecursionError):
         return 0
 
 
+def _is_count(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and 0 <= n < _MAX_STEP
+
+
 def _manifest(path: Path) -> dict:
+    """The manifest of the checkpoint at `path`, checked: a format this trainer reads, a step number, and the
+    files of a trainer checkpoint (names only: nothing outside the checkpoint can be named)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist (or is not a directory). "
                               "Pass resume=auto, resume=null or the path of a step_* directory.")
+    where = path / MANIFEST
     try:
-        if not (path / MANIFEST).is_file():
-            raise OSError
-        manifest = json.loads((path / MANIFEST).read_text())
-        fmt, files = manifest["format"], manifest["files"]
-        assert isinstance(files, dict) and all(isinstance(v, str) for v in files.values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, AssertionError, RecursionError):
-        raise CheckpointError(f"{path / MANIFEST} is missing or unreadable: the checkpoint is incomplete.") from None
-    if not isinstance(fmt, int) or isinstance(fmt, bool):
-        raise CheckpointError(f"{path / MANIFEST}: format {fmt!r} is not a version number; the checkpoint is damaged.")
+        raw = tensorfile.map_file(where, follow_links=False, max_size=_MAX_TEXT)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} has no {MANIFEST}: it is incomplete (its save never finished) "
+                              "or not a checkpoint.") from None
+    except tensorfile.NotRegularFile as e:
+        raise CheckpointError(f"{where} is {e.strerror}; the checkpoint is damaged.") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{where} cannot be read ({getattr(e, 'strerror', None) or e}).") from None
+    manifest = snapshot.parse_tree(raw, where)
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{where} is {type(manifest).__name__}, not a JSON object; the checkpoint is damaged.")
+    if "format" not in manifest:
+        raise CheckpointError(f"{where} has no format version; the checkpoint is damaged.")
+    fmt = manifest["format"]
+    if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt < 1:
+        raise CheckpointError(f"{where}: format {fmt!r} is not a version number; the checkpoint is damaged.")
     if fmt > FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format version {fmt}, newer than this trainer's "
                               f"({FORMAT_VERSION}). Upgrade trainer to load it.")
     if fmt < FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path} has format version {fmt}, written by an older trainer whose "
-                              "optimizer state this one cannot map; resume it with that version, or start fresh.")
-    names = set(files)
-    if not {"model.safetensors", "state.safetensors", "state.json"} <= names or not all(_FILE.match(n) for n in names):
-        raise CheckpointError(f"{path / MANIFEST} lists {sorted(names)}: not the files of a trainer checkpoint.")
+        raise CheckpointError(f"checkpoint {path} has format version {fmt}: it was written by an older trainer, whose "
+                              "optimizer state (keyed by position) this one cannot map. Resume it with the trainer "
+                              "version that wrote it, or start fresh with resume=null.")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise CheckpointError(f"{where}: 'files' is not a map of file names to sha256 digests; the checkpoint is damaged.")
+    foreign = sorted(n for n in files if not _FILE.match(n))
+    if foreign:
+        raise CheckpointError(f"{where} lists {', '.join(repr(n) for n in foreign[:3])}: not the name of a file of a "
+                              "trainer checkpoint (only its own model*.safetensors, state*.safetensors, state.json "
+                              "and config.yaml are read, never a path elsewhere); the checkpoint is damaged.")
+    missing = [n for n in _REQUIRED if n not in files]
+    if missing:
+        raise CheckpointError(f"{where} does not list {', '.join(missing)}, which every trainer checkpoint has; "
+                              "the checkpoint is damaged.")
+    step = manifest.get("step")
+    if not _is_count(step):
+        raise CheckpointError(f"{where}: step {snapshot.shown(step)} is not a step number (an integer from 0 to 2**62); "
+                              "the checkpoint is damaged.")
     return manifest
 
 
-def _map_all(path: Path, files: dict[str, str]) -> dict[str, Any]:
-    out = {}
+def _map_all(path: Path, files: dict[str, str]) -> tuple[dict[str, Any], dict[str, tuple]]:
+    """Every listed file mapped (regular files only: no symbolic link, FIFO or directory), and the header of
+    each safetensors file, checked against the file's size before anything is hashed."""
+    data, headers = {}, {}
     for name in files:
         p = path / name
         try:
-            if p.is_symlink() or not p.is_file():  # only regular files inside the checkpoint: no FIFO, no link out
-                raise CheckpointError(f"file {p} listed in the manifest is missing or not a regular file.")
-            out[name] = tensorfile.map_file(p)
-        except OSError as e:  # a directory in its place, no permission, an I/O error
-            raise CheckpointError(f"file {p} listed in the manifest cannot be read ({e.strerror}).") from None
-    return out
+            if name.endswith(".safetensors"):
+                data[name], metadata, entries = tensorfile.map_safetensors(p)
+                headers[name] = (metadata, entries)
+            else:
+                data[name] = tensorfile.map_file(p, follow_links=False, max_size=_MAX_TEXT)
+        except FileNotFoundError:
+            raise CheckpointError(f"file {p} listed in the manifest is missing.") from None
+        except tensorfile.NotRegularFile as e:
+            raise CheckpointError(f"file {p} listed in the manifest is {e.strerror}: only regular files inside the "
+                                  "checkpoint are read.") from None
+        except OSError as e:  # no permission, an I/O error
+            raise CheckpointError(f"file {p} listed in the manifest cannot be read ({e.strerror or e}).") from None
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {path} cannot be read ({e}); it is not a valid trainer checkpoint.") from None
+    return data, headers
 
 
 def _check_digests(path: Path, files: dict[str, str], digests: dict[str, str]) -> None:
@@ -304,10 +358,11 @@ def _check_digests(path: Path, files: dict[str, str], digests: dict[str, str]) -
 
 
 def verify(path: Path) -> dict:
-    """Check the manifest's format version and every file's sha256. Returns the manifest."""
+    """Check the manifest, the files' kinds and sizes, and every file's sha256. Returns the manifest."""
     path = Path(path)
     manifest = _manifest(path)
-    _check_digests(path, manifest["files"], tensorfile.sha256_all(_map_all(path, manifest["files"])))
+    data, _ = _map_all(path, manifest["files"])
+    _check_digests(path, manifest["files"], tensorfile.sha256_all(data))
     return manifest
 
 
@@ -324,19 +379,20 @@ class Loaded:
 
 
 def read(path: Path, backend=None) -> Loaded:
-    """Map a checkpoint and index its tensors. The main rank verifies every sha256 (in parallel with
-    parsing) and tells the others; nothing is returned unless every file matches the manifest."""
+    """Map a checkpoint and index its tensors. The manifest, the files' kinds and the safetensors headers
+    against the files' sizes are checked first (cheap); then the main rank verifies every sha256 (in
+    parallel with parsing) and tells the others. Nothing is returned unless every file matches the manifest."""
     backend = backend or _Local()
     path = Path(path)
     error, loaded = None, None
     try:
         manifest = _manifest(path)
         files = manifest["files"]
-        data = _map_all(path, files)
+        data, headers = _map_all(path, files)
         with ThreadPoolExecutor(max_workers=1) as pool:
             digests = pool.submit(tensorfile.sha256_all, data) if backend.is_main else None
             try:
-                loaded = _index(path, manifest, data)
+                loaded = _index(path, manifest, data, headers)
             except CheckpointError as e:
                 error = e
             if digests is not None:
@@ -357,24 +413,48 @@ def read(path: Path, backend=None) -> Loaded:
     return loaded
 
 
-def _index(path: Path, manifest: dict, data: dict[str, Any]) -> Loaded:
+def _index(path: Path, manifest: dict, data: dict[str, Any], headers: dict[str, tuple]) -> Loaded:
     chunks: dict[str, dict[str, list[snapshot.Stored]]] = {"model": {}, "state": {}}
-    try:
-        for name, buf in data.items():
-            kind = name.split(".", 1)[0]
-            if not name.endswith(".safetensors"):
-                continue
-            metadata, entries = tensorfile.read_header(buf, path / name)
-            views = {k: tensorfile.view(buf, e) for k, e in entries.items()}
-            for k, stored in snapshot.stored_chunks(metadata, views, path / name).items():
-                chunks[kind].setdefault(k, []).append(stored)
-    except ValueError as e:
-        raise CheckpointError(f"checkpoint {path} cannot be read ({e}); it is not a valid trainer checkpoint.") from None
+    for name, (metadata, entries) in headers.items():
+        buf = data[name]
+        views = {k: tensorfile.view(buf, e) for k, e in entries.items()}
+        for k, stored in snapshot.stored_chunks(metadata, views, path / name).items():
+            chunks[name.split(".", 1)[0]].setdefault(k, []).append(stored)
     tree = snapshot.parse_tree(data["state.json"], path / "state.json")
-    step = manifest.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**62:
-        raise CheckpointError(f"{path / MANIFEST}: step {step!r} is not a step number; the checkpoint is damaged.")
+    if not isinstance(tree, dict):
+        raise CheckpointError(f"{path / 'state.json'} is {type(tree).__name__}, not a JSON object; it is not a valid "
+                              "trainer checkpoint.")
+    _check_config(data["config.yaml"], path / "config.yaml")
+    step, run = manifest["step"], tree.get("trainer")
+    if isinstance(run, dict) and "step" in run and not (_is_count(run["step"]) and run["step"] == step):
+        raise CheckpointError(f"{path / 'state.json'}: trainer.step is {snapshot.shown(run['step'])} but {MANIFEST} says step "
+                              f"{step}; the checkpoint is inconsistent.")
     return Loaded(path, step, tree, chunks["model"], chunks["state"], data)
+
+
+def _check_config(data: Any, source: Path) -> None:
+    """config.yaml is read again after a resume (to say which settings changed): it must be YAML without
+    anchors or aliases (a chain of aliases expands exponentially: a "billion laughs") and nested at most
+    MAX_DEPTH deep. Scanned token by token, without building anything."""
+    import yaml
+
+    opens = (yaml.BlockMappingStartToken, yaml.BlockSequenceStartToken, yaml.FlowMappingStartToken,
+             yaml.FlowSequenceStartToken)
+    closes = (yaml.BlockEndToken, yaml.FlowMappingEndToken, yaml.FlowSequenceEndToken)
+    depth, why = 0, None
+    try:
+        for token in yaml.scan(bytes(data), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+            if isinstance(token, (yaml.AnchorToken, yaml.AliasToken)):
+                why = "has a YAML anchor or alias, which no trainer writes (a chain of them expands exponentially)"
+                break
+            depth += isinstance(token, opens) - isinstance(token, closes)
+            if depth > snapshot.MAX_DEPTH:
+                why = f"nests more than {snapshot.MAX_DEPTH} levels deep"
+                break
+    except yaml.YAMLError as e:
+        why = f"is not YAML ({str(e).splitlines()[0]})"
+    if why:
+        raise CheckpointError(f"{source} {why}; it is not a valid trainer checkpoint.")
 
 
 def model_mismatches(loaded: Loaded, live: dict[str, torch.Tensor]) -> list[str]:

@@ -6,7 +6,10 @@ global shape and the chunk's offset in the file's metadata; only one rank of eac
 writes it. Loading assembles, for each tensor the live objects hold, exactly the region this rank
 needs from whichever chunks cover it, so a checkpoint resumes on any number of processes and under
 any strategy. Before anything is applied, every tensor is checked against the live one (global
-shape and dtype) and every other value against the type the live state has.
+shape and dtype; its chunks must cover it exactly once) and every other value against the live one:
+the same kind (an integer where an integer is, a finite number where a finite one is), the same
+keys, tuples of the same length. Nothing in a checkpoint is trusted to be well-formed: whoever can
+write one can also rewrite its sha256 manifest.
 """
 
 from __future__ import annotations
@@ -84,25 +87,22 @@ def chunk_metadata(chunks: dict[str, Chunk]) -> dict[str, str]:
 
 
 def parse_tree(data: bytes | memoryview, source) -> Any:
-    """state.json, refusing trees nested deeper than MAX_DEPTH (json would recurse into a RecursionError)."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for ch in bytes(data):  # bracket depth outside strings
-        if in_string:
-            escaped, in_string = (False, in_string) if escaped else (ch == 0x5C, ch != 0x22)
-        elif ch == 0x22:
-            in_string = True
-        elif ch in (0x5B, 0x7B):
-            depth += 1
-            deepest = max(deepest, depth)
-        elif ch in (0x5D, 0x7D):
-            depth -= 1
-    if deepest > MAX_DEPTH:
-        raise CheckpointError(f"{source} nests {deepest} levels deep (at most {MAX_DEPTH}); it is not a valid trainer checkpoint.")
+    """A JSON file of a checkpoint (state.json, manifest.json), refusing trees nested deeper than MAX_DEPTH:
+    what reads them recurses. (json's own parser stops at the interpreter's recursion limit.)"""
     try:
-        return json.loads(bytes(data))
+        tree = json.loads(bytes(data))
     except (ValueError, RecursionError) as e:
-        raise CheckpointError(f"{source} is not valid JSON ({e}); it is not a valid trainer checkpoint.") from None
+        why = "it nests too deep" if isinstance(e, RecursionError) else e
+        raise CheckpointError(f"{source} is not valid JSON ({why}); it is not a valid trainer checkpoint.") from None
+    stack = [(tree, 1)]
+    while stack:  # depth first, without recursion
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise CheckpointError(f"{source} nests more than {MAX_DEPTH} levels deep; it is not a valid trainer "
+                                  "checkpoint.")
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return tree
 
 
 # -- assembling tensors from chunks -----------------------------------------------------------------------
@@ -129,8 +129,9 @@ def stored_chunks(metadata: dict[str, str], views: dict[str, torch.Tensor], sour
                 raise ValueError(f"chunk '{name}' does not fit its tensor")
             out[name] = Stored(t, shape, offset)
         return out
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise CheckpointError(f"{source}: invalid chunk metadata ({e}); it is not a valid trainer checkpoint.") from None
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+        why = "it nests too deep" if isinstance(e, RecursionError) else f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"{source}: invalid chunk metadata ({why}); it is not a valid trainer checkpoint.") from None
 
 
 def assemble(name: str, chunks: list[Stored], like: torch.Tensor, where: str) -> torch.Tensor:
@@ -153,7 +154,7 @@ def assemble(name: str, chunks: list[Stored], like: torch.Tensor, where: str) ->
     else:
         want_offset, want_shape = (0,) * len(shape), shape
     out = torch.empty(want_shape, dtype=dtype)
-    covered = 0
+    boxes = []
     for c in chunks:
         box = [(max(o, wo), min(o + n, wo + wn)) for o, n, wo, wn in zip(c.offset, c.data.shape, want_offset, want_shape)]
         if any(lo >= hi for lo, hi in box):
@@ -163,15 +164,35 @@ def assemble(name: str, chunks: list[Stored], like: torch.Tensor, where: str) ->
             src = src.narrow(d, lo - c.offset[d], hi - lo)
             dst = dst.narrow(d, lo - want_offset[d], hi - lo)
         dst.copy_(src)
-        covered += math.prod(hi - lo for lo, hi in box)
-    if covered != out.numel():
-        raise CheckpointError(f"{where}: the chunks of '{name}' cover {covered} of its {out.numel()} elements here "
-                              "(a gap or an overlap); it is not a valid trainer checkpoint.")
+        boxes.append([(lo - wo, hi - wo) for (lo, hi), wo in zip(box, want_offset)])
+    why = _tiling_fault(boxes, want_shape)
+    if why:
+        raise CheckpointError(f"{where}: the chunks of '{name}' {why} here; it is not a valid trainer checkpoint.")
     if isinstance(like, DTensor):
         out = out.to(like.device)
         return DTensor.from_local(out, like.device_mesh, like.placements, shape=like.shape, stride=like.stride(),
                                   run_check=False)
     return out.to(like.device)
+
+
+def _tiling_fault(boxes: list[list[tuple[int, int]]], shape: tuple[int, ...]) -> str | None:
+    """Why the boxes (half-open ranges per dimension) do not cover `shape` exactly once, or None. Counted on
+    the grid their edges cut the region into (one cell per chunk for the usual shardings), not per element."""
+    if len(boxes) == 1 and all(box == (0, n) for box, n in zip(boxes[0], shape)):
+        return None  # a whole tensor
+    if math.prod(shape) == 0:
+        return None
+    if not boxes:
+        return "leave it empty"
+    cuts = [sorted({0, n, *(b[d][0] for b in boxes), *(b[d][1] for b in boxes)}) for d, n in enumerate(shape)]
+    index = [{x: i for i, x in enumerate(c)} for c in cuts]
+    covered = torch.zeros([len(c) - 1 for c in cuts], dtype=torch.bool)
+    for b in boxes:
+        cells = covered[tuple(slice(ix[lo], ix[hi]) for ix, (lo, hi) in zip(index, b))]
+        if cells.any():
+            return "overlap"
+        cells.fill_(True)
+    return None if bool(covered.all()) else "leave a gap"
 
 
 # -- the tree against the live state ------------------------------------------------------------------------
@@ -206,7 +227,9 @@ def conform(tree: Any, like: Any, chunks: dict[str, list[Stored]], where: str, p
     if isinstance(like, (list, tuple)):
         seq = tree.get(TUPLE) if isinstance(tree, dict) and TUPLE in tree else tree
         if not isinstance(seq, list):
-            raise CheckpointError(f"{where}: '{label}' is {type(tree).__name__} in the checkpoint but a sequence here.")
+            raise CheckpointError(f"{where}: '{label}' is {type(seq).__name__} in the checkpoint but a sequence here.")
+        if isinstance(like, tuple) and like and len(seq) != len(like):  # a record (an RNG state, betas): fixed length
+            raise CheckpointError(f"{where}: '{label}' has {len(seq)} items in the checkpoint but {len(like)} here.")
         if not like:
             out = [_free(v, chunks, where, f"{path}/{i}") for i, v in enumerate(seq)]
         else:
@@ -220,14 +243,22 @@ def conform(tree: Any, like: Any, chunks: dict[str, list[Stored]], where: str, p
 def _items(tree: dict, where: str, label: str):
     if ITEMS in tree:
         items = tree[ITEMS]
-        if not isinstance(items, list) or not all(isinstance(p, list) and len(p) == 2 for p in items):
-            raise CheckpointError(f"{where}: '{label}' has malformed items.")
+        if not isinstance(items, list) or not all(isinstance(p, list) and len(p) == 2 and _is_key(p[0]) for p in items):
+            raise CheckpointError(f"{where}: '{label}' has malformed items (pairs of a key and a value).")
         return [tuple(p) for p in items]
     return tree.items()
 
 
+def _is_key(k: Any) -> bool:
+    return k is None or isinstance(k, (str, int, float))
+
+
+_KIND = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
 def _plain(value: Any, like: Any, where: str, label: str) -> Any:
-    """A JSON value where the live state has `like`: same kind (an int where an int is, a finite number)."""
+    """A JSON value where the live state has `like`: the same kind (an int where an int is), a finite
+    number where a finite one is."""
     if like is None or value is None:
         return value
     if isinstance(like, bool):
@@ -235,14 +266,23 @@ def _plain(value: Any, like: Any, where: str, label: str) -> Any:
     elif isinstance(like, int):
         ok = isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63
     elif isinstance(like, float):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = (isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**1023) or (
+            isinstance(value, float) and (math.isfinite(value) or not math.isfinite(like)))
     elif isinstance(like, str):
         ok = isinstance(value, str)
     else:
         ok = True
     if not ok:
-        raise CheckpointError(f"{where}: '{label}' is {value!r} in the checkpoint; expected a {type(like).__name__}.")
+        kind = _KIND.get(type(like), type(like).__name__)
+        raise CheckpointError(f"{where}: '{label}' is {shown(value)} in the checkpoint; expected {kind}"
+                              f"{' (finite)' if isinstance(like, float) else ''}.")
     return float(value) if isinstance(like, float) else value
+
+
+def shown(value: Any) -> str:
+    """`repr(value)`, cut short if long (a hostile checkpoint may hold a value of any size)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
 
 
 def _free(tree: Any, chunks: dict[str, list[Stored]], where: str, path: str) -> Any:
@@ -254,6 +294,8 @@ def _free(tree: Any, chunks: dict[str, list[Stored]], where: str, path: str) -> 
                 raise CheckpointError(f"{where}: tensor '{tree[TENSOR]}' is missing or not whole.")
             return found[0].data.clone()
         if TUPLE in tree:
+            if not isinstance(tree[TUPLE], list):
+                raise CheckpointError(f"{where}: '{path}' is a tuple whose items are not a list.")
             return tuple(_free(v, chunks, where, f"{path}/{i}") for i, v in enumerate(tree[TUPLE]))
         return {k: _free(v, chunks, where, f"{path}/{k}") for k, v in _items(tree, where, path)}
     if isinstance(tree, list):

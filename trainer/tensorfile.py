@@ -8,15 +8,21 @@ releases the GIL), and read through `mmap` with the files hashed in parallel and
 copied out once. The files are plain safetensors (the format is an 8-byte header length, a JSON
 header, then the raw bytes: https://github.com/huggingface/safetensors#format) that
 `safetensors.torch.load_file` and Hugging Face read; the tests hold us to that.
+
+Reading trusts nothing in a file: only regular files are opened (never waiting on a FIFO), and a
+header is checked against the file's size before its bytes are mapped or hashed, so a file that
+claims more (or less) than it holds is refused at once, however large it is.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
 import mmap
 import os
+import stat
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,6 +37,15 @@ DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torc
           torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64"}
 _BY_NAME = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 << 20  # the safetensors library's own limit
+
+
+class Entry(NamedTuple):
+    """One tensor of a safetensors file: where its bytes are and what they hold."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offsets in the file
+    end: int
 
 
 def _byte_view(t: torch.Tensor):
@@ -67,13 +82,66 @@ def write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: d
     return digest.hexdigest()
 
 
-def map_file(path: str | os.PathLike) -> mmap.mmap | bytes:
-    """The file's bytes, mapped rather than read (a private, copy-on-write mapping: writable, as
-    `torch.frombuffer` wants, and never written back)."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return b""
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+class NotRegularFile(OSError):
+    """A path that is a FIFO, a directory, a device, a socket, or (where links are not followed) a link."""
+
+
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+def _open_regular(path: str | os.PathLike, follow_links: bool) -> tuple[int, int]:
+    """(fd, size) of the regular file at `path`; OSError saying what it is otherwise. Opened non-blocking:
+    a plain open of a FIFO would wait for a writer forever."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow_links:
+            raise NotRegularFile(errno.ELOOP, "a symbolic link, not a regular file", str(path)) from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+        raise NotRegularFile(errno.EINVAL, f"{kind}, not a regular file", str(path))
+    return fd, st.st_size
+
+
+def _map(fd: int, size: int) -> mmap.mmap | bytes:
+    # A private, copy-on-write mapping: writable, as `torch.frombuffer` wants, and never written back.
+    return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY) if size else b""
+
+
+def map_file(path: str | os.PathLike, follow_links: bool = True, max_size: int | None = None) -> mmap.mmap | bytes:
+    """The bytes of the regular file at `path`, mapped rather than read. Anything else (a FIFO, a directory,
+    a device; a symbolic link with follow_links=False) raises OSError without blocking; a file larger
+    than `max_size` raises ValueError before it is mapped."""
+    fd, size = _open_regular(path, follow_links)
+    try:
+        if max_size is not None and size > max_size:
+            raise ValueError(f"{path} is {size} bytes, more than the {max_size} such a file may have")
+        return _map(fd, size)
+    finally:
+        os.close(fd)
+
+
+def map_safetensors(path: str | os.PathLike, follow_links: bool = False
+                    ) -> tuple[mmap.mmap | bytes, dict[str, str], dict[str, Entry]]:
+    """A safetensors file mapped, with its metadata and entries (as `read_header` gives them). The header
+    is read and checked against the file's size first: a file whose size differs from what its header
+    describes (truncated, padded, or a 200 GiB sparse file) is refused before anything is mapped or hashed."""
+    fd, size = _open_regular(path, follow_links)
+    try:
+        n = struct.unpack("<Q", os.pread(fd, 8, 0))[0] if size >= 8 else None
+        head = os.pread(fd, n, 8) if n is not None and n <= min(_MAX_HEADER, size - 8) else b""
+        metadata, entries = _parse_header(n, head, size, path)
+        buf = _map(fd, size)
+        if len(buf) != size:
+            raise ValueError(f"{path} changed while it was read")
+        return buf, metadata, entries
+    finally:
+        os.close(fd)
 
 
 def sha256_all(buffers: dict[str, mmap.mmap | bytes]) -> dict[str, str]:
@@ -82,30 +150,29 @@ def sha256_all(buffers: dict[str, mmap.mmap | bytes]) -> dict[str, str]:
         return dict(zip(buffers, pool.map(lambda b: hashlib.sha256(b).hexdigest(), buffers.values())))
 
 
-class Entry(NamedTuple):
-    """One tensor of a safetensors file: where its bytes are and what they hold."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    begin: int  # absolute byte offsets in the file
-    end: int
-
-
 def read_header(buf: mmap.mmap | bytes, source: Path) -> tuple[dict[str, str], dict[str, Entry]]:
     """The metadata and the tensor entries of a safetensors file held in `buf`, nothing copied.
 
     Validates like the library does (header length, dtypes, shapes, offsets that tile the data
-    exactly) and raises ValueError naming `source` otherwise."""
+    exactly, up to the file's last byte) and raises ValueError naming `source` otherwise."""
+    n = struct.unpack("<Q", buf[:8])[0] if len(buf) >= 8 else None
+    head = bytes(buf[8:8 + n]) if n is not None and n <= min(_MAX_HEADER, len(buf) - 8) else b""
+    return _parse_header(n, head, len(buf), source)
+
+
+def _parse_header(n: int | None, head: bytes, size: int, source) -> tuple[dict[str, str], dict[str, Entry]]:
+    """The header `head` (`n` bytes, as the file's first 8 bytes say) of a safetensors file of `size` bytes."""
     def bad(why: str) -> ValueError:
         return ValueError(f"{source} is not a valid safetensors file: {why}")
 
-    if len(buf) < 8:
+    if n is None:
         raise bad("shorter than its 8-byte header length")
-    n = struct.unpack("<Q", buf[:8])[0]
-    if n > min(_MAX_HEADER, len(buf) - 8):
-        raise bad(f"header length {n} runs past the end of the file")
+    if n > _MAX_HEADER:
+        raise bad(f"header length {n} is more than the {_MAX_HEADER} bytes a header may have")
+    if n > size - 8:
+        raise bad(f"header length {n} runs past the end of the file ({size} bytes)")
     try:
-        header = json.loads(bytes(buf[8:8 + n]))
+        header = json.loads(head)
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise bad("header is not JSON") from None
     if not isinstance(header, dict):
@@ -113,12 +180,12 @@ def read_header(buf: mmap.mmap | bytes, source: Path) -> tuple[dict[str, str], d
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise bad("__metadata__ is not a map of strings")
-    start, data_len = 8 + n, len(buf) - 8 - n
+    start = 8 + n
     spans = []
     for name, info in header.items():
         try:
             dtype, shape, (b, e) = _BY_NAME[info["dtype"]], info["shape"], info["data_offsets"]
-            ok = isinstance(shape, list) and all(isinstance(x, int) and 0 <= x < 2**62 for x in (*shape, b, e))
+            ok = isinstance(shape, list) and all(type(x) is int and 0 <= x < 2**62 for x in (*shape, b, e))
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
@@ -127,8 +194,15 @@ def read_header(buf: mmap.mmap | bytes, source: Path) -> tuple[dict[str, str], d
             raise bad(f"entry '{name}' has {e - b} bytes for shape {shape} of {info['dtype']}")
         spans.append((b, e, name, dtype, tuple(shape)))
     spans.sort(key=lambda x: x[:2])
-    if [x[0] for x in spans] != [0, *(x[1] for x in spans[:-1])] or (spans[-1][1] if spans else 0) != data_len:
-        raise bad("the tensors' data_offsets do not tile the data section")
+    end = 0
+    for b, e, name, _, _ in spans:  # the tensors' bytes follow one another, each once
+        if b != end:
+            raise bad(f"the data_offsets of '{name}' " + ("overlap the tensor before it" if b < end else
+                                                          f"leave a gap of {b - end} bytes before it"))
+        end = e
+    if start + end != size:
+        raise bad(f"the file is {size} bytes but its header describes {start + end}: "
+                  + ("it is truncated" if size < start + end else "bytes follow the data"))
     return metadata, {name: Entry(dtype, shape, start + b, start + e) for b, e, name, dtype, shape in spans}
 
 
