@@ -11,8 +11,7 @@ sha256s to match, and holds the framework to three things, in one built Trainer 
     a clean load of step 8 gives. Training from equal states is bit-identical, and a sample of the cases
     also trains on to the end and is compared with the uninterrupted run, losses and weights, bit for bit.
 
-Everything runs in-process (a case is ~0.15 s) but one end-to-end FIFO case through the CLI. Cases marked
-xfail still fail for reasons outside the checkpoint modules; each says where the fix belongs.
+Everything runs in-process (a case is ~0.15 s) but one end-to-end FIFO case through the CLI.
 """
 
 from __future__ import annotations
@@ -194,22 +193,12 @@ class Case:
     needles: tuple[str, ...]  # in the message, besides the checkpoint's path
     rehash: bool = True
     tried: bool = True  # False: resume=auto orders a checkpoint whose manifest it cannot read as the oldest
-    xfail: str | None = None  # why it still fails, and where the fix belongs
-
-    @property
-    def marks(self):
-        return [pytest.mark.xfail(reason=self.xfail, strict=True)] if self.xfail else []
 
 
 S, M = "state.safetensors", "model.safetensors"
 STEP = "/optimizer/state/blocks.0.mlp.0.weight/step"
 EXP_AVG = "/optimizer/state/blocks.0.mlp.0.weight/exp_avg"  # 256 x 64: its transpose has the same numel
-RUN_STATE_TRAINER = ("needs trainer/trainer.py: _check_run_state's messages ('trainer.samples_seen=-5 in the checkpoint "
-                     "is not a count', the data-order one) do not name the checkpoint; prefix them with `where`")
-SCHEDULE_TRAINER = ("needs trainer/trainer.py (or schedule.py): a negative scheduler last_epoch loads and gives a negative "
-                    "LR (training runs uphill); check 0 <= last_epoch <= trainer.step in load_checkpoint's try block")
-RNG_TRAINER = ("needs trainer/trainer.py: load_checkpoint applies set_rng_state last, unchecked; try the state on a "
-               "scratch random.Random() and torch.Generator() inside the try block, before anything is applied")
+
 
 CASES = [
     # The manifest: rewritten as valid JSON.
@@ -265,10 +254,8 @@ CASES = [
     Case("samples_seen-1e30", edit_tree(lambda t: t["trainer"].update(samples_seen=1e30)), ("samples_seen", "1e+30")),
     Case("samples_seen-10**400", edit_tree(lambda t: json.dumps(t).replace('"samples_seen": 96', '"samples_seen": 1' + "0" * 400)),
          ("samples_seen",)),
-    Case("schedule-position-negative", edit_tree(lambda t: t["scheduler"].update(last_epoch=-5)), ("last_epoch",),
-         xfail=SCHEDULE_TRAINER),
-    Case("samples_seen-negative", edit_tree(lambda t: t["trainer"].update(samples_seen=-5)), ("samples_seen", "-5"),
-         xfail=RUN_STATE_TRAINER),
+    Case("schedule-position-negative", edit_tree(lambda t: t["scheduler"].update(last_epoch=-5)), ("last_epoch",)),
+    Case("samples_seen-negative", edit_tree(lambda t: t["trainer"].update(samples_seen=-5)), ("samples_seen", "-5")),
     Case("step-a-string", edit_tree(lambda t: t["trainer"].update(step="5")), ("step", "'5'")),
     Case("step-negative", edit_tree(lambda t: t["trainer"].update(step=-5)), ("step", "-5")),
     Case("step-1e30", edit_tree(lambda t: t["trainer"].update(step=1e30)), ("step",)),
@@ -289,8 +276,8 @@ CASES = [
     Case("rng-torch-short", edit_tensors(S, lambda d: d.update({"/rng/0/torch": d["/rng/0/torch"][:-16].clone()})),
          ("/rng/0/torch", "5040")),
     Case("rng-python-short", set_python_rng(lambda s: s.pop()), ("rng", "python")),
-    Case("rng-python-bad-position", set_python_rng(lambda s: s.__setitem__(624, 700)), ("RNG state",), xfail=RNG_TRAINER),
-    Case("rng-torch-invalid-bytes", edit_tensors(S, lambda d: d["/rng/0/torch"].fill_(255)), ("RNG state",), xfail=RNG_TRAINER),
+    Case("rng-python-bad-position", set_python_rng(lambda s: s.__setitem__(624, 700)), ("RNG state",)),
+    Case("rng-torch-invalid-bytes", edit_tensors(S, lambda d: d["/rng/0/torch"].fill_(255)), ("RNG state",)),
     # Format and step in the manifest.
     Case("format-a-string", edit_manifest(lambda m: m.update(format="1")), ("'1'", "not a version number")),
     Case("format-99", edit_manifest(lambda m: m.update(format=99)), ("format version 99", "newer", "Upgrade")),
@@ -306,7 +293,7 @@ CASES = [
     Case("model-key-extra", edit_tensors(M, lambda d: d.update(extra=torch.zeros(3))), ("extra", "not in the model")),
     Case("model-key-missing", edit_tensors(M, lambda d: d.pop("ln_f.weight")), ("ln_f.weight", "missing")),
 ]
-PARAMS = [pytest.param(c, id=c.id, marks=c.marks) for c in CASES]
+PARAMS = [pytest.param(c, id=c.id) for c in CASES]
 
 
 def damaged(good: Path, to: Path, case: Case) -> Path:

@@ -357,17 +357,17 @@ class Trainer:
         self.step, self.samples_seen, self.skipped_steps = state["step"], state["samples_seen"], state["skipped_steps"]
         self.stop_reason = state.get("stop_reason")
 
-    def _check_run_state(self, state: dict[str, Any]) -> None:
+    def _check_run_state(self, state: dict[str, Any], where: str = "the checkpoint") -> None:
         """Counts that are counts, and the same data order from the checkpoint's position on."""
         for key in ("step", "samples_seen", "skipped_steps"):
             if not isinstance(state[key], int) or not 0 <= state[key] < 2**62:
-                raise CheckpointError(f"trainer.{key}={state[key]!r} in the checkpoint is not a count.")
+                raise CheckpointError(f"{where}: trainer.{key}={state[key]!r} is not a count.")
         sampler = GlobalBatchSampler(len(self.data.train), self.data.batch_size, self.cfg.grad_accum_steps,
                                      self.strategy.dp_rank, self.strategy.dp_size, self.cfg.seed, self.data.shuffle,
                                      start=state["samples_seen"])
         if sampler.fingerprint() != state["data_fingerprint"]:
             raise CheckpointError(
-                f"the data order after step {state['step']} differs from the checkpoint's (fingerprint "
+                f"{where}: the data order after step {state['step']} differs from the checkpoint's (fingerprint "
                 f"{sampler.fingerprint()} vs {state['data_fingerprint']}): the dataset, trainer.seed or "
                 "data.shuffle changed. Resume with the checkpoint's config (its config.yaml) or start fresh with resume=null."
             )
@@ -422,7 +422,11 @@ class Trainer:
             state = snapshot.conform({k: tree[k] for k in like}, like, loaded.state, where)
             _check_optimizer(state["optimizer"], like["optimizer"], where)
             if resume:
-                self._check_run_state(state["trainer"])
+                self._check_run_state(state["trainer"], where)
+                _check_schedule(state.get("scheduler"), state["trainer"]["step"], where)
+            rngs = state["rng"]
+            if self.backend.rank < len(rngs):
+                _check_rng(rngs[self.backend.rank], where)
         except BaseException:
             if fresh_optimizer:  # the template initialised it; a fresh run must not start from that
                 self.strategy.reset_optimizer(self.optimizer)
@@ -441,9 +445,26 @@ class Trainer:
             self.load_state_dict(state["trainer"])
         else:
             self.step = state["trainer"]["step"]
-        rngs = state["rng"]
         if self.backend.rank < len(rngs):  # same world size: continue each rank's own stream
             set_rng_state(rngs[self.backend.rank])
+
+
+def _check_schedule(state: Any, step: int, where: str) -> None:
+    """The schedule's position is a step the run has reached (a negative one would run the LR backwards)."""
+    position = state.get("last_epoch") if isinstance(state, dict) else None
+    if isinstance(position, int) and not 0 <= position <= step:
+        raise CheckpointError(f"{where}: scheduler.last_epoch={position} is not a position within step {step}.")
+
+
+def _check_rng(state: dict, where: str) -> None:
+    """Python and torch accept this rank's RNG state (tried on throwaway generators, so a refusal changes nothing)."""
+    import random
+
+    try:
+        random.Random().setstate(state["python"])
+        torch.Generator().set_state(state["torch"])
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise CheckpointError(f"{where}: the RNG state of this rank cannot be restored ({e}).") from None
 
 
 def _check_optimizer(state: dict, like: dict, where: str) -> None:
