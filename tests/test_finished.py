@@ -102,7 +102,7 @@ def test_sample_prints_the_lm_text(corpus, tmp_path):
     none = run_main("sample", str(tmp_path / "run"), "task.sample_tokens=0", cwd=tmp_path)
     assert none.returncode == 0 and not none.stdout and "task.sample_tokens=200" in none.stderr
     bad = run_main("sample", str(tmp_path / "run"), "task.sample_tokenz=5", cwd=tmp_path)
-    assert bad.returncode == 2 and "task.sample_tokenz" in bad.stderr and "task.sample_tokens" in bad.stderr
+    assert bad.returncode == 2 and "task.sample_tokenz" in bad.stderr and "Did you mean sample_tokens?" in bad.stderr
     assert "Traceback" not in bad.stderr
 
 

@@ -53,6 +53,12 @@ class Preempted(TrainerExit):
 
 
 def suggest(name: str, choices: Iterable[str], n: int = 3) -> str:
-    """' Did you mean a, b?' for the closest names, or '' when nothing is close."""
+    """' Did you mean a, b?' for the closest names, or '' when nothing is close.
+
+    A name clearly closer than the rest is offered alone (max_stepz -> max_steps, not also max_epochs):
+    a second guess only helps when it is about as likely as the first.
+    """
     close = difflib.get_close_matches(name, list(choices), n=n, cutoff=0.6)
+    score = {c: difflib.SequenceMatcher(None, c, name).ratio() for c in close}
+    close = [c for c in close if score[c] >= score[close[0]] - 0.1] if close else []
     return f" Did you mean {', '.join(close)}?" if close else ""
