@@ -99,3 +99,23 @@ def test_a_nan_on_one_rank_stops_every_rank_at_the_next_read_with_nonfinite_chec
     assert "non-finite gradient norm (nan) at step 6" in message and "the 2 after it" in message, message
     assert [p.name for p in sorted((tmp_path / "checkpoints").glob("step_*"))] == ["step_00000004"]
     assert [e["step"] for e in read_metrics(tmp_path)] == [5]
+
+
+def test_the_failure_reported_is_the_cause_not_a_rank_the_agent_stopped_in_the_same_second(tmp_path):
+    """Both ranks record the same error; rank 0 is stopped by the agent (SIGTERM) before its own exit.
+    The job's exit code is the error's (3), not the signal's; an earlier second still wins outright."""
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from trainer.launcher import root_failure
+
+    def failure(rank: int, exitcode: int, second: int) -> ProcessFailure:
+        path = tmp_path / f"error_{rank}_{second}.json"
+        message = {"message": "error: non-finite", "extraInfo": {"py_callstack": "", "timestamp": str(second)}}
+        path.write_text(json.dumps({"message": message}))
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))
+
+    assert root_failure({0: failure(0, -15, 50), 1: failure(1, 3, 50)})[0] == 1
+    assert root_failure({1: failure(1, 3, 50), 0: failure(0, -15, 50)})[0] == 1
+    assert root_failure({0: failure(0, -9, 49), 1: failure(1, 1, 50)})[0] == 0

@@ -158,7 +158,7 @@ def launch(cfg: DictConfig, run_dir: Path, entry: str = "train") -> dict | None:
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "trainer.worker")
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = root_failure(e.failures)
         raise WorkerFailed(rank, failure.exitcode, _failure_text(failure)) from None
     except SignalException as e:
         # The agent forwarded the signal to the workers and waited for them: a SIGTERM/SIGUSR1 made
@@ -173,6 +173,13 @@ def launch(cfg: DictConfig, run_dir: Path, entry: str = "train") -> dict | None:
         for name in (CONFIG_ENV, RUN_DIR_ENV, ENTRY_ENV):
             os.environ.pop(name, None)
     return None
+
+
+def root_failure(failures: dict) -> tuple:
+    """The (rank, ProcessFailure) to report: the earliest, and within the same second (torchelastic's
+    timestamps are whole seconds) one that exited by itself. A rank the agent stopped after another failed
+    reads as a signal (exit code < 0) even when it had already recorded the same error: a consequence."""
+    return min(failures.items(), key=lambda rf: (rf[1].timestamp, rf[1].exitcode <= 0, rf[0]))
 
 
 def _drop_worker_failed_line(record: logging.LogRecord) -> bool:
