@@ -101,21 +101,28 @@ def test_a_nan_on_one_rank_stops_every_rank_at_the_next_read_with_nonfinite_chec
     assert [e["step"] for e in read_metrics(tmp_path)] == [5]
 
 
-def test_the_failure_reported_is_the_cause_not_a_rank_the_agent_stopped_in_the_same_second(tmp_path):
-    """Both ranks record the same error; rank 0 is stopped by the agent (SIGTERM) before its own exit.
-    The job's exit code is the error's (3), not the signal's; an earlier second still wins outright."""
+def test_the_failure_reported_is_the_cause_not_a_consequence(tmp_path):
+    """Rank 1 fails first; rank 0 then fails on the closed connection a moment later in the same second, or
+    is stopped by the agent (SIGTERM) after recording the same error. Either way the job reports rank 1's
+    error and exit code; a rank killed without a record (OOM: SIGKILL) earlier in the second is the cause."""
     import json
 
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     from trainer.launcher import root_failure
 
-    def failure(rank: int, exitcode: int, second: int) -> ProcessFailure:
-        path = tmp_path / f"error_{rank}_{second}.json"
-        message = {"message": "error: non-finite", "extraInfo": {"py_callstack": "", "timestamp": str(second)}}
-        path.write_text(json.dumps({"message": message}))
-        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))
+    def failure(rank: int, exitcode: int, ms: int | None) -> ProcessFailure:
+        path = tmp_path / f"error_{rank}_{exitcode}_{ms}.json"
+        if ms is not None:  # what trainer.worker records
+            info = {"py_callstack": "", "timestamp": "50", "time_ns": 50 * 10**9 + ms * 10**6}
+            path.write_text(json.dumps({"message": {"message": f"error: rank {rank}", "extraInfo": info}}))
+        f = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))
+        if ms is None:
+            f.timestamp = 50  # found dead during second 50
+        return f
 
-    assert root_failure({0: failure(0, -15, 50), 1: failure(1, 3, 50)})[0] == 1
-    assert root_failure({1: failure(1, 3, 50), 0: failure(0, -15, 50)})[0] == 1
-    assert root_failure({0: failure(0, -9, 49), 1: failure(1, 1, 50)})[0] == 0
+    for failures in ({0: failure(0, 1, 700), 1: failure(1, 1, 300)},
+                     {0: failure(0, -15, 100), 1: failure(1, 3, 300)},
+                     {1: failure(1, 3, 300), 0: failure(0, -15, None)}):
+        assert root_failure(failures)[0] == 1, failures
+    assert root_failure({0: failure(0, -9, None), 1: failure(1, 1, 300)})[0] == 0

@@ -46,6 +46,26 @@ def test_eval_reports_the_final_checkpoints_metrics(reference, capsys):
         assert got[key] == pytest.approx(final[key], abs=1e-9), key
 
 
+def test_eval_reports_a_failed_worker_once_without_the_launchers_traceback(reference, capsys, monkeypatch):
+    """A worker of a several-process eval that fails: its own message, its exit code, no traceback."""
+    from trainer import launcher
+    from trainer.commands import evaluate
+
+    def fails(cfg, run_dir, entry):
+        raise launcher.WorkerFailed(1, 3, "error: non-finite loss on rank 1")
+
+    monkeypatch.setattr(launcher, "run", fails)
+    for switch in ("TRAINER_DEBUG", "HYDRA_FULL_ERROR"):
+        monkeypatch.delenv(switch, raising=False)
+    assert evaluate([str(reference)]) == 3
+    err = capsys.readouterr().err
+    assert err.strip() == "error: non-finite loss on rank 1"
+
+    monkeypatch.setattr(launcher, "run", lambda *a, **k: (_ for _ in ()).throw(launcher.WorkerFailed(0, -15, "Signal 15")))
+    assert evaluate([str(reference)]) == 1
+    assert capsys.readouterr().err.startswith("error: worker rank 0 failed:\nSignal 15")
+
+
 @pytest.mark.slow
 def test_eval_on_two_processes_of_another_checkpoint_with_other_eval_settings(reference, corpus, tmp_path):
     """checkpoint=PATH (step 8), 2 ranks, the first 20 val samples: equal to one process's eval of the same."""

@@ -116,12 +116,10 @@ def run_job(cfg: DictConfig) -> float | None:
         try:
             final = run(resolved, run_dir)
         except WorkerFailed as wf:
-            # The root cause, once: a worker's own user error, or its traceback.
-            text = wf.text if wf.text.startswith("error:") else f"error: worker rank {wf.rank} failed:\n{wf.text}"
-            print(scrub(text.rstrip(), secret_values()), file=sys.stderr, flush=True)
+            code = wf.report()
             if wf.exitcode not in (UserError.exit_code, NonFiniteError.exit_code):  # rerunning would not help
                 _say_how_to_continue(run_dir, continue_command(run_dir))
-            sys.exit(wf.exitcode if wf.exitcode > 0 else 1)
+            sys.exit(code)
         except KeyboardInterrupt:
             print("interrupted: stopped all processes.", file=sys.stderr, flush=True)
             _say_how_to_continue(run_dir, continue_command(run_dir))

@@ -167,9 +167,14 @@ def _user_errors(fn):
     def inner(argv: list[str]) -> int:
         from .cli import debug_enabled, report
         from .errors import TrainerExit
+        from .launcher import WorkerFailed
 
         try:
             return fn(argv)
+        except WorkerFailed as wf:  # a worker of `eval` on several processes: its error, once
+            if debug_enabled():
+                raise
+            return wf.report()
         except TrainerExit as err:
             if debug_enabled():
                 raise

@@ -176,10 +176,17 @@ def launch(cfg: DictConfig, run_dir: Path, entry: str = "train") -> dict | None:
 
 
 def root_failure(failures: dict) -> tuple:
-    """The (rank, ProcessFailure) to report: the earliest, and within the same second (torchelastic's
-    timestamps are whole seconds) one that exited by itself. A rank the agent stopped after another failed
-    reads as a signal (exit code < 0) even when it had already recorded the same error: a consequence."""
-    return min(failures.items(), key=lambda rf: (rf[1].timestamp, rf[1].exitcode <= 0, rf[0]))
+    """The (rank, ProcessFailure) to report: the earliest failure that is not the agent's SIGTERM. Once one
+    worker fails the agent SIGTERMs the others (possibly after they recorded the same error): consequences.
+    Times: our workers record theirs to the nanosecond (torchelastic's `timestamp` is whole seconds, which
+    cannot tell a crash from the peer's 'connection closed' a millisecond later); a worker that died without
+    a record (killed, aborted) counts from the start of the second it was found dead in."""
+    def key(rank_failure: tuple) -> tuple:
+        f = rank_failure[1]
+        message = f.error_file_data.get("message") if isinstance(f.error_file_data, dict) else None
+        info = message.get("extraInfo", {}) if isinstance(message, dict) else {}
+        return f.exitcode == -signal.SIGTERM, int(info.get("time_ns", f.timestamp * 10**9))
+    return min(failures.items(), key=key)
 
 
 def _drop_worker_failed_line(record: logging.LogRecord) -> bool:
@@ -199,3 +206,12 @@ class WorkerFailed(Exception):
     def __init__(self, rank: int, exitcode: int, text: str):
         super().__init__(text)
         self.rank, self.exitcode, self.text = rank, exitcode, text
+
+    def report(self) -> int:
+        """Print the root cause once (a worker's own user error, or its traceback), secrets taken out;
+        returns the exit code to leave with."""
+        from .redaction import scrub, secret_values
+
+        text = self.text if self.text.startswith("error:") else f"error: worker rank {self.rank} failed:\n{self.text}"
+        print(scrub(text.rstrip(), secret_values()), file=sys.stderr, flush=True)
+        return self.exitcode if self.exitcode > 0 else 1
