@@ -108,6 +108,40 @@ def run_main(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Compl
     return subprocess.CompletedProcess(["python", "-m", "trainer", *args], code, out.getvalue(), err.getvalue())
 
 
+def run_here(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m trainer ARGS` through `trainer.cli.main`, Hydra and all, in this process: `run_cli`'s exit
+    code and output without an interpreter's start-up (~3 s with torch's imports). For single-process runs
+    that end by themselves; a run that is killed or signalled, or launches workers, needs `run_cli`. What a
+    run changes in the process (argv, cwd, environment, signal handlers, torch's thread count) is put back."""
+    import contextlib
+    import io
+    import signal
+
+    import torch
+
+    from trainer.cli import main
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    saved = (list(sys.argv), os.getcwd(), dict(os.environ), torch.get_num_threads(),
+             {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)})
+    os.chdir(cwd or ROOT)
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main(list(args))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv[:] = saved[0]
+        os.chdir(saved[1])
+        os.environ.clear()
+        os.environ.update(saved[2])
+        torch.set_num_threads(saved[3])
+        for s, handler in saved[4].items():
+            signal.signal(s, handler)
+    return subprocess.CompletedProcess(["python", "-m", "trainer", *args], code, out.getvalue(), err.getvalue())
+
+
 # One schedule shared by the distributed and checkpoint tests, so their reference runs are shared too.
 # Odd eval size: 2 ranks get 19 and 18 samples; padding or duplicates would change the mean.
 SHARED = ("trainer.max_steps=12", "trainer.eval_every=6", "trainer.eval_samples=37",

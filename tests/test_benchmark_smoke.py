@@ -1,8 +1,10 @@
 """`python -m benchmarks --quick` runs the items and writes the markdown table and, beside it, the JSON data.
 
 No timing is asserted: on a shared CPU any threshold would be flaky. `make bench` is where numbers count.
-The fsdp and tp items are left out here: their 2-process CLI runs and hand-written jobs add ~50 s at
-quick sizes on 2 cores. Run them by hand: python -m benchmarks --quick --only fsdp,tp --out /tmp/B.md
+The multi-process items (ddp, fsdp, tp) and activation_checkpointing are left out here: their CLI runs and
+hand-written jobs add ~60 s at quick sizes on 2 cores, and the suite's time is bounded; what they run is
+the framework's DDP/FSDP/TP paths the other tests check. Run them by hand before changing them:
+python -m benchmarks --quick --only ddp,fsdp,tp,activation_checkpointing --out /tmp/B.md
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import re
 import pytest
 from conftest import run_cli
 
-SMOKE_ITEMS = "loop_tiny,loop_default,bf16_vs_fp32,ddp,checkpoint,startup"  # not fsdp, tp (see above)
+SMOKE_ITEMS = "loop_tiny,loop_default,bf16_vs_fp32,checkpoint,startup"  # (see above)
 CURVE = "## Quality per second: `make train`"
 # A report's quality section as `--curve` writes it, with notes written by hand below its `Settings:` line.
 OLD_CURVE = f"""{CURVE}
@@ -43,8 +45,7 @@ def test_quick_benchmark_writes_table_and_json(tmp_path):
     assert r.returncode == 0, r.stderr
     text = out.read_text()
 
-    for row in ("a. loop overhead, gpt_tiny", "a. loop overhead, gpt_small", "b. bf16 vs fp32", "c. DDP 2 proc",
-                "c. the same scaling for a hand-written DDP loop",
+    for row in ("a. loop overhead, gpt_tiny", "a. loop overhead, gpt_small", "b. bf16 vs fp32",
                 "d. safetensors save_file", "d. safetensors load_file + touch", "e. start-up to first step",
                 "e. `python -m trainer --help`", "e. `python -m trainer --cfg job`"):
         assert re.search(rf"^\| {re.escape(row)}.*\|$", text, flags=re.M), row
@@ -54,14 +55,13 @@ def test_quick_benchmark_writes_table_and_json(tmp_path):
     # The raw data lives beside the markdown (BENCH.json), not in it.
     assert "```json" not in text and "per_round_ms" not in text and "`BENCH.json`" in text
     res = json.loads((tmp_path / "BENCH.json").read_text())
-    assert set(res) == {"meta", "loop_tiny", "loop_default", "bf16_vs_fp32", "ddp", "checkpoint", "startup"}
+    assert set(res) == {"meta", "loop_tiny", "loop_default", "bf16_vs_fp32", "checkpoint", "startup"}
     assert res["meta"]["quick"] is True
     for key in ("loop_tiny", "loop_default"):
         assert {"trainer_ms_per_step", "plain_ms_per_step", "overhead_ms_per_step", "throughput_ratio",
                 "per_round_ms", "target", "met"} <= set(res[key])
         assert res[key]["metrics_lines_written"] > 0  # the Trainer really logged to metrics.jsonl
     assert {"bf16_tokens_per_s", "fp32_tokens_per_s", "ratio"} <= set(res["bf16_vs_fp32"])
-    assert {"single_tokens_per_s", "ddp_tokens_per_s", "ratio", "met", "plain_ratio", "ddp_vs_plain_ddp"} <= set(res["ddp"])
     assert {"bytes", "api", "ms", "format_save_ratio", "format_load_ratio"} <= set(res["checkpoint"])
     assert {"safetensors_save", "raw_write", "safetensors_load", "raw_read"} <= set(res["checkpoint"]["ms"])
     s = res["startup"]
@@ -71,7 +71,7 @@ def test_quick_benchmark_writes_table_and_json(tmp_path):
     # Every figure is a finite positive number.
     for key in ("loop_tiny", "loop_default"):
         assert res[key]["trainer_ms_per_step"] > 0 and res[key]["plain_ms_per_step"] > 0
-    assert res["ddp"]["ddp_tokens_per_s"] > 0 and res["startup"]["first_step_s"] > 0
+    assert res["startup"]["first_step_s"] > 0
 
 
 def test_curve_rewrites_only_its_generated_part(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from conftest import read_metrics, run_cli, series, tiny_overrides
+from conftest import read_metrics, run_cli, run_here, run_main, series, tiny_overrides
 
 QUIET = {"HYDRA_FULL_ERROR": "0", "TRAINER_DEBUG": "0"}
 
@@ -17,8 +17,10 @@ QUIET = {"HYDRA_FULL_ERROR": "0", "TRAINER_DEBUG": "0"}
     ({"TRAINER_DEBUG": "1"}, True),
 ])
 def test_only_an_explicit_1_shows_the_traceback_of_a_config_mistake(tmp_path, switch, traceback):
-    r = run_cli("debug=smoke", "trainer.max_stepz=3", f"hydra.run.dir={tmp_path / 'run'}",
-                env={"HYDRA_FULL_ERROR": "", "TRAINER_DEBUG": "", **switch}, timeout=60)
+    args = ("debug=smoke", "trainer.max_stepz=3", f"hydra.run.dir={tmp_path / 'run'}")
+    env = {"HYDRA_FULL_ERROR": "", "TRAINER_DEBUG": "", **switch}
+    # A traceback is the process's own last words: a subprocess. The one-paragraph cases, in this process.
+    r = run_cli(*args, env=env, timeout=60) if traceback else run_main(*args, cwd=tmp_path, env=env)
     assert r.returncode in ((1, 2) if traceback else (2,)), r.stderr
     assert ("Traceback" in r.stderr) is traceback, r.stderr
     if not traceback:  # one paragraph naming the key and the fix
@@ -30,8 +32,10 @@ def test_only_an_explicit_1_shows_the_traceback_of_a_config_mistake(tmp_path, sw
 @pytest.mark.parametrize("full_error", ["0", "1"])
 def test_a_mistake_found_while_the_job_runs_follows_the_same_switch(corpus, tmp_path, full_error):
     """A checkpoint path that does not exist is found after Hydra started the job (inside its task function)."""
-    r = run_cli(*tiny_overrides(corpus, f"resume={tmp_path / 'nowhere'}"), f"hydra.run.dir={tmp_path / 'run'}",
-                env={**QUIET, "HYDRA_FULL_ERROR": full_error}, timeout=120)
+    # In this process where nothing is raised past the CLI; the traceback's case in a subprocess.
+    r = (run_here if full_error == "0" else run_cli)(*tiny_overrides(corpus, f"resume={tmp_path / 'nowhere'}"),
+                                                     f"hydra.run.dir={tmp_path / 'run'}",
+                                                     env={**QUIET, "HYDRA_FULL_ERROR": full_error})
     assert r.returncode in ((2,) if full_error == "0" else (1, 2)), r.stderr
     assert "does not exist" in r.stderr
     assert ("Traceback" in r.stderr) is (full_error == "1"), r.stderr
@@ -43,7 +47,7 @@ def test_multirun_flag_may_stand_anywhere(corpus, tmp_path, where):
     flag = "-m" if where == "middle" else "--multirun"
     args = ([*overrides, "optim.lr=1e-3,2e-3", flag, f"hydra.sweep.dir={tmp_path}"] if where == "middle"
             else [*overrides, "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={tmp_path}", flag])
-    r = run_cli(*args, cwd=tmp_path, env=QUIET)
+    r = run_here(*args, cwd=tmp_path, env=QUIET)
     assert r.returncode == 0, r.stderr
     lrs = [yaml.safe_load((tmp_path / str(i) / "config.yaml").read_text())["optim"]["lr"] for i in (0, 1)]
     assert lrs == [1e-3, 2e-3]
@@ -51,7 +55,7 @@ def test_multirun_flag_may_stand_anywhere(corpus, tmp_path, where):
 
 
 def test_grad_clip_zero_is_refused_and_the_message_says_null_switches_clipping_off(tmp_path):
-    r = run_cli("debug=smoke", "trainer.grad_clip=0", f"hydra.run.dir={tmp_path / 'run'}", env=QUIET, timeout=60)
+    r = run_main("debug=smoke", "trainer.grad_clip=0", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env=QUIET)
     assert r.returncode == 2
     assert r.stderr == ("error: trainer.grad_clip=0.0 is invalid: expected a number > 0, or null. "
                         "null switches clipping off.\n")

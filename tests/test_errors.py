@@ -23,6 +23,7 @@ from conftest import (
     SHARED,
     read_metrics,
     run_cli,
+    run_here,
     run_main,
     series,
     tiny_overrides,
@@ -147,7 +148,7 @@ def test_data_mistakes(tmp_path, case, needle):
 
 
 def test_resume_from_a_path_that_does_not_exist(corpus, tmp_path):
-    r = run_cli(*tiny_overrides(corpus), f"hydra.run.dir={tmp_path / 'run'}", f"resume={tmp_path / 'nope'}")
+    r = run_here(*tiny_overrides(corpus), f"hydra.run.dir={tmp_path / 'run'}", f"resume={tmp_path / 'nope'}")
     assert_clean_error(r, str(tmp_path / "nope"), "does not exist")
 
 
@@ -158,12 +159,12 @@ def test_checkpoint_from_a_newer_format(corpus, tmp_path, reference):
     shutil.copytree(reference / "checkpoints" / "step_00000008", ckpt)
     manifest = json.loads((ckpt / "manifest.json").read_text())
     (ckpt / "manifest.json").write_text(json.dumps({**manifest, "format": 99}))
-    r = run_cli(*tiny_overrides(corpus), f"hydra.run.dir={tmp_path / 'run'}", f"resume={ckpt}")
+    r = run_here(*tiny_overrides(corpus), f"hydra.run.dir={tmp_path / 'run'}", f"resume={ckpt}")
     assert_clean_error(r, "format version 99", "Upgrade")
 
 
 def test_nonfinite_stop_keeps_the_last_checkpoint(corpus, tmp_path):
-    r = run_cli(*tiny_overrides(corpus, *SHARED, "task._target_=faulty.Faulty"), "+task.action=nan_once",
+    r = run_here(*tiny_overrides(corpus, *SHARED, "task._target_=faulty.Faulty"), "+task.action=nan_once",
                 "+task.at_call=6", "+task.rank=0", f"hydra.run.dir={tmp_path}", env=FAULTY_ENV)
     assert_clean_error(r, "non-finite gradient norm", "at step 6 on rank 0", "trainer.nonfinite=skip", code=3)
     ckpts = sorted((tmp_path / "checkpoints").glob("step_*"))
@@ -180,7 +181,7 @@ def test_nonfinite_skip_counts_and_gives_up_after_n_in_a_row(corpus, tmp_path):
     events = train_in_process(corpus, tmp_path / "once", "trainer.nonfinite=skip", "task._target_=faulty.Faulty",
                               "+task.action=nan_once", "+task.at_call=6", "+task.rank=0")
     assert series(events, "train/skipped_steps")[-1] == 1 and len(series(events, "train/loss")) == 20
-    r = run_cli(*tiny_overrides(corpus, "trainer.nonfinite=skip", "trainer.max_nonfinite_skips=3",
+    r = run_here(*tiny_overrides(corpus, "trainer.nonfinite=skip", "trainer.max_nonfinite_skips=3",
                                 "task._target_=faulty.Faulty"),
                 "+task.action=nan_always", "+task.at_call=6", "+task.rank=0", f"hydra.run.dir={tmp_path / 'many'}",
                 env=FAULTY_ENV)
@@ -189,7 +190,7 @@ def test_nonfinite_skip_counts_and_gives_up_after_n_in_a_row(corpus, tmp_path):
 
 def test_secrets_never_reach_the_run_dir(corpus, tmp_path):
     env_secret, cli_secret = f"envsecret-{uuid.uuid4().hex}", f"clisecret-{uuid.uuid4().hex}"
-    r = run_cli(*tiny_overrides(corpus, "trainer.max_steps=4", "checkpoint.every_n_steps=2"),
+    r = run_here(*tiny_overrides(corpus, "trainer.max_steps=4", "checkpoint.every_n_steps=2"),
                 f"+hydra.job.env_set.WANDB_API_KEY={cli_secret}", f"hydra.run.dir={tmp_path}",
                 env={"WANDB_API_KEY": env_secret, "HF_TOKEN": env_secret})
     assert r.returncode == 0, r.stderr

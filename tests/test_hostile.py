@@ -35,7 +35,7 @@ from conftest import (
     assert_identical,
     compose_cfg,
     once_per_run,
-    run_cli,
+    run_here,
     tiny_overrides,
     train_in_process,
 )
@@ -418,7 +418,7 @@ def test_end_to_end_a_fifo_in_a_checkpoint_exits_2_with_one_paragraph(good, corp
 
     case = next(c for c in CASES if c.id == "fifo")
     ckpt = damaged(good, tmp_path / "copy", case)
-    r = run_cli(*tiny_overrides(corpus, *SINGLE), f"hydra.run.dir={tmp_path / 'run'}", f"resume={ckpt}", timeout=60)
+    r = run_here(*tiny_overrides(corpus, *SINGLE), f"hydra.run.dir={tmp_path / 'run'}", f"resume={ckpt}")
     assert_clean_error(r, str(ckpt), *case.needles)
     assert not (tmp_path / "run" / "checkpoints").exists()  # it trained nothing
 

@@ -21,6 +21,7 @@ from conftest import (
     load_weights,
     once_per_run,
     run_cli,
+    run_here,
     series,
     tiny_overrides,
     train_in_process,
@@ -212,6 +213,6 @@ def test_tensor_parallel_traps_tied_weights_and_norms_across_meshes(tmp_path):
 def test_parallel_config_mistakes_are_one_paragraph_before_any_process(tmp_path, corpus, args, needles):
     from test_errors import assert_clean_error
 
-    r = run_cli(*tiny_overrides(corpus), *args, "hydra.run.dir=run", cwd=tmp_path)
+    r = run_here(*tiny_overrides(corpus), *args, "hydra.run.dir=run", cwd=tmp_path)
     assert_clean_error(r, *needles)
     assert list(tmp_path.iterdir()) == []

@@ -11,18 +11,14 @@ it runs anything (`trainer.cli.precheck`: config groups, keys, types, ranges, im
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import re
 import shlex
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
-from conftest import ROOT, load_weights, read_metrics, series
+from conftest import ROOT, load_weights, read_metrics, run_here, series
 
 README = ROOT / "README.md"
 
@@ -82,31 +78,6 @@ def test_the_readme_has_what_the_walkthrough_expects():
                                    for c in cmds), cmds
     assert any("\\" in t for _, t in blocks("bash"))  # the SLURM sweep's continuation lines were joined
     assert len(blocks("python")) == 3 and len(blocks("yaml")) == 1
-
-
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """`python -m trainer ARGS` through `trainer.cli.main`, Hydra and all, in this process. What a run
-    changes in the process (argv, cwd, environment, signal handlers, torch's thread count) is put back."""
-    from trainer.cli import main
-
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    saved = (list(sys.argv), os.getcwd(), dict(os.environ), torch.get_num_threads(),
-             {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)})
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            main(list(args))
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        sys.argv[:] = saved[0]
-        os.chdir(saved[1])
-        os.environ.clear()
-        os.environ.update(saved[2])
-        torch.set_num_threads(saved[3])
-        for s, handler in saved[4].items():
-            signal.signal(s, handler)
-    return subprocess.CompletedProcess(["python", "-m", "trainer", *args], code, out.getvalue(), err.getvalue())
 
 
 def precheck(args: list[str], cwd: Path) -> None:
@@ -174,14 +145,14 @@ def test_readme_walkthrough(tmp_path):
                 precheck(args, home)  # raises on any mistake the CLI would refuse
                 continue
             if args[:1] in (["eval"], ["sample"]):
-                r = cli(*args, cwd=home)
+                r = run_here(*args, cwd=home)
                 assert r.returncode == 0, f"{where}\n{r.stdout}\n{r.stderr}"
                 # (sample on a debug=smoke lm run, which asks for no text, says how to ask for it)
                 said = r.stdout.strip() or "task.sample_tokens=" in r.stderr
                 assert ("val/loss" in r.stdout) if args[0] == "eval" else said, f"{where}\n{r.stdout}\n{r.stderr}"
                 continue
             if "--help" in args or "--cfg" in args:
-                r = cli(*args, cwd=home)
+                r = run_here(*args, cwd=home)
                 assert r.returncode == 0 and r.stdout.strip() and not r.stderr, f"{where}\n{r.stderr}"
                 continue
             if "debug=smoke" not in args and "recipe=regress" not in args:
@@ -189,7 +160,7 @@ def test_readme_walkthrough(tmp_path):
             if not any(a.startswith("hydra.run.dir=") for a in args) and "-m" not in args:
                 # The default dir has the second in its name: two runs in one second would share it.
                 args.append(f"hydra.run.dir=outputs/line{line}")
-            r = cli(*args, cwd=home)
+            r = run_here(*args, cwd=home)
             assert r.returncode == 0, f"{where}\n{r.stdout}\n{r.stderr}"
             assert "Traceback" not in r.stderr, f"{where}\n{r.stderr}"
             if "-m" not in args:

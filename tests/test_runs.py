@@ -19,6 +19,7 @@ from conftest import (
     load_weights,
     read_metrics,
     run_cli,
+    run_here,
     series,
     tiny_overrides,
     train_in_process,
@@ -56,7 +57,7 @@ def test_preempted_run_prints_the_command_that_continues_it_and_that_command_doe
     assert command[:3] == ["python", "-m", "trainer"] and command[-1] == "resume=auto"
     run_dir = Path(next(a for a in command if a.startswith("hydra.run.dir=")).split("=", 1)[1])
     assert f"run dir: {run_dir}" in r.stdout
-    r = run_cli(*command[3:], cwd=tmp_path, env=FAULTY_ENV)
+    r = run_here(*command[3:], cwd=tmp_path, env=FAULTY_ENV)
     assert r.returncode == 0, r.stderr
     assert f"done: {run_dir}" in r.stdout
     assert_identical(run_dir, reference)
@@ -67,10 +68,10 @@ def test_resume_auto_without_a_run_dir_continues_the_newest_unfinished_run_with_
     args = [*tiny_overrides(corpus, *SINGLE), "checkpoint.async_save=false", *faulty("sigkill", 11),
             f"+task.once={marker}"]
     assert run_cli(*args, cwd=tmp_path, env=FAULTY_ENV).returncode == -9
-    other = run_cli(*tiny_overrides(corpus, *SINGLE, "trainer.max_steps=4"), cwd=tmp_path)  # another config
+    other = run_here(*tiny_overrides(corpus, *SINGLE, "trainer.max_steps=4"), cwd=tmp_path)  # another config
     assert other.returncode == 0
     killed = next(p.parent for p in (tmp_path / "outputs").glob("*/*/checkpoints") if not (p.parent / "export.json").exists())
-    r = run_cli(*args, "resume=auto", cwd=tmp_path, env=FAULTY_ENV)
+    r = run_here(*args, "resume=auto", cwd=tmp_path, env=FAULTY_ENV)
     assert r.returncode == 0, r.stderr
     assert f"resume=auto: continuing {killed}" in r.stdout
     assert len(list((tmp_path / "outputs").glob("*/*"))) == 2  # no third run dir left behind
@@ -81,7 +82,7 @@ def test_a_fresh_restart_sets_the_earlier_events_aside_instead_of_appending(corp
     args = [*tiny_overrides(corpus, "checkpoint.every_n_steps=8"), f"hydra.run.dir={tmp_path}"]
     assert run_cli(*args, *faulty("sigkill", 5), f"+task.once={tmp_path / 'fired'}", env=FAULTY_ENV).returncode == -9
     assert [e["step"] for e in read_metrics(tmp_path)] == [1, 2, 3, 4]
-    r = run_cli(*args, *faulty("sigkill", 5), f"+task.once={tmp_path / 'fired'}", "resume=auto", env=FAULTY_ENV)
+    r = run_here(*args, *faulty("sigkill", 5), f"+task.once={tmp_path / 'fired'}", "resume=auto", env=FAULTY_ENV)
     assert r.returncode == 0 and "starting fresh" in r.stdout
     assert [e["step"] for e in read_metrics(tmp_path) if "train/loss" in e] == list(range(1, 21))
     prev = [json.loads(line)["step"] for line in (tmp_path / "metrics.prev.jsonl").read_text().splitlines()]
@@ -121,7 +122,7 @@ def test_the_best_checkpoint_survives_a_kill_before_the_first_prune(corpus, tmp_
             "trainer.eval_every=2", "checkpoint.every_n_steps=2", "trainer.max_steps=10", "checkpoint.async_save=false")
     args = [*tiny_overrides(corpus, *best), f"hydra.run.dir={tmp_path}"]
     assert run_cli(*args, *faulty("sigkill", 5), f"+task.once={tmp_path / 'fired'}", env=FAULTY_ENV).returncode == -9
-    assert run_cli(*args, *faulty("sigkill", 5), f"+task.once={tmp_path / 'fired'}", "resume=auto",
+    assert run_here(*args, *faulty("sigkill", 5), f"+task.once={tmp_path / 'fired'}", "resume=auto",
                    env=FAULTY_ENV).returncode == 0
     val = {e["step"]: e["val/loss"] for e in read_metrics(tmp_path) if "val/loss" in e and e["step"] < 10}
     want = max(val, key=val.get)  # best_mode=max: the worst loss is "best", so it is an early one
@@ -146,7 +147,7 @@ def test_a_finished_run_whose_export_is_missing_writes_it_on_resume(corpus, tmp_
 def test_a_failed_export_is_one_paragraph_with_its_own_exit_code_and_resume_finishes_it(corpus, tmp_path):
     (tmp_path / "model.safetensors").mkdir(parents=True)  # the export cannot be written there
     args = [*tiny_overrides(corpus, "trainer.max_steps=4"), f"hydra.run.dir={tmp_path}"]
-    r = run_cli(*args)
+    r = run_here(*args)
     assert_clean_error(r, "could not write the exported weights", "resume=auto", code=74)
     (tmp_path / "model.safetensors").rmdir()
     train_in_process(corpus, tmp_path, "trainer.max_steps=4", "resume=auto")
@@ -155,7 +156,7 @@ def test_a_failed_export_is_one_paragraph_with_its_own_exit_code_and_resume_fini
 
 def test_raising_max_steps_on_resume_stretches_the_schedule_and_says_so(corpus, tmp_path):
     train_in_process(corpus, tmp_path, "trainer.max_steps=8", "scheduler.warmup_steps=0")
-    r = run_cli(*tiny_overrides(corpus, "trainer.max_steps=12", "scheduler.warmup_steps=0", "optim.lr=0.002"),
+    r = run_here(*tiny_overrides(corpus, "trainer.max_steps=12", "scheduler.warmup_steps=0", "optim.lr=0.002"),
                 f"hydra.run.dir={tmp_path}", "resume=auto")  # the CLI: it rewrites the run's config.yaml
     assert r.returncode == 0, r.stderr
     assert "trainer.max_steps: 8 -> 12" in r.stdout and "optim.lr: 0.005 -> 0.002" in r.stdout

@@ -137,7 +137,9 @@ def preflight(cfg: DictConfig, run_dir: Path) -> None:
     (whose cache is then built once, here, for all workers)."""
     device = usable_device(launch_config(cfg.world).device)
     strategy = build_strategy(cfg.world)
-    with torch.device("meta"):
+    from .strategies.materialize import SkipMetaInit
+
+    with torch.device("meta"), SkipMetaInit():
         strategy.check_model(build_node("model", cfg.model))
     build_node("task", cfg.task)
     build_node("precision", cfg.precision, device_type=device.type)

@@ -50,6 +50,23 @@ class ShardedInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class SkipMetaInit(TorchFunctionMode):
+    """Fills of meta tensors (which hold no values) do nothing, instead of running torch's reference
+    implementations: those import torch._dynamo (~1 s), which the launcher, building the model on the meta
+    device only to check it, would pay before any worker starts."""
+
+    _FILLS = _RANDOM_INPLACE | {torch.Tensor.zero_, torch.Tensor.fill_, nn.init.zeros_, nn.init.ones_,
+                                nn.init.constant_, nn.init.eye_, nn.init.dirac_}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._FILLS:
+            target = args[0] if args else kwargs.get("tensor")
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
 def materialize(model: nn.Module, device: torch.device, seed: int, seed_everything: Callable[[int], None]) -> None:
     """Allocate a sharded meta-device model's shards on `device` and run its `init_weights()` under `seed`."""
     tied = tied_parameters(model)
