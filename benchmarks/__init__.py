@@ -29,11 +29,14 @@ thread the CPU time decides, as it is the less disturbed by other jobs.
     tp                       `python -m trainer world=ddp world.tp=2` (2 x 1 thread, one data-parallel rank) vs a
                              hand-written loop (parallelize_module with the model's _tp_plan) and vs one
                              process; on CUDA with 2 GPUs also gpt_medium  (tp.py)
+    activation_checkpointing `python -m trainer trainer.activation_checkpointing=true` vs without: peak memory
+                             and tokens/s (1 process, gpt_small on a 32x256 batch)  (activations.py)
 
 An item is a module with an `Item` (harness.py: how it measures, its rows of the table, its sizes in a
 full and a quick run) and one line in ITEMS below.
 """
 
+from .activations import ACTIVATIONS
 from .checkpoint import CHECKPOINT
 from .ddp import DDP
 from .fsdp import FSDP
@@ -52,4 +55,5 @@ ITEMS: dict[str, Item] = {
     "startup": STARTUP,
     "fsdp": FSDP,
     "tp": TP,
+    "activation_checkpointing": ACTIVATIONS,
 }
