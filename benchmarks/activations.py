@@ -49,7 +49,8 @@ def measure(ctx: Context, sizes: dict) -> dict:
 
 
 def rows(r: dict) -> list[str]:
-    what = " ".join(a.split("=")[1] for a in r["model"])
+    name, batch, seq = (a.split("=")[1] for a in r["model"])
+    what = f"{name} {batch}x{seq}"
     return [f"| h. activation checkpointing, peak memory ({r['device']}, {what}) | {r['peak_mem_mb']['ac']:,.0f} MB | "
             f"without {r['peak_mem_mb']['off']:,.0f} MB | {r['saved_mb']:,.0f} MB less ({r['peak_mem_ratio']:.2f}x) "
             "| — | — |",
