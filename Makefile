@@ -5,6 +5,7 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 ARGS   ?=
+RECIPE ?= lm
 
 .PHONY: venv train test bench lint clean
 
@@ -17,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 train: venv
-	$(PY) -m trainer recipe=lm $(ARGS)
+	$(PY) -m trainer recipe=$(RECIPE) $(ARGS)
 
 test: venv
 	$(PY) -m pytest -q -n auto tests $(ARGS)

@@ -55,7 +55,10 @@ NOTES = (
     "(FSDP: MixedPrecisionPolicy bf16 with fp32 reduction, as world=fsdp uses, plus autocast); both time log "
     "windows on rank 0 after a warm-up window and take the median. Tensor parallelism uses the per-parameter "
     "AdamW (fused=False foreach=False) on both sides: the fused and foreach kernels refuse the mix of DTensor "
-    "shards and plain tensors, and the hand-written loop clips the mix by hand."
+    "shards and plain tensors, and the hand-written loop clips the mix by hand. Activation checkpointing runs the "
+    "CLI (one process, 1 thread) with and without `trainer.activation_checkpointing=true` in alternating rounds; its "
+    "peak memory is the run's last `train/peak_mem_mb` (CUDA max allocated; on the CPU the process's peak RSS, "
+    "torch's libraries included) and its speed the median log window's tokens/s."
 )
 
 
