@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli, run_main, tiny_overrides
+from conftest import ROOT, run_cli, run_here, run_main, tiny_overrides
 from test_errors import assert_clean_error
 
 
@@ -287,8 +287,8 @@ def test_secret_values_reach_no_tensorboard_config(corpus, tmp_path, secrets):
     pytest.importorskip("tensorboard")
     pytest.importorskip("trainer.tensorboard_logger")
     run_dir = tmp_path / "run"
-    r = run_cli(*tiny_overrides(corpus, "logger=tensorboard", "trainer.max_steps=2", *SECRET_OVERRIDES[1:3]),
-                f"hydra.run.dir={run_dir}", env=secrets, timeout=240)
+    r = run_here(*tiny_overrides(corpus, "logger=tensorboard", "trainer.max_steps=2", *SECRET_OVERRIDES[1:3]),
+                 f"hydra.run.dir={run_dir}", env=secrets)
     assert r.returncode == 0, r.stderr
     files = run_files(run_dir / "tensorboard")
     assert files
@@ -299,7 +299,7 @@ def test_secret_values_reach_no_tensorboard_sample(corpus, tmp_path, secrets):
     pytest.importorskip("tensorboard")
     pytest.importorskip("trainer.tensorboard_logger")
     run_dir = tmp_path / "run"
-    r = run_cli(*tiny_overrides(corpus, "logger=tensorboard", "trainer.max_steps=2", *SECRET_OVERRIDES[3:]),
-                f"hydra.run.dir={run_dir}", env=secrets, timeout=240)
+    r = run_here(*tiny_overrides(corpus, "logger=tensorboard", "trainer.max_steps=2", *SECRET_OVERRIDES[3:]),
+                 f"hydra.run.dir={run_dir}", env=secrets)
     assert r.returncode == 0, r.stderr
     assert_nowhere(secrets, run_files(run_dir / "tensorboard"))
