@@ -9,28 +9,17 @@ activations, which is what checkpointing trades for recomputation, are a visible
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from .fsdp import cli_overrides, ratio
-from .harness import Context, Item, alternate, check, cli, distributed_device, median
+from .harness import Context, Item, alternate, cli_events, distributed_device, median
 
 AC = "trainer.activation_checkpointing=true"
 
 
 def run(args: list[str]) -> dict[str, Any]:
     """tokens/s per log window (the first left out) and the peak memory at the end of a CLI run."""
-    tmp = Path(tempfile.mkdtemp(prefix="bench-ac-"))
-    try:
-        r = cli([*args, f"hydra.run.dir={tmp}"])
-        check(r, "python -m trainer " + " ".join(args))
-        events = [json.loads(ln) for ln in (tmp / "metrics.jsonl").read_text().splitlines()]
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    train = [e for e in events if "train/tokens_per_s" in e]
+    train = [e for e in cli_events(args) if "train/tokens_per_s" in e]
     return {"tokens_per_s": median([e["train/tokens_per_s"] for e in train[1:]]),
             "peak_mem_mb": train[-1]["train/peak_mem_mb"]}
 
@@ -52,7 +41,8 @@ def rows(r: dict) -> list[str]:
     name, batch, seq = (a.split("=")[1] for a in r["model"])
     what = f"{name} {batch}x{seq}"
     return [f"| h. activation checkpointing, peak memory ({r['device']}, {what}) | {r['peak_mem_mb']['ac']:,.0f} MB | "
-            f"without {r['peak_mem_mb']['off']:,.0f} MB | {r['saved_mb']:,.0f} MB less ({r['peak_mem_ratio']:.2f}x) "
+            f"without {r['peak_mem_mb']['off']:,.0f} MB | {abs(r['saved_mb']):,.0f} MB {'less' if r['saved_mb'] >= 0 else 'more'} "
+            f"({r['peak_mem_ratio']:.2f}x) "
             "| — | — |",
             f"| h. activation checkpointing, speed | {r['tokens_per_s']['ac']:,.0f} tok/s | without "
             f"{r['tokens_per_s']['off']:,.0f} tok/s | {r['speed_ratio']:.2f}x | — | — |"]

@@ -17,8 +17,7 @@ from .harness import (
     Context,
     Item,
     alternate,
-    check,
-    cli,
+    cli_events,
     compose,
     median,
     met_cell,
@@ -29,14 +28,7 @@ from .loop import PlainLoop
 
 def cli_tokens_per_s(args: list[str]) -> tuple[float, int]:
     """Median train/tokens_per_s of a CLI run, the first log window (warm-up) left out."""
-    tmp = Path(tempfile.mkdtemp(prefix="bench-cli-"))
-    try:
-        r = cli([*args, f"hydra.run.dir={tmp}"])
-        check(r, "python -m trainer " + " ".join(args))
-        events = [json.loads(ln) for ln in (tmp / "metrics.jsonl").read_text().splitlines()]
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    rates = [e["train/tokens_per_s"] for e in events if "train/tokens_per_s" in e][1:]
+    rates = [e["train/tokens_per_s"] for e in cli_events(args) if "train/tokens_per_s" in e][1:]
     return median(rates), len(rates)
 
 

@@ -29,8 +29,7 @@ from .harness import (
     Context,
     Item,
     alternate,
-    check,
-    cli,
+    cli_events,
     compose,
     distributed_device,
     free_port,
@@ -54,14 +53,7 @@ def cli_overrides(ctx: Context, model: tuple[str, ...], windows: int, log_every:
 
 def cli_window_rates(args: list[str]) -> list[float]:
     """train/tokens_per_s of each log window of a CLI run, the first (warm-up) left out."""
-    tmp = Path(tempfile.mkdtemp(prefix="bench-cli-"))
-    try:
-        r = cli([*args, f"hydra.run.dir={tmp}"])
-        check(r, "python -m trainer " + " ".join(args))
-        events = [json.loads(ln) for ln in (tmp / "metrics.jsonl").read_text().splitlines()]
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return [e["train/tokens_per_s"] for e in events if "train/tokens_per_s" in e][1:]
+    return [e["train/tokens_per_s"] for e in cli_events(args) if "train/tokens_per_s" in e][1:]
 
 
 def summarize(t: dict[str, list[list[float]]]) -> tuple[dict[str, list[float]], dict[str, float]]:

@@ -157,6 +157,19 @@ def check(r: subprocess.CompletedProcess, what: str) -> None:
         raise RuntimeError(f"{what} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
 
 
+def cli_events(args: list[str]) -> list[dict]:
+    """The metrics.jsonl events of a `python -m trainer ARGS` run in a scratch run dir (removed afterwards)."""
+    import json
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-cli-"))
+    try:
+        r = cli([*args, f"hydra.run.dir={tmp}"])
+        check(r, "python -m trainer " + " ".join(args))
+        return [json.loads(ln) for ln in (tmp / "metrics.jsonl").read_text().splitlines()]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 # -- hand-written multi-process baselines -----------------------------------------------------------
 def free_port() -> int:
     import socket

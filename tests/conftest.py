@@ -78,34 +78,18 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
 
 def run_main(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m trainer ARGS` for a command that ends before Hydra runs a job (a config mistake, --help,
-    --cfg job): the same exit code and output as `run_cli`, in this process, without an interpreter's
-    start-up (seconds each). Fails if the command gets as far as Hydra: use `run_cli` for those."""
-    import contextlib
-    import io
-
+    --cfg job): `run_here` with Hydra's job refused, so a test that means "nothing ran" fails if something
+    did. Use `run_here` or `run_cli` for commands that get as far as Hydra."""
     import hydra
-
-    from trainer.cli import main
 
     def refuse(*a, **k):
         raise AssertionError(f"python -m trainer {' '.join(args)} reached Hydra's job: run it with run_cli")
 
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    old_cwd, old_env, old_main = os.getcwd(), dict(os.environ), hydra.main
-    os.chdir(cwd)
-    os.environ.update(env or {})
-    hydra.main = refuse
+    old_main, hydra.main = hydra.main, refuse
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            main(list(args))
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        return run_here(*args, cwd=cwd, env=env)
     finally:
         hydra.main = old_main
-        os.chdir(old_cwd)
-        os.environ.clear()
-        os.environ.update(old_env)
-    return subprocess.CompletedProcess(["python", "-m", "trainer", *args], code, out.getvalue(), err.getvalue())
 
 
 def run_here(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
