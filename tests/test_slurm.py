@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
 
 import pytest
 import yaml
-from conftest import ROOT, SHARED, assert_same_run, read_metrics, run_cli, series, tiny_overrides
+from conftest import ROOT, SHARED, assert_same_run, read_metrics, run_cli, run_main, series, tiny_overrides
 from omegaconf import OmegaConf
 
 from trainer.errors import ConfigError
-from trainer.launcher import launch_topology
+from trainer.launcher import RendezvousFailed, launch_topology, rendezvous_failed
 from trainer.slurm import expand_hosts, first_host, topology
 
 
@@ -56,7 +57,7 @@ def test_topology_from_the_environment():
     assert topology({**SLURM_2, "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "1234"}) == (2, 1, "10.0.0.5:1234")
     assert topology({"SLURM_JOB_ID": "1", "SLURM_JOB_NUM_NODES": "3", "SLURM_NODEID": "2",
                      "SLURM_NODELIST": "a,b,c"}) == (3, 2, "a:29500")
-    with pytest.raises(ValueError, match="SLURM_NODEID=2"):
+    with pytest.raises(ConfigError, match="SLURM_NODEID='2'"):
         topology({**SLURM_2, "SLURM_NODEID": "2"})
 
 
@@ -159,3 +160,132 @@ def test_the_sbatch_example_is_valid_bash_and_uses_the_cli():
     script = (ROOT / "examples" / "slurm" / "train.sbatch").read_text()
     assert subprocess.run(["bash", "-n", str(ROOT / "examples" / "slurm" / "train.sbatch")]).returncode == 0
     assert "#SBATCH --requeue" in script and "srun python -m trainer" in script and "resume=auto" in script
+
+
+# -- hostile or mistaken values: refused at once, in one paragraph naming the variable ----------------------
+@pytest.fixture
+def deadline():
+    """A safety net, not the assertion: a parser that loops fails the test after 5 s instead of hanging it."""
+    def expired(*_):
+        raise TimeoutError("the SLURM variables were not read within 5 s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(5)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("nodelist", [
+    "node[1-99999999999999][5-1]",  # once spun at 100% CPU: a huge range times an empty one
+    "node[5-1]",
+    "node[01-03,9-7]",
+    "node[1-99999999999999]",
+    "rack[1-100000]-gpu[1-100000]",
+    "node[" + "9" * 5000 + "]",
+])
+def test_reversed_or_absurd_node_ranges_are_refused_at_once(nodelist, deadline):
+    with pytest.raises(ValueError):
+        first_host(nodelist)
+    with pytest.raises(ConfigError) as err:
+        topology({**SLURM_2, "SLURM_JOB_NODELIST": nodelist})
+    text = str(err.value)
+    assert "SLURM_JOB_NODELIST=" in text and nodelist[:40] in text and "\n" not in text
+    assert len(text) < 600  # the value is shortened, not printed whole
+
+
+@pytest.mark.parametrize(("variable", "value"), [
+    ("SLURM_NNODES", "99999999999999999999999"),
+    ("SLURM_NNODES", "0"),
+    ("SLURM_NNODES", "-2"),
+    ("SLURM_NNODES", "two"),
+    ("SLURM_NODEID", "2"),
+    ("SLURM_NODEID", "-1"),
+    ("SLURM_NODEID", "first"),
+    ("MASTER_PORT", "99999"),
+    ("MASTER_PORT", "0"),
+    ("MASTER_PORT", "http"),
+    ("MASTER_ADDR", "bad host"),
+])
+def test_implausible_node_counts_ids_and_ports_are_refused(variable, value):
+    with pytest.raises(ConfigError) as err:
+        topology({**SLURM_2, variable: value})
+    text = str(err.value)
+    assert f"{variable}={value!r}" in text and "SLURM job 4242" in text and "\n" not in text
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("rdzv_endpoint", "127.0.0.1:99999"),
+    ("rdzv_endpoint", "127.0.0.1:0"),
+    ("rdzv_endpoint", "node0"),  # no port
+    ("rdzv_endpoint", ":29500"),
+    ("rdzv_endpoint", "node0:http"),
+    ("nnodes", 99999999999999999999999),
+    ("rdzv_timeout", 0),
+])
+def test_world_launch_keys_out_of_range_are_refused(key, value):
+    from trainer.config import _validate_world
+
+    with pytest.raises(ConfigError, match=rf"world\.{key}=") as err:
+        _validate_world(_world(**{key: value}))
+    assert "\n" not in str(err.value)
+
+
+def test_endpoints_that_torch_takes_are_accepted():
+    from trainer.config import _validate_world
+
+    for endpoint in ("node0:29500", "10.0.0.5:1", "gpu-a07.cluster.local:65535", "[::1]:29500"):
+        _validate_world(_world(nnodes=2, rdzv_endpoint=endpoint, rdzv_timeout=30))
+
+
+@pytest.mark.parametrize(("overrides", "env"), [
+    (["world.rdzv_endpoint=127.0.0.1:99999"], {}),
+    ([], {**SLURM_2, "MASTER_PORT": "99999"}),
+    ([], {**SLURM_2, "SLURM_JOB_NODELIST": "node[1-99999999999999][5-1]"}),
+])
+def test_a_bad_port_or_node_list_ends_before_the_run_dir_exists(corpus, tmp_path, overrides, env):
+    run_dir = tmp_path / "x"
+    r = run_main(*tiny_overrides(corpus, "world=ddp", "world.nproc_per_node=2", *overrides),
+                 f"hydra.run.dir={run_dir}", cwd=tmp_path, env=env)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "99999" in r.stderr
+    assert not run_dir.exists()
+
+
+# -- a node that never comes ----------------------------------------------------------------------------
+def _alone(corpus, tmp_path, node_rank: int) -> tuple[subprocess.CompletedProcess, str]:
+    """One node of a two-node job, started alone, with a 3 s rendezvous timeout."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    env = {k: "" for k in os.environ if k.startswith(("SLURM_", "MASTER_"))}
+    r = run_cli(*tiny_overrides(corpus, "world=ddp", "world.nproc_per_node=1", "world.nnodes=2",
+                                f"world.node_rank={node_rank}", f"world.rdzv_endpoint={endpoint}",
+                                "world.rdzv_timeout=3"), f"hydra.run.dir={tmp_path / 'run'}", env=env, timeout=60)
+    return r, endpoint
+
+
+@pytest.mark.parametrize("node_rank", [0, 1])
+def test_a_node_that_never_comes_ends_the_run_with_one_paragraph(corpus, tmp_path, node_rank):
+    """Node 0 alone waits world.rdzv_timeout for node 1; node 1 alone waits as long for node 0's endpoint. Both
+    then say which endpoint, how many nodes, and what to check, without torch's traceback or C++ log."""
+    r, endpoint = _alone(corpus, tmp_path, node_rank)
+    assert r.returncode == RendezvousFailed.exit_code, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "frame #" not in r.stderr, r.stderr
+    error = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1, r.stderr
+    assert endpoint in error[0] and "2 nodes" in error[0] and "world.rdzv_timeout=3" in error[0], error[0]
+
+
+def test_rendezvous_failures_are_explained():
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+
+    from trainer.config import LaunchConfig
+
+    w = LaunchConfig(nnodes=4, node_rank=0, rdzv_endpoint="node0:29500", rdzv_timeout=600)
+    text = str(rendezvous_failed(w, RendezvousTimeoutError()))
+    assert "node0:29500" in text and "4 nodes" in text and "600 s" in text and "\n" not in text
+    refused = RendezvousConnectionError("The connection to the C10d store has failed.")
+    refused.__cause__ = RuntimeError("The server socket has failed to listen on any local network address. "
+                                     "port: 29500, useIpv6: false, code: -98, name: EADDRINUSE")
+    text = str(rendezvous_failed(w, refused))
+    assert "EADDRINUSE" in text and "node0:29500" in text and "\n" not in text

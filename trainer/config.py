@@ -16,6 +16,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from . import slurm
 from .errors import ConfigError, suggest
 
 
@@ -50,6 +51,7 @@ class LaunchConfig:
     node_rank: int = 0
     rdzv_endpoint: str | None = None  # host:port of node 0 when nnodes > 1
     max_restarts: int = 0  # elastic restarts of all workers after a failure
+    rdzv_timeout: int = 600  # seconds every node waits for the others (nnodes > 1) before giving up
     device: str = "auto"  # auto | cpu | cuda
     threads: Any = "auto"  # CPU threads per process; auto = cores / processes on this machine
 
@@ -225,14 +227,23 @@ def _validate_world(world: DictConfig) -> None:
     w = launch_config(world)
     n = w.nproc_per_node
     _check(n == "auto" or (_is_int(n) and n >= 1), "world.nproc_per_node", n, "an integer >= 1 or 'auto'")
-    _check(w.nnodes >= 1, "world.nnodes", w.nnodes, "an integer >= 1")
+    _check(1 <= w.nnodes <= slurm.MAX_NODES, "world.nnodes", w.nnodes, f"an integer in [1, {slurm.MAX_NODES}]")
     _check(0 <= w.node_rank < w.nnodes, "world.node_rank", w.node_rank, f"an integer in [0, world.nnodes={w.nnodes})")
     _check(w.max_restarts >= 0, "world.max_restarts", w.max_restarts, "an integer >= 0")
+    _check(w.rdzv_timeout >= 1, "world.rdzv_timeout", w.rdzv_timeout, "a number of seconds >= 1")
     _check(w.threads == "auto" or (_is_int(w.threads) and w.threads >= 1), "world.threads", w.threads,
            "an integer >= 1 or 'auto'")
     if w.nnodes > 1:
         _check(bool(w.rdzv_endpoint), "world.rdzv_endpoint", w.rdzv_endpoint,
                "host:port of node 0 when world.nnodes > 1", "Pass world.rdzv_endpoint=NODE0_HOST:29500 on every node.")
+    if w.rdzv_endpoint is not None:
+        try:
+            slurm.split_endpoint(w.rdzv_endpoint)
+        except ValueError as e:
+            _check(False, "world.rdzv_endpoint", w.rdzv_endpoint, f"HOST:PORT of node 0 ({e})",
+                   "Pass node 0's address, e.g. world.rdzv_endpoint=node0:29500.")
+    if slurm.leaves_topology_to_slurm(w.nnodes, w.node_rank, w.rdzv_endpoint):
+        slurm.topology(os.environ)  # under SLURM the launcher reads the job's variables: refuse bad ones now
     _check(w.device == "auto" or w.device.split(":")[0] in ("cpu", "cuda", "mps"), "world.device", w.device,
            "auto, cpu or cuda")
     tp = world.get("tp", 1)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from .errors import TrainerExit
 from .worker import CONFIG_ENV, ENTRY_ENV, RUN_DIR_ENV, run_worker
 
 
@@ -87,31 +88,87 @@ def launch_topology(world: DictConfig, say=None):
     """The launch keys of `world` (a LaunchConfig). Under SLURM (SLURM_JOB_ID set) on several nodes, when
     world.nnodes, world.node_rank and world.rdzv_endpoint are all left at their defaults (1, 0, null), the
     three come from SLURM_NNODES, SLURM_NODEID and the first host of SLURM_JOB_NODELIST (port MASTER_PORT,
-    default 29500). Setting any one of them yourself turns this off: then the three are yours."""
+    default 29500). Setting any one of them yourself turns this off: then the three are yours. Variables that
+    make no sense raise a ConfigError naming the variable (config.validate checked them already, before the
+    run dir was made)."""
     from . import slurm
     from .config import launch_config
-    from .errors import ConfigError
 
     w = launch_config(world)
-    if (w.nnodes, w.node_rank, w.rdzv_endpoint) != (1, 0, None):
+    if not slurm.leaves_topology_to_slurm(w.nnodes, w.node_rank, w.rdzv_endpoint):
         return w
-    try:
-        found = slurm.topology(os.environ)
-    except ValueError as e:
-        raise ConfigError(f"cannot read the nodes of SLURM job {os.environ.get('SLURM_JOB_ID')}: {e}. Set "
-                          "world.nnodes, world.node_rank and world.rdzv_endpoint=HOST:PORT yourself.") from None
+    found = slurm.topology(os.environ)
     if found is not None:
         w.nnodes, w.node_rank, w.rdzv_endpoint = found
         if say is not None:
             say(f"world.nnodes={w.nnodes} world.node_rank={w.node_rank} world.rdzv_endpoint={w.rdzv_endpoint} "
                 f"(from SLURM job {os.environ['SLURM_JOB_ID']})", flush=True)
     return w
+
+
+class RendezvousFailed(TrainerExit):
+    """The nodes of a multi-node run did not all meet: one never came, or node 0's endpoint could not be
+    opened or reached. Nothing was trained."""
+
+    exit_code = 69  # EX_UNAVAILABLE
+
+
+def wait_for_node0(w) -> None:
+    """On nodes other than 0: wait up to world.rdzv_timeout until node 0's rendezvous endpoint accepts a
+    connection. torch's store client would wait too, but logs a C++ stack trace at every retry, then raises."""
+    import socket
+    import time
+
+    from .slurm import split_endpoint
+
+    host, port = split_endpoint(w.rdzv_endpoint)
+    deadline, last = time.monotonic() + w.rdzv_timeout, None
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(5.0, w.rdzv_timeout)):
+                return
+        except OSError as e:  # refused (node 0 not up yet), unreachable, unknown host: all may pass
+            last = e
+        if time.monotonic() >= deadline:
+            raise RendezvousFailed(f"nothing answered at the rendezvous endpoint {w.rdzv_endpoint} (node 0) within "
+                                   f"world.rdzv_timeout={w.rdzv_timeout} s ({_first_line(last)}); "
+                                   f"{_rendezvous_checklist(w)}")
+        time.sleep(0.5)
+
+
+def rendezvous_failed(w, error: Exception) -> RendezvousFailed:
+    """The one paragraph for torch's rendezvous giving up: RendezvousTimeoutError (not every node joined within
+    the join timeout) or RendezvousConnectionError (node 0's store could not be opened, e.g. its port is taken,
+    or reached)."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    if isinstance(error, RendezvousTimeoutError):
+        what = (f"not all {w.nnodes} nodes joined the rendezvous at {w.rdzv_endpoint} within "
+                f"world.rdzv_timeout={w.rdzv_timeout} s")
+    else:
+        what = (f"the rendezvous at {w.rdzv_endpoint} failed on node {w.node_rank} "
+                f"({_first_line(error.__cause__ or error)})")
+    return RendezvousFailed(f"{what}; {_rendezvous_checklist(w)}")
+
+
+def _rendezvous_checklist(w) -> str:
+    return (f"this is node {w.node_rank} of {w.nnodes} nodes. Check that all {w.nnodes} nodes run the same command "
+            f"with world.nnodes={w.nnodes}, each its own world.node_rank in 0..{w.nnodes - 1}, and "
+            f"world.rdzv_endpoint={w.rdzv_endpoint}: node 0's address, reachable from every node, its port free "
+            "on node 0 (under SLURM: run it with srun, one task per node, not in the batch script alone). "
+            "Raise world.rdzv_timeout if some nodes start late.")
+
+
+def _first_line(error: BaseException | None) -> str:
+    text = str(error).strip().splitlines()[0] if error is not None and str(error).strip() else type(error).__name__
+    return text[:200]
 # -- end SLURM -------------------------------------------------------------------------------------------
 
 
 def launch(cfg: DictConfig, run_dir: Path, entry: str = "train") -> dict | None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from .preemption import PreemptionFlag
@@ -132,8 +189,10 @@ def launch(cfg: DictConfig, run_dir: Path, entry: str = "train") -> dict | None:
     nproc = nproc_per_node(w.nproc_per_node)
     if w.nnodes > 1:
         endpoint, run_id = w.rdzv_endpoint, f"trainer-{w.rdzv_endpoint}"
-        # Node 0 hosts the rendezvous store; the others connect to it.
-        rdzv_configs = {"is_host": w.node_rank == 0}
+        # Node 0 hosts the rendezvous store; the others connect to it. Every node waits world.rdzv_timeout.
+        rdzv_configs = {"is_host": w.node_rank == 0, "join_timeout": w.rdzv_timeout}
+        if w.node_rank:
+            wait_for_node0(w)
     else:
         # Port 0: the rendezvous picks a free port, so concurrent jobs (multirun) never collide.
         endpoint, run_id, rdzv_configs = "127.0.0.1:0", f"trainer-{uuid.uuid4().hex[:8]}", {}
@@ -160,6 +219,8 @@ def launch(cfg: DictConfig, run_dir: Path, entry: str = "train") -> dict | None:
     except ChildFailedError as e:
         rank, failure = root_failure(e.failures)
         raise WorkerFailed(rank, failure.exitcode, _failure_text(failure)) from None
+    except (RendezvousTimeoutError, RendezvousConnectionError) as e:  # a node never came, or node 0 unreachable
+        raise rendezvous_failed(w, e) from None
     except SignalException as e:
         # The agent forwarded the signal to the workers and waited for them: a SIGTERM/SIGUSR1 made
         # them save a checkpoint; Ctrl-C stopped them.
