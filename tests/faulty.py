@@ -3,7 +3,9 @@
 It wraps a real task (`base`: the lm recipe's by default; the other keys of `task` go to it).
 Actions: raise an exception, SIGKILL / SIGTERM / SIGUSR1 itself, SIGTERM, SIGUSR1 or SIGINT its parent (the
 launcher), return a NaN loss once ("nan_once") or from then on ("nan_always"), or SIGTERM itself while
-it is being built ("sigterm_at_build": before any training step, in every process that builds it).
+it is being built ("sigterm_at_build": before any training step, in every process that builds it), or
+"block": write this process's PID into the FIFO `hold` (the test reads it: the job is now running), then
+block forever on `hold + ".release"` (a FIFO nobody writes): a job that is busy until the test acts on it.
 Only training calls count (the model is in train mode), so call N is training micro-batch N.
 """
 
@@ -15,10 +17,12 @@ from hydra.utils import get_class
 
 class Faulty:
     def __init__(self, rank: int = 1, at_call: int = 3, action: str = "raise", first_attempt_only: bool = False,
-                 base: str = "trainer.recipes.lm.task.LanguageModeling", once: str | None = None, **kwargs):
+                 base: str = "trainer.recipes.lm.task.LanguageModeling", once: str | None = None,
+                 hold: str | None = None, **kwargs):
         self.inner = get_class(base)(**kwargs)
         self.rank, self.at_call, self.action, self.first_attempt_only = rank, at_call, action, first_attempt_only
         self.calls = 0
+        self.hold = hold
         self.once = once  # a marker file: act only if it does not exist yet (then create it), so a rerun of the
         # very same command (same config) runs clean
         if action == "sigterm_at_build":
@@ -42,6 +46,11 @@ class Faulty:
         if armed and on_rank and self.calls == self.at_call:
             if self.action == "nan_once":
                 return self.inner.loss(model, batch) * float("nan")
+            if self.action == "block":
+                with open(self.hold, "w") as f:  # blocks until the test opens it for reading
+                    f.write(f"{os.getpid()}\n")
+                with open(self.hold + ".release") as f:  # blocks: nobody opens it for writing
+                    f.read()
             if self.action == "raise":
                 raise RuntimeError(f"boom from the faulty task on rank {self.rank}")
             target = os.getppid() if self.action.endswith("_parent") else os.getpid()

@@ -85,7 +85,7 @@ def run_job(cfg: DictConfig) -> float | None:
     """Hydra's task function: record the (already checked) config, then train here or launch workers."""
     from hydra.core.hydra_config import HydraConfig
 
-    from .rundir import RunDirLock, continue_command, find_run_to_continue
+    from .rundir import continue_command, find_run_to_continue
 
     hc = HydraConfig.get()
     run_dir, lock, started = Path(hc.runtime.output_dir), None, False
@@ -102,13 +102,14 @@ def run_job(cfg: DictConfig) -> float | None:
             if found is not None:
                 print(f"resume=auto: continuing {found}, the newest unfinished run under {found.parent.parent} "
                       "with this config (pass hydra.run.dir=DIR to choose another).", flush=True)
-                remove_if_unused(run_dir)
+                remove_if_unused(run_dir)  # (this job's fresh timestamped dir: nobody else's)
                 run_dir = found
-        lock = RunDirLock(run_dir).acquire()
-        scrub_hydra_files(run_dir, secret_values(OmegaConf.to_container(resolved)))
-        from .run import save_config
+        run_dir, lock = _own_run_dir(run_dir, resolved, chosen=_chose_run_dir(hc))
+        if lock.held:  # (the launchers of nodes other than 0 leave the records to node 0's)
+            scrub_hydra_files(run_dir, secret_values(OmegaConf.to_container(resolved)))
+            from .run import save_config
 
-        save_config(resolved, run_dir)
+            save_config(resolved, run_dir)
         print(f"run dir: {run_dir}", flush=True)
         from .launcher import WorkerFailed, run
 
@@ -130,7 +131,8 @@ def run_job(cfg: DictConfig) -> float | None:
             raise
         report(err)
         if isinstance(err, UserError):
-            remove_if_unused(run_dir)
+            if lock is not None and lock.held:  # never a run dir another job holds (or shares, on other nodes)
+                remove_if_unused(run_dir)
         elif started and not isinstance(err, NonFiniteError):  # preempted, disk full (a NaN would come back)
             _say_how_to_continue(run_dir, continue_command(run_dir))
         sys.exit(err.exit_code)
@@ -142,6 +144,43 @@ def run_job(cfg: DictConfig) -> float | None:
         if lock is not None:
             lock.release()
     return (final or {}).get("val/loss")
+
+
+def _own_run_dir(run_dir: Path, cfg: DictConfig, chosen: bool):
+    """The run dir this job may write, and its lock (see trainer/rundir.py). One job per run dir, one lock per
+    job: on several nodes the launcher of node 0 takes it for the job, and the others check that the lock they
+    find is their job's. Two jobs started in the same second share a default (timestamped) run dir: the later
+    one moves to `<dir>-2` (then -3, ...) instead of stopping, since nobody chose that dir."""
+    import shutil
+
+    from .errors import ConfigError
+    from .launcher import launch_topology
+    from .rundir import RunDirLock
+
+    w = launch_topology(cfg.world)
+    if w.nnodes > 1:
+        lock = RunDirLock(run_dir, job=f"rdzv={w.rdzv_endpoint}")
+        if w.node_rank != 0:
+            lock.check_same_job()
+            return run_dir, lock
+        return run_dir, lock.acquire()
+    try:
+        return run_dir, RunDirLock(run_dir).acquire()
+    except ConfigError:
+        if chosen:
+            raise
+    for n in range(2, 100):
+        other = run_dir.with_name(f"{run_dir.name}-{n}")
+        try:
+            other.mkdir(parents=True)  # exclusive: a third job of the same second takes the next number
+        except FileExistsError:
+            continue
+        if (run_dir / ".hydra").is_dir():
+            shutil.copytree(run_dir / ".hydra", other / ".hydra")
+        print(f"note: {run_dir} is in use by another job started in the same second; this job runs in {other}.",
+              flush=True)
+        return other, RunDirLock(other).acquire()
+    raise ConfigError(f"run dir {run_dir} and 98 numbered siblings are in use; pass hydra.run.dir=DIR.")
 
 
 def _chose_run_dir(hc) -> bool:

@@ -19,7 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from .errors import TrainerExit
-from .worker import CONFIG_ENV, ENTRY_ENV, RUN_DIR_ENV, run_worker
+from .worker import CONFIG_ENV, ENTRY_ENV, LAUNCHER_ENV, RUN_DIR_ENV, run_worker
 
 
 def in_torchrun() -> bool:
@@ -214,6 +214,7 @@ def launch(cfg: DictConfig, run_dir: Path, entry: str = "train") -> dict | None:
     os.environ[CONFIG_ENV] = json.dumps(OmegaConf.to_container(cfg))
     os.environ[RUN_DIR_ENV] = str(run_dir)
     os.environ[ENTRY_ENV] = entry
+    os.environ[LAUNCHER_ENV] = str(os.getpid())
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "trainer.worker")
     except ChildFailedError as e:
@@ -231,7 +232,7 @@ def launch(cfg: DictConfig, run_dir: Path, entry: str = "train") -> dict | None:
         raise Preempted(f"stopped by {signal.Signals(e.sigval).name}; workers saved a checkpoint at the next "
                         "step boundary. Rerun the same command with resume=auto to continue.") from None
     finally:
-        for name in (CONFIG_ENV, RUN_DIR_ENV, ENTRY_ENV):
+        for name in (CONFIG_ENV, RUN_DIR_ENV, ENTRY_ENV, LAUNCHER_ENV):
             os.environ.pop(name, None)
     return None
 

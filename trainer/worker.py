@@ -17,13 +17,16 @@ from omegaconf import DictConfig, OmegaConf
 
 # What the launcher sets for each worker (this module reads them; the launcher imports the names).
 CONFIG_ENV, RUN_DIR_ENV, ENTRY_ENV = "TRAINER_CONFIG", "TRAINER_RUN_DIR", "TRAINER_ENTRY"
+LAUNCHER_ENV = "TRAINER_LAUNCHER_PID"  # the launching process: workers die with it (trainer/rundir.py)
 ENTRIES = ("train", "evaluate")  # functions of trainer.run a job runs on every rank
 
 
 def run_worker(cfg: DictConfig, run_dir: Path, entry: str = "train") -> int:
     from . import run
     from .errors import TrainerExit
+    from .rundir import hold_as_worker
 
+    hold_as_worker(run_dir)  # until this process ends, no other job starts in this run dir
     try:
         getattr(run, entry)(cfg, run_dir)
         return 0
@@ -53,6 +56,10 @@ def _record(message: str, stack: str) -> None:
 
 
 def main() -> int:
+    if os.environ.get(LAUNCHER_ENV):
+        from .rundir import die_with_parent
+
+        die_with_parent(int(os.environ[LAUNCHER_ENV]))  # a SIGKILLed launcher takes its workers with it
     cfg = OmegaConf.create(json.loads(os.environ[CONFIG_ENV]))
     OmegaConf.set_struct(cfg, True)
     entry = os.environ.get(ENTRY_ENV, "train")
