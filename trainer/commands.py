@@ -183,6 +183,27 @@ def _user_errors(fn):
     return inner
 
 
+def _secrets_of(cfg) -> set[str]:
+    """What must not be printed, as training redacts it: the environment's secrets and the config's (its values
+    resolved where they can be)."""
+    from omegaconf import OmegaConf
+
+    from .redaction import secret_values
+
+    try:
+        container = OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # an interpolation that does not resolve here: its text, then
+        container = OmegaConf.to_container(cfg, resolve=False)
+    return secret_values(container)
+
+
+def _scrub_error(err: Exception, secrets: set[str]) -> None:
+    """A user error's message may quote the config's values: its secrets are replaced before it is printed."""
+    from .redaction import scrub
+
+    err.args = (scrub(str(err), secrets),)
+
+
 @_user_errors
 def evaluate(argv: list[str]) -> int:
     """`python -m trainer eval RUN_DIR [checkpoint=latest|best|PATH] [OVERRIDES...]`: the val metrics of a run's
@@ -193,20 +214,26 @@ def evaluate(argv: list[str]) -> int:
     from omegaconf import open_dict
 
     from .composition import prepare
+    from .errors import UserError
     from .finished import checkpoint_of, config_of
     from .launcher import run
 
     usage = "python -m trainer eval RUN_DIR [checkpoint=latest|best|PATH] [KEY=VALUE ...]"
     run_dir, opts, overrides = _run_and_options(argv, usage, ("checkpoint",))
     cfg = config_of(run_dir, overrides)
-    with open_dict(cfg):
-        cfg.resume = str(checkpoint_of(run_dir, opts.get("checkpoint", "latest")))
-    cfg = prepare(cfg)
-    scratch = Path(tempfile.mkdtemp(prefix="trainer-eval-"))
+    secrets = _secrets_of(cfg)
     try:
-        run(cfg, scratch, entry="evaluate")
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        with open_dict(cfg):
+            cfg.resume = str(checkpoint_of(run_dir, opts.get("checkpoint", "latest")))
+        cfg = prepare(cfg)
+        scratch = Path(tempfile.mkdtemp(prefix="trainer-eval-"))
+        try:
+            run(cfg, scratch, entry="evaluate")
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    except UserError as err:
+        _scrub_error(err, secrets)
+        raise
     return 0
 
 
@@ -215,14 +242,14 @@ def sample(argv: list[str]) -> int:
     """`python -m trainer sample RUN_DIR [ema=true|false] [out=PATH] [task.KEY=VALUE ...]`: what the run's task
     samples from its final weights (the EMA's when the run kept them), with the task's settings changed by
     task.KEY=VALUE (task.sample_tokens=500): text is printed, an image grid is written (default
-    RUN_DIR/samples/sample.png), sample metrics are printed."""
+    RUN_DIR/samples/sample.png), sample metrics are printed. What is printed is redacted as training's output is."""
     import torch
-    import yaml
 
-    from .errors import ConfigError
-    from .finished import load, load_task
+    from .errors import ConfigError, UserError
+    from .finished import config_yaml, has_ema, load, load_task, yaml_value
     from .images import is_image, png_bytes
     from .io import atomic_write_bytes
+    from .redaction import scrub, secret_values
     from .trainer import printable
 
     usage = "python -m trainer sample RUN_DIR [ema=true|false] [out=PATH] [task.KEY=VALUE ...]"
@@ -230,30 +257,34 @@ def sample(argv: list[str]) -> int:
     if any(not a.startswith("task.") or "=" not in a for a in rest):
         raise ConfigError(f"python -m trainer sample takes ema=, out= and task.KEY=VALUE, not {' '.join(rest)}. "
                           f"Usage: {usage}")
-    task_keys = {a.split("=", 1)[0][len("task."):]: yaml.safe_load(a.split("=", 1)[1]) for a in rest}
+    task_keys = {a.split("=", 1)[0][len("task."):]: yaml_value(a) for a in rest}
     run = Path(run_dir)
-    has_ema = (run / "model_ema.safetensors").is_file() or (run / "model_ema.safetensors.index.json").is_file()
-    ema = opts.get("ema", "true" if has_ema else "false").lower() in ("1", "true", "yes")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, task = load(run, ema=ema, device=device), load_task(run, task_keys)
-    if not hasattr(task, "sample"):
-        raise ConfigError(f"the task of {run} ({type(task).__name__}) has no sample().")
-    with torch.no_grad():
-        out = task.sample(model, torch.device(device))
+    secrets = _secrets_of(config_yaml(run)) | secret_values(task_keys)
+    try:
+        ema = opts.get("ema", "true" if has_ema(run) else "false").lower() in ("1", "true", "yes")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model, task = load(run, ema=ema, device=device), load_task(run, task_keys)
+        if not hasattr(task, "sample"):
+            raise ConfigError(f"the task of {run} ({type(task).__name__}) has no sample().")
+        with torch.no_grad():
+            out = task.sample(model, torch.device(device))
+    except UserError as err:
+        _scrub_error(err, secrets)
+        raise
     out = out if isinstance(out, dict) else {"sample": out}
     if not any(v != "" for v in out.values()):  # e.g. the lm task with sample_tokens=0 (debug=smoke)
-        print(f"the task sampled nothing: its settings in {run / 'config.yaml'} ask for no output "
-              "(for lm: add task.sample_tokens=200).", file=sys.stderr)
+        print(scrub(f"the task sampled nothing: its settings in {run / 'config.yaml'} ask for no output "
+                    "(for lm: add task.sample_tokens=200).", secrets), file=sys.stderr)
         return 0
     for name, value in out.items():
         if isinstance(value, str):
-            print(printable(value))
+            print(printable(scrub(value, secrets)))
         elif is_image(value):
             path = Path(opts.get("out", run / "samples" / ("sample.png" if name == "image" else f"sample_{name}.png")))
             atomic_write_bytes(path, png_bytes(value))
-            print(f"{name}: {path}")
+            print(scrub(f"{name}: {path}", secrets))
         else:
-            print(f"{name}: {value:.4g}" if isinstance(value, float) else f"{name}: {value}")
+            print(scrub(f"{name}: {value:.4g}" if isinstance(value, float) else f"{name}: {value}", secrets))
     return 0
 
 

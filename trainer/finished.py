@@ -4,11 +4,19 @@ new overrides (for `python -m trainer eval`), and the checkpoint an eval reads.
 Everything here reads what a run wrote: `model_config.json` and the exported weights
 (`model.safetensors`, `model_ema.safetensors`, or their sharded index), `task_state.safetensors`,
 `config.yaml` and `checkpoints/`. The `_target_`s in them go through the same trust model as a config's.
+
+A run dir may come from anywhere, so it is read as a checkpoint is (trainer/checkpoint.py): only regular
+files are opened (a FIFO never blocks, a symbolic link is not followed), each no larger than such a file
+can be, JSON is depth-limited, config.yaml has no YAML anchors or aliases (a "billion laughs"), weights
+are checked against the model before they are loaded, and a checkpoint is one of the run's own. Each
+damaged or hostile file is one paragraph naming it and what to do.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,80 +25,228 @@ import torch.nn as nn
 import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from .errors import CheckpointError, ConfigError
+from . import snapshot, tensorfile
+from .errors import CheckpointError, ConfigError, UserError
+
+# config.yaml, model_config.json, best.json: a trainer writes about 2 KB. The limit keeps OmegaConf, which
+# takes ~0.1 ms a node, to seconds on whatever a file holds.
+MAX_CONFIG_BYTES = 64 << 10
+MAX_INDEX_BYTES = 16 << 20  # a sharded index: ~100 KB for the largest models
 
 
 def _run_dir(run_dir: str | Path) -> Path:
     path = Path(run_dir).expanduser()
-    if not (path / "config.yaml").is_file():
+    if not os.path.lexists(path / "config.yaml"):
         raise ConfigError(f"{path} is not a run dir (it has no config.yaml). Pass the directory a run wrote, e.g. "
                           "outputs/2026-01-01/12-00-00.")
     return path
 
 
-def _instantiate_checked(node: dict, where: str) -> Any:
+def _reexport(run: Path) -> str:
+    return (f"Rewrite the export: delete {run / 'export.json'} and rerun the run's training command (in its "
+            f"run_info.json) with hydra.run.dir={run} resume=auto: a finished run writes a missing export from its "
+            "last checkpoint.")
+
+
+def _restore_config(run: Path) -> str:
+    return (f"Restore it from one of the run's checkpoints ({run / 'checkpoints'}/step_*/config.yaml holds the "
+            "same config), or pass the directory of a run that trainer wrote.")
+
+
+@contextlib.contextmanager
+def _reading(path: Path, fix: str):
+    """A run dir's file read by the checkpoint reader's rules (a regular file, never waiting on a FIFO or
+    following a symbolic link, no larger than such a file can be); what breaks them is one paragraph."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing. {fix}") from None
+    except tensorfile.NotRegularFile as e:
+        raise CheckpointError(f"{path} is {e.strerror}: only regular files of a run dir are read. {fix}") from None
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read ({e.strerror or e}). {fix}") from None
+    except ValueError as e:  # too large, or "... is not a valid safetensors file: <why>"
+        raise CheckpointError(f"{e}. {fix}") from None
+
+
+def _read(path: Path, max_size: int, fix: str) -> bytes:
+    with _reading(path, fix):
+        return bytes(tensorfile.map_file(path, follow_links=False, max_size=max_size))
+
+
+def _tensors(path: Path, fix: str) -> dict[str, torch.Tensor]:
+    """A safetensors file of the run dir, its header checked against its size before anything is read."""
+    with _reading(path, fix):
+        buf, _, entries = tensorfile.map_safetensors(path, follow_links=False)
+    return {name: tensorfile.view(buf, entry).clone() for name, entry in entries.items()}
+
+
+def _why(err: CheckpointError) -> str:
+    """A checkpoint reader's message, without its ending (this is a run dir's file, not a checkpoint's)."""
+    return str(err).removesuffix("; it is not a valid trainer checkpoint.").removesuffix(".")
+
+
+def _json_object(path: Path, max_size: int, fix: str) -> dict:
+    raw = _read(path, max_size, fix)
+    try:
+        tree = snapshot.parse_tree(raw, path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{_why(e)}. {fix}") from None
+    if not isinstance(tree, dict):
+        raise CheckpointError(f"{path} is a JSON {type(tree).__name__}, not a JSON object. {fix}")
+    return tree
+
+
+def config_yaml(run_dir: str | Path) -> DictConfig:
+    """The run's config.yaml, checked like a checkpoint's (no anchors or aliases, depth- and size-limited) and
+    a mapping."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .checkpoint import _check_config
+
+    path = _run_dir(run_dir)
+    source, fix = path / "config.yaml", _restore_config(path)
+    raw = _read(source, MAX_CONFIG_BYTES, fix)
+    try:
+        _check_config(raw, source)
+    except CheckpointError as e:
+        raise ConfigError(f"{_why(e)}. {fix}") from None
+    try:
+        cfg = OmegaConf.create(raw.decode())
+    except UnicodeDecodeError:
+        raise ConfigError(f"{source} is not UTF-8 text. {fix}") from None
+    except yaml.MarkedYAMLError as e:  # what a scan alone does not see: a mapping left open
+        where = f", line {e.problem_mark.line + 1} column {e.problem_mark.column + 1}" if e.problem_mark else ""
+        raise ConfigError(f"{source} is not YAML ({e.problem or e.context}{where}). {fix}") from None
+    except (yaml.YAMLError, OmegaConfBaseException, ValueError, TypeError) as e:
+        raise ConfigError(f"{source} is not a config ({_one_line(e)}). {fix}") from None
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"{source} is a YAML {'list' if OmegaConf.is_list(cfg) else type(cfg).__name__}, not a "
+                          f"mapping of config keys. {fix}")
+    return cfg
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)  # (a KeyError's str() is a repr)
+    text = " ".join(text.split()) or type(e).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _instantiate_checked(node: dict, where: str, source: Path, fix: str) -> Any:
+    """`node` built by Hydra once every `_target_` in it passed the trust model; a failure is one paragraph
+    naming `source` (the file it came from)."""
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     from .config import iter_targets, locate
 
-    cfg = OmegaConf.create(node)
-    for key, target in iter_targets(cfg, where):
-        locate(key, target)  # the trust model: a run dir may come from elsewhere too
-    return instantiate(cfg)
+    try:
+        cfg = OmegaConf.create(node)
+        for key, target in iter_targets(cfg, where):
+            locate(key, target)  # the trust model: a run dir may come from elsewhere too
+        return instantiate(cfg)
+    except UserError:
+        raise
+    except Exception as e:  # whatever the class's constructor raises for what the file holds
+        cause = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ else e
+        if isinstance(cause, UserError):
+            raise cause from None
+        raise ConfigError(f"the {where} of {source} cannot be built ({type(cause).__name__}: {_one_line(cause)}). "
+                          f"{fix}") from e
+
+
+def _mismatches(live: dict[str, torch.Tensor], stored: dict[str, torch.Tensor], name: str) -> list[str]:
+    problems = [f"{k}: missing from {name}" for k in live if k not in stored]
+    problems += [f"{k}: {name} {tuple(stored[k].shape)} vs model {tuple(v.shape)}" for k, v in live.items()
+                 if k in stored and stored[k].shape != v.shape]
+    return problems + [f"{k}: not in the model" for k in stored if k not in live]
+
+
+def _listed(problems: list[str], n: int = 4) -> str:
+    return "; ".join(problems[:n]) + (f"; and {len(problems) - n} more" if len(problems) > n else "")
 
 
 def exported_weights(run_dir: Path, name: str = "model") -> dict[str, torch.Tensor]:
     """`<name>.safetensors`, or the shards its Hugging Face index lists."""
-    from safetensors.torch import load_file
-
+    run_dir = Path(run_dir)
     single, index = run_dir / f"{name}.safetensors", run_dir / f"{name}.safetensors.index.json"
-    if single.is_file():
-        return load_file(str(single))
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    fix = _reexport(run_dir)
+    if os.path.lexists(single):
+        return _tensors(single, fix)
+    if os.path.lexists(index):
+        weight_map = _json_object(index, MAX_INDEX_BYTES, fix).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' is not a map of tensor names to shard file names. {fix}")
         out: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            if "/" in shard or shard.startswith("."):
-                raise CheckpointError(f"{index} names {shard!r}, outside the run dir.")
-            out.update(load_file(str(run_dir / shard)))
+        for shard in sorted(set(weight_map.values())):
+            if Path(shard).name != shard or shard.startswith(".") or not shard.endswith(".safetensors"):
+                raise CheckpointError(f"{index} names {snapshot.shown(shard)}, not a .safetensors file beside it: only "
+                                      f"files inside the run dir are read. {fix}")
+            out.update(_tensors(run_dir / shard, fix))
         return out
     raise CheckpointError(f"{run_dir} has no {name}.safetensors: the run did not finish its export. Resume it with "
                           f"resume=auto (a finished run writes a missing export), or evaluate a checkpoint.")
+
+
+def has_ema(run_dir: str | Path) -> bool:
+    """Whether the run exported EMA weights."""
+    run = Path(run_dir)
+    return any(os.path.lexists(run / f) for f in ("model_ema.safetensors", "model_ema.safetensors.index.json"))
 
 
 def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "cpu") -> nn.Module:
     """The model of a finished run, built from its `model_config.json`, with its final weights (the EMA's with
     `ema=True`), in eval mode. `model = trainer.load("outputs/2026-01-01/12-00-00")`."""
     path = _run_dir(run_dir)
-    try:
-        model_config = json.loads((path / "model_config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path / 'model_config.json'} cannot be read ({e}): the run did not finish its "
-                              "export. Resume it with resume=auto.") from None
-    model = _instantiate_checked(model_config, "model")
-    if ema and not ((path / "model_ema.safetensors").is_file() or (path / "model_ema.safetensors.index.json").is_file()):
+    source, fix = path / "model_config.json", _reexport(path)
+    node = _json_object(source, MAX_CONFIG_BYTES, fix)
+    if node.get("_partial_"):
+        raise CheckpointError(f"{source} has _partial_: {snapshot.shown(node['_partial_'])}, so it builds a function "
+                              f"that makes a model, not the model. {fix}")
+    model = _instantiate_checked(node, "model", source, fix)
+    if not isinstance(model, nn.Module):
+        raise CheckpointError(f"{source} builds a {type(model).__module__}.{type(model).__qualname__}, not a "
+                              f"torch.nn.Module. {fix}")
+    if ema and not has_ema(path):
         raise ConfigError(f"{path} has no EMA weights (it was trained without ema.enabled); load it with ema=False.")
-    model.load_state_dict(exported_weights(path, "model_ema" if ema else "model"))
+    name = "model_ema" if ema else "model"
+    weights = exported_weights(path, name)
+    problems = _mismatches(model.state_dict(), weights, f"{name}.safetensors")
+    if problems:
+        raise CheckpointError(f"the weights of {path} ({name}.safetensors) do not fit the model {source} builds: "
+                              f"{_listed(problems)}. The two do not come from the same run, or one was edited. {fix}")
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        raise CheckpointError(f"the weights of {path} ({name}.safetensors) do not fit the model {source} builds "
+                              f"({_one_line(e)}). {fix}") from None
     return model.to(device).eval()
 
 
 def load_task(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> Any:
     """The run's task, built from its config.yaml with `overrides` of its keys (`{"sample_tokens": 200}`), with
     its exported state (a data normaliser) if it has one."""
-    from safetensors.torch import load_file
-
     path = _run_dir(run_dir)
-    task_node = (yaml.safe_load((path / "config.yaml").read_text()) or {}).get("task")
+    source = path / "config.yaml"
+    task_node = OmegaConf.to_container(config_yaml(path), resolve=False).get("task")
     if not isinstance(task_node, dict) or "_target_" not in task_node:
-        raise ConfigError(f"{path / 'config.yaml'} has no task with a _target_.")
+        raise ConfigError(f"{source} has no task with a _target_. {_restore_config(path)}")
     if overrides:
         from .config import check_keywords, locate
 
         check_keywords("task", locate("task._target_", task_node["_target_"]), overrides)  # a typo is named
         task_node.update(overrides)
-    task = _instantiate_checked(task_node, "task")
-    if (path / "task_state.safetensors").is_file() and hasattr(task, "load_state_dict"):
-        task.load_state_dict(load_file(str(path / "task_state.safetensors")))
+    task = _instantiate_checked(task_node, "task", source, "Check the values of its keys (and of the task.KEY=VALUE "
+                                "you passed) against the task's class.")
+    state_file, fix = path / "task_state.safetensors", _reexport(path)
+    if hasattr(task, "load_state_dict") and os.path.lexists(state_file):
+        try:
+            task.load_state_dict(_tensors(state_file, fix))
+        except UserError:
+            raise
+        except Exception as e:  # the task's own check of what it is given
+            raise CheckpointError(f"{state_file} does not fit the task ({type(task).__name__}: {_one_line(e)}). "
+                                  f"{fix}") from e
     return task
 
 
@@ -107,7 +263,7 @@ def config_of(run_dir: str | Path, overrides: list[str]) -> DictConfig:
     from .errors import suggest
 
     path = _run_dir(run_dir)
-    cfg = OmegaConf.load(path / "config.yaml")
+    cfg = config_yaml(path)
     OmegaConf.set_struct(cfg, True)  # a key that is not there is a typo, not a new key
     conf = files("trainer.conf")
     for override in overrides:
@@ -123,7 +279,7 @@ def config_of(run_dir: str | Path, overrides: list[str]) -> DictConfig:
                 cfg[key] = OmegaConf.merge(asdict(LaunchConfig()), node) if key == "world" else node
             continue
         try:
-            OmegaConf.update(cfg, key, yaml.safe_load(value) if value else None)
+            OmegaConf.update(cfg, key, yaml_value(override))
         except OmegaConfBaseException:
             parent, _, leaf = key.rpartition(".")
             node = OmegaConf.select(cfg, parent) if parent else cfg
@@ -134,21 +290,46 @@ def config_of(run_dir: str | Path, overrides: list[str]) -> DictConfig:
     return cfg
 
 
+def yaml_value(override: str) -> Any:
+    """The value of a KEY=VALUE override, read as YAML (`null`, `0.8`, `[1, 2]`); a syntax error is one paragraph."""
+    key, _, value = override.partition("=")
+    try:
+        return yaml.safe_load(value) if value else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"the value of {key} is not YAML ({str(e).splitlines()[0]}): quote a string, e.g. "
+                          f"'{key}=\"...\"'.") from None
+
+
 def checkpoint_of(run_dir: str | Path, which: str = "latest") -> Path:
     """`latest` (the most recently written complete checkpoint: the final one for a finished run), `best`
-    (what checkpoints/best.json names), or a checkpoint's path."""
-    from .checkpoint import Checkpointer
+    (what checkpoints/best.json names), or a checkpoint's path. `latest` and `best` are the run's own
+    checkpoints: a `step_*` name inside its checkpoints/, never a symbolic link to one elsewhere."""
+    from .checkpoint import Checkpointer, step_of
 
     path = _run_dir(run_dir)
+    checkpoints = path / "checkpoints"
     if which == "latest":
-        found = Checkpointer(path / "checkpoints").complete()
+        links = sorted(p for p in checkpoints.iterdir() if step_of(p) >= 0 and p.is_symlink()) \
+            if checkpoints.is_dir() else []
+        for link in links:
+            print(f"note: {link} is a symbolic link (to {os.readlink(link)}), not a checkpoint this run wrote: "
+                  "skipped (pass checkpoint=PATH to evaluate the checkpoint it points to).", file=sys.stderr)
+        found = [p for p in Checkpointer(checkpoints).complete() if not p.is_symlink()]
         if not found:
             raise CheckpointError(f"{path} has no complete checkpoint (checkpoints/step_*/manifest.json) to evaluate.")
         return found[-1]
     if which == "best":
-        try:
-            return path / "checkpoints" / str(json.loads((path / "checkpoints" / "best.json").read_text())["checkpoint"])
-        except (OSError, ValueError, KeyError):
+        best = checkpoints / "best.json"
+        if not os.path.lexists(best):
             raise ConfigError(f"{path} has no checkpoints/best.json: it was trained without checkpoint.best_metric. "
-                              "Use checkpoint=latest or a checkpoint's path.") from None
+                              "Use checkpoint=latest or a checkpoint's path.")
+        fix = "Use checkpoint=latest or a checkpoint's path."
+        name = _json_object(best, MAX_CONFIG_BYTES, fix).get("checkpoint")
+        if not isinstance(name, str) or Path(name).name != name or step_of(Path(name)) < 0:
+            raise CheckpointError(f"{best} names {snapshot.shown(name)} as the best checkpoint: not a step_NNNNNNNN "
+                                  f"checkpoint inside {checkpoints}, so not one this run wrote. {fix}")
+        if (checkpoints / name).is_symlink():
+            raise CheckpointError(f"{checkpoints / name}, the best checkpoint by {best}, is a symbolic link (to "
+                                  f"{os.readlink(checkpoints / name)}), not a checkpoint this run wrote. {fix}")
+        return checkpoints / name
     return Path(which).expanduser()
