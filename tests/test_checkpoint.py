@@ -105,7 +105,7 @@ def test_resume_refuses_a_different_model_or_data_order(corpus, tmp_path, refere
     assert r.returncode == 2
     assert "tok_emb.weight: checkpoint (256, 64) vs model (256, 32)" in r.stderr
     assert "blocks.0.mlp.0.weight: checkpoint (256, 64) vs model (128, 32)" in r.stderr
-    with pytest.raises(CheckpointError, match=r"data order .* trainer\.seed"):
+    with pytest.raises(CheckpointError, match=r"sample stream .* trainer\.seed: 0 -> 5"):
         train_in_process(corpus, tmp_path / "seed", *SINGLE, "trainer.seed=5", f"resume={ckpt}")
 
 

@@ -17,7 +17,9 @@ from conftest import (
     ROOT,
     SHARED,
     assert_same_run,
+    checkpoints,
     faulty,
+    read_metrics,
     run_here,
     tiny_overrides,
 )
@@ -175,3 +177,192 @@ def test_a_node_refuses_a_run_dir_another_job_holds(corpus, tmp_path):
     finally:
         lock.release()
     assert_clean_error(r, "is in use by process", str(os.getpid()))
+
+
+# -- a resume with changed settings continues or refuses; it never starts over (item 1) -----------------------
+BASE = ("data.batch_size=8", "trainer.max_steps=8", "trainer.eval_every=4", "checkpoint.every_n_steps=4",
+        "checkpoint.keep_last=2", "trainer.eval_samples=16")
+
+
+@pytest.fixture(scope="module")
+def stopped(corpus, tmp_path_factory) -> Path:
+    """A run that stopped at step 8 (checkpoints 4 and 8), to be continued to step 12 with a changed setting."""
+    from conftest import train_in_process
+
+    run_dir = tmp_path_factory.mktemp("stopped")
+    train_in_process(corpus, run_dir, *BASE)
+    return run_dir
+
+
+def _copy(run: Path, to: Path) -> Path:
+    import shutil
+
+    shutil.copytree(run, to)
+    return to
+
+
+def _digests(run_dir: Path) -> dict[str, str]:
+    from trainer.checkpoint import sha256
+
+    return {str(p.relative_to(run_dir)): sha256(p) for p in sorted((run_dir / "checkpoints").rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(("change", "note"), [
+    (("data.batch_size=4",), "the global batch changes from 8 to 4 samples"),
+    (("ema.enabled=true",), "has no EMA state (ema.enabled was off): the EMA starts from its weights now"),
+    (("callbacks=early_stopping",), "has no state for callbacks.early_stopping"),
+], ids=["batch_size", "ema", "callback"])
+def test_resume_auto_with_a_changed_setting_continues_and_says_so(change, note, corpus, stopped, tmp_path):
+    """It used to skip every checkpoint as unreadable, train from step 1 and prune the old checkpoints."""
+    run_dir = _copy(stopped, tmp_path / "run")
+    r = run_here(*tiny_overrides(corpus, *BASE, "trainer.max_steps=12", *change), f"hydra.run.dir={run_dir}",
+                 "resume=auto")
+    assert r.returncode == 0, r.stderr
+    assert "starting fresh" not in r.stdout and "skipping" not in r.stdout
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000008'} at step 8" in r.stdout
+    assert note in r.stdout
+    steps = [e["step"] for e in read_metrics(run_dir) if "train/loss" in e]
+    assert steps == list(range(1, 13))  # steps 1-8 from the first attempt, 9-12 continue them
+    if "ema" in change[0]:
+        assert "val_ema/loss" in read_metrics(run_dir)[-1]
+
+
+def test_resume_auto_refuses_a_change_it_cannot_continue_and_changes_nothing(corpus, stopped, tmp_path):
+    """A new seed changes the sample stream: the run stops (exit 2) naming the setting and the two ways out, and
+    leaves every checkpoint as it was."""
+    run_dir = _copy(stopped, tmp_path / "run")
+    before = _digests(run_dir)
+    r = run_here(*tiny_overrides(corpus, *BASE, "trainer.max_steps=12", "trainer.seed=5"), f"hydra.run.dir={run_dir}",
+                 "resume=auto")
+    assert_clean_error(r, "none of the 2 checkpoints", "trainer.seed: 0 -> 5", "rerun with trainer.seed=0",
+                       "start a new run in a directory of its own", "Nothing in the run dir was changed")
+    assert _digests(run_dir) == before
+    assert [e["step"] for e in read_metrics(run_dir) if "train/loss" in e] == list(range(1, 9))
+
+
+def test_resume_auto_never_prunes_what_it_could_not_read_and_resume_null_sets_it_aside(corpus, stopped, tmp_path):
+    """Every checkpoint damaged: resume=auto stops instead of starting over (it used to train from step 1 and
+    prune them); resume=null then starts fresh with the damaged ones kept in checkpoints.prev/."""
+    run_dir = _copy(stopped, tmp_path / "run")
+    for ckpt in checkpoints(run_dir):
+        f = run_dir / "checkpoints" / ckpt / "state.safetensors"
+        f.write_bytes(f.read_bytes()[:-10])
+    damaged = _digests(run_dir)
+    args = [*tiny_overrides(corpus, *BASE), f"hydra.run.dir={run_dir}"]
+    r = run_here(*args, "resume=auto")
+    assert_clean_error(r, "none of the 2 checkpoints", "it is truncated", "resume=null")
+    assert _digests(run_dir) == damaged
+    r = run_here(*args, "resume=null")
+    assert r.returncode == 0, r.stderr
+    assert f"kept in {run_dir / 'checkpoints.prev'}" in r.stdout
+    assert sorted(p.name for p in (run_dir / "checkpoints.prev").iterdir()) == ["step_00000004", "step_00000008"]
+    assert checkpoints(run_dir) == ["step_00000004", "step_00000008"]  # the new run's own
+
+
+def test_a_damaged_newer_checkpoint_survives_the_fallback_and_the_pruning_after_it(corpus, stopped, tmp_path):
+    """resume=auto falls back past a damaged step 8 to step 4; step 8 is rewritten by the resumed run, and the
+    damaged one is set aside as step_00000008.unreadable rather than deleted."""
+    run_dir = _copy(stopped, tmp_path / "run")
+    f = run_dir / "checkpoints" / "step_00000008" / "state.safetensors"
+    f.write_bytes(f.read_bytes()[:-10])
+    damaged = f.read_bytes()
+    r = run_here(*tiny_overrides(corpus, *BASE, "trainer.max_steps=12"), f"hydra.run.dir={run_dir}", "resume=auto")
+    assert r.returncode == 0, r.stderr
+    assert "skipping checkpoint" in r.stdout and "It stays on disk" in r.stdout
+    assert (run_dir / "checkpoints" / "step_00000008.unreadable" / "state.safetensors").read_bytes() == damaged
+    from trainer.checkpoint import Checkpointer
+
+    assert [p.name for p in Checkpointer(run_dir / "checkpoints").complete()][-2:] == ["step_00000008", "step_00000012"]
+
+
+# -- finding the run to continue (item 5) -------------------------------------------------------------------
+def test_resume_auto_finds_its_run_whatever_precision_auto_measured_and_after_raising_max_steps(tmp_path):
+    """precision=auto records its probe's timing text, which differs at every start; a preempted run whose
+    max_steps or learning rate is raised on resume is still the same run."""
+    import yaml
+
+    from trainer.rundir import find_run_to_continue
+
+    config = {"trainer": {"max_steps": 60, "seed": 0}, "optim": {"_target_": "torch.optim.AdamW", "lr": 1e-3},
+              "precision": {"_target_": "trainer.precision.FP32", "reason": "precision=auto: bf16 ran 0.01x as fast"},
+              "model": {"n_layer": 2}, "resume": None}
+    run = tmp_path / "outputs" / "2026-01-01" / "12-00-00"
+    (run / "checkpoints" / "step_00000005").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000005" / "manifest.json").write_text("{}")
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    here = tmp_path / "outputs" / "2026-01-01" / "13-00-00"
+    now = {**config, "resume": "auto", "trainer": {"max_steps": 90, "seed": 0},
+           "optim": {**config["optim"], "lr": 2e-3},
+           "precision": {**config["precision"], "reason": "precision=auto: bf16 ran 0.02x as fast"}}
+    assert find_run_to_continue(here, now) == run
+    assert find_run_to_continue(here, {**now, "model": {"n_layer": 3}}) is None  # another experiment
+    assert find_run_to_continue(here, {**now, "optim": {**now["optim"], "_target_": "torch.optim.SGD"}}) is None
+
+
+def test_resume_notes_do_not_report_precision_autos_timing_text(tmp_path):
+    from omegaconf import OmegaConf
+
+    from trainer.run import changed_settings
+
+    (tmp_path / "config.yaml").write_text("precision:\n  reason: 'bf16 ran 0.01x'\ntrainer:\n  max_steps: 10\n")
+    now = OmegaConf.create({"precision": {"reason": "bf16 ran 0.02x"}, "trainer": {"max_steps": 20}})
+    assert changed_settings(tmp_path, now) == [("trainer.max_steps", 10, 20)]
+
+
+# -- what a run reads must be its own (item 6) --------------------------------------------------------------
+def test_a_symlinked_checkpoint_from_another_run_is_not_one_of_this_runs(stopped, tmp_path):
+    from trainer.checkpoint import Checkpointer
+
+    run_dir = _copy(stopped, tmp_path / "run")
+    (run_dir / "checkpoints" / "step_00000099").symlink_to(stopped / "checkpoints" / "step_00000008")
+    assert [p.name for p in Checkpointer(run_dir / "checkpoints").complete()] == ["step_00000004", "step_00000008"]
+
+
+# -- hostile values with rewritten hashes (item 14) ---------------------------------------------------------
+def _edit_state(ckpt: Path, change) -> None:
+    import json
+
+    from trainer.checkpoint import sha256
+
+    tree = json.loads((ckpt / "state.json").read_text())
+    change(tree)
+    (ckpt / "state.json").write_text(json.dumps(tree))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["state.json"] = sha256(ckpt / "state.json")
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    (lambda t: t["callbacks"]["early_stopping"].update(best="abc"), "callbacks.early_stopping.best='abc' is not a metric"),
+    (lambda t: t["checkpointer"].update(best=["x", "y"]), "checkpointer.best=['x', 'y'] is not a (metric value"),
+], ids=["early-stopping-best-a-string", "checkpointer-best-a-list-of-strings"])
+def test_hostile_component_state_is_refused_before_anything_is_applied(change, needle, corpus, tmp_path):
+    from conftest import train_in_process
+
+    run_dir = tmp_path / "run"
+    train_in_process(corpus, run_dir, *BASE, "callbacks=early_stopping", "checkpoint.best_metric=val/loss")
+    ckpt = run_dir / "checkpoints" / "step_00000008"
+    _edit_state(ckpt, change)
+    r = run_here(*tiny_overrides(corpus, *BASE, "callbacks=early_stopping", "checkpoint.best_metric=val/loss",
+                                 "trainer.max_steps=12"), f"hydra.run.dir={run_dir}", f"resume={ckpt}")
+    assert_clean_error(r, str(ckpt), needle)
+
+
+# -- every rank agrees on every load decision (item 8) -----------------------------------------------------
+def test_a_checkpoint_one_rank_cannot_load_is_skipped_by_every_rank(ddp_reference, corpus, tmp_path):
+    """Rank 1's RNG state in step 12 is invalid (hashes rewritten): rank 0 used to load step 12 while rank 1 fell
+    back to step 8, and the job hung in its first collective until gloo's 30-minute timeout. Now both skip it,
+    continue from step 8, and end exactly where the uninterrupted run did."""
+    from conftest import DDP2, assert_identical, run_cli
+
+    reference, _ = ddp_reference
+    run_dir = _copy(reference, tmp_path / "run")
+    _edit_state(run_dir / "checkpoints" / "step_00000012",
+                lambda t: t["rng"][1]["python"]["__tuple__"][1]["__tuple__"].__setitem__(624, 700))
+    r = run_cli(*tiny_overrides(corpus, *SHARED, *DDP2, "logger=tensorboard"), "trainer.progress=lines",
+                f"hydra.run.dir={run_dir}", "resume=auto", timeout=120)
+    assert r.returncode == 0, r.stderr
+    skipped = [ln for ln in r.stdout.splitlines() if ln.startswith("warning: skipping checkpoint")]
+    assert len(skipped) == 1 and "step_00000012" in skipped[0] and "RNG state" in skipped[0] and "(rank 1)" in skipped[0]
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000008'} at step 8" in r.stdout
+    assert_identical(run_dir, reference)

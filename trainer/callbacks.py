@@ -74,6 +74,12 @@ class Callbacks(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {name: cb.state_dict() for name, cb in self.callbacks.items() if hasattr(cb, "state_dict")}
 
+    def check_state(self, state: dict[str, Any], where: str) -> None:
+        """Refuse a saved state a callback could not use (checked before anything of a checkpoint is applied)."""
+        for name, cb in self.callbacks.items():
+            if hasattr(cb, "check_state") and name in state:
+                cb.check_state(state[name], f"{where}.{name}")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, cb in self.callbacks.items():
             if hasattr(cb, "load_state_dict") and name in state:
@@ -112,6 +118,15 @@ class EarlyStopping(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "bad_evals": self.bad_evals}
+
+    def check_state(self, state: dict[str, Any], where: str) -> None:
+        from .errors import CheckpointError
+
+        best, bad = state.get("best"), state.get("bad_evals", 0)
+        if best is not None and (isinstance(best, bool) or not isinstance(best, (int, float))):
+            raise CheckpointError(f"{where}.best={best!r} is not a metric value.")
+        if isinstance(bad, bool) or not isinstance(bad, int) or not 0 <= bad < 2**62:
+            raise CheckpointError(f"{where}.bad_evals={bad!r} is not a count.")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best, self.bad_evals = state.get("best"), int(state.get("bad_evals", 0))

@@ -51,6 +51,7 @@ _STEP_DIR = re.compile(r"^step_([0-9]{8,})$")  # ASCII digits only: no sign, no 
 _FILE = re.compile(r"^(model|state)(\.rank[0-9]{5})?\.safetensors$|^state\.json$|^config\.yaml$")
 _REQUIRED = ("model.safetensors", "state.safetensors", "state.json", "config.yaml")  # every trainer checkpoint has them
 _MAX_TEXT = 256 << 20  # manifest.json, state.json, config.yaml: far more than a trainer writes (~10 KB a rank)
+CONFIG_MAX_BYTES = _MAX_TEXT
 _MAX_STEP = 2**62
 
 
@@ -100,6 +101,7 @@ class Checkpointer:
         self.backend = backend or _Local()
         self.sharded = sharded and self.backend.distributed
         self.writes = self.sharded or self.backend.is_main
+        self.protected: set[str] = set()  # checkpoints this run could not read: never pruned or overwritten
         self._group, nonce = None, uuid.uuid4().hex[:8]
         if self.sharded:
             import torch.distributed as dist
@@ -129,6 +131,15 @@ class Checkpointer:
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": list(self.best) if self.best else None}
+
+    def check_state(self, state: dict[str, Any], where: str) -> None:
+        best = state.get("best")
+        if best is None:
+            return
+        ok = (isinstance(best, (list, tuple)) and len(best) == 2 and isinstance(best[0], (int, float))
+              and not isinstance(best[0], bool) and isinstance(best[1], str) and _STEP_DIR.match(best[1]))
+        if not ok:
+            raise CheckpointError(f"{where}.best={snapshot.shown(best)} is not a (metric value, step_NNNNNNNN) pair.")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         best = state.get("best")
@@ -209,7 +220,9 @@ class Checkpointer:
                         "world_size": self.backend.world_size, "files": dict(sorted(files.items()))}
             _write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: marks it complete
             fsync_dir(tmp)
-            if final.exists():  # a re-run of the same step (after a resume): replace it
+            if final.name in self.protected:  # one this run could not read: set it aside, never delete it
+                os.replace(final, _free_name(final, ".unreadable"))
+            elif final.exists():  # a re-run of the same step (after a resume): replace it
                 shutil.rmtree(final)
             os.replace(tmp, final)
             fsync_dir(self.dir)
@@ -234,7 +247,7 @@ class Checkpointer:
     def _prune(self) -> None:
         """Delete all but the `keep_last` most recently written complete checkpoints, never the best one
         (in memory or named by best.json)."""
-        done = self.complete()
+        done = [p for p in self.complete() if p.name not in self.protected]
         keep = {p.name for p in done[-self.keep_last:]}
         if self.best:
             keep.add(self.best[1])
@@ -251,11 +264,33 @@ class Checkpointer:
 
     # -- reading -----------------------------------------------------------------------------
     def complete(self) -> list[Path]:
-        """Checkpoints with a manifest (the completion marker), in the order they were written (oldest first)."""
+        """Checkpoints with a manifest (the completion marker), in the order they were written (oldest first).
+        Only directories of this run count: a symbolic link (to another run's checkpoint, say) is not one."""
         if not self.dir.is_dir():
             return []
-        found = [p for p in self.dir.iterdir() if step_of(p) >= 0 and (p / MANIFEST).is_file()]
+        found = [p for p in self.dir.iterdir()
+                 if step_of(p) >= 0 and not p.is_symlink() and (p / MANIFEST).is_file()]
         return sorted(found, key=lambda p: (_written(p), step_of(p)))
+
+
+def _free_name(path: Path, suffix: str) -> Path:
+    """`path` + `suffix`, or + `suffix-2`, ... : a name nothing has yet."""
+    n, candidate = 1, path.with_name(path.name + suffix)
+    while candidate.exists() or candidate.is_symlink():
+        n += 1
+        candidate = path.with_name(f"{path.name}{suffix}-{n}")
+    return candidate
+
+
+def set_aside(directory: Path) -> Path | None:
+    """Move a checkpoints directory out of the way (to `checkpoints.prev`, or `.prev-2`, ...): what a fresh
+    start in a run dir does with an earlier attempt's checkpoints instead of pruning them."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    target = _free_name(directory, ".prev")
+    os.replace(directory, target)
+    return target
 
 
 def _read_json(path: Path) -> Any:
@@ -455,6 +490,9 @@ def _check_config(data: Any, source: Path) -> None:
         why = f"is not YAML ({str(e).splitlines()[0]})"
     if why:
         raise CheckpointError(f"{source} {why}; it is not a valid trainer checkpoint.")
+
+
+check_config_yaml = _check_config  # (for other readers of a run's config.yaml: resume=auto's search)
 
 
 def model_mismatches(loaded: Loaded, live: dict[str, torch.Tensor]) -> list[str]:

@@ -53,6 +53,13 @@ class EMA:
         torch._foreach_lerp_(self._local(self.shadow), params, 1.0 - d)
         self.num_updates += 1
 
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Start over from the model's current weights (a resume from a checkpoint saved without EMA)."""
+        for t, p in zip(self._local(self.shadow), self._local(p.detach() for p in self.params)):
+            t.copy_(p)
+        self.num_updates = 0
+
     def state_dict(self) -> dict:
         return {"num_updates": self.num_updates, "shadow": dict(zip(self.names, self.shadow))}
 

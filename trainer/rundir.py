@@ -172,8 +172,31 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 # -- which run resume=auto continues ---------------------------------------------------------------------
+# Settings a resume may change (they apply from the checkpoint on): a run that differs from this job's only in
+# these is still the run `resume=auto` continues. Prefixes of flattened keys; `_target_`s never match.
+RESUMABLE = ("trainer.max_steps", "trainer.max_epochs", "trainer.eval_every", "trainer.eval_every_epochs",
+             "trainer.log_every", "trainer.progress", "optim.", "scheduler.", "checkpoint.", "logger.",
+             "precision.reason")
+
+
+def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as {dotted.key: leaf value}."""
+    if isinstance(tree, dict) and tree:
+        out = {}
+        for k, v in tree.items():
+            out.update(flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def resumable(key: str) -> bool:
+    return key.startswith(RESUMABLE) and not key.endswith("_target_")
+
+
 def comparable(config: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in config.items() if k not in ("resume", "hydra")}
+    """What must be equal for two configs to be one run: all but resume, Hydra's settings and `RESUMABLE`."""
+    return {k: v for k, v in flat({k: v for k, v in config.items() if k not in ("resume", "hydra")}).items()
+            if not resumable(k)}
 
 
 def is_finished(run_dir: Path) -> bool:
@@ -185,7 +208,8 @@ def is_finished(run_dir: Path) -> bool:
 
 def find_run_to_continue(run_dir: Path, config: dict[str, Any], depth: int = 2) -> Path | None:
     """The newest other run dir `depth` levels under the outputs root of `run_dir` (outputs/DATE/TIME) with a
-    complete checkpoint, not finished, whose config.yaml equals `config` (as saved: resolved, redacted)."""
+    complete checkpoint, not finished, whose config.yaml equals `config` (as saved: resolved, redacted) but for
+    the settings a resume may change."""
     root = run_dir
     for _ in range(depth):
         root = root.parent
@@ -196,13 +220,25 @@ def find_run_to_continue(run_dir: Path, config: dict[str, Any], depth: int = 2) 
             continue
         if not any((p / "manifest.json").is_file() for p in (cand / "checkpoints").glob("step_*")):
             continue
-        try:
-            saved = yaml.safe_load((cand / "config.yaml").read_text()) or {}
-        except (OSError, yaml.YAMLError):
-            continue
-        if comparable(saved) == want:
+        saved = read_config(cand / "config.yaml")
+        if isinstance(saved, dict) and comparable(saved) == want:
             found.append(cand)
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def read_config(path: Path) -> Any:
+    """A config.yaml a run wrote, or None when it cannot be read. Read as the checkpoint reader reads one: a
+    regular file of bounded size, YAML without anchors or aliases (a run dir may come from elsewhere)."""
+    from .checkpoint import CONFIG_MAX_BYTES, check_config_yaml
+    from .errors import CheckpointError
+    from .tensorfile import map_file
+
+    try:
+        data = bytes(map_file(path, follow_links=False, max_size=CONFIG_MAX_BYTES))
+        check_config_yaml(data, path)
+        return yaml.safe_load(data)
+    except (OSError, ValueError, CheckpointError, yaml.YAMLError):
+        return None
 
 
 def continue_command(run_dir: Path, argv: list[str] | None = None) -> str:

@@ -358,19 +358,31 @@ class Trainer:
         self.stop_reason = state.get("stop_reason")
 
     def _check_run_state(self, state: dict[str, Any], where: str = "the checkpoint") -> None:
-        """Counts that are counts, and the same data order from the checkpoint's position on."""
-        for key in ("step", "samples_seen", "skipped_steps"):
-            if not isinstance(state[key], int) or not 0 <= state[key] < 2**62:
-                raise CheckpointError(f"{where}: trainer.{key}={state[key]!r} is not a count.")
-        sampler = GlobalBatchSampler(len(self.data.train), self.data.batch_size, self.cfg.grad_accum_steps,
-                                     self.strategy.dp_rank, self.strategy.dp_size, self.cfg.seed, self.data.shuffle,
-                                     start=state["samples_seen"])
-        if sampler.fingerprint() != state["data_fingerprint"]:
+        """Counts that are counts, and the same sample stream from the checkpoint's position on. The stream is
+        the same whatever the global batch (data.batch_size x accumulation x data-parallel ranks): a resume with
+        another global batch continues it at the same sample, with batches of the new size."""
+        for key in ("step", "samples_seen", "skipped_steps", "global_batch"):
+            value = state.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**62:
+                raise CheckpointError(f"{where}: trainer.{key}={value!r} is not a count.")
+        if state["global_batch"] < 1:
+            raise CheckpointError(f"{where}: trainer.global_batch={state['global_batch']!r} is not a batch size.")
+        # The next two of the checkpoint's global batches, as positions of this run's stream.
+        stream = GlobalBatchSampler(len(self.data.train), state["global_batch"], seed=self.cfg.seed,
+                                    shuffle=self.data.shuffle, start=state["samples_seen"])
+        if stream.fingerprint() != state["data_fingerprint"]:
             raise CheckpointError(
-                f"{where}: the data order after step {state['step']} differs from the checkpoint's (fingerprint "
-                f"{sampler.fingerprint()} vs {state['data_fingerprint']}): the dataset, trainer.seed or "
-                "data.shuffle changed. Resume with the checkpoint's config (its config.yaml) or start fresh with resume=null."
+                f"{where}: the sample stream after step {state['step']} differs from the checkpoint's (fingerprint "
+                f"{stream.fingerprint()} vs {state['data_fingerprint']}): the training data, trainer.seed or "
+                "data.shuffle changed, and the run would not see the samples it was going to see."
             )
+
+    def _resize_notes(self, state: dict[str, Any]) -> list[str]:
+        if state["global_batch"] == self.global_batch:
+            return []
+        return [f"resume: the global batch changes from {state['global_batch']} to {self.global_batch} samples "
+                f"(data.batch_size x trainer.grad_accum_steps x data-parallel ranks); the sample stream continues at "
+                f"sample {state['samples_seen']}, with batches of the new size."]
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything but the model weights. A collective when distributed (gathers each rank's RNG state)."""
@@ -392,45 +404,34 @@ class Trainer:
         self.callbacks.on_save(self, path)
         return path
 
-    def load_checkpoint(self, path: Path, resume: bool = True) -> None:
-        """Load a checkpoint written under any strategy and world size (with the same global batch). Every
-        tensor and value is checked against the live objects first; nothing is changed unless all fit.
-        `resume=False` (an eval): the data order need not continue (any world size or batch)."""
-        from . import snapshot
-
+    def load_checkpoint(self, path: Path, resume: bool = True) -> list[str]:
+        """Load a checkpoint written under any strategy, world size and global batch. Every tensor and value is
+        checked against the live objects first, and every rank agrees on the verdict; nothing is changed unless
+        all fit on every rank. A component the checkpoint lacks (EMA or a callback turned on since) keeps its
+        initial state. `resume=False` (an eval): the data order need not continue. Returns what a user should
+        know about the load (components started fresh, a changed global batch)."""
         loaded = ckpt.read(path, self.backend)
         where = f"checkpoint {path}"
-        live_model = self.strategy.model_state_dict(self.model)
-        problems = ckpt.model_mismatches(loaded, live_model)
-        if problems:
-            raise CheckpointError(f"{where} does not match the model ({len(problems)} tensors): " + "; ".join(problems)
-                                  + ". Use the model config the checkpoint was trained with (see its config.yaml), "
-                                  "or resume=null to start fresh.")
-        tree = loaded.tree if isinstance(loaded.tree, dict) else {}
-        like = {"trainer": self.state_dict(), "rng": [rng_state()],
-                **{n: c.state_dict() for n, c in self.components.items()}, "loggers": {}}
-        missing = [k for k in ("optimizer", *like) if k not in tree]
-        if missing:
-            raise CheckpointError(f"{where} has no {', '.join(missing)} state: it was saved by another configuration "
-                                  "(e.g. without ema.enabled). Resume with the checkpoint's config.yaml, or resume=null.")
         fresh_optimizer = not self.optimizer.state
-        saved_optimizer = isinstance(tree["optimizer"], dict) and bool(tree["optimizer"].get("state"))
+        error, checked = None, None
         try:
-            model_state = {k: snapshot.assemble(k, loaded.model[k], v, where) for k, v in live_model.items()}
-            like["optimizer"] = (self.strategy.optimizer_template(self.model, self.optimizer) if saved_optimizer
-                                 else {"state": {}, "param_groups": []})
-            state = snapshot.conform({k: tree[k] for k in like}, like, loaded.state, where)
-            _check_optimizer(state["optimizer"], like["optimizer"], where)
-            if resume:
-                self._check_run_state(state["trainer"], where)
-                _check_schedule(state.get("scheduler"), state["trainer"]["step"], where)
-            rngs = state["rng"]
-            if self.backend.rank < len(rngs):
-                _check_rng(rngs[self.backend.rank], where)
+            checked = self._checked_state(loaded, where, resume)
+        except CheckpointError as e:
+            error = e
         except BaseException:
             if fresh_optimizer:  # the template initialised it; a fresh run must not start from that
                 self.strategy.reset_optimizer(self.optimizer)
             raise
+        if self.backend.distributed:  # one verdict for all ranks: a rank that loads while another falls back hangs
+            verdicts = self.backend.gather_object(str(error) if error else None)
+            first = next((f"{v} (rank {r})" if self.backend.world_size > 1 else v
+                          for r, v in enumerate(verdicts) if v), None)
+            error = CheckpointError(first) if first and error is None else error
+        if error is not None:
+            if fresh_optimizer:
+                self.strategy.reset_optimizer(self.optimizer)
+            raise error
+        model_state, state, absent = checked
         # The optimizer's hyperparameters (betas, weight decay, ...) are this run's config's; its moments and
         # step counts the checkpoint's. (The LR follows the schedule: see trainer/schedule.py.)
         hyper = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
@@ -440,13 +441,65 @@ class Trainer:
         for group, h in zip(self.optimizer.param_groups, hyper):
             group.update(h)
         for name, c in self.components.items():
-            c.load_state_dict(state[name])
+            if name in state:
+                c.load_state_dict(state[name])
+        notes = []
+        if "ema" in absent:
+            self.ema.reset()  # an average of the weights from here on, starting at the checkpoint's
+            notes.append(f"resume: {path.name} has no EMA state (ema.enabled was off): the EMA starts from its "
+                         "weights now.")
+        for name in absent.get("callbacks", []):
+            notes.append(f"resume: {path.name} has no state for callbacks.{name} (it was not on): it starts from "
+                         "its initial state.")
         if resume:
+            notes += self._resize_notes(state["trainer"])
             self.load_state_dict(state["trainer"])
         else:
             self.step = state["trainer"]["step"]
+        rngs = state["rng"]
         if self.backend.rank < len(rngs):  # same world size: continue each rank's own stream
             set_rng_state(rngs[self.backend.rank])
+        return notes
+
+    def _checked_state(self, loaded: ckpt.Loaded, where: str, resume: bool):
+        """The checkpoint's model and run state, checked against the live objects and conformed to them, and the
+        components it has no state for ({"ema": True, "callbacks": [names]}). Raises CheckpointError."""
+        from . import snapshot
+
+        live_model = self.strategy.model_state_dict(self.model)
+        problems = ckpt.model_mismatches(loaded, live_model)
+        if problems:
+            raise CheckpointError(f"{where} does not match the model ({len(problems)} tensors): " + "; ".join(problems)
+                                  + ". Use the model config it was trained with (see its config.yaml).")
+        tree = loaded.tree if isinstance(loaded.tree, dict) else {}
+        like = {"trainer": self.state_dict(), "rng": [rng_state()],
+                **{n: c.state_dict() for n, c in self.components.items()}, "loggers": {}}
+        absent: dict[str, Any] = {}
+        if "ema" in like and "ema" not in tree:
+            absent["ema"] = True
+            del like["ema"]
+        if isinstance(tree.get("callbacks"), dict) and like.get("callbacks"):
+            absent["callbacks"] = [n for n in like["callbacks"] if n not in tree["callbacks"]]
+            like["callbacks"] = {n: v for n, v in like["callbacks"].items() if n in tree["callbacks"]}
+        missing = [k for k in ("optimizer", *like) if k not in tree]
+        if missing:
+            raise CheckpointError(f"{where} has no {', '.join(missing)} state: it was saved by another configuration.")
+        saved_optimizer = isinstance(tree["optimizer"], dict) and bool(tree["optimizer"].get("state"))
+        model_state = {k: snapshot.assemble(k, loaded.model[k], v, where) for k, v in live_model.items()}
+        like["optimizer"] = (self.strategy.optimizer_template(self.model, self.optimizer) if saved_optimizer
+                             else {"state": {}, "param_groups": []})
+        state = snapshot.conform({k: tree[k] for k in like}, like, loaded.state, where)
+        _check_optimizer(state["optimizer"], like["optimizer"], where)
+        for name, c in self.components.items():
+            if name in state and hasattr(c, "check_state"):  # values of the right kind but out of range
+                c.check_state(state[name], f"{where}: {name}")
+        if resume:
+            self._check_run_state(state["trainer"], where)
+            _check_schedule(state.get("scheduler"), state["trainer"]["step"], where)
+        rngs = state["rng"]
+        if self.backend.rank < len(rngs):
+            _check_rng(rngs[self.backend.rank], where)
+        return model_state, state, absent
 
 
 def _check_schedule(state: Any, step: int, where: str) -> None:
