@@ -166,6 +166,7 @@ def test_sigusr1_to_the_launcher_stops_every_worker_with_a_checkpoint_that_resum
                 *faulty("sigusr1_parent", 9, rank=0), env={**FAULTY_ENV, key: value})
     assert r.returncode == 75, r.stderr
     assert "SIGUSR1" in r.stderr and checkpoints(tmp_path)
+    assert f"the workers saved a checkpoint ({tmp_path / 'checkpoints' / checkpoints(tmp_path)[-1]})" in r.stderr
     assert _processes_with_marker(f"{key}={value}") == []  # no orphaned worker trains on
     train_in_process(corpus, tmp_path, *SINGLE, "resume=auto")
     got, ref = read_metrics(tmp_path), read_metrics(ddp_reference[0])

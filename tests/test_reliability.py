@@ -366,3 +366,35 @@ def test_a_checkpoint_one_rank_cannot_load_is_skipped_by_every_rank(ddp_referenc
     assert len(skipped) == 1 and "step_00000012" in skipped[0] and "RNG state" in skipped[0] and "(rank 1)" in skipped[0]
     assert f"resumed from {run_dir / 'checkpoints' / 'step_00000008'} at step 8" in r.stdout
     assert_identical(run_dir, reference)
+
+
+@pytest.mark.parametrize("damage", ["deleted", "same-size-garbage"])
+def test_resume_auto_repairs_an_export_whose_files_changed(damage, corpus, stopped, tmp_path):
+    """export.json lists every file of the export with its size and sha256: a finished run whose model.safetensors
+    was deleted (or overwritten) afterwards is re-exported by resume=auto, bit for bit."""
+    import json
+
+    run_dir = _copy(stopped, tmp_path / "run")
+    weights = run_dir / "model.safetensors"
+    good = weights.read_bytes()
+    assert set(json.loads((run_dir / "export.json").read_text())["files"]) == {"model.safetensors", "model_config.json"}
+    if damage == "deleted":
+        weights.unlink()
+    else:
+        weights.write_bytes(good[:-8] + b"\0" * 8)
+    r = run_here(*tiny_overrides(corpus, *BASE), f"hydra.run.dir={run_dir}", "resume=auto")
+    assert r.returncode == 0, r.stderr
+    assert "its export is missing or incomplete: writing it" in r.stdout
+    assert weights.read_bytes() == good
+
+
+def test_after_a_stop_signal_the_launcher_says_what_the_workers_really_saved(stopped, tmp_path):
+    """It used to say "workers saved a checkpoint" whatever happened (a hung rank saves nothing)."""
+    from trainer.launcher import _newest_checkpoint, _what_was_saved
+
+    run_dir = _copy(stopped, tmp_path / "run")
+    newest = _newest_checkpoint(run_dir)
+    assert _what_was_saved(run_dir, newest) == f"the workers saved no new checkpoint; the newest is {newest}."
+    assert _what_was_saved(run_dir, run_dir / "checkpoints" / "step_00000004") == \
+        f"the workers saved a checkpoint ({newest})."
+    assert _what_was_saved(tmp_path / "empty", None) == "the workers saved no checkpoint (none was due yet)."

@@ -215,6 +215,7 @@ def launch(cfg: DictConfig, run_dir: Path, entry: str = "train") -> dict | None:
     os.environ[RUN_DIR_ENV] = str(run_dir)
     os.environ[ENTRY_ENV] = entry
     os.environ[LAUNCHER_ENV] = str(os.getpid())
+    before = _newest_checkpoint(run_dir)
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "trainer.worker")
     except ChildFailedError as e:
@@ -229,12 +230,30 @@ def launch(cfg: DictConfig, run_dir: Path, entry: str = "train") -> dict | None:
             raise KeyboardInterrupt from None
         from .errors import Preempted
 
-        raise Preempted(f"stopped by {signal.Signals(e.sigval).name}; workers saved a checkpoint at the next "
-                        "step boundary. Rerun the same command with resume=auto to continue.") from None
+        raise Preempted(f"stopped by {signal.Signals(e.sigval).name}; {_what_was_saved(run_dir, before)} "
+                        "Rerun the same command with resume=auto to continue.") from None
     finally:
         for name in (CONFIG_ENV, RUN_DIR_ENV, ENTRY_ENV, LAUNCHER_ENV):
             os.environ.pop(name, None)
     return None
+
+
+def _newest_checkpoint(run_dir: Path) -> Path | None:
+    from .checkpoint import Checkpointer
+
+    done = Checkpointer(Path(run_dir) / "checkpoints").complete()
+    return done[-1] if done else None
+
+
+def _what_was_saved(run_dir: Path, before: Path | None) -> str:
+    """What the workers left after a forwarded stop signal, read from the run dir (not assumed: a worker may have
+    died before it could save)."""
+    newest = _newest_checkpoint(run_dir)
+    if newest is not None and newest != before:
+        return f"the workers saved a checkpoint ({newest})."
+    if newest is not None:
+        return f"the workers saved no new checkpoint; the newest is {newest}."
+    return "the workers saved no checkpoint (none was due yet)."
 
 
 def root_failure(failures: dict) -> tuple:

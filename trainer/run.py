@@ -383,9 +383,10 @@ EXPORT_MARKER = "export.json"
 
 def export(trainer: Trainer, cfg: DictConfig, run_dir: Path) -> None:
     """The final weights (and the EMA's, and a stateful task's) as whole tensors in the run dir, then
-    `export.json` naming the step: written last, so a missing or older one means the export must be
-    (re)done. Every rank takes part under a sharded strategy (each tensor is gathered in turn)."""
-    from .export import export_model, export_task_state
+    `export.json` naming the step and every file of the export with its size and sha256: written last, so a
+    missing or older one, or a listed file missing or changed, means the export must be (re)done. Every rank
+    takes part under a sharded strategy (each tensor is gathered in turn)."""
+    from .export import export_model, export_task_state, file_digests
     from .io import atomic_write_json
 
     ccfg: CheckpointConfig = typed(CheckpointConfig, cfg.get("checkpoint"))
@@ -393,20 +394,23 @@ def export(trainer: Trainer, cfg: DictConfig, run_dir: Path) -> None:
     parts = [("model", trainer.strategy.model_state_dict(trainer.model))]
     if trainer.ema is not None:
         parts.append(("model_ema", trainer.ema.model_state_dict()))
+    files: list[str] = []
     try:
         for name, state in parts:
             if not (trainer.backend.is_main or trainer.strategy.sharded):
                 continue
             tensors = trainer.strategy.full_state_dict(state)
             if trainer.backend.is_main:
-                export_model(tensors, run_dir, name, model_config, ccfg.max_shard_mb)
+                files += export_model(tensors, run_dir, name, model_config, ccfg.max_shard_mb)
         if trainer.backend.is_main:
             if hasattr(trainer.task, "state_dict"):
-                export_task_state(trainer.task.state_dict(), run_dir)
+                files.append(export_task_state(trainer.task.state_dict(), run_dir))
             config = getattr(trainer.raw_model, "config", None)
             if hasattr(config, "save_pretrained"):  # a Hugging Face model: config.json, so from_pretrained(RUN_DIR) works
                 config.save_pretrained(str(run_dir))
-            atomic_write_json(run_dir / EXPORT_MARKER, {"step": trainer.step, "names": [n for n, _ in parts]})
+                files.append("config.json")
+            atomic_write_json(run_dir / EXPORT_MARKER, {"step": trainer.step, "names": [n for n, _ in parts],
+                                                        "files": file_digests(run_dir, sorted(set(files)))})
     except OSError as e:
         from .errors import StorageError
 
@@ -416,11 +420,15 @@ def export(trainer: Trainer, cfg: DictConfig, run_dir: Path) -> None:
 
 
 def exported(run_dir: Path, step: int) -> bool:
+    """Whether export.json says the export of step `step` is complete, and every file it lists is as written."""
     import json
 
+    from .export import export_intact
+
     try:
-        return json.loads((run_dir / EXPORT_MARKER).read_text())["step"] == step
-    except (OSError, ValueError, KeyError, TypeError):
+        marker = json.loads((run_dir / EXPORT_MARKER).read_text())
+        return marker["step"] == step and export_intact(run_dir, marker["files"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
 
