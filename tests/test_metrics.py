@@ -55,5 +55,7 @@ def test_accuracy_over_two_ranks_and_micro_batches_equals_one_process_and_both_s
     assert r.returncode == 0, r.stderr
     two = read_metrics(tmp_path / "two")
     for key in ("train/accuracy", "val/accuracy", "train/loss", "val/loss"):
-        assert series(two, key) == pytest.approx(series(one, key), abs=1e-6), key
+        # Accuracies are counts (exact); losses (< 1) may differ by fp32 summation order: <= ~1e-6 per
+        # step (micro-batches, ranks, the CPU's SIMD width), so <= 30 x 1e-6 after 30 steps.
+        assert series(two, key) == pytest.approx(series(one, key), abs=30 * 1e-6), key
     assert one[-1]["step"] == two[-1]["step"] == 30

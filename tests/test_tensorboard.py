@@ -118,29 +118,82 @@ def test_image_samples_are_images(corpus, tmp_path):
     assert (tmp_path / "samples" / "step_10.png").exists()  # metrics.jsonl's own record is still written
 
 
-def test_a_resumed_run_shows_each_step_once(corpus, tmp_path):
-    """The first run logs steps 1-6, then dies at step 7; it resumes from its checkpoint at step 4 and logs
-    5-8 again. The event files hold steps 5 and 6 twice; TensorBoard shows each step once, the resumed values."""
+def ui_accumulator(log_dir: Path):
+    """`log_dir` as TensorBoard's UI reads it (plugin_event_accumulator: the data provider of `tensorboard
+    --load_fast=false`). Unlike the legacy EventAccumulator it ignores a run's first SessionLog.START, so a
+    resume's START purges only if the first attempt's events began with one too."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def ui_steps(acc_or_dir, tag: str = "train/loss") -> list[int]:
+    acc = ui_accumulator(acc_or_dir) if isinstance(acc_or_dir, Path) else acc_or_dir
+    return [e.step for e in acc.Tensors(tag)]
+
+
+def written_steps(log_dir: Path, tag: str = "train/loss") -> list[int]:
+    """The steps of `tag` as the event files hold them, file by file, with no reader's purging."""
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
+    return [ev.step for f in sorted(log_dir.glob("events.out.tfevents.*")) for ev in EventFileLoader(str(f)).Load()
+            if any(v.tag == tag for v in ev.summary.value)]
+
+
+def test_a_resumed_run_shows_each_step_once(corpus, tmp_path):
+    """The first run logs steps 1-6, then dies at step 7; it resumes from its checkpoint at step 4 and logs
+    5-8 again. Every reader shows each step once, the resumed values: the event files are rewound to the
+    checkpoint like metrics.jsonl, and each attempt's events start with a SessionLog.START, so a TensorBoard
+    that read the dead attempt's events live purges them at the resume's START."""
     from trainer import train
 
     overrides = tiny_overrides(corpus, "logger=tensorboard", "trainer.max_steps=8", "checkpoint.every_n_steps=4",
                                *faulty("raise", at_call=7, rank=0))
+    log_dir = tmp_path / "tensorboard"
     with pytest.raises(RuntimeError, match="boom"):
         train(compose_cfg(overrides), tmp_path)
+    assert written_steps(log_dir) == [1, 2, 3, 4, 5, 6]  # steps 5 and 6 are logged again after the resume
+    live = ui_accumulator(log_dir)  # a TensorBoard open during the crash: it has read steps 1-6 already
     train(compose_cfg([*overrides, "resume=auto"]), tmp_path)
-    log_dir = tmp_path / "tensorboard"
 
-    files = sorted(log_dir.glob("events.out.tfevents.*"))
-    assert len(files) == 2
-    written = [ev.step for f in files for ev in EventFileLoader(str(f)).Load()
-               if any(v.tag == "train/loss" for v in ev.summary.value)]
-    assert written == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]  # the restart really overlapped
-
+    assert written_steps(log_dir) == [1, 2, 3, 4, 5, 6, 7, 8]
     shown = scalars(log_dir)
     assert [step for step, _ in shown["train/loss"]] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert shown == expected_scalars(tmp_path)  # metrics.jsonl (rewound on resume) and TensorBoard agree
+    assert ui_steps(log_dir) == [1, 2, 3, 4, 5, 6, 7, 8]
+    live.Reload()
+    assert ui_steps(live) == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_a_tensorboard_open_across_a_resume_shows_each_step_once(tmp_path):
+    """The logger alone, as in the issue: 60 steps, killed after 48, resumed from its checkpoint at 40, with
+    TensorBoard's UI reader open on the directory throughout. It had read steps 1-48 before the resume, so
+    only the resume's SessionLog.START can take 41-48 back, and it ignores a run's first START."""
+    log_dir = tmp_path / "tensorboard"
+    killed = TensorBoardLogger(run_dir=tmp_path)
+    for step in range(1, 49):
+        killed.log_metrics({"train/loss": 1.0 / step}, step)  # flushed as logged; the writer is never closed
+    [events] = log_dir.glob("events.out.tfevents.*")
+    with open(events, "ab") as f:
+        f.write(b"\x40\x00\x00")  # killed while writing a record: a torn tail
+    live = ui_accumulator(log_dir)
+    assert ui_steps(live) == list(range(1, 49))
+
+    resumed = TensorBoardLogger(run_dir=tmp_path)
+    resumed.rewind(40)
+    for step in range(41, 61):
+        resumed.log_metrics({"train/loss": 2.0 / step}, step)
+    resumed.finish({})
+    live.Reload()
+    assert ui_steps(live) == list(range(1, 61))
+    assert [e.tensor_proto.float_val[0] for e in live.Tensors("train/loss")][40:] == [
+        pytest.approx(2.0 / step) for step in range(41, 61)]  # the resumed values
+    assert ui_steps(log_dir) == list(range(1, 61))  # a TensorBoard started afterwards
+    assert written_steps(log_dir) == list(range(1, 61))  # the killed attempt's file ends at 40, untorn
+    assert not events.read_bytes().endswith(b"\x40\x00\x00")
+    killed.finish({})
 
 
 def test_a_fresh_rerun_sets_the_earlier_events_aside(corpus, tmp_path):

@@ -26,7 +26,8 @@ def test_accumulation_equals_big_batch(corpus, tmp_path):
     """k micro-batches of b must be one batch of k*b: same losses, same final weights (fp32)."""
     big = train_in_process(corpus, tmp_path / "big", "data.batch_size=8")
     acc = train_in_process(corpus, tmp_path / "acc", "data.batch_size=4", "trainer.grad_accum_steps=2")
-    assert series(acc, "train/loss") == pytest.approx(series(big, "train/loss"), rel=1e-5, abs=1e-5)
+    # fp32 sums in another order (2 micro-batches; the CPU's SIMD width): <= ~1e-6 relative per step, 20 steps.
+    assert series(acc, "train/loss") == pytest.approx(series(big, "train/loss"), rel=20 * 1e-6)
     wa, wb = load_weights(tmp_path / "acc" / "model.safetensors"), load_weights(tmp_path / "big" / "model.safetensors")
     assert wa.keys() == wb.keys()
     for k in wa:

@@ -7,19 +7,27 @@ image samples as images. `tensorboard --logdir outputs` shows every run below th
 tensorboard is imported only when the first event is written, so `--help` and runs without this logger
 never pay for it; the constructor (which the framework calls before any worker starts) only checks that
 the package is installed. Events are flushed as they are logged, like metrics.jsonl, so a killed run
-keeps everything it logged. A resumed run continues the same curves: `rewind(step)` opens the next
-writer with `purge_step=step + 1`, TensorBoard's own way of hiding what a crashed run logged after the
-step it restarts from, so every step shows once.
+keeps everything it logged.
+
+A resumed run continues the same curves, each step once, for every reader:
+- `rewind(step)` rewrites the earlier event files without what they hold after `step` (as metrics.jsonl
+  is rewound), so a TensorBoard started later, or any other reader of the files, sees each step once;
+- each attempt's first writer starts with a `SessionLog.START` at its first step (`purge_step`), so a
+  TensorBoard that read the dead attempt's events live drops those after the resume's START. The UI's
+  reader (plugin_event_accumulator) ignores a run's first START: without one in the first attempt's
+  file, the resume's START purged nothing.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from io import BytesIO
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .io import atomic_write_bytes
 from .loggers import NullLogger
 from .redaction import redact
 
@@ -44,13 +52,15 @@ class TensorBoardLogger(NullLogger):
         self.dir = Path(dir).expanduser() if dir is not None else Path(run_dir) / "tensorboard"
         self._writer = None  # opened at the first event: building the logger writes nothing
         self._first_step = 0  # the step a run (or a resumed run) starts from: where its config text goes
-        self._purge_step: int | None = None
+        self._session_start: int | None = 1  # the START marker of this attempt's first writer
 
     def _events(self):
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(self.dir), purge_step=self._purge_step)
+            # purge_step writes SessionLog.START at that step: readers drop earlier events at or after it.
+            self._writer = SummaryWriter(log_dir=str(self.dir), purge_step=self._session_start)
+            self._session_start = None  # a writer reopened within this attempt must not purge its own events
         return self._writer
 
     # -- the logger interface ----------------------------------------------------------------------
@@ -91,12 +101,40 @@ class TensorBoardLogger(NullLogger):
             prev = self.dir.with_name(self.dir.name + ".prev")
             shutil.rmtree(prev, ignore_errors=True)
             self.dir.rename(prev)
+        self._first_step, self._session_start = 0, 1
 
     def rewind(self, step: int) -> None:
-        """On resume from a checkpoint at `step`: events of the earlier run after `step` are discarded
-        (TensorBoard hides events at or after `purge_step` written before the restart marker)."""
+        """On resume from a checkpoint at `step`: the earlier attempts' events after `step` are removed from
+        their files, and the next writer starts with a SessionLog.START at `step + 1`."""
         self.finish({})
-        self._first_step, self._purge_step = step, step + 1
+        for path in sorted(self.dir.glob("events.out.tfevents.*")):
+            rewind_event_file(path, step)
+        self._first_step, self._session_start = step, step + 1
+
+
+def rewind_event_file(path: Path, step: int) -> None:
+    """Rewrite the event file `path` without its events after `step` (and without a torn last record, what a
+    killed writer may leave); an atomic replace, so a reader sees the old file or the new one. A file
+    left with nothing but its header is removed."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    records = list(RawEventFileLoader(str(path)).Load())
+    keep = [r for r in records if (e := Event.FromString(r)).step <= step or e.HasField("file_version")]
+    if len(keep) == len(records) and path.stat().st_size == sum(len(r) + 16 for r in records):
+        return  # nothing after `step`, no torn tail: leave the file as it is
+    if all(Event.FromString(r).HasField("file_version") for r in keep):
+        path.unlink()
+        return
+    out = BytesIO()
+    writer = RecordWriter(out)
+    for record in keep:
+        writer.write(record)
+    # The temporary name must not contain "tfevents": TensorBoard reads every such file in the folder.
+    tmp = path.with_name(".rewound")
+    atomic_write_bytes(tmp, out.getvalue())
+    os.replace(tmp, path)
 
 
 def as_code_block(text: str) -> str:

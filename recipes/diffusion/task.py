@@ -18,17 +18,17 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
-from safetensors.torch import load_file
 
-from trainer import is_main_process, main_process_first
+from trainer import is_main_process
 from trainer import noise as sample_noise
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, UserError
 from trainer.io import atomic_save_safetensors
 
 from .data import NUM_CLASSES, SIDE, Normalizer
 
-NORMALIZER_FILE = "normalizer.safetensors"  # in the run dir: the main process's fit, read by every other rank
+NORMALIZER_FILE = "normalizer.safetensors"  # in the run dir: the main process's fit, as a record
 THRESHOLD_QUANTILE = 0.95  # a sample counts as a digit if it is as close to the training set as 95% of val
 
 
@@ -130,6 +130,25 @@ def image_grid(images: torch.Tensor, ncols: int, upscale: int = 4, border: int =
     return grid
 
 
+def save_normalizer(path: Path, stats: dict[str, torch.Tensor]) -> None:
+    """Write the normaliser's statistics to `path` (atomically), or say what to do if a directory is there."""
+    if path.is_dir():  # (os.replace would fail with IsADirectoryError, and so would every rerun)
+        raise UserError(f"{path} is a directory, where the diffusion recipe writes its normaliser's statistics. "
+                        "Remove it (they are fitted again at every start, so nothing is lost) and run the same "
+                        "command again.")
+    atomic_save_safetensors(path, stats, metadata={"format": "pt"})
+
+
+def broadcast_from_main(stats: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Rank 0's `stats` on every rank, bit for bit (as given when there is no process group). Every rank
+    must call it; the others pass None."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return stats
+    box = [stats]
+    dist.broadcast_object_list(box, src=0)  # pickled, between the processes of this job only
+    return box[0]
+
+
 def _all_samples(dataset) -> tuple[torch.Tensor, torch.Tensor]:
     if hasattr(dataset, "images") and hasattr(dataset, "labels"):
         return dataset.images, dataset.labels
@@ -170,20 +189,20 @@ class Diffusion:
 
     def setup(self, train, val, run_dir: str | os.PathLike | None = None) -> None:
         """Fit the normaliser on the training split on the main process, write it to
-        `run_dir/normalizer.safetensors`, and load it on every other rank after a barrier (the framework's
-        `main_process_first`), so all ranks share one normaliser, computed once. Then the reference
-        distances of the sample metrics (every rank: cheap, deterministic)."""
+        `run_dir/normalizer.safetensors` (a record beside the run's weights) and send it to every other
+        rank, so all ranks share one normaliser, computed once. Then the reference distances of the
+        sample metrics (every rank: cheap, deterministic)."""
         self.train_images, self.train_labels = _all_samples(train)
         if run_dir is None:
             self.normalizer.fit(self.train_images)
         else:
-            path = Path(run_dir) / NORMALIZER_FILE
-            with main_process_first(local=False):  # the run dir is shared by every node
-                if is_main_process():
-                    self.normalizer.fit(self.train_images)
-                    atomic_save_safetensors(path, self.normalizer.state_dict(), metadata={"format": "pt"})
-                else:
-                    self.normalizer.load_state_dict(load_file(str(path)))
+            stats = None
+            if is_main_process():
+                stats = self.normalizer.fit(self.train_images).state_dict()
+                save_normalizer(Path(run_dir) / NORMALIZER_FILE, stats)
+            # From rank 0 itself, not from the file: whatever happens to the file between rank 0's write
+            # and another rank's read (replaced, edited, a stale copy on another node) cannot reach it.
+            self.normalizer.load_state_dict(broadcast_from_main(stats))
         if val is not None and len(val) > 0:
             ref, _ = nearest_neighbours(_all_samples(val)[0], self.train_images)
         else:  # no val split: leave-one-out distances within the training set stand in for it
