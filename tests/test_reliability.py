@@ -398,3 +398,27 @@ def test_after_a_stop_signal_the_launcher_says_what_the_workers_really_saved(sto
     assert _what_was_saved(run_dir, run_dir / "checkpoints" / "step_00000004") == \
         f"the workers saved a checkpoint ({newest})."
     assert _what_was_saved(tmp_path / "empty", None) == "the workers saved no checkpoint (none was due yet)."
+
+
+def test_a_preemption_right_after_a_periodic_save_does_not_save_that_step_again(corpus, tmp_path):
+    """A stop signal seen at the boundary after step 4's periodic (async) save used to save step 4 a second time
+    into the same temp directory, which the main rank was renaming into place: a rank's write then failed and
+    the job exited 74 ("free disk space") instead of 75, about one time in four under FSDP."""
+    from conftest import compose_cfg
+
+    from trainer.errors import Preempted
+    from trainer.run import build
+
+    trainer = build(compose_cfg(tiny_overrides(corpus, *BASE)), tmp_path)
+    try:
+        trainer.step = 4
+        trainer.save_checkpoint()  # the periodic save of step 4, in flight
+        saves = []
+        trainer.checkpointer.save = lambda *a, **k: saves.append(a)
+        trainer.preemption.requested = True
+        with pytest.raises(Preempted, match="checkpoint saved to .*step_00000004"):
+            trainer._preempted(first_step=0)
+        assert saves == []
+        assert [p.name for p in trainer.checkpointer.complete()] == ["step_00000004"]
+    finally:
+        trainer.backend.teardown()

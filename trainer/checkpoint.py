@@ -111,6 +111,7 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo")
             nonce = self.backend.broadcast_object(nonce)
         self._nonce = nonce
+        self._saves = 0  # every rank counts its save() calls alike: each save gets a temp directory of its own
 
     def due(self, step: int) -> bool:
         return self.every_n_steps > 0 and step % self.every_n_steps == 0
@@ -162,7 +163,8 @@ class Checkpointer:
             snapshot.flatten(v, model_chunks, main, k, copy)
         state_chunks: dict[str, snapshot.Chunk] = {}
         tree = snapshot.flatten(state, state_chunks, main, copy=copy)
-        args = (final, step, model_chunks, state_chunks, tree, metrics)
+        self._saves += 1
+        args = (final, step, model_chunks, state_chunks, tree, metrics, self._saves)
         if self.async_save:
             self._pool = self._pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
             self._pending = self._pool.submit(self._write_checkpoint, *args)
@@ -183,9 +185,11 @@ class Checkpointer:
             self._pool = None
 
     def _write_checkpoint(self, final: Path, step: int, model_chunks: dict, state_chunks: dict, tree: Any,
-                          metrics: dict[str, float] | None) -> None:
+                          metrics: dict[str, float] | None, number: int = 0) -> None:
         rank = self.backend.rank
-        tmp = self.dir / f".tmp-{final.name}-{self._nonce}"
+        # Its own temp directory per save: a second save of the same step (a preemption right after a periodic
+        # save) must not write into the directory the main rank is renaming into place.
+        tmp = self.dir / f".tmp-{final.name}-{self._nonce}-{number}"
         files, error = {}, None
         try:
             tmp.mkdir(parents=True, exist_ok=True)
@@ -259,7 +263,7 @@ class Checkpointer:
             if p.name not in keep:
                 shutil.rmtree(p, ignore_errors=True)
         for p in self.dir.glob(".tmp-step_*"):  # left by a process killed mid-save
-            if not p.name.endswith(self._nonce):
+            if f"-{self._nonce}-" not in p.name:
                 shutil.rmtree(p, ignore_errors=True)
 
     # -- reading -----------------------------------------------------------------------------

@@ -65,6 +65,7 @@ class Trainer:
         self.samples_seen = 0  # position in the global sample stream
         self.skipped_steps = 0
         self.stop_reason: str | None = None  # set by request_stop (early stopping): the run ends at this step
+        self.saved_step: int | None = None  # the step of the last save_checkpoint (in flight or complete)
 
     def request_stop(self, reason: str) -> None:
         """End the run after the current step, as if it were the last (a callback's way to stop training)."""
@@ -260,7 +261,12 @@ class Trainer:
         if self.step == first_step:
             raise Preempted(f"stopped by {self._cause()} before the first step of this attempt (step {self.step}); "
                             "nothing new to save. Rerun the same command with resume=auto to continue.")
-        path = self.save_checkpoint(wait=True)
+        if self.saved_step == self.step:  # the periodic save of this very step is in flight: finish it
+            self.checkpointer.wait()
+            self.backend.barrier()
+            path = self.checkpointer.dir / f"step_{self.step:08d}"
+        else:
+            path = self.save_checkpoint(wait=True)
         raise Preempted(f"preempted by {self._cause()} at step {self.step}; checkpoint saved to {path}. "
                         "Rerun the same command with resume=auto to continue.")
 
@@ -398,6 +404,7 @@ class Trainer:
         model_state = self.strategy.model_state_dict(self.model)
         state = self.checkpoint_state()  # on every rank: it gathers RNG states
         path = self.checkpointer.save(self.step, model_state, state, metrics)
+        self.saved_step = self.step
         if wait:  # nobody exits (and gets the job torn down) while a rank is still writing
             self.checkpointer.wait()
             self.backend.barrier()
