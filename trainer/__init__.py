@@ -7,7 +7,7 @@ Public API (imported lazily so `python -m trainer --help` does not pay for torch
     load(run_dir, ema=False)  a finished run's model with its weights
     Trainer                   the loop, for use without Hydra
     main_process_first()      run a block on the main process first (caches), then the rest
-    is_main_process(), barrier()
+    is_main_process(), barrier(), broadcast_from_main(obj)
 """
 
 from importlib import import_module
@@ -24,6 +24,7 @@ _EXPORTS = {
     "main_process_first": "trainer.backend",
     "is_main_process": "trainer.backend",
     "barrier": "trainer.backend",
+    "broadcast_from_main": "trainer.backend",
     "UserError": "trainer.errors",
 }
 

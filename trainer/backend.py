@@ -190,6 +190,18 @@ def barrier() -> None:
         dist.barrier()
 
 
+def broadcast_from_main(obj: Any) -> Any:
+    """The main process's `obj` on every process (as given when there is no process group). Every process must
+    call it; the others may pass None. For what the main process computed once and the others must use bit for
+    bit (a fitted normaliser): sent between the processes of this job, never read back from a file another
+    process could have replaced."""
+    if not _initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 @contextlib.contextmanager
 def main_process_first(local: bool = True) -> Iterator[None]:
     """Run the body on the main process first while the others wait, then on the others.

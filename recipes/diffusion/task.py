@@ -18,10 +18,9 @@ import os
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from trainer import is_main_process
+from trainer import broadcast_from_main, is_main_process
 from trainer import noise as sample_noise
 from trainer.errors import ConfigError, UserError
 from trainer.io import atomic_save_safetensors
@@ -137,16 +136,6 @@ def save_normalizer(path: Path, stats: dict[str, torch.Tensor]) -> None:
                         "Remove it (they are fitted again at every start, so nothing is lost) and run the same "
                         "command again.")
     atomic_save_safetensors(path, stats, metadata={"format": "pt"})
-
-
-def broadcast_from_main(stats: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """Rank 0's `stats` on every rank, bit for bit (as given when there is no process group). Every rank
-    must call it; the others pass None."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return stats
-    box = [stats]
-    dist.broadcast_object_list(box, src=0)  # pickled, between the processes of this job only
-    return box[0]
 
 
 def _all_samples(dataset) -> tuple[torch.Tensor, torch.Tensor]:
