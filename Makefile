@@ -16,6 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
+	@echo "installed: in a new shell run 'source $(VENV)/bin/activate' for python -m trainer, or call $(VENV)/bin/trainer"
 
 train: venv
 	$(PY) -m trainer recipe=$(RECIPE) $(ARGS)
