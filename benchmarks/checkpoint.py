@@ -18,7 +18,7 @@ def _state(cfg):
     """A model and optimizer after one step (so the AdamW moments exist), as (model_state, other state)."""
     import torch
 
-    from trainer.run import build_data
+    from trainer import build_data
 
     train_data, _ = build_data(cfg.data)
     loop = PlainLoop(cfg, train_data, torch.device("cpu"), bf16=True)
@@ -27,19 +27,42 @@ def _state(cfg):
 
 
 def _flat(model_state, state) -> dict:
-    """Every tensor a checkpoint of (model_state, state) holds, by name: what one safetensors file would."""
-    from trainer.snapshot import flatten
+    """Every tensor a checkpoint of (model_state, state) holds, by name: what one safetensors file would. Read
+    back from a checkpoint written through the public Checkpointer (its files are plain safetensors)."""
+    from safetensors.torch import load_file
 
-    chunks: dict = {}
-    flatten(state, chunks)
-    return {**{f"model/{k}": v.detach().clone().contiguous() for k, v in model_state.items()},
-            **{k: c.local for k, c in chunks.items()}}
+    from trainer.checkpoint import Checkpointer
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-flat-"))
+    try:
+        path = Checkpointer(tmp).save(1, model_state, state)
+        return {**{f"model/{k}": v for k, v in load_file(str(path / "model.safetensors")).items()},
+                **load_file(str(path / "state.safetensors"))}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _raw_bytes(tensors: dict) -> bytes:
     import torch
 
     return b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors.values())
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """The raw twin of a checkpoint write: a temp file, fsynced, renamed into place, the directory fsynced."""
+    import os
+
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -81,8 +104,6 @@ def real_checkpoint_cases(model_state, state, tmp: Path, raw: bytes) -> tuple[di
         read(path)
     except (ImportError, AttributeError, TypeError) as e:
         return {}, f"trainer.checkpoint unusable here ({type(e).__name__}: {e})"
-    from trainer.io import atomic_write_bytes
-
     raw_path = tmp / "raw-durable.bin"
     background = ckpt.Checkpointer(tmp / "async", keep_last=1, async_save=True)
 

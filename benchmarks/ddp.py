@@ -92,7 +92,7 @@ def _plain_ddp_worker(rank: int, world: int, port: int, cfg: dict, warmup: int, 
     from omegaconf import OmegaConf
     from torch.nn.parallel import DistributedDataParallel
 
-    from trainer.run import build_data
+    from trainer import build_data
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -181,7 +181,7 @@ def _plain_parallel_worker(rank: int, nprocs: int, port: int, out: str, prepare,
     from omegaconf import OmegaConf
     from torch.distributed.device_mesh import init_device_mesh
 
-    from trainer.run import build_data
+    from trainer import build_data
 
     cuda = device_type == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")

@@ -242,7 +242,7 @@ def loop_rows(label: str, r: dict) -> list[str]:
 def measure_precision(ctx: Context, sizes: dict) -> dict:
     import torch
 
-    from trainer.run import build_data
+    from trainer import build_data
 
     rounds, steps, warmup = sizes["precision"]
     cfg = compose([*COMMON, *ctx.data, *ctx.default_model])

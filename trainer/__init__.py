@@ -3,6 +3,7 @@
 Public API (imported lazily so `python -m trainer --help` does not pay for torch):
     compose(overrides)        the checked, resolved config of `python -m trainer OVERRIDES`
     build(cfg, run_dir)       the Trainer a run of `cfg` starts from (model, data, optimizer, ... built)
+    build_data(cfg.data)      the (train, val) datasets a config's `data` section builds
     train(cfg, run_dir)       build, resume, fit and export
     load(run_dir, ema=False)  a finished run's model with its weights
     Trainer                   the loop, for use without Hydra
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "compose": "trainer.composition",
     "build": "trainer.run",
+    "build_data": "trainer.run",
     "train": "trainer.run",
     "load": "trainer.finished",
     "Trainer": "trainer.trainer",
