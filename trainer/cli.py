@@ -14,7 +14,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from .composition import CONFIG_MODULE, explain, prepare, resolve, sweep_jobs
+from .composition import CONFIG_MODULE, check_choices, explain, prepare, resolve, sweep_jobs
 from .config import check_hydra_hooks
 from .errors import NonFiniteError, TrainerExit, UserError
 from .redaction import redact, scrub, secret_values
@@ -44,6 +44,7 @@ def precheck(argv: list[str]) -> None:
         for overrides in jobs:
             cfg = compose_with_hydra(overrides, args.config_dir)
             check_hydra_hooks(cfg)  # what Hydra itself builds before the job: callbacks, logging, env_set
+            check_choices(cfg, overrides, args.config_dir)  # precision=bf16 that a recipe's inline node hides
             with open_dict(cfg):
                 del cfg["hydra"]  # now the config `compose` gives
             # `--cfg job` prints without running: check values, but import nothing (no torch).

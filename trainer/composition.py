@@ -82,7 +82,75 @@ def load(overrides: list[str], config_dir: str | None = None, targets: bool = Tr
         cfg = compose(overrides, config_dir)
     except (Exception, OmegaConfBaseException) as exc:  # hydra raises several unrelated types
         raise explain(exc, overrides, config_dir) from exc
+    check_choices(cfg, overrides, config_dir)
     return prepare(cfg, targets)
+
+
+def check_choices(cfg: DictConfig, overrides: list[str], config_dir: str | None) -> None:
+    """Refuse a group option chosen on the command line (`precision=bf16`) that the composed config does not
+    hold. Hydra merges a config's inline node (a recipe's `precision: {_target_: ...}`) over the option chosen
+    for that group, so the choice would be ignored without a word (or, for `precision=fp16`, mixed with the
+    inline class into a node neither meant). A config selects an option in its defaults list instead
+    (`override /precision: fp32`), which the command line overrides. Compares `_target_`s only: a recipe may
+    change an option's other values on purpose (`optim: {lr: ...}` over `optim=sgd`)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    dotted = {o.key_or_group for o in parsed if "." in o.key_or_group}
+    chosen = [(o.key_or_group, o.value()) for o in parsed
+              if not ("." in o.key_or_group or "/" in o.key_or_group or o.is_delete() or o.is_sweep_override())
+              and isinstance(o.value(), str)]
+    if not chosen:
+        return
+    search = [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"] if config_dir else []
+    recipe = OmegaConf.select(cfg, "hydra.runtime.choices.recipe", default=None) or \
+        next((value for key, value in chosen if key == "recipe"), None)
+
+    def alone(group: str, option: str) -> list[tuple[str, str]]:
+        try:
+            return _targets_under(hydra_compose(f"{group}/{option}", overrides=search), group)
+        except Exception:  # noqa: BLE001 - not a group (resume=auto), or an option with a defaults list of its own
+            return []
+
+    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+        for group, option in chosen:
+            for path, want in alone(group, option):
+                got = OmegaConf.select(cfg, f"{path}._target_", default=None)
+                if got == want or any(f"{path}._target_" == k or f"{path}._target_".startswith(k + ".") for k in dotted):
+                    continue  # as chosen, or a _target_ set on purpose on the command line
+                from hydra.core.global_hydra import GlobalHydra
+
+                # The option the inline node amounts to, to name in the fix.
+                same = [o for o in GlobalHydra.instance().config_loader().get_group_options(group)
+                        if (path, got) in alone(group, o)]
+                setter = f" (recipe={recipe}?)" if recipe else ""
+                raise ConfigError(
+                    f"{group}={option} would be ignored: a config merged after it{setter} sets `{group}:` inline, so "
+                    f"{path}._target_ stays {got!r} instead of {option}'s {want!r}. In that config, select the option "
+                    f"in its defaults list instead: `defaults: [override /{group}: {same[0] if same else 'NAME'}]` "
+                    "(after the `# @package _global_` line, as conf/recipe/diffusion.yaml does); then "
+                    f"{group}=... on the command line wins. Or set the class itself: {path}._target_=CLASS."
+                )
+
+
+def _targets_under(cfg: DictConfig, group: str) -> list[tuple[str, str]]:
+    """(path, _target_) of each node with a `_target_` under `group` (a group option composed alone puts its
+    content at its package: `precision`, `logger.wandb`); nodes elsewhere (a `_global_` option's) are not
+    the group's own."""
+    found = []
+    node = OmegaConf.select(cfg, group, default=None)
+
+    def walk(n, path):
+        if isinstance(n, DictConfig):
+            if isinstance(n.get("_target_"), str):
+                found.append((path, n._target_))
+            for k in n.keys():
+                walk(n[k], f"{path}.{k}")
+
+    walk(node, group)
+    return found
 
 
 def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> ConfigError:
