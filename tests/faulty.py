@@ -5,12 +5,14 @@ Actions: raise an exception, SIGKILL / SIGTERM / SIGUSR1 itself, SIGTERM, SIGUSR
 launcher), return a NaN loss once ("nan_once") or from then on ("nan_always"), or SIGTERM itself while
 it is being built ("sigterm_at_build": before any training step, in every process that builds it), or
 "block": write this process's PID into the FIFO `hold` (the test reads it: the job is now running), then
-block forever on `hold + ".release"` (a FIFO nobody writes): a job that is busy until the test acts on it.
+block forever on `hold + ".release"` (a FIFO nobody writes): a job that is busy until the test acts on it; or
+"hang": sleep forever, outside any collective (the rank the others wait for, tests/test_watchdog.py).
 Only training calls count (the model is in train mode), so call N is training micro-batch N.
 """
 
 import os
 import signal
+import time
 
 from hydra.utils import get_class
 
@@ -51,6 +53,8 @@ class Faulty:
                     f.write(f"{os.getpid()}\n")
                 with open(self.hold + ".release") as f:  # blocks: nobody opens it for writing
                     f.read()
+            while self.action == "hang":
+                time.sleep(3600)
             if self.action == "raise":
                 raise RuntimeError(f"boom from the faulty task on rank {self.rank}")
             target = os.getppid() if self.action.endswith("_parent") else os.getpid()

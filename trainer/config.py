@@ -52,6 +52,7 @@ class LaunchConfig:
     rdzv_endpoint: str | None = None  # host:port of node 0 when nnodes > 1
     max_restarts: int = 0  # elastic restarts of all workers after a failure
     rdzv_timeout: int = 600  # seconds every node waits for the others (nnodes > 1) before giving up
+    hang_timeout: float | None = 600  # seconds without progress on any rank before the job is stopped; 0/null: off
     device: str = "auto"  # auto | cpu | cuda
     threads: Any = "auto"  # CPU threads per process; auto = cores / processes on this machine
 
@@ -231,6 +232,8 @@ def _validate_world(world: DictConfig) -> None:
     _check(0 <= w.node_rank < w.nnodes, "world.node_rank", w.node_rank, f"an integer in [0, world.nnodes={w.nnodes})")
     _check(w.max_restarts >= 0, "world.max_restarts", w.max_restarts, "an integer >= 0")
     _check(w.rdzv_timeout >= 1, "world.rdzv_timeout", w.rdzv_timeout, "a number of seconds >= 1")
+    _check(w.hang_timeout is None or w.hang_timeout >= 0, "world.hang_timeout", w.hang_timeout,
+           "a number of seconds > 0 (0 or null switches the hang watchdog off)")
     _check(w.threads == "auto" or (_is_int(w.threads) and w.threads >= 1), "world.threads", w.threads,
            "an integer >= 1 or 'auto'")
     if w.nnodes > 1:

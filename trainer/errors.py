@@ -52,6 +52,13 @@ class Preempted(TrainerExit):
     exit_code = 75  # EX_TEMPFAIL: "try again later"
 
 
+class HangDetected(TrainerExit):
+    """No rank made progress for world.hang_timeout seconds: the watchdog (trainer/watchdog.py) collected every
+    rank's stack, named the rank the others wait for, and stopped the job."""
+
+    exit_code = 70  # EX_SOFTWARE
+
+
 def suggest(name: str, choices: Iterable[str], n: int = 3) -> str:
     """' Did you mean a, b?' for the closest names, or '' when nothing is close.
 

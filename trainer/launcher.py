@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from . import watchdog
 from .errors import TrainerExit
 from .worker import CONFIG_ENV, ENTRY_ENV, LAUNCHER_ENV, RUN_DIR_ENV, run_worker
 
@@ -215,11 +218,16 @@ def launch(cfg: DictConfig, run_dir: Path, entry: str = "train") -> dict | None:
     os.environ[RUN_DIR_ENV] = str(run_dir)
     os.environ[ENTRY_ENV] = entry
     os.environ[LAUNCHER_ENV] = str(os.getpid())
+    # Where the workers' hang watchdogs share their progress and, after a hang, their stacks (trainer/watchdog.py).
+    hang_dir = os.environ[watchdog.HANG_DIR_ENV] = tempfile.mkdtemp(prefix="trainer-hang-")
     before = _newest_checkpoint(run_dir)
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "trainer.worker")
     except ChildFailedError as e:
         rank, failure = root_failure(e.failures)
+        hang = watchdog.report(hang_dir, e.failures, w.hang_timeout, run_dir)  # no progress: every rank's stack
+        if hang is not None:
+            raise WorkerFailed(rank, watchdog.HangDetected.exit_code, hang) from None
         raise WorkerFailed(rank, failure.exitcode, _failure_text(failure)) from None
     except (RendezvousTimeoutError, RendezvousConnectionError) as e:  # a node never came, or node 0 unreachable
         raise rendezvous_failed(w, e) from None
@@ -233,8 +241,9 @@ def launch(cfg: DictConfig, run_dir: Path, entry: str = "train") -> dict | None:
         raise Preempted(f"stopped by {signal.Signals(e.sigval).name}; {_what_was_saved(run_dir, before)} "
                         "Rerun the same command with resume=auto to continue.") from None
     finally:
-        for name in (CONFIG_ENV, RUN_DIR_ENV, ENTRY_ENV, LAUNCHER_ENV):
+        for name in (CONFIG_ENV, RUN_DIR_ENV, ENTRY_ENV, LAUNCHER_ENV, watchdog.HANG_DIR_ENV):
             os.environ.pop(name, None)
+        shutil.rmtree(hang_dir, ignore_errors=True)
     return None
 
 

@@ -16,6 +16,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint as ckpt
+from . import watchdog
 from .backend import Backend
 from .callbacks import Callbacks
 from .config import (
@@ -439,8 +440,10 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
 
     trainer = build(cfg, Path(run_dir))
     done = False
+    watch = watchdog.start(launch_config(cfg.world).hang_timeout, run_dir, trainer.backend.info)
     try:
         trainer.load_checkpoint(Path(cfg.resume), resume=False)
+        watchdog.beat()
         metrics = trainer.evaluate()
         if trainer.ema is not None:
             with trainer.ema.swapped_in():
@@ -450,7 +453,10 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
         done = True
         return metrics
     finally:
-        trainer.backend.teardown(wait_for_peers=done)
+        try:
+            trainer.backend.teardown(wait_for_peers=done)
+        finally:
+            watch.stop()
 
 
 def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
@@ -468,8 +474,11 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
         raise
     backend, loggers, cfg = trainer.backend, trainer.loggers, trainer.config
     say = print if backend.is_main else (lambda *a, **k: None)
+    # From here to the end (teardown included), no progress for world.hang_timeout s stops the job (exit 70).
+    watch = watchdog.start(launch_config(cfg.world).hang_timeout, run_dir, backend.info)
     try:
         source = resume(trainer, cfg, say)
+        watchdog.beat()
         if source is not None:
             loggers.rewind(trainer.step)  # drop events logged after the checkpoint
             say(f"resumed from {source} at step {trainer.step}")
@@ -503,4 +512,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
         return final
     finally:
         preemption.uninstall()
-        backend.teardown(wait_for_peers=finished)
+        try:
+            backend.teardown(wait_for_peers=finished)
+        finally:
+            watch.stop()

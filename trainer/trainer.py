@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from . import checkpoint as ckpt
-from . import noise
+from . import noise, watchdog
 from .callbacks import Callbacks
 from .config import TrainerConfig
 from .data import Data, GlobalBatchSampler, eval_batches, train_loader
@@ -168,6 +168,7 @@ class Trainer:
                 totals[1] += self.task.num_targets(batch)
                 for name, value in extra.items():
                     sums[name] = sums.get(name, 0) + torch.as_tensor(value).double()
+            watchdog.beat()
         self.model.train()
         # Every rank reduces the same names (a rank without val samples has none of its own).
         names = sorted(set().union(*be.gather_object(sorted(sums)))) if be.distributed else sorted(sums)
@@ -299,6 +300,7 @@ class Trainer:
                 if stop:
                     self._preempted(first_step)
                 out = self.train_step(batches, n_global)
+                watchdog.beat()  # progress, for the hang watchdog (world.hang_timeout)
                 self.step += 1
                 self.samples_seen += self.global_batch
                 meter.add(n_global)
@@ -408,6 +410,7 @@ class Trainer:
         if wait:  # nobody exits (and gets the job torn down) while a rank is still writing
             self.checkpointer.wait()
             self.backend.barrier()
+        watchdog.beat()
         self.callbacks.on_save(self, path)
         return path
 

@@ -1,0 +1,248 @@
+"""The hang watchdog (trainer/watchdog.py): when no rank makes progress for world.hang_timeout seconds, every
+rank's stack is collected, one paragraph names the rank that is missing and where each rank waits, and the
+job exits with HangDetected.exit_code (70)."""
+
+from __future__ import annotations
+
+import io
+import json
+import sysconfig
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FAULTY_ENV, ROOT, compose_cfg, faulty, run_cli, run_main, tiny_overrides
+
+from trainer import watchdog
+from trainer.errors import HangDetected
+from trainer.watchdog import Frame
+
+SITE = sysconfig.get_paths()["purelib"]
+STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def _hang_line() -> int:
+    """The line of tests/faulty.py where the "hang" action sleeps forever."""
+    lines = (ROOT / "tests" / "faulty.py").read_text().splitlines()
+    return next(n for n, line in enumerate(lines, 1) if "time.sleep(3600)" in line)
+
+
+def _errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
+# -- a job that hangs ---------------------------------------------------------------------------------------
+def test_a_rank_that_hangs_is_named_and_the_job_exits_with_its_own_code(corpus, tmp_path):
+    """Rank 1 sleeps forever at its 3rd loss call; rank 0 waits for it in a collective. After
+    world.hang_timeout=3 s the launcher prints one paragraph naming both, and the job exits 70."""
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    r = run_cli(*tiny_overrides(corpus, "world=ddp", "world.nproc_per_node=2", "data.batch_size=4",
+                                "world.hang_timeout=3"), *faulty("hang", 3, rank=1),
+                f"hydra.run.dir={run_dir}", env=FAULTY_ENV, timeout=150)
+    elapsed = time.monotonic() - started
+    assert r.returncode == HangDetected.exit_code, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr + r.stdout, r.stderr
+    errors = _errors(r.stderr)
+    assert len(errors) == 1, r.stderr
+    error = errors[0]
+    assert f"rank 1 is stuck in tests/faulty.py:{_hang_line()} in loss (not in a collective;" in error, error
+    assert "rank 0 waits in " in error, error
+    assert "world.hang_timeout=3" in error, error
+    stacks = (run_dir / watchdog.STACKS_FILE).read_text()
+    assert "rank 0" in stacks and "rank 1" in stacks and "faulty.py" in stacks, stacks
+    assert elapsed < 60, f"{elapsed:.0f} s"
+
+
+def test_a_single_process_that_hangs_reports_its_own_stack(corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    r = run_cli(*tiny_overrides(corpus, "world.hang_timeout=2"), *faulty("hang", 3, rank=0),
+                f"hydra.run.dir={run_dir}", env=FAULTY_ENV, timeout=120)
+    assert r.returncode == HangDetected.exit_code, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr + r.stdout, r.stderr
+    errors = _errors(r.stderr)
+    assert len(errors) == 1, r.stderr
+    assert f"the process is stuck in tests/faulty.py:{_hang_line()} in loss" in errors[0], errors[0]
+    assert "world.hang_timeout=2" in errors[0]
+    assert "faulty.py" in (run_dir / watchdog.STACKS_FILE).read_text()
+
+
+# -- the configuration ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["0", "null"])
+def test_zero_or_null_switches_the_watch_off(value, corpus):
+    from trainer.config import launch_config
+
+    cfg = compose_cfg(tiny_overrides(corpus, "world=ddp", f"world.hang_timeout={value}"))
+    timeout = launch_config(cfg.world).hang_timeout
+    assert not timeout
+    watch = watchdog.start(timeout, None)
+    try:
+        assert not watch.running
+    finally:
+        watch.stop()
+
+
+def test_the_default_is_on():
+    from trainer.config import LaunchConfig
+
+    assert LaunchConfig().hang_timeout == 600
+    watch = watchdog.start(600, None)
+    try:
+        assert watch.running
+    finally:
+        watch.stop()
+    assert not watch.running
+
+
+@pytest.mark.parametrize("value", ["-1", "abc"])
+def test_a_bad_hang_timeout_is_refused_before_the_run_dir_exists(value, corpus, tmp_path):
+    run_dir = tmp_path / "x"
+    r = run_main(*tiny_overrides(corpus, "world=ddp", "world.nproc_per_node=2", f"world.hang_timeout={value}"),
+                 f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "world.hang_timeout" in r.stderr
+    assert not run_dir.exists()
+
+
+# -- where a rank waits: the classification of its stack -------------------------------------------------
+def _user(path: str, line: int, func: str, module: str) -> Frame:
+    return Frame(str(Path.cwd() / path), line, func, module)
+
+
+def _torch(path: str, line: int, func: str) -> Frame:
+    return Frame(f"{SITE}/torch/{path}", line, func, "torch." + path[:-3].replace("/", "."))
+
+
+def _std(path: str, line: int, func: str) -> Frame:
+    return Frame(f"{STDLIB}/{path}", line, func, path[:-3].replace("/", "."))
+
+
+OUTER = [_std("runpy.py", 198, "_run_module_as_main"), _user("trainer/worker.py", 80, "<module>", "__main__"),
+         _user("trainer/run.py", 480, "train", "trainer.run"), _user("trainer/trainer.py", 290, "fit", "trainer.trainer")]
+IN_ALL_REDUCE = [*OUTER, _user("trainer/trainer.py", 98, "sync_counts", "trainer.trainer"),
+                 _user("trainer/backend.py", 150, "all_reduce", "trainer.backend"),
+                 _torch("distributed/c10d_logger.py", 81, "wrapper"),
+                 _torch("distributed/distributed_c10d.py", 2806, "all_reduce")]
+IN_BACKWARD = [*OUTER, _user("trainer/trainer.py", 130, "train_step", "trainer.trainer"),
+               _user("trainer/precision.py", 45, "backward", "trainer.precision"),
+               _torch("_tensor.py", 626, "backward"), _torch("autograd/__init__.py", 347, "backward"),
+               _torch("autograd/graph.py", 823, "_engine_run_backward")]
+IN_LOADER = [*OUTER, _torch("utils/data/dataloader.py", 701, "__next__"),
+             _torch("utils/data/dataloader.py", 1448, "_next_data"), _std("multiprocessing/queues.py", 113, "get"),
+             _std("threading.py", 331, "wait")]
+IN_USER_CODE = [*OUTER, _user("trainer/trainer.py", 118, "train_step", "trainer.trainer"),
+                _user("tests/faulty.py", 62, "loss", "faulty")]
+
+
+def test_a_rank_in_a_torch_distributed_call_waits_in_that_collective():
+    place = watchdog.where(IN_ALL_REDUCE)
+    assert place.collective and place.what == "torch.distributed all_reduce", place
+    assert place.caller == "trainer/backend.py:150 in all_reduce, from trainer/trainer.py:98 in sync_counts", place
+
+
+def test_a_distributed_rank_in_backward_waits_in_the_gradient_all_reduce():
+    place = watchdog.where(IN_BACKWARD, distributed=True)
+    assert place.collective and "backward" in place.what, place
+    assert "trainer/trainer.py:130 in train_step" in place.caller, place
+    assert not watchdog.where(IN_BACKWARD, distributed=False).collective  # one process: backward is just slow
+
+
+def test_a_rank_elsewhere_is_stuck_at_its_innermost_frame_outside_libraries():
+    place = watchdog.where(IN_USER_CODE)
+    assert not place.collective
+    assert place.what == "tests/faulty.py:62 in loss" and place.caller == "trainer/trainer.py:118 in train_step", place
+    place = watchdog.where(IN_LOADER)
+    assert not place.collective
+    assert place.what == "trainer/trainer.py:290 in fit, calling torch/utils/data/dataloader.py:701 in __next__", place
+
+
+def _record(rank: int, frames: list[Frame], world_size: int = 2) -> dict:
+    return {"rank": rank, "world_size": world_size, "frames": [list(f) for f in frames]}
+
+
+def test_the_paragraph_names_the_missing_rank_and_where_the_others_wait():
+    text = watchdog.paragraph([_record(0, IN_ALL_REDUCE), _record(1, IN_USER_CODE)], ranks=[0, 1], timeout=3,
+                              stacks="RUN/hang_stacks.txt")
+    assert text.startswith("error: ") and "\n" not in text
+    assert ("rank 1 is stuck in tests/faulty.py:62 in loss (not in a collective; called from trainer/trainer.py:118 "
+            "in train_step)") in text, text
+    assert "rank 0 waits in torch.distributed all_reduce called from trainer/backend.py:150" in text
+    assert "world.hang_timeout=3" in text and "RUN/hang_stacks.txt" in text
+
+
+def test_the_paragraph_groups_ranks_and_names_those_that_left_no_stack():
+    records = [_record(r, IN_ALL_REDUCE, 4) for r in (0, 2)] + [_record(1, IN_USER_CODE, 4)]
+    text = watchdog.paragraph(records, ranks=[0, 1, 2, 3], timeout=600, stacks="S")
+    assert "ranks 0, 2 wait in torch.distributed all_reduce" in text, text
+    assert "rank 3 left no stack" in text, text
+
+
+def test_ranks_in_different_collectives_are_said_to_be_so():
+    other = [*OUTER, _user("trainer/backend.py", 160, "broadcast_object", "trainer.backend"),
+             _torch("distributed/distributed_c10d.py", 3300, "broadcast_object_list"),
+             _torch("distributed/distributed_c10d.py", 2700, "broadcast")]
+    text = watchdog.paragraph([_record(0, IN_ALL_REDUCE), _record(1, other)], ranks=[0, 1], timeout=3, stacks="S")
+    assert "different collectives" in text, text
+    assert "rank 1 waits in torch.distributed broadcast_object_list" in text, text
+
+
+# -- the watch thread itself (in this process; its exit is recorded instead of taken) -----------------------
+class _Exit:
+    def __init__(self):
+        self.codes, self.done = [], threading.Event()
+
+    def __call__(self, code: int) -> None:
+        self.codes.append(code)
+        self.done.set()
+
+
+def _sit_still(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_no_beat_for_the_timeout_fires_with_the_watched_threads_stack(tmp_path):
+    exit, err = _Exit(), io.StringIO()
+    watch = watchdog.Watchdog(0.5, run_dir=tmp_path, exit=exit, err=err).start()
+    try:
+        _sit_still(3)
+    finally:
+        watch.stop()
+    assert exit.codes == [HangDetected.exit_code]
+    assert "_sit_still" in err.getvalue() and "test_watchdog.py" in err.getvalue(), err.getvalue()
+    assert "_sit_still" in (tmp_path / watchdog.STACKS_FILE).read_text()
+
+
+def test_beats_keep_it_quiet(tmp_path):
+    exit = _Exit()
+    watch = watchdog.Watchdog(1.0, run_dir=tmp_path, exit=exit, err=io.StringIO()).start()
+    try:
+        for _ in range(30):
+            time.sleep(0.05)
+            watchdog.beat()
+    finally:
+        watch.stop()
+    assert exit.codes == []
+
+
+def test_a_peers_progress_keeps_it_quiet_and_a_peers_stack_makes_it_write_its_own(tmp_path):
+    """Ranks of one node share the launcher's directory: a rank that waits while another works (rank 0 exporting
+    the weights) does not fire, and once one rank fires every other writes its stack at once."""
+    exit = _Exit()
+    peer_beat = tmp_path / "A0.beat.1"
+    watch = watchdog.Watchdog(1.0, run_dir=None, directory=tmp_path, rank=0, world_size=2, local_world_size=2,
+                              exit=exit, err=io.StringIO()).start()
+    try:
+        for _ in range(30):  # rank 1 progresses for 1.5 s; this rank does not
+            peer_beat.touch()
+            time.sleep(0.05)
+        assert exit.codes == []
+        (tmp_path / "A0.stack.1.json").write_text(json.dumps(_record(1, IN_USER_CODE)))
+        assert exit.done.wait(10)
+    finally:
+        watch.stop()
+    assert exit.codes == [HangDetected.exit_code]
+    mine = json.loads((tmp_path / "A0.stack.0.json").read_text())
+    assert mine["rank"] == 0 and any(f[2] == "test_a_peers_progress_keeps_it_quiet_and_a_peers_stack_makes_it_write_"
+                                     "its_own" for f in mine["frames"])
