@@ -249,11 +249,9 @@ def _validate_world(world: DictConfig) -> None:
         slurm.topology(os.environ)  # under SLURM the launcher reads the job's variables: refuse bad ones now
     _check(w.device == "auto" or w.device.split(":")[0] in ("cpu", "cuda", "mps"), "world.device", w.device,
            "auto, cpu or cuda")
-    tp = world.get("tp", 1)
-    _check(_is_int(tp) and tp >= 1, "world.tp", _plain(tp), "an integer >= 1 (the tensor-parallel degree)")
-    if tp > 1 and _is_int(n):
-        _check((n * w.nnodes) % tp == 0, "world.tp", tp, f"a divisor of the number of processes ({n * w.nnodes} = "
-               "world.nproc_per_node x world.nnodes)", "Change world.tp or world.nproc_per_node.")
+    from .strategies.layout import check_degree  # the layout's own check, before any worker starts
+
+    check_degree(_plain(world.get("tp", 1)), n * w.nnodes if _is_int(n) else None)
 
 
 # -- targets ---------------------------------------------------------------------------------------------

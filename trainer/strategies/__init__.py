@@ -1,7 +1,17 @@
-"""Parallelism strategies, one class per `conf/world/*.yaml` (`world._target_`)."""
+"""Parallelism strategies, one class per `conf/world/*.yaml` (`world._target_`), and the job's layout.
 
-from .base import SingleDevice, Strategy, seed_everything, unwrap
-from .ddp import DDP
-from .fsdp import FSDP
+Imported lazily (as `trainer` itself is): config validation reads `layout.check_degree` without torch.
+"""
 
-__all__ = ["DDP", "FSDP", "SingleDevice", "Strategy", "seed_everything", "unwrap"]
+from importlib import import_module
+
+_EXPORTS = {"DDP": ".ddp", "FSDP": ".fsdp", "SingleDevice": ".base", "Strategy": ".base",
+            "seed_everything": ".base", "unwrap": ".base", "Layout": ".layout"}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module 'trainer.strategies' has no attribute {name!r}")

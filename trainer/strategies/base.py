@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .layout import Layout
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -40,34 +42,49 @@ def unwrap(model: nn.Module) -> nn.Module:
 class Strategy:
     """One process, one device: every method is the plain PyTorch call. The base of the others.
 
-    Class attributes say what the launcher and the checkpointer must do:
-    `distributed` (may run on several processes), `sharded` (each rank holds part of the state, so
-    every rank writes checkpoint files and takes part in exports), `needs_process_group` (DTensor
-    machinery: a process group even at one process), `collective_forward` (every rank must run each
-    forward pass: eval and sampling happen on all ranks in lockstep).
+    What the launcher and the checkpointer must do follows from two things: `distributed` (a class attribute:
+    may run on several processes) and whether parameters are DTensor shards (`shards_parameters`: FSDP shards
+    them over the data-parallel ranks, tensor parallelism over its own). Sharded parameters make the state
+    `sharded` (every rank writes checkpoint files and takes part in exports), need a process group even at one
+    process (`needs_process_group`: DTensor machinery), and make a forward a collective (`collective_forward`:
+    eval and sampling happen on all ranks in lockstep).
+
+    The degrees (`tp`, and the data-parallel degree that follows from the world size) are the job's `Layout`
+    (layout.py): built in `setup`, it builds the mesh and applies tensor parallelism for every strategy.
     """
 
     distributed = False
-    sharded = False
-    needs_process_group = False
-    collective_forward = False  # a forward pass is a collective (FSDP, tensor parallel): eval in lockstep
+    shards_data_parallel = False  # FSDP: parameters, gradients and optimizer state sharded over the dp ranks
 
     tp = 1  # tensor-parallel degree (world.tp, on strategies that take it)
-    mesh = None  # the device mesh, ("dp",) or ("dp", "tp"), on strategies built on DTensor
+    layout: Layout | None = None  # the job's degrees, from setup on
+    mesh = None  # the device mesh, ("dp",) or ("dp", "tp"), when parameters are sharded
     unit_classes: list[str] | None = None  # the model's repeated blocks, by class name (FSDP's world.wrap)
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether parameters become DTensor shards: the model is then built on the meta device."""
+        return self.shards_data_parallel or self.tp > 1
+
+    @property
+    def sharded(self) -> bool:
+        return self.shards_parameters
+
+    @property
+    def needs_process_group(self) -> bool:
+        return self.shards_parameters
+
+    @property
+    def collective_forward(self) -> bool:
+        return self.shards_parameters
 
     def setup(self, backend, precision) -> None:
         """Called once per process, after the process group exists and before the model is built."""
         self.backend, self.precision = backend, precision
-
-    def make_mesh(self):
-        """The ("dp",) mesh, or ("dp", "tp") with tensor parallelism."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        ws, tp, device = self.backend.world_size, self.tp, self.backend.device.type
-        if tp > 1:
-            return init_device_mesh(device, (ws // tp, tp), mesh_dim_names=("dp", "tp"))
-        return init_device_mesh(device, (ws,), mesh_dim_names=("dp",))
+        self.layout = Layout(backend.world_size, self.tp)
+        if self.shards_parameters:
+            precision.distribute()
+            self.mesh = self.layout.build_mesh(backend.device.type)
 
     # -- where this rank sits in the data-parallel dimension --------------------------------------------
     @property
@@ -86,11 +103,10 @@ class Strategy:
     # -- the model ---------------------------------------------------------------------------------------
     def check_model(self, model: nn.Module) -> None:
         """Config mistakes visible on the model built on the meta device (called before workers start)."""
+        if self.tp > 1:
+            from .tensor_parallel import check_plan
 
-    @property
-    def shards_parameters(self) -> bool:
-        """Whether parameters become DTensor shards: the model is then built on the meta device."""
-        return False
+            check_plan(model, self.tp)
 
     def units(self, model: nn.Module) -> list[nn.Module]:
         """The model's repeated blocks, children before parents: FSDP's units, and what activation
@@ -105,10 +121,14 @@ class Strategy:
             if unknown:
                 from ..errors import ConfigError, suggest
 
+                # The model's own repeated blocks, as the fix: its _no_split_modules, else its ModuleLists' children.
+                blocks = getattr(model, "_no_split_modules", None) or sorted(
+                    {type(m).__name__ for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst})
+                fix = (f"Its repeated blocks: world.wrap=[{','.join(blocks)}]" if blocks else
+                       "Name the class of its repeated blocks (world.wrap=[ClassName])")
                 raise ConfigError(
                     f"world.wrap names {', '.join(unknown)}, which the model ({type(model).__name__}) does not "
-                    f"contain.{suggest(unknown[0], present)} Its module classes: {', '.join(sorted(present))}. "
-                    "Name the class of its repeated blocks, e.g. world.wrap=[Block]."
+                    f"contain.{suggest(unknown[0], present)} Its module classes: {', '.join(sorted(present))}. {fix}."
                 )
             found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
         return list(reversed(found))
@@ -152,7 +172,12 @@ class Strategy:
         return self.backend.device
 
     def parallelize(self, model: nn.Module) -> None:
-        """Apply tensor parallelism and/or sharding in place (nothing here)."""
+        """Apply the layout's tensor parallelism, then the strategy's data-parallel sharding, in place."""
+        self.layout.apply_tensor_parallel(model, self.mesh)
+        self.shard(model)
+
+    def shard(self, model: nn.Module) -> None:
+        """Shard the (tensor-parallel) model over the data-parallel ranks (FSDP); nothing here."""
 
     def reduce_gradients(self, params: list[torch.Tensor]) -> None:
         """Average gradients over data-parallel ranks where the wrapper did not (DDP and FSDP do it in the

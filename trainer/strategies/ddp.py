@@ -1,9 +1,9 @@
 """`world=ddp`: data parallel with torch's DistributedDataParallel. Every rank holds the whole model
 and optimizer; gradients are all-reduced (averaged) in buckets during the last micro-step's backward.
 
-With `world.tp=N` the model is first split by its tensor-parallel plan over N ranks (a 2-D mesh,
-dp x tp). DistributedDataParallel cannot hold DTensor parameters, so then the gradients of each
-rank's shard are averaged over its data-parallel peers after the last micro-step, in one flat buffer.
+With `world.tp=N` the layout (layout.py) first splits the model by its tensor-parallel plan over N ranks
+(a 2-D mesh, dp x tp). DistributedDataParallel cannot hold DTensor parameters, so then the gradients of
+each rank's shard are averaged over its data-parallel peers after the last micro-step, in one flat buffer.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from . import tensor_parallel
 from .base import Strategy
+from .layout import check_degree
 
 
 class DDP(Strategy):
@@ -26,33 +26,13 @@ class DDP(Strategy):
                  find_unused_parameters: bool = False, static_graph: bool = False, tp: int = 1):
         self.ddp_kwargs = {"bucket_cap_mb": bucket_cap_mb, "gradient_as_bucket_view": gradient_as_bucket_view,
                            "find_unused_parameters": find_unused_parameters, "static_graph": static_graph}
-        self.tp = tensor_parallel.check_tp(tp)
-        # Tensor parallelism shards parameters (each rank writes its chunks) and makes a forward a collective.
-        self.sharded = self.collective_forward = self.tp > 1
-
-    def setup(self, backend, precision) -> None:
-        super().setup(backend, precision)
-        if self.tp > 1:
-            tensor_parallel.check_tp(self.tp, backend.world_size)
-            precision.distribute()
-            self.mesh = self.make_mesh()
-
-    @property
-    def shards_parameters(self) -> bool:
-        return self.tp > 1
-
-    def check_model(self, model: nn.Module) -> None:
-        if self.tp > 1:
-            tensor_parallel.check_plan(model, self.tp)
-
-    def parallelize(self, model: nn.Module) -> None:
-        if self.tp > 1:
-            tensor_parallel.parallelize(model, self.mesh["tp"])
+        self.tp = check_degree(tp)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """Move to the device and wrap in DDP, which broadcasts rank 0's initial weights."""
+        """Move to the device and wrap in DDP, which broadcasts rank 0's initial weights. DistributedDataParallel
+        cannot hold DTensor parameters: with tensor parallelism `reduce_gradients` averages them instead."""
         model = model.to(self.backend.device)
-        if not self.backend.distributed or self.tp > 1:
+        if not self.backend.distributed or self.shards_parameters:
             return model
         device = self.backend.device
         return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -64,15 +44,15 @@ class DDP(Strategy):
         return contextlib.nullcontext()
 
     def reduce_gradients(self, params: list[torch.Tensor]) -> None:
-        if self.tp == 1 or self.dp_size == 1:
+        """The average of each tensor-parallel shard's gradient over its data-parallel peers, in one flat buffer
+        (what DistributedDataParallel does for plain parameters, in its buckets)."""
+        if not self.shards_parameters or self.dp_size == 1:
             return
-        import torch.distributed as dist
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
         from torch.distributed.tensor import DTensor
 
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self.dp_group)
+        flat = self.backend.all_reduce(_flatten_dense_tensors(grads), group=self.dp_group)
         flat /= self.dp_size
         for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(reduced)

@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError
-from . import tensor_parallel
 from .base import Strategy
+from .layout import check_degree
 
 
 class FSDP(Strategy):
@@ -36,43 +36,30 @@ class FSDP(Strategy):
     """
 
     distributed = True
-    sharded = True
-    needs_process_group = True
-    collective_forward = True
+    shards_data_parallel = True
 
     def __init__(self, reshard_after_forward: bool = True, cpu_offload: bool = False, wrap: list[str] | None = None,
                  tp: int = 1):
         if wrap is not None and (isinstance(wrap, str) or not all(isinstance(w, str) for w in wrap)):
-            raise ConfigError(f"world.wrap={wrap!r} is invalid: expected a list of class names, e.g. world.wrap=[Block].")
+            example = wrap if isinstance(wrap, str) else "ClassName"
+            raise ConfigError(f"world.wrap={wrap!r} is invalid: expected a list of class names, e.g. world.wrap=[{example}].")
         self.reshard_after_forward, self.cpu_offload = reshard_after_forward, cpu_offload
         self.unit_classes = list(wrap) if wrap is not None else None
-        self.tp = tensor_parallel.check_tp(tp)
-
-    def setup(self, backend, precision) -> None:
-        super().setup(backend, precision)
-        tensor_parallel.check_tp(self.tp, backend.world_size)
-        precision.distribute()
-        self.mesh = self.make_mesh()
+        self.tp = check_degree(tp)
 
     # -- the model -----------------------------------------------------------------------------------------
-    @property
-    def shards_parameters(self) -> bool:
-        return True
-
     @property
     def param_device(self) -> torch.device:
         return torch.device("cpu") if self.cpu_offload else self.backend.device
 
     def check_model(self, model: nn.Module) -> None:
         self.units(model)
-        if self.tp > 1:
-            tensor_parallel.check_plan(model, self.tp)
+        super().check_model(model)
 
-    def parallelize(self, model: nn.Module) -> None:
+    def shard(self, model: nn.Module) -> None:
+        """Each unit, then the root, sharded over the data-parallel ranks (after tensor parallelism, if any)."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        if self.tp > 1:
-            tensor_parallel.parallelize(model, self.mesh["tp"])
         dtype = self.precision.dtype
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
             else MixedPrecisionPolicy()

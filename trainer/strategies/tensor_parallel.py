@@ -21,15 +21,6 @@ HOW_TO = ("Give the model class a `_tp_plan` dict of module paths to 'colwise' /
           "or run without world.tp.")
 
 
-def check_tp(tp, world_size: int | None = None) -> int:
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"world.tp={tp!r} is invalid: expected an integer >= 1 (the tensor-parallel degree).")
-    if world_size is not None and world_size % tp:
-        raise ConfigError(f"world.tp={tp} must divide the number of processes ({world_size} = world.nproc_per_node "
-                          "x world.nnodes). Change one of them.")
-    return tp
-
-
 def plan_of(model: nn.Module) -> dict[str, str]:
     plan = getattr(model, "_tp_plan", None)
     if not isinstance(plan, dict) or not plan:
