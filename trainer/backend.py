@@ -190,6 +190,12 @@ def barrier() -> None:
         dist.barrier()
 
 
+def all_reduce_max_(tensor: torch.Tensor) -> None:
+    """In place, the max over all ranks (a flag any rank may raise: fp16's overflow under sharded gradients)."""
+    if _initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+
+
 def broadcast_from_main(obj: Any) -> Any:
     """The main process's `obj` on every process (as given when there is no process group). Every process must
     call it; the others may pass None. For what the main process computed once and the others must use bit for

@@ -68,13 +68,14 @@ class NonFiniteGuard:
     def build(cls, config, precision, optimizer: torch.optim.Optimizer, backend) -> NonFiniteGuard:
         """From the `trainer` config section (`nonfinite`, `nonfinite_check`, `max_nonfinite_skips`)."""
         check = resolve_check(config.nonfinite_check, config.nonfinite, precision.name, optimizer, backend.device)
-        return cls(config.nonfinite, check, config.max_nonfinite_skips, backend, scaler=precision.scaler)
+        return cls(config.nonfinite, check, config.max_nonfinite_skips, backend, precision=precision)
 
-    def __init__(self, policy: str, check: str, max_skips: int, backend, scaler=None):
+    def __init__(self, policy: str, check: str, max_skips: int, backend, precision=None):
         if check not in ("step", "log"):
             raise ValueError(f"check must be 'step' or 'log' (resolve 'auto' with resolve_check), not {check!r}")
         self.policy, self.check, self.max_skips, self.backend = policy, check, max_skips, backend
-        self.scaler = scaler  # fp16's loss scaler, which skips overflowed steps itself
+        # A mode that skips steps itself (fp16's loss scaler) is asked how, never reached into.
+        self.precision = precision if precision is not None and precision.skips_own_steps else None
         self._loss_skip = False  # this step was refused for a NaN/inf loss (fp16 with nonfinite=skip)
         self.consecutive_skips = 0
         # `log` mode, all on the device: 1.0 from the first non-finite norm on (the value fused kernels
@@ -92,7 +93,7 @@ class NonFiniteGuard:
         With fp16 the loss scaler skips steps whose *gradients* overflowed (routine); a NaN/inf *loss* is
         not an overflow of the scaling, so it is judged like a NaN gradient elsewhere (the scaler already
         reads the host every step, so this read costs nothing more)."""
-        if self.scaler is not None:
+        if self.precision is not None:
             if loss is None:
                 return True
             # Every rank must decide alike: the min over ranks of "my loss is finite".
@@ -102,7 +103,7 @@ class NonFiniteGuard:
             if self.policy == "stop":
                 raise NonFiniteError(f"non-finite loss ({loss.item()}) at step {step} on rank {self.backend.rank} (or "
                                      f"another rank); the update was not applied and earlier checkpoints are intact. {FIX}")
-            self.scaler.update()  # close the scaler's step (unscale_ ran) without stepping
+            self.precision.close_skipped_step()  # (unscale_ ran) without stepping
             self._loss_skip = True  # not an overflow of the scaling: it counts toward max_skips
             return False
         if self.check == "log":
@@ -134,8 +135,8 @@ class NonFiniteGuard:
         and halves its scale: routine while the scale is above 1, but an overflow at a scale of 1 or less
         means the gradients themselves are NaN/inf, and those count."""
         loss_skip, self._loss_skip = self._loss_skip, False
-        if not applied and not loss_skip and self.scaler is not None and self.scaler.get_scale() >= 1.0:
-            return  # (the scaler already synced with the host to decide; reading its scale costs nothing)
+        if not applied and not loss_skip and self.precision is not None and self.precision.skip_was_routine():
+            return
         self.consecutive_skips = 0 if applied else self.consecutive_skips + 1
         if self.consecutive_skips >= self.max_skips:
             raise NonFiniteError(f"{self.consecutive_skips} consecutive non-finite steps up to step {step}, each one "

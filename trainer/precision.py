@@ -3,8 +3,13 @@
 Each exposes the same narrow interface the training step uses, in this order:
 `autocast()` around forward + loss, `backward(loss)`, `unscale_(opt)` before clipping,
 `step(opt) -> bool` (False when the step was skipped), and `state_dict()` for checkpoints; plus what
-other components need to know: `dtype` (the compute dtype: FSDP's mixed-precision policy, the MFU
-probe), `scaler` (fp16's loss scaler, None otherwise) and `reason` (why this mode).
+other components need to know: `dtype` (the compute dtype: the MFU probe), `mixed_precision_policy()`
+(what FSDP casts to), whether the mode skips steps itself (`skips_own_steps`: fp16's loss scaler) and how
+(`close_skipped_step`, `skip_was_routine`, which the non-finite guard asks), and `reason` (why this mode).
+
+A precision is built for the strategy it serves (`sharded=True` when gradients are sharded over ranks:
+FSDP, tensor parallelism), as Lightning Fabric's precision plugins are; nothing changes it afterwards, and
+the strategy checks the pairing in its setup.
 
 `precision=auto` is not a mode but a rule (`choose`): bf16 where the device computes it natively, fp16
 with loss scaling on older CUDA GPUs, fp32 otherwise. `resolve_auto` applies it once per job, before any
@@ -29,10 +34,12 @@ class FP32:
     name = "fp32"
     dtype = torch.float32
     scaler: torch.amp.GradScaler | None = None
+    skips_own_steps = False  # whether step() may refuse a step by itself (fp16's loss scaler)
 
-    def __init__(self, device_type: str = "cpu", reason: str | None = None):
+    def __init__(self, device_type: str = "cpu", reason: str | None = None, sharded: bool = False):
         self.device_type = device_type
         self.reason = reason or "set in the config"  # precision=auto's reason when it chose this mode
+        self.sharded = sharded  # built for a strategy whose gradients are sharded over ranks
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -47,8 +54,21 @@ class FP32:
         optimizer.step()
         return True
 
-    def distribute(self) -> None:
-        """Gradients will be sharded over ranks (FSDP, tensor parallel): see FP16."""
+    def close_skipped_step(self) -> None:
+        """After unscale_, the step will not be taken (a non-finite loss): end it without stepping."""
+
+    def skip_was_routine(self) -> bool:
+        """Whether the step `step()` just refused was this mode's routine business (an fp16 overflow while the
+        loss scale is still >= 1), not a sign of non-finite gradients."""
+        return False
+
+    def mixed_precision_policy(self):
+        """FSDP2's policy: parameters gathered in the compute dtype, gradients reduced in fp32."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if self.dtype == torch.float32:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
 
     def state_dict(self) -> dict:
         # The same keys in every mode, so that a checkpoint resumes in any other (snapshot.conform wants every
@@ -88,22 +108,28 @@ class FP16(FP32):
     name = "fp16"
     dtype = torch.float16
 
+    skips_own_steps = True
+
     def __init__(self, device_type: str = "cpu", init_scale: float = 2.0**16, growth_interval: int = 2000,
-                 reason: str | None = None):
-        super().__init__(device_type, reason)
+                 reason: str | None = None, sharded: bool = False):
+        super().__init__(device_type, reason, sharded)
         if device_type not in ("cuda", "cpu"):
             raise ConfigError(
                 f"precision=fp16 is not supported on device type '{device_type}'. "
                 "Use precision=bf16 or precision=fp32."
             )
         self.init_scale, self.growth_interval = init_scale, growth_interval
-        self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, growth_interval=growth_interval)
+        # With sharded gradients an overflow shows in one rank's shard only: the overflow flag is reduced over
+        # ranks, so every rank skips the same steps.
+        scaler = _ShardedGradScaler if sharded else torch.amp.GradScaler
+        self.scaler = scaler(device_type, init_scale=init_scale, growth_interval=growth_interval)
 
-    def distribute(self) -> None:
-        """With sharded gradients an overflow shows in one rank's shard only: the overflow flag is reduced
-        over ranks, so every rank skips the same steps."""
-        self.scaler = _ShardedGradScaler(self.device_type, init_scale=self.init_scale,
-                                         growth_interval=self.growth_interval)
+    def close_skipped_step(self) -> None:
+        self.scaler.update()
+
+    def skip_was_routine(self) -> bool:
+        # (the scaler already synced with the host to decide; reading its scale costs nothing)
+        return self.scaler.get_scale() >= 1.0
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device_type, dtype=self.dtype)
@@ -128,11 +154,11 @@ class _ShardedGradScaler(torch.amp.GradScaler):
     but keeps the flag as a 1-element tensor, which fused optimizers refuse next to their scalar steps.)"""
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        import torch.distributed as dist
+        from .backend import all_reduce_max_
 
         super().unscale_(optimizer)
         for found_inf in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+            all_reduce_max_(found_inf)
 
 
 # -- precision=auto ------------------------------------------------------------------------------------
@@ -205,10 +231,10 @@ def choose_for(device: str | torch.device) -> tuple[str, str]:
     return choose(device.type, capability, cpu_flags(), lambda: matmul_speedup(torch.bfloat16))
 
 
-def auto(device_type: str = "cpu") -> FP32:
+def auto(device_type: str = "cpu", sharded: bool = False) -> FP32:
     """`precision=auto` built as it stands (without `resolve_auto`): the mode `choose` picks on this machine."""
     name, why = choose_for(device_type)
-    return MODES[name](device_type, reason=f"precision=auto: {why}")
+    return MODES[name](device_type, reason=f"precision=auto: {why}", sharded=sharded)
 
 
 def resolve_auto(cfg: DictConfig) -> tuple[DictConfig, str | None]:

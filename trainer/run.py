@@ -143,7 +143,7 @@ def preflight(cfg: DictConfig, run_dir: Path) -> None:
     with torch.device("meta"), SkipMetaInit():
         strategy.check_model(build_node("model", cfg.model))
     build_node("task", cfg.task)
-    build_node("precision", cfg.precision, device_type=device.type)
+    build_node("precision", cfg.precision, device_type=device.type, sharded=strategy.shards_parameters)
     build_data(cfg.data)
     for node in (cfg.logger or {}).values():  # trackers' constructors validate and start nothing
         if node is not None:
@@ -173,7 +173,8 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
         tcfg: TrainerConfig = typed(TrainerConfig, cfg.trainer)
         ccfg: CheckpointConfig = typed(CheckpointConfig, cfg.get("checkpoint"))
         ecfg: EMAConfig = typed(EMAConfig, cfg.get("ema"))
-        precision = build_node("precision", cfg.precision, device_type=backend.device.type)
+        precision = build_node("precision", cfg.precision, device_type=backend.device.type,
+                               sharded=strategy.shards_parameters)  # built for the strategy it serves
         strategy.setup(backend, precision)
         task = build_node("task", cfg.task)
         train_data, val_data = build_data(cfg.data)

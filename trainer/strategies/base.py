@@ -80,10 +80,13 @@ class Strategy:
 
     def setup(self, backend, precision) -> None:
         """Called once per process, after the process group exists and before the model is built."""
+        if getattr(precision, "sharded", False) != self.shards_parameters:
+            raise TypeError(f"{type(precision).__name__} was built for {'' if precision.sharded else 'un'}sharded "
+                            f"gradients but {type(self).__name__} {'shards' if self.shards_parameters else 'does not shard'}"
+                            " them: build it with sharded=strategy.shards_parameters.")
         self.backend, self.precision = backend, precision
         self.layout = Layout(backend.world_size, self.tp)
         if self.shards_parameters:
-            precision.distribute()
             self.mesh = self.layout.build_mesh(backend.device.type)
 
     # -- where this rank sits in the data-parallel dimension --------------------------------------------

@@ -58,11 +58,9 @@ class FSDP(Strategy):
 
     def shard(self, model: nn.Module) -> None:
         """Each unit, then the root, sharded over the data-parallel ranks (after tensor parallelism, if any)."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-        dtype = self.precision.dtype
-        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
-            else MixedPrecisionPolicy()
+        mp = self.precision.mixed_precision_policy()
         # Pinned memory needs a CUDA device: on a CPU-only machine pinning fails.
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy()
         kwargs = {"mesh": self.mesh["dp"], "mp_policy": mp, "offload_policy": offload,
