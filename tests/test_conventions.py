@@ -24,7 +24,7 @@ def test_only_an_explicit_1_shows_the_traceback_of_a_config_mistake(tmp_path, sw
     assert r.returncode in ((1, 2) if traceback else (2,)), r.stderr
     assert ("Traceback" in r.stderr) is traceback, r.stderr
     if not traceback:  # one paragraph naming the key and the fix
-        assert r.stderr.startswith("error: unknown config key 'trainer.max_stepz'. Did you mean max_steps?")
+        assert r.stderr.startswith("error: unknown config key 'trainer.max_stepz'. Did you mean trainer.max_steps=3?")
         assert r.stderr.count("\n") == 1
     assert not (tmp_path / "run").exists()
 

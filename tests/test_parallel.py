@@ -208,7 +208,7 @@ def test_tensor_parallel_traps_tied_weights_and_norms_across_meshes(tmp_path):
     (["world=ddp", "world.nproc_per_node=3", "world.tp=2"], ["world.tp=2", "divisor of the number of processes (3"]),
     (["world=fsdp", "world.nproc_per_node=2", "world.tp=2", "model._target_=torch.nn.Identity"],
      ["needs a tensor-parallel plan", "Identity has none", "_tp_plan"]),
-    (["world=fsdp", "world.tpp=2"], ["unknown config key 'world.tpp'", "Did you mean tp?"]),
+    (["world=fsdp", "world.tpp=2"], ["unknown config key 'world.tpp'", "Did you mean world.tp=2?"]),
 ])
 def test_parallel_config_mistakes_are_one_paragraph_before_any_process(tmp_path, corpus, args, needles):
     from test_errors import assert_clean_error

@@ -230,3 +230,19 @@ def test_the_quickstart_runs_from_a_fresh_shell(tmp_path):
     assert ".venv/bin/trainer" in README.read_text()
     r = fresh_shell(".venv/bin/trainer --cfg job debug=smoke optim.lr=1e-3", cwd=ROOT, home=tmp_path)
     assert r.returncode == 0 and "lr: 0.001" in r.stdout, r.stdout + r.stderr
+
+
+def test_the_accelerate_table_is_what_the_cli_answers(tmp_path):
+    """Issue 32.3: each flag of "Coming from Accelerate", given to the CLI, is refused (exit 2, one line) with
+    exactly the overrides the table names beside it, and those overrides make a command the CLI takes."""
+    lines = README.read_text().split("## Coming from Accelerate", 1)[1].split("\n## ", 1)[0].splitlines()
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines if line.startswith("| `--")]
+    assert len(rows) >= 12
+    for flag_cell, _, here_cell, _ in rows:
+        flags, here = shlex.split(flag_cell.strip("`")), shlex.split(here_cell.strip("`"))
+        r = run_here(*flags, "debug=smoke", cwd=tmp_path)
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, (flags, r.stderr)
+        proposed = shlex.split(r.stderr.split("The same run: ", 1)[1])
+        assert proposed == ["python", "-m", "trainer", *here, "debug=smoke"], (flags, r.stderr)
+        precheck([*here, "debug=smoke"], tmp_path)
+    assert not (tmp_path / "outputs").exists()

@@ -49,3 +49,98 @@ def test_a_group_option_an_inline_node_hides_is_one_paragraph(tmp_path):
     assert load(["debug=smoke", "precision=bf16"]).precision._target_ == "trainer.precision.BF16"
     assert load(["precision=bf16", "precision._target_=trainer.precision.FP32"]).precision._target_ == \
         "trainer.precision.FP32"  # a _target_ set on purpose after the option
+
+
+# -- 32.3: the habits people bring ---------------------------------------------------------------------------
+def _suggested_command(stderr: str) -> list[str]:
+    """The overrides of the `python -m trainer ...` command an error message proposes."""
+    found = re.search(r"python -m trainer ((?:\S+ ?)+?)(?:\.?$|\. )", stderr.strip())
+    assert found, stderr
+    return found.group(1).rstrip(".").split()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--num_processes", "2"], "world=ddp world.nproc_per_node=2"),
+    (["--num-processes=2"], "world=ddp world.nproc_per_node=2"),
+    (["--nproc_per_node=2"], "world=ddp world.nproc_per_node=2"),   # torchrun's spelling after -m trainer
+    (["--multi_gpu"], "world=ddp world.nproc_per_node=auto"),
+    (["--mixed_precision", "bf16"], "precision=bf16"),
+    (["--mixed_precision=no"], "precision=fp32"),
+    (["--use_fsdp", "--num_processes", "2"], "world=fsdp world.nproc_per_node=2"),
+    (["--gradient_accumulation_steps", "4"], "trainer.grad_accum_steps=4"),
+])
+def test_accelerate_and_torchrun_flags_name_the_override(tmp_path, flags, says):
+    from trainer.cli import precheck
+
+    r = run_main(*flags, "debug=smoke", cwd=tmp_path)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and r.stderr.startswith("error: "), r.stderr
+    assert says in r.stderr and "usage:" not in r.stderr
+    assert not (tmp_path / "outputs").exists()
+    proposed = _suggested_command(r.stderr)
+    assert "debug=smoke" in proposed and says in " ".join(proposed)
+    precheck(proposed)  # the command it proposes is one the CLI takes
+
+
+def test_a_flag_no_launcher_has_is_answered_with_the_nested_key(tmp_path):
+    r = run_main("--max_steps", "5", "debug=smoke", cwd=tmp_path)
+    assert r.returncode == 2 and "trainer.max_steps=5" in r.stderr and "usage:" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("override, says", [
+    ("world.nproc-per-node=2", "world.nproc_per_node=2"),    # Accelerate treats - and _ alike
+    ("lr=1e-3", "optim.lr=1e-3"),                            # a top-level key that is a nested key's last part
+    ("trainer.lr=1e-3", "optim.lr=1e-3"),
+    ("batch_size=4", "data.batch_size=4"),
+])
+def test_an_unknown_key_suggests_the_key_it_means(tmp_path, override, says):
+    r = run_main("debug=smoke", override, cwd=tmp_path)
+    assert r.returncode == 2 and says in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_world_wrap_advice_names_the_models_own_blocks():
+    import torch.nn as nn
+
+    from trainer.errors import ConfigError
+    from trainer.strategies import FSDP
+
+    class LlamaDecoderLayer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = nn.Linear(4, 4)
+
+    class Llama(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(LlamaDecoderLayer() for _ in range(2))
+
+    with pytest.raises(ConfigError, match=r"world\.wrap=\[LlamaDecoderLayer\]") as e:
+        FSDP(wrap=["Block"]).units(Llama())
+    assert "[Block]" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"world\.wrap=\[LlamaDecoderLayer\]"):
+        FSDP(wrap="LlamaDecoderLayer")  # a string where a list is wanted: the list of that string
+
+
+def test_an_eval_override_mistake_names_the_override(tmp_path):
+    from trainer.composition import load
+    from trainer.run import save_config
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    save_config(load(["debug=smoke"], targets=False), run_dir)
+    for override, says in (("trainer.eval_samplez=5", "trainer.eval_samples=5"), ("lr=1e-3", "optim.lr=1e-3"),
+                           ("world=dpp", "Did you mean ddp?")):
+        r = run_main("eval", str(run_dir), override, cwd=tmp_path)
+        assert r.returncode == 2 and r.stderr.startswith(f"error: the override {override}"), r.stderr
+        assert says in r.stderr
+
+
+def test_an_equals_sign_in_a_value_names_the_key_and_the_quoting(tmp_path):
+    from trainer.cli import precheck
+
+    r = run_main("debug=smoke", "hydra.run.dir=runs/lr=1e-3", cwd=tmp_path)
+    assert r.returncode == 2 and "hydra.run.dir" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    quoted = re.search(r"'(hydra\.run\.dir=[^']+)'", r.stderr).group(1)
+    assert quoted == 'hydra.run.dir="runs/lr=1e-3"'
+    precheck(["debug=smoke", quoted])  # the spelling it proposes parses
+    r = run_main("-m", "debug=smoke", "optim.lr=1e-3,3e-3", "hydra.sweep.dir=sweeps/a=b", cwd=tmp_path)
+    assert r.returncode == 2 and "hydra.sweep.dir" in r.stderr and "Traceback" not in r.stderr, r.stderr

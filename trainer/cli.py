@@ -225,6 +225,9 @@ def main(argv: list[str] | None = None) -> None:
     flags = [a for a in argv if a in ("-m", "--multirun")]
     argv = flags[:1] + [a for a in argv if a not in ("-m", "--multirun")]
     try:
+        from .flags import refuse_foreign_flags
+
+        refuse_foreign_flags(argv)  # accelerate's --num_processes 2: world=ddp world.nproc_per_node=2
         precheck(argv)
     except UserError as err:
         if debug_enabled():

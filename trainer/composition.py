@@ -36,8 +36,14 @@ def sweep_jobs(overrides: list[str], limit: int = 256) -> list[list[str]]:
     """The override lists of every job of a multirun sweep (`a=1,2 b=x,y`: four), the first `limit` of them."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    from hydra.errors import OverrideParseException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException as exc:
+        raise unparsable(overrides, exc) from None
     choices = []
-    for o in OverridesParser.create().parse_overrides(overrides):
+    for o in parsed:
         if o.is_sweep_override():
             key = o.get_key_element()
             choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
@@ -170,17 +176,24 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
                 f"{group}={option} is not an option of config group '{group}'. "
                 f"Available: {', '.join(options) or '(none)'}.{suggest(option, options)}"
             )
+    from hydra.errors import OverrideParseException
+
+    if isinstance(exc, OverrideParseException):
+        return unparsable(overrides, exc)
     full_key = getattr(cause, "full_key", None)
     m = re.search(r"Could not override '([^']+)'", msg)
     if m and ("To append" in msg or "not in" in str(cause)):
         key = m.group(1)
         parent, _, leaf = key.rpartition(".")
         others = [o for o in overrides if o.split("=")[0].lstrip("+~") != key]
-        valid = _keys_at(parent, others, config_dir)
+        value = next((o.split("=", 1)[1] for o in overrides if o.split("=")[0].lstrip("+~") == key and "=" in o), None)
+        composed = _composed(others, config_dir)
+        node = OmegaConf.select(composed, parent, default=None) if parent and composed is not None else composed
+        valid = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
         where = f"under '{parent}'" if parent else "at the top level"
         return ConfigError(
-            f"unknown config key '{key}'.{suggest(leaf, valid)} Valid keys {where}: {', '.join(sorted(valid))}. "
-            f"To add a new key on purpose, write +{key}=VALUE."
+            f"unknown config key '{key}'.{did_you_mean(key, value, composed)} Valid keys {where}: "
+            f"{', '.join(sorted(valid))}. To add a new key on purpose, write +{key}=VALUE."
         )
     if full_key and cause is not exc:
         first = str(cause).splitlines()[0]
@@ -204,10 +217,82 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
     return ConfigError(f"{first} ({hint})")
 
 
-def _keys_at(path: str, overrides: list[str], config_dir: str | None) -> list[str]:
+def _composed(overrides: list[str], config_dir: str | None) -> DictConfig | None:
     try:
-        cfg = compose(overrides, config_dir)
-        node = OmegaConf.select(cfg, path) if path else cfg
-        return [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
-    except Exception:
+        return compose(overrides, config_dir)
+    except Exception:  # noqa: BLE001 - another mistake among the overrides: no suggestions then
+        return None
+
+
+def nearest_keys(key: str, cfg: DictConfig | None) -> list[str]:
+    """The keys of `cfg` an unknown `key` probably means: its underscore spelling (Accelerate treats - and _
+    in flag names alike: world.nproc-per-node -> world.nproc_per_node), else a close name at the same level
+    (trainer.max_stepz -> trainer.max_steps), else the nested keys whose last part is, or is close to, its
+    last part (lr -> optim.lr, trainer.lr -> optim.lr, batch_size -> data.batch_size)."""
+    if cfg is None:
         return []
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent, default=None) if parent else cfg
+    here = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+    prefix, fixed = f"{parent}." if parent else "", leaf.replace("-", "_")
+    if fixed in here:
+        return [prefix + fixed]
+    close = _closest(fixed, here)
+    if close:
+        return [prefix + c for c in close]
+    leaves = [p for p in _leaf_paths(OmegaConf.to_container(cfg, resolve=False)) if p != key]
+    exact = [p for p in leaves if p.rpartition(".")[2] == fixed]
+    if exact:
+        return exact[:3]
+    by_leaf: dict[str, list[str]] = {}
+    for p in leaves:
+        by_leaf.setdefault(p.rpartition(".")[2], []).append(p)
+    return [p for name in _closest(fixed, list(by_leaf), cutoff=0.8) for p in by_leaf[name]][:3]
+
+
+def did_you_mean(key: str, value: str | None, cfg: DictConfig | None) -> str:
+    """' Did you mean optim.lr=1e-3?' (with the value when it is known), or '' when no key is close."""
+    found = nearest_keys(key, cfg)
+    shown = [f"{k}={value}" if value is not None else k for k in found]
+    return f" Did you mean {' or '.join(shown)}?" if shown else ""
+
+
+def _closest(name: str, choices: list[str], cutoff: float = 0.6) -> list[str]:
+    """errors.suggest's choice: the close names, or the one clearly closer than the rest."""
+    import difflib
+
+    close = difflib.get_close_matches(name, choices, n=3, cutoff=cutoff)
+    score = {c: difflib.SequenceMatcher(None, c, name).ratio() for c in close}
+    return [c for c in close if score[c] >= score[close[0]] - 0.1] if close else []
+
+
+def _leaf_paths(tree, path: str = "") -> list[str]:
+    """Dotted paths of the values (not the sections) of a plain config tree; `_target_`-style keys left out."""
+    if not isinstance(tree, dict):
+        return [path] if path else []
+    return [p for k, v in tree.items() if not str(k).startswith("_")
+            for p in _leaf_paths(v, f"{path}.{k}" if path else str(k))]
+
+
+def unparsable(overrides: list[str], exc: Exception) -> ConfigError:
+    """Hydra's override parser names no override ("mismatched input '=' expecting <EOF>"): name it, and how to
+    quote its value."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    for override in overrides:
+        try:
+            parser.parse_override(override)
+        except Exception as e:  # noqa: BLE001 - hydra's OverrideParseException, among others
+            key, sep, value = override.partition("=")
+            if not sep:
+                return ConfigError(f"{override!r} is not an override: write KEY=VALUE (python -m trainer --cfg job "
+                                   "lists the keys).")
+            why = str(e).strip().splitlines()[0] if str(e).strip() else detail
+            return ConfigError(
+                f"the value of {key} does not parse as Hydra reads overrides ({why}): a value with =, spaces, quotes, "
+                f"brackets, braces or a leading ~ must be quoted for Hydra, the quotes inside the shell's: "
+                f"'{key}=\"{value}\"'.")
+    return ConfigError(f"an override does not parse ({detail}); quote values that hold =, spaces or brackets: "
+                       "'KEY=\"VALUE\"'.")

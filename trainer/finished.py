@@ -259,6 +259,7 @@ def config_of(run_dir: str | Path, overrides: list[str]) -> DictConfig:
 
     from omegaconf.errors import OmegaConfBaseException
 
+    from .composition import did_you_mean
     from .config import LaunchConfig
     from .errors import suggest
 
@@ -278,13 +279,17 @@ def config_of(run_dir: str | Path, overrides: list[str]) -> DictConfig:
             with open_dict(cfg):  # (world's launch keys default as in a fresh config)
                 cfg[key] = OmegaConf.merge(asdict(LaunchConfig()), node) if key == "world" else node
             continue
+        if "." not in key and (conf / key).is_dir():  # a group, and no such option
+            options = sorted(p.name[:-5] for p in (conf / key).iterdir() if p.name.endswith(".yaml"))
+            raise ConfigError(f"the override {override}: {value!r} is not an option of config group '{key}'. "
+                              f"Available: {', '.join(options)}.{suggest(value, options)}")
         try:
             OmegaConf.update(cfg, key, yaml_value(override))
         except OmegaConfBaseException:
-            parent, _, leaf = key.rpartition(".")
-            node = OmegaConf.select(cfg, parent) if parent else cfg
-            names = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
-            raise ConfigError(f"unknown config key '{key}' in {path / 'config.yaml'}.{suggest(leaf, names)}") from None
+            # The mistake is the override's, not the run's: name it, and the key it probably means.
+            raise ConfigError(f"the override {override} names no key of this run's config ({path / 'config.yaml'}, "
+                              f"what it trained with).{did_you_mean(key, value, cfg)} An eval changes keys the run "
+                              "has; `python -m trainer --cfg job` lists them.") from None
     with open_dict(cfg):
         cfg.logger = {}
     return cfg
