@@ -169,6 +169,20 @@ class Backend:
         dist.all_gather_object(out, obj)
         return out
 
+    def side_group(self) -> Any:
+        """A process group of all ranks beside the training one (gloo, host memory), for work in a background
+        thread whose collectives must never interleave with the training group's (a checkpoint's async save:
+        gloo would deadlock on FSDP's all-gathers). Every rank must call it, in the same order."""
+        return dist.new_group(backend="gloo") if self.distributed else None
+
+    def gather_object_to_main(self, obj: Any, group: Any = None) -> list[Any] | None:
+        """Every rank's `obj`, in rank order, on the main rank (None on the others)."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size if self.is_main else None
+        dist.gather_object(obj, out, dst=0, group=group)
+        return out
+
 
 # -- helpers for code that has no Backend at hand (recipes, data builders) -------------------------
 def _initialized() -> bool:

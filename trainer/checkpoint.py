@@ -104,11 +104,9 @@ class Checkpointer:
         self.protected: set[str] = set()  # checkpoints this run could not read: never pruned or overwritten
         self._group, nonce = None, uuid.uuid4().hex[:8]
         if self.sharded:
-            import torch.distributed as dist
-
             # The ranks' writes meet over a group of their own: a background save must never interleave its
             # collectives with the training group's (FSDP's all-gathers), which gloo would deadlock on.
-            self._group = dist.new_group(backend="gloo")
+            self._group = self.backend.side_group()
             nonce = self.backend.broadcast_object(nonce)
         self._nonce = nonce
         self._saves = 0  # every rank counts its save() calls alike: each save gets a temp directory of its own
@@ -201,10 +199,7 @@ class Checkpointer:
         except OSError as e:
             error = e
         if self.sharded:  # every rank's files are complete (or failed) once the main rank has heard from all
-            import torch.distributed as dist
-
-            gathered = [None] * self.backend.world_size if rank == 0 else None
-            dist.gather_object((files, str(error) if error else None), gathered, dst=0, group=self._group)
+            gathered = self.backend.gather_object_to_main((files, str(error) if error else None), self._group)
             if rank != 0:
                 if error:
                     raise self._failed(final, error)
@@ -441,10 +436,7 @@ def read(path: Path, backend=None) -> Loaded:
     except CheckpointError as e:
         error = e
     if backend.distributed:  # one verdict for all ranks: the main rank's hashes, or any rank's failure
-        import torch.distributed as dist
-
-        verdicts = [None] * backend.world_size
-        dist.all_gather_object(verdicts, str(error) if error else None)
+        verdicts = backend.gather_object(str(error) if error else None)
         first = next((v for v in verdicts if v), None)
         error = CheckpointError(first) if first else None
     if error is not None:
