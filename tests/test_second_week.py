@@ -144,3 +144,45 @@ def test_an_equals_sign_in_a_value_names_the_key_and_the_quoting(tmp_path):
     precheck(["debug=smoke", quoted])  # the spelling it proposes parses
     r = run_main("-m", "debug=smoke", "optim.lr=1e-3,3e-3", "hydra.sweep.dir=sweeps/a=b", cwd=tmp_path)
     assert r.returncode == 2 and "hydra.sweep.dir" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# -- 32.5: epochs and schedules -------------------------------------------------------------------------------
+def test_max_epochs_with_max_steps_null_is_max_epochs(corpus, tmp_path, capsys):
+    from conftest import series, train_in_process
+
+    epochs = ("trainer.max_epochs=1", "trainer.log_every=5", "data.batch_size=16")
+    with_null = train_in_process(corpus, tmp_path / "null", *epochs, "trainer.max_steps=null")
+    said = capsys.readouterr().out
+    with_steps = train_in_process(corpus, tmp_path / "set", *epochs)  # max_epochs decides either way
+    assert [e["step"] for e in with_null] == [e["step"] for e in with_steps]
+    assert series(with_null, "train/loss") == series(with_steps, "train/loss")
+    steps, batch, per_epoch, samples = map(int, re.search(
+        r"trainer.max_epochs=1: (\d+) steps of (\d+) samples \((\d+) per epoch of (\d+)", said).groups())
+    assert with_null[-1]["step"] == steps == per_epoch
+    # How the last, partial global batch of an epoch is handled: completed from the next epoch's order.
+    assert f"{steps * batch} samples" in said and "from the next epoch" in said, said
+    from trainer.data import GlobalBatchSampler
+
+    sampler = GlobalBatchSampler(samples, batch, seed=0)
+    stream = sampler.indices(0, steps * batch)
+    assert sorted(stream[:samples]) == list(range(samples))  # the epoch: every sample once, none dropped
+    assert stream[samples:] == sampler._perm(1)[:steps * batch - samples]  # the rest: the next epoch's start
+
+
+def test_max_steps_null_needs_max_epochs():
+    from trainer.composition import load
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"trainer.max_steps=None .*trainer.max_epochs"):
+        load(["debug=smoke", "trainer.max_steps=null"], targets=False)
+
+
+@pytest.mark.parametrize("length", [("trainer.max_steps=6",), ("trainer.max_epochs=1", "trainer.max_steps=null")])
+def test_a_warmup_longer_than_the_run_is_a_one_line_warning(corpus, tmp_path, capsys, length):
+    from conftest import train_in_process
+
+    train_in_process(corpus, tmp_path, *length, "scheduler.warmup_steps=100000", "data.batch_size=16")
+    warned = [line for line in capsys.readouterr().out.splitlines() if "scheduler.warmup_steps=100000" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning: "), warned
+    train_in_process(corpus, tmp_path / "short", *length, "scheduler.warmup_steps=2", "data.batch_size=16")
+    assert "warmup" not in capsys.readouterr().out

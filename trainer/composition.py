@@ -35,7 +35,6 @@ def compose(overrides: list[str], config_dir: str | None = None) -> DictConfig:
 def sweep_jobs(overrides: list[str], limit: int = 256) -> list[list[str]]:
     """The override lists of every job of a multirun sweep (`a=1,2 b=x,y`: four), the first `limit` of them."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
-
     from hydra.errors import OverrideParseException
 
     try:

@@ -22,7 +22,7 @@ from .errors import ConfigError, suggest
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 1000  # optimizer steps to run in total
+    max_steps: int | None = 1000  # optimizer steps to run in total; null with max_epochs (which decides anyway)
     grad_accum_steps: int = 1  # micro-batches per optimizer step
     grad_clip: float | None = 1.0  # max global grad norm; null disables clipping
     log_every: int = 10  # optimizer steps between metric events
@@ -145,7 +145,8 @@ def validate(cfg: DictConfig) -> None:
     """Check the types and ranges of what the framework reads, before any process group starts or any
     file is written. Torch-free, so `--cfg job` runs it too."""
     t = cfg.trainer
-    _check(t.max_steps >= 1, "trainer.max_steps", t.max_steps, "an integer >= 1")
+    _check(t.max_steps >= 1 if t.max_steps is not None else t.max_epochs is not None, "trainer.max_steps", t.max_steps,
+           "an integer >= 1, or null with trainer.max_epochs set", "The run needs a length: trainer.max_epochs=N.")
     _check(t.grad_accum_steps >= 1, "trainer.grad_accum_steps", t.grad_accum_steps, "an integer >= 1")
     _check(t.log_every >= 1, "trainer.log_every", t.log_every, "an integer >= 1")
     _check(t.eval_every >= 0, "trainer.eval_every", t.eval_every, "an integer >= 0 (0 = eval only at the end)")

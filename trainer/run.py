@@ -109,12 +109,24 @@ def epochs_to_steps(tcfg: TrainerConfig, ccfg: CheckpointConfig, samples: int, g
     per_epoch = math.ceil(samples / global_batch)
     if tcfg.max_epochs is not None:
         tcfg.max_steps = tcfg.max_epochs * per_epoch
+        # The sample stream runs on across epochs (trainer/data.py): no global batch is short, none is padded.
+        read = tcfg.max_steps * global_batch
         say(f"trainer.max_epochs={tcfg.max_epochs}: {tcfg.max_steps} steps of {global_batch} samples "
-            f"({per_epoch} per epoch of {samples}).")
+            f"({per_epoch} per epoch of {samples}). The sample stream runs on across epochs: a global batch that "
+            f"reaches the end of an epoch is completed from the next epoch's order (nothing dropped or padded), so "
+            f"the run reads {read} samples, {read / samples:.2f} passes.")
     if tcfg.eval_every_epochs is not None:
         tcfg.eval_every = tcfg.eval_every_epochs * per_epoch
     if ccfg.every_n_epochs is not None:
         ccfg.every_n_steps = ccfg.every_n_epochs * per_epoch
+
+
+def warn_long_warmup(scheduler: DictConfig, max_steps: int, say) -> None:
+    """One line when the warmup does not end before the run does: the learning rate never reaches optim.lr."""
+    warmup = scheduler.get("warmup_steps") or 0
+    if warmup >= max_steps:
+        say(f"warning: scheduler.warmup_steps={warmup} is not shorter than the run ({max_steps} steps): the learning "
+            "rate is still rising when it ends and never reaches optim.lr. Lower scheduler.warmup_steps.")
 
 
 def build_strategy(world: DictConfig):
@@ -190,6 +202,7 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
         optimizer = build_optimizer(cfg.optim, model, say=say)
         epochs_to_steps(tcfg, ccfg, len(train_data), cfg.data.batch_size * tcfg.grad_accum_steps * strategy.dp_size,
                         say)
+        warn_long_warmup(cfg.scheduler, tcfg.max_steps, say)
         scheduler = build_node("scheduler", cfg.scheduler)(optimizer, total_steps=tcfg.max_steps)
         # Different randomness per rank from here on (dropout), reproducible per (seed, rank).
         seed_everything(tcfg.seed + backend.rank)
