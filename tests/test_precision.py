@@ -160,7 +160,7 @@ def test_a_cpu_peak_is_the_faster_of_fp32_and_the_run_dtype(monkeypatch):
     assert metrics.cpu_matmul_tflops(torch.bfloat16, size=64, seconds=0.001) > 0
     assert torch.get_num_threads() == threads  # the one-thread probe gives the threads back
     speed = {torch.float32: 0.1, torch.bfloat16: 0.4, torch.float16: 0.002}  # TFLOP/s of one thread, as here
-    monkeypatch.setattr(metrics, "cpu_matmul_tflops", lambda dtype: speed[dtype])
+    monkeypatch.setattr(metrics, "cpu_matmul_tflops", lambda dtype, **probe: speed[dtype])
     assert metrics.cpu_peak_tflops(torch.float16) == pytest.approx(threads * 0.1)  # emulated: against fp32
     assert metrics.cpu_peak_tflops(torch.bfloat16) == pytest.approx(threads * 0.4)
     assert metrics.cpu_peak_tflops(torch.float32) == pytest.approx(threads * 0.1)

@@ -186,3 +186,68 @@ def test_a_warmup_longer_than_the_run_is_a_one_line_warning(corpus, tmp_path, ca
     assert len(warned) == 1 and warned[0].startswith("warning: "), warned
     train_in_process(corpus, tmp_path / "short", *length, "scheduler.warmup_steps=2", "data.batch_size=16")
     assert "warmup" not in capsys.readouterr().out
+
+
+# -- 32.7: figures that cannot be ---------------------------------------------------------------------------
+def _loaded_for_one_call(monkeypatch, slow_dtype):
+    """cpu_matmul_tflops as on a machine where another process took the core during one probe call of
+    `slow_dtype` (a 100x slower reading), and steady otherwise: fp32 1.0, other dtypes 2.0 TFLOP/s."""
+    import torch
+
+    import trainer.metrics
+
+    calls = []
+
+    def probe(dtype, size=512, seconds=0.05):
+        calls.append(dtype)
+        steady = 1.0 if dtype == torch.float32 else 2.0
+        return steady / 100 if dtype == slow_dtype and calls.count(dtype) == 1 else steady
+
+    monkeypatch.setattr(trainer.metrics, "cpu_matmul_tflops", probe)
+    return calls
+
+
+@pytest.mark.parametrize("slow", ["float32", "bfloat16"])
+def test_the_precision_probe_repeats_and_keeps_its_best(monkeypatch, slow):
+    import torch
+
+    from trainer.precision import matmul_speedup
+
+    calls = _loaded_for_one_call(monkeypatch, getattr(torch, slow))
+    assert matmul_speedup(torch.bfloat16) == 2.0  # the steady ratio, whichever dtype's call was disturbed
+    assert calls.count(torch.bfloat16) >= 3 and calls.count(torch.float32) >= 3
+
+
+def test_the_cpu_peak_probe_repeats_and_keeps_its_best(monkeypatch):
+    import torch
+
+    from trainer.metrics import cpu_peak_tflops
+
+    _loaded_for_one_call(monkeypatch, torch.float32)
+    assert cpu_peak_tflops(torch.float32) == torch.get_num_threads() * 1.0
+
+
+def test_mfu_never_exceeds_1_when_the_peak_was_measured_low(monkeypatch, capsys):
+    import torch
+
+    import trainer.metrics
+    from trainer.metrics import Cost
+
+    # A probe that ran while the machine was busy: a peak far below what the run then achieves.
+    monkeypatch.setattr(trainer.metrics, "cpu_peak_tflops", lambda dtype: 1e-6)
+    cost = Cost(torch.nn.Linear(100, 100), torch.device("cpu"), torch.float32, None)
+    fast = 10e12 / cost.flops_per_target  # 10 TFLOP/s worth of targets per second
+    assert cost.metrics(fast)["train/mfu"] == 1.0  # the run's own throughput is a peak it has reached
+    assert cost.metrics(fast / 2)["train/mfu"] == pytest.approx(0.5)
+    assert cost.peak_tflops == pytest.approx(10.0)
+    out = capsys.readouterr().out
+    assert out.count("train/mfu") == 1, out  # said once
+
+
+def test_mfu_stays_at_most_1_in_a_run_with_a_peak_set_too_low(corpus, tmp_path, capsys):
+    from conftest import series, train_in_process
+
+    events = train_in_process(corpus, tmp_path, "trainer.peak_tflops=1e-9", "trainer.log_every=2")
+    mfu = series(events, "train/mfu")
+    assert mfu and max(mfu) <= 1.0, mfu
+    assert "trainer.peak_tflops=1e-09 is below" in capsys.readouterr().out

@@ -212,11 +212,13 @@ def cpu_flags() -> frozenset[str] | None:
 
 
 def matmul_speedup(dtype: torch.dtype, seconds: float = 0.015) -> float:
-    """How many times faster one CPU thread multiplies 256 x 256 matrices in `dtype` than in fp32 (~2 x `seconds`)."""
-    from .metrics import cpu_matmul_tflops
+    """How many times faster one CPU thread multiplies 256 x 256 matrices in `dtype` than in fp32 (~2 x `seconds`):
+    the ratio of their best throughputs over rounds that alternate the two, so a burst of load in one window
+    does not decide it."""
+    from .metrics import best_matmul_tflops
 
-    fp32 = cpu_matmul_tflops(torch.float32, size=256, seconds=seconds)
-    return cpu_matmul_tflops(dtype, size=256, seconds=seconds) / fp32
+    best = best_matmul_tflops((torch.float32, dtype), size=256, seconds=seconds)
+    return best[dtype] / best[torch.float32]
 
 
 def choose_for(device: str | torch.device) -> tuple[str, str]:

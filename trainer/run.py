@@ -216,7 +216,7 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
             model=model, task=task, optimizer=optimizer, scheduler=scheduler, precision=precision,
             strategy=strategy, data=data, config=tcfg, loggers=build_loggers(cfg.logger, run_dir, backend.is_main),
             checkpointer=checkpointer, ema=ema, guard=NonFiniteGuard.build(tcfg, precision, optimizer, backend),
-            cost=Cost(raw_model, backend.device, precision.dtype, tcfg.peak_tflops, backend.world_size),
+            cost=Cost(raw_model, backend.device, precision.dtype, tcfg.peak_tflops, backend.world_size, say=say),
             components={"task": task} if hasattr(task, "state_dict") else None, preemption=preemption,
             callbacks=Callbacks({name: build_node(f"callbacks.{name}", node)
                                  for name, node in (cfg.get("callbacks") or {}).items() if node is not None}),
