@@ -311,7 +311,7 @@ def live_state(trainer) -> dict:
     Training from equal states is bit-identical (the end-to-end runs below show it), so a fallback that ends
     in the state of a clean load of step 8 continues the reference run exactly."""
     return {"model": {k: v.clone() for k, v in trainer.strategy.model_state_dict(trainer.model).items()},
-            "state": trainer.checkpoint_state(), "python_rng": random.getstate(),  # optimizer state by name
+            "state": trainer.checkpoints.state(), "python_rng": random.getstate(),  # optimizer state by name
             "groups": [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]}
 
 
@@ -354,7 +354,7 @@ def built(cfg, run_dir: Path, resume: str):
 @pytest.fixture(scope="module")
 def state_at_8(good, cfg, tmp_path_factory) -> dict:
     """The live state right after a clean load of the good step 8."""
-    from trainer.run import resume
+    from trainer.checkpointing import resume
 
     with built(cfg, tmp_path_factory.mktemp("clean"), str(good / "checkpoints" / FALLBACK)) as (trainer, cfg):
         resume(trainer, cfg, say=lambda *a: None)
@@ -365,7 +365,7 @@ def state_at_8(good, cfg, tmp_path_factory) -> dict:
 def test_refused_on_its_path_and_skipped_by_auto_with_the_reason(case, good, state_at_8, cfg, tmp_path):
     from omegaconf import OmegaConf
 
-    from trainer.run import resume
+    from trainer.checkpointing import resume
 
     run_dir = tmp_path / "run"
     ckpt = damaged(good, run_dir, case)

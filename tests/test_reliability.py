@@ -302,7 +302,7 @@ def test_resume_auto_finds_its_run_whatever_precision_auto_measured_and_after_ra
 def test_resume_notes_do_not_report_precision_autos_timing_text(tmp_path):
     from omegaconf import OmegaConf
 
-    from trainer.run import changed_settings
+    from trainer.checkpointing import changed_settings
 
     (tmp_path / "config.yaml").write_text("precision:\n  reason: 'bf16 ran 0.01x'\ntrainer:\n  max_steps: 10\n")
     now = OmegaConf.create({"precision": {"reason": "bf16 ran 0.02x"}, "trainer": {"max_steps": 20}})

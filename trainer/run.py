@@ -19,6 +19,7 @@ from . import checkpoint as ckpt
 from . import watchdog
 from .backend import Backend
 from .callbacks import Callbacks
+from .checkpointing import resume
 from .config import (
     LOADER_KEYS,
     CheckpointConfig,
@@ -226,121 +227,6 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
     except BaseException:
         backend.teardown()
         raise
-
-
-def resume_candidates(resume: str | None, checkpointer: ckpt.Checkpointer, restarted: bool) -> tuple[list[Path], bool]:
-    """The checkpoints to try, newest first, and whether falling back past a bad one is allowed.
-    An elastic restart always resumes from the newest good one."""
-    if resume is None and not restarted:
-        return [], False
-    if resume in (None, "auto"):
-        return list(reversed(checkpointer.complete())), True
-    path = Path(resume).expanduser()
-    if path.is_dir() and not (path / ckpt.MANIFEST).exists():  # a run dir or its checkpoints/ dir
-        inner = ckpt.Checkpointer(path / "checkpoints" if (path / "checkpoints").is_dir() else path)
-        found = inner.complete()
-        if not found:
-            raise CheckpointError(f"resume={resume!r}: no complete checkpoint (step_*/manifest.json) under {path}.")
-        path = found[-1]
-    return [path], False
-
-
-def resume(trainer: Trainer, cfg: DictConfig, say) -> Path | None:
-    """Load the checkpoint `cfg.resume` names into `trainer`: with `auto`, the most recently written one that
-    loads (each one skipped is named, with why, and stays on disk); an explicit path must load, or the run stops
-    with the reason. A resume never starts over silently: when `auto` finds checkpoints and none can continue
-    this run, it stops (exit 2) naming the settings that differ and the two ways out. Says which settings
-    differ from the checkpoint's config (they apply from here on). A fresh start in a run dir with checkpoints
-    sets them aside (checkpoints.prev/) rather than pruning them."""
-    restarted = trainer.backend.info.restart_count > 0
-    candidates, fallback = resume_candidates(cfg.get("resume"), trainer.checkpointer, restarted)
-    candidates = trainer.backend.broadcast_object(candidates)  # one list for every rank
-    skipped: list[tuple[Path, CheckpointError]] = []
-    for path in candidates:
-        try:
-            notes = trainer.load_checkpoint(path)
-        except CheckpointError as e:
-            if not fallback:
-                raise CheckpointError(f"{e}{_differences(path, cfg)}") from None
-            say(f"warning: skipping checkpoint {path}: {e} It stays on disk; trying the one before it.")
-            skipped.append((path, e))
-            continue
-        trainer.checkpointer.protected.update(p.name for p, _ in skipped)
-        if trainer.backend.is_main:
-            for line in [*notes, *resume_notes(path, cfg, trainer.checkpointer)]:
-                say(line)
-        return path
-    if skipped:
-        newest, why = skipped[0]
-        differences = _differences(newest, cfg)
-        raise CheckpointError(
-            f"resume=auto: none of the {len(skipped)} checkpoints in {trainer.checkpointer.dir} can continue this "
-            f"run. The newest, {newest.name}: {why}{differences} Nothing in the run dir was changed."
-            + ("" if differences else " To start over anyway, pass resume=null (the checkpoints are then kept in "
-               "checkpoints.prev/), or give this job a run dir of its own."))
-    if trainer.checkpointer.complete():
-        # resume=null in a run dir that has checkpoints: start fresh, and keep the earlier attempt's.
-        aside = trainer.backend.broadcast_object(
-            ckpt.set_aside(trainer.checkpointer.dir) if trainer.backend.is_main else None)
-        say(f"starting fresh (resume={cfg.get('resume')}): the earlier checkpoints of this run dir are kept in "
-            f"{aside}.")
-    elif cfg.get("resume") == "auto":
-        say(f"resume=auto: no complete checkpoint in {trainer.checkpointer.dir}; starting fresh.")
-    return None
-
-
-def _differences(path: Path, cfg: DictConfig) -> str:
-    """The settings that differ between the checkpoint's config and this run's, and the two ways out; "" when
-    none differ (then the checkpoint itself is at fault, and its error says so)."""
-    from .rundir import resumable
-
-    changed = [c for c in changed_settings(path, cfg) if not resumable(c[0])]  # (those a resume may change)
-    if not changed:
-        return ""
-    back = " ".join(f"{k}={_shown(v)}" for k, v, _ in changed[:8])
-    listed = "; ".join(f"{k}: {_shown(a)} -> {_shown(b)}" for k, a, b in changed[:8])
-    more = f" (and {len(changed) - 8} more)" if len(changed) > 8 else ""
-    return (f" Settings that differ from its config.yaml: {listed}{more}. Either continue the run with the "
-            f"checkpoint's settings (rerun with {back}{' ...' if more else ''}, or without the overrides that changed "
-            "them), or start a new run in a directory of its own (another hydra.run.dir, or none for a new "
-            "timestamped one).")
-
-
-def _shown(value: Any) -> str:
-    text = "null" if value is None else str(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def changed_settings(path: Path, cfg: DictConfig) -> list[tuple[str, Any, Any]]:
-    """(key, the checkpoint's value, this run's) for every setting that differs, but for `resume`, loggers and
-    precision=auto's reason (its probe's timing text differs at every start)."""
-    from .rundir import flat, read_config
-
-    before = read_config(path / "config.yaml")
-    if not isinstance(before, dict):
-        return []
-    before, now = flat(before), flat(redact(OmegaConf.to_container(cfg, resolve=True)))
-    return [(k, before.get(k), now.get(k)) for k in sorted(set(before) | set(now))
-            if k != "resume" and not k.startswith("logger.") and k != "precision.reason"
-            and before.get(k) != now.get(k)]
-
-
-def resume_notes(path: Path, cfg: DictConfig, checkpointer: ckpt.Checkpointer) -> list[str]:
-    """What a user should know after a resume: the settings that changed, and newer checkpoints left behind."""
-    notes = []
-    changed = changed_settings(path, cfg)
-    if changed:
-        notes.append("resume: these settings differ from the checkpoint's and apply from here on (optimizer and "
-                     "schedule settings included: the schedule keeps its position and takes the new shape): "
-                     + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed))
-    done = checkpointer.complete()
-    if checkpointer.dir is not None and path.parent.resolve() == checkpointer.dir.resolve() and path in done:
-        later = [p.name for p in done[done.index(path) + 1:] if p.name not in checkpointer.protected]
-        if later:
-            notes.append(f"resume: {path.name} is older than {', '.join(later)}, written before this rollback. "
-                         "They stay on disk, but resume=auto now follows this run (checkpoints are ordered by when "
-                         "they were written), and checkpoint.keep_last prunes them as new checkpoints are written.")
-    return notes
 
 
 def save_config(cfg: DictConfig, run_dir: Path) -> Path:

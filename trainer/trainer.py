@@ -14,6 +14,7 @@ import torch.nn as nn
 from . import checkpoint as ckpt
 from . import noise, watchdog
 from .callbacks import Callbacks
+from .checkpointing import CheckpointManager
 from .config import TrainerConfig
 from .data import Data, GlobalBatchSampler, eval_batches, train_loader
 from .ema import EMA
@@ -25,7 +26,6 @@ from .nonfinite import FIX, NonFiniteGuard
 from .preemption import PreemptionFlag
 from .progress import NullProgress, Progress
 from .redaction import redact_text
-from .rng import rng_state, set_rng_state
 from .strategies import Strategy, unwrap
 from .task import Task, split_loss
 
@@ -35,9 +35,9 @@ EVAL_STREAM = 1 << 48  # val sample i draws its noise (trainer.noise) as sample 
 class Trainer:
     """Owns the loop: data order, the optimizer step, eval, logging and checkpoint cadence, run state.
 
-    A checkpoint is the model's state plus `checkpoint_state()`: the Trainer's own run state, the
-    optimizer's, every rank's RNG state, and the `state_dict()` of each stateful component (scheduler,
-    precision, non-finite guard, loggers, EMA, and whatever the recipe adds through `components`).
+    Checkpoints are the CheckpointManager's (`self.checkpoints`, trainer/checkpointing.py), handed the
+    Trainer's own run state (`state_dict`, `check_state`) and each stateful component (scheduler, precision,
+    non-finite guard, loggers, EMA, and whatever the recipe adds through `components`); the loop only says when.
     """
 
     def __init__(self, *, model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
@@ -60,6 +60,7 @@ class Trainer:
         self.components = {"scheduler": scheduler, "precision": precision, "nonfinite": self.guard,
                            "loggers": self.loggers, "checkpointer": self.checkpointer, "callbacks": self.callbacks,
                            **({"ema": ema} if ema is not None else {}), **(components or {})}
+        self.checkpoints = CheckpointManager(self.checkpointer, strategy, model, optimizer, self, self.components)
         # Run state (in checkpoints).
         self.step = 0  # optimizer steps done (skipped fp16/nonfinite steps included)
         self.samples_seen = 0  # position in the global sample stream
@@ -263,8 +264,7 @@ class Trainer:
             raise Preempted(f"stopped by {self._cause()} before the first step of this attempt (step {self.step}); "
                             "nothing new to save. Rerun the same command with resume=auto to continue.")
         if self.saved_step == self.step:  # the periodic save of this very step is in flight: finish it
-            self.checkpointer.wait()
-            self.backend.barrier()
+            self.checkpoints.finish_pending()
             path = self.checkpointer.dir / f"step_{self.step:08d}"
         else:
             path = self.save_checkpoint(wait=True)
@@ -361,11 +361,11 @@ class Trainer:
                 "data_fingerprint": self.sampler().fingerprint(), "stop_reason": self.stop_reason}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._check_run_state(state)
+        self.check_state(state)
         self.step, self.samples_seen, self.skipped_steps = state["step"], state["samples_seen"], state["skipped_steps"]
         self.stop_reason = state.get("stop_reason")
 
-    def _check_run_state(self, state: dict[str, Any], where: str = "the checkpoint") -> None:
+    def check_state(self, state: dict[str, Any], where: str = "the checkpoint") -> None:
         """Counts that are counts, and the same sample stream from the checkpoint's position on. The stream is
         the same whatever the global batch (data.batch_size x accumulation x data-parallel ranks): a resume with
         another global batch continues it at the same sample, with batches of the new size."""
@@ -385,159 +385,26 @@ class Trainer:
                 "data.shuffle changed, and the run would not see the samples it was going to see."
             )
 
-    def _resize_notes(self, state: dict[str, Any]) -> list[str]:
+    def resize_notes(self, state: dict[str, Any]) -> list[str]:
+        """What a resume from run state `state` changes about the batches (the sample stream stays)."""
         if state["global_batch"] == self.global_batch:
             return []
         return [f"resume: the global batch changes from {state['global_batch']} to {self.global_batch} samples "
                 f"(data.batch_size x trainer.grad_accum_steps x data-parallel ranks); the sample stream continues at "
                 f"sample {state['samples_seen']}, with batches of the new size."]
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Everything but the model weights. A collective when distributed (gathers each rank's RNG state)."""
-        return {"trainer": self.state_dict(),
-                "optimizer": self.strategy.optimizer_state_dict(self.model, self.optimizer),
-                "rng": self.backend.gather_object(rng_state()),
-                **{name: c.state_dict() for name, c in self.components.items()}}
-
     def save_checkpoint(self, metrics: dict[str, float] | None = None, wait: bool = False) -> Path | None:
         """Save (in the background with checkpoint.async_save); `wait` before exiting the process."""
         self.guard.read(self.step)  # never save the state after a non-finite step
-        self.checkpointer.consider(metrics, self.step)  # before the state is taken: it records the best
-        model_state = self.strategy.model_state_dict(self.model)
-        state = self.checkpoint_state()  # on every rank: it gathers RNG states
-        path = self.checkpointer.save(self.step, model_state, state, metrics)
+        path = self.checkpoints.save(self.step, metrics, wait)
         self.saved_step = self.step
-        if wait:  # nobody exits (and gets the job torn down) while a rank is still writing
-            self.checkpointer.wait()
-            self.backend.barrier()
         watchdog.beat()
         self.callbacks.on_save(self, path)
         return path
 
     def load_checkpoint(self, path: Path, resume: bool = True) -> list[str]:
-        """Load a checkpoint written under any strategy, world size and global batch. Every tensor and value is
-        checked against the live objects first, and every rank agrees on the verdict; nothing is changed unless
-        all fit on every rank. A component the checkpoint lacks (EMA or a callback turned on since) keeps its
-        initial state. `resume=False` (an eval): the data order need not continue. Returns what a user should
-        know about the load (components started fresh, a changed global batch)."""
-        loaded = ckpt.read(path, self.backend)
-        where = f"checkpoint {path}"
-        fresh_optimizer = not self.optimizer.state
-        error, checked = None, None
-        try:
-            checked = self._checked_state(loaded, where, resume)
-        except CheckpointError as e:
-            error = e
-        except BaseException:
-            if fresh_optimizer:  # the template initialised it; a fresh run must not start from that
-                self.strategy.reset_optimizer(self.optimizer)
-            raise
-        if self.backend.distributed:  # one verdict for all ranks: a rank that loads while another falls back hangs
-            verdicts = self.backend.gather_object(str(error) if error else None)
-            first = next((f"{v} (rank {r})" if self.backend.world_size > 1 else v
-                          for r, v in enumerate(verdicts) if v), None)
-            error = CheckpointError(first) if first and error is None else error
-        if error is not None:
-            if fresh_optimizer:
-                self.strategy.reset_optimizer(self.optimizer)
-            raise error
-        model_state, state, absent = checked
-        # The optimizer's hyperparameters (betas, weight decay, ...) are this run's config's; its moments and
-        # step counts the checkpoint's. (The LR follows the schedule: see trainer/schedule.py.)
-        hyper = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
-                 for g in self.optimizer.param_groups]
-        self.strategy.load_model_state_dict(self.model, model_state)
-        self.strategy.load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
-        for group, h in zip(self.optimizer.param_groups, hyper):
-            group.update(h)
-        for name, c in self.components.items():
-            if name in state:
-                c.load_state_dict(state[name])
-        notes = []
-        if "ema" in absent:
-            self.ema.reset()  # an average of the weights from here on, starting at the checkpoint's
-            notes.append(f"resume: {path.name} has no EMA state (ema.enabled was off): the EMA starts from its "
-                         "weights now.")
-        for name in absent.get("callbacks", []):
-            notes.append(f"resume: {path.name} has no state for callbacks.{name} (it was not on): it starts from "
-                         "its initial state.")
-        if resume:
-            notes += self._resize_notes(state["trainer"])
-            self.load_state_dict(state["trainer"])
-        else:
-            self.step = state["trainer"]["step"]
-        rngs = state["rng"]
-        if self.backend.rank < len(rngs):  # same world size: continue each rank's own stream
-            set_rng_state(rngs[self.backend.rank])
-        return notes
-
-    def _checked_state(self, loaded: ckpt.Loaded, where: str, resume: bool):
-        """The checkpoint's model and run state, checked against the live objects and conformed to them, and the
-        components it has no state for ({"ema": True, "callbacks": [names]}). Raises CheckpointError."""
-        from . import snapshot
-
-        live_model = self.strategy.model_state_dict(self.model)
-        problems = ckpt.model_mismatches(loaded, live_model)
-        if problems:
-            raise CheckpointError(f"{where} does not match the model ({len(problems)} tensors): " + "; ".join(problems)
-                                  + ". Use the model config it was trained with (see its config.yaml).")
-        tree = loaded.tree if isinstance(loaded.tree, dict) else {}
-        like = {"trainer": self.state_dict(), "rng": [rng_state()],
-                **{n: c.state_dict() for n, c in self.components.items()}, "loggers": {}}
-        absent: dict[str, Any] = {}
-        if "ema" in like and "ema" not in tree:
-            absent["ema"] = True
-            del like["ema"]
-        if isinstance(tree.get("callbacks"), dict) and like.get("callbacks"):
-            absent["callbacks"] = [n for n in like["callbacks"] if n not in tree["callbacks"]]
-            like["callbacks"] = {n: v for n, v in like["callbacks"].items() if n in tree["callbacks"]}
-        missing = [k for k in ("optimizer", *like) if k not in tree]
-        if missing:
-            raise CheckpointError(f"{where} has no {', '.join(missing)} state: it was saved by another configuration.")
-        saved_optimizer = isinstance(tree["optimizer"], dict) and bool(tree["optimizer"].get("state"))
-        model_state = {k: snapshot.assemble(k, loaded.model[k], v, where) for k, v in live_model.items()}
-        like["optimizer"] = (self.strategy.optimizer_template(self.model, self.optimizer) if saved_optimizer
-                             else {"state": {}, "param_groups": []})
-        state = snapshot.conform({k: tree[k] for k in like}, like, loaded.state, where)
-        _check_optimizer(state["optimizer"], like["optimizer"], where)
-        for name, c in self.components.items():
-            if name in state and hasattr(c, "check_state"):  # values of the right kind but out of range
-                c.check_state(state[name], f"{where}: {name}")
-        if resume:
-            self._check_run_state(state["trainer"], where)
-            _check_schedule(state.get("scheduler"), state["trainer"]["step"], where)
-        rngs = state["rng"]
-        if self.backend.rank < len(rngs):
-            _check_rng(rngs[self.backend.rank], where)
-        return model_state, state, absent
-
-
-def _check_schedule(state: Any, step: int, where: str) -> None:
-    """The schedule's position is a step the run has reached (a negative one would run the LR backwards)."""
-    position = state.get("last_epoch") if isinstance(state, dict) else None
-    if isinstance(position, int) and not 0 <= position <= step:
-        raise CheckpointError(f"{where}: scheduler.last_epoch={position} is not a position within step {step}.")
-
-
-def _check_rng(state: dict, where: str) -> None:
-    """Python and torch accept this rank's RNG state (tried on throwaway generators, so a refusal changes nothing)."""
-    import random
-
-    try:
-        random.Random().setstate(state["python"])
-        torch.Generator().set_state(state["torch"])
-    except (ValueError, TypeError, RuntimeError) as e:
-        raise CheckpointError(f"{where}: the RNG state of this rank cannot be restored ({e}).") from None
-
-
-def _check_optimizer(state: dict, like: dict, where: str) -> None:
-    """The checkpoint's optimizer holds the same parameters, in the same groups, as the live one."""
-    if not state["state"]:
-        return  # saved before the first step
-    groups = [list(g["params"]) for g in state["param_groups"]]
-    if groups != [list(g["params"]) for g in like["param_groups"]]:
-        raise CheckpointError(f"{where}: the optimizer's parameter groups differ from this run's "
-                              "(another model or optim config). Resume with the checkpoint's config.yaml.")
+        """Load a checkpoint (see CheckpointManager.load); returns what a user should know about the load."""
+        return self.checkpoints.load(path, resume)
 
 
 def printable(text: str) -> str:
