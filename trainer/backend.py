@@ -61,6 +61,18 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return device
 
 
+def usable_device(name: str, local_rank: int = 0) -> torch.device:
+    """The device `world.device` names (`resolve_device`), or a ConfigError when this machine has none such: the
+    one place that says "no CUDA"."""
+    device = resolve_device(name, local_rank)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        from .errors import ConfigError
+
+        raise ConfigError(f"world.device={name!r} is invalid here: no CUDA device is available on this machine. "
+                          "Use world.device=auto or world.device=cpu.")
+    return device
+
+
 class Backend:
     """Device placement, process group and collectives for one process (how the model is wrapped and
     synchronised is the strategy's part: trainer/strategies/).

@@ -7,7 +7,6 @@ paragraph with exit code 2 before Hydra creates a run dir; then `hydra.main` run
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -16,20 +15,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .composition import CONFIG_MODULE, check_choices, explain, prepare, resolve, sweep_jobs
 from .config import check_hydra_hooks
-from .errors import NonFiniteError, TrainerExit, UserError
+from .errors import NonFiniteError, TrainerExit, UserError, debug_enabled, report
 from .redaction import redact, scrub, secret_values
 
 COMMANDS = ("env", "check", "eval", "sample")  # trainer/commands.py
-
-
-def debug_enabled() -> bool:
-    """Tracebacks for our errors too: HYDRA_FULL_ERROR=1 (Hydra's own switch) or TRAINER_DEBUG=1."""
-    return os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("TRAINER_DEBUG") == "1"
-
-
-def report(err: TrainerExit) -> None:
-    # A message may quote config values, and those may come from the environment's secrets.
-    print(f"error: {scrub(str(err), secret_values())}", file=sys.stderr, flush=True)
 
 
 def precheck(argv: list[str]) -> None:

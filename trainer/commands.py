@@ -165,8 +165,7 @@ def _user_errors(fn):
 
     @functools.wraps(fn)
     def inner(argv: list[str]) -> int:
-        from .cli import debug_enabled, report
-        from .errors import TrainerExit
+        from .errors import TrainerExit, debug_enabled, report
         from .launcher import WorkerFailed
 
         try:

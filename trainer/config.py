@@ -332,10 +332,9 @@ def check_targets(cfg: DictConfig) -> None:
                f"one of torch.compile's backends: {', '.join(backends)}", "inductor is the usual one.")
     procs = launch_config(cfg.world)
     if procs.device.startswith("cuda"):
-        import torch
+        from .backend import usable_device
 
-        _check(torch.cuda.is_available(), "world.device", procs.device, "auto or cpu on this machine",
-               "no CUDA device is available here.")
+        usable_device(procs.device)
     if not getattr(strategy, "distributed", True):
         _check(procs.nproc_per_node in (1, "auto") and procs.nnodes == 1, "world.nproc_per_node",
                procs.nproc_per_node, f"1 with world._target_={cfg.world._target_}",

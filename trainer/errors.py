@@ -7,6 +7,8 @@ Anything raised as a `TrainerExit` is printed without a traceback and exits with
 from __future__ import annotations
 
 import difflib
+import os
+import sys
 from collections.abc import Iterable
 
 
@@ -57,6 +59,19 @@ class HangDetected(TrainerExit):
     rank's stack, named the rank the others wait for, and stopped the job."""
 
     exit_code = 70  # EX_SOFTWARE
+
+
+def debug_enabled() -> bool:
+    """Tracebacks for our errors too: HYDRA_FULL_ERROR=1 (Hydra's own switch) or TRAINER_DEBUG=1."""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("TRAINER_DEBUG") == "1"
+
+
+def report(err: TrainerExit) -> None:
+    """Print `err` as the one paragraph a user sees (`error: ...` on stderr)."""
+    from .redaction import scrub, secret_values
+
+    # A message may quote config values, and those may come from the environment's secrets.
+    print(f"error: {scrub(str(err), secret_values())}", file=sys.stderr, flush=True)
 
 
 def suggest(name: str, choices: Iterable[str], n: int = 3) -> str:

@@ -223,12 +223,9 @@ def matmul_speedup(dtype: torch.dtype, seconds: float = 0.015) -> float:
 
 def choose_for(device: str | torch.device) -> tuple[str, str]:
     """`choose` with this machine's capabilities for `device` (`world.device`; 'auto' is a GPU if there is one)."""
-    from .backend import resolve_device
+    from .backend import usable_device
 
-    device = resolve_device(device) if isinstance(device, str) else device
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"world.device={device} but no CUDA device is available. "
-                          "Use world.device=auto or world.device=cpu.")
+    device = usable_device(device) if isinstance(device, str) else device
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     return choose(device.type, capability, cpu_flags(), lambda: matmul_speedup(torch.bfloat16))
 

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint as ckpt
 from . import watchdog
-from .backend import Backend
+from .backend import Backend, usable_device
 from .callbacks import Callbacks
 from .checkpointing import resume
 from .config import (
@@ -132,17 +132,6 @@ def warn_long_warmup(scheduler: DictConfig, max_steps: int, say) -> None:
 
 def build_strategy(world: DictConfig):
     return build_node("world", OmegaConf.create(strategy_options(world)))
-
-
-def usable_device(name: str) -> torch.device:
-    """The device `world.device` names, or a ConfigError when this machine has none such."""
-    from .backend import resolve_device
-
-    device = resolve_device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"world.device={name!r} but no CUDA device is available. "
-                          "Use world.device=auto or world.device=cpu.")
-    return device
 
 
 def preflight(cfg: DictConfig, run_dir: Path) -> None:
