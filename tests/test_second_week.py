@@ -251,3 +251,32 @@ def test_mfu_stays_at_most_1_in_a_run_with_a_peak_set_too_low(corpus, tmp_path, 
     mfu = series(events, "train/mfu")
     assert mfu and max(mfu) <= 1.0, mfu
     assert "trainer.peak_tflops=1e-09 is below" in capsys.readouterr().out
+
+
+# -- 32.8: what the framework does not take yet --------------------------------------------------------------
+@pytest.mark.parametrize("target, says", [
+    ("stream", "training split .* is an IterableDataset"),
+    ("stream_val", "val split .* is an IterableDataset"),
+    ("loader", "training split .* is a DataLoader"),
+    ("unindexable", "training split .* has no __getitem__"),
+])
+def test_an_unsupported_dataset_is_one_paragraph_and_leaves_no_run_dir(tmp_path, target, says):
+    from conftest import run_here
+
+    run_dir = tmp_path / "run"
+    r = run_here("debug=smoke", f"data._target_=unsupported_data.{target}", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    error = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and re.search(says, error[0]) and "map-style" in error[0], r.stderr
+    assert not run_dir.exists()  # no config.yaml, no .lock left behind
+
+
+@pytest.mark.slow
+def test_an_unsupported_dataset_stops_a_ddp_run_before_its_workers(tmp_path):
+    from conftest import FAULTY_ENV, run_cli
+
+    run_dir = tmp_path / "run"
+    r = run_cli("debug=smoke", "world=ddp", "world.nproc_per_node=2", "data._target_=unsupported_data.stream",
+                f"hydra.run.dir={run_dir}", env=FAULTY_ENV, timeout=120)
+    assert r.returncode == 2 and "IterableDataset" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not run_dir.exists()

@@ -87,9 +87,37 @@ def build_data(cfg: DictConfig) -> tuple[Any, Any]:
         raise DataError(f"data._target_={cfg._target_!r} must return a (train, val) pair of datasets; "
                         f"val may be None. It returned {type(splits).__name__}.")
     train, val = splits
+    for name, split in (("training", train), ("val", val)):
+        if split is not None:
+            refuse_unsupported(name, split, cfg._target_)
     if len(train) == 0:
         raise DataError(f"the training split built by data._target_={cfg._target_!r} is empty.")
     return train, val
+
+
+def refuse_unsupported(name: str, split: Any, target: str) -> None:
+    """A DataError for a split the loaders cannot sample: they draw samples by index from one global stream (the
+    same global batches on any number of processes, exact resume), so a split must be map-style, with __len__ and
+    __getitem__. Raised while the datasets are built, before any worker starts (the CLI then removes the run dir
+    it had begun)."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    where = f"the {name} split built by data._target_={target!r}"
+    why = ("the loaders draw samples by index from one global sample stream (the same global batches on any number "
+           "of processes, exact resume), so a split must be a map-style dataset, with __len__ and __getitem__")
+    if isinstance(split, IterableDataset):
+        raise DataError(f"{where} is an IterableDataset ({type(split).__name__}), which is not supported yet: {why}. "
+                        "Materialise it (a list of samples, or torch.utils.data.TensorDataset), or give its class "
+                        "__len__ and __getitem__.")
+    if isinstance(split, DataLoader):
+        raise DataError(f"{where} is a DataLoader: return its dataset instead ({type(split.dataset).__name__}); "
+                        f"batching, shuffling and workers come from data.batch_size, data.shuffle and "
+                        f"data.num_workers, and {why}.")
+    missing = [m for m in ("__len__", "__getitem__") if not hasattr(split, m)
+               and not (m == "__getitem__" and hasattr(split, "__getitems__"))]  # (a whole batch at once is enough)
+    if missing:
+        raise DataError(f"{where} ({type(split).__name__}) has no {' or '.join(missing)}: {why}. Return a torch "
+                        "Dataset or a list of samples.")
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path, is_main: bool) -> NullLogger:
