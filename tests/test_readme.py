@@ -141,6 +141,10 @@ def test_readme_walkthrough(tmp_path):
             args = words[words.index("trainer") + 1:] if "trainer" in words else []
             assert args or command.endswith("trainer"), f"{where}: not a trainer command"
 
+            if args[:1] == ["config"]:  # this machine's defaults: saved in a throwaway config home, not the suite's
+                r = run_here(*args, cwd=home, env={"TRAINER_CONFIG_HOME": str(tmp_path / "machine")})
+                assert r.returncode == 0 and r.stdout.strip() and not r.stderr, f"{where}\n{r.stdout}\n{r.stderr}"
+                continue
             skip = [why for key, why in CHECKED_ONLY.items() if key in command]
             if skip:
                 precheck(args, home)  # raises on any mistake the CLI would refuse
@@ -229,7 +233,7 @@ def test_the_quickstart_runs_from_a_fresh_shell(tmp_path):
     # Without activating: the console script the README names.
     assert ".venv/bin/trainer" in README.read_text()
     r = fresh_shell(".venv/bin/trainer --cfg job debug=smoke optim.lr=1e-3", cwd=ROOT, home=tmp_path)
-    assert r.returncode == 0 and "lr: 0.001" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "lr: 0.001" in r.stdout and not r.stderr, r.stdout + r.stderr
 
 
 def test_the_accelerate_table_is_what_the_cli_answers(tmp_path):

@@ -5,6 +5,7 @@ datasets the framework does not take yet."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, run_main
@@ -47,6 +48,7 @@ def test_a_group_option_an_inline_node_hides_is_one_paragraph(tmp_path):
     # What the inline node says itself, and an option equal to it, are no conflict.
     assert load(["recipe=classify", "precision=fp32"], config_dir=CONF).precision._target_ == "trainer.precision.FP32"
     assert load(["debug=smoke", "precision=bf16"]).precision._target_ == "trainer.precision.BF16"
+    assert load(["precision=fp16", "debug=smoke", "precision=bf16"]).precision._target_ == "trainer.precision.BF16"
     assert load(["precision=bf16", "precision._target_=trainer.precision.FP32"]).precision._target_ == \
         "trainer.precision.FP32"  # a _target_ set on purpose after the option
 
@@ -280,3 +282,71 @@ def test_an_unsupported_dataset_stops_a_ddp_run_before_its_workers(tmp_path):
                 f"hydra.run.dir={run_dir}", env=FAULTY_ENV, timeout=120)
     assert r.returncode == 2 and "IterableDataset" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not run_dir.exists()
+
+
+# -- 32.4: this machine's defaults ----------------------------------------------------------------------------
+def test_machine_defaults_are_what_the_same_overrides_give(tmp_path, monkeypatch):
+    from conftest import run_here
+
+    from trainer.composition import load
+
+    monkeypatch.setenv("TRAINER_CONFIG_HOME", str(tmp_path / "home"))
+    saved = ("world=ddp", "world.nproc_per_node=2", "precision=bf16", "checkpoint.keep_last=1")
+    plain = {o: load([*o.split()], targets=False) for o in ("", "debug=smoke", "recipe=diffusion", "precision=fp32")}
+    r = run_here("config", *saved, f"outputs={tmp_path / 'runs'}", cwd=tmp_path)
+    assert r.returncode == 0 and (tmp_path / "home" / "machine" / "default.yaml").is_file(), r.stderr
+    for extra, before in plain.items():
+        now = load([*extra.split()], targets=False)
+        # As if the saved settings came first on the command line: the recipe's precision (diffusion's fp32)
+        # gives way to them, the command line's does not, nor debug=smoke's fp32 (a run of seconds stays one).
+        first = [o for o in saved if not (extra == "debug=smoke" and o.startswith("precision="))]
+        assert now == load([*first, *extra.split()], targets=False), extra
+        assert now != before
+    r = run_here("--cfg", "hydra", cwd=tmp_path)
+    assert f"dir: {tmp_path / 'runs'}/" in r.stdout, r.stdout
+    r = run_here("env", cwd=tmp_path)
+    assert "machine defaults" in r.stdout.lower() and "override /precision: bf16" in r.stdout, r.stdout
+    r = run_here("config", cwd=tmp_path)
+    assert "nproc_per_node: 2" in r.stdout
+    r = run_here("config", "--reset", cwd=tmp_path)
+    assert r.returncode == 0 and not (tmp_path / "home" / "machine" / "default.yaml").exists()
+    assert load([], targets=False) == plain[""]
+
+
+def test_a_run_uses_the_machine_defaults(tmp_path, monkeypatch):
+    from conftest import run_here
+
+    monkeypatch.setenv("TRAINER_CONFIG_HOME", str(tmp_path / "home"))
+    assert run_here("config", "checkpoint.keep_last=1", f"outputs={tmp_path / 'runs'}", cwd=tmp_path).returncode == 0
+    r = run_here("debug=smoke", "trainer.max_steps=3", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    run_dir = Path(re.search(r"^done: (.+)$", r.stdout, re.M).group(1))
+    assert run_dir.parent.parent == tmp_path / "runs"
+    assert "keep_last: 1" in (run_dir / "config.yaml").read_text()
+    assert "machine defaults" in r.stdout
+
+
+@pytest.mark.parametrize("setting, says", [
+    ("precision=bf61", "precision=bf61 is not an option"),
+    ("recipe=diffusion", "recipe is the recipe's to choose"),
+    ("world.nproc_per_nod=2", "Did you mean nproc_per_node?"),
+])
+def test_a_machine_default_mistake_writes_nothing(tmp_path, monkeypatch, setting, says):
+    from conftest import run_here
+
+    monkeypatch.setenv("TRAINER_CONFIG_HOME", str(tmp_path / "home"))
+    r = run_here("config", setting, cwd=tmp_path)
+    assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert not (tmp_path / "home" / "machine" / "default.yaml").exists()
+
+
+def test_machine_defaults_hold_beside_a_config_dir(tmp_path, monkeypatch):
+    from conftest import run_here
+
+    from trainer.composition import load
+
+    monkeypatch.setenv("TRAINER_CONFIG_HOME", str(tmp_path / "home"))
+    assert run_here("config", "checkpoint.keep_last=1", cwd=tmp_path).returncode == 0
+    assert load(["recipe=classify"], config_dir=CONF).checkpoint.keep_last == 1
+    r = run_here("--config-dir", CONF, "recipe=classify", "--cfg", "job", cwd=tmp_path)
+    assert r.returncode == 0 and "keep_last: 1" in r.stdout, r.stdout + r.stderr

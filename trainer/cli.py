@@ -13,12 +13,12 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from .composition import CONFIG_MODULE, check_choices, explain, prepare, resolve, sweep_jobs
+from .composition import CONFIG_MODULE, check_choices, explain, prepare, resolve, search_path, sweep_jobs
 from .config import check_hydra_hooks
 from .errors import NonFiniteError, TrainerExit, UserError, debug_enabled, report
 from .redaction import redact, scrub, secret_values
 
-COMMANDS = ("env", "check", "eval", "sample")  # trainer/commands.py
+COMMANDS = ("env", "check", "eval", "sample", "config")  # trainer/commands.py
 
 
 def precheck(argv: list[str]) -> None:
@@ -50,7 +50,7 @@ def compose_with_hydra(overrides: list[str], config_dir: str | None) -> DictConf
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
 
-    full = [*overrides, f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"] if config_dir else overrides
+    full = [*overrides, *search_path(config_dir)]
     try:
         with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
             return hydra_compose("config", overrides=full, return_hydra_config=True)
@@ -100,6 +100,11 @@ def run_job(cfg: DictConfig) -> float | None:
             from .run import save_config
 
             save_config(resolved, run_dir)
+        from .machine import defaults_file
+
+        if defaults_file().is_file():  # (composed into this config by conf/config.yaml's defaults list)
+            print(f"machine defaults: {defaults_file()} (python -m trainer config shows them; the command line "
+                  "overrides them)", flush=True)
         print(f"run dir: {run_dir}", flush=True)
         from .launcher import WorkerFailed, run
 

@@ -58,6 +58,9 @@ def env(argv: list[str]) -> int:
     print("\n".join(f"- {k.ljust(width)} : {v}" for k, v in rows))
     name, why = choose_for("auto")
     print(f"\nprecision=auto would choose: {name} ({why})")
+    from .machine import describe
+
+    print(f"\nMachine defaults (python -m trainer config): {describe()}")
     print("\nDefault config (python -m trainer --cfg job):\n")
     from omegaconf import OmegaConf
 
@@ -287,4 +290,12 @@ def sample(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"env": env, "check": check, "eval": evaluate, "sample": sample}
+@_user_errors
+def config(argv: list[str]) -> int:
+    """`python -m trainer config [KEY=VALUE ...]`: this machine's defaults (trainer/machine.py)."""
+    from .machine import config as machine_config
+
+    return machine_config(argv)
+
+
+COMMANDS = {"env": env, "check": check, "eval": evaluate, "sample": sample, "config": config}

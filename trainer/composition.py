@@ -9,6 +9,7 @@ unknown group options, wrong types) become one paragraph with the nearest valid 
 from __future__ import annotations
 
 import re
+import warnings
 from itertools import product
 from pathlib import Path
 
@@ -19,6 +20,9 @@ from . import config as _config  # registers the typed schema with Hydra's Confi
 from .errors import ConfigError, suggest
 
 CONFIG_MODULE = "trainer.conf"
+# conf/config.yaml puts the user's config dir on the search path for this machine's defaults (trainer/machine.py),
+# and Hydra warns at every composition about a search path that does not exist: on most machines, this one.
+warnings.filterwarnings("ignore", message=r"provider=hydra\.searchpath in main, path=.* is not available")
 
 
 def compose(overrides: list[str], config_dir: str | None = None) -> DictConfig:
@@ -26,10 +30,16 @@ def compose(overrides: list[str], config_dir: str | None = None) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
 
-    if config_dir:
-        overrides = [*overrides, f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
     with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-        return hydra_compose("config", overrides=overrides)
+        return hydra_compose("config", overrides=[*overrides, *search_path(config_dir)])
+
+
+def search_path(config_dir: str | None) -> list[str]:
+    """The override that adds `config_dir` (`--config-dir`) to Hydra's search path. It replaces conf/config.yaml's
+    list, so the machine's defaults dir (trainer/machine.py) is named again, as `--config-dir` keeps it."""
+    from .machine import home
+
+    return [f"hydra.searchpath=[file://{Path(config_dir).resolve()},file://{home()}]"] if config_dir else []
 
 
 def sweep_jobs(overrides: list[str], limit: int = 256) -> list[list[str]]:
@@ -107,9 +117,10 @@ def check_choices(cfg: DictConfig, overrides: list[str], config_dir: str | None)
     chosen = [(o.key_or_group, o.value()) for o in parsed
               if not ("." in o.key_or_group or "/" in o.key_or_group or o.is_delete() or o.is_sweep_override())
               and isinstance(o.value(), str)]
+    chosen = list(dict(chosen).items())  # precision=bf16 ... precision=fp32: the last one is the choice
     if not chosen:
         return
-    search = [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"] if config_dir else []
+    search = search_path(config_dir)
     recipe = OmegaConf.select(cfg, "hydra.runtime.choices.recipe", default=None) or \
         next((value for key, value in chosen if key == "recipe"), None)
 

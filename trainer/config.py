@@ -363,8 +363,9 @@ def check_keywords(section: str, target: Any, node: dict, extra_ok: tuple[str, .
         if k.startswith("_") or k in extra_ok or k in names:
             continue
         raise ConfigError(
-            f"{section}.{k} is not an option of {section}._target_={getattr(target, '__qualname__', target)}.{suggest(k, names)} "
-            f"It takes: {', '.join(n for n in names if n not in ('self', 'params', 'run_dir')) or '(nothing)'}. "
+            f"{section}.{k} is not an option of {section}._target_={getattr(target, '__qualname__', target)}."
+            f"{suggest(k, [*names, *extra_ok])} It takes: "
+            f"{', '.join([n for n in names if n not in ('self', 'params', 'run_dir')] + list(extra_ok)) or '(nothing)'}. "
             f"Remove the key with ~{section}.{k}."
         )
 
