@@ -97,7 +97,7 @@ def real_checkpoint_cases(model_state, state, tmp: Path, raw: bytes) -> tuple[di
             """checkpoint.read maps the files and verifies every sha256; a resume then copies each tensor out
             of the mapping, so that is timed too (as a raw read copies every byte)."""
             loaded = ckpt.read(path)
-            return [s.data.clone() for part in (loaded.model, loaded.state) for chunks in part.values() for s in chunks]
+            return [s.tensor() for part in (loaded.model, loaded.state) for chunks in part.values() for s in chunks]
 
         checkpointer = ckpt.Checkpointer(tmp / "checkpoints", keep_last=1)
         path = checkpointer.save(1, model_state, state)

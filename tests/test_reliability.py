@@ -422,3 +422,26 @@ def test_a_preemption_right_after_a_periodic_save_does_not_save_that_step_again(
         assert [p.name for p in trainer.checkpointer.complete()] == ["step_00000004"]
     finally:
         trainer.backend.teardown()
+
+
+def test_a_checkpoint_file_truncated_while_it_is_read_is_an_error_not_sigbus(tmp_path):
+    """Checkpoint files used to be mapped: a shard truncated after its checks and before its tensors were copied
+    out killed the process with SIGBUS. Now each rank reads the byte ranges it uses, and a short read is one
+    CheckpointError. (In a subprocess: before the fix the signal would have killed pytest.)"""
+    script = """
+import os, sys, torch
+from trainer.checkpoint import Checkpointer, read
+from trainer.errors import CheckpointError
+from trainer.snapshot import assemble
+path = Checkpointer(sys.argv[1]).save(1, {"w": torch.arange(1 << 20, dtype=torch.float32)}, {"step": 1})
+loaded = read(path)
+os.truncate(path / "model.safetensors", 4096)  # after every check passed
+try:
+    assemble("w", loaded.model["w"], torch.empty(1 << 20), "checkpoint")
+except CheckpointError as e:
+    print("refused:", e)
+"""
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ckpt")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert "refused:" in r.stdout and "shorter than when it was opened" in r.stdout

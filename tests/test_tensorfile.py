@@ -89,7 +89,7 @@ def test_a_header_is_checked_against_the_size_before_anything_is_mapped_or_hashe
     path = tmp_path / "x.safetensors"
     tensorfile.write(path, _tensors())
     buf, _, entries = tensorfile.map_safetensors(path)
-    assert bytes(buf) == path.read_bytes() and entries.keys() == _tensors().keys()
+    assert bytes(buf.read(0, len(buf)).numpy()) == path.read_bytes() and entries.keys() == _tensors().keys()
     os.truncate(path, 200 << 30)  # a 200 GiB sparse file: hashing it would take minutes, mapping it may fail
     started = time.monotonic()
     with pytest.raises(ValueError, match=rf"{path} is not a valid safetensors file: the file is {200 << 30} bytes"):

@@ -61,7 +61,7 @@ def tensor_file(kind: str, rank: int) -> str:
 
 def sha256(path: Path) -> str:
     """sha256 of a file (for tools and tests; saving and loading hash the bytes they move)."""
-    return hashlib.sha256(tensorfile.map_file(path)).hexdigest()
+    return tensorfile.file_sha256(path)
 
 
 def _write(path: Path, data: bytes) -> str:
@@ -402,14 +402,14 @@ def verify(path: Path) -> dict:
 
 @dataclass
 class Loaded:
-    """A checkpoint mapped into memory: its tree and the stored chunks of every tensor (views into the files)."""
+    """A checkpoint opened for reading: its tree and the stored chunks of every tensor (read on use)."""
 
     path: Path
     step: int
     tree: Any
     model: dict[str, list[snapshot.Stored]]
     state: dict[str, list[snapshot.Stored]]
-    buffers: dict[str, Any]  # keeps the mappings alive while the views are in use
+    buffers: dict[str, Any]  # the open files the pending chunks read from
 
 
 def read(path: Path, backend=None) -> Loaded:

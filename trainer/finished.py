@@ -78,7 +78,7 @@ def _tensors(path: Path, fix: str) -> dict[str, torch.Tensor]:
     """A safetensors file of the run dir, its header checked against its size before anything is read."""
     with _reading(path, fix):
         buf, _, entries = tensorfile.map_safetensors(path, follow_links=False)
-    return {name: tensorfile.view(buf, entry).clone() for name, entry in entries.items()}
+    return {name: tensorfile.load(buf, entry) for name, entry in entries.items()}
 
 
 def _why(err: CheckpointError) -> str:

@@ -108,11 +108,21 @@ def parse_tree(data: bytes | memoryview, source) -> Any:
 # -- assembling tensors from chunks -----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Stored:
-    """One chunk as found in a file: a view into the mapped file, and where it sits in the whole tensor."""
+    """One chunk as found in a file: its data (a tensor, or a `tensorfile.Pending` read from the file when it is
+    used: a rank reads only the chunks it needs), and where it sits in the whole tensor."""
 
-    data: torch.Tensor
+    data: Any
     shape: tuple[int, ...]
     offset: tuple[int, ...]
+
+    def tensor(self) -> torch.Tensor:
+        """The chunk's values (read from its file now, for a pending chunk)."""
+        if isinstance(self.data, torch.Tensor):
+            return self.data
+        try:
+            return self.data.load()
+        except OSError as e:  # a file that shrank since it was checked: an error, never SIGBUS
+            raise CheckpointError(f"{e.strerror or e}; read the checkpoint again once nothing writes to it.") from None
 
 
 def stored_chunks(metadata: dict[str, str], views: dict[str, torch.Tensor], source) -> dict[str, Stored]:
@@ -159,7 +169,7 @@ def assemble(name: str, chunks: list[Stored], like: torch.Tensor, where: str) ->
         box = [(max(o, wo), min(o + n, wo + wn)) for o, n, wo, wn in zip(c.offset, c.data.shape, want_offset, want_shape)]
         if any(lo >= hi for lo, hi in box):
             continue
-        src, dst = c.data, out
+        src, dst = c.tensor(), out
         for d, (lo, hi) in enumerate(box):
             src = src.narrow(d, lo - c.offset[d], hi - lo)
             dst = dst.narrow(d, lo - want_offset[d], hi - lo)
@@ -292,7 +302,7 @@ def _free(tree: Any, chunks: dict[str, list[Stored]], where: str, path: str) -> 
             found = chunks.get(tree[TENSOR]) if isinstance(tree[TENSOR], str) else None
             if not found or len(found) != 1 or found[0].shape != tuple(found[0].data.shape):
                 raise CheckpointError(f"{where}: tensor '{tree[TENSOR]}' is missing or not whole.")
-            return found[0].data.clone()
+            return found[0].tensor().clone()
         if TUPLE in tree:
             if not isinstance(tree[TUPLE], list):
                 raise CheckpointError(f"{where}: '{path}' is a tuple whose items are not a list.")

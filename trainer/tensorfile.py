@@ -20,7 +20,6 @@ import errno
 import hashlib
 import json
 import math
-import mmap
 import os
 import stat
 import struct
@@ -108,49 +107,117 @@ def _open_regular(path: str | os.PathLike, follow_links: bool) -> tuple[int, int
     return fd, st.st_size
 
 
-def _map(fd: int, size: int) -> mmap.mmap | bytes:
-    # A private, copy-on-write mapping: writable, as `torch.frombuffer` wants, and never written back.
-    return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY) if size else b""
+class FileChanged(OSError):
+    """A file was shorter than when it was opened: truncated or replaced while it was read."""
 
 
-def map_file(path: str | os.PathLike, follow_links: bool = True, max_size: int | None = None) -> mmap.mmap | bytes:
-    """The bytes of the regular file at `path`, mapped rather than read. Anything else (a FIFO, a directory,
-    a device; a symbolic link with follow_links=False) raises OSError without blocking; a file larger
-    than `max_size` raises ValueError before it is mapped."""
+class FileReader:
+    """A regular file read by byte range with `pread`, never mapped. A mapped file that is truncated under the
+    reader kills the process with SIGBUS at the next touch of a vanished page; a read just comes back short,
+    which is an error with a message (FileChanged). Each rank reads only the byte ranges it uses."""
+
+    def __init__(self, fd: int, size: int, path):
+        self._file = os.fdopen(fd, "rb", buffering=0)  # owns the descriptor: closed with this object
+        self.size, self.path = size, path
+
+    def __len__(self) -> int:
+        return self.size
+
+    def read(self, begin: int, end: int) -> torch.Tensor:
+        """Bytes [begin, end) as a new uint8 tensor."""
+        out = torch.empty(end - begin, dtype=torch.uint8)
+        view, got = memoryview(out.numpy()), 0
+        while got < end - begin:
+            n = os.preadv(self._file.fileno(), [view[got:]], begin + got)
+            if n == 0:
+                raise FileChanged(errno.EIO, f"{self.path} is shorter than when it was opened (truncated or replaced "
+                                             "while it was read)")
+            got += n
+        return out
+
+    def sha256(self, block: int = 16 << 20) -> str:
+        """sha256 of the whole file, read a block at a time (hashlib releases the GIL: files hash in parallel)."""
+        digest = hashlib.sha256()
+        for begin in range(0, self.size, block):
+            digest.update(self.read(begin, min(begin + block, self.size)).numpy())
+        return digest.hexdigest()
+
+    def tensor(self, entry: Entry) -> torch.Tensor:
+        """A new tensor holding `entry`'s bytes."""
+        if entry.end == entry.begin:
+            return torch.empty(entry.shape, dtype=entry.dtype)
+        return self.read(entry.begin, entry.end).view(entry.dtype).reshape(entry.shape)
+
+
+class Pending:
+    """A tensor of a file, not read yet: its dtype and shape, and `load()`, which reads it (anew at each call)."""
+
+    __slots__ = ("reader", "entry")
+
+    def __init__(self, reader: FileReader, entry: Entry):
+        self.reader, self.entry = reader, entry
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.entry.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.entry.shape
+
+    def dim(self) -> int:
+        return len(self.entry.shape)
+
+    def load(self) -> torch.Tensor:
+        return self.reader.tensor(self.entry)
+
+
+def map_file(path: str | os.PathLike, follow_links: bool = True, max_size: int | None = None) -> bytearray:
+    """The bytes of the regular file at `path` (read, not mapped: see FileReader). Anything else (a FIFO, a
+    directory, a device; a symbolic link with follow_links=False) raises OSError without blocking; a file
+    larger than `max_size` raises ValueError before it is read."""
     fd, size = _open_regular(path, follow_links)
     try:
         if max_size is not None and size > max_size:
             raise ValueError(f"{path} is {size} bytes, more than the {max_size} such a file may have")
-        return _map(fd, size)
+        return bytearray(FileReader(os.dup(fd), size, path).read(0, size).numpy()) if size else bytearray()
     finally:
         os.close(fd)
 
 
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of the regular file at `path`, read a block at a time."""
+    fd, size = _open_regular(path, True)
+    return FileReader(fd, size, path).sha256()
+
+
 def map_safetensors(path: str | os.PathLike, follow_links: bool = False
-                    ) -> tuple[mmap.mmap | bytes, dict[str, str], dict[str, Entry]]:
-    """A safetensors file mapped, with its metadata and entries (as `read_header` gives them). The header
-    is read and checked against the file's size first: a file whose size differs from what its header
-    describes (truncated, padded, or a 200 GiB sparse file) is refused before anything is mapped or hashed."""
+                    ) -> tuple[FileReader, dict[str, str], dict[str, Entry]]:
+    """A safetensors file opened for reading (a FileReader), with its metadata and entries (as `read_header`
+    gives them). The header is read and checked against the file's size first: a file whose size differs from
+    what its header describes (truncated, padded, or a 200 GiB sparse file) is refused before anything is read
+    or hashed."""
     fd, size = _open_regular(path, follow_links)
     try:
         n = struct.unpack("<Q", os.pread(fd, 8, 0))[0] if size >= 8 else None
         head = os.pread(fd, n, 8) if n is not None and n <= min(_MAX_HEADER, size - 8) else b""
         metadata, entries = _parse_header(n, head, size, path)
-        buf = _map(fd, size)
-        if len(buf) != size:
-            raise ValueError(f"{path} changed while it was read")
-        return buf, metadata, entries
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return FileReader(fd, size, path), metadata, entries
 
 
-def sha256_all(buffers: dict[str, mmap.mmap | bytes]) -> dict[str, str]:
-    """sha256 of each buffer, the big ones hashed in parallel."""
+def sha256_all(buffers: dict[str, FileReader | bytes]) -> dict[str, str]:
+    """sha256 of each file (a FileReader) or buffer, the big ones hashed in parallel."""
+    def digest(b) -> str:
+        return b.sha256() if isinstance(b, FileReader) else hashlib.sha256(b).hexdigest()
+
     with ThreadPoolExecutor(max_workers=max(1, min(len(buffers), os.cpu_count() or 1))) as pool:
-        return dict(zip(buffers, pool.map(lambda b: hashlib.sha256(b).hexdigest(), buffers.values())))
+        return dict(zip(buffers, pool.map(digest, buffers.values())))
 
 
-def read_header(buf: mmap.mmap | bytes, source: Path) -> tuple[dict[str, str], dict[str, Entry]]:
+def read_header(buf: bytes, source: Path) -> tuple[dict[str, str], dict[str, Entry]]:
     """The metadata and the tensor entries of a safetensors file held in `buf`, nothing copied.
 
     Validates like the library does (header length, dtypes, shapes, offsets that tile the data
@@ -206,15 +273,23 @@ def _parse_header(n: int | None, head: bytes, size: int, source) -> tuple[dict[s
     return metadata, {name: Entry(dtype, shape, start + b, start + e) for b, e, name, dtype, shape in spans}
 
 
-def view(buf: mmap.mmap | bytes, entry: Entry) -> torch.Tensor:
-    """The tensor of `entry`, as a view of `buf` (no copy: clone what must outlive the mapping)."""
+def view(buf: FileReader | bytes, entry: Entry) -> torch.Tensor | Pending:
+    """The tensor of `entry`: in a file, a Pending read (see FileReader); in a buffer, a view of it (no copy:
+    clone what must outlive the buffer)."""
+    if isinstance(buf, FileReader):
+        return Pending(buf, entry)
     if entry.end == entry.begin:
         return torch.empty(entry.shape, dtype=entry.dtype)
     count = (entry.end - entry.begin) // entry.dtype.itemsize
     return torch.frombuffer(buf, dtype=entry.dtype, offset=entry.begin, count=count).reshape(entry.shape)
 
 
-def parse(buf: mmap.mmap | bytes, source: Path) -> dict[str, torch.Tensor]:
+def load(buf: FileReader | bytes, entry: Entry) -> torch.Tensor:
+    """A new tensor holding `entry`'s bytes, from a file or a buffer."""
+    return buf.tensor(entry) if isinstance(buf, FileReader) else view(buf, entry).clone()
+
+
+def parse(buf: bytes, source: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file held in `buf`, each copied out of it once."""
     _, entries = read_header(buf, source)
     return {name: view(buf, e).clone() for name, e in entries.items()}
