@@ -4,8 +4,8 @@ The safetensors library serialises a state dict into one `bytes` object and pars
 another set of copies; a checkpoint also needs the sha256 of every byte. Doing all three in turn
 cost a synchronous save 2.7x the time of a raw write, and a load 2x a raw read. Here a file is
 written straight from the tensors' memory while a second thread hashes the same buffers (hashlib
-releases the GIL), and read through `mmap` with the files hashed in parallel and the tensors
-copied out once. The files are plain safetensors (the format is an 8-byte header length, a JSON
+releases the GIL), and read with `pread`, only the byte ranges a rank uses, with the files hashed in
+parallel (never mapped: a mapped file truncated under the reader is a SIGBUS, a short read an error). The files are plain safetensors (the format is an 8-byte header length, a JSON
 header, then the raw bytes: https://github.com/huggingface/safetensors#format) that
 `safetensors.torch.load_file` and Hugging Face read; the tests hold us to that.
 
