@@ -16,7 +16,6 @@ from conftest import (
     FAULTY_ENV,
     ROOT,
     SHARED,
-    assert_same_run,
     checkpoints,
     faulty,
     read_metrics,
@@ -143,28 +142,6 @@ def test_two_jobs_of_the_same_second_get_two_run_dirs(corpus, tmp_path):
     finally:
         lock.release()
     assert (first / ".hydra").is_dir()
-
-
-def test_two_nodes_share_one_run_dir_as_the_readme_says(corpus, tmp_path, reference):
-    """Multi-node used to be refused by the run dir lock: node 1 found node 0's lock. The lock is one per job:
-    node 0's launcher takes it naming the job's rendezvous endpoint, and node 1 checks that it is its job's."""
-    from test_slurm import _free_port
-
-    port = _free_port()
-    run_dir = tmp_path / "shared"
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "trainer",
-             *tiny_overrides(corpus, *SHARED, "world=ddp", "world.nproc_per_node=1", "data.batch_size=4"),
-             "world.nnodes=2", f"world.node_rank={rank}", f"world.rdzv_endpoint=127.0.0.1:{port}",
-             f"hydra.run.dir={run_dir}"],
-            cwd=ROOT, env={**base, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for rank in (0, 1)
-    ]
-    outs = [p.communicate(timeout=240) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    assert_same_run(run_dir, reference)
 
 
 def test_a_node_refuses_a_run_dir_another_job_holds(corpus, tmp_path):
