@@ -36,7 +36,7 @@ CHECKED_ONLY = {
 # test_the_quickstart_runs_from_a_fresh_shell runs it in a new shell, as a user would.
 NOT_RUN = ("make ", "source ")
 # Where the README trains for minutes, the walkthrough trains for steps.
-SHRINK = {"trainer.max_steps=50": "trainer.max_steps=5"}
+SHRINK = {"trainer.max_steps=50": "trainer.max_steps=5", "tune.memory_mb=4000": "tune.memory_mb=4000 tune.max_batch_size=64"}
 
 
 def blocks(lang: str) -> list[tuple[int, str]]:
@@ -141,6 +141,15 @@ def test_readme_walkthrough(tmp_path):
             args = words[words.index("trainer") + 1:] if "trainer" in words else []
             assert args or command.endswith("trainer"), f"{where}: not a trainer command"
 
+            if args[:1] == ["tune"]:  # the finders, on the smoke model; on several processes checked as tune does
+                if any(key in command for key in CHECKED_ONLY):
+                    from trainer.tuning import prepare
+
+                    prepare([*args[1:], "debug=smoke"])  # test_second_week.py runs the finders on 2 ranks
+                    continue
+                r = run_here(*args, "debug=smoke", cwd=home)
+                assert r.returncode == 0 and "Run with: python -m trainer" in r.stdout, f"{where}\n{r.stdout}\n{r.stderr}"
+                continue
             if args[:1] == ["config"]:  # this machine's defaults: saved in a throwaway config home, not the suite's
                 r = run_here(*args, cwd=home, env={"TRAINER_CONFIG_HOME": str(tmp_path / "machine")})
                 assert r.returncode == 0 and r.stdout.strip() and not r.stderr, f"{where}\n{r.stdout}\n{r.stderr}"

@@ -350,3 +350,92 @@ def test_machine_defaults_hold_beside_a_config_dir(tmp_path, monkeypatch):
     assert load(["recipe=classify"], config_dir=CONF).checkpoint.keep_last == 1
     r = run_here("--config-dir", CONF, "recipe=classify", "--cfg", "job", cwd=tmp_path)
     assert r.returncode == 0 and "keep_last: 1" in r.stdout, r.stdout + r.stderr
+
+
+# -- 32.6: finders that agree across ranks ----------------------------------------------------------------------
+def _finder_lines(stdout: str, key: str) -> dict[int, str]:
+    """{size: 'fits (peak ...)' or 'does not fit (...)'} of each trial the finder printed."""
+    found = re.finditer(rf"^{re.escape(key)}=(\d+): ((?:fits|does not fit).*)$", stdout, re.M)
+    return {int(m.group(1)): m.group(2) for m in found}
+
+
+def test_the_batch_size_finder_stops_at_the_budget_and_says_the_override(tmp_path):
+    from conftest import run_here
+
+    r = run_here("tune", "batch_size", "debug=smoke", "tune.memory_mb=100000", "tune.max_batch_size=16",
+                 f"save={tmp_path / 'bs.txt'}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert sorted(_finder_lines(r.stdout, "data.batch_size")) == [1, 2, 4, 8, 16]
+    assert "Run with: python -m trainer debug=smoke data.batch_size=16" in r.stdout
+    assert (tmp_path / "bs.txt").read_text() == "data.batch_size=16\n"
+    # A budget below what torch itself takes: nothing fits, and it says so.
+    r = run_here("tune", "batch_size", "debug=smoke", "tune.memory_mb=10", cwd=tmp_path)
+    assert r.returncode == 2 and "not even data.batch_size=1 fits" in r.stderr and "tune.memory_mb=10" in r.stderr
+
+
+@pytest.mark.slow
+def test_the_batch_size_finder_agrees_across_ranks(tmp_path):
+    """Rank 1 needs 24 MB more per sample (tests/memory_hog.py): every rank stops at rank 1's limit, where
+    one process alone (rank 0's memory) goes on to the largest size tried."""
+    from conftest import FAULTY_ENV, run_cli
+
+    args = ("tune", "batch_size", "debug=smoke", "model._target_=memory_hog.HogGPT", "tune.memory_mb=1000",
+            "tune.max_batch_size=64")
+    alone = run_cli(*args, env=FAULTY_ENV, timeout=180)
+    assert alone.returncode == 0 and "data.batch_size=64: the largest" in alone.stdout, alone.stdout + alone.stderr
+    both = run_cli(*args, "world=ddp", "world.nproc_per_node=2", env=FAULTY_ENV, timeout=300)
+    assert both.returncode == 0, both.stdout + both.stderr
+    tried = _finder_lines(both.stdout, "data.batch_size")
+    last_fit = max(b for b, said in tried.items() if said.startswith("fits"))
+    assert last_fit < 64 and tried[2 * last_fit].startswith("does not fit (rank 1: peak"), both.stdout
+    assert f"data.batch_size={last_fit}: the largest micro-batch that fits on every rank" in both.stdout
+    assert both.stdout.count("the largest micro-batch") == 1  # said once, by rank 0
+
+
+def test_the_lr_range_test_suggests_an_lr_in_its_range(tmp_path):
+    from conftest import run_here
+
+    r = run_here("tune", "lr", "debug=smoke", "tune.steps=40", "tune.min_lr=1e-5", "tune.max_lr=10",
+                 f"save={tmp_path / 'lr.txt'}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    suggested = float(re.search(r"^optim.lr=(\S+): where the loss fell fastest", r.stdout, re.M).group(1))
+    assert 1e-5 < suggested < 10
+    assert (tmp_path / "lr.txt").read_text() == f"optim.lr={suggested:.3g}\n"
+    losses = [float(x) for x in re.findall(r"^lr=\S+  loss=(\S+)$", r.stdout, re.M)]
+    assert len(losses) >= 4 and min(losses) < losses[0]  # it learned somewhere in the sweep
+
+
+@pytest.mark.slow
+def test_the_lr_range_test_is_the_same_on_two_ranks(corpus, tmp_path):
+    """World size is a performance knob here too: 2 ranks x batch 4 see the curve 1 rank x batch 8 sees."""
+    from conftest import run_cli, tiny_overrides
+
+    args = ("tune", "lr", *tiny_overrides(corpus), "tune.steps=30", "tune.min_lr=1e-4", "tune.max_lr=1")
+    one = run_cli(*args, "data.batch_size=8", timeout=180)
+    two = run_cli(*args, "data.batch_size=4", "world=ddp", "world.nproc_per_node=2", timeout=300)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+
+    def curve(out: str):
+        return [(float(a), float(b)) for a, b in re.findall(r"^lr=(\S+)  loss=(\S+)$", out, re.M)]
+
+    assert [lr for lr, _ in curve(two.stdout)] == [lr for lr, _ in curve(one.stdout)]
+    # (the same arithmetic in another order: float differences, grown by the last, largest learning rates)
+    assert [loss for _, loss in curve(two.stdout)] == pytest.approx([loss for _, loss in curve(one.stdout)], rel=1e-3)
+    pick = re.compile(r"^(optim.lr=\S+): where", re.M)
+    assert pick.search(two.stdout).group(1) == pick.search(one.stdout).group(1)
+
+
+@pytest.mark.parametrize("args, says", [
+    ([], "say what to find: batch_size or lr"),
+    (["batch", "debug=smoke"], "Did you mean batch_size?"),
+    (["batch_size", "debug=smoke"], "tune.memory_mb=4000"),
+    (["batch_size", "debug=smoke", "world=fsdp", "world.nproc_per_node=2", "tune.memory_mb=1000"], "world=fsdp"),
+    (["lr", "debug=smoke", "tune.max_lr=1e-9"], "must be above tune.min_lr"),
+    (["lr", "debug=smoke", "tune.stepz=5"], "Did you mean steps?"),
+    (["lr", "debug=smoke", "optim.lrr=1"], "optim.lr=1"),
+])
+def test_a_finder_mistake_is_one_paragraph(tmp_path, args, says):
+    from conftest import run_here
+
+    r = run_here("tune", *args, cwd=tmp_path)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr

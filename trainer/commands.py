@@ -298,4 +298,12 @@ def config(argv: list[str]) -> int:
     return machine_config(argv)
 
 
-COMMANDS = {"env": env, "check": check, "eval": evaluate, "sample": sample, "config": config}
+@_user_errors
+def tune(argv: list[str]) -> int:
+    """`python -m trainer tune batch_size|lr [OVERRIDES]`: finders that agree across ranks (trainer/tuning.py)."""
+    from .tuning import command
+
+    return command(argv)
+
+
+COMMANDS = {"env": env, "check": check, "eval": evaluate, "sample": sample, "config": config, "tune": tune}

@@ -376,6 +376,20 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
             watch.stop()
 
 
+def tune_batch_size(cfg: DictConfig, run_dir: str | Path) -> int | None:
+    """`python -m trainer tune batch_size` on every rank (trainer/tuning.py)."""
+    from .tuning import find_batch_size
+
+    return find_batch_size(cfg, Path(run_dir))
+
+
+def tune_lr(cfg: DictConfig, run_dir: str | Path) -> float | None:
+    """`python -m trainer tune lr` on every rank (trainer/tuning.py)."""
+    from .tuning import find_lr
+
+    return find_lr(cfg, Path(run_dir))
+
+
 def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     """Train with a prepared config, writing outputs to `run_dir`. Returns the final metrics."""
     from .preemption import PreemptionFlag
