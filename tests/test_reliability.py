@@ -422,3 +422,22 @@ except CheckpointError as e:
                        timeout=60)
     assert r.returncode == 0, (r.returncode, r.stderr)
     assert "refused:" in r.stdout and "shorter than when it was opened" in r.stdout
+
+
+def test_resume_auto_leaves_the_same_seconds_other_job_alone(tmp_path):
+    """resume=auto without a run dir drops its own fresh timestamped dir when it continues an older run; a job
+    started in the same second shares that dir, and its records must stay while it holds the lock."""
+    from trainer.cli import _remove_if_free
+    from trainer.rundir import RunDirLock
+
+    run_dir = tmp_path / "12-00-00"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("other: job\n")
+    lock = RunDirLock(run_dir).acquire()
+    try:
+        _remove_if_free(run_dir)
+        assert (run_dir / "config.yaml").read_text() == "other: job\n"
+    finally:
+        lock.release()
+    _remove_if_free(run_dir)  # nobody holds it: only start records, so it goes
+    assert not run_dir.exists()

@@ -92,7 +92,7 @@ def run_job(cfg: DictConfig) -> float | None:
             if found is not None:
                 print(f"resume=auto: continuing {found}, the newest unfinished run under {found.parent.parent} "
                       "with this config (pass hydra.run.dir=DIR to choose another).", flush=True)
-                remove_if_unused(run_dir)  # (this job's fresh timestamped dir: nobody else's)
+                _remove_if_free(run_dir)  # this job's fresh timestamped dir (another job's of the same second stays)
                 run_dir = found
         run_dir, lock = _own_run_dir(run_dir, resolved, chosen=_chose_run_dir(hc))
         if lock.held:  # (the launchers of nodes other than 0 leave the records to node 0's)
@@ -176,6 +176,21 @@ def _own_run_dir(run_dir: Path, cfg: DictConfig, chosen: bool):
               flush=True)
         return other, RunDirLock(other).acquire()
     raise ConfigError(f"run dir {run_dir} and 98 numbered siblings are in use; pass hydra.run.dir=DIR.")
+
+
+def _remove_if_free(run_dir: Path) -> None:
+    """`remove_if_unused`, unless another job holds the run dir (a job started in the same second shares it)."""
+    from .errors import ConfigError
+    from .rundir import RunDirLock
+
+    try:
+        lock = RunDirLock(run_dir).acquire()
+    except ConfigError:
+        return
+    try:
+        remove_if_unused(run_dir)
+    finally:
+        lock.release()
 
 
 def _chose_run_dir(hc) -> bool:
