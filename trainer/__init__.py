@@ -7,6 +7,8 @@ Public API (imported lazily so `python -m trainer --help` does not pay for torch
     train(cfg, run_dir)       build, resume, fit and export
     load(run_dir, ema=False)  a finished run's model with its weights
     Trainer                   the loop, for use without Hydra
+    Runtime                   the framework under a loop of your own (setup, accumulate, backward, step,
+                              save_state, ...; trainer/runtime.py): what the Trainer itself runs on
     main_process_first()      run a block on the main process first (caches), then the rest
     is_main_process(), barrier(), broadcast_from_main(obj)
 """
@@ -22,6 +24,7 @@ _EXPORTS = {
     "train": "trainer.run",
     "load": "trainer.finished",
     "Trainer": "trainer.trainer",
+    "Runtime": "trainer.runtime",
     "Backend": "trainer.backend",
     "main_process_first": "trainer.backend",
     "is_main_process": "trainer.backend",

@@ -187,6 +187,44 @@ class Backend:
         gloo would deadlock on FSDP's all-gathers). Every rank must call it, in the same order."""
         return dist.new_group(backend="gloo") if self.distributed else None
 
+    def broadcast_tensors_(self, tensors: list[torch.Tensor]) -> None:
+        """In place, rank 0's values of `tensors` on every rank (a model each rank built before it is sharded)."""
+        if self.distributed:
+            with torch.no_grad():
+                for t in tensors:
+                    dist.broadcast(t.data, src=0)
+
+    def all_gather_cat(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` (the same shape on all), concatenated along dim 0 in rank order."""
+        if not self.distributed:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts)
+
+    def gather_samples(self, indices: list[int], rows: torch.Tensor) -> torch.Tensor:
+        """Per-sample `rows` of every rank (row i is sample `indices[i]`), as one tensor ordered by sample index,
+        on every rank. Each rank's samples are its own, so every sample is there exactly once."""
+        if not self.distributed:
+            order = torch.as_tensor(indices, dtype=torch.long).argsort()
+            return rows[order.to(rows.device)]
+        gathered = self.gather_object((list(indices), rows.detach().cpu()))
+        every = [i for idx, _ in gathered for i in idx]
+        stacked = torch.cat([r for _, r in gathered])
+        return stacked[torch.as_tensor(every, dtype=torch.long).argsort()].to(rows.device)
+
+    def monitored_barrier(self, timeout_s: float, group: Any = None) -> str | None:
+        """A barrier that gives up after `timeout_s` and says which ranks never came (None when all did), over a
+        gloo group (`side_group`): torch's monitored_barrier."""
+        if not self.distributed:
+            return None
+        try:
+            dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+        except RuntimeError as e:
+            text = str(e).strip().splitlines()[0] if str(e).strip() else "some rank"
+            return text[:300]
+        return None
+
     def gather_object_to_main(self, obj: Any, group: Any = None) -> list[Any] | None:
         """Every rank's `obj`, in rank order, on the main rank (None on the others)."""
         if not self.distributed:

@@ -24,26 +24,97 @@ from .redaction import redact
 from .rng import rng_state, set_rng_state
 
 
-class CheckpointManager:
-    """`run` is the Trainer's run state (`state_dict`, `load_state_dict`, `check_state`, `resize_notes`);
-    `components` the other stateful parts, saved under their names."""
+class Parts:
+    """The models and optimizers of a checkpoint, with the strategy that knows their layout.
 
-    def __init__(self, checkpointer, strategy, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run,
-                 components: dict[str, Any]):
-        self.checkpointer, self.strategy, self.backend = checkpointer, strategy, strategy.backend
-        self.model, self.optimizer, self.run, self.components = model, optimizer, run, components
+    One model named "model" with at most one optimizer (the Trainer's case, and a hand-written loop's usual one)
+    keeps the format every checkpoint of this framework has: model tensors under the plain module's keys, the
+    optimizer's state under "optimizer". Several (a GAN's generator and discriminator) put each model's tensors
+    under "<name>." and each optimizer's state under "optimizer" -> its name."""
+
+    def __init__(self, strategy, models: dict[str, torch.nn.Module],
+                 optimizers: dict[str, tuple[str, torch.optim.Optimizer]]):
+        self.strategy, self.models, self.optimizers = strategy, models, optimizers
+        self.single = list(models) == ["model"] and len(optimizers) <= 1
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        if self.single:
+            return self.strategy.model_state_dict(self.models["model"])
+        return {f"{name}.{k}": v for name, m in self.models.items()
+                for k, v in self.strategy.model_state_dict(m).items()}
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        if self.single:
+            self.strategy.load_model_state_dict(self.models["model"], state)
+            return
+        for name, m in self.models.items():
+            prefix = f"{name}."
+            self.strategy.load_model_state_dict(m, {k[len(prefix):]: v for k, v in state.items()
+                                                    if k.startswith(prefix)})
+
+    def _each(self, fn) -> Any:
+        out = {name: fn(self.models[model], opt) for name, (model, opt) in self.optimizers.items()}
+        return next(iter(out.values()), {"state": {}, "param_groups": []}) if self.single else out
+
+    def optimizer_state(self) -> Any:
+        return self._each(self.strategy.optimizer_state_dict)
+
+    def optimizer_template(self, saved: Any) -> Any:
+        """The live optimizers' state shape where the checkpoint has stepped state, an empty state elsewhere."""
+        def template(model, opt, stepped):
+            return self.strategy.optimizer_template(model, opt) if stepped else {"state": {}, "param_groups": []}
+
+        if self.single:
+            return self._each(lambda m, o: template(m, o, _stepped(saved)))
+        saved = saved if isinstance(saved, dict) else {}
+        return {name: template(self.models[model], opt, _stepped(saved.get(name)))
+                for name, (model, opt) in self.optimizers.items()}
+
+    def check_optimizer(self, state: Any, like: Any, where: str) -> None:
+        if self.single:
+            _check_optimizer(state, like, where)
+        else:
+            for name in self.optimizers:
+                _check_optimizer(state[name], like[name], f"{where} (optimizer {name})")
+
+    def load_optimizer_state(self, state: Any) -> None:
+        """The optimizers' moments and step counts from `state`; their hyperparameters (betas, weight decay, ...)
+        stay this run's config's. (The LR follows the schedule: see trainer/schedule.py.)"""
+        for name, (model, opt) in self.optimizers.items():
+            hyper = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in opt.param_groups]
+            self.strategy.load_optimizer_state_dict(self.models[model], opt, state if self.single else state[name])
+            for group, h in zip(opt.param_groups, hyper):
+                group.update(h)
+
+    def fresh_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [opt for _, opt in self.optimizers.values() if not opt.state]
+
+
+def _stepped(state: Any) -> bool:
+    return isinstance(state, dict) and bool(state.get("state"))
+
+
+class CheckpointManager:
+    """`run` is the run state (`state_dict`, `load_state_dict`, `check_state`, `resize_notes`: the Trainer's, or
+    a hand-written loop's through trainer.Runtime); `parts` the models and optimizers (`Parts`); `components` the
+    other stateful parts, saved under their names."""
+
+    def __init__(self, checkpointer, parts: Parts, run, components: dict[str, Any]):
+        self.checkpointer, self.parts, self.strategy = checkpointer, parts, parts.strategy
+        self.backend = parts.strategy.backend
+        self.run, self.components = run, components
 
     def state(self) -> dict[str, Any]:
         """Everything but the model weights. A collective when distributed (gathers each rank's RNG state)."""
         return {"trainer": self.run.state_dict(),
-                "optimizer": self.strategy.optimizer_state_dict(self.model, self.optimizer),
+                "optimizer": self.parts.optimizer_state(),
                 "rng": self.backend.gather_object(rng_state()),
                 **{name: c.state_dict() for name, c in self.components.items()}}
 
     def save(self, step: int, metrics: dict[str, float] | None = None, wait: bool = False) -> Path | None:
         """Save step `step` (in the background with checkpoint.async_save); `wait` before exiting the process."""
         self.checkpointer.consider(metrics, step)  # before the state is taken: it records the best
-        model_state = self.strategy.model_state_dict(self.model)
+        model_state = self.parts.model_state()
         state = self.state()  # on every rank: it gathers RNG states
         path = self.checkpointer.save(step, model_state, state, metrics)
         if wait:  # nobody exits (and gets the job torn down) while a rank is still writing
@@ -64,15 +135,15 @@ class CheckpointManager:
         know about the load (components started fresh, a changed global batch)."""
         loaded = ckpt.read(path, self.backend)
         where = f"checkpoint {path}"
-        fresh_optimizer = not self.optimizer.state
+        fresh = self.parts.fresh_optimizers()
         error, checked = None, None
         try:
             checked = self._checked(loaded, where, resume)
         except CheckpointError as e:
             error = e
         except BaseException:
-            if fresh_optimizer:  # the template initialised it; a fresh run must not start from that
-                self.strategy.reset_optimizer(self.optimizer)
+            for opt in fresh:  # the template initialised it; a fresh run must not start from that
+                self.strategy.reset_optimizer(opt)
             raise
         if self.backend.distributed:  # one verdict for all ranks: a rank that loads while another falls back hangs
             verdicts = self.backend.gather_object(str(error) if error else None)
@@ -80,18 +151,12 @@ class CheckpointManager:
                           for r, v in enumerate(verdicts) if v), None)
             error = CheckpointError(first) if first and error is None else error
         if error is not None:
-            if fresh_optimizer:
-                self.strategy.reset_optimizer(self.optimizer)
+            for opt in fresh:
+                self.strategy.reset_optimizer(opt)
             raise error
         model_state, state, absent = checked
-        # The optimizer's hyperparameters (betas, weight decay, ...) are this run's config's; its moments and
-        # step counts the checkpoint's. (The LR follows the schedule: see trainer/schedule.py.)
-        hyper = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
-                 for g in self.optimizer.param_groups]
-        self.strategy.load_model_state_dict(self.model, model_state)
-        self.strategy.load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
-        for group, h in zip(self.optimizer.param_groups, hyper):
-            group.update(h)
+        self.parts.load_model_state(model_state)
+        self.parts.load_optimizer_state(state["optimizer"])
         for name, c in self.components.items():
             if name in state:
                 c.load_state_dict(state[name])
@@ -116,7 +181,7 @@ class CheckpointManager:
     def _checked(self, loaded: ckpt.Loaded, where: str, resume: bool):
         """The checkpoint's model and run state, checked against the live objects and conformed to them, and the
         components it has no state for ({"ema": True, "callbacks": [names]}). Raises CheckpointError."""
-        live_model = self.strategy.model_state_dict(self.model)
+        live_model = self.parts.model_state()
         problems = ckpt.model_mismatches(loaded, live_model)
         if problems:
             raise CheckpointError(f"{where} does not match the model ({len(problems)} tensors): " + "; ".join(problems)
@@ -134,12 +199,10 @@ class CheckpointManager:
         missing = [k for k in ("optimizer", *like) if k not in tree]
         if missing:
             raise CheckpointError(f"{where} has no {', '.join(missing)} state: it was saved by another configuration.")
-        saved_optimizer = isinstance(tree["optimizer"], dict) and bool(tree["optimizer"].get("state"))
         model_state = {k: snapshot.assemble(k, loaded.model[k], v, where) for k, v in live_model.items()}
-        like["optimizer"] = (self.strategy.optimizer_template(self.model, self.optimizer) if saved_optimizer
-                             else {"state": {}, "param_groups": []})
+        like["optimizer"] = self.parts.optimizer_template(tree["optimizer"])
         state = snapshot.conform({k: tree[k] for k in like}, like, loaded.state, where)
-        _check_optimizer(state["optimizer"], like["optimizer"], where)
+        self.parts.check_optimizer(state["optimizer"], like["optimizer"], where)
         for name, c in self.components.items():
             if name in state and hasattr(c, "check_state"):  # values of the right kind but out of range
                 c.check_state(state[name], f"{where}: {name}")

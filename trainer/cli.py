@@ -18,7 +18,7 @@ from .config import check_hydra_hooks
 from .errors import NonFiniteError, TrainerExit, UserError, debug_enabled, report
 from .redaction import redact, scrub, secret_values
 
-COMMANDS = ("env", "check", "eval", "sample", "config", "tune")  # trainer/commands.py
+COMMANDS = ("env", "check", "eval", "sample", "config", "tune", "launch")  # trainer/commands.py
 
 
 def precheck(argv: list[str]) -> None:

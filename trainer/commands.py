@@ -306,4 +306,37 @@ def tune(argv: list[str]) -> int:
     return command(argv)
 
 
-COMMANDS = {"env": env, "check": check, "eval": evaluate, "sample": sample, "config": config, "tune": tune}
+@_user_errors
+def launch(argv: list[str]) -> int:
+    """`python -m trainer launch [OVERRIDES ...] SCRIPT.py [SCRIPT ARGS ...]`: run your own script (a loop on
+    trainer.Runtime) on the processes `world` asks for (world=ddp world.nproc_per_node=2), like `accelerate
+    launch`. `trainer.Runtime()` in the script then takes world, precision, trainer.grad_accum_steps and
+    trainer.seed from these overrides."""
+    import shutil
+
+    from .composition import load, prepare
+    from .errors import ConfigError
+    from .launcher import run
+
+    usage = "python -m trainer launch [KEY=VALUE ...] SCRIPT.py [ARGS ...]"
+    at = next((i for i, a in enumerate(argv) if "=" not in a or a.startswith("-")), None)
+    if at is None:
+        raise ConfigError(f"usage: {usage} (no script given).")
+    overrides, script, args = argv[:at], Path(argv[at]), argv[at + 1:]
+    if not script.is_file():
+        raise ConfigError(f"python -m trainer launch: {script} is not a file. usage: {usage}")
+    cfg = prepare(load(overrides))
+    scratch = Path(tempfile.mkdtemp(prefix="trainer-launch-"))  # the launcher's bookkeeping (hang reports)
+    os.environ[SCRIPT_ENV] = json.dumps([str(script.resolve()), *args])
+    try:
+        run(cfg, scratch, entry="script")
+    finally:
+        os.environ.pop(SCRIPT_ENV, None)
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+SCRIPT_ENV = "TRAINER_SCRIPT"  # the script and its arguments, for trainer.run.script on every rank
+
+COMMANDS = {"env": env, "check": check, "eval": evaluate, "sample": sample, "config": config, "tune": tune,
+            "launch": launch}

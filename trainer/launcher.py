@@ -180,7 +180,8 @@ def launch(cfg: DictConfig, run_dir: Path, entry: str = "train") -> dict | None:
     # A stop signal before the workers exist (while the datasets are built): nothing to save, exit 75.
     early = PreemptionFlag().install()
     try:
-        preflight(cfg, run_dir)
+        if entry != "script":  # (a user's script builds what it builds itself)
+            preflight(cfg, run_dir)
     finally:
         early.uninstall()
     if early.requested:

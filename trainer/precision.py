@@ -138,7 +138,11 @@ class FP16(FP32):
         self.scaler.scale(loss).backward()
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        self.scaler.unscale_(optimizer)
+        """Once per step (clipping and a user's own call may both ask; GradScaler refuses a second time)."""
+        from torch.amp.grad_scaler import OptState
+
+        if self.scaler._per_optimizer_states[id(optimizer)]["stage"] is not OptState.UNSCALED:
+            self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         # The scaler only lowers its scale after a step it skipped; GradScaler.step already syncs

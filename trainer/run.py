@@ -36,6 +36,7 @@ from .loggers import JsonlLogger, LoggerGroup, NullLogger
 from .metrics import Cost
 from .nonfinite import NonFiniteGuard
 from .redaction import redact
+from .runtime import Runtime
 from .strategies import seed_everything, unwrap
 from .trainer import Trainer
 
@@ -205,19 +206,20 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
         ecfg: EMAConfig = typed(EMAConfig, cfg.get("ema"))
         precision = build_node("precision", cfg.precision, device_type=backend.device.type,
                                sharded=strategy.shards_parameters)  # built for the strategy it serves
-        strategy.setup(backend, precision)
+        # The runtime sets the strategy up and takes the step's calls: the Trainer is a loop on trainer.Runtime.
+        rt = Runtime(strategy, precision, grad_accum_steps=tcfg.grad_accum_steps, seed=tcfg.seed, backend=backend)
         task = build_node("task", cfg.task)
         train_data, val_data = build_data(cfg.data)
         if hasattr(task, "setup"):  # e.g. fit a normaliser on the training split (see trainer/task.py)
             task.setup(train_data, val_data, run_dir)
         # Same seed on every rank: identical initial weights.
-        model = strategy.build_model(lambda: build_node("model", cfg.model), tcfg.seed, tcfg.activation_checkpointing)
+        model = rt.build_model(lambda: build_node("model", cfg.model), tcfg.activation_checkpointing)
         raw_model = unwrap(model)
         ema = EMA(raw_model, ecfg.decay, ecfg.warmup, ecfg.update_every) if ecfg.enabled else None
         if tcfg.compile:
             model = torch.compile(model, backend=tcfg.compile_backend)
         say = print if backend.is_main else (lambda *a, **k: None)
-        optimizer = build_optimizer(cfg.optim, model, say=say)
+        optimizer = rt.setup(build_optimizer(cfg.optim, model, say=say))
         epochs_to_steps(tcfg, ccfg, len(train_data), cfg.data.batch_size * tcfg.grad_accum_steps * strategy.dp_size,
                         say)
         warn_long_warmup(cfg.scheduler, tcfg.max_steps, say)
@@ -231,8 +233,7 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
         data = Data(train_data, val_data, cfg.data.batch_size, cfg.data.get("shuffle", True),
                     cfg.data.get("num_workers", 0))
         trainer = Trainer(
-            model=model, task=task, optimizer=optimizer, scheduler=scheduler, precision=precision,
-            strategy=strategy, data=data, config=tcfg, loggers=build_loggers(cfg.logger, run_dir, backend.is_main),
+            runtime=rt, model=model, task=task, optimizer=optimizer, scheduler=scheduler, data=data, config=tcfg, loggers=build_loggers(cfg.logger, run_dir, backend.is_main),
             checkpointer=checkpointer, ema=ema, guard=NonFiniteGuard.build(tcfg, precision, optimizer, backend),
             cost=Cost(raw_model, backend.device, precision.dtype, tcfg.peak_tflops, backend.world_size, say=say),
             components={"task": task} if hasattr(task, "state_dict") else None, preemption=preemption,
@@ -388,6 +389,32 @@ def tune_lr(cfg: DictConfig, run_dir: str | Path) -> float | None:
     from .tuning import find_lr
 
     return find_lr(cfg, Path(run_dir))
+
+
+def script(cfg: DictConfig, run_dir: str | Path) -> None:
+    """`python -m trainer launch ... SCRIPT.py ARGS`, on every rank: the user's script as `__main__`, with the job's
+    config where `trainer.Runtime()` finds it."""
+    import json
+    import os
+    import runpy
+    import sys
+
+    from .commands import SCRIPT_ENV
+    from .runtime import LAUNCH_ENV
+
+    path, *args = json.loads(os.environ[SCRIPT_ENV])
+    ours = LAUNCH_ENV not in os.environ  # one process: the launcher started no workers, so it is not set yet
+    if ours:
+        os.environ[LAUNCH_ENV] = json.dumps(OmegaConf.to_container(cfg))
+    argv, sys.argv = sys.argv, [path, *args]
+    sys.path.insert(0, str(Path(path).parent))
+    try:
+        runpy.run_path(path, run_name="__main__")
+    finally:
+        sys.argv = argv
+        sys.path.remove(str(Path(path).parent))
+        if ours:
+            os.environ.pop(LAUNCH_ENV, None)
 
 
 def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:

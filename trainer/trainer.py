@@ -14,7 +14,7 @@ import torch.nn as nn
 from . import checkpoint as ckpt
 from . import noise, watchdog
 from .callbacks import Callbacks
-from .checkpointing import CheckpointManager
+from .checkpointing import CheckpointManager, Parts
 from .config import TrainerConfig
 from .data import Data, GlobalBatchSampler, eval_batches, train_loader
 from .ema import EMA
@@ -26,7 +26,8 @@ from .nonfinite import FIX, NonFiniteGuard
 from .preemption import PreemptionFlag
 from .progress import NullProgress, Progress
 from .redaction import redact_text
-from .strategies import Strategy, unwrap
+from .runtime import Runtime
+from .strategies import unwrap
 from .task import Task, split_loss
 
 EVAL_STREAM = 1 << 48  # val sample i draws its noise (trainer.noise) as sample EVAL_STREAM + i of the stream
@@ -40,14 +41,17 @@ class Trainer:
     non-finite guard, loggers, EMA, and whatever the recipe adds through `components`); the loop only says when.
     """
 
-    def __init__(self, *, model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler, precision, strategy: Strategy, data: Data,
+    def __init__(self, *, runtime: Runtime, model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, data: Data,
                  config: TrainerConfig, loggers: NullLogger | None = None, checkpointer=None,
                  ema: EMA | None = None, guard: NonFiniteGuard | None = None, cost: Cost | None = None,
                  components: dict[str, Any] | None = None, preemption: PreemptionFlag | None = None,
                  callbacks: Callbacks | None = None):
-        self.model, self.task, self.optimizer, self.scheduler = model, task, optimizer, scheduler
-        self.precision, self.strategy, self.backend, self.cfg = precision, strategy, strategy.backend, config
+        # The runtime (trainer/runtime.py) holds the process, the strategy and the precision, and takes the step's
+        # calls (accumulate, backward, clip, step): the same ones a hand-written loop makes.
+        self.rt, self.model, self.task, self.optimizer, self.scheduler = runtime, model, task, optimizer, scheduler
+        self.precision, self.strategy, self.backend, self.cfg = runtime.precision, runtime.strategy, runtime.backend, config
+        precision, strategy = self.precision, self.strategy
         self.data = data
         self.loggers = loggers or NullLogger()
         self.checkpointer = checkpointer or ckpt.NullCheckpointer()
@@ -60,7 +64,9 @@ class Trainer:
         self.components = {"scheduler": scheduler, "precision": precision, "nonfinite": self.guard,
                            "loggers": self.loggers, "checkpointer": self.checkpointer, "callbacks": self.callbacks,
                            **({"ema": ema} if ema is not None else {}), **(components or {})}
-        self.checkpoints = CheckpointManager(self.checkpointer, strategy, model, optimizer, self, self.components)
+        self.checkpoints = CheckpointManager(self.checkpointer, Parts(strategy, {"model": model},
+                                                                      {"optimizer": ("model", optimizer)}),
+                                             self, self.components)
         # Run state (in checkpoints).
         self.step = 0  # optimizer steps done (skipped fp16/nonfinite steps included)
         self.samples_seen = 0  # position in the global sample stream
@@ -106,7 +112,7 @@ class Trainer:
 
     def train_step(self, batches: list[Any], n_global) -> dict[str, Any]:
         """One optimizer step over this rank's micro-batches. Returns device tensors (no host sync)."""
-        model, opt, k = self.model, self.optimizer, len(batches)
+        rt, model, opt = self.rt, self.model, self.optimizer
         # Token-weighted normalisation: each micro-batch's summed loss is divided by the number of
         # targets in the whole global batch (all micro-steps, all ranks). So k micro-batches of b
         # equal one batch of k*b even when batches differ in length. Data-parallel ranks average their
@@ -119,22 +125,20 @@ class Trainer:
             # (trainer.noise) depends on it alone, not on how the global batch is split.
             first = self.samples_seen + (i * dp + self.strategy.dp_rank) * b
             # Gradients are synced only in the last micro-step's backward; earlier ones accumulate.
-            with self.strategy.no_sync(model, enabled=i < k - 1), self.precision.autocast(), \
-                    noise.for_samples(torch.arange(first, first + b), self.cfg.seed):
-                loss, extra = split_loss(self.task.loss(model, batch))
-            self.precision.backward(loss * scale)
+            with rt.accumulate(model):
+                with rt.autocast(), noise.for_samples(torch.arange(first, first + b), self.cfg.seed):
+                    loss, extra = split_loss(self.task.loss(model, batch))
+                rt.backward(loss, scale=scale)
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             for name, value in extra.items():  # additive sums (accuracy counts, ...): summed like the loss
                 sums[name] = sums.get(name, 0) + torch.as_tensor(value).detach().double()
-        self.strategy.reduce_gradients(self.params)  # where the wrapper did not (tensor parallel without FSDP)
-        # Clip the true gradients: fp16 gradients are unscaled first.
-        self.precision.unscale_(opt)
-        grad_norm = self.strategy.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        # The true gradients (averaged where the wrapper did not, fp16's unscaled), clipped over every mesh.
+        grad_norm = rt.clip_grad_norm_(model, self.cfg.grad_clip)
         # The update, unless the norm is NaN/inf (trainer.nonfinite; see trainer/nonfinite.py).
         applied = False
         if self.guard.allows(grad_norm, self.step + 1, loss_sum):
             with self.guard.skip_on_device(opt):
-                applied = self.precision.step(opt)  # False when fp16's loss scaler skipped an overflowed step
+                applied = rt.step(opt, zero_grad=False)  # False when fp16's loss scaler skipped an overflowed step
         self.guard.record(applied, self.step + 1)
         opt.zero_grad(set_to_none=True)
         if applied:

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 # What the launcher sets for each worker (this module reads them; the launcher imports the names).
 CONFIG_ENV, RUN_DIR_ENV, ENTRY_ENV = "TRAINER_CONFIG", "TRAINER_RUN_DIR", "TRAINER_ENTRY"
 LAUNCHER_ENV = "TRAINER_LAUNCHER_PID"  # the launching process: workers die with it (trainer/rundir.py)
-ENTRIES = ("train", "evaluate", "tune_batch_size", "tune_lr")  # functions of trainer.run a job runs on every rank
+ENTRIES = ("train", "evaluate", "tune_batch_size", "tune_lr", "script")  # functions of trainer.run a job runs on every rank
 
 
 def run_worker(cfg: DictConfig, run_dir: Path, entry: str = "train") -> int:

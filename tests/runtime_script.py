@@ -1,0 +1,94 @@
+"""A script on trainer.Runtime for tests/test_own_loop.py, run by `python -m trainer launch` (or plainly).
+
+    runtime_script.py two OUT [STEPS [SAVE_EVERY]]   a GAN-shaped step: two models, two optimizers, two schedules
+    runtime_script.py gather N BATCH                 eval outputs gathered across ranks, each sample once
+    runtime_script.py save_on_main_only OUT          rt.save_state under `if rt.is_main_process` (a mistake)
+    runtime_script.py backward_outside OUT           rt.backward outside rt.accumulate with accumulation (a mistake)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.nn as nn
+from torch.utils.data import TensorDataset
+
+import trainer
+
+
+def data(n: int = 64) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(n, 4, generator=g) * 0.5 + 1.0, torch.randn(n, 4, generator=g))
+
+
+def two(rt: trainer.Runtime, out: str, steps: int = 6, save_every: int = 0) -> None:
+    torch.manual_seed(rt.seed)
+    gen, disc = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)), nn.Sequential(nn.Linear(4, 8), nn.Tanh(),
+                                                                                          nn.Linear(8, 1))
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-2, betas=(0.5, 0.9))
+    opt_d = torch.optim.SGD(disc.parameters(), lr=5e-2, momentum=0.9)
+    sched_g = torch.optim.lr_scheduler.StepLR(opt_g, step_size=2, gamma=0.5)
+    gen, disc, opt_g, opt_d = rt.setup(gen, disc, opt_g, opt_d, names=["gen", "disc", "opt_g", "opt_d"])
+    rt.register("sched_g", sched_g)
+    loader = rt.loader(data(), batch_size=8 // rt.world_size)
+    step = rt.load_state(f"{out}/checkpoints") or 0
+    while step < steps:
+        for real, z in loader:
+            # The discriminator's step: real against generated samples, in one forward (DDP wants one per backward).
+            opt_d.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                fake = gen(z)
+            scores = disc(torch.cat([real, fake]))
+            loss_d = nn.functional.softplus(-scores[: len(real)]).mean() + nn.functional.softplus(scores[len(real):]).mean()
+            rt.backward(loss_d)
+            rt.clip_grad_norm_(disc, 1.0)
+            rt.step(opt_d)
+            # The generator's step, through the discriminator (whose gradients from it are dropped above).
+            loss_g = nn.functional.softplus(-disc(gen(z))).mean()
+            rt.backward(loss_g)
+            rt.step(opt_g, sched_g)
+            step += 1
+            if save_every and step % save_every == 0:
+                rt.save_state(f"{out}/checkpoints", step)
+            if step == steps:
+                break
+    rt.save_model(gen, out, name="gen")
+    rt.save_model(disc, out, name="disc")
+    rt.end()
+
+
+def gather(rt: trainer.Runtime, n: int, batch: int) -> None:
+    """Each eval sample's row is [index, value]: the gathered rows must be every index once, in order."""
+    values = torch.linspace(-1, 1, n) ** 3
+    dataset = TensorDataset(torch.arange(n, dtype=torch.float32), values)
+    loader = rt.eval_loader(dataset, batch_size=batch)
+    rows = torch.cat([torch.stack(b, dim=1) for b in loader])
+    everything = rt.gather_for_metrics(rows, loader)
+    # A metric that is not a sum over ranks: the median of all values (and the count, to see none repeats).
+    rt.print(json.dumps({"indices": everything[:, 0].tolist(), "median": everything[:, 1].median().item(),
+                         "local_rows": rows.shape[0]}))
+    rt.end()
+
+
+def save_on_main_only(rt: trainer.Runtime, out: str) -> None:
+    model = rt.setup(nn.Linear(2, 2))
+    if rt.is_main_process:
+        rt.save_state(f"{out}/checkpoints", 1)
+    del model
+
+
+def backward_outside(rt: trainer.Runtime, out: str) -> None:
+    model = rt.setup(nn.Linear(2, 2))
+    loss = model(torch.ones(1, 2)).sum()
+    rt.backward(loss)
+
+
+if __name__ == "__main__":
+    mode, *args = sys.argv[1:]
+    runtime = trainer.Runtime()
+    {"two": lambda: two(runtime, args[0], *map(int, args[1:])),
+     "gather": lambda: gather(runtime, int(args[0]), int(args[1])),
+     "save_on_main_only": lambda: save_on_main_only(runtime, args[0]),
+     "backward_outside": lambda: backward_outside(runtime, args[0])}[mode]()
