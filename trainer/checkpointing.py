@@ -188,7 +188,8 @@ class CheckpointManager:
                                   + ". Use the model config it was trained with (see its config.yaml).")
         tree = loaded.tree if isinstance(loaded.tree, dict) else {}
         like = {"trainer": self.run.state_dict(), "rng": [rng_state()],
-                **{n: c.state_dict() for n, c in self.components.items()}, "loggers": {}}
+                **{n: c.state_dict() for n, c in self.components.items()},
+                **({"loggers": {}} if "loggers" in self.components else {})}  # (a rewound stream: any state)
         absent: dict[str, Any] = {}
         if "ema" in like and "ema" not in tree:
             absent["ema"] = True
