@@ -39,14 +39,19 @@ def assert_close_weights(got: Path, want: Path, exact: bool = False) -> None:
 
 @pytest.mark.parametrize("world", [
     ("--batch-size", "8"),
-    ("world=ddp", "world.nproc_per_node=2", "--batch-size", "4"),
+    ("torchrun", "--world", "ddp", "--batch-size", "4"),
     ("world=fsdp", "world.nproc_per_node=2", "trainer.grad_accum_steps=2", "--batch-size", "2"),
-], ids=["single", "ddp2", "fsdp2_accum2"])
+], ids=["single", "ddp2_torchrun", "fsdp2_accum2"])
 def test_your_own_loop_trains_what_the_trainer_trains(world, reference, corpus, tmp_path):
+    """One process and FSDP through `python -m trainer launch`, DDP under torchrun."""
     overrides = [a for a in world if "=" in a]
-    script_args = [a for a in world if "=" not in a]
+    script_args = [a for a in world if "=" not in a and a != "torchrun"]
     args = [*overrides, OWN_LOOP, "--data", str(corpus), "--out", str(tmp_path), *LIKE_REFERENCE, *script_args]
-    r = run_here("launch", *args, cwd=tmp_path) if not overrides else launch(*args)
+    if "torchrun" in world:
+        r = run_cli("--standalone", "--nproc_per_node=2", *args, module="torch.distributed.run",
+                    env={**TWO_PROCS, "OMP_NUM_THREADS": "1"})
+    else:
+        r = run_here("launch", *args, cwd=tmp_path) if not overrides else launch(*args)
     assert r.returncode == 0, r.stderr
     assert_close_weights(tmp_path / "model.safetensors", reference / "model.safetensors")
 

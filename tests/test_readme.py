@@ -150,6 +150,17 @@ def test_readme_walkthrough(tmp_path):
                 r = run_here(*args, "debug=smoke", cwd=home)
                 assert r.returncode == 0 and "Run with: python -m trainer" in r.stdout, f"{where}\n{r.stdout}\n{r.stderr}"
                 continue
+            if args[:1] == ["launch"]:  # a script of your own (recipes/lm/own_loop.py): shorter, from the repository
+                args = [str(ROOT / a) if a.endswith(".py") else a for a in args]
+                if any(key in command for key in CHECKED_ONLY):  # several processes: test_own_loop.py runs them
+                    from trainer.commands import launch_parts
+
+                    launch_parts(args[1:])  # the overrides composed and checked, the script found
+                    continue
+                r = run_here(*args, "--steps", "3", "--out", str(tmp_path / "own_loop"), cwd=home)
+                assert r.returncode == 0 and (tmp_path / "own_loop" / "model.safetensors").is_file(), \
+                    f"{where}\n{r.stdout}\n{r.stderr}"
+                continue
             if args[:1] == ["config"]:  # this machine's defaults: saved in a throwaway config home, not the suite's
                 r = run_here(*args, cwd=home, env={"TRAINER_CONFIG_HOME": str(tmp_path / "machine")})
                 assert r.returncode == 0 and r.stdout.strip() and not r.stderr, f"{where}\n{r.stdout}\n{r.stderr}"

@@ -314,18 +314,9 @@ def launch(argv: list[str]) -> int:
     trainer.seed from these overrides."""
     import shutil
 
-    from .composition import load, prepare
-    from .errors import ConfigError
     from .launcher import run
 
-    usage = "python -m trainer launch [KEY=VALUE ...] SCRIPT.py [ARGS ...]"
-    at = next((i for i, a in enumerate(argv) if "=" not in a or a.startswith("-")), None)
-    if at is None:
-        raise ConfigError(f"usage: {usage} (no script given).")
-    overrides, script, args = argv[:at], Path(argv[at]), argv[at + 1:]
-    if not script.is_file():
-        raise ConfigError(f"python -m trainer launch: {script} is not a file. usage: {usage}")
-    cfg = prepare(load(overrides))
+    cfg, script, args = launch_parts(argv)
     scratch = Path(tempfile.mkdtemp(prefix="trainer-launch-"))  # the launcher's bookkeeping (hang reports)
     os.environ[SCRIPT_ENV] = json.dumps([str(script.resolve()), *args])
     try:
@@ -334,6 +325,21 @@ def launch(argv: list[str]) -> int:
         os.environ.pop(SCRIPT_ENV, None)
         shutil.rmtree(scratch, ignore_errors=True)
     return 0
+
+
+def launch_parts(argv: list[str]):
+    """`launch`'s arguments: the overrides' config (composed and checked), the script, the script's arguments."""
+    from .composition import load, prepare
+    from .errors import ConfigError
+
+    usage = "python -m trainer launch [KEY=VALUE ...] SCRIPT.py [ARGS ...]"
+    at = next((i for i, a in enumerate(argv) if "=" not in a or a.startswith("-")), None)
+    if at is None:
+        raise ConfigError(f"usage: {usage} (no script given).")
+    overrides, script, args = argv[:at], Path(argv[at]), argv[at + 1:]
+    if not script.is_file():
+        raise ConfigError(f"python -m trainer launch: the script {script} is not a file. usage: {usage}")
+    return prepare(load(overrides)), script, args
 
 
 SCRIPT_ENV = "TRAINER_SCRIPT"  # the script and its arguments, for trainer.run.script on every rank
