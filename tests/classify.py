@@ -20,3 +20,28 @@ def blobs(n: int = 300, val: int = 61):
     centers = torch.tensor([[0.0, 2.0], [2.0, -1.0], [-2.0, -1.0]])
     x = centers[y] + 1.2 * torch.randn(n, 2, generator=g)
     return TensorDataset(x[val:], y[val:]), TensorDataset(x[:val], y[:val])
+
+
+class Ranking:
+    """The classification task with a metric that is not a sum over ranks: the AUROC of "class 0 vs the rest"
+    (task.predict / task.score, trainer/task.py)."""
+
+    def __init__(self):
+        from trainer.task import SupervisedTask
+
+        self.inner = SupervisedTask("torch.nn.CrossEntropyLoss")
+        self.num_targets, self.loss = self.inner.num_targets, self.inner.loss
+
+    def predict(self, model, batch):
+        x, y = batch
+        return {"score": model(x).softmax(-1)[:, 0], "positive": (y == 0).float()}
+
+    def score(self, outputs):
+        return {"auroc": auroc(outputs["score"], outputs["positive"]), "scored": float(len(outputs["score"]))}
+
+
+def auroc(score: torch.Tensor, positive: torch.Tensor) -> float:
+    """The probability that a positive outscores a negative (ties count half): the Mann-Whitney U statistic."""
+    pos, neg = score[positive == 1], score[positive == 0]
+    greater = (pos[:, None] > neg[None, :]).double().sum() + 0.5 * (pos[:, None] == neg[None, :]).double().sum()
+    return (greater / (len(pos) * len(neg))).item()

@@ -59,3 +59,27 @@ def test_accuracy_over_two_ranks_and_micro_batches_equals_one_process_and_both_s
         # step (micro-batches, ranks, the CPU's SIMD width), so <= 30 x 1e-6 after 30 steps.
         assert series(two, key) == pytest.approx(series(one, key), abs=30 * 1e-6), key
     assert one[-1]["step"] == two[-1]["step"] == 30
+
+
+def test_a_metric_over_the_whole_val_set_equals_one_process_computing_it(tmp_path):
+    """Issue 26.4: task.predict rows gathered from 2 ranks (val: 61 samples split 31/30), each sample once; the AUROC
+    (no sum over ranks gives it) is what the final weights give on the whole val set in this process."""
+    from hydra.utils import instantiate
+    from safetensors.torch import load_file
+
+    r = run_cli("--config-dir", CONF, "recipe=classify", "task._target_=classify.Ranking", "~task.loss", "world=ddp",
+                "world.nproc_per_node=2", "data.batch_size=8", f"hydra.run.dir={tmp_path}", env=FAULTY_ENV)
+    assert r.returncode == 0, r.stderr
+    final = [e for e in read_metrics(tmp_path) if "val/auroc" in e][-1]
+    model = instantiate(json.loads((tmp_path / "model_config.json").read_text()))
+    model.load_state_dict(load_file(str(tmp_path / "model.safetensors")))
+    from classify import auroc, blobs
+
+    x, y = blobs()[1].tensors
+    with torch.no_grad():
+        expected = auroc(model(x).softmax(-1)[:, 0], (y == 0).float())
+    assert final["val/scored"] == len(y) == 61  # every sample once: none dropped, none repeated
+    # The same scores up to fp32 rounding (batches of 8 on a rank vs 61 here): at most one pair of nearly equal
+    # scores could swap, which moves the AUROC by 1 / (positives x negatives).
+    positives = int((y == 0).sum())
+    assert final["val/auroc"] == pytest.approx(expected, abs=1 / (positives * (len(y) - positives)))

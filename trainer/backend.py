@@ -209,9 +209,12 @@ class Backend:
             order = torch.as_tensor(indices, dtype=torch.long).argsort()
             return rows[order.to(rows.device)]
         gathered = self.gather_object((list(indices), rows.detach().cpu()))
-        every = [i for idx, _ in gathered for i in idx]
+        # Tensor-parallel peers evaluate the same samples: each index is kept once.
+        first: dict[int, int] = {}
+        for position, i in enumerate(i for idx, _ in gathered for i in idx):
+            first.setdefault(i, position)
         stacked = torch.cat([r for _, r in gathered])
-        return stacked[torch.as_tensor(every, dtype=torch.long).argsort()].to(rows.device)
+        return stacked[torch.as_tensor([first[i] for i in sorted(first)], dtype=torch.long)].to(rows.device)
 
     def monitored_barrier(self, timeout_s: float, group: Any = None) -> str | None:
         """A barrier that gives up after `timeout_s` and says which ranks never came (None when all did), over a

@@ -33,6 +33,11 @@ class Task(Protocol):
 #   state_dict() / load_state_dict(state)  the task's own state (tensors by name): saved in checkpoints as
 #                                          "task", exported beside the weights as task_state.safetensors
 #   eval_metrics(mean_loss: float) -> dict[str, float]   extra val metrics, e.g. {"bpb": ...}
+#   predict(model, batch) -> dict[str, Tensor]   per-sample rows of each val batch (first dim: the batch's
+#                                          samples), e.g. {"score": p, "label": y}; with
+#   score(outputs: dict[str, Tensor]) -> dict[str, float]   metrics no sum over ranks gives (AUROC, F1, a
+#                                          median): `outputs` holds every val sample's rows exactly once, in
+#                                          sample order, gathered from all ranks; computed on the main rank
 #   sample(model, device) -> str | dict    at each eval, from the EMA weights when EMA is on: a string, or a
 #                                          dict of named artefacts: strings (text), tensors (images: [H, W],
 #                                          [H, W, C] or [C, H, W]; written to samples/step_N.png for the key

@@ -162,17 +162,24 @@ class Trainer:
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=be.device)  # [loss sum, targets]
         sums: dict[str, torch.Tensor] = {}
+        predicts = hasattr(self.task, "predict")  # per-sample outputs, for metrics over the whole val set
+        rows: dict[str, list[torch.Tensor]] = {}
+        owned: list[int] = []
         for batch, counted, indices in batches:
             batch = be.to_device(batch)
             # The raw module: DDP's forward would expect a backward to follow. Noise by val sample: the same
             # at every eval and on any number of ranks.
             with self.precision.autocast(), noise.for_samples(EVAL_STREAM + torch.tensor(indices), self.cfg.seed):
                 loss, extra = split_loss(self.task.loss(self.raw_model, batch))
+                out = self.task.predict(self.raw_model, batch) if predicts else {}  # (a collective under FSDP)
             if counted:
                 totals[0] += loss.double()
                 totals[1] += self.task.num_targets(batch)
                 for name, value in extra.items():
                     sums[name] = sums.get(name, 0) + torch.as_tensor(value).double()
+                for name, value in out.items():
+                    rows.setdefault(name, []).append(value.detach().float())
+                owned += indices
             watchdog.beat()
         self.model.train()
         # Every rank reduces the same names (a rank without val samples has none of its own).
@@ -188,7 +195,17 @@ class Trainer:
                                  f"finite. {FIX} Earlier checkpoints are intact.")
         extra = self.task.eval_metrics(loss) if hasattr(self.task, "eval_metrics") else {}
         extra.update({n: v / count for n, v in zip(names, reduced)})
+        if predicts:
+            extra.update(self._whole_set_metrics(rows, owned))
         return {f"{prefix}/loss": loss, **{f"{prefix}/{k}": v for k, v in extra.items()}}
+
+    def _whole_set_metrics(self, rows: dict[str, list[torch.Tensor]], owned: list[int]) -> dict[str, float]:
+        """`task.score(outputs)` over every val sample's `task.predict` rows, gathered from all ranks in sample order,
+        each sample once (a rank's repeated lockstep batches are not among its rows). Computed on the main rank;
+        every rank gets its result (early stopping and the best checkpoint read it)."""
+        outputs = {name: self.backend.gather_samples(owned, torch.cat(parts)) for name, parts in sorted(rows.items())}
+        scored = {k: float(v) for k, v in self.task.score(outputs).items()} if self.backend.is_main else None
+        return self.backend.broadcast_object(scored)
 
     @torch.no_grad()
     def sample(self) -> dict[str, Any]:
