@@ -33,10 +33,24 @@ class Faulty:
     def __getattr__(self, name):  # num_targets, sample, setup, state_dict, ... of the wrapped task
         if name == "inner":
             raise AttributeError(name)
+        if name == "training_step":  # a task with its own step (the gan recipe): each step is one call
+            inner_step = self.inner.training_step  # (AttributeError when the task has none: hasattr is False)
+
+            def training_step(step):
+                if self._fault(True):
+                    raise RuntimeError("the faulty task's nan actions wrap loss(), not training_step()")
+                return inner_step(step)
+            return training_step
         return getattr(self.inner, name)
 
     def loss(self, model, batch):
-        self.calls += model.training
+        if self._fault(model.training):
+            return self.inner.loss(model, batch) * float("nan")
+        return self.inner.loss(model, batch)
+
+    def _fault(self, training: bool) -> bool:
+        """Count a training call and act when it is the chosen one; True: this call's loss must be NaN."""
+        self.calls += training
         armed = not self.first_attempt_only or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
         if self.once is not None and self.calls == self.at_call:
             armed = armed and not os.path.exists(self.once)
@@ -44,10 +58,10 @@ class Faulty:
                 open(self.once, "w").close()
         on_rank = int(os.environ.get("RANK", 0)) == self.rank
         if on_rank and self.action == "nan_always" and self.calls >= self.at_call:
-            return self.inner.loss(model, batch) * float("nan")
+            return True
         if armed and on_rank and self.calls == self.at_call:
             if self.action == "nan_once":
-                return self.inner.loss(model, batch) * float("nan")
+                return True
             if self.action == "block":
                 with open(self.hold, "w") as f:  # blocks until the test opens it for reading
                     f.write(f"{os.getpid()}\n")
@@ -61,4 +75,4 @@ class Faulty:
             os.kill(target, {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1,
                              "sigterm_parent": signal.SIGTERM, "sigusr1_parent": signal.SIGUSR1,
                              "sigint_parent": signal.SIGINT}[self.action])
-        return self.inner.loss(model, batch)
+        return False

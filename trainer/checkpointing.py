@@ -35,16 +35,17 @@ class Parts:
     def __init__(self, strategy, models: dict[str, torch.nn.Module],
                  optimizers: dict[str, tuple[str, torch.optim.Optimizer]]):
         self.strategy, self.models, self.optimizers = strategy, models, optimizers
-        self.single = list(models) == ["model"] and len(optimizers) <= 1
+        self.one_model = list(models) == ["model"]  # model tensors under the module's own keys
+        self.single = self.one_model and len(optimizers) <= 1  # and the optimizer's state under "optimizer"
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        if self.single:
+        if self.one_model:
             return self.strategy.model_state_dict(self.models["model"])
         return {f"{name}.{k}": v for name, m in self.models.items()
                 for k, v in self.strategy.model_state_dict(m).items()}
 
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        if self.single:
+        if self.one_model:
             self.strategy.load_model_state_dict(self.models["model"], state)
             return
         for name, m in self.models.items():

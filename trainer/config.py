@@ -190,8 +190,10 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"resume={resume!r} does not exist (or is not a directory): pass auto, null, or the "
                               "path of a checkpoint (RUN_DIR/checkpoints/step_N), a checkpoints/ dir or a run dir.")
     _validate_data(cfg.data)
-    _validate_optim(cfg.optim)
-    _validate_scheduler(cfg.scheduler)
+    for name, node in per_part(cfg.optim).items():
+        _validate_optim(node, f"optim.{name}" if name else "optim")
+    for name, node in per_part(cfg.scheduler).items():
+        _validate_scheduler(node, f"scheduler.{name}" if name else "scheduler")
     _validate_world(cfg.world)
 
 
@@ -205,24 +207,35 @@ def _validate_data(d: DictConfig) -> None:
         _check(_is_int(d.seq_len) and d.seq_len >= 1, "data.seq_len", d.seq_len, "an integer >= 1")
 
 
-def _validate_optim(o: DictConfig) -> None:
+def per_part(node: DictConfig) -> dict[str | None, DictConfig]:
+    """An `optim` or `scheduler` node as the node of each model part: {None: node} for one optimizer; with keys
+    whose values are nodes (`optim.generator: {lr: 2e-4}`, for a task whose own training_step steps one optimizer
+    per part) each part's node is the base node with those keys changed (its own `_target_` too, if given)."""
+    parts = [k for k, v in node.items() if isinstance(v, DictConfig)]
+    if not parts:
+        return {None: node}
+    base = OmegaConf.masked_copy(node, [k for k in node if k not in parts])
+    return {p: OmegaConf.merge(base, node[p]) for p in parts}
+
+
+def _validate_optim(o: DictConfig, where: str = "optim") -> None:
     """The keys torch's optimizers share. Which keys a given optimizer takes is checked at its class."""
     lr = o.get("lr")
-    _check(_is_number(lr) and lr > 0, "optim.lr", lr, "a number > 0")
+    _check(_is_number(lr) and lr > 0, f"{where}.lr", lr, "a number > 0")
     if o.get("betas") is not None:
         b = _plain(o.betas)
         _check(isinstance(b, (list, tuple)) and len(b) == 2 and all(_is_number(x) and 0 <= x < 1 for x in b),
-               "optim.betas", b, "two numbers in [0, 1), e.g. [0.9, 0.95]")
+               f"{where}.betas", b, "two numbers in [0, 1), e.g. [0.9, 0.95]")
     for key in ("eps", "weight_decay", "momentum"):
         v = o.get(key)
-        _check(v is None or (_is_number(v) and v >= 0), f"optim.{key}", _plain(v), "a number >= 0")
+        _check(v is None or (_is_number(v) and v >= 0), f"{where}.{key}", _plain(v), "a number >= 0")
 
 
-def _validate_scheduler(s: DictConfig) -> None:
+def _validate_scheduler(s: DictConfig, where: str = "scheduler") -> None:
     w = s.get("warmup_steps", 0)
-    _check(_is_int(w) and w >= 0, "scheduler.warmup_steps", _plain(w), "an integer >= 0")
+    _check(_is_int(w) and w >= 0, f"{where}.warmup_steps", _plain(w), "an integer >= 0")
     r = s.get("min_lr_ratio", 0.0)
-    _check(_is_number(r) and 0 <= r <= 1, "scheduler.min_lr_ratio", _plain(r), "a number in [0, 1]")
+    _check(_is_number(r) and 0 <= r <= 1, f"{where}.min_lr_ratio", _plain(r), "a number in [0, 1]")
 
 
 def _validate_world(world: DictConfig) -> None:
@@ -321,8 +334,12 @@ def check_targets(cfg: DictConfig) -> None:
         # The keys a target's call takes (a typo here would otherwise surface as a TypeError in every worker).
         extra = LOADER_KEYS if key == "data" else LAUNCH_KEYS if key == "world" else ()
         if isinstance(node, DictConfig):
-            check_keywords(key, obj, {k: node[k] for k in node if k not in ("_target_", "_partial_", "_args_",
-                                                                           "_recursive_", "_convert_")}, extra_ok=extra)
+            special = ("_target_", "_partial_", "_args_", "_recursive_", "_convert_")
+            parts = [k for k in node if isinstance(node[k], DictConfig)] if key in ("optim", "scheduler") else []
+            check_keywords(key, obj, {k: node[k] for k in node if k not in special and k not in parts}, extra_ok=extra)
+            for part in parts:  # optim.generator: {lr: ...}: the base target's keys, for one part (per_part)
+                if "_target_" not in node[part]:
+                    check_keywords(f"{key}.{part}", obj, {k: node[part][k] for k in node[part] if k not in special})
     strategy = locate("world", cfg.world._target_)
     if cfg.trainer.compile:
         import torch._dynamo

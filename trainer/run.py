@@ -26,6 +26,7 @@ from .config import (
     EMAConfig,
     TrainerConfig,
     launch_config,
+    per_part,
     strategy_options,
     typed,
 )
@@ -78,6 +79,31 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, say=print) -> torch
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
     return factory([g for g in groups if g["params"]])
+
+
+def build_optimizers(cfg: DictConfig, model: torch.nn.Module, rt: Runtime, say=print):
+    """One optimizer over the model (set up on the runtime), or, where `optim` has part nodes (optim.generator:
+    {...}, for a task's own training_step), one per part over `model.<part>`'s parameters: a dict by part."""
+    nodes = per_part(cfg)
+    if list(nodes) == [None]:
+        return rt.setup(build_optimizer(cfg, model, say=say), names=["optimizer"])
+    raw = unwrap(model)
+    missing = [p for p in nodes if not isinstance(getattr(raw, p, None), torch.nn.Module)]
+    if missing:
+        children = ", ".join(n for n, _ in raw.named_children())
+        raise ConfigError(f"optim.{missing[0]} names no part of the model ({type(raw).__name__}'s children: "
+                          f"{children}). Give one optim.NAME per child the task's training_step steps.")
+    return {p: rt.setup(build_optimizer(node, getattr(raw, p), say=say), names=[p]) for p, node in nodes.items()}
+
+
+def build_schedulers(cfg: DictConfig, optimizer, total_steps: int):
+    """The schedule of each optimizer: `scheduler`, with scheduler.NAME's changes for optimizer NAME."""
+    if not isinstance(optimizer, dict):
+        return build_node("scheduler", cfg)(optimizer, total_steps=total_steps)
+    nodes = per_part(cfg)
+    base = OmegaConf.masked_copy(cfg, [k for k in cfg if not isinstance(cfg[k], DictConfig)])
+    return {name: build_node(f"scheduler.{name}", nodes.get(name, base))(opt, total_steps=total_steps)
+            for name, opt in optimizer.items()}
 
 
 def build_data(cfg: DictConfig) -> tuple[Any, Any]:
@@ -212,6 +238,8 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
         train_data, val_data = build_data(cfg.data)
         if hasattr(task, "setup"):  # e.g. fit a normaliser on the training split (see trainer/task.py)
             task.setup(train_data, val_data, run_dir)
+        if hasattr(task, "training_step"):  # its forwards reach one part of the model at a time
+            strategy.expect_unused_parameters()
         # Same seed on every rank: identical initial weights.
         model = rt.build_model(lambda: build_node("model", cfg.model), tcfg.activation_checkpointing)
         raw_model = unwrap(model)
@@ -219,11 +247,11 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
         if tcfg.compile:
             model = torch.compile(model, backend=tcfg.compile_backend)
         say = print if backend.is_main else (lambda *a, **k: None)
-        optimizer = rt.setup(build_optimizer(cfg.optim, model, say=say))
+        optimizer = build_optimizers(cfg.optim, model, rt, say)
         epochs_to_steps(tcfg, ccfg, len(train_data), cfg.data.batch_size * tcfg.grad_accum_steps * strategy.dp_size,
                         say)
         warn_long_warmup(cfg.scheduler, tcfg.max_steps, say)
-        scheduler = build_node("scheduler", cfg.scheduler)(optimizer, total_steps=tcfg.max_steps)
+        scheduler = build_schedulers(cfg.scheduler, optimizer, tcfg.max_steps)
         # Different randomness per rank from here on (dropout), reproducible per (seed, rank).
         seed_everything(tcfg.seed + backend.rank)
         checkpointer = ckpt.Checkpointer(

@@ -16,6 +16,7 @@ from . import noise, watchdog
 from .callbacks import Callbacks
 from .checkpointing import CheckpointManager, Parts
 from .config import TrainerConfig
+from .custom_step import Schedules, TrainingStep
 from .data import Data, GlobalBatchSampler, eval_batches, train_loader
 from .ema import EMA
 from .errors import CheckpointError, NonFiniteError, Preempted
@@ -41,32 +42,37 @@ class Trainer:
     non-finite guard, loggers, EMA, and whatever the recipe adds through `components`); the loop only says when.
     """
 
-    def __init__(self, *, runtime: Runtime, model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler, data: Data,
+    def __init__(self, *, runtime: Runtime, model: nn.Module, task: Task,
+                 optimizer: torch.optim.Optimizer | dict[str, torch.optim.Optimizer],
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | dict[str, Any], data: Data,
                  config: TrainerConfig, loggers: NullLogger | None = None, checkpointer=None,
                  ema: EMA | None = None, guard: NonFiniteGuard | None = None, cost: Cost | None = None,
                  components: dict[str, Any] | None = None, preemption: PreemptionFlag | None = None,
                  callbacks: Callbacks | None = None):
         # The runtime (trainer/runtime.py) holds the process, the strategy and the precision, and takes the step's
         # calls (accumulate, backward, clip, step): the same ones a hand-written loop makes.
-        self.rt, self.model, self.task, self.optimizer, self.scheduler = runtime, model, task, optimizer, scheduler
+        self.rt, self.model, self.task = runtime, model, task
         self.precision, self.strategy, self.backend, self.cfg = runtime.precision, runtime.strategy, runtime.backend, config
         precision, strategy = self.precision, self.strategy
+        # One optimizer, or one per model part (a task's own training_step; trainer/custom_step.py), by name.
+        self.optimizers = optimizer if isinstance(optimizer, dict) else {"optimizer": optimizer}
+        self.schedulers = scheduler if isinstance(scheduler, dict) else {"optimizer": scheduler}
+        self.optimizer = next(iter(self.optimizers.values()))
+        self.scheduler = scheduler if not isinstance(scheduler, dict) else Schedules(scheduler)
         self.data = data
         self.loggers = loggers or NullLogger()
         self.checkpointer = checkpointer or ckpt.NullCheckpointer()
         self.ema, self.cost = ema, cost
         self.raw_model = unwrap(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.guard = guard or NonFiniteGuard.build(config, precision, optimizer, self.backend)
+        self.guard = guard or NonFiniteGuard.build(config, precision, self.optimizer, self.backend)
         self.preemption = preemption or PreemptionFlag()
         self.callbacks = callbacks or Callbacks()
-        self.components = {"scheduler": scheduler, "precision": precision, "nonfinite": self.guard,
+        self.components = {"scheduler": self.scheduler, "precision": precision, "nonfinite": self.guard,
                            "loggers": self.loggers, "checkpointer": self.checkpointer, "callbacks": self.callbacks,
                            **({"ema": ema} if ema is not None else {}), **(components or {})}
-        self.checkpoints = CheckpointManager(self.checkpointer, Parts(strategy, {"model": model},
-                                                                      {"optimizer": ("model", optimizer)}),
-                                             self, self.components)
+        parts = Parts(strategy, {"model": model}, {name: ("model", opt) for name, opt in self.optimizers.items()})
+        self.checkpoints = CheckpointManager(self.checkpointer, parts, self, self.components)
         # Run state (in checkpoints).
         self.step = 0  # optimizer steps done (skipped fp16/nonfinite steps included)
         self.samples_seen = 0  # position in the global sample stream
@@ -112,6 +118,8 @@ class Trainer:
 
     def train_step(self, batches: list[Any], n_global) -> dict[str, Any]:
         """One optimizer step over this rank's micro-batches. Returns device tensors (no host sync)."""
+        if hasattr(self.task, "training_step"):
+            return self._task_step(batches, n_global)
         rt, model, opt = self.rt, self.model, self.optimizer
         # Token-weighted normalisation: each micro-batch's summed loss is divided by the number of
         # targets in the whole global batch (all micro-steps, all ranks). So k micro-batches of b
@@ -149,6 +157,21 @@ class Trainer:
         else:
             self.skipped_steps += 1
         return {"loss_sum": loss_sum, "grad_norm": grad_norm, "sums": sums}
+
+    def _task_step(self, batches: list[Any], n_global) -> dict[str, Any]:
+        """The task's own step (trainer/custom_step.py): it steps its optimizers; the rest is the Trainer's."""
+        step = TrainingStep(self, batches, n_global)
+        loss, sums = split_loss(self.task.training_step(step))
+        applied = bool(step.applied) and all(step.applied.values())
+        self.guard.record(applied, self.step + 1)
+        self.model.zero_grad(set_to_none=True)  # what one part's loss left on another's parameters
+        if applied:
+            if self.ema is not None:
+                self.ema.update(self.step + 1)
+        else:
+            self.skipped_steps += 1
+        return {"loss_sum": loss.detach(), "grad_norm": step.grad_norm(),
+                "sums": {k: torch.as_tensor(v).detach().double() for k, v in sums.items()}}
 
     # -- eval ----------------------------------------------------------------------------------
     @torch.no_grad()

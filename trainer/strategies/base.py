@@ -179,6 +179,11 @@ class Strategy:
         self.layout.apply_tensor_parallel(model, self.mesh)
         self.shard(model)
 
+    def expect_unused_parameters(self) -> None:
+        """A forward may leave some parameters without a gradient (a task's own training_step calls the model's
+        parts in turn: a GAN's discriminator step does not reach the generator). Nothing to do here, nor for
+        FSDP, whose units take part only when they run."""
+
     def shard(self, model: nn.Module) -> None:
         """Shard the (tensor-parallel) model over the data-parallel ranks (FSDP); nothing here."""
 

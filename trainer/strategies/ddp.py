@@ -28,6 +28,10 @@ class DDP(Strategy):
                            "find_unused_parameters": find_unused_parameters, "static_graph": static_graph}
         self.tp = check_degree(tp)
 
+    def expect_unused_parameters(self) -> None:
+        """DDP must then look for them after each forward (otherwise it waits for their gradients forever)."""
+        self.ddp_kwargs["find_unused_parameters"] = True
+
     def wrap(self, model: nn.Module) -> nn.Module:
         """Move to the device and wrap in DDP, which broadcasts rank 0's initial weights. DistributedDataParallel
         cannot hold DTensor parameters: with tensor parallelism `reduce_gradients` averages them instead."""
