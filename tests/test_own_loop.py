@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from conftest import ROOT, load_weights, run_cli, run_here
+from conftest import ROOT, load_weights, read_metrics, run_cli, run_here, series
 
 from trainer.errors import UserError
 
@@ -54,6 +54,10 @@ def test_your_own_loop_trains_what_the_trainer_trains(world, reference, corpus, 
         r = run_here("launch", *args, cwd=tmp_path) if not overrides else launch(*args)
     assert r.returncode == 0, r.stderr
     assert_close_weights(tmp_path / "model.safetensors", reference / "model.safetensors")
+    # rt.log: each step's loss once, from the main process, as the Trainer logged it (the mean over the global batch).
+    logged = read_metrics(tmp_path)
+    assert [e["step"] for e in logged] == list(range(1, 13))
+    assert series(logged, "train/loss") == pytest.approx(series(read_metrics(reference), "train/loss"), rel=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -179,7 +179,7 @@ class Runtime:
 
     def __init__(self, world: str | Strategy | None = None, precision: Any = None, *, grad_accum_steps: int = 1,
                  seed: int | None = None, device: str = "auto", threads: int | str = "auto",
-                 world_options: dict[str, Any] | None = None, loggers: list | None = None,
+                 world_options: dict[str, Any] | None = None, log_with: list[str] | str | None = None,
                  run_dir: str | os.PathLike | None = None, backend: Backend | None = None):
         launched = launched_config() if world is None and precision is None and backend is None else None
         if launched is not None:
@@ -209,7 +209,7 @@ class Runtime:
         strategy.setup(self.backend, self.precision)
         self.grad_accum_steps, self.seed = grad_accum_steps, 0 if seed is None else seed
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.loggers = loggers
+        self.loggers = self._loggers(launched, log_with)
         # What save_state checkpoints: models and optimizers by name, and every other stateful object.
         self.models: dict[str, nn.Module] = {}
         self.optimizers: dict[str, tuple[str, torch.optim.Optimizer]] = {}  # name -> (its model's name, optimizer)
@@ -570,22 +570,46 @@ class Runtime:
         return export_model(tensors, directory, name, {}, _megabytes(max_shard_size))
 
     # -- logging -------------------------------------------------------------------------------------------
-    def init_trackers(self, config: dict[str, Any] | None = None) -> None:
-        if self.loggers is None:
-            from .loggers import NullLogger
+    def _loggers(self, launched, log_with):
+        """metrics.jsonl in run_dir, and the trackers `log_with` names ("wandb", "tensorboard"), or under `launch`
+        those of the job's logger=...; on the main process only. Without a run_dir, none."""
+        from .loggers import JsonlLogger, LoggerGroup, NullLogger
 
-            self.loggers = NullLogger()
+        names = [log_with] if isinstance(log_with, str) else list(log_with or [])
+        if self.run_dir is None:
+            if names:
+                raise UserError(f"Runtime(log_with={log_with!r}) needs run_dir=...: where the trackers write.")
+            return NullLogger()
+        if not self.backend.is_main:
+            return NullLogger()
+        if launched is not None and not names:
+            from .run import build_loggers
+
+            return build_loggers(launched.get("logger"), self.run_dir, True)
+        trackers = {"wandb": ("wandb_logger", "WandbLogger"), "tensorboard": ("tensorboard_logger", "TensorBoardLogger")}
+        unknown = [n for n in names if n not in trackers]
+        if unknown:
+            raise UserError(f"Runtime(log_with={unknown[0]!r}) is invalid: expected {' or '.join(trackers)}.")
+        from importlib import import_module
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        built = [getattr(import_module(f"trainer.{trackers[n][0]}"), trackers[n][1])(run_dir=self.run_dir)
+                 for n in names]
+        return LoggerGroup([JsonlLogger(self.run_dir), *built])
+
+    def init_trackers(self, config: dict[str, Any] | None = None) -> None:
+        """Record the run's config with the trackers (main process only)."""
         if self.backend.is_main and config:
             self.loggers.log_config(config)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Metrics to the trackers, from the main process (the others' calls do nothing)."""
-        if self.backend.is_main and self.loggers is not None:
+        if self.backend.is_main:
             self.loggers.log_metrics({k: float(v) for k, v in metrics.items()}, step)
 
     def end(self) -> None:
         """Finish the trackers and leave the process group (every rank, at the end of the script)."""
-        if self.backend.is_main and self.loggers is not None:
+        if self.backend.is_main:
             self.loggers.finish({})
         if self._checkpointer is not None:
             self._checkpointer.close()

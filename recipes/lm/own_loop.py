@@ -35,7 +35,8 @@ def main() -> None:
     args = p.parse_args()
 
     # world, precision, trainer.grad_accum_steps and trainer.seed come from `python -m trainer launch KEY=VALUE`.
-    rt = trainer.Runtime(args.world) if args.world else trainer.Runtime()
+    # Metrics go to OUT/metrics.jsonl (and the trackers of logger=... under launch).
+    rt = trainer.Runtime(args.world, run_dir=args.out) if args.world else trainer.Runtime(run_dir=args.out)
     train, _ = text_file(args.data, seq_len=args.seq_len)
 
     # The same initial weights on every rank (setup also sends rank 0's to all before sharding).
@@ -54,6 +55,7 @@ def main() -> None:
     rt.register("scheduler", scheduler)
     step = rt.load_state(f"{args.out}/checkpoints") or 0  # resume where a killed run stopped
 
+    step_loss = 0.0
     while step < args.steps:
         for batch in loader:
             x, y = batch
@@ -62,12 +64,14 @@ def main() -> None:
                     logits = model(x)
                     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
                 rt.backward(loss)
+            step_loss += loss.detach() / rt.grad_accum_steps
             if not rt.sync_gradients:
                 continue  # the next micro-batch of this step
             rt.clip_grad_norm_(model, 1.0)
             rt.step(optimizer, scheduler)
             step += 1
-            rt.log({"train/loss": rt.reduce(loss.detach()).item()}, step)
+            rt.log({"train/loss": rt.reduce(step_loss).item()}, step)  # the mean over the global batch
+            step_loss = 0.0
             if args.save_every and step % args.save_every == 0:
                 rt.save_state(f"{args.out}/checkpoints", step)
             if step == args.steps:
