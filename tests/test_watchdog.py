@@ -47,7 +47,7 @@ def test_a_rank_that_hangs_is_named_and_the_job_exits_with_its_own_code(corpus, 
     errors = _errors(r.stderr)
     assert len(errors) == 1, r.stderr
     error = errors[0]
-    assert f"rank 1 is stuck in tests/faulty.py:{_hang_line()} in loss (not in a collective;" in error, error
+    assert f"rank 1 is stuck in tests/faulty.py:{_hang_line()} in _fault (not in a collective;" in error, error
     assert "rank 0 waits in " in error, error
     assert "world.hang_timeout=3" in error, error
     stacks = (run_dir / watchdog.STACKS_FILE).read_text()
@@ -63,7 +63,7 @@ def test_a_single_process_that_hangs_reports_its_own_stack(corpus, tmp_path):
     assert "Traceback" not in r.stderr + r.stdout, r.stderr
     errors = _errors(r.stderr)
     assert len(errors) == 1, r.stderr
-    assert f"the process is stuck in tests/faulty.py:{_hang_line()} in loss" in errors[0], errors[0]
+    assert f"the process is stuck in tests/faulty.py:{_hang_line()} in _fault" in errors[0], errors[0]
     assert "world.hang_timeout=2" in errors[0]
     assert "faulty.py" in (run_dir / watchdog.STACKS_FILE).read_text()
 

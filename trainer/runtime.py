@@ -379,15 +379,16 @@ class Runtime:
         return self.precision.autocast()
 
     @contextlib.contextmanager
-    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+    def accumulate(self, *models: nn.Module, last: bool | None = None) -> Iterator[None]:
         """One micro-step: gradients are synced between ranks only in the last of every `grad_accum_steps`
-        (DDP's no_sync, FSDP's set_requires_gradient_sync); `rt.step` steps only then."""
-        self._micro += 1
-        boundary = self._micro % self.grad_accum_steps == 0
-        self.sync_gradients = boundary
+        (DDP's no_sync, FSDP's set_requires_gradient_sync); `rt.step` steps only then. `last` says whether this
+        micro-step ends the step, where the loop knows (the Trainer does); by default every grad_accum_steps-th."""
         models = models or tuple(self.models.values())
-        if self._micro % self.grad_accum_steps != 1 and self.grad_accum_steps > 1:
+        if self._micro > 0:  # not the step's first micro-step: the earlier ones' gradients must still be there
             self._check_not_zeroed(models)
+        boundary = self._micro + 1 >= self.grad_accum_steps if last is None else last
+        self._micro = 0 if boundary else self._micro + 1
+        self.sync_gradients = boundary
         with contextlib.ExitStack() as stack:
             for m in models:
                 stack.enter_context(self.strategy.no_sync(m, enabled=not boundary))
@@ -405,8 +406,8 @@ class Runtime:
             params = [p for p in m.parameters() if p.requires_grad]
             if params and all(p.grad is None for p in params):
                 raise UserError(f"the gradients of {self._name_of(m)!r} were zeroed in the middle of an accumulation "
-                                f"(micro-step {(self._micro - 1) % self.grad_accum_steps + 1} of "
-                                f"{self.grad_accum_steps}): rt.step(optimizer) zeroes them at the step boundary; "
+                                f"(before micro-step {self._micro + 1} of {self.grad_accum_steps}): "
+                                "rt.step(optimizer) zeroes them at the step boundary; "
                                 "do not call optimizer.zero_grad() yourself.")
 
     def backward(self, loss: torch.Tensor, scale: float | torch.Tensor | None = None) -> None:

@@ -133,7 +133,7 @@ class Trainer:
             # (trainer.noise) depends on it alone, not on how the global batch is split.
             first = self.samples_seen + (i * dp + self.strategy.dp_rank) * b
             # Gradients are synced only in the last micro-step's backward; earlier ones accumulate.
-            with rt.accumulate(model):
+            with rt.accumulate(model, last=i == len(batches) - 1):
                 with rt.autocast(), noise.for_samples(torch.arange(first, first + b), self.cfg.seed):
                     loss, extra = split_loss(self.task.loss(model, batch))
                 rt.backward(loss, scale=scale)
