@@ -16,29 +16,29 @@ PIXELS, CLASSES = 64, 10
 class Generator(nn.Module):
     def __init__(self, z_dim: int, hidden: int):
         super().__init__()
-        self.label = nn.Embedding(CLASSES, z_dim)
-        self.net = nn.Sequential(nn.Linear(z_dim, hidden), nn.LeakyReLU(0.2), nn.Linear(hidden, hidden),
+        self.net = nn.Sequential(nn.Linear(z_dim + CLASSES, hidden), nn.LeakyReLU(0.2), nn.Linear(hidden, hidden),
                                  nn.LeakyReLU(0.2), nn.Linear(hidden, PIXELS))
 
     def forward(self, z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.net(z * self.label(labels))).view(-1, 1, 8, 8)  # images in [0, 1]
+        onehot = nn.functional.one_hot(labels, CLASSES).to(z.dtype)
+        return torch.sigmoid(self.net(torch.cat([z, onehot], 1))).view(-1, 1, 8, 8)  # images in [0, 1]
 
 
 class Discriminator(nn.Module):
     def __init__(self, hidden: int):
         super().__init__()
-        self.label = nn.Embedding(CLASSES, PIXELS)
-        self.net = nn.Sequential(nn.Linear(PIXELS, hidden), nn.LeakyReLU(0.2), nn.Linear(hidden, hidden),
+        self.net = nn.Sequential(nn.Linear(PIXELS + CLASSES, hidden), nn.LeakyReLU(0.2), nn.Linear(hidden, hidden),
                                  nn.LeakyReLU(0.2), nn.Linear(hidden, 1))
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.net(images.flatten(1) * 2 - 1 + self.label(labels)).squeeze(-1)  # a logit per image
+        onehot = nn.functional.one_hot(labels, CLASSES).to(images.dtype)
+        return self.net(torch.cat([images.flatten(1) * 2 - 1, onehot], 1)).squeeze(-1)  # a logit per image
 
 
 class GAN(nn.Module):
     _no_split_modules = ["Generator", "Discriminator"]  # FSDP units
 
-    def __init__(self, z_dim: int = 32, hidden: int = 128):
+    def __init__(self, z_dim: int = 32, hidden: int = 256):
         super().__init__()
         self.z_dim = z_dim
         self.generator = Generator(z_dim, hidden)
@@ -52,8 +52,6 @@ class GAN(nn.Module):
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=0.05)
                 nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, std=0.5)
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor, z: torch.Tensor, mode: str) -> torch.Tensor:
         """Summed losses of the non-saturating GAN: mode="discriminator" (real vs generated, the generator frozen),
