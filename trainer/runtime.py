@@ -208,6 +208,8 @@ class Runtime:
         self.precision = _precision(precision or "fp32", self.backend.device.type, strategy.shards_parameters)
         strategy.setup(self.backend, self.precision)
         self.grad_accum_steps, self.seed = grad_accum_steps, 0 if seed is None else seed
+        # How many checkpoints save_state keeps: the job's checkpoint.keep_last under launch.
+        self.keep_last = launched.checkpoint.get("keep_last", 2) if launched is not None else 2
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.loggers = self._loggers(launched, log_with)
         # What save_state checkpoints: models and optimizers by name, and every other stateful object.
@@ -521,12 +523,13 @@ class Runtime:
         parts = Parts(self.strategy, self.models, self.optimizers)
         return CheckpointManager(self._checkpointer, parts, self.position, self.stateful)
 
-    def save_state(self, directory: str | os.PathLike, step: int, keep_last: int = 2) -> Path:
+    def save_state(self, directory: str | os.PathLike, step: int, keep_last: int | None = None) -> Path:
         """Checkpoint every model, optimizer, loader and registered object, and each rank's RNG, as
-        `directory/step_<step>` (atomic, pickle-free; the `keep_last` newest are kept). Every rank must call it."""
+        `directory/step_<step>` (atomic, pickle-free; the `keep_last` newest are kept: default checkpoint.keep_last
+        under launch, else 2). Every rank must call it."""
         self._all_ranks_here("save_state")
         self.position.step = step
-        path = self._manager(Path(directory), keep_last).save(step, None, wait=True)
+        path = self._manager(Path(directory), keep_last or self.keep_last).save(step, None, wait=True)
         return path
 
     def load_state(self, path: str | os.PathLike) -> int | None:
