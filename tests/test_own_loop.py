@@ -185,3 +185,17 @@ def test_accumulating_two_micro_batches_equals_one_batch_of_both(rt):
     ref_opt.step()
     torch.testing.assert_close(model.weight, twin.weight, rtol=0, atol=1e-7)
     assert model.weight.grad is None  # zeroed by rt.step at the boundary
+
+
+def test_save_model_writes_safetensors_with_the_hugging_face_index_above_the_shard_size(rt, tmp_path):
+    from safetensors.torch import load_file
+
+    model = rt.setup(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)))  # 2 x 16.6 KB of fp32 weights
+    written = rt.save_model(model, tmp_path, max_shard_size="20KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert "model.safetensors.index.json" in written and len(set(index["weight_map"].values())) == 2
+    loaded = {k: v for f in set(index["weight_map"].values()) for k, v in load_file(str(tmp_path / f)).items()}
+    assert loaded.keys() == model.state_dict().keys()
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(UserError, match="max_shard_size='1 gigabyte' is invalid"):
+        rt.save_model(model, tmp_path, max_shard_size="1 gigabyte")
