@@ -247,7 +247,10 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
         if tcfg.compile:
             model = torch.compile(model, backend=tcfg.compile_backend)
         say = print if backend.is_main else (lambda *a, **k: None)
+        registered = rt.models["model"]
         optimizer = build_optimizers(cfg.optim, model, rt, say)
+        if rt.models["model"] is not registered:  # a strategy with its own engine wrapped model and optimizer
+            model = rt.models["model"]
         epochs_to_steps(tcfg, ccfg, len(train_data), cfg.data.batch_size * tcfg.grad_accum_steps * strategy.dp_size,
                         say)
         warn_long_warmup(cfg.scheduler, tcfg.max_steps, say)

@@ -343,7 +343,11 @@ class Runtime:
         name = name or self._free_name("optimizer", self.optimizers)
         if name in self.optimizers:
             raise UserError(f"Runtime.setup: an optimizer named {name!r} is set up already; pass names=[...].")
-        self.optimizers[name] = (owners.pop(), optimizer)
+        owner = owners.pop()
+        # A strategy whose engine takes model and optimizer together (DeepSpeed) wraps them here.
+        self.models[owner], optimizer = self.strategy.attach_optimizer(self.models[owner], optimizer)
+        self._set_up.add(id(self.models[owner]))
+        self.optimizers[name] = (owner, optimizer)
         return optimizer
 
     @staticmethod
@@ -423,7 +427,7 @@ class Runtime:
                             "rt.accumulate(model):`.")
         if scale is None:
             scale = 1.0 / self.grad_accum_steps
-        self.precision.backward(loss * scale if not (isinstance(scale, float) and scale == 1.0) else loss)
+        self.strategy.backward(loss * scale if not (isinstance(scale, float) and scale == 1.0) else loss)
         if self.sync_gradients:
             self._pending_reduce.update(self.models)
 
@@ -449,7 +453,7 @@ class Runtime:
         model = next((m for m, o in self.optimizers.values() if o is optimizer), None)
         if model is not None:
             self._synced([model])
-        self.precision.unscale_(optimizer)
+        self.strategy.unscale_(optimizer)
 
     def clip_grad_norm_(self, target, max_norm: float | None) -> torch.Tensor:
         """Clip the true (unscaled, synced) gradients of a model or parameters to `max_norm` over every rank and
@@ -471,7 +475,7 @@ class Runtime:
         if owner is None:
             raise UserError("rt.step got an optimizer that was not set up: pass it to rt.setup(model, optimizer).")
         self._synced([owner])
-        applied = self.precision.step(optimizer)
+        applied = self.strategy.optimizer_step(optimizer)
         if applied and scheduler is not None:
             scheduler.step()
         if zero_grad:

@@ -198,6 +198,22 @@ class Strategy:
         """Skip the gradient sync in this backward (all micro-steps of an accumulation but the last)."""
         return contextlib.nullcontext()
 
+    # -- the step's calls (trainer.Runtime makes them; a strategy with its own engine, such as DeepSpeed's,
+    # overrides them) ----------------------------------------------------------------------------------------
+    def attach_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        """(model, optimizer) once the optimizer over `model`'s parameters is set up: here, both as they are."""
+        return model, optimizer
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.precision.backward(loss)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        self.precision.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """The update; False when it was skipped (fp16's loss scaler found an overflow)."""
+        return self.precision.step(optimizer)
+
     def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
         """Clip to `max_norm` (None: only measure). Returns the total norm before clipping, on the device."""
         if self.shards_parameters:
