@@ -199,3 +199,25 @@ def test_save_model_writes_safetensors_with_the_hugging_face_index_above_the_sha
     assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
     with pytest.raises(UserError, match="max_shard_size='1 gigabyte' is invalid"):
         rt.save_model(model, tmp_path, max_shard_size="1 gigabyte")
+
+
+def test_the_loader_is_one_global_stream_and_a_resumed_epoch_ends_where_it_would_have(rt, tmp_path):
+    """rt.loader's micro-batches are the Trainer's sampler's (one stream, any split); an epoch of 10 samples in global
+    batches of 4 (2 micro-batches of 2) is 3 steps; a loader restored in the middle of an epoch finishes that epoch."""
+    from torch.utils.data import TensorDataset
+
+    from trainer.data import GlobalBatchSampler
+
+    data = TensorDataset(torch.arange(10))
+    loader = rt.loader(data, batch_size=2)
+    first = [b[0].tolist() for b in loader]
+    stream = iter(GlobalBatchSampler(10, 2, 2, seed=rt.seed))
+    assert first == [next(stream) for _ in range(6)] and len(loader) == 6
+    state = None
+    again = rt.loader(data, batch_size=2, name="again")
+    for i, _ in enumerate(again):
+        if i == 2:
+            state = again.state_dict()  # after 3 micro-batches: in the middle of step 2
+    resumed = rt.loader(data, batch_size=2, name="resumed")
+    resumed.load_state_dict(state)
+    assert [b[0].tolist() for b in resumed] == first[3:]

@@ -110,7 +110,18 @@ class Loader:
 
     def __len__(self) -> int:
         """Micro-batches per epoch on this rank."""
-        return math.ceil(len(self.dataset) / self.global_batch) * self.rt.grad_accum_steps
+        return self.steps_per_epoch * self.rt.grad_accum_steps
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(len(self.dataset) / self.global_batch)
+
+    def _left_in_epoch(self) -> int:
+        """Micro-batches from the current position to the end of its epoch (all of one, at an epoch's start):
+        a loop resumed in the middle of an epoch finishes that epoch, as the uninterrupted one did."""
+        per_micro = self.batch_size * self.rt.strategy.dp_size
+        done = self.samples_seen // per_micro  # micro-batches taken so far (on every rank alike)
+        return len(self) - done % len(self)
 
     def __iter__(self) -> Iterator[Any]:
         from .data import GlobalBatchSampler, train_loader
@@ -121,7 +132,7 @@ class Loader:
         sampler = GlobalBatchSampler(len(self.dataset), self.batch_size, 1, st.dp_rank, st.dp_size, self.seed,
                                      self.shuffle, start=self.samples_seen)
         batches = iter(train_loader(self.dataset, sampler, self.num_workers, be.device, self.seed))
-        for _ in range(len(self)):
+        for _ in range(self._left_in_epoch()):
             batch = be.to_device(next(batches))
             self.samples_seen += self.batch_size * st.dp_size
             yield batch
