@@ -230,7 +230,9 @@ def evaluate(argv: list[str]) -> int:
         cfg = prepare(cfg)
         scratch = Path(tempfile.mkdtemp(prefix="trainer-eval-"))
         try:
-            run(cfg, scratch, entry="evaluate")
+            from .run import evaluate as evaluate_entry
+
+            run(cfg, scratch, entry=evaluate_entry)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     except UserError as err:
@@ -320,7 +322,9 @@ def launch(argv: list[str]) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="trainer-launch-"))  # the launcher's bookkeeping (hang reports)
     os.environ[SCRIPT_ENV] = json.dumps([str(script.resolve()), *args])
     try:
-        run(cfg, scratch, entry="script")
+        from .run import script as script_entry
+
+        run(cfg, scratch, entry=script_entry)
     finally:
         os.environ.pop(SCRIPT_ENV, None)
         shutil.rmtree(scratch, ignore_errors=True)

@@ -16,6 +16,7 @@ import signal
 import sys
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -58,8 +59,10 @@ def _share_config(payload: list) -> list:
 
 def follow_torchrun_rank0() -> int:
     """Entry of torchrun ranks > 0: receive rank 0's resolved config and train."""
+    from .run import ENTRY_POINTS
+
     container, run_dir, entry = _share_config([None, None, None])
-    return run_worker(OmegaConf.create(container), Path(run_dir), entry)
+    return run_worker(OmegaConf.create(container), Path(run_dir), ENTRY_POINTS[entry])
 
 
 def nproc_per_node(value) -> int:
@@ -70,20 +73,21 @@ def nproc_per_node(value) -> int:
     return int(value)
 
 
-def run(cfg: DictConfig, run_dir: Path, entry: str = "train") -> dict | None:
-    """Run `trainer.run.<entry>` (train, or evaluate) according to `cfg.world`: here, or in workers started by
-    the elastic launcher."""
-    from . import run as entries
+def run(cfg: DictConfig, run_dir: Path, entry: Callable | None = None) -> dict | None:
+    """Run the entry point `entry` (one of trainer.run.ENTRY_POINTS: train, the default, evaluate, ...) according
+    to `cfg.world`: here, or on every rank of workers started by the elastic launcher (which get its name)."""
     from .config import locate
+    from .run import train
 
+    entry = entry or train
     if in_torchrun():  # we are torchrun's rank 0: hand the config to the other ranks
-        _share_config([OmegaConf.to_container(cfg), str(run_dir), entry])
+        _share_config([OmegaConf.to_container(cfg), str(run_dir), entry.__name__])
     else:
         w = launch_topology(cfg.world)
         several = nproc_per_node(w.nproc_per_node) * w.nnodes > 1
         if several and locate("world", cfg.world._target_).distributed:
             return launch(cfg, run_dir, entry)
-    return getattr(entries, entry)(cfg, run_dir)
+    return entry(cfg, run_dir)
 
 
 # -- SLURM: the multi-node topology from the job's environment (trainer/slurm.py) ---------------------
@@ -168,19 +172,19 @@ def _first_line(error: BaseException | None) -> str:
 # -- end SLURM -------------------------------------------------------------------------------------------
 
 
-def launch(cfg: DictConfig, run_dir: Path, entry: str = "train") -> dict | None:
+def launch(cfg: DictConfig, run_dir: Path, entry: Callable) -> dict | None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from .preemption import PreemptionFlag
-    from .run import preflight
+    from .run import preflight, script
 
     # A stop signal before the workers exist (while the datasets are built): nothing to save, exit 75.
     early = PreemptionFlag().install()
     try:
-        if entry != "script":  # (a user's script builds what it builds itself)
+        if entry is not script:  # (a user's script builds what it builds itself)
             preflight(cfg, run_dir)
     finally:
         early.uninstall()
@@ -217,7 +221,7 @@ def launch(cfg: DictConfig, run_dir: Path, entry: str = "train") -> dict | None:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ[CONFIG_ENV] = json.dumps(OmegaConf.to_container(cfg))
     os.environ[RUN_DIR_ENV] = str(run_dir)
-    os.environ[ENTRY_ENV] = entry
+    os.environ[ENTRY_ENV] = entry.__name__  # (the worker finds it in trainer.run.ENTRY_POINTS)
     os.environ[LAUNCHER_ENV] = str(os.getpid())
     # Where the workers' hang watchdogs share their progress and, after a hang, their stacks (trainer/watchdog.py).
     hang_dir = os.environ[watchdog.HANG_DIR_ENV] = tempfile.mkdtemp(prefix="trainer-hang-")

@@ -505,3 +505,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
             backend.teardown(wait_for_peers=finished)
         finally:
             watch.stop()
+
+
+# What a job runs on every rank (trainer/launcher.py passes the function; workers find it here by its name).
+ENTRY_POINTS = {f.__name__: f for f in (train, evaluate, tune_batch_size, tune_lr, script)}

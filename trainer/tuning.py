@@ -43,7 +43,9 @@ def command(argv: list[str]) -> int:
     cfg = prepare(argv)
     scratch = Path(tempfile.mkdtemp(prefix="trainer-tune-"))
     try:
-        run(cfg, scratch, entry=f"tune_{cfg.tune.what}")
+        from .run import tune_batch_size, tune_lr
+
+        run(cfg, scratch, entry={"batch_size": tune_batch_size, "lr": tune_lr}[cfg.tune.what])
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0

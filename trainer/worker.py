@@ -18,17 +18,14 @@ from omegaconf import DictConfig, OmegaConf
 # What the launcher sets for each worker (this module reads them; the launcher imports the names).
 CONFIG_ENV, RUN_DIR_ENV, ENTRY_ENV = "TRAINER_CONFIG", "TRAINER_RUN_DIR", "TRAINER_ENTRY"
 LAUNCHER_ENV = "TRAINER_LAUNCHER_PID"  # the launching process: workers die with it (trainer/rundir.py)
-ENTRIES = ("train", "evaluate", "tune_batch_size", "tune_lr", "script")  # functions of trainer.run a job runs on every rank
-
-
-def run_worker(cfg: DictConfig, run_dir: Path, entry: str = "train") -> int:
-    from . import run
+def run_worker(cfg: DictConfig, run_dir: Path, entry) -> int:
+    """Run the entry point `entry` (a function of trainer.run.ENTRY_POINTS) on this rank; its exit code."""
     from .errors import TrainerExit
     from .rundir import hold_as_worker
 
     hold_as_worker(run_dir)  # until this process ends, no other job starts in this run dir
     try:
-        getattr(run, entry)(cfg, run_dir)
+        entry(cfg, run_dir)
         return 0
     except KeyboardInterrupt:  # Ctrl-C reached every process of the job; the parent says so once
         return 130
@@ -62,8 +59,9 @@ def main() -> int:
         die_with_parent(int(os.environ[LAUNCHER_ENV]))  # a SIGKILLed launcher takes its workers with it
     cfg = OmegaConf.create(json.loads(os.environ[CONFIG_ENV]))
     OmegaConf.set_struct(cfg, True)
-    entry = os.environ.get(ENTRY_ENV, "train")
-    return run_worker(cfg, Path(os.environ[RUN_DIR_ENV]), entry if entry in ENTRIES else "train")
+    from .run import ENTRY_POINTS
+
+    return run_worker(cfg, Path(os.environ[RUN_DIR_ENV]), ENTRY_POINTS[os.environ[ENTRY_ENV]])
 
 
 def exit_now(code: int) -> None:
