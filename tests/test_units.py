@@ -1,0 +1,97 @@
+"""Unit tests for pieces only whole runs reached before (issue 24): the state tree's flatten / conform / assemble
+(what a checkpoint's state.json and tensor files become again), and the choice of FSDP units and
+activation-checkpointing blocks. In memory, no process group, no files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from trainer import snapshot
+from trainer.errors import CheckpointError, ConfigError
+from trainer.strategies import Strategy
+
+
+def stored(state):
+    """What a checkpoint of `state` holds: its JSON tree and the chunks of each tensor, as checkpoint.read gives."""
+    chunks: dict[str, snapshot.Chunk] = {}
+    tree = snapshot.flatten(state, chunks)
+    views = {k: c.local for k, c in chunks.items()}
+    found = snapshot.stored_chunks(snapshot.chunk_metadata(chunks), views, "test")
+    return tree, {k: [v] for k, v in found.items()}
+
+
+def test_a_state_tree_comes_back_as_it_was():
+    state = {"step": 3, "opt": {"state": {"w": {"exp_avg": torch.arange(6.0).view(2, 3)}}, "lr": 0.1},
+             "rng": [(1, 2, 3)], "name": "fp32", "none": None}
+    tree, chunks = stored(state)
+    like = {"step": 0, "opt": {"state": {"w": {"exp_avg": torch.zeros(2, 3)}}, "lr": 1.0}, "rng": [],
+            "name": "", "none": None}
+    back = snapshot.conform(tree, like, chunks, "ckpt")
+    assert back["step"] == 3 and back["opt"]["lr"] == 0.1 and back["name"] == "fp32"
+    assert torch.equal(back["opt"]["state"]["w"]["exp_avg"], state["opt"]["state"]["w"]["exp_avg"])
+    assert [list(r) for r in back["rng"]] == [[1, 2, 3]]  # an empty live list takes the checkpoint's
+
+
+@pytest.mark.parametrize(("live", "message"), [
+    ({"step": torch.zeros(())}, "'/step' is int in the checkpoint but a tensor here"),
+    ({"w": 1.0}, "'/w' is a tensor in the checkpoint but float here"),
+    ({"w": torch.zeros(3, 2)}, "'/w' is (2, 3) in the checkpoint but (3, 2) here"),
+    ({"w": torch.zeros(2, 3, dtype=torch.float64)}, "'/w' is torch.float32 in the checkpoint but torch.float64 here"),
+    ({"missing": 1}, "'<root>' lacks missing"),
+    ({"pair": (0, 0, 0)}, "'/pair' has 2 items in the checkpoint but 3 here"),
+])
+def test_conform_refuses_what_does_not_fit_the_live_state_and_names_it(live, message):
+    tree, chunks = stored({"step": 1, "w": torch.ones(2, 3), "pair": (1, 2)})
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        snapshot.conform(tree, live, chunks, "ckpt")
+
+
+def test_conform_ignores_keys_the_live_state_no_longer_has():
+    tree, chunks = stored({"step": 1, "old": torch.ones(2)})
+    assert snapshot.conform(tree, {"step": 0}, chunks, "ckpt") == {"step": 1}
+
+
+def test_assemble_joins_the_chunks_of_a_sharded_tensor_and_refuses_a_gap():
+    whole = torch.arange(12.0).view(4, 3)
+    top = snapshot.Stored(whole[:2].clone(), (4, 3), (0, 0))
+    bottom = snapshot.Stored(whole[2:].clone(), (4, 3), (2, 0))
+    assert torch.equal(snapshot.assemble("w", [bottom, top], torch.zeros(4, 3), "ckpt"), whole)
+    with pytest.raises(CheckpointError, match="chunks of 'w'"):
+        snapshot.assemble("w", [top], torch.zeros(4, 3), "ckpt")
+    with pytest.raises(CheckpointError, match="'w' is missing from the checkpoint"):
+        snapshot.assemble("w", [], torch.zeros(4, 3), "ckpt")
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(2, 2)
+
+
+class Net(nn.Module):
+    def __init__(self, declared: list[str] | None = None):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(2, 2)
+        if declared is not None:
+            self._no_split_modules = declared
+
+
+def test_units_are_the_declared_blocks_else_the_module_lists_children_children_first():
+    st = Strategy()
+    net = Net()
+    assert st.units(net) == list(reversed(list(net.blocks)))  # each ModuleList child, children before parents
+    declared = Net(["Linear"])
+    assert set(map(id, st.units(declared))) == {id(m) for m in declared.modules() if isinstance(m, nn.Linear)}
+    st.unit_classes = ["Block"]  # world.wrap overrides what the model declares
+    assert st.units(declared) == list(reversed(list(declared.blocks)))
+
+
+def test_a_wrap_class_the_model_lacks_is_one_paragraph_naming_its_blocks():
+    st = Strategy()
+    st.unit_classes = ["Blok"]
+    with pytest.raises(ConfigError, match=r"world.wrap names Blok, which the model \(Net\) does not contain\..*"
+                                          r"Did you mean Block\?.*world.wrap=\[Block\]"):
+        st.units(Net())
