@@ -95,3 +95,32 @@ def test_a_wrap_class_the_model_lacks_is_one_paragraph_naming_its_blocks():
     with pytest.raises(ConfigError, match=r"world.wrap names Blok, which the model \(Net\) does not contain\..*"
                                           r"Did you mean Block\?.*world.wrap=\[Block\]"):
         st.units(Net())
+
+
+@pytest.mark.parametrize(("override", "named"), [
+    ("trainer.grad_accum_steps=0", "trainer.grad_accum_steps"),
+    ("data.batch_size=-1", "data.batch_size"),
+    ("optim.lr=0", "optim.lr"),
+    ("optim.betas=[0.9,1.5]", "optim.betas"),
+    ("scheduler.warmup_steps=-2", "scheduler.warmup_steps"),
+    ("ema.decay=1.0", "ema.decay"),
+    ("checkpoint.best_metric=train/loss", "checkpoint.best_metric"),
+    ("world.tp=0", "world.tp"),
+])
+def test_config_validation_names_the_key_it_refuses(override, named):
+    """trainer.compose checks the composed config (trainer/config.py) before anything is built."""
+    import trainer
+
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        trainer.compose(["debug=smoke", override])
+
+
+def test_per_part_optimizer_settings_are_checked_as_the_base_optimizer_s():
+    """recipe=gan's optim.generator: {...} is the base optim with those keys changed: checked the same way."""
+    import trainer
+
+    assert trainer.compose(["recipe=gan", "debug=smoke"]).optim.generator.lr == 1e-3
+    with pytest.raises(ConfigError, match=r"optim\.discriminator\.lr"):
+        trainer.compose(["recipe=gan", "debug=smoke", "optim.discriminator.lr=-1"])
+    with pytest.raises(ConfigError, match=r"optim\.generator\.momentun is not an option"):
+        trainer.compose(["recipe=gan", "debug=smoke", "+optim.generator.momentun=0.9"])
