@@ -29,14 +29,19 @@ def seed_everything(seed: int) -> None:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module under DDP and torch.compile wrappers: what checkpoints and exports save."""
+    """The plain module under DDP, DeepSpeed's engine and torch.compile wrappers: what checkpoints and exports save."""
     while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
+        if isinstance(model, nn.parallel.DistributedDataParallel) or _is_engine(model):
             model = model.module
         elif hasattr(model, "_orig_mod"):
             model = model._orig_mod
         else:
             return model
+
+
+def _is_engine(model: nn.Module) -> bool:
+    """DeepSpeed's engine (world=deepspeed), told by its module: nothing here imports DeepSpeed."""
+    return type(model).__module__.startswith("deepspeed.") and isinstance(getattr(model, "module", None), nn.Module)
 
 
 class Strategy:
