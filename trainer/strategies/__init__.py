@@ -5,7 +5,7 @@ Imported lazily (as `trainer` itself is): config validation reads `layout.check_
 
 from importlib import import_module
 
-_EXPORTS = {"DDP": ".ddp", "FSDP": ".fsdp", "SingleDevice": ".base", "Strategy": ".base",
+_EXPORTS = {"DDP": ".ddp", "DeepSpeed": ".deepspeed", "FSDP": ".fsdp", "SingleDevice": ".base", "Strategy": ".base",
             "seed_everything": ".base", "unwrap": ".base", "Layout": ".layout"}
 
 __all__ = list(_EXPORTS)
