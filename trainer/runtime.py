@@ -36,7 +36,7 @@ from .backend import Backend
 from .errors import CheckpointError, UserError
 from .strategies import Strategy, unwrap
 
-WORLDS = ("single", "ddp", "fsdp")
+WORLDS = ("single", "ddp", "fsdp", "deepspeed")
 
 
 def _strategy(world: str | Strategy, options: dict[str, Any]) -> Strategy:
@@ -44,11 +44,11 @@ def _strategy(world: str | Strategy, options: dict[str, Any]) -> Strategy:
         return world
     from . import strategies
 
-    classes = {"single": strategies.SingleDevice, "ddp": strategies.DDP, "fsdp": strategies.FSDP}
-    if world not in classes:
+    if world not in WORLDS:
         raise UserError(f"Runtime(world={world!r}) is invalid: expected one of {', '.join(WORLDS)} (or a Strategy).")
+    classes = {"single": "SingleDevice", "ddp": "DDP", "fsdp": "FSDP", "deepspeed": "DeepSpeed"}
     try:
-        return classes[world](**options)
+        return getattr(strategies, classes[world])(**options)
     except TypeError as e:
         raise UserError(f"Runtime(world={world!r}, world_options={options!r}): {e}. The options are the keys of "
                         f"conf/world/{world}.yaml but the launch keys.") from None
@@ -181,8 +181,9 @@ class EvalLoader:
 class Runtime:
     """Everything a training loop needs from the framework, for one process of a job.
 
-    `world`: "single", "ddp" or "fsdp" (or a Strategy), with `world_options` (the keys of conf/world/*.yaml:
-    `tp`, `bucket_cap_mb`, `reshard_after_forward`, ...). `precision`: "fp32", "bf16", "fp16" or "auto" (or a
+    `world`: "single", "ddp", "fsdp" or "deepspeed" (or a Strategy), with `world_options` (the keys of
+    conf/world/*.yaml: `tp`, `bucket_cap_mb`, `reshard_after_forward`, `stage`, ...). `precision`: "fp32", "bf16",
+    "fp16" or "auto" (or a
     precision object built for the strategy). Left at None, both come from the config of the job when the script
     runs under `python -m trainer launch SCRIPT.py [overrides]`, else "single" and "fp32". Run it under that
     launcher, under torchrun, or as a plain `python script.py` (one process).
@@ -291,6 +292,9 @@ class Runtime:
                 raise UserError(f"Runtime.setup got a {type(obj).__name__}: it sets up nn.Modules and torch "
                                 "optimizers. Data goes through rt.loader(dataset, batch_size=...), schedulers to "
                                 "rt.step(optimizer, scheduler).")
+        for i, obj in enumerate(objects):  # a strategy with an engine (DeepSpeed's) wrapped model and optimizer
+            if isinstance(obj, nn.Module):
+                out[i] = self.models[self._name_of(out[i])]
         return out[0] if len(out) == 1 else tuple(out)
 
     def build_model(self, factory: Callable[[], nn.Module], activation_checkpointing: bool = False,
