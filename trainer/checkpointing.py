@@ -332,8 +332,9 @@ def _shown(value: Any) -> str:
 
 
 def changed_settings(path: Path, cfg: DictConfig) -> list[tuple[str, Any, Any]]:
-    """(key, the checkpoint's value, this run's) for every setting that differs, but for `resume`, loggers and
-    precision=auto's reason (its probe's timing text differs at every start)."""
+    """(key, the checkpoint's value, this run's) for every setting that differs, but for `resume`, loggers,
+    precision=auto's reason (its probe's timing text differs at every start) and world=deepspeed's `world.auto`
+    (copies of other settings, which are compared themselves)."""
     from .rundir import flat, read_config
 
     before = read_config(path / "config.yaml")
@@ -341,7 +342,7 @@ def changed_settings(path: Path, cfg: DictConfig) -> list[tuple[str, Any, Any]]:
         return []
     before, now = flat(before), flat(redact(OmegaConf.to_container(cfg, resolve=True)))
     return [(k, before.get(k), now.get(k)) for k in sorted(set(before) | set(now))
-            if k != "resume" and not k.startswith("logger.") and k != "precision.reason"
+            if k != "resume" and not k.startswith(("logger.", "world.auto.")) and k != "precision.reason"
             and before.get(k) != now.get(k)]
 
 

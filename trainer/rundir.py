@@ -176,7 +176,7 @@ def die_with_parent(parent_pid: int) -> None:
 # these is still the run `resume=auto` continues. Prefixes of flattened keys; `_target_`s never match.
 RESUMABLE = ("trainer.max_steps", "trainer.max_epochs", "trainer.eval_every", "trainer.eval_every_epochs",
              "trainer.log_every", "trainer.progress", "optim.", "scheduler.", "checkpoint.", "logger.",
-             "precision.reason", "world.hang_timeout")
+             "precision.reason", "world.hang_timeout", "world.auto.")  # (world=deepspeed's copies of other settings)
 
 
 def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
