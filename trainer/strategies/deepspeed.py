@@ -30,6 +30,7 @@ import importlib.util
 import io
 import logging
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -53,8 +54,10 @@ def import_deepspeed(device_type: str = "cpu"):
         import deepspeed
     except ImportError as e:
         raise ConfigError(f"{INSTALL} (import deepspeed: {e})") from None
-    # Its INFO lines (config dumps, timers) on every rank would drown the run's own output.
+    # Its INFO lines (config dumps, timers) on every rank would drown the run's own output; and torch's notices
+    # that collectives DeepSpeed calls are deprecated are not the user's to act on.
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     return deepspeed
 
 
@@ -148,9 +151,8 @@ class DeepSpeed(Strategy):
         self._buffer_dtypes = {n: b.dtype for n, b in module.named_buffers()}  # bf16/fp16 casts them
         run = self.run.with_objects(self.precision, optimizer, self.dp_size)
         config = ds_config.resolve(self.file, run, **self.options, source=self.source)
-        # DeepSpeed prints (JIT-built ops, its config) on every rank: only the main one speaks.
-        quiet = contextlib.nullcontext() if self.backend.is_main else contextlib.redirect_stdout(io.StringIO())
-        with quiet:
+        # DeepSpeed prints a line per rank as it starts (the JIT-built ops it loaded); its warnings go to its logger.
+        with contextlib.redirect_stdout(io.StringIO()):
             engine, *_ = self.deepspeed.initialize(model=module, optimizer=optimizer, config=config)
         self.engine = engine
         # The optimizer's parameters are now DeepSpeed's flat partitions, whose gradient buffers are the engine's
@@ -327,10 +329,19 @@ class DeepSpeed(Strategy):
         first step it makes the state exist (`_init_state`), which `reset_optimizer` zeroes again."""
         self._init_state(optimizer)
         keys, step = self._state_keys()
-        state = {name: {"step": torch.zeros_like(step), **{k: torch.empty(self._shape(p), device="meta")
+        state = {name: {"step": torch.zeros_like(step), **{k: torch.empty(self._shape(p))
                                                            for k in keys}}
                  for name, p in self._params(model).items() if p.requires_grad}
         return {"state": state, "param_groups": self._param_groups(optimizer)}
+
+    def _flats(self) -> list[tuple[int, torch.Tensor]]:
+        """DeepSpeed's fp32 flat partitions on this rank, each with the index of its optimizer parameter group (the
+        client optimizer's state is keyed by them). ZeRO-3 keeps them aside and hands each to its group only for
+        its step; stages 1 and 2 keep one per group in the group."""
+        opt = self.engine.optimizer
+        if self.stage == 3:
+            return [(opt.sub_group_to_group_id[i], f) for i, f in enumerate(opt.fp32_partitioned_groups_flat)]
+        return list(enumerate(opt.single_partition_of_fp32_groups))
 
     @torch.no_grad()
     def _init_state(self, optimizer: torch.optim.Optimizer) -> None:
@@ -339,19 +350,21 @@ class DeepSpeed(Strategy):
         state tensor zeroed, which is the state a first step starts from (step 0, zero moments)."""
         if self._inner_state():
             return
-        flats = [p for g in optimizer.param_groups for p in g["params"]]
-        lrs = [g["lr"] for g in optimizer.param_groups]
-        for p in flats:
-            p.grad = torch.zeros_like(p)
-        for g in optimizer.param_groups:
-            g["lr"] = 0.0
+        flats, groups = self._flats(), optimizer.param_groups
+        kept = [(g["params"], g["lr"]) for g in groups]
+        grads = [f.grad for _, f in flats]  # (with optimizer offload, DeepSpeed's own gradient buffers)
+        for g in groups:
+            g["params"], g["lr"] = [], 0.0
+        for index, f in flats:
+            groups[index]["params"].append(f)
+            f.grad = torch.zeros_like(f)
         try:
             optimizer.step()
         finally:
-            for g, lr in zip(optimizer.param_groups, lrs):
-                g["lr"] = lr
-            for p in flats:
-                p.grad = None
+            for g, (params, lr) in zip(groups, kept):
+                g["params"], g["lr"] = params, lr
+            for (_, f), grad in zip(flats, grads):
+                f.grad = grad
         self.reset_optimizer(optimizer)
         self._link_optimizer_state()
 
