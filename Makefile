@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 RECIPE ?= lm
 
-.PHONY: venv train test bench lint clean
+.PHONY: venv train test test-deepspeed bench lint clean
 
 venv: $(VENV)/.installed
 
@@ -23,6 +23,15 @@ train: venv
 
 test: venv
 	$(PY) -m pytest -q -n auto tests $(ARGS)
+
+# world=deepspeed's tests (pytest -m deepspeed): the deepspeed extra is installed first (after torch, without
+# build isolation: its build imports torch). On a CPU the first engine start compiles one DeepSpeed op (~1 min).
+test-deepspeed: $(VENV)/.deepspeed
+	$(PY) -m pytest -q -n auto -m deepspeed tests/test_deepspeed.py $(ARGS)
+
+$(VENV)/.deepspeed: $(VENV)/.installed
+	$(PY) -m pip install -q --no-build-isolation -e ".[deepspeed]"
+	touch $@
 
 bench: venv
 	$(PY) -m benchmarks $(ARGS)

@@ -209,7 +209,13 @@ class DeepSpeed(Strategy):
         gradients in DeepSpeed's partitions: DeepSpeed's step discards them (it skips a NaN/inf step by itself)."""
         if not self._boundary_pending:
             return
-        self.engine.step()
+        ds_logger = logging.getLogger("DeepSpeed")
+        level = ds_logger.level
+        ds_logger.setLevel(logging.ERROR)  # its "OVERFLOW! Skipping step" line: the framework counted the skip
+        try:
+            self.engine.step()
+        finally:
+            ds_logger.setLevel(level)
         self._boundary_pending = False
         if self.engine.was_step_applied():
             raise UserError("under world=deepspeed every step must end in rt.step(optimizer) (or be refused for a "
