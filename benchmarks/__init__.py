@@ -31,6 +31,10 @@ thread the CPU time decides, as it is the less disturbed by other jobs.
                              process; on CUDA with 2 GPUs also gpt_medium  (tp.py)
     activation_checkpointing `python -m trainer trainer.activation_checkpointing=true` vs without: peak memory
                              and tokens/s (1 process, gpt_small on a 32x256 batch)  (activations.py)
+    deepspeed                bytes one rank holds under world=deepspeed ZeRO-2 and ZeRO-3 next to world=ddp and
+                             world=fsdp (2 processes, in a step); `python -m trainer world=deepspeed world.stage=2|3`
+                             2 x 1 thread vs a plain DeepSpeed script (engine.backward / engine.step), fp32; needs
+                             the deepspeed extra  (deepspeed_bench.py)
 
 An item is a module with an `Item` (harness.py: how it measures, its rows of the table, its sizes in a
 full and a quick run) and one line in ITEMS below.
@@ -39,6 +43,7 @@ full and a quick run) and one line in ITEMS below.
 from .activations import ACTIVATIONS
 from .checkpoint import CHECKPOINT
 from .ddp import DDP
+from .deepspeed_bench import DEEPSPEED
 from .fsdp import FSDP
 from .harness import Item
 from .loop import BF16_VS_FP32, LOOP_DEFAULT, LOOP_TINY
@@ -56,4 +61,5 @@ ITEMS: dict[str, Item] = {
     "fsdp": FSDP,
     "tp": TP,
     "activation_checkpointing": ACTIVATIONS,
+    "deepspeed": DEEPSPEED,
 }

@@ -160,22 +160,27 @@ def test_your_own_loop_on_zero3_with_accumulation_trains_what_the_trainer_trains
 
 @pytest.mark.deepspeed
 @needs_deepspeed
-def test_bf16_is_deepspeeds_and_learns_what_one_process_learns_in_bf16(corpus, tmp_path):
-    """precision=bf16 under DeepSpeed: 16-bit weights with fp32 master weights in ZeRO's partitions (and the
-    framework's autocast). It follows one process's bf16 run to bf16's resolution, and its checkpoint holds the
-    fp32 master weights."""
-    run = ("precision=bf16", "trainer.max_steps=20", "trainer.eval_every=0", "ema.enabled=false")
+def test_bf16_on_one_process_is_deepspeeds_and_learns_what_the_plain_process_learns(corpus, tmp_path):
+    """`world=deepspeed` as it comes (one process on a CPU: DeepSpeed's place in the world from the framework),
+    ZeRO-3 in precision=bf16: 16-bit weights with fp32 master weights in ZeRO's partitions, under the framework's
+    autocast. It follows world=single's bf16 run to bf16's resolution, and its export holds the fp32 master
+    weights."""
+    run = ("precision=bf16", "trainer.max_steps=20", "trainer.eval_every=0", "ema.enabled=false", "data.batch_size=8")
     ref = tmp_path / "one"
-    train_in_process(corpus, ref, *run, "data.batch_size=8")
-    r = run_cli(*tiny_overrides(corpus, *run, *DS2, "world.stage=2", "data.batch_size=4"),
-                f"hydra.run.dir={tmp_path / 'ds'}")
+    train_in_process(corpus, ref, *run)
+    r = run_cli(*tiny_overrides(corpus, *run, "world=deepspeed", "world.stage=3"), f"hydra.run.dir={tmp_path / 'ds'}")
     assert r.returncode == 0, r.stderr
     got, want = series(read_metrics(tmp_path / "ds"), "train/loss"), series(read_metrics(ref), "train/loss")
-    assert got == pytest.approx(want, abs=2e-2) and got[-1] < got[0] - 1.0
+    # bf16 holds 8 significant bits: the losses agree to two of its ulps (2^-7 relative).
+    assert got == pytest.approx(want, rel=2**-7) and got[-1] < got[0] - 1.0
     weights = load_weights(tmp_path / "ds" / "model.safetensors")
     assert {w.dtype for w in weights.values()} == {torch.float32}
+    # DeepSpeed's gradients are bf16 (its weights are), the plain run's fp32 (autocast keeps fp32 weights): where
+    # a gradient element is near 0 the two AdamW updates may differ by up to 2 x lr per step (Adam's steps are at
+    # most ~lr per element), so the weights agree to 2 x the sum of the learning rates.
+    bound = 2 * sum(series(read_metrics(ref), "train/lr"))
     for k, w in load_weights(ref / "model.safetensors").items():
-        torch.testing.assert_close(weights[k], w, rtol=0, atol=2e-2)  # bf16 keeps ~3 significant digits
+        torch.testing.assert_close(weights[k], w, rtol=0, atol=bound)
 
 
 # -- the config -------------------------------------------------------------------------------------------

@@ -129,6 +129,11 @@ class DeepSpeed(Strategy):
 
     def setup(self, backend, precision) -> None:
         super().setup(backend, precision)
+        # DeepSpeed reads this process's place from the environment, which a run of one process (no launcher
+        # workers) does not have; the process group exists already and DeepSpeed joins it.
+        for key, value in (("RANK", backend.rank), ("LOCAL_RANK", backend.info.local_rank),
+                           ("WORLD_SIZE", backend.world_size)):
+            os.environ.setdefault(key, str(value))
         self.deepspeed = import_deepspeed(backend.device.type)
         if precision.name == "fp16":
             from deepspeed.accelerator import get_accelerator
@@ -151,9 +156,15 @@ class DeepSpeed(Strategy):
         self._buffer_dtypes = {n: b.dtype for n, b in module.named_buffers()}  # bf16/fp16 casts them
         run = self.run.with_objects(self.precision, optimizer, self.dp_size)
         config = ds_config.resolve(self.file, run, **self.options, source=self.source)
-        # DeepSpeed prints a line per rank as it starts (the JIT-built ops it loaded); its warnings go to its logger.
-        with contextlib.redirect_stdout(io.StringIO()):
-            engine, *_ = self.deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+        # DeepSpeed prints a line per rank as it starts (the JIT-built ops it loaded), and its probes of the C
+        # compiler log each command at INFO on the root logger (which a one-process run's Hydra shows): both
+        # muted; warnings and errors still come through.
+        logging.disable(logging.INFO)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                engine, *_ = self.deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+        finally:
+            logging.disable(logging.NOTSET)
         self.engine = engine
         # The optimizer's parameters are now DeepSpeed's flat partitions, whose gradient buffers are the engine's
         # (with optimizer offload they persist from step to step); its step zeroes the gradients. So the
@@ -315,6 +326,8 @@ class DeepSpeed(Strategy):
     def _state_keys(self) -> tuple[list[str], torch.Tensor | None]:
         """The optimizer's per-element state (AdamW's exp_avg, exp_avg_sq) and its step count (one for all)."""
         state = self._inner_state()
+        if not state:  # an optimizer without state (SGD without momentum)
+            return [], None
         flat, entry = next(iter(state.items()))
         keys = [k for k, v in entry.items() if torch.is_tensor(v) and v.shape == flat.shape and k != "step"]
         step = entry.get("step")
@@ -335,8 +348,8 @@ class DeepSpeed(Strategy):
         first step it makes the state exist (`_init_state`), which `reset_optimizer` zeroes again."""
         self._init_state(optimizer)
         keys, step = self._state_keys()
-        state = {name: {"step": torch.zeros_like(step), **{k: torch.empty(self._shape(p))
-                                                           for k in keys}}
+        counts = {"step": torch.zeros_like(step)} if step is not None else {}
+        state = {name: {**counts, **{k: torch.empty(self._shape(p)) for k in keys}}
                  for name, p in self._params(model).items() if p.requires_grad}
         return {"state": state, "param_groups": self._param_groups(optimizer)}
 
