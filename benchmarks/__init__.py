@@ -31,6 +31,9 @@ thread the CPU time decides, as it is the less disturbed by other jobs.
                              process; on CUDA with 2 GPUs also gpt_medium  (tp.py)
     activation_checkpointing `python -m trainer trainer.activation_checkpointing=true` vs without: peak memory
                              and tokens/s (1 process, gpt_small on a 32x256 batch)  (activations.py)
+    anchors                  the same loop on trainer.Runtime, Accelerate's Accelerator and Lightning Fabric beside
+                             the hand-written one: 1 process, DDP 2 and FSDP 2 (fp32, 1 thread each); needs the
+                             bench extra (accelerate, lightning), which the framework never imports  (anchors.py)
     deepspeed                bytes one rank holds under world=deepspeed ZeRO-2 and ZeRO-3 next to world=ddp and
                              world=fsdp (2 processes, in a step); `python -m trainer world=deepspeed world.stage=2|3`
                              2 x 1 thread vs a plain DeepSpeed script (engine.backward / engine.step), fp32; needs
@@ -41,6 +44,7 @@ full and a quick run) and one line in ITEMS below.
 """
 
 from .activations import ACTIVATIONS
+from .anchors import ANCHORS
 from .checkpoint import CHECKPOINT
 from .ddp import DDP
 from .deepspeed_bench import DEEPSPEED
@@ -61,5 +65,6 @@ ITEMS: dict[str, Item] = {
     "fsdp": FSDP,
     "tp": TP,
     "activation_checkpointing": ACTIVATIONS,
+    "anchors": ANCHORS,
     "deepspeed": DEEPSPEED,
 }
