@@ -1,4 +1,4 @@
-"""e. The anchors themselves: the same training loop written on trainer.Runtime, on Accelerate's Accelerator and on
+"""j. The anchors themselves: the same training loop written on trainer.Runtime, on Accelerate's Accelerator and on
 Lightning Fabric, beside the hand-written PyTorch loop, on one process, 2 DDP processes and 2 FSDP processes.
 
 Every side runs the same steps: the lm model of the run (gpt_tiny quick, gpt_small full), AdamW with the
@@ -252,7 +252,7 @@ def rows(r: dict) -> list[str]:
         anchors = ", ".join(f"{a} {w[f'{a}_vs_plain']:.3f}x plain" for a in ("accelerate", "fabric")
                             if f"{a}_vs_plain" in w)
         note = "; ".join(x for x in (anchors, failed, missing) if x)
-        out.append(f"| e. anchors, {labels[world]}, {r['model']} {r['batch_per_process']}/proc, fp32: tok/s {cells} | "
+        out.append(f"| j. anchors, {labels[world]}, {r['model']} {r['batch_per_process']}/proc, fp32: tok/s {cells} | "
                    f"{rates.get('runtime', float('nan')):,.0f} tok/s (trainer.Runtime) | "
                    f"{rates.get('plain', float('nan')):,.0f} tok/s (plain) | {ratios}{'; ' + note if note else ''} | "
                    f"{r['target']} | {'yes' if w['met'] else '**no**'} |")
