@@ -200,20 +200,32 @@ class DeepSpeed(Strategy):
                             "after the backward of the step's last micro-batch (when rt.sync_gradients is true).")
         opt = self.engine.optimizer
         opt.clip_grad = float(max_norm or 0.0)
+        # DeepSpeed's step measures the same norm again (one more pass and all-reduce): it is handed this one,
+        # until the step (`_forget_norm`).
         if self.stage == 3:
             from deepspeed.runtime.utils import combine_grad_norm_groups
 
-            scaled = combine_grad_norm_groups(opt._get_norm_groups())
+            groups = opt._get_norm_groups()
+            opt._get_norm_groups = lambda: groups
+            scaled = combine_grad_norm_groups(groups)
         else:
             scaled = opt.scaled_global_norm()
+            opt.scaled_global_norm = lambda norm_type=2: scaled
         norm = scaled.float() / opt.loss_scale
         # DeepSpeed marks a NaN/inf norm as -1.
         return torch.where((norm < 0) | ~torch.isfinite(norm), torch.full_like(norm, float("inf")), norm)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        self.engine.step()
-        self._boundary_pending = False
+        self._engine_step()
         return self.engine.was_step_applied()
+
+    def _engine_step(self) -> None:
+        try:
+            self.engine.step()
+        finally:
+            self._boundary_pending = False
+            for name in ("scaled_global_norm", "_get_norm_groups"):  # the next step measures its own norm
+                vars(self.engine.optimizer).pop(name, None)
 
     def _discard_refused_step(self) -> None:
         """A step whose update the framework refused (trainer.nonfinite=skip: its norm was NaN/inf) still holds its
@@ -224,10 +236,9 @@ class DeepSpeed(Strategy):
         level = ds_logger.level
         ds_logger.setLevel(logging.ERROR)  # its "OVERFLOW! Skipping step" line: the framework counted the skip
         try:
-            self.engine.step()
+            self._engine_step()
         finally:
             ds_logger.setLevel(level)
-        self._boundary_pending = False
         if self.engine.was_step_applied():
             raise UserError("under world=deepspeed every step must end in rt.step(optimizer) (or be refused for a "
                             "NaN/inf gradient): DeepSpeed holds the step's reduced gradients until its step, and "
