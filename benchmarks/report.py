@@ -58,7 +58,13 @@ NOTES = (
     "shards and plain tensors, and the hand-written loop clips the mix by hand. Activation checkpointing runs the "
     "CLI (one process, 1 thread) with and without `trainer.activation_checkpointing=true` in alternating rounds; its "
     "peak memory is the run's last `train/peak_mem_mb` (CUDA max allocated; on the CPU the process's peak RSS, "
-    "torch's libraries included) and its speed the median log window's tokens/s."
+    "torch's libraries included) and its speed the median log window's tokens/s. DeepSpeed (`world=deepspeed`) "
+    "bytes are counted on each rank in the optimizer's second step (the state of every parameter group exists "
+    "then), each storage once: the module's parameters (under ZeRO-3 the rank's partition of each), DeepSpeed's "
+    "fp32 master partition, the gradients alive in the step (the reduced partition) and the AdamW state; its "
+    "throughput rows run the CLI and a plain DeepSpeed script (the same model, AdamW groups as its client "
+    "optimizer, gradient_clipping and schedule; `engine(x)`, `engine.backward`, `engine.step`) in fp32, 2 "
+    "processes x 1 thread, as the FSDP rows do."
 )
 
 

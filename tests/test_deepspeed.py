@@ -6,8 +6,7 @@ and a ds_config.json that contradicts the run's config, or a missing DeepSpeed, 
 The tests that start DeepSpeed are marked `deepspeed`: `make test` leaves them out (pyproject's addopts), `make
 test-deepspeed` installs the extra and runs them (`pytest -m deepspeed tests/test_deepspeed.py`). Each 2-process
 start takes a few seconds, and the first one on a machine compiles DeepSpeed's shared-memory op (~1 min, cached
-in ~/.cache/torch_extensions). The config tests need no engine: they run in `make test` (those that build the
-strategy skip without DeepSpeed installed)."""
+in ~/.cache/torch_extensions). The config tests need no engine, nor DeepSpeed: they run in `make test`."""
 
 from __future__ import annotations
 
@@ -262,7 +261,6 @@ def test_the_run_values_come_from_the_config_as_the_world_yaml_wires_them(corpus
     assert run.clip_known and run.grad_clip == cfg.trainer.grad_clip
 
 
-@needs_deepspeed
 @pytest.mark.parametrize(("args", "needles"), [
     (["world.config=ds.json", "world.stage=2"], ["world.config=ds.json contradicts this run's config",
                                                  "zero_optimization.stage is 3 there but world.stage=2",

@@ -79,8 +79,6 @@ class DeepSpeed(Strategy):
 
     def __init__(self, stage: int | None = None, offload_optimizer: bool | None = None,
                  offload_param: bool | None = None, config: str | None = None, auto: dict[str, Any] | None = None):
-        if importlib.util.find_spec("deepspeed") is None:
-            raise ConfigError(INSTALL)
         if stage is not None and (isinstance(stage, bool) or stage not in (1, 2, 3)):
             raise ConfigError(f"world.stage={stage!r} is invalid: expected 1, 2 or 3 (the ZeRO stage), or null.")
         for key, value in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
@@ -89,7 +87,8 @@ class DeepSpeed(Strategy):
         self.options = {"stage": stage, "offload_optimizer": offload_optimizer, "offload_param": offload_param}
         self.file = ds_config.read(config) if config else {}
         self.source = f"world.config={config}" if config else "world.stage and its options"
-        self.run = ds_config.RunValues.from_auto(dict(auto or {}))
+        auto = dict(auto or {})
+        self.run = ds_config.RunValues.from_auto(auto)
         # Everything the config alone can contradict, refused now (before any worker starts).
         zero = ds_config.resolve(self.file, self.run, **self.options, source=self.source)["zero_optimization"]
         self.stage = zero["stage"]
@@ -101,7 +100,6 @@ class DeepSpeed(Strategy):
         if offloads["offload_param"] and self.stage != 3:
             raise ConfigError(f"world.offload_param needs ZeRO stage 3 (the parameters are partitioned only there); "
                               f"this run has stage {self.stage}. Set world.stage=3, or world.offload_param=false.")
-        auto = dict(auto or {})
         if auto.get("ema") and self.stage == 3:
             raise ConfigError("ema.enabled=true is not supported with ZeRO stage 3: each rank holds only its partition "
                               "of every parameter, and the EMA averages whole ones. Use world.stage=2 (optimizer "
@@ -111,6 +109,13 @@ class DeepSpeed(Strategy):
                               "model after it would be compiled). Set trainer.compile=false, or use world=ddp or fsdp.")
         self.engine = None
         self._boundary_pending = False  # a step's last backward ran and its engine step has not
+
+    def check_model(self, model: nn.Module) -> None:
+        """Before any worker starts (the model is the meta-device one): DeepSpeed must be installed. (The options
+        were checked when the strategy was built, which needs no DeepSpeed.)"""
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ConfigError(INSTALL)
+        super().check_model(model)
 
     # -- what the framework must do for this strategy ---------------------------------------------------
     @property
