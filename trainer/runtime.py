@@ -370,7 +370,8 @@ class Runtime:
         return next(n for n in (base, *(f"{base}_{i}" for i in range(1, len(taken) + 2))) if n not in taken)
 
     def _name_of(self, model: nn.Module) -> str | None:
-        return next((n for n, m in self.models.items() if m is model or unwrap(m) is unwrap(model)), None)
+        return next((n for n, m in self.models.items() if m is model), None) or next(
+            (n for n, m in self.models.items() if unwrap(m) is unwrap(model)), None)
 
     def register(self, name: str, obj: Any) -> Any:
         """Checkpoint `obj` (anything with state_dict/load_state_dict: a scheduler, a custom counter) under `name`
@@ -474,7 +475,11 @@ class Runtime:
         """Clip the true (unscaled, synced) gradients of a model or parameters to `max_norm` over every rank and
         mesh; None only measures. Returns the total norm before clipping, on the device."""
         params = self._params(target)
-        models, opts = self._owners(params)
+        name = self._name_of(target) if isinstance(target, nn.Module) else None
+        if name is not None:  # a set-up model: its owner is known without looking at every parameter
+            models, opts = {name}, [opt for m, opt in self.optimizers.values() if m == name]
+        else:
+            models, opts = self._owners(params)
         self._synced(models)
         for opt in opts:
             self.unscale_(opt)
