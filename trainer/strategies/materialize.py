@@ -3,12 +3,17 @@ non-sharded path gives for the same seed.
 
 A sharded parameter is a DTensor; a random init on it (`nn.init.normal_(p)`) would draw each rank's
 shard from that rank's own generator: other values than the whole tensor would get, and on CPU the
-same values on every rank. `ShardedInit` intercepts the random in-place ops (`normal_`, `uniform_`,
-...) on DTensors: it draws the whole tensor from the global generator, exactly as the plain model
-would (every rank draws the same, since every rank has the same seed), and keeps this rank's shard.
-So any `init_weights()` written for the plain model, whether with `torch.nn.init` or with tensor
-methods, gives identical weights under FSDP or tensor parallelism, and the whole model never exists
-on one process (one parameter at a time does).
+same values on every rank. `ShardedInit` catches the random fills on DTensors where every init ends up,
+at the dispatcher (`aten.normal_`, `aten.uniform_`, ...): it draws the whole tensor from the global
+generator, exactly as the plain model would (every rank draws the same, since every rank has the same
+seed), and keeps this rank's shard. Catching them there, and not by the name of the function called,
+covers every way an init is written: `torch.nn.init`, tensor methods, and wrappers such as Hugging Face's
+`transformers.initialization`, which replaces `torch.nn.init`'s functions while `_init_weights` runs.
+Ops that read the tensor they fill (`trunc_normal_`'s erfinv and clamp, `kaiming_uniform_`'s bounds from
+the global shape) then work on the shard as they would on the whole. Two inits draw a whole matrix at once
+and transform it (`orthogonal_`'s QR, `sparse_`'s per-column permutations): those are caught by name and
+run on the whole tensor. So any `init_weights()` written for the plain model gives identical weights under
+FSDP or tensor parallelism, and the whole model never exists on one process (one parameter at a time does).
 """
 
 from __future__ import annotations
@@ -18,36 +23,75 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-# Random in-place fills: tensor methods, and torch.nn.init's functions (which hand DTensors to torch
-# functions modes under their own name, before they reach the tensor methods).
-_RANDOM_INPLACE = {
-    torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.bernoulli_, torch.Tensor.random_,
-    torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.log_normal_, torch.Tensor.cauchy_,
-    nn.init.normal_, nn.init.uniform_, nn.init.trunc_normal_, nn.init.xavier_uniform_, nn.init.xavier_normal_,
-    nn.init.kaiming_uniform_, nn.init.kaiming_normal_, nn.init.orthogonal_, nn.init.sparse_,
-}
+_aten = torch.ops.aten
+# The in-place random fills every random init ends in.
+_RANDOM_FILLS = {getattr(getattr(_aten, name), o)
+                 for name in ("normal_", "uniform_", "bernoulli_", "random_", "exponential_", "geometric_",
+                              "log_normal_", "cauchy_")
+                 for o in getattr(_aten, name).overloads()}
+# Inits that transform a whole-matrix draw (not elementwise): run whole. Matched by name, so that Hugging
+# Face's same-named wrappers of torch.nn.init's functions are matched too.
+_WHOLE_MATRIX_INITS = {"orthogonal_", "sparse_"}
+# The names of torch.nn.init's fills, for SkipMetaInit.
+_INIT_NAMES = {"normal_", "uniform_", "trunc_normal_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
+               "kaiming_normal_", "orthogonal_", "sparse_", "zeros_", "ones_", "constant_", "eye_", "dirac_"}
+_INIT_MODULES = ("torch.nn.init", "transformers.initialization")
 
 
-class ShardedInit(TorchFunctionMode):
-    """Random in-place ops on a DTensor fill it with its shard of a whole-tensor draw."""
+def _is_init(func, names: set[str]) -> bool:
+    return getattr(func, "__name__", None) in names and getattr(func, "__module__", None) in _INIT_MODULES
 
+
+def _fill_shard(target, fill: Callable[[torch.Tensor], object]) -> None:
+    """Fill a DTensor with its part of a whole tensor that `fill` fills."""
+    from torch.distributed.tensor import distribute_tensor
+
+    local = target.to_local()
+    whole = torch.empty(target.shape, dtype=target.dtype, device=local.device)
+    fill(whole)  # the whole tensor's draw: the plain model's values, and the same generator state after
+    local.copy_(distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None).to_local())
+
+
+class _RandomFillsOnShards(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        kwargs = kwargs or {}
+        if func in _RANDOM_FILLS and args and isinstance(args[0], DTensor):
+            _fill_shard(args[0], lambda whole: func(whole, *args[1:], **kwargs))
+            return args[0]
+        return func(*args, **kwargs)
+
+
+class _WholeMatrixInits(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor, distribute_tensor
+        from torch.distributed.tensor import DTensor
 
         kwargs = dict(kwargs or {})
-        if func in _RANDOM_INPLACE:
-            # torch.nn.init passes the tensor by keyword; tensor methods pass it first.
+        if _is_init(func, _WHOLE_MATRIX_INITS):
             target = args[0] if args else kwargs.pop("tensor", None)
             if isinstance(target, DTensor):
-                local = target.to_local()
-                whole = torch.empty(target.shape, dtype=target.dtype, device=local.device)
-                func(whole, *args[1:], **kwargs)  # the whole tensor's draw: the plain model's values
-                local.copy_(distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None).to_local())
+                _fill_shard(target, lambda whole: func(whole, *args[1:], **kwargs))
                 return target
             if not args:
                 kwargs["tensor"] = target
         return func(*args, **kwargs)
+
+
+class ShardedInit:
+    """Random fills of DTensors fill each shard with its part of a whole-tensor draw (see the module's text)."""
+
+    def __enter__(self):
+        self._modes = [_WholeMatrixInits(), _RandomFillsOnShards()]
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
 
 
 class SkipMetaInit(TorchFunctionMode):
@@ -55,16 +99,29 @@ class SkipMetaInit(TorchFunctionMode):
     implementations: those import torch._dynamo (~1 s), which the launcher, building the model on the meta
     device only to check it, would pay before any worker starts."""
 
-    _FILLS = _RANDOM_INPLACE | {torch.Tensor.zero_, torch.Tensor.fill_, nn.init.zeros_, nn.init.ones_,
-                                nn.init.constant_, nn.init.eye_, nn.init.dirac_}
+    _FILLS = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.bernoulli_, torch.Tensor.random_,
+              torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.log_normal_, torch.Tensor.cauchy_,
+              torch.Tensor.zero_, torch.Tensor.fill_}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in self._FILLS:
+        if func in self._FILLS or _is_init(func, _INIT_NAMES):
             target = args[0] if args else kwargs.get("tensor")
             if isinstance(target, torch.Tensor) and target.is_meta:
                 return target
         return func(*args, **kwargs)
+
+
+def forget_initialization(model: nn.Module) -> None:
+    """Clear Hugging Face's `_is_hf_initialized` marks, which its constructor leaves on every module and tensor it
+    initialised: with them, a second `init_weights()` draws nothing and keeps the constructor's values (whatever the
+    RNG held before it), instead of re-drawing every weight from the seed as the framework's re-initialisation and
+    the sharded path (which starts from no marks) do."""
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)
+        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if "_is_hf_initialized" in getattr(t, "__dict__", {}):
+                del t._is_hf_initialized
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int, seed_everything: Callable[[int], None]) -> None:
