@@ -70,7 +70,8 @@ def test_help_and_cfg_job_do_not_train(tmp_path):
 
 
 # Options that belong to a recipe other than lm compose with it; `smoke` is picked by debug=smoke itself.
-RECIPE_OF = {("recipe", "diffusion"): "diffusion", ("model", "unet"): "diffusion", ("data", "digits"): "diffusion"}
+RECIPE_OF = {("recipe", "diffusion"): "diffusion", ("model", "unet"): "diffusion", ("data", "digits"): "diffusion",
+             ("recipe", "gan"): "gan", ("model", "gan"): "gan"}
 
 
 def _options() -> list[tuple[str, str]]:
@@ -83,7 +84,9 @@ def test_every_config_option_composes_and_instantiates(corpus, group, option):
     import torch
     from hydra.utils import instantiate
 
+    from trainer.config import per_part
     from trainer.run import build_data, build_loggers, build_optimizer, build_strategy
+    from trainer.task import split_loss
 
     recipe = RECIPE_OF.get((group, option), "lm")
     base = tiny_overrides(corpus) if recipe == "lm" else [f"recipe={recipe}", "debug=smoke"]
@@ -94,8 +97,9 @@ def test_every_config_option_composes_and_instantiates(corpus, group, option):
         overrides.append("model.n_layer=1")  # keep instantiation cheap; the shape logic is the same
     cfg = compose_cfg(overrides)
     model = instantiate(cfg.model)
-    opt = build_optimizer(cfg.optim, model)
-    sched = instantiate(cfg.scheduler)(opt, total_steps=10)
+    # One optimizer, or one per model part (optim.generator: {...}, for a task's own training_step).
+    opts = [build_optimizer(node, getattr(model, part) if part else model) for part, node in per_part(cfg.optim).items()]
+    scheds = [instantiate(cfg.scheduler)(opt, total_steps=10) for opt in opts]
     precision = instantiate(cfg.precision, device_type="cpu")
     train, val = build_data(cfg.data)
     assert len(train) > 0
@@ -104,11 +108,12 @@ def test_every_config_option_composes_and_instantiates(corpus, group, option):
         task.setup(train, val, None)
     batch = getattr(train, "collate_fn", torch.utils.data.default_collate)(train.__getitems__([0, 1]))
     with precision.autocast():
-        loss = task.loss(model, batch)
+        loss, _ = split_loss(task.loss(model, batch))
     assert loss.dim() == 0 and torch.isfinite(loss)
     precision.backward(loss)
-    opt.step()
-    sched.step()
+    for opt, sched in zip(opts, scheds):
+        opt.step()
+        sched.step()
     build_loggers(cfg.logger, Path("/nonexistent-never-written"), is_main=False)
     build_strategy(cfg.world)
 

@@ -49,7 +49,7 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
 @pytest.mark.parametrize(("args", "needles"), [
     (["trainer.max_stps=3"], ["unknown config key 'trainer.max_stps'", "Did you mean trainer.max_steps=3?", "+trainer.max_stps"]),
     (["model.n_layr=3"], ["'model.n_layr'", "Did you mean model.n_layer=3?"]),
-    (["model=gpt_tny"], ["model=gpt_tny", "Available: gpt_medium, gpt_small, gpt_tiny", "Did you mean gpt_tiny?"]),
+    (["model=gpt_tny"], ["model=gpt_tny", "Available: gan, gpt_medium, gpt_small, gpt_tiny", "Did you mean gpt_tiny?"]),
     (["precision=bf61"], ["precision=bf61", "bf16, fp16, fp32"]),
     (["trainer.max_steps=abc"], ["trainer.max_steps", "'abc'"]),
     (["trainer.max_steps=0"], ["trainer.max_steps=0", ">= 1"]),
