@@ -81,10 +81,26 @@ class EMAConfig:
 
 
 @dataclass
+class LoRAConfig:
+    rank: int = 0  # 0 = no adapters; 8 or 16 are usual (trainer/lora.py)
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapters' input
+    targets: list[str] = field(default_factory=list)  # linear layers: last name parts (qkv), globs, full names
+
+
+@dataclass
+class FinetuneConfig:
+    weights: str | None = None  # start from: a .safetensors file, a Hugging Face model dir, a finished run dir
+    dtype: str | None = None  # the loaded weights' dtype (fp32, bf16, fp16); null = the model's own
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+
+@dataclass
 class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ema: EMAConfig = field(default_factory=EMAConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)  # pretrained weights, LoRA (trainer/finetune.py)
     resume: str | None = None  # null = fresh | auto = newest complete checkpoint of this run dir | PATH
     # The launch keys' defaults; conf/world/NAME.yaml adds the strategy (_target_) and its options.
     world: Any = field(default_factory=lambda: asdict(LaunchConfig()))
@@ -190,11 +206,26 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"resume={resume!r} does not exist (or is not a directory): pass auto, null, or the "
                               "path of a checkpoint (RUN_DIR/checkpoints/step_N), a checkpoints/ dir or a run dir.")
     _validate_data(cfg.data)
+    _validate_finetune(cfg.get("finetune"))
     for name, node in per_part(cfg.optim).items():
         _validate_optim(node, f"optim.{name}" if name else "optim")
     for name, node in per_part(cfg.scheduler).items():
         _validate_scheduler(node, f"scheduler.{name}" if name else "scheduler")
     _validate_world(cfg.world)
+
+
+def _validate_finetune(f: DictConfig | None) -> None:
+    if f is None:
+        return
+    _check(f.dtype in (None, "fp32", "bf16", "fp16"), "finetune.dtype", f.dtype, "fp32, bf16, fp16 or null")
+    lora = f.lora
+    _check(_is_int(lora.rank) and lora.rank >= 0, "finetune.lora.rank", lora.rank, "an integer >= 0 (0 = no LoRA)")
+    _check(lora.alpha > 0, "finetune.lora.alpha", lora.alpha, "a number > 0 (the adapters' scale is alpha / rank)")
+    _check(0.0 <= lora.dropout < 1.0, "finetune.lora.dropout", lora.dropout, "a number in [0, 1)")
+    _check(lora.rank == 0 or len(lora.targets) > 0, "finetune.lora.targets", _plain(lora.targets),
+           "the linear layers to adapt with finetune.lora.rank > 0", "E.g. finetune.lora.targets=[qkv,proj].")
+    _check(lora.rank > 0 or len(lora.targets) == 0, "finetune.lora.rank", lora.rank,
+           "an integer >= 1 with finetune.lora.targets set", "E.g. finetune.lora.rank=8.")
 
 
 def _validate_data(d: DictConfig) -> None:

@@ -3,8 +3,10 @@
 `model.safetensors` (keys = the plain model's state_dict), or above `checkpoint.max_shard_mb` the shards
 `model-00001-of-0000N.safetensors` plus `model.safetensors.index.json`; `model_config.json` beside them
 (`hydra.utils.instantiate(json.load(...))` rebuilds the model); `task_state.safetensors` when the task
-is stateful (a data normaliser: what sampling from the weights needs besides them). Every file is
-written atomically.
+is stateful (a data normaliser: what sampling from the weights needs besides them). A model with LoRA adapters
+(trainer/lora.py) is exported merged (W + scale B A, keyed as the plain model: what `trainer.load` and
+`from_pretrained` read), with the adapter alone beside it in peft's layout (`adapter_model.safetensors`,
+`adapter_config.json`). Every file is written atomically.
 """
 
 from __future__ import annotations
@@ -21,6 +23,15 @@ def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, mod
                  max_shard_mb: float) -> list[str]:
     """Write `tensors` (whole, on the CPU) as `<name>.safetensors` or as shards with an index. Returns the names
     of the files written."""
+    from .lora import adapters_in, merge
+
+    adapter_files = []
+    if adapters_in(tensors):
+        tensors, adapter, adapter_config = merge(tensors)
+        if name == "model":
+            atomic_save_safetensors(run_dir / "adapter_model.safetensors", adapter, metadata={"format": "pt"})
+            atomic_write_json(run_dir / "adapter_config.json", adapter_config)
+            adapter_files = ["adapter_model.safetensors", "adapter_config.json"]
     limit = int(max_shard_mb * 2**20)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -47,7 +58,7 @@ def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, mod
                           {"metadata": {"total_size": total}, "weight_map": weight_map})
         written = [*sorted(set(weight_map.values())), f"{name}.safetensors.index.json"]
     atomic_write_json(run_dir / "model_config.json", json.loads(json.dumps(model_config)))
-    return [*written, "model_config.json"]
+    return [*written, "model_config.json", *adapter_files]
 
 
 def file_digests(run_dir: Path, names: list[str]) -> dict[str, dict]:

@@ -63,13 +63,14 @@ def causal_lm(architecture: str, **config: Any) -> nn.Module:
             raise ConfigError(f"model.{key} is not a setting of {config_cls.__name__} (the config of {architecture}). "
                               f"Remove it with ~model.{key}, or see {config_cls.__name__}'s documentation for its keys.")
         settings[key] = value
-    return _adapted(cls)(config_cls(**settings))
+    return adapt(cls)(config_cls(**settings))
 
 
 _CLASSES: dict[type, type] = {}
 
 
-def _adapted(cls: type) -> type:
+def adapt(cls: type) -> type:
+    """`cls` (a transformers model class, or one written in its pattern) with the three changes above."""
     if cls not in _CLASSES:
         from .strategies.materialize import forget_initialization
 

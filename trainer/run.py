@@ -195,10 +195,13 @@ def preflight(cfg: DictConfig, run_dir: Path) -> None:
     (whose cache is then built once, here, for all workers)."""
     device = usable_device(launch_config(cfg.world).device)
     strategy = build_strategy(cfg.world)
+    from .finetune import check, factory
     from .strategies.materialize import SkipMetaInit
 
     with torch.device("meta"), SkipMetaInit():
-        strategy.check_model(build_node("model", cfg.model))
+        model = factory(lambda: build_node("model", cfg.model), cfg.get("finetune"))()
+        strategy.check_model(model)
+    check(model, cfg.get("finetune"))  # pretrained weights that do not fit the model: before any worker starts
     build_node("task", cfg.task)
     build_node("precision", cfg.precision, device_type=device.type, sharded=strategy.shards_parameters)
     build_data(cfg.data)
@@ -241,7 +244,11 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
         if hasattr(task, "training_step"):  # its forwards reach one part of the model at a time
             strategy.expect_unused_parameters()
         # Same seed on every rank: identical initial weights.
-        model = rt.build_model(lambda: build_node("model", cfg.model), tcfg.activation_checkpointing)
+        from . import finetune
+
+        model = rt.build_model(finetune.factory(lambda: build_node("model", cfg.model), cfg.get("finetune")),
+                               tcfg.activation_checkpointing)
+        weights_source = finetune.start(model, cfg.get("finetune"), tcfg.seed, backend.is_main)  # pretrained, LoRA
         raw_model = unwrap(model)
         ema = EMA(raw_model, ecfg.decay, ecfg.warmup, ecfg.update_every) if ecfg.enabled else None
         if tcfg.compile:
@@ -272,6 +279,7 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
                                  for name, node in (cfg.get("callbacks") or {}).items() if node is not None}),
         )
         trainer.config = cfg  # the run's config as built (precision=auto resolved), for what the run records
+        trainer.weights_source = weights_source  # finetune.weights: path and sha256 of its files (main rank)
         return trainer
     except BaseException:
         backend.teardown()
@@ -323,6 +331,7 @@ def write_run_info(run_dir: Path, cfg: DictConfig, trainer: Trainer) -> None:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "packages": packages,
+        "finetune_weights": getattr(trainer, "weights_source", None),  # the pretrained weights it started from
     }
     # Secrets out of every value (the command line, and anything else here): the config's and the environment's.
     atomic_write_json(run_dir / "run_info.json", redact(info, secret_values(OmegaConf.to_container(cfg))))
