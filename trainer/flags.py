@@ -64,8 +64,9 @@ FLAGS: dict[str, tuple[bool, Callable[..., list[str]] | str | None]] = {
     "fsdp_sharding_strategy": (True, _sharding),
     "fsdp_offload_params": (True, lambda v: ["world=fsdp", f"world.cpu_offload={v.lower()}"]),
     "fsdp_transformer_layer_cls_to_wrap": (True, lambda names: ["world=fsdp", f"world.wrap=[{names}]"]),
-    "use_deepspeed": (False, lambda: ["world=fsdp"]),  # ZeRO-3; ZeRO-2 is world.reshard_after_forward=false
-    "zero_stage": (True, lambda s: ["world=fsdp"] + (["world.reshard_after_forward=false"] if s in ("1", "2") else [])),
+    # DeepSpeed's engine (the [deepspeed] extra); world=fsdp gives ZeRO-2/3 on torch alone (README: Sharding).
+    "use_deepspeed": (False, lambda: ["world=deepspeed"]),
+    "zero_stage": (True, lambda s: ["world=deepspeed", f"world.stage={s}"]),
     "gradient_accumulation_steps": (True, lambda n: [f"trainer.grad_accum_steps={n}"]),
     "cpu": (False, lambda: ["world.device=cpu"]),
     "num_cpu_threads_per_process": (True, lambda n: [f"world.threads={n}"]),
@@ -152,7 +153,7 @@ def refuse_foreign_flags(argv: list[str]) -> None:
     host = next((v for f, v in found if _name(f) in HOST_FLAGS), None) or "NODE0_HOST"
     port = next((v for f, v in found if _name(f) in PORT_FLAGS), None) or "29500"
     # A strategy chosen elsewhere (world=fsdp, --use_fsdp) keeps its processes: --num_processes adds no world=ddp.
-    fsdp = ("use_fsdp", "use_deepspeed", "zero_stage", "fsdp_offload_params", "fsdp_transformer_layer_cls_to_wrap")
+    fsdp = ("use_fsdp", "use_deepspeed", "zero_stage", "fsdp_offload_params", "fsdp_transformer_layer_cls_to_wrap")  # (chosen)
     strategy_chosen = any(o.startswith("world=") for o in rest) or any(_name(f) in fsdp for f, _ in found)
     meant: dict[str, list[str]] = {}  # the overrides (as one string) -> the flags that mean them
     not_needed, unknown = [], []
