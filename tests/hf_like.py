@@ -202,8 +202,11 @@ class HFLikeForCausalLM(PreTrainedLike):
 
 
 def HFLike(vocab_size: int = 256, seq_len: int = 64, n_layer: int = 2, n_head: int = 2, d_model: int = 64,
-           dropout: float = 0.0, tie: bool = False) -> nn.Module:
-    """The lm recipe's model keys -> the HF-like model, as trainer.hf.causal_lm builds transformers' (dropout: none)."""
+           dropout: float = 0.0, tie: bool = False, plan: dict | None = None) -> nn.Module:
+    """The lm recipe's model keys -> the HF-like model, as trainer.hf.causal_lm builds transformers' (dropout: none).
+    `plan`: entries that replace the merged plan's (as `model.tp_plan = ...` on a transformers model)."""
     assert dropout == 0.0
-    return adapt(HFLikeForCausalLM)(HFLikeConfig(vocab_size, seq_len, n_layer, n_head, d_model,
-                                                 tie_word_embeddings=tie))
+    model = adapt(HFLikeForCausalLM)(HFLikeConfig(vocab_size, seq_len, n_layer, n_head, d_model,
+                                                  tie_word_embeddings=tie))
+    model._tp_plan.update(plan or {})
+    return model

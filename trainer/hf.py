@@ -56,7 +56,9 @@ def causal_lm(architecture: str, **config: Any) -> nn.Module:
                           f"{transformers.__version__}: give the name of one, e.g. model.architecture=LlamaForCausalLM.")
     defaults = config_cls()
     settings = {}
-    for key, value in config.items():
+    # An alias after the config's own keys, whatever their order (model_config.json sorts them): the lm recipe's
+    # size keys come from debug=smoke, which shrinks the model as it shrinks the recipe's own.
+    for key, value in sorted(config.items(), key=lambda kv: kv[0] in _ALIASES and not hasattr(defaults, kv[0])):
         if not hasattr(defaults, key) and hasattr(defaults, _ALIASES.get(key, key)):
             key = _ALIASES[key]
         if not hasattr(defaults, key):
