@@ -81,6 +81,7 @@ def assert_same_run(run_dir: Path, ref: Path) -> None:
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_hugging_face_plan_on_tensor_parallel_by_fsdp_equals_one_process(corpus, tmp_path, hf_like_single):
     """transformers' plan vocabulary (colwise, rowwise, embedding_rowwise and colwise_gather_output on one tied
     weight, replicated_with_grad_allreduce) on world.tp=2 under FSDP: one process's losses and weights. The init
@@ -125,6 +126,7 @@ def test_every_style_of_transformers_is_mapped_or_explained(transformers):
     assert set(ALL_PARALLEL_STYLES) <= set(STYLES) | set(UNMAPPED)
 
 
+@pytest.mark.slow
 def test_llama_on_tensor_parallel_equals_one_process_and_loads_with_from_pretrained(
         transformers, corpus, tmp_path, llama_single):
     """LlamaForCausalLM's own plan (embedding_rowwise, colwise, rowwise, colwise_gather_output) on world.tp=2 under

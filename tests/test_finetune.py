@@ -1,0 +1,160 @@
+"""Fine-tuning: a run that starts from pretrained weights (finetune.weights=PATH: a file, a Hugging Face model
+directory with a sharded index, a finished run dir), read exactly and shard by shard, its source recorded; LoRA
+adapters that are all the optimizer trains, equal on 1 and 2 processes and under FSDP x tensor parallelism, and
+exported merged and alone (peft's format); and each mistake one paragraph before any worker starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import load_weights, read_metrics, run_cli, run_here, series, tiny_overrides
+from test_errors import assert_clean_error
+
+LORA = ("finetune.lora.rank=4", "finetune.lora.targets=[qkv,proj,mlp.0]")  # colwise and rowwise layers alike
+STEPS = ("trainer.max_steps=4", "data.batch_size=4")
+
+
+@pytest.fixture(scope="module")
+def pretrained(corpus, tmp_path_factory) -> Path:
+    """A finished run (gpt_tiny, 3 steps): the weights the others start from."""
+    from trainer import compose, train
+
+    run_dir = tmp_path_factory.mktemp("pretrained")
+    train(compose(tiny_overrides(corpus, "trainer.max_steps=3")), run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def lora_single(corpus, pretrained, tmp_path_factory) -> Path:
+    from trainer import compose, train
+
+    run_dir = tmp_path_factory.mktemp("lora_single")
+    train(compose(tiny_overrides(corpus, *STEPS, f"finetune.weights={pretrained}", *LORA)), run_dir)
+    return run_dir
+
+
+def built(corpus, run_dir: Path, *extra: str):
+    from trainer import build, compose
+
+    return build(compose(tiny_overrides(corpus, *extra)), run_dir)
+
+
+def test_pretrained_weights_load_exactly_from_a_run_a_sharded_index_and_a_file(corpus, tmp_path, pretrained):
+    from trainer.export import export_model, file_digests
+
+    want = load_weights(pretrained / "model.safetensors")
+    # The same weights as a Hugging Face model directory: shards and model.safetensors.index.json.
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    files = export_model(want, hub, "model", {}, max_shard_mb=0.1)
+    assert "model.safetensors.index.json" in files and len([f for f in files if "-of-" in f]) > 1
+    for source in (pretrained, hub, pretrained / "model.safetensors"):
+        t = built(corpus, tmp_path / "run", f"finetune.weights={source}")
+        got = t.raw_model.state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), source
+    digests = file_digests(pretrained, ["model.safetensors"])
+    assert t.weights_source == {"path": str(pretrained / "model.safetensors"), "files": digests}
+    # finetune.dtype: the weights kept in bf16 (the values rounded once, on load).
+    t = built(corpus, tmp_path / "bf16", f"finetune.weights={pretrained}", "finetune.dtype=bf16")
+    assert all(torch.equal(v, want[k].bfloat16()) for k, v in t.raw_model.state_dict().items())
+
+
+def test_lora_trains_only_its_adapters_and_exports_them_merged_and_alone(corpus, tmp_path, pretrained, lora_single):
+    import trainer
+
+    t = built(corpus, tmp_path, *STEPS, f"finetune.weights={pretrained}", *LORA)
+    trained = {id(p) for g in t.optimizer.param_groups for p in g["params"]}
+    names = {n for n, p in t.raw_model.named_parameters() if id(p) in trained}
+    assert names == {f"blocks.0.{layer}.lora_{ab}" for layer in ("attn.qkv", "attn.proj", "mlp.0") for ab in "AB"}
+    # The export: the merged weights under the plain model's keys, and the adapter alone in peft's layout.
+    base, merged = load_weights(pretrained / "model.safetensors"), load_weights(lora_single / "model.safetensors")
+    adapter = load_weights(lora_single / "adapter_model.safetensors")
+    config = json.loads((lora_single / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 16.0
+    assert merged.keys() == base.keys()
+    for k in base:
+        layer = k.removesuffix(".weight")
+        if layer in config["target_modules"]:
+            a, b = adapter[f"base_model.model.{layer}.lora_A.weight"], adapter[f"base_model.model.{layer}.lora_B.weight"]
+            assert b.abs().max() > 0  # trained
+            torch.testing.assert_close(merged[k], base[k] + 4.0 * b @ a)
+        else:
+            assert torch.equal(merged[k], base[k]), k  # frozen
+    assert sorted(config["target_modules"]) == sorted(f"blocks.0.{n}" for n in ("attn.qkv", "attn.proj", "mlp.0"))
+    assert type(trainer.load(lora_single)).__name__ == "GPT"
+    info = json.loads((lora_single / "run_info.json").read_text())
+    assert info["finetune_weights"]["files"]["model.safetensors"]["sha256"] == \
+        json.loads((pretrained / "export.json").read_text())["files"]["model.safetensors"]["sha256"]
+
+
+def test_the_adapter_loads_with_peft(pretrained, lora_single):
+    peft = pytest.importorskip("peft")
+    import trainer
+
+    adapted = peft.PeftModel.from_pretrained(trainer.load(pretrained), str(lora_single))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(ids), trainer.load(lora_single)(ids), rtol=1e-5, atol=1e-5)
+
+
+def assert_same_run(run_dir: Path, ref: Path) -> None:
+    """fp32 on several processes: one process's losses, merged weights and adapter, up to the order of the sums."""
+    assert series(read_metrics(run_dir), "train/loss") == pytest.approx(series(read_metrics(ref), "train/loss"),
+                                                                        rel=1e-5)
+    for name in ("model.safetensors", "adapter_model.safetensors"):
+        got, want = load_weights(run_dir / name), load_weights(ref / name)
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [
+    ("world=ddp", "world.nproc_per_node=2", "data.batch_size=2"),
+    # dp 2 x tp 2: each rank reads a box of each tensor (rows by FSDP's strided shard, columns by tp's rowwise);
+    # colwise and rowwise layers split their adapters with their weights.
+    ("world=fsdp", "world.nproc_per_node=4", "world.tp=2", "data.batch_size=2"),
+], ids=["ddp2", "fsdp2xtp2"])
+def test_pretrained_lora_on_several_processes_equals_one(corpus, tmp_path, pretrained, lora_single, world):
+    r = run_cli(*tiny_overrides(corpus, *STEPS, f"finetune.weights={pretrained}", *LORA, *world),
+                f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    assert_same_run(tmp_path, lora_single)
+
+
+def unfinished(tmp_path: Path) -> Path:
+    run = tmp_path / "unfinished"
+    run.mkdir()
+    (run / "config.yaml").write_text("model: {}\n")
+    return run
+
+
+def pickled(tmp_path: Path) -> Path:
+    d = tmp_path / "hub"
+    d.mkdir()
+    (d / "pytorch_model.bin").write_bytes(b"\x80\x04K\x01.")
+    return d
+
+
+@pytest.mark.parametrize(("extra", "needles"), [
+    (["model.d_model=32"], ["do not fit the model (GPT)", "shapes that differ", "tok_emb.weight (256, 64) in the "
+                            "file vs (256, 32) in the model"]),
+    (["model.n_layer=2"], ["missing from the files (", "blocks.1.attn.qkv.weight"]),
+    (["finetune.weights=/nonexistent/w.safetensors"], ["finetune.weights=/nonexistent/w.safetensors does not exist"]),
+    ([lambda tmp: f"finetune.weights={pickled(tmp)}"], ["pytorch_model.bin is a pickle file", "never unpickles",
+                                                        "safetensors.torch"]),
+    ([lambda tmp: f"finetune.weights={unfinished(tmp)}"], ["run dir without an export", "resume=auto"]),
+    (["finetune.lora.rank=4", "finetune.lora.targets=[q_proj]"], ["'q_proj', which is no linear layer of GPT",
+                                                                  "qkv"]),
+    (["finetune.lora.rank=4", "finetune.lora.targets=[head]"], ["adapts head, whose weight is shared"]),
+    (["finetune.lora.rank=4"], ["finetune.lora.targets=[] is invalid"]),
+])
+def test_finetune_mistakes_are_one_paragraph_before_any_worker(corpus, tmp_path, pretrained, extra, needles):
+    extra = [e(tmp_path) if callable(e) else e for e in extra]
+    r = run_here(*tiny_overrides(corpus, "world=ddp", "world.nproc_per_node=2", f"finetune.weights={pretrained}",
+                                 *extra), f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert_clean_error(r, *needles)
+    assert not (tmp_path / "run").exists()
