@@ -60,6 +60,9 @@ UNMAPPED = {
     "local_params": "it runs a module's forward on its local shards by transformers' own hooks",
     "local_packed_rowwise": "it splits a fused projection's input as interleaved halves (a strided shard)",
     "isolated": "it keeps experts on one rank each (expert parallelism)",
+    # expert parallelism's styles (transformers/distributed/expert_parallel.py registers them on import)
+    "grouped_gemm": "it shards mixture-of-experts weights by expert (expert parallelism, not tensor parallelism)",
+    "ep_dispatch_experts": "it dispatches tokens to whole experts on other ranks (expert parallelism)",
     "local": "it marks parameters as rank-local by transformers' own hooks",
 }
 
