@@ -154,4 +154,3 @@ def test_gpt2_init_under_fsdp_equals_one_process(transformers, corpus, tmp_path)
     one = built_weights(tiny_overrides(corpus, *gpt2), tmp_path / "one")
     assert_same_weights(built_weights(tiny_overrides(corpus, *gpt2, "world=fsdp", "world.nproc_per_node=1"),
                                       tmp_path / "fsdp"), one)
-
