@@ -154,3 +154,28 @@ def test_gpt2_init_under_fsdp_equals_one_process(transformers, corpus, tmp_path)
     one = built_weights(tiny_overrides(corpus, *gpt2), tmp_path / "one")
     assert_same_weights(built_weights(tiny_overrides(corpus, *gpt2, "world=fsdp", "world.nproc_per_node=1"),
                                       tmp_path / "fsdp"), one)
+
+
+def test_the_readme_fine_tuning_code_runs(transformers, corpus, tmp_path, llama_single):
+    """The Python block of the README's Fine-tuning section, on runs of this test's making: a finished run (the
+    starting point, and the full fine-tune's stand-in), a LoRA run from it, and the Llama run."""
+    peft = pytest.importorskip("peft")
+    from test_readme import section_blocks
+
+    from trainer import compose, train
+
+    start, adapted = tmp_path / "start", tmp_path / "lora"
+    train(compose(tiny_overrides(corpus, "trainer.max_steps=2")), start)
+    train(compose(tiny_overrides(corpus, "trainer.max_steps=2", f"finetune.weights={start}", "finetune.lora.rank=4",
+                                 "finetune.lora.targets=[qkv]")), adapted)
+    (_, code), = section_blocks("Fine-tuning: pretrained weights, LoRA, Hugging Face models", "python")
+    for name, path in {"outputs/ft/full": start, "outputs/ft/lora": adapted, "RUN_DIR": start,
+                       "outputs/ft/llama": llama_single}.items():
+        code = code.replace(f'"{name}"', f'"{path}"')
+    scope: dict = {}
+    exec(code, scope)
+    assert isinstance(scope["adapted"], peft.PeftModel) and type(scope["lora"]).__name__ == "GPT"
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(scope["adapted"](ids), scope["lora"](ids), rtol=1e-5, atol=1e-5)
+        assert torch.equal(scope["llama"](ids).logits, __import__("trainer").load(llama_single)(ids))

@@ -78,7 +78,7 @@ def test_the_readme_has_what_the_walkthrough_expects():
     assert len(cmds) >= 25 and all(c.startswith(("python -m trainer", "torchrun", "PYTHONPATH=", "make ", "source "))
                                    for c in cmds), cmds
     assert any("\\" in t for _, t in blocks("bash"))  # the SLURM sweep's continuation lines were joined
-    assert len(blocks("python")) == 4 and len(blocks("yaml")) == 1
+    assert len(blocks("python")) == 5 and len(blocks("yaml")) == 1
 
 
 def precheck(args: list[str], cwd: Path) -> None:
@@ -196,7 +196,7 @@ def test_readme_walkthrough(tmp_path):
 
     # Python blocks: the loading example runs on a finished run with EMA weights (diffusion's); the _tp_plan
     # excerpt is the model's own.
-    (_, loading), = [b for b in blocks("python") if "trainer.load" in b[1]]
+    (_, loading), = [b for b in blocks("python") if "ema=True" in b[1]]  # (Fine-tuning's: tests/test_hf.py)
     scope: dict = {}
     exec(loading.replace("RUN_DIR", next(d for d in finished if (Path(d) / "model_ema.safetensors").is_file())), scope)
     assert isinstance(scope["model"], torch.nn.Module) and not scope["model"].training

@@ -7,7 +7,7 @@ pretrained one. Keys stay the model's own (`blocks.0.attn.qkv.weight`, `...qkv.l
 pretrained weights load by their names, the tensor-parallel plan still names the linear layers (its styles
 split the adapter with the weight: tensor_parallel.py), and FSDP shards the adapter with its unit.
 
-Built in rather than through peft (measured in BENCHMARKS.md, "LoRA"): peft replaces each targeted layer by a
+Built in rather than through peft (measured: README, Fine-tuning; the speed is the same): peft replaces each targeted layer by a
 wrapper (`qkv.base_layer.weight`, `qkv.lora_A.default.weight`), which renames every adapted weight, so
 pretrained files, checkpoints and the model's tensor-parallel plan (which then names a wrapper that torch's
 styles cannot split) would all need translating. The export still speaks peft's format: `adapter_model.safetensors`
