@@ -207,16 +207,30 @@ def _box(target: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def read_part(reader: tensorfile.FileReader, entry: tensorfile.Entry, shape, offset) -> torch.Tensor:
-    """The box `shape` at `offset` of a tensor in a file: the byte range of its rows, then the box cut from them."""
+    """The box `shape` at `offset` of a tensor in a file. A box of whole rows (dim 0 split: FSDP, colwise) is one
+    byte range. A box narrower than the rows (a rowwise split) is cut from its rows read a block at a time, each
+    block no larger than the box (or one row), so a rank never holds a whole tensor of a split layer."""
     if not entry.shape:
         return reader.tensor(entry)
-    row = math.prod(entry.shape[1:]) * entry.dtype.itemsize
+    size = entry.dtype.itemsize
+    row = math.prod(entry.shape[1:]) * size
     lo, n = offset[0], shape[0]
-    if n == 0 or row == 0:
+    if n == 0 or row == 0 or math.prod(shape) == 0:
         return torch.empty(shape, dtype=entry.dtype)
-    rows = reader.read(entry.begin + lo * row, entry.begin + (lo + n) * row).view(entry.dtype)
-    rows = rows.reshape(n, *entry.shape[1:])
-    return rows[(slice(None), *(slice(o, o + s) for o, s in zip(offset[1:], shape[1:])))]
+
+    def rows(first: int, count: int) -> torch.Tensor:
+        start = entry.begin + (lo + first) * row
+        return reader.read(start, start + count * row).view(entry.dtype).reshape(count, *entry.shape[1:])
+
+    if tuple(shape[1:]) == tuple(entry.shape[1:]):
+        return rows(0, n)
+    cut = (slice(None), *(slice(o, o + s) for o, s in zip(offset[1:], shape[1:])))
+    out = torch.empty(shape, dtype=entry.dtype)
+    per = max(1, math.prod(shape) * size // row)  # rows per block: the box's bytes
+    for first in range(0, n, per):
+        count = min(per, n - first)
+        out[first:first + count] = rows(first, count)[cut]
+    return out
 
 
 @torch.no_grad()
