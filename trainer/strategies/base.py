@@ -158,6 +158,10 @@ class Strategy:
             seed_everything(seed)
             model = factory()
             if hasattr(model, "init_weights"):
+                from .materialize import forget_initialization
+
+                # (Hugging Face marks what its constructor initialised; without forgetting, nothing is re-drawn)
+                forget_initialization(model)
                 seed_everything(seed)
                 with torch.no_grad():
                     model.init_weights()
