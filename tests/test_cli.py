@@ -78,6 +78,10 @@ RECIPE_OF = {("recipe", "diffusion"): "diffusion", ("model", "unet"): "diffusion
 NEEDS = {("model", "llama_tiny"): "transformers"}
 
 
+# Data options that read the files data.path names (the tests' corpus here).
+FILES_DATA = ("text", "text_stream")
+
+
 def _options() -> list[tuple[str, str]]:
     return [(g.name, f.stem) for g in sorted(CONF.iterdir()) if g.is_dir() and g.name != "smoke"
             for f in sorted(g.glob("*.yaml"))]
@@ -97,7 +101,7 @@ def test_every_config_option_composes_and_instantiates(corpus, group, option):
     recipe = RECIPE_OF.get((group, option), "lm")
     base = tiny_overrides(corpus) if recipe == "lm" else [f"recipe={recipe}", "debug=smoke"]
     overrides = [o for o in base if not o.startswith(f"{group}=")] + [f"{group}={option}"]
-    if group == "data" and option != "text":
+    if group == "data" and option not in FILES_DATA:
         overrides = [o for o in overrides if not o.startswith("data.path")]
     if group == "model" and option.startswith("gpt"):
         overrides.append("model.n_layer=1")  # keep instantiation cheap; the shape logic is the same
@@ -112,7 +116,12 @@ def test_every_config_option_composes_and_instantiates(corpus, group, option):
     task = instantiate(cfg.task)
     if hasattr(task, "setup"):
         task.setup(train, val, None)
-    batch = getattr(train, "collate_fn", torch.utils.data.default_collate)(train.__getitems__([0, 1]))
+    collate = getattr(train, "collate_fn", torch.utils.data.default_collate)
+    if isinstance(train, torch.utils.data.IterableDataset):  # a stream: its first two samples
+        samples = iter(train)
+        batch = collate([next(samples), next(samples)])
+    else:
+        batch = collate(train.__getitems__([0, 1]))
     with precision.autocast():
         loss, _ = split_loss(task.loss(model, batch))
     assert loss.dim() == 0 and torch.isfinite(loss)

@@ -255,10 +255,8 @@ def test_mfu_stays_at_most_1_in_a_run_with_a_peak_set_too_low(corpus, tmp_path, 
     assert "trainer.peak_tflops=1e-09 is below" in capsys.readouterr().out
 
 
-# -- 32.8: what the framework does not take yet --------------------------------------------------------------
+# -- 32.8: what the framework does not take (an IterableDataset is a stream now: tests/test_streaming.py) ------
 @pytest.mark.parametrize("target, says", [
-    ("stream", "training split .* is an IterableDataset"),
-    ("stream_val", "val split .* is an IterableDataset"),
     ("loader", "training split .* is a DataLoader"),
     ("unindexable", "training split .* has no __getitem__"),
 ])
@@ -278,9 +276,9 @@ def test_an_unsupported_dataset_stops_a_ddp_run_before_its_workers(tmp_path):
     from conftest import FAULTY_ENV, run_cli
 
     run_dir = tmp_path / "run"
-    r = run_cli("debug=smoke", "world=ddp", "world.nproc_per_node=2", "data._target_=unsupported_data.stream",
+    r = run_cli("debug=smoke", "world=ddp", "world.nproc_per_node=2", "data._target_=unsupported_data.loader",
                 f"hydra.run.dir={run_dir}", env=FAULTY_ENV, timeout=120)
-    assert r.returncode == 2 and "IterableDataset" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 2 and "DataLoader" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not run_dir.exists()
 
 

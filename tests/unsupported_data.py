@@ -1,28 +1,15 @@
-"""Test-only `data._target_`s that return what the framework does not take (yet): an IterableDataset, a
-DataLoader (Accelerate's habit: `accelerator.prepare(loader)`), and a sized object samples cannot be indexed in.
-They take the keys of conf/data/stdlib.yaml, so `data._target_=unsupported_data.NAME` is the only override."""
+"""Test-only `data._target_`s that return what the framework does not take: a DataLoader (Accelerate's habit:
+`accelerator.prepare(loader)`), and a sized object samples cannot be indexed in. (An IterableDataset is read as a
+stream: tests/stream_data.py.) They take the keys of conf/data/stdlib.yaml, so `data._target_=unsupported_data.NAME`
+is the only override."""
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
-
-
-class Stream(IterableDataset):
-    def __iter__(self):
-        for i in range(1000):
-            yield torch.full((33,), i % 256, dtype=torch.long)
-
-
-def stream(seq_len: int = 256, cache_dir: str | None = None, val_every: int = 20):
-    return Stream(), None
+from torch.utils.data import DataLoader, TensorDataset
 
 
 def loader(seq_len: int = 256, cache_dir: str | None = None, val_every: int = 20):
     data = TensorDataset(torch.zeros(64, seq_len + 1, dtype=torch.long))
     return DataLoader(data, batch_size=4), None
-
-
-def stream_val(seq_len: int = 256, cache_dir: str | None = None, val_every: int = 20):
-    return TensorDataset(torch.zeros(64, seq_len + 1, dtype=torch.long)), Stream()
 
 
 def unindexable(seq_len: int = 256, cache_dir: str | None = None, val_every: int = 20):

@@ -30,7 +30,7 @@ from .config import (
     strategy_options,
     typed,
 )
-from .data import Data
+from .data import Data, epoch_length
 from .ema import EMA
 from .errors import CheckpointError, ConfigError, DataError, Preempted
 from .loggers import JsonlLogger, LoggerGroup, NullLogger
@@ -117,25 +117,66 @@ def build_data(cfg: DictConfig) -> tuple[Any, Any]:
     for name, split in (("training", train), ("val", val)):
         if split is not None:
             refuse_unsupported(name, split, cfg._target_)
-    if len(train) == 0:
+    from .streaming import is_stream, sized
+
+    if is_stream(train):
+        check_stream(train, cfg)
+    if sized(train) == 0:
         raise DataError(f"the training split built by data._target_={cfg._target_!r} is empty.")
     return train, val
 
 
+def check_stream(train: Any, cfg: DictConfig) -> None:
+    """The settings an iterable training split cannot honour, refused while the data is built: shuffling (a stream
+    is read in its own order), and epochs of a stream without __len__ (an epoch is a number of samples)."""
+    from .streaming import sized
+
+    where = f"the training split built by data._target_={cfg._target_!r} is a stream ({type(train).__name__})"
+    if cfg.get("shuffle", True):
+        raise DataError(f"data.shuffle=true, but {where}: it is read in its own order, which the framework cannot "
+                        "shuffle. Set data.shuffle=false, and shuffle inside the dataset if the order matters (per "
+                        "pass: its set_epoch(n) is called before pass n; see README, Streaming data).")
+    if sized(train) is None:
+        # The data node's siblings, where it is part of a run's config (build_data(cfg.data)); absent otherwise.
+        epochs = [k for k in ("trainer.max_epochs", "trainer.eval_every_epochs", "checkpoint.every_n_epochs")
+                  if _sibling(cfg, k) is not None]
+        if epochs:
+            raise DataError(f"{epochs[0]} is set, but {where} without __len__, so it has no epochs. Set "
+                            "trainer.max_steps (and trainer.eval_every, checkpoint.every_n_steps) instead: the stream "
+                            "then starts over whenever it ends. Or give the dataset __len__ (the samples in one pass).")
+
+
+def _sibling(node: DictConfig, key: str) -> Any:
+    """`key` of the config that `node` is part of (None when it is not part of one, or has no such key)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.select(node, f"..{key}", default=None)
+    except OmegaConfBaseException:
+        return None
+
+
 def refuse_unsupported(name: str, split: Any, target: str) -> None:
-    """A DataError for a split the loaders cannot sample: they draw samples by index from one global stream (the
-    same global batches on any number of processes, exact resume), so a split must be map-style, with __len__ and
-    __getitem__. Raised while the datasets are built, before any worker starts (the CLI then removes the run dir
-    it had begun)."""
+    """A DataError for a split the loaders cannot read: a map-style dataset needs __len__ and __getitem__ (samples are
+    drawn by index from one global sample stream), an IterableDataset is read as a stream (trainer/streaming.py), a
+    val stream needs __len__ (each eval reads its first trainer.eval_samples, every rank its share), and a DataLoader
+    is refused. Raised while the datasets are built, before any worker starts (the CLI then removes the run dir it
+    had begun)."""
     from torch.utils.data import DataLoader, IterableDataset
 
     where = f"the {name} split built by data._target_={target!r}"
     why = ("the loaders draw samples by index from one global sample stream (the same global batches on any number "
-           "of processes, exact resume), so a split must be a map-style dataset, with __len__ and __getitem__")
+           "of processes, exact resume), so a split must be a map-style dataset, with __len__ and __getitem__, or an "
+           "IterableDataset (a stream)")
     if isinstance(split, IterableDataset):
-        raise DataError(f"{where} is an IterableDataset ({type(split).__name__}), which is not supported yet: {why}. "
-                        "Materialise it (a list of samples, or torch.utils.data.TensorDataset), or give its class "
-                        "__len__ and __getitem__.")
+        from .streaming import sized
+
+        if name == "val" and sized(split) is None:
+            raise DataError(f"{where} is an IterableDataset ({type(split).__name__}) without __len__: every eval reads "
+                            "a val stream from its start, each rank its share of the first trainer.eval_samples, "
+                            "which needs its length. Give it __len__, or return the val samples as a list (they are "
+                            "read whole at every eval anyway).")
+        return
     if isinstance(split, DataLoader):
         raise DataError(f"{where} is a DataLoader: return its dataset instead ({type(split.dataset).__name__}); "
                         f"batching, shuffling and workers come from data.batch_size, data.shuffle and "
@@ -258,7 +299,7 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
         optimizer = build_optimizers(cfg.optim, model, rt, say)
         if rt.models["model"] is not registered:  # a strategy with its own engine wrapped model and optimizer
             model = rt.models["model"]
-        epochs_to_steps(tcfg, ccfg, len(train_data), cfg.data.batch_size * tcfg.grad_accum_steps * strategy.dp_size,
+        epochs_to_steps(tcfg, ccfg, epoch_length(train_data), cfg.data.batch_size * tcfg.grad_accum_steps * strategy.dp_size,
                         say)
         warn_long_warmup(cfg.scheduler, tcfg.max_steps, say)
         scheduler = build_schedulers(cfg.scheduler, optimizer, tcfg.max_steps)

@@ -96,17 +96,30 @@ class Loader:
     `grad_accum_steps` micro-batches each. The stream runs on across epochs (a global batch that reaches the end
     of one is completed from the next one's order), so the batches depend only on the global batch and the seed,
     never on how many ranks share them. Its position is in `state_dict`: a resumed loop continues at the sample
-    it stopped at."""
+    it stopped at.
+
+    An IterableDataset is read as a stream (trainer/streaming.py: sharded by rank and worker, its readers' position
+    checkpointed): with __len__, an epoch is that many samples as above; without, a `for` never ends (stop at your
+    step count)."""
 
     def __init__(self, rt: Runtime, dataset, batch_size: int, shuffle: bool, num_workers: int, seed: int):
-        from .data import GlobalBatchSampler
+        from .data import Data, GlobalBatchSampler
+        from .streaming import is_stream
 
         self.rt, self.dataset, self.batch_size = rt, dataset, batch_size
         self.shuffle, self.num_workers, self.seed = shuffle, num_workers, seed
         self.samples_seen = 0  # stream positions consumed by all ranks together
         st = rt.strategy
         self.global_batch = batch_size * rt.grad_accum_steps * st.dp_size
-        self._stream = GlobalBatchSampler(len(dataset), batch_size, 1, st.dp_rank, st.dp_size, seed, shuffle)
+        if is_stream(dataset):
+            if shuffle:
+                raise UserError(f"rt.loader({type(dataset).__name__}, shuffle=True): an IterableDataset is read in its "
+                                "own order, which the framework cannot shuffle. Pass shuffle=False (and shuffle inside "
+                                "the dataset if the order matters: its set_epoch(n) is called before pass n).")
+            self._data, self._batches = Data(dataset, None, batch_size, False, num_workers), None
+        else:
+            self._data = None
+            self._stream = GlobalBatchSampler(len(dataset), batch_size, 1, st.dp_rank, st.dp_size, seed, shuffle)
 
     def __len__(self) -> int:
         """Micro-batches per epoch on this rank."""
@@ -114,7 +127,13 @@ class Loader:
 
     @property
     def steps_per_epoch(self) -> int:
-        return math.ceil(len(self.dataset) / self.global_batch)
+        from .streaming import sized
+
+        n = sized(self.dataset)
+        if n is None:
+            raise TypeError(f"rt.loader: {type(self.dataset).__name__} is a stream without __len__, so it has no "
+                            "epochs: a `for` over its loader never ends; stop your loop at a step count.")
+        return math.ceil(n / self.global_batch)
 
     def _left_in_epoch(self) -> int:
         """Micro-batches from the current position to the end of its epoch (all of one, at an epoch's start):
@@ -123,12 +142,27 @@ class Loader:
         done = self.samples_seen // per_micro  # micro-batches taken so far (on every rank alike)
         return len(self) - done % len(self)
 
-    def __iter__(self) -> Iterator[Any]:
-        from .data import GlobalBatchSampler, train_loader
-
-        st, be = self.rt.strategy, self.rt.backend
+    def _sampler(self):
         # Micro-batch m of this rank: b samples at start + (m x dp + dp_rank) x b of the stream (what the Trainer's
         # sampler gives with accumulation: micro-step i of a step is micro-batch i of its k).
+        st = self.rt.strategy
+        return self._data.sampler(1, st.dp_rank, st.dp_size, self.seed, start=self.samples_seen)
+
+    def __iter__(self) -> Iterator[Any]:
+        from .data import GlobalBatchSampler, train_loader
+        from .streaming import sized
+
+        st, be = self.rt.strategy, self.rt.backend
+        if self._data is not None:  # a stream: one reading across epochs (its readers keep their place)
+            if self._batches is None:
+                self._batches = self._data.loader(self._sampler(), be.device, self.seed)
+            left = self._left_in_epoch() if sized(self.dataset) is not None else None
+            while left is None or left > 0:
+                batch = be.to_device(next(self._batches))
+                self.samples_seen += self.batch_size * st.dp_size
+                left = None if left is None else left - 1
+                yield batch
+            return
         sampler = GlobalBatchSampler(len(self.dataset), self.batch_size, 1, st.dp_rank, st.dp_size, self.seed,
                                      self.shuffle, start=self.samples_seen)
         batches = iter(train_loader(self.dataset, sampler, self.num_workers, be.device, self.seed))
@@ -138,6 +172,10 @@ class Loader:
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
+        if self._data is not None:
+            sampler = self._sampler()
+            return {"samples_seen": self.samples_seen, "fingerprint": self._data.fingerprint(sampler),
+                    **self._data.position_state(sampler, self.rt.backend.gather_object)}
         return {"samples_seen": self.samples_seen, "fingerprint": self._fingerprint(self.samples_seen)}
 
     def _fingerprint(self, start: int) -> str:
@@ -150,12 +188,21 @@ class Loader:
         n = state.get("samples_seen")
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < 2**62:
             raise CheckpointError(f"{where}.samples_seen={n!r} is not a count.")
+        if self._data is not None:
+            self._data.check_position({"samples_seen": n, "data_fingerprint": state.get("fingerprint"),
+                                       "stream": state.get("stream")}, self._sampler(), where)
+            return
         if state.get("fingerprint") != self._fingerprint(n):
             raise CheckpointError(f"{where}: the sample stream after sample {n} differs from the checkpoint's: the "
                                   "dataset, the seed or shuffle changed.")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.samples_seen = state["samples_seen"]
+        if self._data is not None:
+            note = self._data.load_position({"stream": state["stream"]})
+            self._batches = None  # the next `for` reads on from the loaded position
+            if note and self.rt.backend.is_main:
+                print(note, flush=True)
 
 
 class EvalLoader:

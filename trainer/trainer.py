@@ -17,7 +17,7 @@ from .callbacks import Callbacks
 from .checkpointing import CheckpointManager, Parts
 from .config import TrainerConfig
 from .custom_step import Schedules, TrainingStep
-from .data import Data, GlobalBatchSampler, eval_batches, train_loader
+from .data import Data, GlobalBatchSampler, eval_batches
 from .ema import EMA
 from .errors import CheckpointError, NonFiniteError, Preempted
 from .images import is_image
@@ -29,6 +29,7 @@ from .progress import NullProgress, Progress
 from .redaction import redact_text
 from .runtime import Runtime
 from .strategies import unwrap
+from .streaming import StreamLayout
 from .task import Task, split_loss
 
 EVAL_STREAM = 1 << 48  # val sample i draws its noise (trainer.noise) as sample EVAL_STREAM + i of the stream
@@ -92,10 +93,10 @@ class Trainer:
     def global_batch(self) -> int:
         return self.data.batch_size * self.cfg.grad_accum_steps * self.strategy.dp_size
 
-    def sampler(self) -> GlobalBatchSampler:
-        return GlobalBatchSampler(len(self.data.train), self.data.batch_size, self.cfg.grad_accum_steps,
-                                  self.strategy.dp_rank, self.strategy.dp_size, self.cfg.seed, self.data.shuffle,
-                                  start=self.samples_seen)
+    def sampler(self) -> GlobalBatchSampler | StreamLayout:
+        """This rank's place in the training stream at the run's position (a stream's: trainer/streaming.py)."""
+        return self.data.sampler(self.cfg.grad_accum_steps, self.strategy.dp_rank, self.strategy.dp_size,
+                                 self.cfg.seed, start=self.samples_seen)
 
     # -- the optimizer step --------------------------------------------------------------------
     def sync_counts(self, batches: list[Any]) -> tuple[Any, bool]:
@@ -328,7 +329,7 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         cfg, be = self.cfg, self.backend
         progress = Progress(cfg.max_steps, self.step, cfg.progress, self.target_unit) if be.is_main else NullProgress()
-        batches_iter = iter(train_loader(self.data.train, self.sampler(), self.data.num_workers, be.device, cfg.seed))
+        batches_iter = iter(self.data.loader(self.sampler(), be.device, cfg.seed))
         installed_here = not self.preemption.installed
         self.preemption.install()
         self.model.train()
@@ -402,12 +403,16 @@ class Trainer:
         """The run state: where the loop is, and what the data order depends on."""
         return {"step": self.step, "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
                 "global_batch": self.global_batch, "world_size": self.backend.world_size,
-                "data_fingerprint": self.sampler().fingerprint(), "stop_reason": self.stop_reason}
+                "data_fingerprint": self.data.fingerprint(self.sampler()), "stop_reason": self.stop_reason,
+                **self.data.position_state(self.sampler(), self.backend.gather_object)}  # a stream's readers
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
         self.step, self.samples_seen, self.skipped_steps = state["step"], state["samples_seen"], state["skipped_steps"]
         self.stop_reason = state.get("stop_reason")
+        note = self.data.load_position(state)  # a stream's readers continue where they stopped
+        if note and self.backend.is_main:
+            print(note, flush=True)
 
     def check_state(self, state: dict[str, Any], where: str = "the checkpoint") -> None:
         """Counts that are counts, and the same sample stream from the checkpoint's position on. The stream is
@@ -419,15 +424,7 @@ class Trainer:
                 raise CheckpointError(f"{where}: trainer.{key}={value!r} is not a count.")
         if state["global_batch"] < 1:
             raise CheckpointError(f"{where}: trainer.global_batch={state['global_batch']!r} is not a batch size.")
-        # The next two of the checkpoint's global batches, as positions of this run's stream.
-        stream = GlobalBatchSampler(len(self.data.train), state["global_batch"], seed=self.cfg.seed,
-                                    shuffle=self.data.shuffle, start=state["samples_seen"])
-        if stream.fingerprint() != state["data_fingerprint"]:
-            raise CheckpointError(
-                f"{where}: the sample stream after step {state['step']} differs from the checkpoint's (fingerprint "
-                f"{stream.fingerprint()} vs {state['data_fingerprint']}): the training data, trainer.seed or "
-                "data.shuffle changed, and the run would not see the samples it was going to see."
-            )
+        self.data.check_position(state, self.sampler(), where)  # the same data, continued where it stopped
 
     def resize_notes(self, state: dict[str, Any]) -> list[str]:
         """What a resume from run state `state` changes about the batches (the sample stream stays)."""

@@ -1,7 +1,9 @@
 """Byte-level corpora cached as uint8 memmaps, cut into fixed-length windows.
 
 `stdlib_corpus` needs no network: it reads the running Python's standard library sources once.
-`text_file` does the same for any file (`data=text data.path=FILE`).
+`text_file` does the same for any file (`data=text data.path=FILE`). `text_stream` reads files as a stream, a
+block at a time, whatever their size (`data=text_stream`; trainer/streaming.py). `hf_text` tokenises Hugging Face
+`datasets` files once into a memmap of token ids (`data=hf_text`; trainer/hf_data.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import zlib
 from pathlib import Path
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from trainer import main_process_first
 from trainer.errors import DataError
@@ -176,3 +178,87 @@ def text_file(path: str, seq_len: int = 256, cache_dir: str | None = None, val_f
             _build(cache, {"train": data[: len(data) - n_val], "val": data[len(data) - n_val :]},
                    {"source": [str(f.resolve()) for f in files], "train_bytes": len(data) - n_val, "val_bytes": n_val})
     return _splits(cache, seq_len)
+
+
+class TextStream(IterableDataset):
+    """Text files as a stream of windows, read a block at a time: memory stays flat whatever the corpus size.
+
+    Sample k of a file is (x, y) = (w[:-1], w[1:]) of its bytes w = [k * seq_len, k * seq_len + seq_len + 1), as
+    TokenWindows cuts a memmap; the files follow each other in sorted order. `state_dict()` is the position after
+    the last sample yielded (a file and a window), so a resume reads on from there at once (trainer/streaming.py).
+    """
+
+    def __init__(self, files: list[Path], seq_len: int, block_bytes: int = 1 << 20):
+        self.files, self.seq_len = [str(f) for f in files], seq_len
+        stats = [os.stat(f) for f in self.files]
+        self.windows = [max(0, (st.st_size - 1) // seq_len) for st in stats]
+        self.block = max(1, block_bytes // seq_len)  # windows per read
+        # What a resume checks: the same files, unchanged, cut the same way.
+        self.fingerprint = hashlib.sha256(repr((FORMAT, seq_len, [(f, st.st_size, st.st_mtime_ns) for f, st in
+                                                                   zip(self.files, stats)])).encode()).hexdigest()[:16]
+        self.part = (0, 1)  # (index, count): which files this reader reads (TextFileParts)
+        self._at = (0, 0)  # (file, window) after the last sample yielded
+        self._resume: tuple[int, int] | None = None
+
+    def __len__(self) -> int:
+        return sum(self.windows)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"file": self._at[0], "window": self._at[1]}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """The next iteration starts after the sample `state` was taken at (later ones start over)."""
+        file, window = state["file"], state["window"]
+        if not (0 <= file < len(self.files) and 0 <= window <= self.windows[file]):
+            raise ValueError(f"position (file {file}, window {window}) is not in these {len(self.files)} files")
+        self._resume = (file, window)
+
+    def __iter__(self):
+        start, self._resume = self._resume or (0, 0), None
+        index, count = self.part
+        n, L = self.seq_len, self.seq_len + 1
+        for f in range(index, len(self.files), count):
+            if f < start[0]:
+                continue
+            first = start[1] if f == start[0] else 0
+            with open(self.files[f], "rb") as fh:
+                for lo in range(first, self.windows[f], self.block):
+                    hi = min(lo + self.block, self.windows[f])
+                    fh.seek(lo * n)
+                    t = torch.frombuffer(bytearray(fh.read((hi - lo) * n + 1)), dtype=torch.uint8)
+                    for k in range(hi - lo):
+                        w = t[k * n : k * n + L].long()
+                        self._at = (f, lo + k + 1)
+                        yield w[:-1], w[1:]
+
+
+class TextFileParts(TextStream):
+    """TextStream whose readers each read their own files (files index, index + count, ...): no reader reads
+    another's bytes, but the batches depend on the number of readers (trainer/streaming.py, Parts)."""
+
+    def read_part(self, index: int, count: int) -> None:
+        self.part = (index, count)
+
+
+def text_stream(path: str, seq_len: int = 256, by_file: bool = False, val_path: str | None = None,
+                cache_dir: str | None = None):
+    """The files `text_files(path)` names, as a stream of windows (TextStream; TextFileParts with `by_file`); the
+    val split is `val_path`'s text, cached as a memmap (or none)."""
+    files = text_files(path)
+    hint = "Point data.path at readable text files, e.g. data=text_stream data.path='corpus/*.txt'."
+    try:
+        for f in files:
+            with open(f, "rb"):
+                pass
+    except OSError as e:
+        raise DataError(f"data.path={str(path)!r} cannot be read ({e.strerror}: {e.filename}). {hint}") from None
+    train = (TextFileParts if by_file else TextStream)(files, seq_len)
+    if len(train) == 0:
+        raise DataError(f"data.path={str(path)!r}: no file has data.seq_len + 1 = {seq_len + 1} bytes, so the stream "
+                        f"has no sample. Use longer files or a smaller data.seq_len. {hint}")
+    if by_file and sum(w > 0 for w in train.windows) < len(files):
+        short = next(f for f, w in zip(files, train.windows) if w == 0)
+        raise DataError(f"data.by_file=true, but {short} has fewer than data.seq_len + 1 = {seq_len + 1} bytes: a "
+                        "reader given only such files would get no sample. Remove it or set data.by_file=false.")
+    val = text_file(val_path, seq_len, cache_dir, val_fraction=0.0)[0] if val_path else None
+    return train, val

@@ -1,0 +1,167 @@
+"""Iterable datasets (trainer/streaming.py): sharding by rank and loader worker, exact O(1) resume, passes, the rules.
+
+The unit tests read test streams (tests/stream_data.py, sample = its stream position) as several ranks would, one
+Data per simulated rank in this process, and check global batches against stream positions. The runs train the lm
+recipe on data=text_stream: two ranks with loader workers equal one process, and a run SIGKILLed mid-step resumes
+with resume=auto bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import stream_data as sd
+import torch
+from conftest import (
+    FAULTY_ENV,
+    assert_identical,
+    assert_same_run,
+    checkpoints,
+    faulty,
+    read_metrics,
+    run_cli,
+    run_here,
+    train_in_process,
+)
+
+from trainer.data import Data
+from trainer.errors import CheckpointError, DataError
+
+CPU = torch.device("cpu")
+
+
+def read(make, world: int, b: int, accum: int, steps: int, workers: int = 0, state: dict | None = None):
+    """The global batches of `steps` steps (sample values in stream order) read by `world` simulated ranks, and the
+    checkpoint state after them (`state`: a checkpoint's to resume from)."""
+    start = state["samples_seen"] if state else 0
+    datas = [Data(make(), None, b, False, workers) for _ in range(world)]
+    notes = [d.load_position(state) for d in datas] if state else [None]
+    its = [d.loader(d.sampler(accum, r, world, 0, start), CPU, 0) for r, d in enumerate(datas)]
+    batches = []
+    for _ in range(steps):
+        per_rank = [[next(it) for _ in range(accum)] for it in its]
+        batches.append([int(x) for m in range(accum) for r in range(world) for x in per_rank[r][m]])
+    seen = start + steps * b * accum * world
+    gather = lambda _: [d._reading.local_record() for d in datas]  # noqa: E731 (every rank's, as gather_object)
+    at = datas[0].sampler(accum, 0, world, 0, seen)
+    after = {"samples_seen": seen, "data_fingerprint": datas[0].fingerprint(at), **datas[0].position_state(at, gather)}
+    return batches, after, notes[0], datas
+
+
+def values(first: int, count: int, n: int = 50) -> list[int]:
+    """Sample values at stream positions [first, first + count) of a stream of n samples a pass."""
+    return [(p // n) * 1000 + p % n for p in range(first, first + count)]
+
+
+@pytest.mark.parametrize(("world", "b", "accum", "workers"), [(1, 8, 1, 0), (2, 2, 2, 0), (2, 2, 2, 2), (4, 1, 2, 0)])
+def test_any_split_reads_the_same_global_batches_each_sample_once_across_passes(world, b, accum, workers):
+    batches, _, _, _ = read(sd.Stateful, world, b, accum, steps=8, workers=workers)  # 64 samples: into pass 1
+    assert batches == [values(8 * s, 8) for s in range(8)]
+
+
+@pytest.mark.parametrize("make", [sd.Stateful, sd.UnsizedStateful])
+def test_a_stateful_stream_resumes_at_once_on_another_world_size(make):
+    whole, _, _, _ = read(make, 2, 2, 2, steps=10)
+    first, state, _, _ = read(make, 2, 2, 2, steps=6)  # stops mid-pass 0 at sample 48 ...
+    rec = json.loads(state["stream"])
+    assert rec["position"] == 48 and json.loads(rec["state"]) == {"next": 48}
+    # ... and continues on one rank (batch 8) or four (batch 1, 2 micro-steps): world size is a performance knob.
+    for world, b, accum in ((1, 8, 1), (4, 1, 2)):
+        rest, _, note, datas = read(make, world, b, accum, steps=4, state=state)
+        assert first + rest == whole and note is None
+        # O(1): no reader replayed the 48 samples before the position; each read at most up to its first block.
+        assert all(d.train.produced <= 8 * 4 for d in datas), [d.train.produced for d in datas]
+
+
+def test_a_stateless_stream_says_it_skips_and_skips_exactly():
+    whole, _, _, _ = read(sd.Sized, 2, 2, 1, steps=20)  # 80 samples: pass 1 from step 13
+    first, state, _, _ = read(sd.Sized, 2, 2, 1, steps=15)  # 60: position 10 of pass 1
+    rest, _, note, datas = read(sd.Sized, 1, 4, 1, steps=5, state=state)
+    assert first + rest == whole
+    assert "has no state_dict/load_state_dict" in note and "read again from sample 50" in note
+    assert "the 10 samples up to sample 60 are skipped" in note and "\n" not in note
+    assert datas[0].train.produced == 10 + 20  # only pass 1's first 10 replayed (a sized stream skips whole passes)
+
+
+@pytest.mark.parametrize("make", [sd.Parts, sd.StatelessParts])
+def test_parts_are_read_by_their_own_readers_and_resume_exactly(make):
+    whole, _, _, _ = read(make, 2, 1, 1, steps=30, workers=2)  # 4 readers of parts i::4, 60 samples
+    assert sorted(v for batch in whole for v in batch if v < 1000) == list(range(50))  # a pass: no duplicate, no gap
+    first, state, _, _ = read(make, 2, 1, 1, steps=7, workers=2)  # odd: the next batch is each rank's worker 1's
+    rest, _, note, _ = read(make, 2, 1, 1, steps=23, workers=2, state=state)
+    assert first + rest == whole
+    assert (note is None) == (make is sd.Parts)
+    with pytest.raises(CheckpointError, match=r"2 data-parallel ranks x 2 loader workers .* this run has 1 x 2"):
+        Data(make(), None, 1, False, 2).check_position(state, Data(make(), None, 1, False, 2).sampler(1, 0, 1, 0, 14),
+                                                       "ckpt")
+
+
+@pytest.mark.parametrize(("make", "says"), [
+    (sd.Lying, "yielded 40 samples in pass 0, but its __len__ says 50"),
+    (lambda: sd.Numbers(0), "yielded no samples"),
+    (sd.Unjsonable, "Unjsonable.state_dict() returned what JSON cannot hold"),
+])
+def test_a_stream_that_breaks_its_promises_is_one_paragraph_even_from_a_worker(make, says):
+    with pytest.raises(DataError) as e:
+        read(make, 1, 4, 1, steps=16, workers=1)
+    assert says in str(e.value) and "Traceback" not in str(e.value)
+
+
+@pytest.mark.parametrize(("target", "extra", "says"), [
+    ("windows", ["data.shuffle=true"], "data.shuffle=true, but the training split"),
+    ("unsized", ["data.shuffle=false", "trainer.max_epochs=2", "trainer.max_steps=null"],
+     "trainer.max_epochs is set, but the training split built by data._target_='stream_data.unsized' is a stream"),
+    ("unsized_val", ["data.shuffle=false"], "val split built by data._target_='stream_data.unsized_val' is an "
+                                            "IterableDataset (_Unsized) without __len__"),
+])
+def test_what_a_stream_cannot_honour_is_refused_before_anything_runs(tmp_path, target, extra, says):
+    from test_errors import assert_clean_error
+
+    r = run_here("debug=smoke", f"data._target_=stream_data.{target}", *extra, f"hydra.run.dir={tmp_path / 'run'}",
+                 cwd=tmp_path, env=FAULTY_ENV)
+    assert_clean_error(r, says)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_sized_stream_has_epochs_and_a_val_stream_is_evaluated(tmp_path):
+    r = run_here("debug=smoke", "data._target_=stream_data.windows_and_val", "data.shuffle=false", "data.batch_size=8",
+                 "trainer.max_steps=null", "trainer.max_epochs=2", f"hydra.run.dir={tmp_path}", cwd=tmp_path,
+                 env=FAULTY_ENV)
+    assert r.returncode == 0, r.stderr
+    assert "trainer.max_epochs=2: 16 steps of 8 samples (8 per epoch of 64)" in r.stdout
+    assert [e["step"] for e in read_metrics(tmp_path) if "val/loss" in e] == [16]
+
+
+# -- runs -------------------------------------------------------------------------------------------------------
+STREAM = ("data=text_stream", "data.batch_size=4", "trainer.max_steps=12", "trainer.eval_every=6",
+          "checkpoint.every_n_steps=4", "checkpoint.async_save=false", "ema.enabled=true", "ema.decay=0.9")
+
+
+@pytest.fixture(scope="module")
+def stream_reference(corpus, tmp_path_factory):
+    """One process, batch 4, no workers, in-process: what the other splits and the resumed run must give."""
+    run_dir = tmp_path_factory.mktemp("stream_reference")
+    train_in_process(corpus, run_dir, *STREAM, f"data.val_path={corpus}")
+    return run_dir
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_auto_is_bit_identical_with_loader_workers(corpus, tmp_path, stream_reference):
+    from conftest import tiny_overrides
+
+    args = (*STREAM, f"data.val_path={corpus}", "data.num_workers=2")
+    r = run_cli(*tiny_overrides(corpus, *args), f"hydra.run.dir={tmp_path}", *faulty("sigkill", 11), env=FAULTY_ENV)
+    assert r.returncode == -9 and checkpoints(tmp_path)[-1] == "step_00000008"
+    train_in_process(corpus, tmp_path, *args, "resume=auto")
+    assert_identical(tmp_path, stream_reference)
+
+
+@pytest.mark.slow
+def test_two_ranks_with_loader_workers_equal_one_process(corpus, tmp_path, stream_reference):
+    from conftest import tiny_overrides
+
+    r = run_cli(*tiny_overrides(corpus, *STREAM, f"data.val_path={corpus}", "world=ddp", "world.nproc_per_node=2",
+                                "data.batch_size=2", "data.num_workers=1"), f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    assert_same_run(tmp_path, stream_reference)
