@@ -100,6 +100,46 @@ def test_the_adapter_loads_with_peft(pretrained, lora_single):
         torch.testing.assert_close(adapted(ids), trainer.load(lora_single)(ids), rtol=1e-5, atol=1e-5)
 
 
+def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_to_the_same_run(corpus, tmp_path, pretrained,
+                                                                             lora_single):
+    """The frozen base is rebuilt from finetune.weights on resume, so a checkpoint holds the adapters (and their
+    optimizer moments, and the EMA's) only; resumed from step 2 the run ends where the uninterrupted one does,
+    bitwise. If the base file changes in between, the resume stops with one paragraph naming it."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from trainer import compose, train
+    from trainer.checkpoint import read
+    from trainer.errors import CheckpointError
+
+    base = tmp_path / "base.safetensors"
+    shutil.copy(pretrained / "model.safetensors", base)
+    run = (*STEPS, f"finetune.weights={base}", *LORA)
+    first = tmp_path / "first"
+    train(compose(tiny_overrides(corpus, *run, "checkpoint.every_n_steps=2", "ema.enabled=true")), first)
+    step2 = first / "checkpoints" / "step_00000002"
+    loaded = read(step2)
+    adapters = {f"blocks.0.{layer}.lora_{ab}" for layer in ("attn.qkv", "attn.proj", "mlp.0") for ab in "AB"}
+    scales = {f"blocks.0.{layer}.lora_scale" for layer in ("attn.qkv", "attn.proj", "mlp.0")}  # (buffers)
+    assert set(loaded.model) == adapters | scales
+    assert set(loaded.tree["ema"]["shadow"]) == adapters
+    assert set(loaded.tree["optimizer"]["state"]) == adapters
+    # step 2 -> 4 equals 0 -> 4 (lora_single: the same run without checkpoints or EMA), bitwise.
+    resumed = tmp_path / "resumed"
+    train(compose(tiny_overrides(corpus, *run, "ema.enabled=true", f"resume={step2}")), resumed)
+    for name in ("model.safetensors", "adapter_model.safetensors"):
+        got, want = load_weights(resumed / name), load_weights(lora_single / name)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), name
+    assert series(read_metrics(resumed), "train/loss") == series(read_metrics(lora_single), "train/loss")[2:]
+    # Another base under the same path: refused before anything is loaded.
+    weights = load_weights(base)
+    save_file({k: v + 1e-3 if k == "tok_emb.weight" else v for k, v in weights.items()}, str(base))
+    with pytest.raises(CheckpointError, match=r"other pretrained weights than finetune.weights=.*base.safetensors"
+                                              r" holds now \(base.safetensors differ by sha256\)"):
+        train(compose(tiny_overrides(corpus, *run, "ema.enabled=true", f"resume={step2}")), tmp_path / "again")
+
+
 def assert_same_run(run_dir: Path, ref: Path) -> None:
     """fp32 on several processes: one process's losses, merged weights and adapter, up to the order of the sums."""
     assert series(read_metrics(run_dir), "train/loss") == pytest.approx(series(read_metrics(ref), "train/loss"),

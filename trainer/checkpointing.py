@@ -37,21 +37,31 @@ class Parts:
         self.strategy, self.models, self.optimizers = strategy, models, optimizers
         self.one_model = list(models) == ["model"]  # model tensors under the module's own keys
         self.single = self.one_model and len(optimizers) <= 1  # and the optimizer's state under "optimizer"
+        from .finetune import frozen_keys
+
+        # A LoRA run's frozen base weights are rebuilt by a resume, not saved (finetune.frozen_keys).
+        self.left_out = {name: frozen_keys(m) for name, m in models.items()}
+
+    def _key(self, name: str, key: str) -> str:
+        return key if self.one_model else f"{name}.{key}"
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        if self.one_model:
-            return self.strategy.model_state_dict(self.models["model"])
-        return {f"{name}.{k}": v for name, m in self.models.items()
-                for k, v in self.strategy.model_state_dict(m).items()}
+        return {self._key(name, k): v for name, m in self.models.items()
+                for k, v in self.strategy.model_state_dict(m).items() if k not in self.left_out[name]}
+
+    def saved_elsewhere(self, key: str) -> bool:
+        """A checkpoint's model tensor this run rebuilds instead of loading (a frozen base weight that an older
+        checkpoint kept)."""
+        return any(key == self._key(name, k) for name, keys in self.left_out.items() for k in keys)
 
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
         if self.one_model:
-            self.strategy.load_model_state_dict(self.models["model"], state)
+            self.strategy.load_model_state_dict(self.models["model"], state, strict=not self.left_out["model"])
             return
         for name, m in self.models.items():
             prefix = f"{name}."
             self.strategy.load_model_state_dict(m, {k[len(prefix):]: v for k, v in state.items()
-                                                    if k.startswith(prefix)})
+                                                    if k.startswith(prefix)}, strict=not self.left_out[name])
 
     def _each(self, fn) -> Any:
         out = {name: fn(self.models[model], opt) for name, (model, opt) in self.optimizers.items()}
@@ -183,6 +193,8 @@ class CheckpointManager:
         """The checkpoint's model and run state, checked against the live objects and conformed to them, and the
         components it has no state for ({"ema": True, "callbacks": [names]}). Raises CheckpointError."""
         live_model = self.parts.model_state()
+        for key in [k for k in loaded.model if k not in live_model and self.parts.saved_elsewhere(k)]:
+            del loaded.model[key]  # this run rebuilds it (an older checkpoint of a LoRA run kept its base)
         problems = ckpt.model_mismatches(loaded, live_model)
         if problems:
             raise CheckpointError(f"{where} does not match the model ({len(problems)} tensors): " + "; ".join(problems)

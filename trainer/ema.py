@@ -21,15 +21,17 @@ import torch.nn as nn
 
 
 class EMA:
-    def __init__(self, model: nn.Module, decay: float = 0.999, warmup: bool = False, update_every: int = 1):
+    def __init__(self, model: nn.Module, decay: float = 0.999, warmup: bool = False, update_every: int = 1,
+                 frozen: frozenset[str] = frozenset()):
         if not 0.0 <= decay < 1.0:
             from .errors import ConfigError
 
             raise ConfigError(f"ema.decay={decay} is invalid: expected a number in [0, 1), e.g. 0.999.")
         self.decay, self.warmup, self.update_every = decay, warmup, update_every
         self.model = model
-        # named_parameters() lists a tied weight once, so it is averaged once.
-        self.names, self.params = zip(*[(n, p) for n, p in model.named_parameters()])
+        # named_parameters() lists a tied weight once, so it is averaged once. `frozen` (a LoRA run's base weights,
+        # finetune.frozen_keys) never change: their average is themselves, so they are not copied or saved.
+        self.names, self.params = zip(*[(n, p) for n, p in model.named_parameters() if n not in frozen])
         self.shadow = [p.detach().to(torch.float32, copy=True) for p in self.params]
         self.num_updates = 0
 
@@ -75,8 +77,8 @@ class EMA:
         for name, p in self.model.named_parameters(remove_duplicate=False):
             key = name
             src = by_name.get(key)
-            if src is None:  # the second name of a tied weight
-                src = next(s for n, q, s in zip(self.names, self.params, self.shadow) if q is p)
+            if src is None:  # the second name of a tied weight, or a frozen weight (its own average)
+                src = next((s for n, q, s in zip(self.names, self.params, self.shadow) if q is p), p.detach())
             out[key] = src.to(p.dtype)
         return out
 

@@ -95,3 +95,46 @@ def start(model: nn.Module, node: Any, seed: int, is_main: bool) -> dict | None:
 
         lora.init(raw, names, seed, seed_everything)
     return record
+
+
+def frozen_keys(model: nn.Module) -> frozenset[str]:
+    """The state_dict keys of a LoRA run's frozen base weights. Checkpoints leave them out: a resume rebuilds them
+    exactly (from finetune.weights, or from the seed without it), so each checkpoint holds the adapters, the
+    buffers and the optimizer's state only. Empty for any other model: a parameter a user froze by hand may have
+    been set by anything, so it is saved."""
+    from .strategies import unwrap
+
+    raw = unwrap(model)
+    if not getattr(raw, "_lora_targets", None):
+        return frozenset()
+    return frozenset(n for n, p in raw.named_parameters(remove_duplicate=False) if not p.requires_grad)
+
+
+class Source:
+    """The pretrained files a LoRA run's checkpoints rest on (their sha256), a stateful part of the checkpoint: a
+    resume that would rebuild the frozen weights from other bytes stops, naming the files, instead of training
+    adapters on a base they were not trained with."""
+
+    def __init__(self, record: dict):
+        self.record = record  # pretrained.Weights.record: {"path", "files": {name: {"bytes", "sha256"}}}
+
+    def digests(self) -> dict[str, str]:
+        return {name: f["sha256"] for name, f in self.record["files"].items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sha256": self.digests()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass  # nothing to restore: the check is all
+
+    def check_state(self, state: dict[str, Any], where: str) -> None:
+        from .errors import CheckpointError
+
+        saved, now = dict(state["sha256"]), self.digests()
+        if saved != now:
+            changed = sorted(n for n in set(saved) | set(now) if saved.get(n) != now.get(n))
+            raise CheckpointError(
+                f"{where} holds LoRA adapters trained on other pretrained weights than finetune.weights="
+                f"{self.record['path']} holds now ({', '.join(changed)} differ by sha256): its checkpoints leave the "
+                "frozen base weights out and a resume reads them from that path again. Restore the files the run "
+                "started from, or start a new run (resume=null) from these.")

@@ -291,7 +291,8 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
                                tcfg.activation_checkpointing)
         weights_source = finetune.start(model, cfg.get("finetune"), tcfg.seed, backend.is_main)  # pretrained, LoRA
         raw_model = unwrap(model)
-        ema = EMA(raw_model, ecfg.decay, ecfg.warmup, ecfg.update_every) if ecfg.enabled else None
+        frozen = finetune.frozen_keys(raw_model)  # a LoRA run's base: rebuilt on resume, never in checkpoints
+        ema = EMA(raw_model, ecfg.decay, ecfg.warmup, ecfg.update_every, frozen) if ecfg.enabled else None
         if tcfg.compile:
             model = torch.compile(model, backend=tcfg.compile_backend)
         say = print if backend.is_main else (lambda *a, **k: None)
@@ -315,7 +316,10 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
             runtime=rt, model=model, task=task, optimizer=optimizer, scheduler=scheduler, data=data, config=tcfg, loggers=build_loggers(cfg.logger, run_dir, backend.is_main),
             checkpointer=checkpointer, ema=ema, guard=NonFiniteGuard.build(tcfg, precision, optimizer, backend),
             cost=Cost(raw_model, backend.device, precision.dtype, tcfg.peak_tflops, backend.world_size, say=say),
-            components={"task": task} if hasattr(task, "state_dict") else None, preemption=preemption,
+            components={**({"task": task} if hasattr(task, "state_dict") else {}),
+                        **({"finetune": finetune.Source(backend.broadcast_object(weights_source))}
+                           if frozen and finetune.settings(cfg.get("finetune")).weights else {})},
+            preemption=preemption,
             callbacks=Callbacks({name: build_node(f"callbacks.{name}", node)
                                  for name, node in (cfg.get("callbacks") or {}).items() if node is not None}),
         )

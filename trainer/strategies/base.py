@@ -264,10 +264,11 @@ class Strategy:
     def reset_optimizer(optimizer: torch.optim.Optimizer) -> None:
         optimizer.state.clear()
 
-    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """`strict=False`: `state` may leave tensors out (a LoRA run's frozen base: see finetune.frozen_keys)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(self.state_module(model), state)
+        set_model_state_dict(self.state_module(model), state, options=StateDictOptions(strict=strict))
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   state: dict[str, Any]) -> None:

@@ -293,7 +293,7 @@ class DeepSpeed(Strategy):
         return full.to("cpu", torch.float32, copy=True).reshape(param.ds_shape if hasattr(param, "ds_shape")
                                                                 else param.shape)
 
-    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """The fp32 master weights from `state` (each rank keeps its partition), and the module's (16-bit or
         partitioned) copies from them; buffers as they are. Every rank must call it."""
         from deepspeed.utils import safe_set_full_fp32_param
