@@ -194,10 +194,8 @@ def has_ema(run_dir: str | Path) -> bool:
     return any(os.path.lexists(run / f) for f in ("model_ema.safetensors", "model_ema.safetensors.index.json"))
 
 
-def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "cpu") -> nn.Module:
-    """The model of a finished run, built from its `model_config.json`, with its final weights (the EMA's with
-    `ema=True`), in eval mode. `model = trainer.load("outputs/2026-01-01/12-00-00")`."""
-    path = _run_dir(run_dir)
+def model_of(path: Path) -> nn.Module:
+    """The model `path/model_config.json` builds (its `_target_` through the trust model), without weights."""
     source, fix = path / "model_config.json", _reexport(path)
     node = _json_object(source, MAX_CONFIG_BYTES, fix)
     if node.get("_partial_"):
@@ -207,6 +205,27 @@ def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "c
     if not isinstance(model, nn.Module):
         raise CheckpointError(f"{source} builds a {type(model).__module__}.{type(model).__qualname__}, not a "
                               f"torch.nn.Module. {fix}")
+    return model
+
+
+def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "cpu", *,
+         device_map: str | dict | None = None, max_memory: dict | None = None,
+         offload_dir: str | Path | None = None) -> nn.Module:
+    """The model of a finished run, built from its `model_config.json`, with its final weights (the EMA's with
+    `ema=True`), in eval mode. `model = trainer.load("outputs/2026-01-01/12-00-00")`.
+
+    With `device_map` ("auto", "balanced", "sequential" or {module: device}), `max_memory` ({"cpu": "2GB", 0:
+    "10GiB", "disk": ...}) or `offload_dir`, the model is placed block by block on the GPUs, the CPU and disk
+    and never held whole (trainer/device_map.py; `run_dir` may then also be a Hugging Face model directory);
+    `max_memory` or `offload_dir` alone mean device_map="auto"."""
+    if device_map is not None or max_memory is not None or offload_dir is not None:
+        from .device_map import load as load_dispatched
+
+        return load_dispatched(run_dir, device_map="auto" if device_map is None else device_map,
+                               max_memory=max_memory, offload_dir=offload_dir, ema=ema)
+    path = _run_dir(run_dir)
+    source, fix = path / "model_config.json", _reexport(path)
+    model = model_of(path)
     if ema and not has_ema(path):
         raise ConfigError(f"{path} has no EMA weights (it was trained without ema.enabled); load it with ema=False.")
     name = "model_ema" if ema else "model"

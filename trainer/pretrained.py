@@ -63,46 +63,47 @@ class Weights:
                                                   for p in self.files}}
 
 
-def _refuse_pickle(path: Path) -> None:
-    raise CheckpointError(f"finetune.weights={path} is a pickle file ({path.suffix}): loading it would run whatever "
+def _refuse_pickle(path: Path, label: str = "finetune.weights=") -> None:
+    raise CheckpointError(f"{label}{path} is a pickle file ({path.suffix}): loading it would run whatever "
                           f"code it holds, so the framework never unpickles. {CONVERT}")
 
 
-def files_of(path: str | os.PathLike) -> list[Path]:
-    """The safetensors files PATH names (a file, a model directory, a finished run dir), in order."""
+def files_of(path: str | os.PathLike, label: str = "finetune.weights=", name: str = "model") -> list[Path]:
+    """The safetensors files PATH names (a file, a model directory, a finished run dir), in order. `label` starts
+    the messages (what named PATH); `name` is the weights' file name in a directory (model_ema for a run's EMA)."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise ConfigError(f"finetune.weights={path} does not exist. Give a .safetensors file, a directory with "
+        raise ConfigError(f"{label}{path} does not exist. Give a .safetensors file, a directory with "
                           "model.safetensors or model.safetensors.index.json (a Hugging Face model), or a finished "
                           "run dir.")
     if p.is_file():
         if p.suffix in PICKLED:
-            _refuse_pickle(p)
+            _refuse_pickle(p, label)
         if p.suffix != ".safetensors":
-            raise CheckpointError(f"finetune.weights={path} is not a .safetensors file. Give a safetensors file, or "
+            raise CheckpointError(f"{label}{path} is not a .safetensors file. Give a safetensors file, or "
                                   "the directory of a model or of a finished run.")
         return [p]
-    if (p / "model.safetensors").is_file():
-        return [p / "model.safetensors"]
-    index = p / "model.safetensors.index.json"
+    if (p / f"{name}.safetensors").is_file():
+        return [p / f"{name}.safetensors"]
+    index = p / f"{name}.safetensors.index.json"
     if index.is_file():
-        return _shards(index)
+        return _shards(index, label)
     if (p / "manifest.json").is_file() and (p / "state.json").is_file():
-        raise ConfigError(f"finetune.weights={path} is a checkpoint, not a model: continue that run with "
+        raise ConfigError(f"{label}{path} is a checkpoint, not a model: continue that run with "
                           f"resume={path}, or start from the run's export (finetune.weights=RUN_DIR, the directory "
                           "above checkpoints/).")
     pickled = sorted(q.name for q in p.iterdir() if q.suffix in PICKLED)
     if pickled:
-        _refuse_pickle(p / pickled[0])
+        _refuse_pickle(p / pickled[0], label)
     if (p / "config.yaml").is_file():
-        raise CheckpointError(f"finetune.weights={path} is a run dir without an export (no model.safetensors): the "
+        raise CheckpointError(f"{label}{path} is a run dir without an export (no {name}.safetensors): the "
                               "run has not finished. Resume it with resume=auto (a finished run writes its export), "
                               "or pass one of its checkpoints as resume=PATH.")
-    raise ConfigError(f"finetune.weights={path} has no model.safetensors or model.safetensors.index.json. Give a "
+    raise ConfigError(f"{label}{path} has no {name}.safetensors or {name}.safetensors.index.json. Give a "
                       ".safetensors file, a Hugging Face model directory, or a finished run dir.")
 
 
-def _shards(index: Path) -> list[Path]:
+def _shards(index: Path, label: str = "finetune.weights=") -> list[Path]:
     import json
 
     try:
@@ -117,13 +118,13 @@ def _shards(index: Path) -> list[Path]:
             raise CheckpointError(f"{index} names {name!r}, not a file beside it: only files in {index.parent} are "
                                   "read.")
         if Path(name).suffix in PICKLED:
-            _refuse_pickle(index.parent / name)
+            _refuse_pickle(index.parent / name, label)
     return [index.parent / n for n in names]
 
 
-def open_weights(path: str | os.PathLike) -> Weights:
+def open_weights(path: str | os.PathLike, label: str = "finetune.weights=", name: str = "model") -> Weights:
     """PATH's files opened, each header checked against its file's size, and every tensor's entry by key."""
-    weights = Weights(Path(path).expanduser(), files_of(path))
+    weights = Weights(Path(path).expanduser(), files_of(path, label, name))
     try:
         for f in weights.files:
             reader, _, entries = tensorfile.map_safetensors(f, follow_links=True)
@@ -135,7 +136,7 @@ def open_weights(path: str | os.PathLike) -> Weights:
         raise CheckpointError(f"{e.filename} is missing (named by {path}).") from None
     except (OSError, ValueError) as e:
         weights.close()
-        raise CheckpointError(f"cannot read the weights of finetune.weights={path}: {e}.") from None
+        raise CheckpointError(f"cannot read the weights of {label}{path}: {e}.") from None
     return weights
 
 
@@ -150,7 +151,11 @@ def _ignored(model: nn.Module, attr: str) -> list[re.Pattern]:
     return [re.compile(p) for p in (getattr(model, attr, None) or [])]
 
 
-def match(model: nn.Module, weights: Weights, skip: set[str] = frozenset()) -> dict[str, str]:
+FIX_MODEL = "They come from another architecture or size: set model=... (and its keys) to the model the weights were saved from."
+
+
+def match(model: nn.Module, weights: Weights, skip: set[str] = frozenset(), label: str = "finetune.weights=",
+          fix: str = FIX_MODEL) -> dict[str, str]:
     """{model key: file key} for every key of the model; a CheckpointError listing every missing and unexpected key
     and every shape that differs."""
     from .strategies.materialize import tied_parameters
@@ -188,9 +193,8 @@ def match(model: nn.Module, weights: Weights, skip: set[str] = frozenset()) -> d
                 ([f"not in the model ({len(unexpected)}): {listed(unexpected)}"] if unexpected else []) + \
                 ([f"shapes that differ ({len(shapes)}): {listed(shapes, 4)}"] if shapes else [])
         raise CheckpointError(
-            f"the weights of finetune.weights={weights.path} do not fit the model ({type(model).__name__}): "
-            f"{'; '.join(parts)}. They come from another architecture or size: set model=... (and its keys) to the "
-            "model the weights were saved from.")
+            f"the weights of {label}{weights.path} do not fit the model ({type(model).__name__}): "
+            f"{'; '.join(parts)}. {fix}")
     return mapping
 
 
