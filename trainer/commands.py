@@ -216,15 +216,28 @@ def evaluate(argv: list[str]) -> int:
     from omegaconf import open_dict
 
     from .composition import prepare
+    from .device_map import cli_options
     from .errors import UserError
     from .finished import checkpoint_of, config_of
     from .launcher import run
 
-    usage = "python -m trainer eval RUN_DIR [checkpoint=latest|best|PATH] [KEY=VALUE ...]"
+    usage = ("python -m trainer eval RUN_DIR [checkpoint=latest|best|PATH] [device_map=auto max_memory.cpu=SIZE "
+             "offload_dir=DIR] [KEY=VALUE ...]")
     run_dir, opts, overrides = _run_and_options(argv, usage, ("checkpoint",))
+    placement, overrides = cli_options(overrides)
     cfg = config_of(run_dir, overrides)
     secrets = _secrets_of(cfg)
     try:
+        if placement:  # the export placed over devices, on this process (trainer/device_map.py)
+            from .errors import ConfigError
+            from .finished import evaluate_dispatched, yaml_value
+
+            if "checkpoint" in opts:
+                raise ConfigError("eval with device_map reads the run's export (its final weights), not a checkpoint: "
+                                  "leave out checkpoint=, or leave out device_map, max_memory and offload_dir.")
+            task_keys = {a.split("=", 1)[0][len("task."):]: yaml_value(a) for a in overrides if a.startswith("task.")}
+            evaluate_dispatched(run_dir, cfg, task_keys, _show(placement), bool(placement.get("show_map")))
+            return 0
         with open_dict(cfg):
             cfg.resume = str(checkpoint_of(run_dir, opts.get("checkpoint", "latest")))
         cfg = prepare(cfg)
@@ -249,6 +262,7 @@ def sample(argv: list[str]) -> int:
     RUN_DIR/samples/sample.png), sample metrics are printed. What is printed is redacted as training's output is."""
     import torch
 
+    from .device_map import cli_options
     from .errors import ConfigError, UserError
     from .finished import config_yaml, has_ema, load, load_task, yaml_value
     from .images import is_image, png_bytes
@@ -256,10 +270,13 @@ def sample(argv: list[str]) -> int:
     from .redaction import scrub, secret_values
     from .trainer import printable
 
-    usage = "python -m trainer sample RUN_DIR [ema=true|false] [out=PATH] [task.KEY=VALUE ...]"
+    usage = ("python -m trainer sample RUN_DIR [ema=true|false] [out=PATH] [device_map=auto max_memory.cpu=SIZE "
+             "offload_dir=DIR show_map=true] [task.KEY=VALUE ...]")
     run_dir, opts, rest = _run_and_options(argv, usage, ("ema", "out"))
+    placement, rest = cli_options(rest)
     if any(not a.startswith("task.") or "=" not in a for a in rest):
-        raise ConfigError(f"python -m trainer sample takes ema=, out= and task.KEY=VALUE, not {' '.join(rest)}. "
+        raise ConfigError(f"python -m trainer sample takes ema=, out=, device_map=, max_memory.DEVICE=, offload_dir=, "
+                          f"show_map= and task.KEY=VALUE, not {' '.join(rest)}. "
                           f"Usage: {usage}")
     task_keys = {a.split("=", 1)[0][len("task."):]: yaml_value(a) for a in rest}
     run = Path(run_dir)
@@ -267,7 +284,12 @@ def sample(argv: list[str]) -> int:
     try:
         ema = opts.get("ema", "true" if has_ema(run) else "false").lower() in ("1", "true", "yes")
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        model, task = load(run, ema=ema, device=device), load_task(run, task_keys)
+        model = load(run, ema=ema, device=device, **_show(placement))
+        if placement:
+            device = model.device_map.main_device
+            if placement.get("show_map"):
+                print(model.device_map, file=sys.stderr)
+        task = load_task(run, task_keys)
         if not hasattr(task, "sample"):
             raise ConfigError(f"the task of {run} ({type(task).__name__}) has no sample().")
         with torch.no_grad():
@@ -290,6 +312,11 @@ def sample(argv: list[str]) -> int:
         else:
             print(scrub(f"{name}: {value:.4g}" if isinstance(value, float) else f"{name}: {value}", secrets))
     return 0
+
+
+def _show(placement: dict) -> dict:
+    """trainer.load's placement keywords (show_map is the command's own)."""
+    return {k: v for k, v in placement.items() if k != "show_map"}
 
 
 @_user_errors

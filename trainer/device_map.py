@@ -365,9 +365,10 @@ class DeviceMap(dict):
     """{unit: device} of a model placed by `trainer.load(..., device_map=...)` (its `model.device_map`);
     `print(model.device_map)` shows it, consecutive units on one device on one line, with their sizes."""
 
-    def __init__(self, placement: dict[str, str], sizes: dict[str, int], streamer: Streamer | None):
+    def __init__(self, placement: dict[str, str], sizes: dict[str, int], streamer: Streamer | None,
+                 main_device: torch.device):
         super().__init__(placement)
-        self.sizes, self._streamer = sizes, streamer
+        self.sizes, self._streamer, self.main_device = sizes, streamer, main_device  # (inputs go to main_device)
 
     @property
     def bytes_read(self) -> int:
@@ -571,8 +572,38 @@ def dispatch(model: nn.Module, read, device_map: str | Mapping, caps: dict[str, 
             return _move(out, origin) if origin is not None else out
 
         model.register_forward_hook(outputs_back)
-    model.device_map = DeviceMap(placement, sizes, streamer)
+    model.device_map = DeviceMap(placement, sizes, streamer, main)
     return model
+
+
+# -- the command line: python -m trainer sample|eval RUN_DIR device_map=auto max_memory.cpu=2GB offload_dir=DIR --
+def cli_options(args: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """(trainer.load's placement keywords, the other arguments) from `device_map=auto|balanced|sequential|{YAML
+    map}`, `device_map.MODULE=DEVICE`, `max_memory.DEVICE=SIZE` (or `max_memory={YAML map}`), `offload_dir=DIR`
+    and `show_map=true`. Empty when none is given."""
+    from .finished import yaml_value
+
+    out: dict[str, Any] = {}
+    rest = []
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        head, dot, sub = key.partition(".")
+        if not sep or head not in ("device_map", "max_memory", "offload_dir", "show_map"):
+            rest.append(arg)
+        elif head == "offload_dir" and not dot:
+            out["offload_dir"] = value
+        elif head == "show_map" and not dot:
+            out["show_map"] = str(yaml_value(arg)).lower() in ("true", "1", "yes")
+        elif dot and sub:  # one entry of a map (a module name keeps its dots)
+            entries = out.setdefault(head, {})
+            if not isinstance(entries, dict):
+                raise ConfigError(f"{arg}: {head} was given as {entries!r} already; give the map or its entries.")
+            entries[sub] = value if head == "max_memory" else yaml_value(arg)
+        else:
+            out[head] = yaml_value(arg)
+    if list(out) == ["show_map"]:  # the map of the default placement, or nothing asked
+        out = {"show_map": True, "device_map": "auto"} if out["show_map"] else {}
+    return out, rest
 
 
 # -- trainer.load(..., device_map=...) ---------------------------------------------------------------------------

@@ -269,6 +269,59 @@ def load_task(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> A
     return task
 
 
+@torch.no_grad()
+def evaluate_dispatched(run_dir: str | Path, cfg: DictConfig, task_keys: dict[str, Any], placement: dict[str, Any],
+                        show_map: bool = False) -> dict[str, float]:
+    """`python -m trainer eval RUN_DIR device_map=...`: the val metrics of the run's exported weights (and its EMA's)
+    on one process, the model placed by `placement` (trainer.load's keywords), in the weights' dtype. The same sums
+    as the Trainer's eval on one rank: the loss over targets, the task's extra sums and eval_metrics, and its
+    whole-set score when it predicts."""
+    import json
+
+    from . import noise
+    from .composition import prepare
+    from .data import eval_batches
+    from .run import build_data
+    from .task import split_loss
+    from .trainer import EVAL_STREAM
+
+    path = _run_dir(run_dir)
+    cfg = prepare(cfg)
+    _, val = build_data(cfg.data)
+    task = load_task(path, task_keys)
+    metrics: dict[str, float] = {}
+    for prefix, ema in (("val", False), ("val_ema", True)):
+        if ema and not has_ema(path):
+            continue
+        model = load(path, ema=ema, **placement)
+        device = model.device_map.main_device
+        if show_map:
+            print(f"{prefix}:\n{model.device_map}", file=sys.stderr)
+        batch_size = cfg.trainer.eval_batch_size or cfg.data.batch_size
+        loss_sum, count, sums, rows = 0.0, 0, {}, {}
+        for batch, _, indices in eval_batches(val, batch_size, 0, 1, cfg.trainer.eval_samples, device):
+            with noise.for_samples(EVAL_STREAM + torch.tensor(indices), cfg.trainer.seed):
+                loss, extra = split_loss(task.loss(model, batch))
+                out = task.predict(model, batch) if hasattr(task, "predict") else {}
+            loss_sum += float(loss.double())
+            count += int(task.num_targets(batch))
+            for name, value in extra.items():
+                sums[name] = sums.get(name, 0.0) + float(torch.as_tensor(value).double())
+            for name, value in out.items():
+                rows.setdefault(name, []).append(value.detach().float())
+        if count == 0:
+            continue
+        loss = loss_sum / count
+        extra = task.eval_metrics(loss) if hasattr(task, "eval_metrics") else {}
+        extra.update({n: v / count for n, v in sums.items()})
+        if rows:
+            extra.update({k: float(v) for k, v in task.score({n: torch.cat(r) for n, r in rows.items()}).items()})
+        metrics.update({f"{prefix}/loss": loss, **{f"{prefix}/{k}": v for k, v in extra.items()}})
+        del model
+    print(json.dumps({"run_dir": str(path), "weights": "export", **metrics}), flush=True)
+    return metrics
+
+
 # -- python -m trainer eval RUN_DIR ------------------------------------------------------------------------
 def config_of(run_dir: str | Path, overrides: list[str]) -> DictConfig:
     """The run's config.yaml with `overrides` applied: `key=value`, or `group=option` for a group whose options

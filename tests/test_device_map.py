@@ -1,0 +1,172 @@
+"""Big-model inference (trainer/device_map.py): a finished run's model placed over the CPU and disk gives the logits
+and the generation of a full load bit for bit (fp32), within max_memory; `sample` and `eval` take the same
+placement; each mistake is one paragraph. No GPU here: GPU placement is checked as a plan over given budgets."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_here, train_in_process
+from test_errors import assert_clean_error
+
+import trainer
+from trainer.device_map import budgets, parse_size, plan, unit_sizes, units_of
+from trainer.errors import ConfigError
+
+N_LAYER = 4
+SAMPLE = ("task.sample_tokens=24", "task.temperature=1.0")
+
+
+@pytest.fixture(scope="module")
+def run(corpus, tmp_path_factory) -> Path:
+    """A finished tiny run with 4 blocks and EMA weights, exported in shards with an index (Hugging Face's layout)."""
+    run_dir = tmp_path_factory.mktemp("device_map_run")
+    train_in_process(corpus, run_dir, f"model.n_layer={N_LAYER}", "trainer.max_steps=2", "scheduler.warmup_steps=1", "ema.enabled=true",
+                     "ema.decay=0.5", "trainer.eval_samples=16", "checkpoint.max_shard_mb=0.02")
+    assert (run_dir / "model.safetensors.index.json").is_file()
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def full(run):
+    """The full load's logits and generation on a fixed batch."""
+    model = trainer.load(run)
+    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    return x, *outputs(model, x)
+
+
+def outputs(model, x):
+    with torch.no_grad():
+        return model(x), model.generate(x[:, :4], 12, generator=torch.Generator().manual_seed(1))
+
+
+def block_bytes(run) -> int:
+    model = trainer.load(run)
+    return sum(p.numel() * 4 for p in model.blocks[0].parameters())
+
+
+def held_bytes(model) -> int:
+    """Bytes of the weights materialised now: every storage a parameter or buffer uses, and the stream buffers."""
+    storages = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type != "meta":
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    streamer = model.device_map._streamer
+    for b in streamer.buffers if streamer else ():
+        if b is not None:
+            storages[b.untyped_storage().data_ptr()] = b.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def test_cpu_only_equals_full_load(run, full):
+    x, logits, generated = full
+    model = trainer.load(run, device_map="auto")
+    assert set(model.device_map.values()) == {"cpu"}
+    assert list(model.device_map) == ["tok_emb", "pos_emb", "drop", *(f"blocks.{i}" for i in range(N_LAYER)),
+                                      "ln_f", "head"]
+    got_logits, got_generated = outputs(model, x)
+    assert torch.equal(got_logits, logits) and torch.equal(got_generated, generated)
+    assert str(model.device_map).startswith("tok_emb .. head (9 units)  cpu")
+
+
+def test_cpu_and_disk_equals_full_load_within_max_memory(run, full, tmp_path):
+    x, logits, generated = full
+    block = block_bytes(run)
+    cap = int(3.5 * block)  # two blocks in flight and a little more: the embeddings and a block or so stay
+    model = trainer.load(run, max_memory={"cpu": cap}, offload_dir=tmp_path)
+    placed = model.device_map
+    assert {"cpu", "disk"} == set(placed.values())
+    assert [u for u, d in placed.items() if d == "disk"][0].startswith("blocks.")
+    assert sum(placed.sizes[u] for u, d in placed.items() if d == "cpu") + 2 * block <= cap
+    peaks = []
+    for b in model.blocks:
+        b.register_forward_hook(lambda *_: peaks.append(held_bytes(model)))
+    got_logits, got_generated = outputs(model, x)
+    assert torch.equal(got_logits, logits) and torch.equal(got_generated, generated)
+    assert max(peaks) <= cap, (max(peaks), cap)
+    disk = sum(placed.sizes[u] for u, d in placed.items() if d == "disk")
+    forwards = 1 + 12
+    assert placed.bytes_read >= forwards * disk  # every forward streams each disk block (aligned: a bit more)
+    assert not list(tmp_path.iterdir())  # the offload files were unlinked once opened
+
+
+def test_dict_map_and_ema_equal_full_load(run, full, tmp_path):
+    x, logits, generated = full
+    device_map = {"": "disk", "tok_emb": "cpu", "blocks.1": "cpu", "blocks.2.attn": "cpu", "head": "cpu"}
+    model = trainer.load(run, device_map=device_map, offload_dir=tmp_path)
+    assert model.device_map["blocks.2.attn"] == "cpu" and model.device_map["blocks.2.mlp"] == "disk"
+    assert model.device_map["blocks.0"] == "disk" and model.device_map["head"] == "cpu"
+    got_logits, got_generated = outputs(model, x)
+    assert torch.equal(got_logits, logits) and torch.equal(got_generated, generated)
+    ema = trainer.load(run, ema=True, device_map={"": "disk"}, offload_dir=tmp_path)
+    with torch.no_grad():
+        assert torch.equal(ema(x), trainer.load(run, ema=True)(x))
+        assert not torch.equal(ema(x), logits)
+
+
+def test_placement_over_gpus_follows_max_memory(run):
+    """GPUs in order, then the CPU, then disk; balanced evens the GPUs out. A plan only: no GPU here."""
+    from trainer.device_map import params_on_meta
+    from trainer.finished import model_of
+
+    with params_on_meta():
+        model = model_of(run)
+    units = units_of(model)
+    sizes, ties = unit_sizes(model, units)
+    assert ties == {"head": "tok_emb"} and sizes["head"] == 0
+    block = sizes["blocks.0"]
+    caps = budgets({0: 6 * block, "1": 6 * block, "cpu": f"{2 * block}B"}, offload_dir="/tmp")
+    assert list(caps) == ["cuda:0", "cuda:1", "cpu", "disk"]
+    for strategy in ("sequential", "balanced"):
+        placed = plan(units, sizes, ties, caps, strategy)
+        for device, cap in caps.items():
+            assert sum(sizes[u] for u, d in placed.items() if d == device) <= cap
+        assert placed["tok_emb"] == placed["head"] == "cuda:0"
+    sequential, balanced = plan(units, sizes, ties, caps, "sequential"), plan(units, sizes, ties, caps, "balanced")
+    assert set(sequential.values()) == {"cuda:0"}  # it all fits on the first
+    # balanced: the first GPU holds up to half the model plus its largest unit
+    assert [balanced[f"blocks.{i}"] for i in range(N_LAYER)] == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
+    assert parse_size("1.5GiB", "x") == 3 * 2**29 and parse_size("2GB", "x") == 2 * 10**9
+    with pytest.raises(ConfigError, match=r"puts 'tok_emb' on cuda:99, but this machine has"):
+        trainer.load(run, max_memory={99: "1GB"})
+
+
+def test_sample_and_eval_commands_take_the_placement(run, tmp_path):
+    plain = run_here("sample", str(run), *SAMPLE)
+    cap = int(3.5 * block_bytes(run))
+    mapped = run_here("sample", str(run), f"max_memory.cpu={cap}", f"offload_dir={tmp_path}", "show_map=true", *SAMPLE)
+    assert plain.returncode == mapped.returncode == 0, mapped.stderr
+    assert mapped.stdout == plain.stdout and len(plain.stdout.strip()) > 0
+    assert "disk" in mapped.stderr and "blocks." in mapped.stderr
+    plain = run_here("eval", str(run))
+    mapped = run_here("eval", str(run), "device_map={'': disk, tok_emb: cpu}", f"offload_dir={tmp_path}")
+    assert plain.returncode == mapped.returncode == 0, mapped.stderr
+    a, b = json.loads(plain.stdout.strip().splitlines()[-1]), json.loads(mapped.stdout.strip().splitlines()[-1])
+    assert b["val/loss"] == a["val/loss"] and b["val_ema/loss"] == a["val_ema/loss"]
+
+
+def _read_only_dir(tmp_path: Path) -> Path:
+    if os.geteuid() == 0:  # root writes anywhere a mode allows nothing: sysfs refuses it a directory
+        return Path("/sys")
+    path = tmp_path / "ro"
+    path.mkdir(mode=0o500)
+    return path
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["max_memory.cpu=1KB", "offload_dir={tmp}"], ["does not fit max_memory", "two units in flight"]),
+    (["max_memory.cpu=10KB"], ["does not fit max_memory", "offload_dir=DIR"]),
+    (["device_map.blocks.9=cpu"], ["'blocks.9'", "not a module of GPT", "Did you mean"]),
+    (["device_map=everywhere"], ["device_map='everywhere'", "auto, balanced, sequential"]),
+    (["max_memory.cpu=2GB", "offload_dir={tmp}/missing"], ["offload_dir=", "does not exist", "mkdir"]),
+    (["max_memory.cpu=2GB", "offload_dir={ro}"], ["offload_dir=", "is not writable"]),
+    (["max_memory.cpu=two gigs"], ["max_memory.cpu='two gigs' is not a size", "2GiB"]),
+    (["max_memory.gpu=2GB"], ["'gpu' is not a device", "cuda:N"]),
+])
+def test_mistakes_are_one_paragraph(run, tmp_path, args, needles):
+    args = [a.format(tmp=tmp_path, ro=_read_only_dir(tmp_path)) for a in args]
+    assert_clean_error(run_here("sample", str(run), *args, *SAMPLE), *needles)
