@@ -38,6 +38,10 @@ thread the CPU time decides, as it is the less disturbed by other jobs.
                              world=fsdp (2 processes, in a step); `python -m trainer world=deepspeed world.stage=2|3`
                              2 x 1 thread vs a plain DeepSpeed script (engine.backward / engine.step), fp32; needs
                              the deepspeed extra  (deepspeed_bench.py)
+    device_map               big-model inference: trainer.load(..., device_map=...) on the CPU, CPU + disk and all
+                             on disk vs Accelerate's cpu_offload, dispatch_model and disk_offload, a GPT 4x the
+                             memory cap, each configuration in its own process (tokens/s, peak RSS, bytes read per
+                             token, logits bitwise); needs the bench extra for Accelerate's side  (device_map_bench.py)
 
 An item is a module with an `Item` (harness.py: how it measures, its rows of the table, its sizes in a
 full and a quick run) and one line in ITEMS below.
@@ -48,6 +52,7 @@ from .anchors import ANCHORS
 from .checkpoint import CHECKPOINT
 from .ddp import DDP
 from .deepspeed_bench import DEEPSPEED
+from .device_map_bench import DEVICE_MAP
 from .fsdp import FSDP
 from .harness import Item
 from .loop import BF16_VS_FP32, LOOP_DEFAULT, LOOP_TINY
@@ -67,4 +72,5 @@ ITEMS: dict[str, Item] = {
     "activation_checkpointing": ACTIVATIONS,
     "anchors": ANCHORS,
     "deepspeed": DEEPSPEED,
+    "device_map": DEVICE_MAP,
 }

@@ -272,9 +272,12 @@ def params_on_meta():
         if p is not None and p.device.type != "meta":  # (a tied parameter is on meta already: keep it shared)
             module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
 
+    from .strategies.materialize import SkipMetaInit
+
     nn.Module.register_parameter = on_meta
     try:
-        yield
+        with SkipMetaInit():  # (torch's fills of meta tensors import torch._dynamo: ~1 s and ~80 MB of RSS)
+            yield
     finally:
         nn.Module.register_parameter = register
 
