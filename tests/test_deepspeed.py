@@ -102,15 +102,16 @@ def test_zero2_checkpoint_resumes_on_one_process_and_on_fsdp(zero2, reference, c
 @needs_deepspeed
 def test_a_one_process_checkpoint_resumes_on_zero3_with_accumulation(reference, corpus, tmp_path):
     """1 process x batch 8 -> ZeRO-3 on 2 processes x 2 micro-batches of 2 (each rank holds half of every
-    parameter). EMA is off under ZeRO-3 (refused: it averages whole parameters), so the weights and losses are
-    compared, not the EMA's."""
+    parameter, and its half of every EMA average: ema.py's Partitions). The losses, the EMA's val loss, the
+    weights and the EMA's weights are one process's."""
     shutil.copytree(reference, tmp_path, dirs_exist_ok=True)
     cli_run(corpus, tmp_path, *DS2, "world.stage=3", "data.batch_size=2", "trainer.grad_accum_steps=2",
-            "ema.enabled=false", f"resume={reference}/checkpoints/step_00000008")
+            f"resume={reference}/checkpoints/step_00000008")
     got, want = read_metrics(tmp_path), read_metrics(reference)
-    for key in ("train/loss", "val/loss"):
-        assert series(got, key) == pytest.approx(series(want, key), rel=1e-5, abs=1e-5), key
+    for key in ("train/loss", "val/loss", "val_ema/loss"):
+        assert series(want, key) and series(got, key) == pytest.approx(series(want, key), rel=1e-5, abs=1e-5), key
     assert_same_weights(tmp_path, reference)
+    assert_same_weights(tmp_path, reference, "model_ema.safetensors")
 
 
 @pytest.mark.deepspeed
@@ -279,7 +280,6 @@ def test_the_run_values_come_from_the_config_as_the_world_yaml_wires_them(corpus
     (["world.config=ds.json", "world.stage=2"], ["world.config=ds.json contradicts this run's config",
                                                  "zero_optimization.stage is 3 there but world.stage=2",
                                                  "gradient_clipping is 0.25 there but trainer.grad_clip=1.0"]),
-    (["world.stage=3", "ema.enabled=true"], ["ema.enabled=true is not supported with ZeRO stage 3"]),
     (["world.offload_param=true"], ["world.offload_param needs ZeRO stage 3"]),
     (["world.stage=4"], ["world.stage=4 is invalid", "1, 2 or 3"]),
     (["world.config=missing.json"], ["world.config='missing.json' cannot be read"]),

@@ -8,7 +8,9 @@ After each real optimizer step t (t = 0, 1, ... counts EMA updates; skipped step
 The EMA starts as a copy of the initial weights. Warmup lets early, fast-moving weights through
 instead of averaging them with the random init. Buffers are copied, not averaged. Under a sharded
 strategy the parameters are DTensors: the EMA keeps DTensors of the same sharding (each rank averages
-its own shard; checkpoints save them sharded, exports gather them whole).
+its own shard; checkpoints save them sharded, exports gather them whole). Under DeepSpeed's ZeRO-3 each rank
+holds a flat partition of every parameter instead: the strategy hands the EMA its `Partitions` (`attach`), and
+the EMA averages this rank's partition of each parameter, gathering whole tensors only to save or export.
 """
 
 from __future__ import annotations
@@ -34,6 +36,27 @@ class EMA:
         self.names, self.params = zip(*[(n, p) for n, p in model.named_parameters() if n not in frozen])
         self.shadow = [p.detach().to(torch.float32, copy=True) for p in self.params]
         self.num_updates = 0
+        self.parts = None  # a strategy's own partitioning of the parameters (ZeRO-3), set by `attach`
+
+    def attach(self, strategy) -> None:
+        """After the strategy set the optimizer up (ZeRO-3 partitions the parameters then): keep this rank's part
+        of each average only, cut from the whole copies taken at the start."""
+        self.parts = strategy.ema_partitions()
+        if self.parts is not None:
+            self.shadow = [self.parts.local_of(p, s) for p, s in zip(self.params, self.shadow)]
+
+    def _live(self) -> list[torch.Tensor]:
+        """This rank's part of each parameter's weights (what the average follows; fp32 master weights where a
+        strategy keeps them)."""
+        if self.parts is not None:
+            return [self.parts.local(p) for p in self.params]
+        return self._local(p.detach() for p in self.params)
+
+    def _whole(self) -> list[torch.Tensor]:
+        """Each average as a tensor of its parameter's global shape (a collective under ZeRO-3)."""
+        if self.parts is None:
+            return list(self.shadow)
+        return [self.parts.full(p, s) for p, s in zip(self.params, self.shadow)]
 
     @staticmethod
     def _local(tensors) -> list[torch.Tensor]:
@@ -51,40 +74,45 @@ class EMA:
         if step % self.update_every:
             return
         d = self.decay_at(self.num_updates)
-        params = [p.float() for p in self._local(p.detach() for p in self.params)]  # no copy when already fp32
+        params = [p.float() for p in self._live()]  # no copy when already fp32
         torch._foreach_lerp_(self._local(self.shadow), params, 1.0 - d)
         self.num_updates += 1
 
     @torch.no_grad()
     def reset(self) -> None:
         """Start over from the model's current weights (a resume from a checkpoint saved without EMA)."""
-        for t, p in zip(self._local(self.shadow), self._local(p.detach() for p in self.params)):
+        for t, p in zip(self._local(self.shadow), self._live()):
             t.copy_(p)
         self.num_updates = 0
 
     def state_dict(self) -> dict:
-        return {"num_updates": self.num_updates, "shadow": dict(zip(self.names, self.shadow))}
+        return {"num_updates": self.num_updates, "shadow": dict(zip(self.names, self._whole()))}
 
     def load_state_dict(self, state: dict) -> None:
         self.num_updates = state["num_updates"]
-        for t, name in zip(self.shadow, self.names):
-            t.copy_(state["shadow"][name])
+        for t, p, name in zip(self.shadow, self.params, self.names):
+            t.copy_(state["shadow"][name] if self.parts is None else self.parts.local_of(p, state["shadow"][name]))
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's full state_dict with EMA weights in place of the parameters (for export)."""
         out = dict(self.model.state_dict())
-        by_name = dict(zip(self.names, self.shadow))
+        whole = self._whole()
+        by_name = dict(zip(self.names, whole))
         for name, p in self.model.named_parameters(remove_duplicate=False):
             key = name
             src = by_name.get(key)
             if src is None:  # the second name of a tied weight, or a frozen weight (its own average)
-                src = next((s for n, q, s in zip(self.names, self.params, self.shadow) if q is p), p.detach())
+                src = next((s for n, q, s in zip(self.names, self.params, whole) if q is p), p.detach())
             out[key] = src.to(p.dtype)
         return out
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
         """Temporarily put the EMA weights into the model (for eval), then restore the raw ones."""
+        if self.parts is not None:  # ZeRO-3: the strategy sets the module's copies (whole or partitioned)
+            with self.parts.swapped(self.params, self.shadow):
+                yield
+            return
         params = self._local(p.detach() for p in self.params)
         backup = [p.clone() for p in params]
         with torch.no_grad():

@@ -300,6 +300,8 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
         optimizer = build_optimizers(cfg.optim, model, rt, say)
         if rt.models["model"] is not registered:  # a strategy with its own engine wrapped model and optimizer
             model = rt.models["model"]
+        if ema is not None:
+            ema.attach(strategy)  # (ZeRO-3 partitioned the parameters just now: the EMA keeps this rank's part)
         epochs_to_steps(tcfg, ccfg, epoch_length(train_data), cfg.data.batch_size * tcfg.grad_accum_steps * strategy.dp_size,
                         say)
         warn_long_warmup(cfg.scheduler, tcfg.max_steps, say)

@@ -196,6 +196,11 @@ class Strategy:
     def shard(self, model: nn.Module) -> None:
         """Shard the (tensor-parallel) model over the data-parallel ranks (FSDP); nothing here."""
 
+    def ema_partitions(self) -> Any:
+        """How the EMA finds this rank's part of each parameter when it is neither a plain tensor nor a DTensor
+        (ZeRO-3's flat partitions: see deepspeed.py); None here, as for every strategy of torch's own."""
+        return None
+
     def reduce_gradients(self, params: list[torch.Tensor]) -> None:
         """Average gradients over data-parallel ranks where the wrapper did not (DDP and FSDP do it in the
         last micro-step's backward)."""

@@ -100,10 +100,6 @@ class DeepSpeed(Strategy):
         if offloads["offload_param"] and self.stage != 3:
             raise ConfigError(f"world.offload_param needs ZeRO stage 3 (the parameters are partitioned only there); "
                               f"this run has stage {self.stage}. Set world.stage=3, or world.offload_param=false.")
-        if auto.get("ema") and self.stage == 3:
-            raise ConfigError("ema.enabled=true is not supported with ZeRO stage 3: each rank holds only its partition "
-                              "of every parameter, and the EMA averages whole ones. Use world.stage=2 (optimizer "
-                              "state and gradients partitioned), world=fsdp (whose EMA is sharded), or ema.enabled=false.")
         if auto.get("compile"):
             raise ConfigError("trainer.compile=true is not supported with world=deepspeed yet (the engine wraps the "
                               "model after it would be compiled). Set trainer.compile=false, or use world=ddp or fsdp.")
@@ -283,6 +279,9 @@ class DeepSpeed(Strategy):
             else:
                 out[key] = value.detach().to("cpu", self._buffer_dtypes.get(key, value.dtype), copy=True)
         return out
+
+    def ema_partitions(self) -> Partitions | None:
+        return Partitions(self) if self.stage == 3 else None
 
     def _full(self, param: nn.Parameter) -> torch.Tensor:
         from deepspeed.utils import safe_get_full_fp32_param
@@ -481,3 +480,42 @@ class _EngineLossScale:
         # Steps since the last overflow, as DeepSpeed counts them for growing the scale.
         scaler.last_overflow_iter = scaler.cur_iter - 1 - int(state.get("_growth_tracker", 0))
         self._saved = None
+
+
+class Partitions:
+    """ZeRO-3's layout of a parameter, for the EMA (trainer/ema.py): rank r holds elements [r n, (r + 1) n) of the
+    flattened parameter, padded to a multiple of the world size (n = `param.ds_tensor.numel()`). The fp32 master
+    partition is what the average follows; the module's copy (16-bit or fp32, partitioned or, below DeepSpeed's
+    persistence threshold, whole on every rank) is what the forward reads, set through `swapped`."""
+
+    def __init__(self, strategy: DeepSpeed):
+        self.strategy, self.backend = strategy, strategy.backend
+
+    @staticmethod
+    def local(param: nn.Parameter) -> torch.Tensor:
+        from deepspeed.utils import safe_get_local_fp32_param
+
+        return safe_get_local_fp32_param(param).view(-1)
+
+    @contextlib.contextmanager
+    def swapped(self, params: list[nn.Parameter], averages: list[torch.Tensor]):
+        """The module's copies of `params` hold the averages inside, the master weights' again after (an eval of
+        the EMA's weights). Collectives: every rank enters and leaves together."""
+        for p, local in zip(params, averages):
+            self.strategy._set_module_copy(p, self.full(p, local))
+        try:
+            yield
+        finally:
+            for p in params:
+                self.strategy._set_module_copy(p, self.full(p, self.local(p)))
+
+    def local_of(self, param: nn.Parameter, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's partition of `whole` (a tensor of the parameter's global shape), in fp32."""
+        n = param.ds_tensor.numel()
+        flat = whole.detach().reshape(-1).to(self.backend.device, torch.float32)
+        flat = torch.nn.functional.pad(flat, (0, n * self.backend.world_size - flat.numel()))
+        return flat[n * self.backend.rank:n * (self.backend.rank + 1)].clone()
+
+    def full(self, param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+        """The whole tensor from every rank's partition (a collective: every rank calls it, in the same order)."""
+        return self.backend.all_gather_cat(local)[:param.ds_numel].view(param.ds_shape)
