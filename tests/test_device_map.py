@@ -170,3 +170,11 @@ def _read_only_dir(tmp_path: Path) -> Path:
 def test_mistakes_are_one_paragraph(run, tmp_path, args, needles):
     args = [a.format(tmp=tmp_path, ro=_read_only_dir(tmp_path)) for a in args]
     assert_clean_error(run_here("sample", str(run), *args, *SAMPLE), *needles)
+
+
+def test_the_readme_example_runs(run):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block, = [b.split("```")[0] for b in readme.split("```python\n")[1:] if "device_map=" in b.split("```")[0]]
+    scope: dict = {}
+    exec(block.replace("RUN_DIR", str(run)).replace("print(", "str("), scope)
+    assert isinstance(scope["model"], torch.nn.Module) and set(scope["model"].device_map.values()) == {"cpu"}

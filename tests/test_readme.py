@@ -78,7 +78,7 @@ def test_the_readme_has_what_the_walkthrough_expects():
     assert len(cmds) >= 25 and all(c.startswith(("python -m trainer", "torchrun", "PYTHONPATH=", "make ", "source "))
                                    for c in cmds), cmds
     assert any("\\" in t for _, t in blocks("bash"))  # the SLURM sweep's continuation lines were joined
-    assert len(blocks("python")) == 5 and len(blocks("yaml")) == 1
+    assert len(blocks("python")) == 6 and len(blocks("yaml")) == 1
 
 
 def precheck(args: list[str], cwd: Path) -> None:

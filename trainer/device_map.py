@@ -28,6 +28,7 @@ its device, and the model's outputs come back on its input's device. `model.devi
 from __future__ import annotations
 
 import copy
+import errno
 import math
 import os
 import re
@@ -448,10 +449,11 @@ def _write(fd: int, data: torch.Tensor, offset: int) -> None:
 
 @torch.no_grad()
 def dispatch(model: nn.Module, read, device_map: str | Mapping, caps: dict[str, int],
-             offload_dir: str | os.PathLike | None) -> nn.Module:
+             offload_dir: str | os.PathLike | None, copy=None) -> nn.Module:
     """Place `model` (built under params_on_meta) by `device_map` within `caps` (budgets()), its tensors read
-    with `read(key) -> CPU tensor` (a state_dict key), and hook it up. Returns the model, in eval mode, with
-    `model.device_map`."""
+    with `read(key) -> CPU tensor` (a state_dict key), and hook it up. `copy(key, dtype, fd, offset) -> bool`, if
+    given, copies a tensor's bytes into an offload file without reading them into memory when the file holds
+    them in `dtype`. Returns the model, in eval mode, with `model.device_map`."""
     model.eval()
     if isinstance(device_map, Mapping):
         mapping = check_map(model, device_map)
@@ -538,15 +540,15 @@ def dispatch(model: nn.Module, read, device_map: str | Mapping, caps: dict[str, 
                 slots, offset = [], 0
                 for keys in streamed[unit]:
                     meta = state[keys[0]]
-                    t = read(keys[0]).to(dtype=meta.dtype).contiguous()
                     try:
-                        _write(fd, t, offset)
+                        if copy is None or not copy(keys[0], meta.dtype, fd, offset):
+                            _write(fd, read(keys[0]).to(dtype=meta.dtype).contiguous(), offset)
                     except OSError as e:
                         os.close(fd)
                         raise StorageError(f"writing the offloaded blocks to offload_dir={offload_dir} failed "
                                            f"({e.strerror or e}): give a directory with more room.") from None
                     slots.append((offset, meta.dtype, tuple(meta.shape), refs(keys)))
-                    offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+                    offset += -(-meta.numel() * meta.element_size() // ALIGN) * ALIGN
                 on_disk.append(_OnDisk(unit, fd, offset, slots))
         except BaseException:
             for u in on_disk:
@@ -660,6 +662,26 @@ def load(path: str | os.PathLike, device_map: str | Mapping = "auto", max_memory
             file, entry = weights.entries[keys[key]]
             return weights.readers[file].tensor(entry)
 
-        return dispatch(model, read, device_map, caps, offload_dir)
+        def copy(key: str, dtype: torch.dtype, fd: int, offset: int) -> bool:
+            """The tensor's bytes from its file into an offload file, by the kernel (no copy in this process's
+            memory), when the file holds it in `dtype`."""
+            file, entry = weights.entries[keys[key]]
+            if entry.dtype != dtype or not hasattr(os, "copy_file_range"):
+                return False
+            source, done, n = weights.readers[file]._file.fileno(), 0, entry.end - entry.begin
+            try:
+                while done < n:
+                    step = os.copy_file_range(source, fd, n - done, entry.begin + done, offset + done)
+                    if step == 0:
+                        raise StorageError(f"{file} is shorter than when it was opened (truncated or replaced while "
+                                           "it was read).")
+                    done += step
+            except OSError as e:
+                if e.errno in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL) and done == 0:
+                    return False  # (a kernel or file system that cannot: read and write instead)
+                raise
+            return True
+
+        return dispatch(model, read, device_map, caps, offload_dir, copy)
     finally:
         weights.close()
