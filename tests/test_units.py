@@ -124,3 +124,26 @@ def test_per_part_optimizer_settings_are_checked_as_the_base_optimizer_s():
         trainer.compose(["recipe=gan", "debug=smoke", "optim.discriminator.lr=-1"])
     with pytest.raises(ConfigError, match=r"optim\.generator\.momentun is not an option"):
         trainer.compose(["recipe=gan", "debug=smoke", "+optim.generator.momentun=0.9"])
+
+
+def test_each_file_of_a_checkpoint_is_hashed_by_one_rank_and_a_damaged_one_is_found_by_its_rank(tmp_path):
+    """checkpoint.read spreads the sha256 checks over the ranks (the largest file first, to the least loaded
+    rank): every file is verified exactly once, and the rank that verifies a damaged file reports it (the ranks
+    then agree on that verdict: test_reliability.py's one-rank failure)."""
+    from types import SimpleNamespace
+
+    from trainer import checkpoint as ckpt
+
+    sizes = {"state.safetensors": 700, "model.safetensors": 400, "model-1.safetensors": 300, "state.json": 10}
+    shares = [ckpt._share({n: bytes(s) for n, s in sizes.items()}, r, 2) for r in range(2)]
+    assert sorted([*shares[0], *shares[1]]) == sorted(sizes) and not set(shares[0]) & set(shares[1])
+    assert set(shares[0]) == {"state.safetensors", "state.json"}  # 710 bytes against 700
+    path = ckpt.Checkpointer(tmp_path).save(1, {"w": torch.ones(64, 64)}, {"opt": {"m": torch.zeros(256, 64)}})
+    weights = path / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4:] = b"\0\0\0\1"
+    weights.write_bytes(bytes(data))
+    rank = [SimpleNamespace(rank=r, world_size=2, is_main=r == 0, distributed=False) for r in range(2)]
+    ckpt.read(path, rank[0])  # state.safetensors is rank 0's to hash; model.safetensors rank 1's
+    with pytest.raises(CheckpointError, match="model.safetensors is corrupted or truncated"):
+        ckpt.read(path, rank[1])

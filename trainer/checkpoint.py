@@ -414,34 +414,50 @@ class Loaded:
 
 def read(path: Path, backend=None) -> Loaded:
     """Map a checkpoint and index its tensors. The manifest, the files' kinds and the safetensors headers
-    against the files' sizes are checked first (cheap); then the main rank verifies every sha256 (in
-    parallel with parsing) and tells the others. Nothing is returned unless every file matches the manifest."""
+    against the files' sizes are checked first (cheap); then every sha256 is verified, in parallel with
+    parsing, each file by one rank (`_share`: a sharded checkpoint's files spread over the ranks that read
+    them, so verifying does not grow with the world size), and the ranks agree on one verdict. Nothing is
+    returned unless every file matches the manifest."""
     backend = backend or _Local()
     path = Path(path)
-    error, loaded = None, None
+    damaged, error, loaded = None, None, None
     try:
         manifest = _manifest(path)
         files = manifest["files"]
         data, headers = _map_all(path, files)
+        mine = _share(data, backend.rank, backend.world_size)
         with ThreadPoolExecutor(max_workers=1) as pool:
-            digests = pool.submit(tensorfile.sha256_all, data) if backend.is_main else None
+            digests = pool.submit(tensorfile.sha256_all, mine) if mine else None
             try:
                 loaded = _index(path, manifest, data, headers)
             except CheckpointError as e:
                 error = e
             if digests is not None:
-                _check_digests(path, files, digests.result())  # a damaged file is reported as such first
-        if error is not None:
-            raise error
+                try:
+                    _check_digests(path, files, digests.result())
+                except CheckpointError as e:
+                    damaged = e
     except CheckpointError as e:
         error = e
-    if backend.distributed:  # one verdict for all ranks: the main rank's hashes, or any rank's failure
-        verdicts = backend.gather_object(str(error) if error else None)
-        first = next((v for v in verdicts if v), None)
-        error = CheckpointError(first) if first else None
-    if error is not None:
-        raise error
+    if backend.distributed:  # one verdict for all ranks: any rank's
+        verdicts = backend.gather_object((str(damaged) if damaged else None, str(error) if error else None))
+        damaged, error = (next((CheckpointError(v[i]) for v in verdicts if v[i]), None) for i in (0, 1))
+    if damaged or error:
+        raise damaged or error  # a damaged file is reported as such first
     return loaded
+
+
+def _share(data: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """The files this rank hashes: the largest first, each to the rank with the fewest bytes so far (the same
+    split on every rank: it depends on the sizes alone)."""
+    load = [0] * world_size
+    mine = {}
+    for name in sorted(data, key=lambda n: (-len(data[n]), n)):
+        r = min(range(world_size), key=lambda i: (load[i], i))
+        load[r] += len(data[name])
+        if r == rank:
+            mine[name] = data[name]
+    return mine
 
 
 def _index(path: Path, manifest: dict, data: dict[str, Any], headers: dict[str, tuple]) -> Loaded:
