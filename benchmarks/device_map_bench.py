@@ -3,8 +3,9 @@
 
 Every configuration runs in a process of its own (its peak RSS is its own: VmHWM, reset once the imports are done,
 against the RSS at that point), in alternating rounds, and generates the same tokens from the same prompt
-(`model.generate`, batch 1, no KV cache: each token is a forward over the whole prefix, so each token reads every
-disk-placed weight once). Reported: tokens/s (median of the rounds), the peak RSS above the process's RSS before
+(`model.generate`, batch 1, a 4-token prompt, no KV cache: each token is a forward over the whole prefix, so each
+token reads every disk-placed weight once; a short prompt keeps the CPU's compute per token small, as offloaded
+inference is: a longer one makes both sides compute-bound). Reported: tokens/s (median of the rounds), the peak RSS above the process's RSS before
 loading, the bytes read from the offload files per token, and whether the first forward's logits equal a full
 load's bit for bit (fp32).
 
@@ -39,7 +40,6 @@ from .harness import ROOT, Context, Item, alternate, median, met_cell, say
 
 OURS = ("full", "cpu", "disk", "all_disk")
 THEIRS = ("acc_cpu", "acc_disk", "acc_all")
-PROMPT = 16  # tokens; generation then runs forwards over 16 .. 16 + tokens - 1 positions
 
 
 def _rss(field: str) -> int:
@@ -99,7 +99,7 @@ def prepare(run: Path, acc_dir: Path, sizes: dict) -> int:
     return total
 
 
-def worker(case: str, run: Path, offload: Path, acc_dir: Path, cap: int, tokens: int, threads: int,
+def worker(case: str, run: Path, offload: Path, acc_dir: Path, cap: int, prompt_len: int, tokens: int, threads: int,
            out: Path) -> dict:
     """One configuration in this process: load, warm up, generate; the first forward's logits go to `out`."""
     import torch
@@ -111,7 +111,7 @@ def worker(case: str, run: Path, offload: Path, acc_dir: Path, cap: int, tokens:
     if case.startswith("acc_"):
         import accelerate  # noqa: F401  (its import is not the load's memory)
     config = json.loads((run / "model_config.json").read_text())
-    prompt = torch.randint(0, 256, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(0, 256, (1, prompt_len), generator=torch.Generator().manual_seed(0))
     torch.ones(64, 64) @ torch.ones(64, 64)  # the BLAS's buffers: not the load's memory either
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM back to the RSS now
@@ -176,7 +176,8 @@ def _run_case(case: str, tmp: Path, cap: int, sizes: dict, threads: int) -> dict
     offload = Path(tempfile.mkdtemp(prefix=f"offload-{case}-", dir=tmp))
     out = tmp / f"logits_{case}.safetensors"
     r = subprocess.run([sys.executable, "-m", "benchmarks.device_map_bench", case, str(tmp / "run"), str(offload),
-                        str(tmp / "acc_offload"), str(cap), str(sizes["tokens"]), str(threads), str(out)],
+                        str(tmp / "acc_offload"), str(cap), str(sizes["prompt"]), str(sizes["tokens"]), str(threads),
+                        str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     shutil.rmtree(offload, ignore_errors=True)
     if r.returncode:
@@ -226,7 +227,7 @@ def rows(r: dict) -> list[str]:
     c, mib = r["cases"], 2**20
     s = r["sizes"]
     what = (f"gpt {s['n_layer']}x{s['d_model']} fp32 ({r['model_bytes'] / mib:.0f} MiB), cap max_memory.cpu="
-            f"{r['cap_bytes'] / mib:.0f} MiB, batch 1, {s['tokens']} tokens after {PROMPT}")
+            f"{r['cap_bytes'] / mib:.0f} MiB, batch 1, {s['tokens']} tokens after {s['prompt']}")
 
     def ours(case: str) -> str:
         x = c[case]
@@ -251,15 +252,16 @@ def rows(r: dict) -> list[str]:
 
 
 DEVICE_MAP = Item(measure, rows,
-                  full={"n_layer": 16, "d_model": 512, "n_head": 8, "seq_len": 64, "shard_mb": 64, "tokens": 8,
+                  full={"n_layer": 16, "d_model": 512, "n_head": 8, "seq_len": 64, "shard_mb": 64, "prompt": 4, "tokens": 8,
                         "rounds": 5, "model_over_cap": 4},
-                  quick={"n_layer": 4, "d_model": 64, "n_head": 2, "seq_len": 32, "shard_mb": 1, "tokens": 4,
+                  quick={"n_layer": 4, "d_model": 64, "n_head": 2, "seq_len": 32, "shard_mb": 1, "prompt": 4, "tokens": 4,
                          "rounds": 1, "model_over_cap": 2})
 
 
 if __name__ == "__main__":
-    case, run, offload, acc_dir, cap, tokens, threads, out = sys.argv[1:]
-    result = worker(case, Path(run), Path(offload), Path(acc_dir), int(cap), int(tokens), int(threads), Path(out))
+    case, run, offload, acc_dir, cap, prompt, tokens, threads, out = sys.argv[1:]
+    result = worker(case, Path(run), Path(offload), Path(acc_dir), int(cap), int(prompt), int(tokens), int(threads),
+                    Path(out))
     print(json.dumps(result))
     sys.stdout.flush()
     os._exit(0)  # (Accelerate's hooks and our prefetch thread need no orderly teardown for a measurement)

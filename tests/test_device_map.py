@@ -178,3 +178,21 @@ def test_the_readme_example_runs(run):
     scope: dict = {}
     exec(block.replace("RUN_DIR", str(run)).replace("print(", "str("), scope)
     assert isinstance(scope["model"], torch.nn.Module) and set(scope["model"].device_map.values()) == {"cpu"}
+
+
+def test_a_hugging_face_directory_equals_from_pretrained(tmp_path):
+    """A Hub-style directory (config.json, sharded safetensors with an index) placed over the CPU and disk gives
+    from_pretrained's logits bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    placed = trainer.load(tmp_path / "hf", device_map={"": "disk", "model.embed_tokens": "cpu", "lm_head": "cpu"},
+                          offload_dir=tmp_path)
+    assert placed.device_map["model.layers.1"] == "disk"
+    x = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(placed(x).logits, reference(x).logits)
