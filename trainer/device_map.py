@@ -549,6 +549,7 @@ def dispatch(model: nn.Module, read, device_map: str | Mapping, caps: dict[str, 
                                            f"({e.strerror or e}): give a directory with more room.") from None
                     slots.append((offset, meta.dtype, tuple(meta.shape), refs(keys)))
                     offset += -(-meta.numel() * meta.element_size() // ALIGN) * ALIGN
+                os.ftruncate(fd, offset)  # (the last tensor's padding too: a block is read whole, padding included)
                 on_disk.append(_OnDisk(unit, fd, offset, slots))
         except BaseException:
             for u in on_disk:
