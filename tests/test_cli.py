@@ -74,12 +74,12 @@ RECIPE_OF = {("recipe", "diffusion"): "diffusion", ("model", "unet"): "diffusion
              ("recipe", "gan"): "gan", ("model", "gan"): "gan"}
 
 
-# Options that need an optional extra's package (pyproject.toml), which `make test`'s dev extra does not install.
-NEEDS = {("model", "llama_tiny"): "transformers"}
+# Options that need an optional extra's package (pyproject.toml): covered where it is installed, skipped elsewhere.
+NEEDS = {("model", "llama_tiny"): "transformers", ("data", "hf_text"): "datasets"}
 
 
 # Data options that read the files data.path names (the tests' corpus here).
-FILES_DATA = ("text", "text_stream")
+FILES_DATA = ("text", "text_stream", "hf_text")
 
 
 def _options() -> list[tuple[str, str]]:

@@ -31,16 +31,17 @@ def already_batched(batch):
 
 
 class TokenWindows(Dataset):
-    """Non-overlapping windows of `seq_len + 1` bytes: sample i is (x, y) = (w[:-1], w[1:]).
+    """Windows of `seq_len + 1` tokens, each overlapping the next by one: sample i is (x, y) = (w[:-1], w[1:]).
 
-    The bytes stay in a memory-mapped file; only the path crosses into data-loader workers.
+    The tokens (bytes, or a tokenizer's ids as uint16/int32) stay in a memory-mapped file; only the path crosses
+    into data-loader workers.
     """
 
     collate_fn = staticmethod(already_batched)
 
-    def __init__(self, path: str | os.PathLike, seq_len: int):
-        self.path, self.seq_len = str(path), seq_len
-        self.num_bytes = os.path.getsize(self.path)
+    def __init__(self, path: str | os.PathLike, seq_len: int, dtype: str = "uint8"):
+        self.path, self.seq_len, self.dtype = str(path), seq_len, getattr(torch, dtype)
+        self.num_tokens = os.path.getsize(self.path) // self.dtype.itemsize
         self._tokens: torch.Tensor | None = None
         self._offsets = torch.arange(seq_len + 1)
 
@@ -50,11 +51,11 @@ class TokenWindows(Dataset):
     @property
     def tokens(self) -> torch.Tensor:
         if self._tokens is None:
-            self._tokens = torch.from_file(self.path, shared=False, size=self.num_bytes, dtype=torch.uint8)
+            self._tokens = torch.from_file(self.path, shared=False, size=self.num_tokens, dtype=self.dtype)
         return self._tokens
 
     def __len__(self) -> int:
-        return max(0, (self.num_bytes - 1) // self.seq_len)
+        return max(0, (self.num_tokens - 1) // self.seq_len)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.tokens[i * self.seq_len : i * self.seq_len + self.seq_len + 1].long()
@@ -262,3 +263,36 @@ def text_stream(path: str, seq_len: int = 256, by_file: bool = False, val_path: 
                         "reader given only such files would get no sample. Remove it or set data.by_file=false.")
     val = text_file(val_path, seq_len, cache_dir, val_fraction=0.0)[0] if val_path else None
     return train, val
+
+
+def hf_text(path: str, tokenizer: str | None = None, text_column: str = "text", format: str | None = None,
+            eos_token: str | None = None, seq_len: int = 256, val_fraction: float = 0.0, cache_dir: str | None = None,
+            model_vocab_size: int | None = None, sample_tokens: int | None = None):
+    """Hugging Face `datasets` files (json/jsonl, parquet, csv, text, or a save_to_disk directory) tokenised once with
+    `tokenizer` (a tokenizer.json; null: UTF-8 bytes) into a memmap of token ids, cut into windows like the byte
+    corpora (trainer/hf_data.py). The last `val_fraction` of the documents are the val split. `model_vocab_size` and
+    `sample_tokens` are the model's and the task's, checked against the tokenizer before anything is tokenised (the
+    config passes them)."""
+    from trainer.hf_data import Encoder, sources, tokenize_corpus
+
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"data.val_fraction={val_fraction} must be in [0, 1).")
+    files, fmt = sources(path, format)
+    encoder = Encoder(tokenizer, eos_token)
+    vocab = encoder.vocab_size
+    if model_vocab_size is not None and model_vocab_size < vocab:
+        what = f"data.tokenizer={tokenizer!r} has {vocab} tokens" if tokenizer else "bytes have 256 values"
+        raise DataError(f"{what}, but model.vocab_size={model_vocab_size}: the model would have no embedding for the "
+                        f"higher ids. Set model.vocab_size={vocab}.")
+    if tokenizer is not None and sample_tokens:
+        raise DataError(f"task.sample_tokens={sample_tokens}, but the lm task decodes its samples as bytes, and "
+                        f"data.tokenizer={tokenizer!r} gives token ids. Set task.sample_tokens=0 (val/loss and "
+                        "val/bpb are still reported; val/bpb then counts bits per token, not per byte).")
+    cache, meta = tokenize_corpus(path, files, fmt, encoder, Path(cache_dir or default_cache_dir()), text_column,
+                                  val_fraction)
+    train = TokenWindows(cache / "train.bin", seq_len, meta["dtype"])
+    if len(train) == 0:
+        raise DataError(f"data.path={str(path)!r} gives {meta['train_tokens']} training tokens, fewer than "
+                        f"data.seq_len + 1 = {seq_len + 1}. Use more text or a smaller data.seq_len.")
+    val = TokenWindows(cache / "val.bin", seq_len, meta["dtype"])
+    return train, (val if len(val) > 0 else None)
