@@ -84,6 +84,16 @@ def test_a_stateless_stream_says_it_skips_and_skips_exactly():
     assert datas[0].train.produced == 10 + 20  # only pass 1's first 10 replayed (a sized stream skips whole passes)
 
 
+def test_a_stateless_unsized_stream_skips_exactly_in_loader_workers_on_another_world_size():
+    """The skip happens in each loader worker (its own copy of the dataset), and without __len__ from the start
+    of the pass the run stopped in (where the 50 samples of pass 0 ended)."""
+    whole, _, _, _ = read(sd.Numbers, 2, 2, 1, steps=20, workers=2)
+    first, state, _, _ = read(sd.Numbers, 2, 2, 1, steps=15, workers=2)
+    rest, _, note, _ = read(sd.Numbers, 1, 4, 1, steps=5, workers=2, state=state)
+    assert first + rest == whole and whole == [values(4 * s, 4) for s in range(20)]
+    assert "read again from sample 50 and the 10 samples up to sample 60 are skipped" in note and "\n" not in note
+
+
 @pytest.mark.parametrize("make", [sd.Parts, sd.StatelessParts])
 def test_parts_are_read_by_their_own_readers_and_resume_exactly(make):
     whole, _, _, _ = read(make, 2, 1, 1, steps=30, workers=2)  # 4 readers of parts i::4, 60 samples
