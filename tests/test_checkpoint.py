@@ -23,6 +23,7 @@ from conftest import (
     load_weights,
     read_metrics,
     run_cli,
+    run_here,
     series,
     tiny_overrides,
     train_in_process,
@@ -54,7 +55,7 @@ def test_keep_last_and_resuming_a_finished_run(corpus, tmp_path, reference):
     manifest = json.loads((reference / "checkpoints" / "step_00000012" / "manifest.json").read_text())
     assert set(manifest["files"]) == {"model.safetensors", "state.safetensors", "state.json", "config.yaml"}
     shutil.copytree(reference, tmp_path, dirs_exist_ok=True)
-    r = run_cli(*tiny_overrides(corpus, *SINGLE), f"hydra.run.dir={tmp_path}", "resume=auto")
+    r = run_here(*tiny_overrides(corpus, *SINGLE), f"hydra.run.dir={tmp_path}", "resume=auto")
     assert r.returncode == 0 and "already finished" in r.stdout
     events = train_in_process(corpus, tmp_path, *SINGLE, "resume=auto", "trainer.max_steps=16")
     assert [e["step"] for e in events if "train/loss" in e] == list(range(1, 17))
@@ -92,7 +93,7 @@ def test_a_pickle_payload_in_a_checkpoint_never_runs(corpus, tmp_path, reference
         (ckpt / name).write_bytes(pickle.dumps({"x": Payload()}))
         manifest["files"][name] = sha256(ckpt / name)
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
-    r = run_cli(*tiny_overrides(corpus, *SINGLE), f"hydra.run.dir={tmp_path / 'run'}", f"resume={ckpt}")
+    r = run_here(*tiny_overrides(corpus, *SINGLE), f"hydra.run.dir={tmp_path / 'run'}", f"resume={ckpt}")
     assert r.returncode == 2 and "not a valid trainer checkpoint" in r.stderr
     assert not marker.exists()
     pickle.loads((ckpt / "model.safetensors").read_bytes())  # the payload was live: unpickling runs it
@@ -101,7 +102,7 @@ def test_a_pickle_payload_in_a_checkpoint_never_runs(corpus, tmp_path, reference
 
 def test_resume_refuses_a_different_model_or_data_order(corpus, tmp_path, reference):
     ckpt = reference / "checkpoints" / "step_00000008"
-    r = run_cli(*tiny_overrides(corpus, *SINGLE, "model.d_model=32"), f"hydra.run.dir={tmp_path}", f"resume={ckpt}")
+    r = run_here(*tiny_overrides(corpus, *SINGLE, "model.d_model=32"), f"hydra.run.dir={tmp_path}", f"resume={ckpt}")
     assert r.returncode == 2
     assert "tok_emb.weight: checkpoint (256, 64) vs model (256, 32)" in r.stderr
     assert "blocks.0.mlp.0.weight: checkpoint (256, 64) vs model (128, 32)" in r.stderr
