@@ -228,9 +228,9 @@ DIFFUSION = ("recipe=diffusion", "debug=smoke", "trainer.max_steps=12", "trainer
 
 @pytest.fixture(scope="session")
 def diffusion_reference(tmp_path_factory) -> Path:
-    """The diffusion recipe on one process, batch 16, through the real CLI."""
+    """The diffusion recipe on one process, batch 16, through the CLI (in this process, as `reference`)."""
     def build(run_dir: Path) -> None:
-        r = run_cli(*DIFFUSION, "data.batch_size=16", f"hydra.run.dir={run_dir}")
+        r = run_here(*DIFFUSION, "data.batch_size=16", f"hydra.run.dir={run_dir}")
         assert r.returncode == 0, r.stderr
 
     return once_per_run(tmp_path_factory, "diffusion_reference", build)

@@ -32,8 +32,9 @@ pytestmark = pytest.mark.slow
 
 
 
-def run(run_dir: Path, *extra: str, env: dict | None = None, code: int = 0):
-    r = run_cli(*DIFFUSION, *extra, f"hydra.run.dir={run_dir}", env=env)
+def run(run_dir: Path, *extra: str, env: dict | None = None, code: int = 0, here: bool = False):
+    """The diffusion command in a subprocess, or with `here` in this process (a run that ends by itself)."""
+    r = (run_here if here else run_cli)(*DIFFUSION, *extra, f"hydra.run.dir={run_dir}", env=env)
     assert r.returncode == code, r.stderr
     return r
 
@@ -93,7 +94,7 @@ def test_sigkill_then_resume_auto_is_bit_identical(tmp_path, diffusion_reference
     r = run(tmp_path, "data.batch_size=16", "checkpoint.async_save=false",
             *faulty("sigkill", 11), "+task.base=trainer.recipes.diffusion.task.Diffusion", env=FAULTY_ENV, code=-9)
     assert r.returncode == -9 and checkpoints(tmp_path)[-1] == "step_00000008"
-    run(tmp_path, "data.batch_size=16", "resume=auto")
+    run(tmp_path, "data.batch_size=16", "resume=auto", here=True)  # (the resume needs no signal)
     assert_identical(tmp_path, diffusion_reference)
 
 
@@ -126,7 +127,7 @@ def test_samples_are_png_grids_and_metrics_and_the_export_is_enough_to_sample(di
 @pytest.mark.parametrize(("path", "needle"), [("nope.csv.gz", "does not exist"), ("bad.csv", "fields")])
 def test_a_missing_or_malformed_data_file_is_one_paragraph(tmp_path, path, needle):
     (tmp_path / "bad.csv").write_text("1,2,3\n")
-    r = run_cli(*DIFFUSION, f"data.path={tmp_path / path}", "hydra.run.dir=run", cwd=tmp_path)
+    r = run_here(*DIFFUSION, f"data.path={tmp_path / path}", "hydra.run.dir=run", cwd=tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: data.path=") and needle in r.stderr
     assert not (tmp_path / "run").exists()
