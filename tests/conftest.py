@@ -37,6 +37,15 @@ def corpus() -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def small_corpus(corpus) -> Path:
+    """The corpus's first 4 KB: 115 training samples of 32 bytes, so a test of whole epochs trains tens of steps
+    (the corpus has 3357 samples: 840 steps an epoch at the smoke batch of 4). 115 is no multiple of 16."""
+    path = corpus.parent / "small_corpus.txt"
+    path.write_bytes(corpus.read_bytes()[:4096])
+    return path
+
+
 def tiny_overrides(corpus: Path, *extra: str) -> list[str]:
     return [*TINY, "data=text", f"data.path={corpus}", *extra]
 

@@ -91,12 +91,13 @@ def _tiny(corpus):
     return tiny_overrides(corpus)
 
 
-def test_max_epochs_derives_the_steps_and_evals_every_epoch(corpus, tmp_path):
+def test_max_epochs_derives_the_steps_and_evals_every_epoch(small_corpus, tmp_path):
     from trainer.recipes.lm.data import text_file
 
-    train, _ = text_file(str(corpus), seq_len=32)
+    train, _ = text_file(str(small_corpus), seq_len=32)
     per_epoch = math.ceil(len(train) / 4)
-    events = train_in_process(corpus, tmp_path, "trainer.max_epochs=2", "trainer.eval_every_epochs=1",
+    assert len(train) % 4  # (a last, partial batch in each epoch)
+    events = train_in_process(small_corpus, tmp_path, "trainer.max_epochs=2", "trainer.eval_every_epochs=1",
                               "trainer.log_every=50")
     assert events[-1]["step"] == 2 * per_epoch
     assert [e["step"] for e in events if "val/loss" in e] == [per_epoch, 2 * per_epoch]

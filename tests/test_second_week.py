@@ -149,13 +149,13 @@ def test_an_equals_sign_in_a_value_names_the_key_and_the_quoting(tmp_path):
 
 
 # -- 32.5: epochs and schedules -------------------------------------------------------------------------------
-def test_max_epochs_with_max_steps_null_is_max_epochs(corpus, tmp_path, capsys):
+def test_max_epochs_with_max_steps_null_is_max_epochs(small_corpus, tmp_path, capsys):
     from conftest import series, train_in_process
 
     epochs = ("trainer.max_epochs=1", "trainer.log_every=5", "data.batch_size=16")
-    with_null = train_in_process(corpus, tmp_path / "null", *epochs, "trainer.max_steps=null")
+    with_null = train_in_process(small_corpus, tmp_path / "null", *epochs, "trainer.max_steps=null")
     said = capsys.readouterr().out
-    with_steps = train_in_process(corpus, tmp_path / "set", *epochs)  # max_epochs decides either way
+    with_steps = train_in_process(small_corpus, tmp_path / "set", *epochs)  # max_epochs decides either way
     assert [e["step"] for e in with_null] == [e["step"] for e in with_steps]
     assert series(with_null, "train/loss") == series(with_steps, "train/loss")
     steps, batch, per_epoch, samples = map(int, re.search(
@@ -180,13 +180,13 @@ def test_max_steps_null_needs_max_epochs():
 
 
 @pytest.mark.parametrize("length", [("trainer.max_steps=6",), ("trainer.max_epochs=1", "trainer.max_steps=null")])
-def test_a_warmup_longer_than_the_run_is_a_one_line_warning(corpus, tmp_path, capsys, length):
+def test_a_warmup_longer_than_the_run_is_a_one_line_warning(small_corpus, tmp_path, capsys, length):
     from conftest import train_in_process
 
-    train_in_process(corpus, tmp_path, *length, "scheduler.warmup_steps=100000", "data.batch_size=16")
+    train_in_process(small_corpus, tmp_path, *length, "scheduler.warmup_steps=100000", "data.batch_size=16")
     warned = [line for line in capsys.readouterr().out.splitlines() if "scheduler.warmup_steps=100000" in line]
     assert len(warned) == 1 and warned[0].startswith("warning: "), warned
-    train_in_process(corpus, tmp_path / "short", *length, "scheduler.warmup_steps=2", "data.batch_size=16")
+    train_in_process(small_corpus, tmp_path / "short", *length, "scheduler.warmup_steps=2", "data.batch_size=16")
     assert "warmup" not in capsys.readouterr().out
 
 
