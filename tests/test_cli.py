@@ -14,6 +14,7 @@ from conftest import (
     load_weights,
     read_metrics,
     run_cli,
+    run_here,
     run_main,
     tiny_overrides,
 )
@@ -59,10 +60,10 @@ def test_run_dir_records_how_to_reproduce_the_run_and_what_it_cost(corpus, tmp_p
 
 
 def test_help_and_cfg_job_do_not_train(tmp_path):
-    r = run_cli("--help", cwd=tmp_path)
+    r = run_here("--help", cwd=tmp_path)  # (in this process: Hydra prints and returns without a job)
     assert r.returncode == 0 and "precision: auto, bf16, fp16, fp32" in r.stdout
     assert "python -m trainer env" in r.stdout and "python -m trainer check" in r.stdout  # the commands too
-    r = run_cli("--cfg", "job", "precision=bf16", "optim.lr=0.01", cwd=tmp_path)
+    r = run_here("--cfg", "job", "precision=bf16", "optim.lr=0.01", cwd=tmp_path)
     assert r.returncode == 0
     cfg = yaml.safe_load(r.stdout)
     assert cfg["precision"]["_target_"] == "trainer.precision.BF16" and cfg["optim"]["lr"] == 0.01

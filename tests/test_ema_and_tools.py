@@ -10,7 +10,7 @@ from conftest import (
     compose_cfg,
     load_weights,
     read_metrics,
-    run_cli,
+    run_here,
     series,
     tiny_overrides,
     train_in_process,
@@ -62,7 +62,7 @@ def test_ema_skips_steps_the_scaler_skipped(corpus, tmp_path):
 
 
 def test_env_prints_versions_devices_and_the_default_config(tmp_path):
-    r = run_cli("env", cwd=tmp_path)
+    r = run_here("env", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     for needle in ("torch", "2.13.0", "hydra-core", "omegaconf", "wandb", "safetensors", "CUDA available",
                    "gloo / nccl", "torch threads", "max_steps:"):

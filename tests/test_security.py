@@ -166,7 +166,7 @@ def test_the_shipped_configs_pass_the_policy():
     for choice in choices:
         prepare(compose_cfg([choice]))
     # Hydra's own logging options, callbacks that only log, and ordinary environment settings are kept.
-    r = run_cli("--cfg", "hydra", "hydra/hydra_logging=hydra_debug", "hydra/job_logging=stdout",
+    r = run_here("--cfg", "hydra", "hydra/hydra_logging=hydra_debug", "hydra/job_logging=stdout",
                 "+hydra.callbacks.log={_target_:hydra.experimental.callbacks.LogJobReturnCallback}",
                 "+hydra.job.env_set.WANDB_PROJECT=p")
     assert r.returncode == 0, r.stderr

@@ -11,7 +11,17 @@ import sys
 
 import pytest
 import yaml
-from conftest import ROOT, SHARED, assert_same_run, read_metrics, run_cli, run_main, series, tiny_overrides
+from conftest import (
+    ROOT,
+    SHARED,
+    assert_same_run,
+    read_metrics,
+    run_cli,
+    run_here,
+    run_main,
+    series,
+    tiny_overrides,
+)
 from omegaconf import OmegaConf
 
 from trainer.errors import ConfigError
@@ -145,10 +155,10 @@ def test_a_sweep_through_submitit_local_runs_real_jobs(corpus, tmp_path):
 @needs_submitit
 def test_the_submitit_slurm_command_composes():
     """The options of the README's submitit_slurm command exist (nothing is submitted: --cfg hydra only prints)."""
-    r = run_cli("--cfg", "hydra", "hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu",
-                "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1", "hydra.launcher.gpus_per_node=8",
-                "hydra.launcher.timeout_min=1440", "hydra.launcher.signal_delay_s=120",
-                "hydra.launcher.max_num_timeout=5", "world=ddp", "resume=auto", timeout=60)
+    r = run_here("--cfg", "hydra", "hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu",
+                 "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1", "hydra.launcher.gpus_per_node=8",
+                 "hydra.launcher.timeout_min=1440", "hydra.launcher.signal_delay_s=120",
+                 "hydra.launcher.max_num_timeout=5", "world=ddp", "resume=auto")
     assert r.returncode == 0, r.stderr
     launcher = yaml.safe_load(r.stdout)["hydra"]["launcher"]
     assert launcher["_target_"].endswith("SlurmLauncher")
