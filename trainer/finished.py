@@ -282,7 +282,7 @@ def evaluate_dispatched(run_dir: str | Path, cfg: DictConfig, task_keys: dict[st
     from .composition import prepare
     from .data import eval_batches
     from .run import build_data
-    from .task import split_loss
+    from .task import EvalSums
     from .trainer import EVAL_STREAM
 
     path = _run_dir(run_dir)
@@ -298,25 +298,16 @@ def evaluate_dispatched(run_dir: str | Path, cfg: DictConfig, task_keys: dict[st
         if show_map:
             print(f"{prefix}:\n{model.device_map}", file=sys.stderr)
         batch_size = cfg.trainer.eval_batch_size or cfg.data.batch_size
-        loss_sum, count, sums, rows = 0.0, 0, {}, {}
+        acc = EvalSums(task, device)  # the Trainer's eval sums, on one process
         for batch, _, indices in eval_batches(val, batch_size, 0, 1, cfg.trainer.eval_samples, device):
             with noise.for_samples(EVAL_STREAM + torch.tensor(indices), cfg.trainer.seed):
-                loss, extra = split_loss(task.loss(model, batch))
-                out = task.predict(model, batch) if hasattr(task, "predict") else {}
-            loss_sum += float(loss.double())
-            count += int(task.num_targets(batch))
-            for name, value in extra.items():
-                sums[name] = sums.get(name, 0.0) + float(torch.as_tensor(value).double())
-            for name, value in out.items():
-                rows.setdefault(name, []).append(value.detach().float())
+                acc.add(batch, indices, acc.forward(model, batch))
+        loss_sum, count = acc.totals.tolist()
         if count == 0:
             continue
-        loss = loss_sum / count
-        extra = task.eval_metrics(loss) if hasattr(task, "eval_metrics") else {}
-        extra.update({n: v / count for n, v in sums.items()})
-        if rows:
-            extra.update({k: float(v) for k, v in task.score({n: torch.cat(r) for n, r in rows.items()}).items()})
-        metrics.update({f"{prefix}/loss": loss, **{f"{prefix}/{k}": v for k, v in extra.items()}})
+        scored = task.score({n: torch.cat(r) for n, r in acc.rows.items()}) if acc.rows else {}
+        metrics.update(acc.metrics(loss_sum, count, {n: float(v) for n, v in acc.sums.items()},
+                                   {k: float(v) for k, v in scored.items()}, prefix))
         del model
     print(json.dumps({"run_dir": str(path), "weights": "export", **metrics}), flush=True)
     return metrics

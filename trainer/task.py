@@ -84,3 +84,42 @@ def split_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
                             "loss under 'loss'.")
         return out["loss"], {k: v for k, v in out.items() if k != "loss"}
     return out, {}
+
+
+class EvalSums:
+    """One eval pass's sums, as the Trainer's eval (on every rank, then reduced) and `eval` with a device map
+    (trainer/finished.py, one process) both keep them: the summed loss and the targets, the task's other additive
+    sums, and its per-sample `predict` rows (for a whole-set `score`)."""
+
+    def __init__(self, task: Any, device: torch.device | str = "cpu"):
+        self.task = task
+        self.totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, targets]
+        self.sums: dict[str, torch.Tensor] = {}
+        self.predicts = hasattr(task, "predict")  # per-sample outputs, for metrics over the whole val set
+        self.rows: dict[str, list[torch.Tensor]] = {}
+        self.owned: list[int] = []  # the val samples whose rows are here
+
+    def forward(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict, dict]:
+        """The task's loss (and its other sums) and predictions for one batch (a collective under sharding)."""
+        loss, extra = split_loss(self.task.loss(model, batch))
+        return loss, extra, (self.task.predict(model, batch) if self.predicts else {})
+
+    def add(self, batch: Any, indices: list[int], outputs: tuple[torch.Tensor, dict, dict]) -> None:
+        loss, extra, out = outputs
+        self.totals[0] += loss.double()
+        self.totals[1] += self.task.num_targets(batch)
+        for name, value in extra.items():
+            self.sums[name] = self.sums.get(name, 0) + torch.as_tensor(value).double()
+        for name, value in out.items():
+            self.rows.setdefault(name, []).append(value.detach().float())
+        self.owned += indices
+
+    def metrics(self, loss_sum: float, count: float, sums: dict[str, float], scored: dict[str, float] | None,
+                prefix: str) -> dict[str, float]:
+        """`prefix/loss` per target, the task's eval_metrics of it, each other sum per target, and the whole-set
+        `scored` metrics, from the (reduced) totals."""
+        loss = loss_sum / count
+        extra = self.task.eval_metrics(loss) if hasattr(self.task, "eval_metrics") else {}
+        extra.update({n: v / count for n, v in sums.items()})
+        extra.update(scored or {})
+        return {f"{prefix}/loss": loss, **{f"{prefix}/{k}": v for k, v in extra.items()}}

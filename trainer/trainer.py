@@ -30,7 +30,7 @@ from .redaction import redact_text
 from .runtime import Runtime
 from .strategies import unwrap
 from .streaming import StreamLayout
-from .task import Task, split_loss
+from .task import EvalSums, Task, split_loss
 
 EVAL_STREAM = 1 << 48  # val sample i draws its noise (trainer.noise) as sample EVAL_STREAM + i of the stream
 
@@ -184,44 +184,30 @@ class Trainer:
         batches = eval_batches(self.data.val, self.cfg.eval_batch_size or self.data.batch_size, st.dp_rank, st.dp_size,
                                self.cfg.eval_samples, be.device, lockstep=st.collective_forward)
         self.model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=be.device)  # [loss sum, targets]
-        sums: dict[str, torch.Tensor] = {}
-        predicts = hasattr(self.task, "predict")  # per-sample outputs, for metrics over the whole val set
-        rows: dict[str, list[torch.Tensor]] = {}
-        owned: list[int] = []
+        acc = EvalSums(self.task, be.device)
         for batch, counted, indices in batches:
             batch = be.to_device(batch)
             # The raw module: DDP's forward would expect a backward to follow. Noise by val sample: the same
             # at every eval and on any number of ranks.
             with self.precision.autocast(), noise.for_samples(EVAL_STREAM + torch.tensor(indices), self.cfg.seed):
-                loss, extra = split_loss(self.task.loss(self.raw_model, batch))
-                out = self.task.predict(self.raw_model, batch) if predicts else {}  # (a collective under FSDP)
-            if counted:
-                totals[0] += loss.double()
-                totals[1] += self.task.num_targets(batch)
-                for name, value in extra.items():
-                    sums[name] = sums.get(name, 0) + torch.as_tensor(value).double()
-                for name, value in out.items():
-                    rows.setdefault(name, []).append(value.detach().float())
-                owned += indices
+                outputs = acc.forward(self.raw_model, batch)
+            if counted:  # (a rank's repeated lockstep batches under FSDP are run, not counted)
+                acc.add(batch, indices, outputs)
             watchdog.beat()
         self.model.train()
         # Every rank reduces the same names (a rank without val samples has none of its own).
-        names = sorted(set().union(*be.gather_object(sorted(sums)))) if be.distributed else sorted(sums)
-        values = torch.stack([totals[0], totals[1], *(torch.as_tensor(sums.get(n, 0.0), dtype=torch.float64,
-                                                                        device=be.device) for n in names)])
+        names = sorted(set().union(*be.gather_object(sorted(acc.sums)))) if be.distributed else sorted(acc.sums)
+        values = torch.stack([acc.totals[0], acc.totals[1], *(torch.as_tensor(acc.sums.get(n, 0.0),
+                                                                               dtype=torch.float64, device=be.device)
+                                                               for n in names)])
         loss_sum, count, *reduced = be.all_reduce(values, group=st.dp_group).tolist()
         if count == 0:
             return {}
-        loss = loss_sum / count
-        if not math.isfinite(loss) and self.cfg.nonfinite == "stop":
-            raise NonFiniteError(f"{prefix}/loss is {loss} at step {self.step}: the model's outputs are no longer "
-                                 f"finite. {FIX} Earlier checkpoints are intact.")
-        extra = self.task.eval_metrics(loss) if hasattr(self.task, "eval_metrics") else {}
-        extra.update({n: v / count for n, v in zip(names, reduced)})
-        if predicts:
-            extra.update(self._whole_set_metrics(rows, owned))
-        return {f"{prefix}/loss": loss, **{f"{prefix}/{k}": v for k, v in extra.items()}}
+        if not math.isfinite(loss_sum / count) and self.cfg.nonfinite == "stop":
+            raise NonFiniteError(f"{prefix}/loss is {loss_sum / count} at step {self.step}: the model's outputs are no "
+                                 f"longer finite. {FIX} Earlier checkpoints are intact.")
+        scored = self._whole_set_metrics(acc.rows, acc.owned) if acc.predicts else None
+        return acc.metrics(loss_sum, count, dict(zip(names, reduced)), scored, prefix)
 
     def _whole_set_metrics(self, rows: dict[str, list[torch.Tensor]], owned: list[int]) -> dict[str, float]:
         """`task.score(outputs)` over every val sample's `task.predict` rows, gathered from all ranks in sample order,
