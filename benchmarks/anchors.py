@@ -89,6 +89,9 @@ def _worker(rank: int, nprocs: int, port: int, out_dir: str, side: str, world: s
     from .loop import _cosine
 
     torch.set_num_threads(1)
+    # Accelerate's state sets torch's threads to the cores per process when OMP_NUM_THREADS is unset (2 here): every
+    # side runs 1 thread, so say so to it as well.
+    os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nprocs),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs))
     from omegaconf import OmegaConf
