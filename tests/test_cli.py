@@ -45,8 +45,8 @@ def test_cli_end_to_end_from_another_directory_into_a_per_run_dir_under_outputs(
 def test_run_dir_records_how_to_reproduce_the_run_and_what_it_cost(corpus, tmp_path):
     import subprocess
 
-    r = run_cli(*tiny_overrides(corpus, "trainer.max_steps=4", "trainer.seed=7"), f"hydra.run.dir={tmp_path}",
-                cwd=ROOT)
+    r = run_here(*tiny_overrides(corpus, "trainer.max_steps=4", "trainer.seed=7"), f"hydra.run.dir={tmp_path}",
+                 cwd=ROOT)
     assert r.returncode == 0, r.stderr
     info = json.loads((tmp_path / "run_info.json").read_text())
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()

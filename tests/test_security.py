@@ -115,19 +115,25 @@ def test_a_target_from_an_interpolation_is_refused(corpus, tmp_path):
 
 def test_an_alias_re_exported_elsewhere_is_caught_by_what_it_resolves_to(corpus, tmp_path):
     """A third-party module that re-exports a refused function under another name is judged by the origin."""
+    import sys
+
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "helpers.py").write_text("from os import system as run\nfrom builtins import open as opener\n")
-    env = {"PYTHONPATH": f"{ROOT}:{tmp_path / 'lib'}"}
     created = tmp_path / "created.txt"
-    for target, origin, kwargs in [
-        ("helpers.opener", "io.open", f"file: {created}\nmode: w\n"),
-        ("helpers.run", "posix.system", f"command: touch {created}\n"),
-    ]:
-        conf = config_dir(tmp_path, "model", "alias", f"_target_: {target}\n{kwargs}")
-        r = run_cli("--config-dir", str(conf), *attack_overrides(corpus, "model=alias"), "hydra.run.dir=run",
-                    cwd=tmp_path, env=env)  # a subprocess: PYTHONPATH must take effect
-        assert_refused(r, tmp_path, f"model._target_='{target}' is refused", origin)
-        assert not created.exists()
+    sys.path.insert(0, str(tmp_path / "lib"))  # PYTHONPATH=lib, in this process
+    try:
+        for target, origin, kwargs in [
+            ("helpers.opener", "io.open", f"file: {created}\nmode: w\n"),
+            ("helpers.run", "posix.system", f"command: touch {created}\n"),
+        ]:
+            conf = config_dir(tmp_path, "model", "alias", f"_target_: {target}\n{kwargs}")
+            r = run_main("--config-dir", str(conf), *attack_overrides(corpus, "model=alias"), "hydra.run.dir=run",
+                         cwd=tmp_path)
+            assert_refused(r, tmp_path, f"model._target_='{target}' is refused", origin)
+            assert not created.exists()
+    finally:
+        sys.path.remove(str(tmp_path / "lib"))
+        sys.modules.pop("helpers", None)
 
 
 def test_the_allow_switch_is_read_from_the_environment_only(corpus, tmp_path, monkeypatch):
