@@ -42,6 +42,10 @@ thread the CPU time decides, as it is the less disturbed by other jobs.
                              on disk vs Accelerate's cpu_offload, dispatch_model and disk_offload, a GPT 4x the
                              memory cap, each configuration in its own process (tokens/s, peak RSS, bytes read per
                              token, logits bitwise); needs the bench extra for Accelerate's side  (device_map_bench.py)
+    data                     a text corpus of several GB generated under /tmp, streamed (data=text_stream): the loader
+                             alone over all of it (tokens/s, samples/s, RSS sampled: first batch / peak / end), with
+                             2 loader workers (one stream, by_file), next to `python -m trainer` training on it
+                             (tokens/s of the step, the process's RSS polled) and on one small file  (data_bench.py)
 
 An item is a module with an `Item` (harness.py: how it measures, its rows of the table, its sizes in a
 full and a quick run) and one line in ITEMS below.
@@ -50,6 +54,7 @@ full and a quick run) and one line in ITEMS below.
 from .activations import ACTIVATIONS
 from .anchors import ANCHORS
 from .checkpoint import CHECKPOINT
+from .data_bench import DATA
 from .ddp import DDP
 from .deepspeed_bench import DEEPSPEED
 from .device_map_bench import DEVICE_MAP
@@ -73,4 +78,5 @@ ITEMS: dict[str, Item] = {
     "anchors": ANCHORS,
     "deepspeed": DEEPSPEED,
     "device_map": DEVICE_MAP,
+    "data": DATA,
 }

@@ -114,7 +114,9 @@ def test_tokenised_once_and_rebuilt_when_the_data_or_the_tokenizer_changes(files
     assert sorted(p.name.startswith("hf-docs-") for p in (tmp_path / "cache").iterdir()) == [True] * 3
 
 
-def test_every_source_format_gives_the_same_tokens(files, tmp_path):
+def test_every_source_format_gives_the_same_tokens_offline(files, tmp_path, monkeypatch):
+    import os
+
     import datasets
 
     ds = datasets.Dataset.from_list([{"text": d, "id": i} for i, d in enumerate(files["docs"])])
@@ -127,9 +129,15 @@ def test_every_source_format_gives_the_same_tokens(files, tmp_path):
     (tmp_path / "split" / "a.jsonl").write_text("".join(lines[:100]))
     (tmp_path / "split" / "b.jsonl").write_text("".join(lines[100:]))
     ref, _ = build(hf(files))
+    hub = []  # what datasets would do about the Hub while it reads the files: nothing, offline
+    read_csv = datasets.Dataset.from_csv
+    monkeypatch.setattr(datasets.Dataset, "from_csv", lambda *a, **k: hub.append(
+        (os.environ.get("HF_HUB_OFFLINE"), datasets.config.HF_HUB_OFFLINE)) or read_csv(*a, **k))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     for path in ("docs.parquet", "docs.csv", "saved", "saved_dict", "split"):
         train, _ = build(hf(files, f"data.path={tmp_path / path}"))
         assert train.path != ref.path and np.array_equal(train.tokens.numpy(), ref.tokens.numpy()), path
+    assert hub == [("1", True)] and "HF_HUB_OFFLINE" not in os.environ  # (the environment is put back)
 
 
 GOOD = '{"text": "a"}\n' * 3

@@ -49,8 +49,9 @@ def require(module: str, why: str) -> Any:
 
 @contextlib.contextmanager
 def offline_datasets(why: str) -> Iterator[Any]:
-    """`datasets`, imported and used with the Hub switched off (its settings restored after): it only converts
-    local files here, and a run must never reach the network for them."""
+    """`datasets`, imported and used with the Hub switched off: it only converts local files here, and a run must
+    never reach the network for them. The environment and an already imported `datasets`'s settings are restored
+    after; a `datasets` first imported here stays offline (it read the environment then), as the framework wants."""
     saved = {k: os.environ.get(k) for k in OFFLINE}
     os.environ.update(dict.fromkeys(OFFLINE, "1"))  # read when datasets and huggingface_hub are first imported
     try:
