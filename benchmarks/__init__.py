@@ -46,6 +46,9 @@ thread the CPU time decides, as it is the less disturbed by other jobs.
                              alone over all of it (tokens/s, samples/s, RSS sampled: first batch / peak / end), with
                              2 loader workers (one stream, by_file), next to `python -m trainer` training on it
                              (tokens/s of the step, the process's RSS polled) and on one small file  (data_bench.py)
+    pp                       pipeline parallelism: `world.pp=2` (1F1B) against a hand-written torch.distributed.pipelining
+                             loop on the same model, and one process; the bubble each schedule leaves (measured: 1 - T1 /
+                             (2 x Tpp)); parameter and AdamW bytes per stage  (pp.py)
 
 An item is a module with an `Item` (harness.py: how it measures, its rows of the table, its sizes in a
 full and a quick run) and one line in ITEMS below.
@@ -61,6 +64,7 @@ from .device_map_bench import DEVICE_MAP
 from .fsdp import FSDP
 from .harness import Item
 from .loop import BF16_VS_FP32, LOOP_DEFAULT, LOOP_TINY
+from .pp import PP
 from .startup import STARTUP
 from .tp import TP
 
@@ -79,4 +83,5 @@ ITEMS: dict[str, Item] = {
     "deepspeed": DEEPSPEED,
     "device_map": DEVICE_MAP,
     "data": DATA,
+    "pp": PP,
 }

@@ -74,9 +74,10 @@ def test_check_reports_each_equivalence(capsys):
 
     assert check([]) == 0
     out = capsys.readouterr().out
-    assert out.count("OK  ") == 5 and "5 passed, 0 failed" in out
+    assert out.count("OK  ") == 6 and "6 passed, 0 failed" in out
     for line in ("accumulation 2 x 4", "2 ranks (gloo, ddp) x batch 4", "2 ranks (gloo, fsdp) x batch 4",
-                 "tensor parallel 2 (gloo) equals 1 rank", "save at step 6, resume"):
+                 "tensor parallel 2 (gloo) equals 1 rank", "pipeline 2 stages (gloo, 1F1B, 2 microbatches) equals 1 rank",
+                 "save at step 6, resume"):
         assert f"OK    {line}" in out, line
     assert "summary:" not in out  # the inner runs' own lines stay inside
 

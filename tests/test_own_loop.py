@@ -23,8 +23,13 @@ LIKE_REFERENCE = ("--steps", "12", "--lr", "5e-3", "--warmup", "2", "--seq-len",
 TWO_PROCS = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
 
 
+# The references train in fp32 (debug=smoke). A launched job's precision is otherwise its config's, the lm
+# recipe's `auto`: bf16 where the CPU computes it natively and measured it faster (so on some machines only).
+FP32 = "precision=fp32"
+
+
 def launch(*args: str, env: dict | None = None):
-    return run_cli("launch", *args, env={**TWO_PROCS, **(env or {})})
+    return run_cli("launch", FP32, *args, env={**TWO_PROCS, **(env or {})})
 
 
 def assert_close_weights(got: Path, want: Path, exact: bool = False, atol: float = 1e-5) -> None:
@@ -52,7 +57,7 @@ def test_your_own_loop_trains_what_the_trainer_trains(world, reference, corpus, 
         r = run_cli("--standalone", "--nproc_per_node=2", *args, module="torch.distributed.run",
                     env={**TWO_PROCS, "OMP_NUM_THREADS": "1"})
     else:
-        r = run_here("launch", *args, cwd=tmp_path) if not overrides else launch(*args)
+        r = run_here("launch", FP32, *args, cwd=tmp_path) if not overrides else launch(*args)
     assert r.returncode == 0, r.stderr
     # Tensor parallelism splits each matmul's sum in two: the same 1e-4 as the Trainer's own tp test (test_parallel).
     assert_close_weights(tmp_path / "model.safetensors", reference / "model.safetensors",
@@ -67,7 +72,7 @@ def test_your_own_loop_trains_what_the_trainer_trains(world, reference, corpus, 
 def two_models_single(tmp_path_factory) -> Path:
     """Two models, two optimizers (Adam and SGD), a schedule on one: 6 steps on one process, saving at step 3."""
     out = tmp_path_factory.mktemp("two_single")
-    r = run_here("launch", SCRIPT, "two", str(out), "6", "3", cwd=out)
+    r = run_here("launch", FP32, SCRIPT, "two", str(out), "6", "3", cwd=out)
     assert r.returncode == 0, r.stderr
     return out
 
@@ -86,7 +91,7 @@ def resumed_from_step_3(source: Path, out: Path) -> None:
 
 def test_save_state_load_state_resumes_bitwise(two_models_single, tmp_path):
     resumed_from_step_3(two_models_single, tmp_path)
-    r = run_here("launch", SCRIPT, "two", str(tmp_path), "6", cwd=tmp_path)
+    r = run_here("launch", FP32, SCRIPT, "two", str(tmp_path), "6", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     for name in ("gen", "disc"):
         assert_close_weights(tmp_path / f"{name}.safetensors", two_models_single / f"{name}.safetensors", exact=True)

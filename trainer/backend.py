@@ -173,12 +173,32 @@ class Backend:
     def barrier(self) -> None:
         barrier()
 
-    def gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's `obj`, in rank order, on every rank (small objects only: RNG states, flags)."""
+    def gather_object(self, obj: Any, group: Any = None) -> list[Any]:
+        """Every rank's `obj` (of `group`, default all), in rank order, on every rank (small objects only: RNG
+        states, flags)."""
         if not self.distributed:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        out: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    def broadcast_tensor(self, tensor: torch.Tensor | None, src: int, group: Any = None) -> torch.Tensor:
+        """Rank `src`'s `tensor` (any shape and dtype; the others pass None) on every rank of `group`, on the
+        device: its shape and dtype go first, then its values (pipeline stages handing on activations)."""
+        if not self.distributed:
+            return tensor
+        dtypes = _WIRE_DTYPES
+        header = torch.zeros(9, dtype=torch.int64, device=self.device)
+        if self.rank == src:
+            if tensor.dim() > 7:
+                raise ValueError(f"broadcast_tensor: {tensor.dim()} dimensions (at most 7)")
+            header[:2] = torch.tensor([dtypes.index(tensor.dtype), tensor.dim()])
+            header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
+        dist.broadcast(header, src=src, group=group)
+        dtype, ndim, *shape = header.tolist()
+        out = tensor.contiguous() if self.rank == src else torch.empty(shape[:ndim], dtype=dtypes[dtype],
+                                                                         device=self.device)
+        dist.broadcast(out, src=src, group=group)
         return out
 
     def side_group(self) -> Any:
@@ -235,6 +255,10 @@ class Backend:
         out = [None] * self.world_size if self.is_main else None
         dist.gather_object(obj, out, dst=0, group=group)
         return out
+
+
+_WIRE_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+                torch.int8, torch.uint8, torch.bool]
 
 
 # -- helpers for code that has no Backend at hand (recipes, data builders) -------------------------

@@ -102,6 +102,9 @@ class Checkpointer:
         self.sharded = sharded and self.backend.distributed
         self.writes = self.sharded or self.backend.is_main
         self.protected: set[str] = set()  # checkpoints this run could not read: never pruned or overwritten
+        # Which tensors this rank writes (snapshot.Writer; None: the main rank's plain tensors and every rank's
+        # DTensor shards). Set by the checkpoint manager from the strategy (pipeline stages each write theirs).
+        self.writer: snapshot.Writer | None = None
         self._group, nonce = None, uuid.uuid4().hex[:8]
         if self.sharded:
             # The ranks' writes meet over a group of their own: a background save must never interleave its
@@ -155,12 +158,12 @@ class Checkpointer:
         self.wait()  # one save in flight at a time; an earlier failure surfaces here
         # A background write needs a snapshot: training goes on mutating the originals. A synchronous
         # one writes CPU tensors straight from their memory. Tied weights are written once per key.
-        copy, main = self.async_save, self.backend.is_main
+        copy, writer = self.async_save, self.writer or snapshot.Writer(main=self.backend.is_main)
         model_chunks: dict[str, snapshot.Chunk] = {}
         for k, v in model_state.items():
-            snapshot.flatten(v, model_chunks, main, k, copy)
+            snapshot.flatten(v, model_chunks, writer, k, copy)
         state_chunks: dict[str, snapshot.Chunk] = {}
-        tree = snapshot.flatten(state, state_chunks, main, copy=copy)
+        tree = snapshot.flatten(state, state_chunks, writer, copy=copy)
         self._saves += 1
         args = (final, step, model_chunks, state_chunks, tree, metrics, self._saves)
         if self.async_save:
@@ -198,15 +201,19 @@ class Checkpointer:
                                                    snapshot.chunk_metadata(chunks))
         except OSError as e:
             error = e
+        merge = self.writer.merge if self.writer is not None else None
         if self.sharded:  # every rank's files are complete (or failed) once the main rank has heard from all
-            gathered = self.backend.gather_object_to_main((files, str(error) if error else None), self._group)
+            gathered = self.backend.gather_object_to_main((files, str(error) if error else None,
+                                                           tree if merge else None), self._group)
             if rank != 0:
                 if error:
                     raise self._failed(final, error)
                 return
-            for other_files, other_error in gathered[1:]:
+            for other_files, other_error, _ in gathered[1:]:
                 files.update(other_files)
                 error = error or (OSError(other_error) if other_error else None)
+            if merge:  # each pipeline stage's state (its parameters' optimizer moments) in one tree
+                tree = merge([t for _, _, t in gathered])
         try:
             if error:
                 raise error

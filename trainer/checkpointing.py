@@ -114,6 +114,7 @@ class CheckpointManager:
         self.checkpointer, self.parts, self.strategy = checkpointer, parts, parts.strategy
         self.backend = parts.strategy.backend
         self.run, self.components = run, components
+        checkpointer.writer = self.strategy.checkpoint_writer()
 
     def state(self) -> dict[str, Any]:
         """Everything but the model weights. A collective when distributed (gathers each rank's RNG state)."""
@@ -193,6 +194,7 @@ class CheckpointManager:
         """The checkpoint's model and run state, checked against the live objects and conformed to them, and the
         components it has no state for ({"ema": True, "callbacks": [names]}). Raises CheckpointError."""
         live_model = self.parts.model_state()
+        loaded.model, loaded.tree = self.strategy.restrict_checkpoint(loaded.model, loaded.tree)
         for key in [k for k in loaded.model if k not in live_model and self.parts.saved_elsewhere(k)]:
             del loaded.model[key]  # this run rebuilds it (an older checkpoint of a LoRA run kept its base)
         problems = ckpt.model_mismatches(loaded, live_model)

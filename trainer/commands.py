@@ -71,8 +71,9 @@ def env(argv: list[str]) -> int:
 
 
 # -- check ---------------------------------------------------------------------------------------
+# Two blocks, so that the pipeline line has a block for each of its two stages.
 CHECK_SETTINGS = ["debug=smoke", "data=text", "trainer.max_steps=12", "trainer.eval_samples=37",
-                  "checkpoint.every_n_steps=6"]
+                  "checkpoint.every_n_steps=6", "model.n_layer=2"]
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -134,7 +135,9 @@ def check(argv: list[str]) -> int:
                  ["world=ddp", "world.nproc_per_node=2", "data.batch_size=4"]),
                 (f"2 ranks ({backend}, fsdp) x batch 4 equals 1 rank x batch 8", "fsdp",
                  ["world=fsdp", "world.nproc_per_node=2", "data.batch_size=4"]),
-                (f"tensor parallel 2 ({backend}{', x fsdp 2' if four else ''}) equals 1 rank x batch 8", "tp", tp)]
+                (f"tensor parallel 2 ({backend}{', x fsdp 2' if four else ''}) equals 1 rank x batch 8", "tp", tp),
+                (f"pipeline 2 stages ({backend}, 1F1B, 2 microbatches) equals 1 rank x batch 8", "pp",
+                 ["world=ddp", "world.nproc_per_node=2", "world.pp=2", "data.batch_size=8"])]
         for label, name, args in runs:
             run_dir, failed = run_procs(name, *args)
             if failed:

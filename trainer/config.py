@@ -211,7 +211,7 @@ def validate(cfg: DictConfig) -> None:
         _validate_optim(node, f"optim.{name}" if name else "optim")
     for name, node in per_part(cfg.scheduler).items():
         _validate_scheduler(node, f"scheduler.{name}" if name else "scheduler")
-    _validate_world(cfg.world)
+    _validate_world(cfg.world, cfg.data.get("batch_size"), cfg.precision.get("_target_"))
 
 
 def _validate_finetune(f: DictConfig | None) -> None:
@@ -269,7 +269,7 @@ def _validate_scheduler(s: DictConfig, where: str = "scheduler") -> None:
     _check(_is_number(r) and 0 <= r <= 1, f"{where}.min_lr_ratio", _plain(r), "a number in [0, 1]")
 
 
-def _validate_world(world: DictConfig) -> None:
+def _validate_world(world: DictConfig, batch_size: Any = None, precision: Any = None) -> None:
     w = launch_config(world)
     n = w.nproc_per_node
     _check(n == "auto" or (_is_int(n) and n >= 1), "world.nproc_per_node", n, "an integer >= 1 or 'auto'")
@@ -294,9 +294,18 @@ def _validate_world(world: DictConfig) -> None:
         slurm.topology(os.environ)  # under SLURM the launcher reads the job's variables: refuse bad ones now
     _check(w.device == "auto" or w.device.split(":")[0] in ("cpu", "cuda", "mps"), "world.device", w.device,
            "auto, cpu or cuda")
-    from .strategies.layout import check_degree  # the layout's own check, before any worker starts
+    from .strategies.layout import (  # the layout's own checks, before workers start
+        check_degree,
+        check_pipeline,
+    )
 
-    check_degree(_plain(world.get("tp", 1)), n * w.nnodes if _is_int(n) else None)
+    tp = check_degree(_plain(world.get("tp", 1)), n * w.nnodes if _is_int(n) else None)
+    if "pp" in world:
+        pp, _, _ = check_pipeline(_plain(world.pp), _plain(world.get("pp_schedule", "1F1B")),
+                                  _plain(world.get("microbatches")), n * w.nnodes if _is_int(n) else None, tp,
+                                  batch_size)
+        _check(pp == 1 or not str(precision).endswith("FP16"), "world.pp", pp, "1 with precision=fp16",
+               "The pipeline's stages would each decide alone to skip an overflowed step; use precision=bf16.")
 
 
 # -- targets ---------------------------------------------------------------------------------------------

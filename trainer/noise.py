@@ -36,6 +36,18 @@ def for_samples(positions: torch.Tensor, seed: int) -> Iterator[None]:
         _state.update(previous)
 
 
+@contextlib.contextmanager
+def rows(rows: torch.Tensor) -> Iterator[None]:
+    """Within a `for_samples` block: draws for these rows of its batch alone (a pipeline's microbatch), the same
+    values the whole batch's draws give them. Outside one, nothing changes."""
+    positions = _state["positions"]
+    if positions is None:
+        yield
+        return
+    with for_samples(positions[rows.to(positions.device)], _state["seed"]):
+        yield
+
+
 def _hash32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash (lowbias32) of int64 tensors holding values in [0, 2^32)."""
     x = x ^ (x >> 16)

@@ -488,11 +488,35 @@ class Runtime:
                             "every backward would sync gradients between ranks, and rt.step could not tell the step "
                             "boundary. Put the forward and backward of each micro-batch in `with "
                             "rt.accumulate(model):`.")
+        if self.strategy.pipeline is not None:  # the model's forward there hands activations on, outside autograd
+            raise UserError("rt.backward under pipeline parallelism (world.pp): each stage's backward must run in the "
+                            "pipeline's schedule, microbatch by microbatch. Use `loss, sums = rt.forward_backward(model, "
+                            "batch, loss_fn)` (loss_fn(model, batch) -> loss) for each micro-batch instead of calling "
+                            "the model and rt.backward.")
         if scale is None:
             scale = 1.0 / self.grad_accum_steps
         self.strategy.backward(loss * scale if not (isinstance(scale, float) and scale == 1.0) else loss)
         if self.sync_gradients:
             self._pending_reduce.update(self.models)
+
+    def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any],
+                         scale: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One micro-batch's forward and backward: `loss_fn(model, batch)` (a task's loss: a loss, or a dict of
+        "loss" and other additive sums) under autocast, then `backward(loss, scale)`. Returns (loss, sums), as
+        computed. Under pipeline parallelism (world.pp) the strategy's schedule runs both, microbatch by
+        microbatch, on every stage, and every rank gets the last stage's loss and sums."""
+        if self.strategy.pipeline is None:
+            from .task import split_loss
+
+            with self.autocast():
+                loss, sums = split_loss(loss_fn(model, batch))
+            self.backward(loss, scale)
+            return loss, sums
+        scale = 1.0 / self.grad_accum_steps if scale is None else scale
+        loss, sums = self.strategy.pipeline.forward_backward(batch, loss_fn, scale, self.autocast)
+        if self.sync_gradients:
+            self._pending_reduce.update(self.models)
+        return loss, sums
 
     def _params(self, target) -> list[torch.Tensor]:
         if isinstance(target, nn.Module):

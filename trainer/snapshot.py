@@ -40,7 +40,21 @@ class Chunk:
         return tuple(self.local.shape) == self.shape
 
 
-def chunk_of(t: torch.Tensor, is_main: bool) -> Chunk | None:
+@dataclass(frozen=True)
+class Writer:
+    """Which tensors of a checkpoint this rank writes. `main`: it writes the plain (replicated) tensors;
+    `root`: the rank whose sub-mesh writes the replicated pieces of DTensors (0: the one holding rank 0);
+    `owns(path)`: whether this rank's group holds the tensor at `path` for the checkpoint (None: every tensor;
+    pipeline stages each own theirs); `merge(trees)`: the checkpoint's state tree from every rank's, in rank
+    order (None: rank 0's is the whole)."""
+
+    main: bool = True
+    root: int = 0
+    owns: Any = None
+    merge: Any = None
+
+
+def chunk_of(t: torch.Tensor, is_main: bool, root: int = 0) -> Chunk | None:
     """What this rank writes of `t`: its shard of a DTensor (None for all but one copy of a replicated
     piece), or a plain tensor whole from the main rank (every rank holds the same one)."""
     from torch.distributed.tensor import DTensor
@@ -49,32 +63,36 @@ def chunk_of(t: torch.Tensor, is_main: bool) -> Chunk | None:
         return Chunk(t, tuple(t.shape), (0,) * t.dim()) if is_main else None
     mesh = t.device_mesh
     # One copy of each replicated piece: from coordinate 0 of every replicated mesh dimension, and, for a
-    # DTensor on a sub-mesh (FSDP's dp dimension beside tensor parallelism), from the sub-mesh holding rank 0.
+    # DTensor on a sub-mesh (FSDP's dp dimension beside tensor parallelism), from the sub-mesh holding `root`.
     if any(p.is_replicate() and mesh.get_local_rank(i) != 0 for i, p in enumerate(t.placements)):
         return None
-    if not bool((mesh.mesh == 0).any()):
+    if not bool((mesh.mesh == root).any()):
         return None
     (meta,) = t.__create_chunk_list__()
     return Chunk(t.to_local(), tuple(t.shape), tuple(meta.offsets))
 
 
 # -- nested state <-> (JSON tree, tensors) --------------------------------------------------------------
-def flatten(obj: Any, tensors: dict[str, Chunk], is_main: bool = True, path: str = "", copy: bool = True) -> Any:
-    """A JSON-able copy of `obj` with tensors moved into `tensors` (as this rank's chunks) and replaced by
-    references. With copy=False, CPU tensors go in as they are (for a write that happens before they change)."""
+def flatten(obj: Any, tensors: dict[str, Chunk], writer: Writer | bool = True, path: str = "",
+            copy: bool = True) -> Any:
+    """A JSON-able copy of `obj` with tensors moved into `tensors` (as this rank's chunks: see `Writer`; a bool is
+    `Writer(main=...)`) and replaced by references. With copy=False, CPU tensors go in as they are (for a write
+    that happens before they change)."""
+    if isinstance(writer, bool):
+        writer = Writer(main=writer)
     if isinstance(obj, torch.Tensor):
-        c = chunk_of(obj, is_main)
+        c = chunk_of(obj, writer.main, writer.root) if writer.owns is None or writer.owns(path) else None
         if c is not None:
             tensors[path] = Chunk(c.local.detach().to("cpu", copy=copy).contiguous(), c.shape, c.offset)
         return {TENSOR: path}
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj):
-            return {k: flatten(v, tensors, is_main, f"{path}/{k}", copy) for k, v in obj.items()}
-        return {ITEMS: [[k, flatten(v, tensors, is_main, f"{path}/{k}", copy)] for k, v in obj.items()]}
+            return {k: flatten(v, tensors, writer, f"{path}/{k}", copy) for k, v in obj.items()}
+        return {ITEMS: [[k, flatten(v, tensors, writer, f"{path}/{k}", copy)] for k, v in obj.items()]}
     if isinstance(obj, tuple):
-        return {TUPLE: [flatten(v, tensors, is_main, f"{path}/{i}", copy) for i, v in enumerate(obj)]}
+        return {TUPLE: [flatten(v, tensors, writer, f"{path}/{i}", copy) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
-        return [flatten(v, tensors, is_main, f"{path}/{i}", copy) for i, v in enumerate(obj)]
+        return [flatten(v, tensors, writer, f"{path}/{i}", copy) for i, v in enumerate(obj)]
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     raise TypeError(f"cannot checkpoint a value of type {type(obj).__name__} at '{path}'")

@@ -134,10 +134,9 @@ class Trainer:
             # (trainer.noise) depends on it alone, not on how the global batch is split.
             first = self.samples_seen + (i * dp + self.strategy.dp_rank) * b
             # Gradients are synced only in the last micro-step's backward; earlier ones accumulate.
-            with rt.accumulate(model, last=i == len(batches) - 1):
-                with rt.autocast(), noise.for_samples(torch.arange(first, first + b), self.cfg.seed):
-                    loss, extra = split_loss(self.task.loss(model, batch))
-                rt.backward(loss, scale=scale)
+            with rt.accumulate(model, last=i == len(batches) - 1), \
+                    noise.for_samples(torch.arange(first, first + b), self.cfg.seed):
+                loss, extra = rt.forward_backward(model, batch, self.task.loss, scale=scale)
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             for name, value in extra.items():  # additive sums (accuracy counts, ...): summed like the loss
                 sums[name] = sums.get(name, 0) + torch.as_tensor(value).detach().double()

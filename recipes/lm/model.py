@@ -63,6 +63,9 @@ class GPT(nn.Module):
         "blocks.*.mlp.0": "colwise",
         "blocks.*.mlp.2": "rowwise",
     }
+    # Pipeline parallelism (world.pp=N): forward(idx) is logits(blocks(embed(idx))); the first stage runs `embed`
+    # (with these modules), each stage a run of blocks, the last stage `logits`.
+    _pp_plan = {"embed": ["tok_emb", "pos_emb", "drop"], "blocks": "blocks", "logits": ["ln_f", "head"]}
 
     def __init__(
         self,
@@ -109,15 +112,21 @@ class GPT(nn.Module):
         d, L = self.tok_emb.embedding_dim, len(self.blocks)
         return 6 * n + 12 * L * d * self.seq_len
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]
         if T > self.seq_len:
             raise ValueError(f"sequence of length {T} is longer than the model's seq_len={self.seq_len}")
         pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        return self.logits(x)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

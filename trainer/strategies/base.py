@@ -62,8 +62,10 @@ class Strategy:
     shards_data_parallel = False  # FSDP: parameters, gradients and optimizer state sharded over the dp ranks
 
     tp = 1  # tensor-parallel degree (world.tp, on strategies that take it)
+    pp, pp_schedule, microbatches = 1, "1F1B", 1  # pipeline stages (world.pp, on strategies that take it)
     layout: Layout | None = None  # the job's degrees, from setup on
-    mesh = None  # the device mesh, ("dp",) or ("dp", "tp"), when parameters are sharded
+    mesh = None  # the device mesh, ("dp",), ("dp", "tp") or ("pp", "dp"[, "tp"]), when parameters are sharded or staged
+    pipeline = None  # this rank's pipeline stages and their schedule (pipeline.py), with world.pp > 1
     unit_classes: list[str] | None = None  # the model's repeated blocks, by class name (FSDP's world.wrap)
 
     @property
@@ -73,15 +75,16 @@ class Strategy:
 
     @property
     def sharded(self) -> bool:
-        return self.shards_parameters
+        """Whether every rank writes checkpoint files of its own (shards, or its pipeline stages' tensors)."""
+        return self.shards_parameters or self.pp > 1
 
     @property
     def needs_process_group(self) -> bool:
-        return self.shards_parameters
+        return self.shards_parameters or self.pp > 1
 
     @property
     def collective_forward(self) -> bool:
-        return self.shards_parameters
+        return self.shards_parameters or self.pp > 1
 
     def setup(self, backend, precision) -> None:
         """Called once per process, after the process group exists and before the model is built."""
@@ -90,9 +93,13 @@ class Strategy:
                             f"gradients but {type(self).__name__} {'shards' if self.shards_parameters else 'does not shard'}"
                             " them: build it with sharded=strategy.shards_parameters.")
         self.backend, self.precision = backend, precision
-        self.layout = Layout(backend.world_size, self.tp)
-        if self.shards_parameters:
+        self.layout = Layout(backend.world_size, self.tp, self.pp)
+        if self.shards_parameters or self.layout.needs_mesh:
             self.mesh = self.layout.build_mesh(backend.device.type)
+        if self.pp > 1:
+            from .pipeline import Pipeline
+
+            self.pipeline = Pipeline(self.pp, self.pp_schedule, self.microbatches, self.mesh, backend)
 
     # -- where this rank sits in the data-parallel dimension --------------------------------------------
     @property
@@ -106,7 +113,7 @@ class Strategy:
     @property
     def dp_group(self) -> Any:
         """The process group over which batches differ (None: all ranks)."""
-        return self.mesh["dp"].get_group() if self.mesh is not None and self.tp > 1 else None
+        return self.mesh["dp"].get_group() if self.mesh is not None and self.layout.needs_mesh else None
 
     # -- the model ---------------------------------------------------------------------------------------
     def check_model(self, model: nn.Module) -> None:
@@ -115,6 +122,10 @@ class Strategy:
             from .tensor_parallel import check_plan
 
             check_plan(model, self.tp)
+        if self.pp > 1:
+            from .pipeline import check_model
+
+            check_model(model, self.pp, self.pp_schedule)
 
     def units(self, model: nn.Module) -> list[nn.Module]:
         """The model's repeated blocks, children before parents: FSDP's units, and what activation
@@ -150,7 +161,7 @@ class Strategy:
         shard by that same `init_weights()`, which gives the same weights (see materialize.py), so the
         whole model never exists on one process. A model without it is built whole on every rank first."""
         model = None
-        if self.shards_parameters:
+        if self.shards_parameters and self.pp == 1:  # (pipeline stages are cut from the whole model: see split)
             with torch.device("meta"):
                 model = factory()
         on_meta = model is not None and hasattr(model, "init_weights")
@@ -184,7 +195,10 @@ class Strategy:
         return self.backend.device
 
     def parallelize(self, model: nn.Module) -> None:
-        """Apply the layout's tensor parallelism, then the strategy's data-parallel sharding, in place."""
+        """Keep this rank's pipeline stages, apply the layout's tensor parallelism, then the strategy's
+        data-parallel sharding, in place."""
+        if self.pipeline is not None:
+            self.pipeline.split(model)
         self.layout.apply_tensor_parallel(model, self.mesh)
         self.shard(model)
 
@@ -230,6 +244,8 @@ class Strategy:
 
     def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
         """Clip to `max_norm` (None: only measure). Returns the total norm before clipping, on the device."""
+        if self.pipeline is not None:  # the norm of every stage's gradients
+            return self.pipeline.clip_grad_norm_(params, max_norm, clip_grad_norm_across_meshes)
         if self.shards_parameters:
             return clip_grad_norm_across_meshes(params, max_norm)
         if max_norm is None:
@@ -284,12 +300,25 @@ class Strategy:
             return
         set_optimizer_state_dict(self.state_module(model), optimizer, state)
 
+    # -- checkpoints -------------------------------------------------------------------------------------------
+    def checkpoint_writer(self):
+        """Which tensors of a checkpoint this rank writes (snapshot.Writer), or None: the main rank's plain
+        tensors and every rank's DTensor shards. Pipeline stages each write their own."""
+        return self.pipeline.writer() if self.pipeline is not None else None
+
+    def restrict_checkpoint(self, model: dict, tree: Any) -> tuple[dict, Any]:
+        """A checkpoint's model tensors and state tree, cut to what this rank holds (pipeline stages: their own
+        parameters and their state; otherwise all of it)."""
+        return self.pipeline.restrict(model, tree) if self.pipeline is not None else (model, tree)
+
     def full_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Whole CPU tensors of `state` on the main rank ({} elsewhere). With sharded parameters every rank
         must call it: each tensor is gathered in turn, so no rank holds more than one whole tensor besides
         the main rank's copy of the whole."""
         from torch.distributed.tensor import DTensor
 
+        if self.pipeline is not None:  # each tensor from the stage holding it
+            return self.pipeline.full_state_dict(state, lambda v: v.full_tensor() if isinstance(v, DTensor) else v)
         out = {}
         for k, v in state.items():  # the same order on every rank
             whole = v.full_tensor() if isinstance(v, DTensor) else v
