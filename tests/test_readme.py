@@ -78,7 +78,7 @@ def test_the_readme_has_what_the_walkthrough_expects():
     assert len(cmds) >= 25 and all(c.startswith(("python -m trainer", "torchrun", "PYTHONPATH=", "make ", "source "))
                                    for c in cmds), cmds
     assert any("\\" in t for _, t in blocks("bash"))  # the SLURM sweep's continuation lines were joined
-    assert len(blocks("python")) == 6 and len(blocks("yaml")) == 1
+    assert len(blocks("python")) == 7 and len(blocks("yaml")) == 1
 
 
 def precheck(args: list[str], cwd: Path) -> None:
@@ -206,6 +206,9 @@ def test_readme_walkthrough(tmp_path):
 
     plan = eval(re.search(r"_tp_plan = (\{.*?\})", excerpt, re.S).group(1))
     assert plan == GPT._tp_plan, "the README's _tp_plan is not the lm model's"
+    (_, excerpt), = [b for b in blocks("python") if "_pp_plan" in b[1]]
+    plan = eval(re.search(r"_pp_plan = (\{.*?\})$", excerpt, re.S | re.M).group(1))
+    assert plan == GPT._pp_plan, "the README's _pp_plan is not the lm model's"
 
     # What the commands promise: the resume trio continued runs/a, the regression recipe learned.
     assert (home / "runs" / "a" / "checkpoints").is_dir()

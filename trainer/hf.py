@@ -91,9 +91,48 @@ def adapt(cls: type) -> type:
                     return sample(self, inputs, args[0], **kwargs)
                 return super().generate(inputs, *args, **kwargs)
 
+            # Pipeline stages (world.pp): forward(ids) == pp_logits(layers(pp_embed(ids))) for decoders in Llama's
+            # pattern; each stage rebuilds the rotary embeddings and the causal mask from its input's shape.
+            def pipeline_plan(self):  # (transformers keeps its own `_pp_plan`, of another format, on the instance)
+                return pipeline_plan(self)
+
+            def pp_embed(self, input_ids):
+                return self.get_submodule(self.base_model_prefix).embed_tokens(input_ids)
+
+            def pp_logits(self, hidden_states):
+                return self.lm_head(self.get_submodule(self.base_model_prefix).norm(hidden_states))
+
+            def pipeline_block(self, layer, hidden_states):
+                return decoder_layer(self, layer, hidden_states)
+
         Adapted.__name__ = Adapted.__qualname__ = cls.__name__
         _CLASSES[cls] = Adapted
     return _CLASSES[cls]
+
+
+def pipeline_plan(model: nn.Module) -> dict | None:
+    """The pipeline plan (as a `_pp_plan` of the framework's format) of a transformers decoder in Llama's pattern (Llama, Mistral, Qwen2/3, ...: a base model with
+    `embed_tokens`, `layers`, `norm` and `rotary_emb`, and an `lm_head`), else None (the pipeline refuses it)."""
+    base = getattr(model, model.base_model_prefix, None)
+    if base is None or not all(hasattr(base, n) for n in ("embed_tokens", "layers", "norm", "rotary_emb")) \
+            or not isinstance(getattr(model, "lm_head", None), nn.Module):
+        return None
+    prefix = model.base_model_prefix
+    return {"pp_embed": [f"{prefix}.embed_tokens"], "blocks": f"{prefix}.layers",
+            "pp_logits": [f"{prefix}.norm", "lm_head"]}
+
+
+def decoder_layer(model: nn.Module, layer: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """One decoder layer as the base model's forward calls it without a cache or a padding mask: the causal mask
+    and the rotary embeddings of positions 0..T-1."""
+    from transformers.masking_utils import create_causal_mask
+
+    base = getattr(model, model.base_model_prefix)
+    position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
+    mask = create_causal_mask(config=model.config, inputs_embeds=hidden_states, attention_mask=None,
+                              past_key_values=None, position_ids=position_ids)
+    return layer(hidden_states, attention_mask=mask, position_embeddings=base.rotary_emb(hidden_states, position_ids),
+                 position_ids=position_ids, use_cache=False)
 
 
 @torch.no_grad()

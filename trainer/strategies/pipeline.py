@@ -49,7 +49,8 @@ class Elsewhere(nn.Module):
 
 def plan_of(model: nn.Module) -> tuple[str, list[str], str, str, list[str]]:
     """(before method, its modules, blocks' path, after method, its modules) of the model's `_pp_plan`."""
-    plan = getattr(model, "_pp_plan", None)
+    # A model may compute its plan (`pipeline_plan()`: a transformers model, whose own `_pp_plan` has another format).
+    plan = model.pipeline_plan() if callable(getattr(model, "pipeline_plan", None)) else getattr(model, "_pp_plan", None)
     if not isinstance(plan, dict) or len(plan) != 3 or "blocks" not in plan:
         raise ConfigError(f"world.pp needs to know where {type(model).__name__} splits into stages, and it has no "
                           f"usable _pp_plan. {HOW_TO}")
@@ -102,8 +103,11 @@ class StageModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         h = getattr(self.model, self.before)(*args, **kwargs) if self.first else args[0]
+        # A model whose blocks need more than the hidden states (a transformers decoder layer: the mask and the
+        # rotary embeddings) runs each through its `pipeline_block(block, h)`.
+        run = getattr(self.model, "pipeline_block", None)
         for block in self.blocks:
-            h = block(h)
+            h = block(h) if run is None else run(block, h)
         return getattr(self.model, self.after)(h) if self.last else h
 
 
