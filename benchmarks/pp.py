@@ -175,6 +175,6 @@ def rows(r: dict) -> list[str]:
 
 
 PP = Item(measure, rows,
-          full={"pp_rounds": 3, "pp_model": DEFAULT, "pp_windows": 6, "pp_log_every": 5},
+          full={"pp_rounds": 5, "pp_model": DEFAULT, "pp_windows": 6, "pp_log_every": 5},
           quick={"pp_rounds": 1, "pp_model": ["model=gpt_small", "data.batch_size=4", "data.seq_len=32"],
                  "pp_windows": 2, "pp_log_every": 1})

@@ -182,11 +182,17 @@ class Backend:
         dist.all_gather_object(out, obj, group=group)
         return out
 
-    def broadcast_tensor(self, tensor: torch.Tensor | None, src: int, group: Any = None) -> torch.Tensor:
+    def broadcast_tensor(self, tensor: torch.Tensor | None, src: int, group: Any = None,
+                         like: torch.Tensor | None = None) -> torch.Tensor:
         """Rank `src`'s `tensor` (any shape and dtype; the others pass None) on every rank of `group`, on the
-        device: its shape and dtype go first, then its values (pipeline stages handing on activations)."""
+        device: its shape and dtype go first, then its values (pipeline stages handing on activations). With
+        `like` (every rank: a tensor of its shape and dtype) only the values go."""
         if not self.distributed:
             return tensor
+        if like is not None:
+            out = tensor.contiguous() if self.rank == src else torch.empty_like(like, device=self.device)
+            dist.broadcast(out, src=src, group=group)
+            return out
         dtypes = _WIRE_DTYPES
         header = torch.zeros(9, dtype=torch.int64, device=self.device)
         if self.rank == src:

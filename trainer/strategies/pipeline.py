@@ -301,7 +301,9 @@ class Pipeline:
                                   *(sum(s[k].to(device) for s in sums) for k in names)])
         else:
             values = None
-        values = self.backend.broadcast_tensor(values, holder, self.group)
+        # (shape and dtype known on every rank: one broadcast of the values)
+        values = self.backend.broadcast_tensor(values, holder, self.group,
+                                               like=torch.empty(1 + len(names), dtype=torch.float64))
         dtype = losses[0].dtype if losses else torch.float32
         return values[0].to(dtype), {k: v for k, v in zip(names, values[1:])}
 
@@ -310,7 +312,9 @@ class Pipeline:
         whole model's gradient of that weight, on every copy, so the copies stay equal."""
         if not self.tied:
             return
-        params = dict(self.model.named_parameters(remove_duplicate=False))
+        if getattr(self, "_params", None) is None:  # (fixed after the split)
+            self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        params = self._params
         for names in self.tied:
             held = next((params[n] for n in names if n in params), None)
             holders = {self.stage_of_key[n] for n in names}
@@ -353,7 +357,13 @@ class Pipeline:
         return total
 
     def _tied_copies(self) -> set[int]:
-        """Ids of this rank's tied parameters that a lower pipeline rank also holds (counted there)."""
+        """Ids of this rank's tied parameters that a lower pipeline rank also holds (counted there). (The same
+        every step: the stages' parameters do not change after the split.)"""
+        if getattr(self, "_copies", None) is None:
+            self._copies = self._find_tied_copies()
+        return self._copies
+
+    def _find_tied_copies(self) -> set[int]:
         params = dict(self.model.named_parameters(remove_duplicate=False))
         out = set()
         for names in self.tied:
