@@ -158,8 +158,8 @@ def measure(ctx: Context, sizes: dict) -> dict:
 def rows(r: dict) -> list[str]:
     mib = 1 << 20
     held = r["held_bytes_per_stage"]
-    stages = "; ".join(f"stage {i}: params {h['params'] / mib:.2f} + AdamW {h['optimizer'] / mib:.2f} MiB"
-                       for i, h in enumerate(held))
+    stages = "; ".join(f"stage {i}: {h['total'] / mib:.2f} MiB ({h['params'] / mib:.2f} + {h['grads'] / mib:.2f} + "
+                       f"{h['optimizer'] / mib:.2f})" for i, h in enumerate(held))
     bubbles = ", ".join(f"{s} {b:.0%}" for s, b in r["bubble"].items())
     return [
         f"| m. pipeline 2 stages (`world=ddp world.pp=2`, 1F1B, {r['microbatches']} microbatches), 2 proc x 1 thread, "
@@ -170,7 +170,7 @@ def rows(r: dict) -> list[str]:
         f"world=single, 1 proc x 1 thread {r['single_tokens_per_s']:,.0f} tok/s | {r['pp_vs_single']:.2f}x | — | — |",
         f"| m. pipeline bubble by schedule (4 microbatches): 1 - T1 / (2 x Tpp) | {bubbles} | textbook GPipe/1F1B "
         f"(pp-1)/(m+pp-1) = {r['textbook_bubble_1f1b']:.0%} | — | — | — |",
-        f"| m. pipeline bytes per stage (parameters + AdamW state) | {stages} | — | — | — | — |",
+        f"| m. pipeline bytes per stage: params + grads + AdamW state, 2 proc | {stages} | — | — | — | — |",
     ]
 
 

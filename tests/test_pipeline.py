@@ -100,11 +100,27 @@ def test_pipeline_with_data_or_tensor_parallelism_and_accumulation_equals_one_pr
     same_run(tmp_path, deep_reference)
 
 
-@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "ZBVZeroBubble"])
-def test_looped_and_v_schedules_equal_one_process(corpus, tmp_path, deep_reference, schedule):
+@pytest.mark.parametrize("schedule, extra", [
+    ("Interleaved1F1B", ()),
+    ("ZBVZeroBubble", ("data.batch_size=4", "trainer.grad_accum_steps=2")),  # pp 2 alone, accumulating
+])
+def test_looped_and_v_schedules_equal_one_process(corpus, tmp_path, deep_reference, schedule, extra):
     """Two stages per rank (four in all): looped (stages 0 and 2 on rank 0) and in a V (0 and 3)."""
-    cli_run(corpus, tmp_path, *PP2, f"world.pp_schedule={schedule}", "world.microbatches=4")
+    cli_run(corpus, tmp_path, *PP2, f"world.pp_schedule={schedule}", "world.microbatches=4", *extra)
     same_run(tmp_path, deep_reference)
+
+
+def test_sampling_at_eval_runs_the_stages_in_turn_and_samples_what_one_process_samples(corpus, tmp_path):
+    """The lm task samples at each eval: under pp its model's forward runs the stages in turn, and the text
+    must be what one process samples from the same weights (the run's export, with `python -m trainer sample`).
+    (Against a separate one-process run the weights agree only to float tolerance, and bytes the corpus never
+    shows keep near-equal logits that such a difference reorders.)"""
+    cli_run(corpus, tmp_path, *PP2, "trainer.max_steps=4", "trainer.eval_every=2", "task.sample_tokens=16")
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [2, 4]
+    r = run_here("sample", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert samples[-1]["text"] in r.stdout
 
 
 def test_a_pipeline_checkpoint_resumes_on_any_layout_and_any_checkpoint_resumes_on_a_pipeline(
