@@ -12,6 +12,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# Test-only modules (tasks that misbehave, small recipes, readers of what loggers wrote) live in tests/helpers and
+# are imported by their names, here and in every process a test starts (FAULTY_ENV).
+HELPERS = ROOT / "tests" / "helpers"
+sys.path.insert(0, str(HELPERS))
 # Dataset caches of the whole session go to one throwaway place (inherited by subprocesses).
 os.environ["TRAINER_CACHE_DIR"] = tempfile.mkdtemp(prefix="trainer-test-cache-")
 # This machine's defaults (python -m trainer config) would change what every test composes: none here.
@@ -19,8 +23,8 @@ os.environ["TRAINER_CONFIG_HOME"] = tempfile.mkdtemp(prefix="trainer-test-config
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.pop("WANDB_API_KEY", None)
 
-# Lets subprocesses import tests/faulty.py (task._target_=faulty.Faulty).
-FAULTY_ENV = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+# Lets subprocesses import tests/helpers/faulty.py (task._target_=faulty.Faulty).
+FAULTY_ENV = {"PYTHONPATH": f"{ROOT}:{HELPERS}"}
 
 # A run of a second or two on a CPU (conf/debug/smoke.yaml: gpt_tiny, fp32, 20 steps of 4 x 32 bytes).
 TINY = ["debug=smoke"]
@@ -225,7 +229,7 @@ def checkpoints(run_dir: Path) -> list[str]:
 
 
 def faulty(action: str, at_call: int, rank: int = 0, first_attempt_only: bool = False) -> list[str]:
-    """Overrides that make tests/faulty.py misbehave on `rank` at training loss call `at_call`."""
+    """Overrides that make tests/helpers/faulty.py misbehave on `rank` at training loss call `at_call`."""
     return ["task._target_=faulty.Faulty", f"+task.action={action}", f"+task.at_call={at_call}",
             f"+task.rank={rank}", f"+task.first_attempt_only={first_attempt_only}"]
 

@@ -179,9 +179,6 @@ def test_nonfinite_stop_keeps_the_last_checkpoint(corpus, tmp_path):
 
 
 def test_nonfinite_skip_counts_and_gives_up_after_n_in_a_row(corpus, tmp_path):
-    import sys
-
-    sys.path.insert(0, str(ROOT / "tests"))  # faulty.Faulty, in-process this time
     events = train_in_process(corpus, tmp_path / "once", "trainer.nonfinite=skip", "task._target_=faulty.Faulty",
                               "+task.action=nan_once", "+task.at_call=6", "+task.rank=0")
     assert series(events, "train/skipped_steps")[-1] == 1 and len(series(events, "train/loss")) == 20

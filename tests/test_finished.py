@@ -129,11 +129,6 @@ def test_sample_prints_the_lm_text(corpus, tmp_path):
 def test_a_hugging_face_model_gets_its_config_json(corpus, tmp_path):
     """A model with `config.save_pretrained` (Hugging Face's): the export writes config.json beside the weights,
     so `from_pretrained(RUN_DIR)` finds both. (transformers is not installed here: a stand-in model.)"""
-    import sys
-
-    from conftest import ROOT
-
-    sys.path.insert(0, str(ROOT / "tests"))
     from trainer import compose, train
 
     train(compose(tiny_overrides(corpus, "trainer.max_steps=2", "model._target_=hf_like.HFLike")), tmp_path)

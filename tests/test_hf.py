@@ -1,11 +1,10 @@
 """Hugging Face models on every strategy: transformers' tensor-parallel vocabulary mapped to DTensor styles, and
-initial weights that do not depend on the strategy. tests/hf_like.py reproduces transformers' init and plan
+initial weights that do not depend on the strategy. tests/helpers/hf_like.py reproduces transformers' init and plan
 pattern, so the first tests run without transformers; the last ones need it (pip install -e '.[hf]') and skip
 cleanly without it."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,13 +12,11 @@ import torch
 from conftest import ROOT, load_weights, read_metrics, run_cli, run_here, series, tiny_overrides
 from test_errors import assert_clean_error
 
-sys.path.insert(0, str(ROOT / "tests"))  # hf_like, for the in-process builds
-
 # The HF-like model with its head tied to its input embedding: the plan then splits one weight as
 # embedding_rowwise and as colwise_gather_output, and keeps a per-head norm (replicated_with_grad_allreduce).
 HF_LIKE = ("model._target_=hf_like.HFLike", "+model.tie=true")
 STEPS = ("trainer.max_steps=4", "data.batch_size=4")
-ENV = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+ENV = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'helpers'}"}
 
 
 def built_weights(overrides: list[str], run_dir: Path) -> dict[str, torch.Tensor]:

@@ -4,13 +4,11 @@ exactly like the loss, and throughput named after what the task counts."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 from conftest import FAULTY_ENV, ROOT, read_metrics, run_cli, series
 
-sys.path.insert(0, str(ROOT / "tests"))  # classify.py, in-process
 CONF = str(ROOT / "tests" / "conf")
 
 

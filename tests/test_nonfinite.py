@@ -4,13 +4,9 @@ between log steps. Runs on the CPU by forcing `log`, which `auto` picks only on 
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
-from conftest import ROOT, load_weights, read_metrics, series, train_in_process
-
-sys.path.insert(0, str(ROOT / "tests"))  # faulty.Faulty, in-process
+from conftest import load_weights, read_metrics, series, train_in_process
 
 NAN_AT_STEP_6 = ("task._target_=faulty.Faulty", "+task.action=nan_once", "+task.at_call=6", "+task.rank=0")
 # A constant schedule, so a 5-step run is exactly the first 5 steps of a 20-step one.

@@ -17,10 +17,10 @@ from conftest import ROOT, load_weights, read_metrics, run_cli, run_here, series
 from trainer.errors import UserError
 
 OWN_LOOP = str(ROOT / "recipes" / "lm" / "own_loop.py")
-SCRIPT = str(ROOT / "tests" / "runtime_script.py")
+SCRIPT = str(ROOT / "tests" / "helpers" / "runtime_script.py")
 # The reference run's settings (tests/conftest.py: debug=smoke + SHARED, batch 8): 12 steps, lr 5e-3, warmup 2.
 LIKE_REFERENCE = ("--steps", "12", "--lr", "5e-3", "--warmup", "2", "--seq-len", "32")
-TWO_PROCS = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+TWO_PROCS = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'helpers'}"}
 
 
 # The references train in fp32 (debug=smoke). A launched job's precision is otherwise its config's, the lm

@@ -145,7 +145,7 @@ def test_readme_walkthrough(tmp_path):
                 if any(key in command for key in CHECKED_ONLY):
                     from trainer.tuning import prepare
 
-                    prepare([*args[1:], "debug=smoke"])  # test_second_week.py runs the finders on 2 ranks
+                    prepare([*args[1:], "debug=smoke"])  # test_user_pitfalls.py runs the finders on 2 ranks
                     continue
                 r = run_here(*args, "debug=smoke", cwd=home)
                 assert r.returncode == 0 and "Run with: python -m trainer" in r.stdout, f"{where}\n{r.stdout}\n{r.stderr}"

@@ -1,6 +1,6 @@
 """Iterable datasets (trainer/streaming.py): sharding by rank and loader worker, exact O(1) resume, passes, the rules.
 
-The unit tests read test streams (tests/stream_data.py, sample = its stream position) as several ranks would, one
+The unit tests read test streams (tests/helpers/stream_data.py, sample = its stream position) as several ranks would, one
 Data per simulated rank in this process, and check global batches against stream positions. The runs train the lm
 recipe on data=text_stream: two ranks with loader workers equal one process, and a run SIGKILLed mid-step resumes
 with resume=auto bit for bit.

@@ -106,7 +106,7 @@ def test_image_samples_are_images(corpus, tmp_path):
     from trainer import train
     from trainer.images import to_hwc_uint8
 
-    image_task = pytest.importorskip("image_task")  # tests/image_task.py
+    image_task = pytest.importorskip("image_task")  # tests/helpers/image_task.py
     train(compose_cfg(tiny_overrides(corpus, "logger=tensorboard", "trainer.eval_every=10",
                                      "task._target_=image_task.ImageSamples")), tmp_path)
     images = accumulator(tmp_path / "tensorboard").Images("val/image")

@@ -23,8 +23,8 @@ STDLIB = sysconfig.get_paths()["stdlib"]
 
 
 def _hang_line() -> int:
-    """The line of tests/faulty.py where the "hang" action sleeps forever."""
-    lines = (ROOT / "tests" / "faulty.py").read_text().splitlines()
+    """The line of tests/helpers/faulty.py where the "hang" action sleeps forever."""
+    lines = (ROOT / "tests" / "helpers" / "faulty.py").read_text().splitlines()
     return next(n for n, line in enumerate(lines, 1) if "time.sleep(3600)" in line)
 
 
@@ -47,7 +47,7 @@ def test_a_rank_that_hangs_is_named_and_the_job_exits_with_its_own_code(corpus, 
     errors = _errors(r.stderr)
     assert len(errors) == 1, r.stderr
     error = errors[0]
-    assert f"rank 1 is stuck in tests/faulty.py:{_hang_line()} in _fault (not in a collective;" in error, error
+    assert f"rank 1 is stuck in tests/helpers/faulty.py:{_hang_line()} in _fault (not in a collective;" in error, error
     assert "rank 0 waits in " in error, error
     assert "world.hang_timeout=3" in error, error
     stacks = (run_dir / watchdog.STACKS_FILE).read_text()
@@ -63,7 +63,7 @@ def test_a_single_process_that_hangs_reports_its_own_stack(corpus, tmp_path):
     assert "Traceback" not in r.stderr + r.stdout, r.stderr
     errors = _errors(r.stderr)
     assert len(errors) == 1, r.stderr
-    assert f"the process is stuck in tests/faulty.py:{_hang_line()} in _fault" in errors[0], errors[0]
+    assert f"the process is stuck in tests/helpers/faulty.py:{_hang_line()} in _fault" in errors[0], errors[0]
     assert "world.hang_timeout=2" in errors[0]
     assert "faulty.py" in (run_dir / watchdog.STACKS_FILE).read_text()
 
@@ -133,7 +133,7 @@ IN_LOADER = [*OUTER, _torch("utils/data/dataloader.py", 701, "__next__"),
              _torch("utils/data/dataloader.py", 1448, "_next_data"), _std("multiprocessing/queues.py", 113, "get"),
              _std("threading.py", 331, "wait")]
 IN_USER_CODE = [*OUTER, _user("trainer/trainer.py", 118, "train_step", "trainer.trainer"),
-                _user("tests/faulty.py", 62, "loss", "faulty")]
+                _user("tests/helpers/faulty.py", 62, "loss", "faulty")]
 
 
 def test_a_rank_in_a_torch_distributed_call_waits_in_that_collective():
@@ -152,7 +152,7 @@ def test_a_distributed_rank_in_backward_waits_in_the_gradient_all_reduce():
 def test_a_rank_elsewhere_is_stuck_at_its_innermost_frame_outside_libraries():
     place = watchdog.where(IN_USER_CODE)
     assert not place.collective
-    assert place.what == "tests/faulty.py:62 in loss" and place.caller == "trainer/trainer.py:118 in train_step", place
+    assert place.what == "tests/helpers/faulty.py:62 in loss" and place.caller == "trainer/trainer.py:118 in train_step", place
     place = watchdog.where(IN_LOADER)
     assert not place.collective
     assert place.what == "trainer/trainer.py:290 in fit, calling torch/utils/data/dataloader.py:701 in __next__", place
@@ -166,7 +166,7 @@ def test_the_paragraph_names_the_missing_rank_and_where_the_others_wait():
     text = watchdog.paragraph([_record(0, IN_ALL_REDUCE), _record(1, IN_USER_CODE)], ranks=[0, 1], timeout=3,
                               stacks="RUN/hang_stacks.txt")
     assert text.startswith("error: ") and "\n" not in text
-    assert ("rank 1 is stuck in tests/faulty.py:62 in loss (not in a collective; called from trainer/trainer.py:118 "
+    assert ("rank 1 is stuck in tests/helpers/faulty.py:62 in loss (not in a collective; called from trainer/trainer.py:118 "
             "in train_step)") in text, text
     assert "rank 0 waits in torch.distributed all_reduce called from trainer/backend.py:150" in text
     assert "world.hang_timeout=3" in text and "RUN/hang_stacks.txt" in text

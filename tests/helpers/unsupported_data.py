@@ -1,6 +1,6 @@
 """Test-only `data._target_`s that return what the framework does not take: a DataLoader (Accelerate's habit:
 `accelerator.prepare(loader)`), and a sized object samples cannot be indexed in. (An IterableDataset is read as a
-stream: tests/stream_data.py.) They take the keys of conf/data/stdlib.yaml, so `data._target_=unsupported_data.NAME`
+stream: tests/helpers/stream_data.py.) They take the keys of conf/data/stdlib.yaml, so `data._target_=unsupported_data.NAME`
 is the only override."""
 
 import torch

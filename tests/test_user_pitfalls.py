@@ -373,7 +373,7 @@ def test_the_batch_size_finder_stops_at_the_budget_and_says_the_override(tmp_pat
 
 @pytest.mark.slow
 def test_the_batch_size_finder_agrees_across_ranks(tmp_path):
-    """Rank 1 needs 24 MB more per sample (tests/memory_hog.py): every rank stops at rank 1's limit, where
+    """Rank 1 needs 24 MB more per sample (tests/helpers/memory_hog.py): every rank stops at rank 1's limit, where
     one process alone (rank 0's memory) goes on to the largest size tried."""
     from conftest import FAULTY_ENV, run_cli
 
