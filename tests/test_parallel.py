@@ -194,7 +194,9 @@ def test_tensor_parallel_traps_tied_weights_and_norms_across_meshes(tmp_path):
     import torch.multiprocessing as mp
 
     out = tmp_path / "out.json"
-    mp.start_processes(_traps, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, start_method="fork")
+    # spawn, not fork: the pytest worker may hold background threads by now (wandb's, tqdm's monitor, from in-process
+    # runs before this test), and a forked child can inherit a lock one of them held and wait on it forever.
+    mp.start_processes(_traps, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, start_method="spawn")
     got = json.loads(out.read_text())
     assert got["tied"] is True
     assert got["norm"] == pytest.approx(got["want"], rel=1e-5)
