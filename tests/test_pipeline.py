@@ -163,7 +163,11 @@ def test_last_stage_killed_mid_run_restarts_and_ends_bit_identical(corpus, tmp_p
                                                                     "data.batch_size=3"),
     (("world.nproc_per_node=2", "world.pp=2", "world.pp_schedule=Zigzag"),
      "world.pp_schedule='Zigzag' is not a pipeline schedule: expected one of GPipe, 1F1B, Interleaved1F1B"),
-], ids=["pp_does_not_divide", "more_stages_than_blocks", "microbatches_do_not_divide", "no_such_schedule"])
+    (("world=fsdp", "world.nproc_per_node=2", "world.pp=2"),
+     "unknown config key 'world.pp'. Pipeline stages (world.pp, world.pp_schedule, world.microbatches) are an "
+     "option of world=ddp."),
+], ids=["pp_does_not_divide", "more_stages_than_blocks", "microbatches_do_not_divide", "no_such_schedule",
+        "pp_under_fsdp"])
 def test_pipeline_mistakes_are_one_paragraph_before_any_process_starts(corpus, tmp_path, extra, needle):
     run_dir = tmp_path / "run"
     r = run_here(*tiny_overrides(corpus, "world=ddp", *extra), f"hydra.run.dir={run_dir}")

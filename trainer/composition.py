@@ -201,8 +201,11 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
         node = OmegaConf.select(composed, parent, default=None) if parent and composed is not None else composed
         valid = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
         where = f"under '{parent}'" if parent else "at the top level"
+        # A key another strategy has (pipeline stages are world=ddp's): say which, before the generic list.
+        elsewhere = (" Pipeline stages (world.pp, world.pp_schedule, world.microbatches) are an option of world=ddp."
+                     if key in ("world.pp", "world.pp_schedule", "world.microbatches") else "")
         return ConfigError(
-            f"unknown config key '{key}'.{did_you_mean(key, value, composed)} Valid keys {where}: "
+            f"unknown config key '{key}'.{elsewhere}{did_you_mean(key, value, composed)} Valid keys {where}: "
             f"{', '.join(sorted(valid))}. To add a new key on purpose, write +{key}=VALUE."
         )
     if full_key and cause is not exc:
