@@ -134,6 +134,30 @@ def test_backward_outside_accumulate_with_accumulation_on_ranks_is_an_error(tmp_
     assert "Traceback" not in r.stderr
 
 
+def test_your_own_loop_on_two_pipeline_stages_equals_one_process(tmp_path):
+    """rt.forward_backward with a mean loss: under world.pp each microbatch's mean is averaged, so two stages
+    (2 microbatches of 4) give one process's losses and weights."""
+    one, pp = tmp_path / "one", tmp_path / "pp"
+    for d in (one, pp):
+        d.mkdir()
+    r = run_here("launch", FP32, SCRIPT, "pipeline", str(one), cwd=one)
+    assert r.returncode == 0, r.stderr
+    r2 = launch("world=ddp", "world.nproc_per_node=2", "world.pp=2", SCRIPT, "pipeline", str(pp))
+    assert r2.returncode == 0, r2.stderr
+    losses = [json.loads(line)["losses"] for line in (r.stdout, r2.stdout) for line in line.splitlines()
+              if line.startswith('{"losses"')]
+    assert len(losses) == 2 and losses[1] == pytest.approx(losses[0], rel=1e-5)
+    # The gradient is summed over two microbatches instead of one batch: the order of the sums (test_pipeline).
+    assert_close_weights(pp / "model.safetensors", one / "model.safetensors", atol=1e-4)
+
+
+def test_backward_under_pipeline_stages_is_an_error_that_names_forward_backward(tmp_path):
+    r = launch("world=ddp", "world.nproc_per_node=2", "world.pp=2", SCRIPT, "pipeline_backward", str(tmp_path))
+    assert r.returncode == 2, r.stderr
+    assert "rt.backward under pipeline parallelism (world.pp)" in r.stderr and "rt.forward_backward" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 # -- misuse on one process -------------------------------------------------------------------------------------
 @pytest.fixture
 def rt():

@@ -392,7 +392,10 @@ class Runtime:
                     params.append(p)
                     continue
                 owners.add(where[0])
-                params.append(dict(unwrap(self.models[where[0]]).named_parameters(remove_duplicate=False))[where[1]])
+                named = dict(unwrap(self.models[where[0]]).named_parameters(remove_duplicate=False))
+                if where[1] not in named and self.strategy.pipeline is not None:
+                    continue  # a parameter of another pipeline stage: that rank's optimizer steps it
+                params.append(named[where[1]])
             group["params"] = params
         if foreign:
             raise UserError(f"Runtime.setup: the optimizer holds {foreign} parameters of no model set up here. Set up "
@@ -500,11 +503,16 @@ class Runtime:
             self._pending_reduce.update(self.models)
 
     def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any],
-                         scale: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """One micro-batch's forward and backward: `loss_fn(model, batch)` (a task's loss: a loss, or a dict of
-        "loss" and other additive sums) under autocast, then `backward(loss, scale)`. Returns (loss, sums), as
-        computed. Under pipeline parallelism (world.pp) the strategy's schedule runs both, microbatch by
-        microbatch, on every stage, and every rank gets the last stage's loss and sums."""
+                         scale: float | torch.Tensor | None = None,
+                         mean: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One micro-batch's forward and backward: `loss_fn(model, batch)` (a loss, or a dict of "loss" and other
+        additive sums) under autocast, then `backward(loss, scale)`. Returns (loss, sums), as computed.
+
+        Under pipeline parallelism (world.pp) the strategy's schedule runs both, microbatch by microbatch, on every
+        stage, `loss_fn` seeing each microbatch's rows of `batch`, and every rank gets the last stage's loss and
+        sums. `mean=True` (a loop of your own: the loss is the micro-batch's mean, as in Accelerate): the
+        microbatches' losses are averaged. `mean=False`: the loss is additive over rows (the Trainer's: a sum
+        divided by the global target count) and the microbatches' losses are summed."""
         if self.strategy.pipeline is None:
             from .task import split_loss
 
@@ -513,7 +521,7 @@ class Runtime:
             self.backward(loss, scale)
             return loss, sums
         scale = 1.0 / self.grad_accum_steps if scale is None else scale
-        loss, sums = self.strategy.pipeline.forward_backward(batch, loss_fn, scale, self.autocast)
+        loss, sums = self.strategy.pipeline.forward_backward(batch, loss_fn, scale, self.autocast, mean=mean)
         if self.sync_gradients:
             self._pending_reduce.update(self.models)
         return loss, sums

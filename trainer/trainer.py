@@ -136,7 +136,7 @@ class Trainer:
             # Gradients are synced only in the last micro-step's backward; earlier ones accumulate.
             with rt.accumulate(model, last=i == len(batches) - 1), \
                     noise.for_samples(torch.arange(first, first + b), self.cfg.seed):
-                loss, extra = rt.forward_backward(model, batch, self.task.loss, scale=scale)
+                loss, extra = rt.forward_backward(model, batch, self.task.loss, scale=scale, mean=False)
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             for name, value in extra.items():  # additive sums (accuracy counts, ...): summed like the loss
                 sums[name] = sums.get(name, 0) + torch.as_tensor(value).detach().double()

@@ -4,6 +4,8 @@
     runtime_script.py gather N BATCH                 eval outputs gathered across ranks, each sample once
     runtime_script.py save_on_main_only OUT          rt.save_state under `if rt.is_main_process` (a mistake)
     runtime_script.py backward_outside OUT           rt.backward outside rt.accumulate with accumulation (a mistake)
+    runtime_script.py pipeline OUT                   a GPT's step through rt.forward_backward (world.pp or not)
+    runtime_script.py pipeline_backward OUT          rt.backward under world.pp (a mistake)
 """
 
 from __future__ import annotations
@@ -85,10 +87,46 @@ def backward_outside(rt: trainer.Runtime, out: str) -> None:
     rt.backward(loss)
 
 
+def pipeline(rt: trainer.Runtime, out: str, backward: bool = False) -> None:
+    """Four steps of a two-block GPT on a mean cross-entropy, each through rt.forward_backward (or, a mistake under
+    world.pp, the model and rt.backward); the losses are printed as JSON and the weights saved to OUT."""
+    import torch.nn.functional as F
+
+    from trainer.recipes.lm.model import GPT
+
+    torch.manual_seed(rt.seed)
+    model = GPT(vocab_size=32, seq_len=8, n_layer=2, n_head=2, d_model=16, dropout=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = rt.setup(model, optimizer)
+    tokens = torch.randint(0, 32, (32, 9), generator=torch.Generator().manual_seed(2))
+    loader = rt.loader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8, shuffle=False)
+
+    def loss_fn(m, batch):
+        x, y = batch
+        logits = m(x)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+
+    losses = []
+    for batch in loader:
+        with rt.accumulate(model):
+            if backward:
+                rt.backward(loss_fn(model, batch))
+                continue
+            loss, _ = rt.forward_backward(model, batch, loss_fn)
+        rt.clip_grad_norm_(model, 1.0)
+        rt.step(optimizer)
+        losses.append(rt.reduce(loss).item())
+    rt.print(json.dumps({"losses": losses}))
+    rt.save_model(model, out)
+    rt.end()
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     runtime = trainer.Runtime()
     {"two": lambda: two(runtime, args[0], *map(int, args[1:])),
      "gather": lambda: gather(runtime, int(args[0]), int(args[1])),
      "save_on_main_only": lambda: save_on_main_only(runtime, args[0]),
-     "backward_outside": lambda: backward_outside(runtime, args[0])}[mode]()
+     "backward_outside": lambda: backward_outside(runtime, args[0]),
+     "pipeline": lambda: pipeline(runtime, args[0]),
+     "pipeline_backward": lambda: pipeline(runtime, args[0], backward=True)}[mode]()

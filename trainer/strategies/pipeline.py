@@ -248,9 +248,10 @@ class Pipeline:
         return cls(stages[0] if self.schedule_name in SINGLE_STAGE else stages, n_microbatches=self.microbatches,
                    loss_fn=lambda output, rows: self._loss(output, rows), scale_grads=False)
 
-    def forward_backward(self, batch: Any, loss_fn: Callable, scale, autocast: Callable):
+    def forward_backward(self, batch: Any, loss_fn: Callable, scale, autocast: Callable, mean: bool = False):
         """One micro-batch's forward and backward through the schedule, on every pipeline rank. Returns the
-        summed loss and the task's other sums (every rank gets the last stage's)."""
+        loss (summed over the microbatches, or their mean with `mean`: a loss that is each microbatch's mean)
+        and the task's other sums (every rank gets the last stage's)."""
         from .. import noise
         from ..task import split_loss
 
@@ -272,10 +273,11 @@ class Pipeline:
         def last_stage_loss(output, rows):
             with noise.rows(rows), autocast():  # the microbatch's rows of the batch, and of its samples' noise
                 loss, extra = split_loss(loss_fn(_Replay(self.model, output), _rows(batch, rows, n)))
-            losses.append(loss.detach())
+            losses.append(loss.detach() / per if mean else loss.detach())
             sums.append({k: torch.as_tensor(v).detach().double() for k, v in extra.items()})
-            return loss * scale
+            return loss * (scale / per if mean else scale)
 
+        per = self.microbatches  # (the pieces each micro-batch is cut into)
         self._loss = last_stage_loss
         rows = torch.arange(n, device=self.backend.device)
         with autocast():
