@@ -66,6 +66,7 @@ class Strategy:
     layout: Layout | None = None  # the job's degrees, from setup on
     mesh = None  # the device mesh, ("dp",), ("dp", "tp") or ("pp", "dp"[, "tp"]), when parameters are sharded or staged
     pipeline = None  # this rank's pipeline stages and their schedule (pipeline.py), with world.pp > 1
+    _dp_group = None  # the dp dimension's process group, once asked for (see dp_group)
     unit_classes: list[str] | None = None  # the model's repeated blocks, by class name (FSDP's world.wrap)
 
     @property
@@ -94,7 +95,6 @@ class Strategy:
                             " them: build it with sharded=strategy.shards_parameters.")
         self.backend, self.precision = backend, precision
         self.layout = Layout(backend.world_size, self.tp, self.pp)
-        self._dp_group = None
         if self.shards_parameters or self.layout.needs_mesh:
             self.mesh = self.layout.build_mesh(backend.device.type)
         if self.pp > 1:
@@ -117,7 +117,7 @@ class Strategy:
         """The process group over which batches differ (None: all ranks)."""
         if self.mesh is None or not self.layout.needs_mesh:
             return None
-        if self.__dict__.get("_dp_group") is None:
+        if self._dp_group is None:
             self._dp_group = self.mesh["dp"].get_group()
         return self._dp_group
 

@@ -213,6 +213,14 @@ class Pipeline:
             setattr(model.get_submodule(parent) if parent else model, child, Elsewhere())
         self.model = model
         self.held_keys = set(model.state_dict())  # this rank's stages' keys (a tied weight's on every stage holding it)
+        self._params = dict(model.named_parameters(remove_duplicate=False))  # this rank's, by every name
+        # This rank's tied parameters that a lower pipeline rank also holds: the clipping norm counts them there.
+        self._copies = set()
+        for names in self.tied:
+            held = next((self._params[n] for n in names if n in self._params), None)
+            if held is not None and min(self.stage_of_key[n] for n in names) < self.pp_rank:
+                self._copies.add(id(held))
+        self._tied_shapes: dict[str, torch.Tensor] = {}
         self.stages = [StageModule(model, plan, runs[s], s == 0, s == self.num_stages - 1) for s in self.my_stages]
         self.full_keys = list(self.stage_of_key)
         # The model's own forward, for eval and sampling, runs every stage (a collective of the pipeline ranks).
@@ -314,8 +322,6 @@ class Pipeline:
         whole model's gradient of that weight, on every copy, so the copies stay equal."""
         if not self.tied:
             return
-        if getattr(self, "_params", None) is None:  # (fixed after the split)
-            self._params = dict(self.model.named_parameters(remove_duplicate=False))
         params = self._params
         for names in self.tied:
             held = next((params[n] for n in names if n in params), None)
@@ -330,12 +336,10 @@ class Pipeline:
                 held.grad = summed if grad is None else grad.copy_(summed)
 
     def _tied_like(self, names: list[str]) -> torch.Tensor:
-        if not hasattr(self, "_tied_shapes"):
-            self._tied_shapes = {}
+        """Zeros shaped like a tied weight, for a pipeline rank that holds no copy (its shape asked once)."""
         key = names[0]
         if key not in self._tied_shapes:
-            params = dict(self.model.named_parameters(remove_duplicate=False))
-            held = next((params[n] for n in names if n in params), None)
+            held = next((self._params[n] for n in names if n in self._params), None)
             meta = self.backend.gather_object(None if held is None else (tuple(held.shape), held.dtype),
                                               group=self.group)
             shape, dtype = next(m for m in meta if m is not None)
@@ -345,8 +349,7 @@ class Pipeline:
     def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float | None, local_norm: Callable) -> torch.Tensor:
         """The 2-norm of the whole model's gradient (every stage's; a tied weight counted once), clipped to
         `max_norm`. `local_norm(params, None)` measures a list of this rank's parameters (over its meshes)."""
-        skip = self._tied_copies()
-        mine = [p for p in params if id(p) not in skip]
+        mine = [p for p in params if id(p) not in self._copies]
         square = local_norm(mine, None).double() ** 2 if mine else torch.zeros((), dtype=torch.float64)
         total = self.backend.all_reduce(square.to(self.backend.device), group=self.group).sqrt().float()
         if max_norm is not None:
@@ -357,22 +360,6 @@ class Pipeline:
             if grads:
                 torch._foreach_mul_(grads, coef.to(grads[0].device))
         return total
-
-    def _tied_copies(self) -> set[int]:
-        """Ids of this rank's tied parameters that a lower pipeline rank also holds (counted there). (The same
-        every step: the stages' parameters do not change after the split.)"""
-        if getattr(self, "_copies", None) is None:
-            self._copies = self._find_tied_copies()
-        return self._copies
-
-    def _find_tied_copies(self) -> set[int]:
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        out = set()
-        for names in self.tied:
-            held = next((params[n] for n in names if n in params), None)
-            if held is not None and min(self.stage_of_key[n] for n in names) < self.pp_rank:
-                out.add(id(held))
-        return out
 
     # -- eval and sampling -----------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
