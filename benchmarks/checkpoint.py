@@ -31,7 +31,7 @@ def _flat(model_state, state) -> dict:
     back from a checkpoint written through the public Checkpointer (its files are plain safetensors)."""
     from safetensors.torch import load_file
 
-    from trainer.checkpoint import Checkpointer
+    from trainer.checkpoint.store import Checkpointer
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-flat-"))
     try:
@@ -91,7 +91,7 @@ def real_checkpoint_cases(model_state, state, tmp: Path, raw: bytes) -> tuple[di
     adapt the calls below when the API changes.
     """
     try:
-        from trainer import checkpoint as ckpt
+        from trainer.checkpoint import store as ckpt
 
         def read(path: Path) -> list:
             """checkpoint.read maps the files and verifies every sha256; a resume then copies each tensor out
@@ -123,7 +123,7 @@ def real_checkpoint_cases(model_state, state, tmp: Path, raw: bytes) -> tuple[di
         "raw_write_fsync": lambda: atomic_write_bytes(raw_path, raw),
         "load": lambda: read(path),
         "raw_read": lambda: raw_path.read_bytes(),
-    }, "trainer.checkpoint.Checkpointer.save / trainer.checkpoint.read + a copy of every tensor (sha256 manifest, fsync, atomic rename)"
+    }, "trainer.checkpoint.store.Checkpointer.save / trainer.checkpoint.store.read + a copy of every tensor (sha256 manifest, fsync, atomic rename)"
 
 
 def measure(ctx: Context, sizes: dict) -> dict:

@@ -5,7 +5,7 @@ without anyone noticing.
 The corpus is generated under /tmp (the Python standard library's sources, repeated, in `files` files; the free
 disk is checked first and the corpus removed at the end). Then, each in a process of its own:
 
-    loader      the framework's loader alone (trainer.data.Data over TextStream, as the Trainer builds it for
+    loader      the framework's loader alone (trainer.data.sampling.Data over TextStream, as the Trainer builds it for
                 data=text_stream; 1 thread, batch x seq_len of the lm recipe), read over the WHOLE corpus once:
                 samples/s and tokens/s per window of `window_mib` (median over the windows), and the RSS sampled
                 every `rss_every` batches (at the first batch, the peak, at the end)
@@ -93,7 +93,7 @@ def loader(pattern: str, seq_len: int, batch: int, workers: int, by_file: bool, 
     """The Trainer's loader over data=text_stream's dataset: throughput per window of `window` samples and RSS."""
     import torch
 
-    from trainer.data import Data
+    from trainer.data.sampling import Data
     from trainer.recipes.lm.data import text_stream
 
     torch.set_num_threads(1)

@@ -108,7 +108,7 @@ def run_main(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Compl
 
 
 def run_here(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m trainer ARGS` through `trainer.cli.main`, Hydra and all, in this process: `run_cli`'s exit
+    """`python -m trainer ARGS` through `trainer.entry.cli.main`, Hydra and all, in this process: `run_cli`'s exit
     code and output without an interpreter's start-up (~3 s with torch's imports). For single-process runs
     that end by themselves; a run that is killed or signalled, or launches workers, needs `run_cli`. What a
     run changes in the process (argv, cwd, environment, signal handlers, torch's thread count) is put back."""
@@ -118,7 +118,7 @@ def run_here(*args: str, cwd: Path | None = None, env: dict | None = None) -> su
 
     import torch
 
-    from trainer.cli import main
+    from trainer.entry.cli import main
 
     out, err, code = io.StringIO(), io.StringIO(), 0
     saved = (list(sys.argv), os.getcwd(), dict(os.environ), torch.get_num_threads(),

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 def _worker(rank: int, world: int, store: str, log: str) -> None:
     import torch.distributed as dist
 
-    from trainer.backend import barrier, is_main_process, main_process_first
+    from trainer.parallel.backend import barrier, is_main_process, main_process_first
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)

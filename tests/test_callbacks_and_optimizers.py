@@ -49,7 +49,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(corpus):
     from conftest import compose_cfg
     from hydra.utils import instantiate
 
-    from trainer.run import build_optimizer
+    from trainer.entry.run import build_optimizer
 
     model = instantiate(compose_cfg(["debug=smoke"]).model)
     opt = build_optimizer(compose_cfg(["debug=smoke", "optim=muon"]).optim, model)

@@ -87,7 +87,7 @@ def test_a_pickle_payload_in_a_checkpoint_never_runs(corpus, tmp_path, reference
     ckpt = tmp_path / "ckpt"
     shutil.copytree(reference / "checkpoints" / "step_00000008", ckpt)
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    from trainer.checkpoint import sha256
+    from trainer.checkpoint.store import sha256
 
     for name in ("model.safetensors", "state.safetensors"):  # the attacker also rewrites the checksums
         (ckpt / name).write_bytes(pickle.dumps({"x": Payload()}))

@@ -41,9 +41,9 @@ from conftest import (
 )
 from safetensors.torch import load_file, save_file
 
-from trainer.checkpoint import Checkpointer, sha256, step_of
+from trainer.checkpoint.snapshot import Stored, assemble
+from trainer.checkpoint.store import Checkpointer, sha256, step_of
 from trainer.errors import CheckpointError
-from trainer.snapshot import Stored, assemble
 
 SINGLE = ("data.batch_size=8", *SHARED)
 NEWEST, FALLBACK = "step_00000012", "step_00000008"
@@ -341,7 +341,7 @@ def built(cfg, run_dir: Path, resume: str):
     """A Trainer as `train` builds it, and its config with `resume` set; torn down afterwards."""
     from omegaconf import OmegaConf
 
-    from trainer.run import build
+    from trainer.entry.run import build
 
     cfg = OmegaConf.merge(cfg, {"resume": resume})
     trainer = build(cfg, run_dir)
@@ -354,7 +354,7 @@ def built(cfg, run_dir: Path, resume: str):
 @pytest.fixture(scope="module")
 def state_at_8(good, cfg, tmp_path_factory) -> dict:
     """The live state right after a clean load of the good step 8."""
-    from trainer.checkpointing import resume
+    from trainer.checkpoint.manager import resume
 
     with built(cfg, tmp_path_factory.mktemp("clean"), str(good / "checkpoints" / FALLBACK)) as (trainer, cfg):
         resume(trainer, cfg, say=lambda *a: None)
@@ -365,7 +365,7 @@ def state_at_8(good, cfg, tmp_path_factory) -> dict:
 def test_refused_on_its_path_and_skipped_by_auto_with_the_reason(case, good, state_at_8, cfg, tmp_path):
     from omegaconf import OmegaConf
 
-    from trainer.checkpointing import resume
+    from trainer.checkpoint.manager import resume
 
     run_dir = tmp_path / "run"
     ckpt = damaged(good, run_dir, case)

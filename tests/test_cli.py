@@ -66,7 +66,7 @@ def test_help_and_cfg_job_do_not_train(tmp_path):
     r = run_here("--cfg", "job", "precision=bf16", "optim.lr=0.01", cwd=tmp_path)
     assert r.returncode == 0
     cfg = yaml.safe_load(r.stdout)
-    assert cfg["precision"]["_target_"] == "trainer.precision.BF16" and cfg["optim"]["lr"] == 0.01
+    assert cfg["precision"]["_target_"] == "trainer.parallel.precision.BF16" and cfg["optim"]["lr"] == 0.01
     assert not (tmp_path / "outputs").exists()
 
 
@@ -93,8 +93,8 @@ def test_every_config_option_composes_and_instantiates(corpus, group, option):
     import torch
     from hydra.utils import instantiate
 
-    from trainer.config import per_part
-    from trainer.run import build_data, build_loggers, build_optimizer, build_strategy
+    from trainer.config.schema import per_part
+    from trainer.entry.run import build_data, build_loggers, build_optimizer, build_strategy
     from trainer.task import split_loss
 
     if (group, option) in NEEDS:  # an option of an optional extra: covered where the extra is installed

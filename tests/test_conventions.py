@@ -64,6 +64,6 @@ def test_grad_clip_zero_is_refused_and_the_message_says_null_switches_clipping_o
 
 def test_grad_clip_null_switches_clipping_off():
     from trainer import compose
-    from trainer.composition import prepare
+    from trainer.config.compose import prepare
 
     assert prepare(compose(["debug=smoke", "trainer.grad_clip=null"]), targets=False).trainer.grad_clip is None

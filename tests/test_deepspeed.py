@@ -37,8 +37,8 @@ from conftest import (
 )
 
 from trainer.errors import ConfigError
-from trainer.strategies import ds_config
-from trainer.strategies.ds_config import RunValues
+from trainer.parallel import ds_config
+from trainer.parallel.ds_config import RunValues
 
 DS2 = ("world=deepspeed", "world.nproc_per_node=2")
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -311,7 +311,7 @@ def test_fp16s_loss_scale_is_deepspeeds_in_gradscalers_format():
     as torch's GradScaler does (so the scale resumes under another strategy)."""
     from types import SimpleNamespace
 
-    from trainer.strategies.deepspeed import _EngineLossScale
+    from trainer.parallel.deepspeed import _EngineLossScale
 
     strategy = SimpleNamespace(engine=None)
     scale = _EngineLossScale(strategy, torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=100))

@@ -1,4 +1,4 @@
-"""Big-model inference (trainer/device_map.py): a finished run's model placed over the CPU and disk gives the logits
+"""Big-model inference (trainer/inference/device_map.py): a finished run's model placed over the CPU and disk gives the logits
 and the generation of a full load bit for bit (fp32), within max_memory; `sample` and `eval` take the same
 placement; each mistake is one paragraph. No GPU here: GPU placement is checked as a plan over given budgets."""
 
@@ -14,8 +14,8 @@ from conftest import run_here, train_in_process
 from test_errors import assert_clean_error
 
 import trainer
-from trainer.device_map import budgets, parse_size, plan, unit_sizes, units_of
 from trainer.errors import ConfigError
+from trainer.inference.device_map import budgets, parse_size, plan, unit_sizes, units_of
 
 N_LAYER = 4
 SAMPLE = ("task.sample_tokens=24", "task.temperature=1.0")
@@ -113,8 +113,8 @@ def test_dict_map_and_ema_equal_full_load(run, full, tmp_path):
 
 def test_placement_over_gpus_follows_max_memory(run):
     """GPUs in order, then the CPU, then disk; balanced evens the GPUs out. A plan only: no GPU here."""
-    from trainer.device_map import params_on_meta
-    from trainer.finished import model_of
+    from trainer.inference.device_map import params_on_meta
+    from trainer.inference.finished import model_of
 
     with params_on_meta():
         model = model_of(run)
@@ -215,7 +215,7 @@ class _Backwards(torch.nn.Module):
 
 
 def test_the_prefetch_learns_the_order_blocks_run_in(tmp_path):
-    from trainer.device_map import dispatch, params_on_meta
+    from trainer.inference.device_map import dispatch, params_on_meta
 
     torch.manual_seed(0)
     reference, x = _Backwards(), torch.randn(3, 10)

@@ -26,7 +26,7 @@ from conftest import (
     series,
 )
 
-from trainer.schedule import WarmupCosine
+from trainer.loop.schedule import WarmupCosine
 
 pytestmark = pytest.mark.slow
 

@@ -109,11 +109,11 @@ def test_the_failure_reported_is_the_cause_not_a_consequence(tmp_path):
 
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from trainer.launcher import root_failure
+    from trainer.entry.launcher import root_failure
 
     def failure(rank: int, exitcode: int, ms: int | None) -> ProcessFailure:
         path = tmp_path / f"error_{rank}_{exitcode}_{ms}.json"
-        if ms is not None:  # what trainer.worker records
+        if ms is not None:  # what trainer.entry.worker records
             info = {"py_callstack": "", "timestamp": "50", "time_ns": 50 * 10**9 + ms * 10**6}
             path.write_text(json.dumps({"message": {"message": f"error: rank {rank}", "extraInfo": info}}))
         f = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))

@@ -70,7 +70,7 @@ def test_env_prints_versions_devices_and_the_default_config(tmp_path):
 
 
 def test_check_reports_each_equivalence(capsys):
-    from trainer.commands import check
+    from trainer.entry.commands import check
 
     assert check([]) == 0
     out = capsys.readouterr().out
@@ -86,8 +86,8 @@ def test_check_fails_loudly_when_an_equivalence_breaks(capsys, monkeypatch):
     """Break accumulation on purpose (later micro-batches dropped): check must say FAIL and exit 1."""
     import subprocess
 
-    from trainer import commands
-    from trainer.trainer import Trainer
+    from trainer.entry import commands
+    from trainer.loop.trainer import Trainer
 
     original = Trainer.train_step
     monkeypatch.setattr(Trainer, "train_step", lambda self, batches, n: original(self, batches[:1], n))

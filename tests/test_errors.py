@@ -30,7 +30,7 @@ from conftest import (
     train_in_process,
 )
 
-from trainer.checkpoint import verify
+from trainer.checkpoint.store import verify
 
 
 def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int = 2) -> None:
@@ -94,7 +94,7 @@ def test_config_mistakes(tmp_path, args, needles):
 
 def test_fp16_on_a_device_that_cannot_run_it():
     from trainer.errors import ConfigError
-    from trainer.precision import FP16
+    from trainer.parallel.precision import FP16
 
     with pytest.raises(ConfigError, match="precision=fp16 is not supported on device type 'mps'"):
         FP16("mps")

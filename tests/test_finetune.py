@@ -43,7 +43,7 @@ def built(corpus, run_dir: Path, *extra: str):
 
 
 def test_pretrained_weights_load_exactly_from_a_run_a_sharded_index_and_a_file(corpus, tmp_path, pretrained):
-    from trainer.export import export_model, file_digests
+    from trainer.models.export import export_model, file_digests
 
     want = load_weights(pretrained / "model.safetensors")
     # The same weights as a Hugging Face model directory: shards and model.safetensors.index.json.
@@ -110,7 +110,7 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_to_the_same_run(c
     from safetensors.torch import save_file
 
     from trainer import compose, train
-    from trainer.checkpoint import read
+    from trainer.checkpoint.store import read
     from trainer.errors import CheckpointError
 
     base = tmp_path / "base.safetensors"

@@ -36,7 +36,7 @@ def test_load_refuses_a_model_config_that_runs_code(reference, tmp_path):
 
 
 def test_eval_reports_the_final_checkpoints_metrics(reference, capsys):
-    from trainer.commands import evaluate
+    from trainer.entry.commands import evaluate
 
     assert evaluate([str(reference)]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -48,8 +48,8 @@ def test_eval_reports_the_final_checkpoints_metrics(reference, capsys):
 
 def test_eval_reports_a_failed_worker_once_without_the_launchers_traceback(reference, capsys, monkeypatch):
     """A worker of a several-process eval that fails: its own message, its exit code, no traceback."""
-    from trainer import launcher
-    from trainer.commands import evaluate
+    from trainer.entry import launcher
+    from trainer.entry.commands import evaluate
 
     def fails(cfg, run_dir, entry):
         raise launcher.WorkerFailed(1, 3, "error: non-finite loss on rank 1")
@@ -69,7 +69,7 @@ def test_eval_reports_a_failed_worker_once_without_the_launchers_traceback(refer
 @pytest.mark.slow
 def test_eval_on_two_processes_of_another_checkpoint_with_other_eval_settings(reference, corpus, tmp_path):
     """checkpoint=PATH (step 8), 2 ranks, the first 20 val samples: equal to one process's eval of the same."""
-    from trainer.commands import evaluate
+    from trainer.entry.commands import evaluate
 
     step8 = reference / "checkpoints" / "step_00000008"
     r = run_cli("eval", str(reference), f"checkpoint={step8}", "world=ddp", "world.nproc_per_node=2",
@@ -134,3 +134,39 @@ def test_a_hugging_face_model_gets_its_config_json(corpus, tmp_path):
     train(compose(tiny_overrides(corpus, "trainer.max_steps=2", "model._target_=hf_like.HFLike")), tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "hf-like"
     assert SHARED  # (the shared schedule is not needed here)
+
+
+OLD_PATHS = {"trainer.parallel.precision.": "trainer.precision.", "trainer.parallel.": "trainer.strategies.",
+             "trainer.loop.schedule.": "trainer.schedule."}
+
+
+def test_a_run_dir_written_before_the_modules_moved_still_loads_and_compares_equal(reference, tmp_path):
+    """Run dirs saved `_target_: trainer.precision.BF16` before trainer's modules became packages: reading one
+    upgrades its paths, so load works and resume=auto's comparison sees no changed setting."""
+    import shutil
+
+    import yaml
+
+    import trainer
+    from trainer.checkpoint.settings import read_config
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    new_text = (run / "config.yaml").read_text()
+    old_text = new_text
+    for new, old in OLD_PATHS.items():
+        old_text = old_text.replace(f": {new}", f": {old}")
+    assert old_text.count("trainer.precision.") == 1 and old_text.count("trainer.strategies.") == 1
+    (run / "config.yaml").write_text(old_text)
+    assert read_config(run / "config.yaml") == yaml.safe_load(new_text)
+    model, weights = trainer.load(run), load_weights(reference / "model.safetensors")
+    assert all(torch.equal(model.state_dict()[k], weights[k]) for k in weights)
+
+
+def test_a_config_naming_a_moved_path_is_told_the_new_one(tmp_path):
+    r = run_main("debug=smoke", "precision._target_=trainer.precision.BF16", f"hydra.run.dir={tmp_path / 'run'}",
+                 cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: precision._target_='trainer.precision.BF16' moved to "
+                               "'trainer.parallel.precision.BF16'"), r.stderr
+    assert not (tmp_path / "run").exists()

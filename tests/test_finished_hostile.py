@@ -162,7 +162,7 @@ def test_a_hostile_run_dir_is_one_paragraph(runs, tmp_path, case):
 def test_eval_skips_a_checkpoint_that_is_a_symbolic_link(runs, tmp_path, capsys):
     """checkpoint=latest evaluates the newest of the run's own checkpoints (saying which link it skipped);
     checkpoint=best refuses a link."""
-    from trainer.finished import checkpoint_of
+    from trainer.inference.finished import checkpoint_of
 
     run, other = copy_of(runs, "lm", tmp_path), tmp_path / "other"
     shutil.copytree(run / "checkpoints" / "step_00000002", other / "step_00000009")

@@ -40,8 +40,8 @@ def test_sharded_init_of_a_hugging_face_pattern_model_equals_one_process(corpus,
     torch.nn.init wrappers, marks, children first) draws what one process draws."""
     from hf_like import HFLikeConfig, HFLikeForCausalLM
 
-    from trainer.strategies import seed_everything
-    from trainer.strategies.materialize import forget_initialization
+    from trainer.parallel import seed_everything
+    from trainer.parallel.materialize import forget_initialization
 
     one = built_weights(tiny_overrides(corpus, *HF_LIKE), tmp_path / "one")
     sharded = built_weights(tiny_overrides(corpus, *HF_LIKE, "world=fsdp", "world.nproc_per_node=1"), tmp_path / "fsdp")
@@ -119,7 +119,7 @@ def test_every_style_of_transformers_is_mapped_or_explained(transformers):
     import transformers.distributed.expert_parallel  # noqa: F401  (registers its styles on import)
     from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
-    from trainer.strategies.tensor_parallel import STYLES, UNMAPPED
+    from trainer.parallel.tensor_parallel import STYLES, UNMAPPED
 
     assert set(ALL_PARALLEL_STYLES) <= set(STYLES) | set(UNMAPPED)
 

@@ -1,4 +1,4 @@
-"""Hugging Face `datasets` files and a `tokenizers` tokenizer.json (data=hf_text, trainer/hf_data.py; the hf-data
+"""Hugging Face `datasets` files and a `tokenizers` tokenizer.json (data=hf_text, trainer/data/hf_data.py; the hf-data
 extra): tokenised once into a memmap keyed by the data's and the tokenizer's fingerprints, the same tokens from every
 file format (and data=text's bytes without a tokenizer), the lm recipe's task training on them unchanged, and bad
 input as one paragraph naming file and line, with no cache left half-written. The tokenizer is trained here, on the
@@ -48,7 +48,7 @@ def hf(files, *extra: str) -> list[str]:
 
 
 def build(overrides: list[str]):
-    from trainer.run import build_data
+    from trainer.entry.run import build_data
 
     return build_data(compose_cfg(overrides).data)
 
@@ -88,7 +88,7 @@ def test_without_a_tokenizer_the_tokens_are_data_texts_bytes(files, tmp_path):
 
 
 def test_tokenised_once_and_rebuilt_when_the_data_or_the_tokenizer_changes(files, monkeypatch, tmp_path):
-    from trainer import hf_data
+    from trainer.data import hf_data
 
     data = tmp_path / "docs.jsonl"
     data.write_bytes(files["jsonl"].read_bytes())

@@ -16,7 +16,7 @@ COMMON = ("scheduler=constant", "trainer.log_every=5", "checkpoint.every_n_steps
 @pytest.fixture
 def trainers(monkeypatch) -> list:
     """Every Trainer whose fit() runs in this test, for a look at its state after the run."""
-    from trainer.trainer import Trainer
+    from trainer.loop.trainer import Trainer
 
     seen, fit = [], Trainer.fit
 
@@ -62,8 +62,8 @@ READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
 @pytest.mark.parametrize("check", ["step", "log"])
 def test_log_check_reads_nothing_from_the_device_between_log_steps(corpus, tmp_path, trainers, monkeypatch, check):
     """Every Python-level read of a tensor's value, tagged with the step it happened in."""
-    from trainer.data import GlobalBatchSampler
-    from trainer.trainer import Trainer
+    from trainer.data.sampling import GlobalBatchSampler
+    from trainer.loop.trainer import Trainer
 
     reads: list[tuple[str, int]] = []  # (where, trainer.step at the time)
     phase = ["loop"]
@@ -112,7 +112,7 @@ def test_log_check_refuses_what_it_cannot_do(corpus, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_no_device_sync_between_log_steps_on_cuda(corpus, tmp_path, monkeypatch):
     """`auto` on CUDA: torch raises on any synchronizing call inside the steps between log steps."""
-    from trainer.trainer import Trainer
+    from trainer.loop.trainer import Trainer
 
     original = Trainer.train_step
 
@@ -130,10 +130,10 @@ def test_no_device_sync_between_log_steps_on_cuda(corpus, tmp_path, monkeypatch)
 
 
 def test_guard_skips_on_the_device_names_the_first_bad_step_and_recovers_after_a_caught_stop():
-    from trainer.backend import Backend
     from trainer.errors import NonFiniteError
-    from trainer.nonfinite import NonFiniteGuard
-    from trainer.precision import FP32
+    from trainer.loop.nonfinite import NonFiniteGuard
+    from trainer.parallel.backend import Backend
+    from trainer.parallel.precision import FP32
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)

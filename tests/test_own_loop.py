@@ -235,7 +235,7 @@ def test_the_loader_is_one_global_stream_and_a_resumed_epoch_ends_where_it_would
     batches of 4 (2 micro-batches of 2) is 3 steps; a loader restored in the middle of an epoch finishes that epoch."""
     from torch.utils.data import TensorDataset
 
-    from trainer.data import GlobalBatchSampler
+    from trainer.data.sampling import GlobalBatchSampler
 
     data = TensorDataset(torch.arange(10))
     loader = rt.loader(data, batch_size=2)

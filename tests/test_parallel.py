@@ -127,7 +127,7 @@ def test_a_pickle_planted_in_a_shard_never_runs(tmp_path, fsdp_reference, corpus
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(fsdp_reference / "checkpoints" / "step_00000008", ckpt)
-    from trainer.checkpoint import sha256
+    from trainer.checkpoint.store import sha256
 
     bad = ckpt / "model.rank00001.safetensors"
     bad.write_bytes(pickle.dumps({"x": Payload()}))
@@ -163,9 +163,9 @@ def _traps(rank: int, world: int, store: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from trainer.parallel.strategy import clip_grad_norm_across_meshes
+    from trainer.parallel.tensor_parallel import parallelize
     from trainer.recipes.lm.model import GPT
-    from trainer.strategies.base import clip_grad_norm_across_meshes
-    from trainer.strategies.tensor_parallel import parallelize
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)

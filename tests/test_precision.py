@@ -12,7 +12,7 @@ from conftest import compose_cfg, series, tiny_overrides, train_in_process
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from trainer import precision as P
+from trainer.parallel import precision as P
 
 
 def no_probe() -> float:
@@ -67,7 +67,7 @@ def test_resolve_auto_writes_the_concrete_mode_and_why(corpus, monkeypatch, choi
     assert line == f"precision=auto: {choice} (because of a test)"
     assert cfg.precision._target_ == P.AUTO_TARGET  # the caller's config is left as it was
     node = resolved.precision
-    assert node._target_ == f"trainer.precision.{target}" and node.reason == "precision=auto: because of a test"
+    assert node._target_ == f"trainer.parallel.precision.{target}" and node.reason == "precision=auto: because of a test"
     if choice == "fp16":  # with precision=fp16's loss scaler settings
         assert (node.init_scale, node.growth_interval) == (65536.0, 2000)
     else:
@@ -80,8 +80,8 @@ def test_resolve_auto_writes_the_concrete_mode_and_why(corpus, monkeypatch, choi
 def test_recipes_and_debug_smoke_pick_their_precision():
     assert compose_cfg([]).precision._target_ == P.AUTO_TARGET
     assert compose_cfg(["recipe=lm"]).precision._target_ == P.AUTO_TARGET
-    assert compose_cfg(["recipe=diffusion"]).precision._target_ == "trainer.precision.FP32"
-    assert compose_cfg(["debug=smoke"]).precision._target_ == "trainer.precision.FP32"
+    assert compose_cfg(["recipe=diffusion"]).precision._target_ == "trainer.parallel.precision.FP32"
+    assert compose_cfg(["debug=smoke"]).precision._target_ == "trainer.parallel.precision.FP32"
 
 
 def test_a_run_with_auto_prints_and_records_its_choice(corpus, tmp_path, capsys):
@@ -127,7 +127,7 @@ def test_resume_in_another_mode_works_and_says_so(corpus, tmp_path, capsys, trai
 
 
 def test_fp16_resume_restores_the_loss_scaler(corpus, tmp_path, capsys, trained):
-    from trainer.run import build
+    from trainer.entry.run import build
 
     saved = json.loads((trained["fp16"] / "state.json").read_text())["precision"]
     assert saved["name"] == "fp16" and len(saved["scaler"]) == 1
@@ -154,16 +154,16 @@ def test_mfu_stays_below_one_in_every_mode_on_this_cpu(corpus, tmp_path, capsys,
 
 
 def test_a_cpu_peak_is_the_faster_of_fp32_and_the_run_dtype(monkeypatch):
-    from trainer import metrics
+    from trainer.parallel import hardware
 
     threads = torch.get_num_threads()
-    assert metrics.cpu_matmul_tflops(torch.bfloat16, size=64, seconds=0.001) > 0
+    assert hardware.cpu_matmul_tflops(torch.bfloat16, size=64, seconds=0.001) > 0
     assert torch.get_num_threads() == threads  # the one-thread probe gives the threads back
     speed = {torch.float32: 0.1, torch.bfloat16: 0.4, torch.float16: 0.002}  # TFLOP/s of one thread, as here
-    monkeypatch.setattr(metrics, "cpu_matmul_tflops", lambda dtype, **probe: speed[dtype])
-    assert metrics.cpu_peak_tflops(torch.float16) == pytest.approx(threads * 0.1)  # emulated: against fp32
-    assert metrics.cpu_peak_tflops(torch.bfloat16) == pytest.approx(threads * 0.4)
-    assert metrics.cpu_peak_tflops(torch.float32) == pytest.approx(threads * 0.1)
+    monkeypatch.setattr(hardware, "cpu_matmul_tflops", lambda dtype, **probe: speed[dtype])
+    assert hardware.cpu_peak_tflops(torch.float16) == pytest.approx(threads * 0.1)  # emulated: against fp32
+    assert hardware.cpu_peak_tflops(torch.bfloat16) == pytest.approx(threads * 0.4)
+    assert hardware.cpu_peak_tflops(torch.float32) == pytest.approx(threads * 0.1)
 
 
 def test_emulated_bf16_gets_a_note(monkeypatch):

@@ -1,12 +1,12 @@
-"""Reading a rank's part of a pretrained tensor (trainer/pretrained.py `read_part`): the box of the whole tensor,
+"""Reading a rank's part of a pretrained tensor (trainer/models/pretrained.py `read_part`): the box of the whole tensor,
 read without ever holding the whole tensor of a split layer."""
 
 from __future__ import annotations
 
 import torch
 
-from trainer import tensorfile
-from trainer.pretrained import read_part
+from trainer.checkpoint import tensorfile
+from trainer.models.pretrained import read_part
 
 
 class CountingReader:

@@ -1,11 +1,11 @@
 """Every command and code block in the README works as written (issue 16.2), so the README cannot drift.
 
 `test_readme_walkthrough` follows the README top to bottom in one fresh directory, as a new user would:
-each single-process command runs through the real CLI (`trainer.cli.main`, in this process to save an
+each single-process command runs through the real CLI (`trainer.entry.cli.main`, in this process to save an
 interpreter's start-up per command), with only its length shrunk (`debug=smoke` appended where the README
 trains for minutes); the Python blocks run; the YAML block is written where its first line says. Commands
 that need several processes, machines or services are composed and checked exactly as the CLI does before
-it runs anything (`trainer.cli.precheck`: config groups, keys, types, ranges, imports of every
+it runs anything (`trainer.entry.cli.precheck`: config groups, keys, types, ranges, imports of every
 `_target_`), and the test that runs the same command for real is named in `CHECKED_ONLY`.
 """
 
@@ -83,15 +83,15 @@ def test_the_readme_has_what_the_walkthrough_expects():
 
 def precheck(args: list[str], cwd: Path) -> None:
     """What the CLI checks before it runs anything, without running: a mistake raises UserError."""
-    from trainer.cli import precheck as check
+    from trainer.entry.cli import precheck as check
 
     old = os.getcwd()
     os.chdir(cwd)
     try:
-        if args[0] == "eval":  # trainer/commands.py's evaluate up to its launch
-            from trainer.commands import _run_and_options
-            from trainer.composition import prepare
-            from trainer.finished import checkpoint_of, config_of
+        if args[0] == "eval":  # trainer/entry/commands.py's evaluate up to its launch
+            from trainer.config.compose import prepare
+            from trainer.entry.commands import _run_and_options
+            from trainer.inference.finished import checkpoint_of, config_of
 
             run_dir, opts, overrides = _run_and_options(args[1:], "eval", ("checkpoint",))
             checkpoint_of(run_dir, opts.get("checkpoint", "latest"))
@@ -143,7 +143,7 @@ def test_readme_walkthrough(tmp_path):
 
             if args[:1] == ["tune"]:  # the finders, on the smoke model; on several processes checked as tune does
                 if any(key in command for key in CHECKED_ONLY):
-                    from trainer.tuning import prepare
+                    from trainer.entry.tuning import prepare
 
                     prepare([*args[1:], "debug=smoke"])  # test_user_pitfalls.py runs the finders on 2 ranks
                     continue
@@ -153,7 +153,7 @@ def test_readme_walkthrough(tmp_path):
             if args[:1] == ["launch"]:  # a script of your own (recipes/lm/own_loop.py): shorter, from the repository
                 args = [str(ROOT / a) if a.endswith(".py") else a for a in args]
                 if any(key in command for key in CHECKED_ONLY):  # several processes: test_own_loop.py runs them
-                    from trainer.commands import launch_parts
+                    from trainer.entry.commands import launch_parts
 
                     launch_parts(args[1:])  # the overrides composed and checked, the script found
                     continue

@@ -56,7 +56,7 @@ def _gone_within(pids: list[int], seconds: float) -> list[int]:
 def test_a_sigkilled_launcher_takes_its_workers_with_it_and_frees_the_run_dir(corpus, tmp_path):
     """kill -9 of the launcher used to leave its workers training (re-parented to PID 1) while the printed
     resume command took the lock beside them."""
-    from trainer.rundir import RunDirLock
+    from trainer.entry.rundir import RunDirLock
 
     hold = tmp_path / "hold"
     os.mkfifo(hold)
@@ -85,11 +85,11 @@ def test_a_sigkilled_launcher_takes_its_workers_with_it_and_frees_the_run_dir(co
 def test_a_run_dir_whose_workers_outlived_their_launcher_is_refused(tmp_path):
     """The lock is held for as long as any process of the job can write: a worker's hold on the run dir
     (taken by every worker) keeps a new job out even when the launcher's lock is free."""
+    from trainer.entry.rundir import RunDirLock
     from trainer.errors import ConfigError
-    from trainer.rundir import RunDirLock
 
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from trainer.rundir import hold_as_worker; hold_as_worker(sys.argv[1]); "
+        [sys.executable, "-c", "import sys; from trainer.entry.rundir import hold_as_worker; hold_as_worker(sys.argv[1]); "
          "print('held', flush=True); sys.stdin.read()", str(tmp_path)],
         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -104,7 +104,7 @@ def test_a_run_dir_whose_workers_outlived_their_launcher_is_refused(tmp_path):
 
 def test_a_refused_second_job_leaves_the_running_jobs_run_dir_alone(corpus, tmp_path):
     """The refused job's cleanup used to delete the running job's run dir, .lock and .hydra included."""
-    from trainer.rundir import RunDirLock
+    from trainer.entry.rundir import RunDirLock
 
     run_dir = tmp_path / "run"
     (run_dir / ".hydra").mkdir(parents=True)  # a job that has just started: only the records of its start
@@ -124,8 +124,8 @@ def test_two_jobs_of_the_same_second_get_two_run_dirs(corpus, tmp_path):
     """The default run dir is a timestamp: a second job of the same second moves to `<dir>-2` instead of
     being refused (and never removes the first one's)."""
     from trainer import compose
-    from trainer.cli import _own_run_dir
-    from trainer.rundir import RunDirLock
+    from trainer.entry.cli import _own_run_dir
+    from trainer.entry.rundir import RunDirLock
 
     first = tmp_path / "outputs" / "2026-01-01" / "12-00-00"
     (first / ".hydra").mkdir(parents=True)
@@ -145,7 +145,7 @@ def test_two_jobs_of_the_same_second_get_two_run_dirs(corpus, tmp_path):
 
 
 def test_a_node_refuses_a_run_dir_another_job_holds(corpus, tmp_path):
-    from trainer.rundir import RunDirLock
+    from trainer.entry.rundir import RunDirLock
 
     lock = RunDirLock(tmp_path, job="rdzv=10.0.0.1:29500").acquire()
     try:
@@ -179,7 +179,7 @@ def _copy(run: Path, to: Path) -> Path:
 
 
 def _digests(run_dir: Path) -> dict[str, str]:
-    from trainer.checkpoint import sha256
+    from trainer.checkpoint.store import sha256
 
     return {str(p.relative_to(run_dir)): sha256(p) for p in sorted((run_dir / "checkpoints").rglob("*")) if p.is_file()}
 
@@ -247,7 +247,7 @@ def test_a_damaged_newer_checkpoint_survives_the_fallback_and_the_pruning_after_
     assert r.returncode == 0, r.stderr
     assert "skipping checkpoint" in r.stdout and "It stays on disk" in r.stdout
     assert (run_dir / "checkpoints" / "step_00000008.unreadable" / "state.safetensors").read_bytes() == damaged
-    from trainer.checkpoint import Checkpointer
+    from trainer.checkpoint.store import Checkpointer
 
     assert [p.name for p in Checkpointer(run_dir / "checkpoints").complete()][-2:] == ["step_00000008", "step_00000012"]
 
@@ -258,10 +258,10 @@ def test_resume_auto_finds_its_run_whatever_precision_auto_measured_and_after_ra
     max_steps or learning rate is raised on resume is still the same run."""
     import yaml
 
-    from trainer.rundir import find_run_to_continue
+    from trainer.entry.rundir import find_run_to_continue
 
     config = {"trainer": {"max_steps": 60, "seed": 0}, "optim": {"_target_": "torch.optim.AdamW", "lr": 1e-3},
-              "precision": {"_target_": "trainer.precision.FP32", "reason": "precision=auto: bf16 ran 0.01x as fast"},
+              "precision": {"_target_": "trainer.parallel.precision.FP32", "reason": "precision=auto: bf16 ran 0.01x as fast"},
               "model": {"n_layer": 2}, "resume": None}
     run = tmp_path / "outputs" / "2026-01-01" / "12-00-00"
     (run / "checkpoints" / "step_00000005").mkdir(parents=True)
@@ -279,7 +279,7 @@ def test_resume_auto_finds_its_run_whatever_precision_auto_measured_and_after_ra
 def test_resume_notes_do_not_report_precision_autos_timing_text(tmp_path):
     from omegaconf import OmegaConf
 
-    from trainer.checkpointing import changed_settings
+    from trainer.checkpoint.settings import changed_settings
 
     (tmp_path / "config.yaml").write_text("precision:\n  reason: 'bf16 ran 0.01x'\ntrainer:\n  max_steps: 10\n")
     now = OmegaConf.create({"precision": {"reason": "bf16 ran 0.02x"}, "trainer": {"max_steps": 20}})
@@ -288,7 +288,7 @@ def test_resume_notes_do_not_report_precision_autos_timing_text(tmp_path):
 
 # -- what a run reads must be its own (item 6) --------------------------------------------------------------
 def test_a_symlinked_checkpoint_from_another_run_is_not_one_of_this_runs(stopped, tmp_path):
-    from trainer.checkpoint import Checkpointer
+    from trainer.checkpoint.store import Checkpointer
 
     run_dir = _copy(stopped, tmp_path / "run")
     (run_dir / "checkpoints" / "step_00000099").symlink_to(stopped / "checkpoints" / "step_00000008")
@@ -299,7 +299,7 @@ def test_a_symlinked_checkpoint_from_another_run_is_not_one_of_this_runs(stopped
 def _edit_state(ckpt: Path, change) -> None:
     import json
 
-    from trainer.checkpoint import sha256
+    from trainer.checkpoint.store import sha256
 
     tree = json.loads((ckpt / "state.json").read_text())
     change(tree)
@@ -367,7 +367,7 @@ def test_resume_auto_repairs_an_export_whose_files_changed(damage, corpus, stopp
 
 def test_after_a_stop_signal_the_launcher_says_what_the_workers_really_saved(stopped, tmp_path):
     """It used to say "workers saved a checkpoint" whatever happened (a hung rank saves nothing)."""
-    from trainer.launcher import _newest_checkpoint, _what_was_saved
+    from trainer.entry.launcher import _newest_checkpoint, _what_was_saved
 
     run_dir = _copy(stopped, tmp_path / "run")
     newest = _newest_checkpoint(run_dir)
@@ -383,8 +383,8 @@ def test_a_preemption_right_after_a_periodic_save_does_not_save_that_step_again(
     the job exited 74 ("free disk space") instead of 75, about one time in four under FSDP."""
     from conftest import compose_cfg
 
+    from trainer.entry.run import build
     from trainer.errors import Preempted
-    from trainer.run import build
 
     trainer = build(compose_cfg(tiny_overrides(corpus, *BASE)), tmp_path)
     try:
@@ -407,9 +407,9 @@ def test_a_checkpoint_file_truncated_while_it_is_read_is_an_error_not_sigbus(tmp
     CheckpointError. (In a subprocess: before the fix the signal would have killed pytest.)"""
     script = """
 import os, sys, torch
-from trainer.checkpoint import Checkpointer, read
+from trainer.checkpoint.store import Checkpointer, read
 from trainer.errors import CheckpointError
-from trainer.snapshot import assemble
+from trainer.checkpoint.snapshot import assemble
 path = Checkpointer(sys.argv[1]).save(1, {"w": torch.arange(1 << 20, dtype=torch.float32)}, {"step": 1})
 loaded = read(path)
 os.truncate(path / "model.safetensors", 4096)  # after every check passed
@@ -427,8 +427,8 @@ except CheckpointError as e:
 def test_resume_auto_leaves_the_same_seconds_other_job_alone(tmp_path):
     """resume=auto without a run dir drops its own fresh timestamped dir when it continues an older run; a job
     started in the same second shares that dir, and its records must stay while it holds the lock."""
-    from trainer.cli import _remove_if_free
-    from trainer.rundir import RunDirLock
+    from trainer.entry.cli import _remove_if_free
+    from trainer.entry.rundir import RunDirLock
 
     run_dir = tmp_path / "12-00-00"
     (run_dir / ".hydra").mkdir(parents=True)

@@ -32,7 +32,7 @@ SINGLE = ("data.batch_size=8", *SHARED)  # the `reference` fixture's settings
 
 
 def test_a_second_job_in_a_locked_run_dir_is_refused_naming_the_holder(corpus, tmp_path):
-    from trainer.rundir import RunDirLock
+    from trainer.entry.rundir import RunDirLock
 
     run_dir = tmp_path / "run"
     lock = RunDirLock(run_dir).acquire()  # this test process holds it, as a running job would
@@ -147,7 +147,7 @@ def test_raising_max_steps_on_resume_stretches_the_schedule_and_says_so(corpus, 
                 f"hydra.run.dir={tmp_path}", "resume=auto")  # the CLI: it rewrites the run's config.yaml
     assert r.returncode == 0, r.stderr
     assert "trainer.max_steps: 8 -> 12" in r.stdout and "optim.lr: 0.005 -> 0.002" in r.stdout
-    from trainer.schedule import WarmupCosine
+    from trainer.loop.schedule import WarmupCosine
 
     f = WarmupCosine(total_steps=12, warmup_steps=0, min_lr_ratio=0.1)
     lrs = series(read_metrics(tmp_path), "train/lr")

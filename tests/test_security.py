@@ -1,7 +1,7 @@
 """The config trust model and secrets, through the real CLI.
 
 A config file (`--config-dir`), an override or an interpolation may not name a `_target_` that runs
-commands or code, deserialises, or touches files (trainer/config.py: `refusal`); Hydra's own hooks
+commands or code, deserialises, or touches files (trainer/config/schema.py: `refusal`); Hydra's own hooks
 (callbacks, logging handlers, `hydra.job.env_set`) get the same policy. Each refusal is one paragraph,
 exit 2, before any run dir exists, and the file the target would have touched is left as it was.
 Every attack points at a path under tmp_path, so a regression touches nothing else.
@@ -137,7 +137,7 @@ def test_an_alias_re_exported_elsewhere_is_caught_by_what_it_resolves_to(corpus,
 
 
 def test_the_allow_switch_is_read_from_the_environment_only(corpus, tmp_path, monkeypatch):
-    from trainer.composition import load
+    from trainer.config.compose import load
     from trainer.errors import ConfigError
 
     # (a node whose keys the framework builds as they are: a logger)
@@ -163,7 +163,7 @@ def test_the_allow_switch_is_read_from_the_environment_only(corpus, tmp_path, mo
 def test_the_shipped_configs_pass_the_policy():
     from conftest import compose_cfg
 
-    from trainer.composition import prepare
+    from trainer.config.compose import prepare
 
     choices = ["world=single", "world=ddp", "world=fsdp", "precision=bf16", "precision=fp16", "scheduler=constant",
                "logger=wandb", "data=stdlib"]
@@ -291,7 +291,7 @@ def test_secret_values_in_errors_are_redacted(corpus, tmp_path, secrets):
 
 def test_secret_values_reach_no_tensorboard_config(corpus, tmp_path, secrets):
     pytest.importorskip("tensorboard")
-    pytest.importorskip("trainer.tensorboard_logger")
+    pytest.importorskip("trainer.tracking.tensorboard_logger")
     run_dir = tmp_path / "run"
     r = run_here(*tiny_overrides(corpus, "logger=tensorboard", "trainer.max_steps=2", *SECRET_OVERRIDES[1:3]),
                  f"hydra.run.dir={run_dir}", env=secrets)
@@ -303,7 +303,7 @@ def test_secret_values_reach_no_tensorboard_config(corpus, tmp_path, secrets):
 
 def test_secret_values_reach_no_tensorboard_sample(corpus, tmp_path, secrets):
     pytest.importorskip("tensorboard")
-    pytest.importorskip("trainer.tensorboard_logger")
+    pytest.importorskip("trainer.tracking.tensorboard_logger")
     run_dir = tmp_path / "run"
     r = run_here(*tiny_overrides(corpus, "logger=tensorboard", "trainer.max_steps=2", *SECRET_OVERRIDES[3:]),
                  f"hydra.run.dir={run_dir}", env=secrets)

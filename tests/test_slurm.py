@@ -24,9 +24,9 @@ from conftest import (
 )
 from omegaconf import OmegaConf
 
+from trainer.config.slurm import expand_hosts, first_host, topology
+from trainer.entry.launcher import RendezvousFailed, launch_topology, rendezvous_failed
 from trainer.errors import ConfigError
-from trainer.launcher import RendezvousFailed, launch_topology, rendezvous_failed
-from trainer.slurm import expand_hosts, first_host, topology
 
 
 @pytest.mark.parametrize(("nodelist", "hosts"), [
@@ -72,7 +72,7 @@ def test_topology_from_the_environment():
 
 
 def _world(**keys):
-    return OmegaConf.create({"_target_": "trainer.strategies.DDP", "nproc_per_node": 1, "nnodes": 1,
+    return OmegaConf.create({"_target_": "trainer.parallel.DDP", "nproc_per_node": 1, "nnodes": 1,
                              "node_rank": 0, "rdzv_endpoint": None, **keys})
 
 
@@ -234,7 +234,7 @@ def test_implausible_node_counts_ids_and_ports_are_refused(variable, value):
     ("rdzv_timeout", 0),
 ])
 def test_world_launch_keys_out_of_range_are_refused(key, value):
-    from trainer.config import _validate_world
+    from trainer.config.schema import _validate_world
 
     with pytest.raises(ConfigError, match=rf"world\.{key}=") as err:
         _validate_world(_world(**{key: value}))
@@ -242,7 +242,7 @@ def test_world_launch_keys_out_of_range_are_refused(key, value):
 
 
 def test_endpoints_that_torch_takes_are_accepted():
-    from trainer.config import _validate_world
+    from trainer.config.schema import _validate_world
 
     for endpoint in ("node0:29500", "10.0.0.5:1", "gpu-a07.cluster.local:65535", "[::1]:29500"):
         _validate_world(_world(nnodes=2, rdzv_endpoint=endpoint, rdzv_timeout=30))
@@ -289,7 +289,7 @@ def test_a_node_that_never_comes_ends_the_run_with_one_paragraph(corpus, tmp_pat
 def test_rendezvous_failures_are_explained():
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 
-    from trainer.config import LaunchConfig
+    from trainer.config.schema import LaunchConfig
 
     w = LaunchConfig(nnodes=4, node_rank=0, rdzv_endpoint="node0:29500", rdzv_timeout=600)
     text = str(rendezvous_failed(w, RendezvousTimeoutError()))

@@ -1,4 +1,4 @@
-"""Iterable datasets (trainer/streaming.py): sharding by rank and loader worker, exact O(1) resume, passes, the rules.
+"""Iterable datasets (trainer/data/streaming.py): sharding by rank and loader worker, exact O(1) resume, passes, the rules.
 
 The unit tests read test streams (tests/helpers/stream_data.py, sample = its stream position) as several ranks would, one
 Data per simulated rank in this process, and check global batches against stream positions. The runs train the lm
@@ -25,7 +25,7 @@ from conftest import (
     train_in_process,
 )
 
-from trainer.data import Data
+from trainer.data.sampling import Data
 from trainer.errors import CheckpointError, DataError
 
 CPU = torch.device("cpu")

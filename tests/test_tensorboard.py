@@ -14,7 +14,7 @@ from conftest import DDP2, ROOT, compose_cfg, faulty, read_metrics, run_cli, tin
 from omegaconf import OmegaConf
 
 from trainer.errors import ConfigError
-from trainer.tensorboard_logger import TensorBoardLogger, as_code_block
+from trainer.tracking.tensorboard_logger import TensorBoardLogger, as_code_block
 
 pytest.importorskip("tensorboard")
 
@@ -59,7 +59,7 @@ def test_logger_config_composes_alone_and_beside_wandb(tmp_path):
     for choice in ("logger=tensorboard", "logger=[tensorboard]", "logger=[wandb,tensorboard]"):
         cfg = compose_cfg([choice])
         assert OmegaConf.to_container(cfg.logger.tensorboard) == {
-            "_target_": "trainer.tensorboard_logger.TensorBoardLogger", "dir": None}
+            "_target_": "trainer.tracking.tensorboard_logger.TensorBoardLogger", "dir": None}
     assert list(cfg.logger) == ["wandb", "tensorboard"]
     logger = instantiate(cfg.logger.tensorboard, run_dir=str(tmp_path))
     assert logger.dir == tmp_path / "tensorboard"
@@ -104,7 +104,7 @@ def test_image_samples_are_images(corpus, tmp_path):
     from PIL import Image
 
     from trainer import train
-    from trainer.images import to_hwc_uint8
+    from trainer.tracking.images import to_hwc_uint8
 
     image_task = pytest.importorskip("image_task")  # tests/helpers/image_task.py
     train(compose_cfg(tiny_overrides(corpus, "logger=tensorboard", "trainer.eval_every=10",

@@ -1,6 +1,6 @@
 """Our streamed safetensors writer and mapped reader speak exactly the safetensors format.
 
-Checkpoints are written by `trainer.tensorfile` (hashing while writing) but must stay readable by
+Checkpoints are written by `trainer.checkpoint.tensorfile` (hashing while writing) but must stay readable by
 `safetensors` and Hugging Face, and anything the library writes must load back through our reader.
 """
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save, save_file
 
-from trainer import tensorfile
+from trainer.checkpoint import tensorfile
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -71,7 +71,7 @@ def test_malformed_files_are_refused_with_the_reason(tmp_path, mangle, why):
 
 @pytest.mark.parametrize("damage", ["missing", "directory"])
 def test_a_checkpoint_file_that_cannot_be_read_is_named_not_a_traceback(tmp_path, damage):
-    from trainer.checkpoint import Checkpointer, read, verify
+    from trainer.checkpoint.store import Checkpointer, read, verify
     from trainer.errors import CheckpointError
 
     path = Checkpointer(tmp_path).save(1, {"w": torch.ones(2)}, {"step": torch.tensor(1)})

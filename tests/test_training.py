@@ -49,7 +49,7 @@ def test_schedule_steps_once_per_optimizer_step(corpus, tmp_path):
                               "scheduler=cosine", "scheduler.warmup_steps=4", "scheduler.min_lr_ratio=0.1",
                               "optim.lr=1e-3")
     lrs = series(events, "train/lr")
-    from trainer.schedule import WarmupCosine
+    from trainer.loop.schedule import WarmupCosine
 
     f = WarmupCosine(total_steps=10, warmup_steps=4, min_lr_ratio=0.1)
     # After s optimizer steps the scheduler has stepped s times: the next LR is f(s).

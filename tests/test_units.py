@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from trainer import snapshot
+from trainer.checkpoint import snapshot
 from trainer.errors import CheckpointError, ConfigError
-from trainer.strategies import Strategy
+from trainer.parallel import Strategy
 
 
 def stored(state):
@@ -108,7 +108,7 @@ def test_a_wrap_class_the_model_lacks_is_one_paragraph_naming_its_blocks():
     ("world.tp=0", "world.tp"),
 ])
 def test_config_validation_names_the_key_it_refuses(override, named):
-    """trainer.compose checks the composed config (trainer/config.py) before anything is built."""
+    """trainer.compose checks the composed config (trainer/config/schema.py) before anything is built."""
     import trainer
 
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
@@ -132,7 +132,7 @@ def test_each_file_of_a_checkpoint_is_hashed_by_one_rank_and_a_damaged_one_is_fo
     then agree on that verdict: test_reliability.py's one-rank failure)."""
     from types import SimpleNamespace
 
-    from trainer import checkpoint as ckpt
+    from trainer.checkpoint import store as ckpt
 
     sizes = {"state.safetensors": 700, "model.safetensors": 400, "model-1.safetensors": 300, "state.json": 10}
     shares = [ckpt._share({n: bytes(s) for n, s in sizes.items()}, r, 2) for r in range(2)]
@@ -147,3 +147,48 @@ def test_each_file_of_a_checkpoint_is_hashed_by_one_rank_and_a_damaged_one_is_fo
     ckpt.read(path, rank[0])  # state.safetensors is rank 0's to hash; model.safetensors rank 1's
     with pytest.raises(CheckpointError, match="model.safetensors is corrupted or truncated"):
         ckpt.read(path, rank[1])
+
+
+# The packages of trainer/, lowest first (README, Development: Layout). A module imports only from its own package,
+# from the top-level modules (errors, io, redaction, task, noise) and from the packages below its own.
+LAYERS = ["tracking", "checkpoint", "parallel", "data", "config", "models", "loop", "inference", "entry"]
+
+
+def _imports_of_trainer(path):
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "trainer":
+            names = [f"{node.module}.{a.name}" for a in node.names] if node.module == "trainer" else [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.split(".")[0] == "trainer"]
+        else:
+            continue
+        for name in names:
+            yield node.lineno, name
+
+
+def test_no_module_imports_from_a_package_above_its_own_and_the_top_level_imports_no_package():
+    """Lazy imports included: an import inside a function is still a dependency (and the way cycles hide)."""
+    from pathlib import Path
+
+    import trainer
+
+    root = Path(trainer.__file__).parent
+    rank = {name: i + 1 for i, name in enumerate(LAYERS)}  # a top-level module: 0
+    packages = {p.name for p in root.iterdir() if (p / "__init__.py").is_file()}
+    assert packages == set(LAYERS), "a new package of trainer/ needs its place in LAYERS (and in the README)"
+    upward = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if parts[0] in ("__init__.py", "__main__.py"):  # the public API and `python -m trainer`: above everything
+            continue
+        own = rank.get(parts[0], 0) if len(parts) > 1 else 0
+        for line, name in _imports_of_trainer(path):
+            target = name.split(".")[1]
+            if target in ("recipes", "conf"):
+                continue
+            public_api = target in trainer._EXPORTS  # `from trainer import build`: whatever module it lives in
+            if public_api or rank.get(target, 0) > own:
+                upward.append(f"{path.relative_to(root)}:{line} imports {name}")
+    assert not upward, "\n".join(upward)

@@ -17,7 +17,7 @@ CONF = str(ROOT / "tests" / "conf")
 def test_the_readme_recipe_leaves_precision_to_the_command_line(tmp_path):
     from test_readme import blocks
 
-    from trainer.composition import load
+    from trainer.config.compose import load
 
     (_, recipe), = blocks("yaml")
     where = tmp_path / re.search(r"^# (conf/\S+\.yaml)", recipe, re.M).group(1)
@@ -28,17 +28,17 @@ def test_the_readme_recipe_leaves_precision_to_the_command_line(tmp_path):
     for choice in ("fp32", "bf16", "fp16"):
         cfg = load([f"recipe={name}", f"precision={choice}"], config_dir=str(tmp_path / "conf"), targets=False)
         targets[choice] = cfg.precision._target_
-    assert targets == {"fp32": "trainer.precision.FP32", "bf16": "trainer.precision.BF16",
-                       "fp16": "trainer.precision.FP16"}
+    assert targets == {"fp32": "trainer.parallel.precision.FP32", "bf16": "trainer.parallel.precision.BF16",
+                       "fp16": "trainer.parallel.precision.FP16"}
     assert load([f"recipe={name}"], config_dir=str(tmp_path / "conf"), targets=False).precision._target_ == \
-        "trainer.precision.FP32"  # the recipe's own choice
+        "trainer.parallel.precision.FP32"  # the recipe's own choice
 
 
 def test_a_group_option_an_inline_node_hides_is_one_paragraph(tmp_path):
-    from trainer.composition import load
+    from trainer.config.compose import load
     from trainer.errors import ConfigError
 
-    # tests/conf/recipe/classify.yaml sets `precision: {_target_: trainer.precision.FP32}` inline.
+    # tests/conf/recipe/classify.yaml sets `precision: {_target_: trainer.parallel.precision.FP32}` inline.
     with pytest.raises(ConfigError, match=r"precision=bf16 .*override /precision"):
         load(["recipe=classify", "precision=bf16"], config_dir=CONF)
     r = run_main("--config-dir", CONF, "recipe=classify", "precision=fp16", cwd=tmp_path)
@@ -46,11 +46,11 @@ def test_a_group_option_an_inline_node_hides_is_one_paragraph(tmp_path):
     assert "init_scale" not in r.stderr and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
     assert not (tmp_path / "outputs").exists()
     # What the inline node says itself, and an option equal to it, are no conflict.
-    assert load(["recipe=classify", "precision=fp32"], config_dir=CONF).precision._target_ == "trainer.precision.FP32"
-    assert load(["debug=smoke", "precision=bf16"]).precision._target_ == "trainer.precision.BF16"
-    assert load(["precision=fp16", "debug=smoke", "precision=bf16"]).precision._target_ == "trainer.precision.BF16"
-    assert load(["precision=bf16", "precision._target_=trainer.precision.FP32"]).precision._target_ == \
-        "trainer.precision.FP32"  # a _target_ set on purpose after the option
+    assert load(["recipe=classify", "precision=fp32"], config_dir=CONF).precision._target_ == "trainer.parallel.precision.FP32"
+    assert load(["debug=smoke", "precision=bf16"]).precision._target_ == "trainer.parallel.precision.BF16"
+    assert load(["precision=fp16", "debug=smoke", "precision=bf16"]).precision._target_ == "trainer.parallel.precision.BF16"
+    assert load(["precision=bf16", "precision._target_=trainer.parallel.precision.FP32"]).precision._target_ == \
+        "trainer.parallel.precision.FP32"  # a _target_ set on purpose after the option
 
 
 # -- 32.3: the habits people bring ---------------------------------------------------------------------------
@@ -72,7 +72,7 @@ def _suggested_command(stderr: str) -> list[str]:
     (["--gradient_accumulation_steps", "4"], "trainer.grad_accum_steps=4"),
 ])
 def test_accelerate_and_torchrun_flags_name_the_override(tmp_path, flags, says):
-    from trainer.cli import precheck
+    from trainer.entry.cli import precheck
 
     r = run_main(*flags, "debug=smoke", cwd=tmp_path)
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and r.stderr.startswith("error: "), r.stderr
@@ -103,7 +103,7 @@ def test_world_wrap_advice_names_the_models_own_blocks():
     import torch.nn as nn
 
     from trainer.errors import ConfigError
-    from trainer.strategies import FSDP
+    from trainer.parallel import FSDP
 
     class LlamaDecoderLayer(nn.Module):
         def __init__(self):
@@ -123,8 +123,8 @@ def test_world_wrap_advice_names_the_models_own_blocks():
 
 
 def test_an_eval_override_mistake_names_the_override(tmp_path):
-    from trainer.composition import load
-    from trainer.run import save_config
+    from trainer.config.compose import load
+    from trainer.entry.run import save_config
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -137,7 +137,7 @@ def test_an_eval_override_mistake_names_the_override(tmp_path):
 
 
 def test_an_equals_sign_in_a_value_names_the_key_and_the_quoting(tmp_path):
-    from trainer.cli import precheck
+    from trainer.entry.cli import precheck
 
     r = run_main("debug=smoke", "hydra.run.dir=runs/lr=1e-3", cwd=tmp_path)
     assert r.returncode == 2 and "hydra.run.dir" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
@@ -163,7 +163,7 @@ def test_max_epochs_with_max_steps_null_is_max_epochs(small_corpus, tmp_path, ca
     assert with_null[-1]["step"] == steps == per_epoch
     # How the last, partial global batch of an epoch is handled: completed from the next epoch's order.
     assert f"{steps * batch} samples" in said and "from the next epoch" in said, said
-    from trainer.data import GlobalBatchSampler
+    from trainer.data.sampling import GlobalBatchSampler
 
     sampler = GlobalBatchSampler(samples, batch, seed=0)
     stream = sampler.indices(0, steps * batch)
@@ -172,7 +172,7 @@ def test_max_epochs_with_max_steps_null_is_max_epochs(small_corpus, tmp_path, ca
 
 
 def test_max_steps_null_needs_max_epochs():
-    from trainer.composition import load
+    from trainer.config.compose import load
     from trainer.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"trainer.max_steps=None .*trainer.max_epochs"):
@@ -196,7 +196,7 @@ def _loaded_for_one_call(monkeypatch, slow_dtype):
     `slow_dtype` (a 100x slower reading), and steady otherwise: fp32 1.0, other dtypes 2.0 TFLOP/s."""
     import torch
 
-    import trainer.metrics
+    import trainer.parallel.hardware
 
     calls = []
 
@@ -205,7 +205,7 @@ def _loaded_for_one_call(monkeypatch, slow_dtype):
         steady = 1.0 if dtype == torch.float32 else 2.0
         return steady / 100 if dtype == slow_dtype and calls.count(dtype) == 1 else steady
 
-    monkeypatch.setattr(trainer.metrics, "cpu_matmul_tflops", probe)
+    monkeypatch.setattr(trainer.parallel.hardware, "cpu_matmul_tflops", probe)
     return calls
 
 
@@ -213,7 +213,7 @@ def _loaded_for_one_call(monkeypatch, slow_dtype):
 def test_the_precision_probe_repeats_and_keeps_its_best(monkeypatch, slow):
     import torch
 
-    from trainer.precision import matmul_speedup
+    from trainer.parallel.precision import matmul_speedup
 
     calls = _loaded_for_one_call(monkeypatch, getattr(torch, slow))
     assert matmul_speedup(torch.bfloat16) == 2.0  # the steady ratio, whichever dtype's call was disturbed
@@ -223,7 +223,7 @@ def test_the_precision_probe_repeats_and_keeps_its_best(monkeypatch, slow):
 def test_the_cpu_peak_probe_repeats_and_keeps_its_best(monkeypatch):
     import torch
 
-    from trainer.metrics import cpu_peak_tflops
+    from trainer.parallel.hardware import cpu_peak_tflops
 
     _loaded_for_one_call(monkeypatch, torch.float32)
     assert cpu_peak_tflops(torch.float32) == torch.get_num_threads() * 1.0
@@ -232,11 +232,11 @@ def test_the_cpu_peak_probe_repeats_and_keeps_its_best(monkeypatch):
 def test_mfu_never_exceeds_1_when_the_peak_was_measured_low(monkeypatch, capsys):
     import torch
 
-    import trainer.metrics
-    from trainer.metrics import Cost
+    import trainer.loop.metrics
+    from trainer.loop.metrics import Cost
 
     # A probe that ran while the machine was busy: a peak far below what the run then achieves.
-    monkeypatch.setattr(trainer.metrics, "cpu_peak_tflops", lambda dtype: 1e-6)
+    monkeypatch.setattr(trainer.loop.metrics, "cpu_peak_tflops", lambda dtype: 1e-6)
     cost = Cost(torch.nn.Linear(100, 100), torch.device("cpu"), torch.float32, None)
     fast = 10e12 / cost.flops_per_target  # 10 TFLOP/s worth of targets per second
     assert cost.metrics(fast)["train/mfu"] == 1.0  # the run's own throughput is a peak it has reached
@@ -286,7 +286,7 @@ def test_an_unsupported_dataset_stops_a_ddp_run_before_its_workers(tmp_path):
 def test_machine_defaults_are_what_the_same_overrides_give(tmp_path, monkeypatch):
     from conftest import run_here
 
-    from trainer.composition import load
+    from trainer.config.compose import load
 
     monkeypatch.setenv("TRAINER_CONFIG_HOME", str(tmp_path / "home"))
     saved = ("world=ddp", "world.nproc_per_node=2", "precision=bf16", "checkpoint.keep_last=1")
@@ -341,7 +341,7 @@ def test_a_machine_default_mistake_writes_nothing(tmp_path, monkeypatch, setting
 def test_machine_defaults_hold_beside_a_config_dir(tmp_path, monkeypatch):
     from conftest import run_here
 
-    from trainer.composition import load
+    from trainer.config.compose import load
 
     monkeypatch.setenv("TRAINER_CONFIG_HOME", str(tmp_path / "home"))
     assert run_here("config", "checkpoint.keep_last=1", cwd=tmp_path).returncode == 0

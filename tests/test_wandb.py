@@ -14,7 +14,7 @@ from conftest import compose_cfg, read_metrics, run_cli, tiny_overrides
 from omegaconf import OmegaConf
 from wandb_reader import config, history, media_path, records, run_id, run_ids, summary
 
-from trainer.wandb_logger import WandbLogger, has_credentials
+from trainer.tracking.wandb_logger import WandbLogger, has_credentials
 
 FAKE_KEY = "secret123" + "0" * 40  # a well-formed API key: wandb rejects malformed ones early
 
@@ -58,7 +58,7 @@ def test_logger_config_composes(tmp_path):
     for choice in ("logger=wandb", "logger=[wandb]", "logger=[none,wandb]"):
         cfg = compose_cfg([choice, "logger.wandb.tags=[a,b]"])
         assert OmegaConf.to_container(cfg.logger) == {"wandb": {
-            "_target_": "trainer.wandb_logger.WandbLogger", "project": "trainer", "entity": None,
+            "_target_": "trainer.tracking.wandb_logger.WandbLogger", "project": "trainer", "entity": None,
             "name": None, "group": None, "tags": ["a", "b"], "mode": None, "dir": None}}
     logger = instantiate(cfg.logger.wandb, run_dir=str(tmp_path))
     assert isinstance(logger, WandbLogger) and logger.dir == tmp_path and logger.run is None

@@ -1,4 +1,4 @@
-"""The hang watchdog (trainer/watchdog.py): when no rank makes progress for world.hang_timeout seconds, every
+"""The hang watchdog (trainer/loop/watchdog.py): when no rank makes progress for world.hang_timeout seconds, every
 rank's stack is collected, one paragraph names the rank that is missing and where each rank waits, and the
 job exits with HangDetected.exit_code (70)."""
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import FAULTY_ENV, ROOT, compose_cfg, faulty, run_cli, run_main, tiny_overrides
 
-from trainer import watchdog
 from trainer.errors import HangDetected
-from trainer.watchdog import Frame
+from trainer.loop import watchdog
+from trainer.loop.watchdog import Frame
 
 SITE = sysconfig.get_paths()["purelib"]
 STDLIB = sysconfig.get_paths()["stdlib"]
@@ -71,7 +71,7 @@ def test_a_single_process_that_hangs_reports_its_own_stack(corpus, tmp_path):
 # -- the configuration ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("value", ["0", "null"])
 def test_zero_or_null_switches_the_watch_off(value, corpus):
-    from trainer.config import launch_config
+    from trainer.config.schema import launch_config
 
     cfg = compose_cfg(tiny_overrides(corpus, "world=ddp", f"world.hang_timeout={value}"))
     timeout = launch_config(cfg.world).hang_timeout
@@ -84,7 +84,7 @@ def test_zero_or_null_switches_the_watch_off(value, corpus):
 
 
 def test_the_default_is_on():
-    from trainer.config import LaunchConfig
+    from trainer.config.schema import LaunchConfig
 
     assert LaunchConfig().hang_timeout == 600
     watch = watchdog.start(600, None)
@@ -119,43 +119,43 @@ def _std(path: str, line: int, func: str) -> Frame:
     return Frame(f"{STDLIB}/{path}", line, func, path[:-3].replace("/", "."))
 
 
-OUTER = [_std("runpy.py", 198, "_run_module_as_main"), _user("trainer/worker.py", 80, "<module>", "__main__"),
-         _user("trainer/run.py", 480, "train", "trainer.run"), _user("trainer/trainer.py", 290, "fit", "trainer.trainer")]
-IN_ALL_REDUCE = [*OUTER, _user("trainer/trainer.py", 98, "sync_counts", "trainer.trainer"),
-                 _user("trainer/backend.py", 150, "all_reduce", "trainer.backend"),
+OUTER = [_std("runpy.py", 198, "_run_module_as_main"), _user("trainer/entry/worker.py", 80, "<module>", "__main__"),
+         _user("trainer/entry/run.py", 480, "train", "trainer.entry.run"), _user("trainer/loop/trainer.py", 290, "fit", "trainer.loop.trainer")]
+IN_ALL_REDUCE = [*OUTER, _user("trainer/loop/trainer.py", 98, "sync_counts", "trainer.loop.trainer"),
+                 _user("trainer/parallel/backend.py", 150, "all_reduce", "trainer.parallel.backend"),
                  _torch("distributed/c10d_logger.py", 81, "wrapper"),
                  _torch("distributed/distributed_c10d.py", 2806, "all_reduce")]
-IN_BACKWARD = [*OUTER, _user("trainer/trainer.py", 130, "train_step", "trainer.trainer"),
-               _user("trainer/precision.py", 45, "backward", "trainer.precision"),
+IN_BACKWARD = [*OUTER, _user("trainer/loop/trainer.py", 130, "train_step", "trainer.loop.trainer"),
+               _user("trainer/parallel/precision.py", 45, "backward", "trainer.parallel.precision"),
                _torch("_tensor.py", 626, "backward"), _torch("autograd/__init__.py", 347, "backward"),
                _torch("autograd/graph.py", 823, "_engine_run_backward")]
 IN_LOADER = [*OUTER, _torch("utils/data/dataloader.py", 701, "__next__"),
              _torch("utils/data/dataloader.py", 1448, "_next_data"), _std("multiprocessing/queues.py", 113, "get"),
              _std("threading.py", 331, "wait")]
-IN_USER_CODE = [*OUTER, _user("trainer/trainer.py", 118, "train_step", "trainer.trainer"),
+IN_USER_CODE = [*OUTER, _user("trainer/loop/trainer.py", 118, "train_step", "trainer.loop.trainer"),
                 _user("tests/helpers/faulty.py", 62, "loss", "faulty")]
 
 
 def test_a_rank_in_a_torch_distributed_call_waits_in_that_collective():
     place = watchdog.where(IN_ALL_REDUCE)
     assert place.collective and place.what == "torch.distributed all_reduce", place
-    assert place.caller == "trainer/backend.py:150 in all_reduce, from trainer/trainer.py:98 in sync_counts", place
+    assert place.caller == "trainer/parallel/backend.py:150 in all_reduce, from trainer/loop/trainer.py:98 in sync_counts", place
 
 
 def test_a_distributed_rank_in_backward_waits_in_the_gradient_all_reduce():
     place = watchdog.where(IN_BACKWARD, distributed=True)
     assert place.collective and "backward" in place.what, place
-    assert "trainer/trainer.py:130 in train_step" in place.caller, place
+    assert "trainer/loop/trainer.py:130 in train_step" in place.caller, place
     assert not watchdog.where(IN_BACKWARD, distributed=False).collective  # one process: backward is just slow
 
 
 def test_a_rank_elsewhere_is_stuck_at_its_innermost_frame_outside_libraries():
     place = watchdog.where(IN_USER_CODE)
     assert not place.collective
-    assert place.what == "tests/helpers/faulty.py:62 in loss" and place.caller == "trainer/trainer.py:118 in train_step", place
+    assert place.what == "tests/helpers/faulty.py:62 in loss" and place.caller == "trainer/loop/trainer.py:118 in train_step", place
     place = watchdog.where(IN_LOADER)
     assert not place.collective
-    assert place.what == "trainer/trainer.py:290 in fit, calling torch/utils/data/dataloader.py:701 in __next__", place
+    assert place.what == "trainer/loop/trainer.py:290 in fit, calling torch/utils/data/dataloader.py:701 in __next__", place
 
 
 def _record(rank: int, frames: list[Frame], world_size: int = 2) -> dict:
@@ -166,9 +166,9 @@ def test_the_paragraph_names_the_missing_rank_and_where_the_others_wait():
     text = watchdog.paragraph([_record(0, IN_ALL_REDUCE), _record(1, IN_USER_CODE)], ranks=[0, 1], timeout=3,
                               stacks="RUN/hang_stacks.txt")
     assert text.startswith("error: ") and "\n" not in text
-    assert ("rank 1 is stuck in tests/helpers/faulty.py:62 in loss (not in a collective; called from trainer/trainer.py:118 "
+    assert ("rank 1 is stuck in tests/helpers/faulty.py:62 in loss (not in a collective; called from trainer/loop/trainer.py:118 "
             "in train_step)") in text, text
-    assert "rank 0 waits in torch.distributed all_reduce called from trainer/backend.py:150" in text
+    assert "rank 0 waits in torch.distributed all_reduce called from trainer/parallel/backend.py:150" in text
     assert "world.hang_timeout=3" in text and "RUN/hang_stacks.txt" in text
 
 
@@ -180,7 +180,7 @@ def test_the_paragraph_groups_ranks_and_names_those_that_left_no_stack():
 
 
 def test_ranks_in_different_collectives_are_said_to_be_so():
-    other = [*OUTER, _user("trainer/backend.py", 160, "broadcast_object", "trainer.backend"),
+    other = [*OUTER, _user("trainer/parallel/backend.py", 160, "broadcast_object", "trainer.parallel.backend"),
              _torch("distributed/distributed_c10d.py", 3300, "broadcast_object_list"),
              _torch("distributed/distributed_c10d.py", 2700, "broadcast")]
     text = watchdog.paragraph([_record(0, IN_ALL_REDUCE), _record(1, other)], ranks=[0, 1], timeout=3, stacks="S")

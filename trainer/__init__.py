@@ -6,10 +6,10 @@ Public API (imported lazily so `python -m trainer --help` does not pay for torch
     build_data(cfg.data)      the (train, val) datasets a config's `data` section builds
     train(cfg, run_dir)       build, resume, fit and export
     load(run_dir, ema=False)  a finished run's model with its weights; with device_map=, max_memory=,
-                              offload_dir= placed over the GPUs, the CPU and disk (trainer/device_map.py)
+                              offload_dir= placed over the GPUs, the CPU and disk (trainer/inference/device_map.py)
     Trainer                   the loop, for use without Hydra
     Runtime                   the framework under a loop of your own (setup, accumulate, backward, step,
-                              save_state, ...; trainer/runtime.py): what the Trainer itself runs on
+                              save_state, ...; trainer/loop/runtime.py): what the Trainer itself runs on
     main_process_first()      run a block on the main process first (caches), then the rest
     is_main_process(), barrier(), broadcast_from_main(obj)
 """
@@ -19,18 +19,18 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "compose": "trainer.composition",
-    "build": "trainer.run",
-    "build_data": "trainer.run",
-    "train": "trainer.run",
-    "load": "trainer.finished",
-    "Trainer": "trainer.trainer",
-    "Runtime": "trainer.runtime",
-    "Backend": "trainer.backend",
-    "main_process_first": "trainer.backend",
-    "is_main_process": "trainer.backend",
-    "barrier": "trainer.backend",
-    "broadcast_from_main": "trainer.backend",
+    "compose": "trainer.config.compose",
+    "build": "trainer.entry.run",
+    "build_data": "trainer.config.instantiate",
+    "train": "trainer.entry.run",
+    "load": "trainer.inference.finished",
+    "Trainer": "trainer.loop.trainer",
+    "Runtime": "trainer.loop.runtime",
+    "Backend": "trainer.parallel.backend",
+    "main_process_first": "trainer.parallel.backend",
+    "is_main_process": "trainer.parallel.backend",
+    "barrier": "trainer.parallel.backend",
+    "broadcast_from_main": "trainer.parallel.backend",
     "UserError": "trainer.errors",
 }
 

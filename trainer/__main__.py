@@ -1,6 +1,6 @@
 """`python -m trainer [env|check] [overrides...]`"""
 
-from trainer.cli import main
+from trainer.entry.cli import main
 
 if __name__ == "__main__":
     main()

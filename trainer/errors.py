@@ -55,7 +55,7 @@ class Preempted(TrainerExit):
 
 
 class HangDetected(TrainerExit):
-    """No rank made progress for world.hang_timeout seconds: the watchdog (trainer/watchdog.py) collected every
+    """No rank made progress for world.hang_timeout seconds: the watchdog (trainer/loop/watchdog.py) collected every
     rank's stack, named the rank the others wait for, and stopped the job."""
 
     exit_code = 70  # EX_SOFTWARE
@@ -68,7 +68,7 @@ def debug_enabled() -> bool:
 
 def report(err: TrainerExit) -> None:
     """Print `err` as the one paragraph a user sees (`error: ...` on stderr)."""
-    from .redaction import scrub, secret_values
+    from trainer.redaction import scrub, secret_values
 
     # A message may quote config values, and those may come from the environment's secrets.
     print(f"error: {scrub(str(err), secret_values())}", file=sys.stderr, flush=True)

@@ -88,7 +88,7 @@ def split_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 class EvalSums:
     """One eval pass's sums, as the Trainer's eval (on every rank, then reduced) and `eval` with a device map
-    (trainer/finished.py, one process) both keep them: the summed loss and the targets, the task's other additive
+    (trainer/inference/finished.py, one process) both keep them: the summed loss and the targets, the task's other additive
     sums, and its per-sample `predict` rows (for a whole-set `score`)."""
 
     def __init__(self, task: Any, device: torch.device | str = "cpu"):

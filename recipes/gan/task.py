@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from trainer import noise
+from trainer.parallel import unwrap
 from trainer.recipes.diffusion.task import (
     THRESHOLD_QUANTILE,
     _all_samples,
@@ -16,7 +17,6 @@ from trainer.recipes.diffusion.task import (
     nearest_neighbours,
     sample_metrics,
 )
-from trainer.strategies import unwrap
 
 
 class GANTask:

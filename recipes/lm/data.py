@@ -2,8 +2,8 @@
 
 `stdlib_corpus` needs no network: it reads the running Python's standard library sources once.
 `text_file` does the same for any file (`data=text data.path=FILE`). `text_stream` reads files as a stream, a
-block at a time, whatever their size (`data=text_stream`; trainer/streaming.py). `hf_text` tokenises Hugging Face
-`datasets` files once into a memmap of token ids (`data=hf_text`; trainer/hf_data.py).
+block at a time, whatever their size (`data=text_stream`; trainer/data/streaming.py). `hf_text` tokenises Hugging Face
+`datasets` files once into a memmap of token ids (`data=hf_text`; trainer/data/hf_data.py).
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ class TextStream(IterableDataset):
 
     Sample k of a file is (x, y) = (w[:-1], w[1:]) of its bytes w = [k * seq_len, k * seq_len + seq_len + 1), as
     TokenWindows cuts a memmap; the files follow each other in sorted order. `state_dict()` is the position after
-    the last sample yielded (a file and a window), so a resume reads on from there at once (trainer/streaming.py).
+    the last sample yielded (a file and a window), so a resume reads on from there at once (trainer/data/streaming.py).
     """
 
     def __init__(self, files: list[Path], seq_len: int, block_bytes: int = 1 << 20):
@@ -235,7 +235,7 @@ class TextStream(IterableDataset):
 
 class TextFileParts(TextStream):
     """TextStream whose readers each read their own files (files index, index + count, ...): no reader reads
-    another's bytes, but the batches depend on the number of readers (trainer/streaming.py, Parts)."""
+    another's bytes, but the batches depend on the number of readers (trainer/data/streaming.py, Parts)."""
 
     def read_part(self, index: int, count: int) -> None:
         self.part = (index, count)
@@ -270,10 +270,10 @@ def hf_text(path: str, tokenizer: str | None = None, text_column: str = "text", 
             model_vocab_size: int | None = None, sample_tokens: int | None = None):
     """Hugging Face `datasets` files (json/jsonl, parquet, csv, text, or a save_to_disk directory) tokenised once with
     `tokenizer` (a tokenizer.json; null: UTF-8 bytes) into a memmap of token ids, cut into windows like the byte
-    corpora (trainer/hf_data.py). The last `val_fraction` of the documents are the val split. `model_vocab_size` and
+    corpora (trainer/data/hf_data.py). The last `val_fraction` of the documents are the val split. `model_vocab_size` and
     `sample_tokens` are the model's and the task's, checked against the tokenizer before anything is tokenised (the
     config passes them)."""
-    from trainer.hf_data import Encoder, sources, tokenize_corpus
+    from trainer.data.hf_data import Encoder, sources, tokenize_corpus
 
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"data.val_fraction={val_fraction} must be in [0, 1).")

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 import trainer
+from trainer.loop.schedule import cosine
 from trainer.recipes.lm.data import text_file
 from trainer.recipes.lm.model import GPT
-from trainer.schedule import cosine
 
 
 def main() -> None:

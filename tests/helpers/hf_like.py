@@ -16,7 +16,7 @@ What it reproduces of transformers 5 (`modeling_utils.PreTrainedModel`, `distrib
 * `config.save_pretrained(dir)`, `base_model_prefix`, `_no_split_modules`, an optionally tied head.
 
 `HFLike(...)` takes the lm recipe's model keys (vocab_size, seq_len, n_layer, n_head, d_model, dropout) and
-returns the model as `trainer.hf.causal_lm` returns transformers' (`trainer.hf.adapt`): logits from token ids,
+returns the model as `trainer.models.hf.causal_lm` returns transformers' (`trainer.models.hf.adapt`): logits from token ids,
 and an `init_weights()` that re-draws everything. `HFLikeForCausalLM` is the class as transformers would ship it.
 """
 
@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer.hf import adapt
+from trainer.models.hf import adapt
 
 
 class HFLikeConfig:
@@ -203,7 +203,7 @@ class HFLikeForCausalLM(PreTrainedLike):
 
 def HFLike(vocab_size: int = 256, seq_len: int = 64, n_layer: int = 2, n_head: int = 2, d_model: int = 64,
            dropout: float = 0.0, tie: bool = False, plan: dict | None = None) -> nn.Module:
-    """The lm recipe's model keys -> the HF-like model, as trainer.hf.causal_lm builds transformers' (dropout: none).
+    """The lm recipe's model keys -> the HF-like model, as trainer.models.hf.causal_lm builds transformers' (dropout: none).
     `plan`: entries that replace the merged plan's (as `model.tp_plan = ...` on a transformers model)."""
     assert dropout == 0.0
     model = adapt(HFLikeForCausalLM)(HFLikeConfig(vocab_size, seq_len, n_layer, n_head, d_model,

@@ -1,0 +1,361 @@
+"""What a checkpoint of a run holds, and how a run resumes: the checkpoint manager and the resume policy.
+
+As torchtitan's `CheckpointManager` is handed its `states`, the manager is handed the stateful parts of a
+run (the Trainer's run state, the scheduler, precision, non-finite guard, loggers, checkpointer, callbacks,
+EMA, a stateful task) with the model, the optimizer and the strategy that knows their layout. It owns what
+a checkpoint holds (`state`), saving (`save`, through the `Checkpointer` store of checkpoint.py), loading
+with every check before anything is applied (`load`), and the resume policy (`resume`: which checkpoint, what
+happens to the ones that cannot be read, what a changed setting means). The Trainer calls it and holds no
+checkpoint-format code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from trainer.checkpoint import snapshot
+from trainer.checkpoint import store as ckpt
+from trainer.checkpoint.rng import rng_state, set_rng_state
+from trainer.checkpoint.settings import changed_settings, resumable
+from trainer.errors import CheckpointError
+
+
+class Parts:
+    """The models and optimizers of a checkpoint, with the strategy that knows their layout.
+
+    One model named "model" with at most one optimizer (the Trainer's case, and a hand-written loop's usual one)
+    keeps the format every checkpoint of this framework has: model tensors under the plain module's keys, the
+    optimizer's state under "optimizer". Several (a GAN's generator and discriminator) put each model's tensors
+    under "<name>." and each optimizer's state under "optimizer" -> its name."""
+
+    def __init__(self, strategy, models: dict[str, torch.nn.Module],
+                 optimizers: dict[str, tuple[str, torch.optim.Optimizer]],
+                 left_out: dict[str, frozenset[str]] | None = None):
+        self.strategy, self.models, self.optimizers = strategy, models, optimizers
+        self.one_model = list(models) == ["model"]  # model tensors under the module's own keys
+        self.single = self.one_model and len(optimizers) <= 1  # and the optimizer's state under "optimizer"
+        # Each model's keys a checkpoint leaves out: a LoRA run's frozen base weights, which a resume rebuilds
+        # (trainer/models/finetune.py's frozen_keys, which the loop passes).
+        self.left_out = {name: (left_out or {}).get(name, frozenset()) for name in models}
+
+    def _key(self, name: str, key: str) -> str:
+        return key if self.one_model else f"{name}.{key}"
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        return {self._key(name, k): v for name, m in self.models.items()
+                for k, v in self.strategy.model_state_dict(m).items() if k not in self.left_out[name]}
+
+    def saved_elsewhere(self, key: str) -> bool:
+        """A checkpoint's model tensor this run rebuilds instead of loading (a frozen base weight that an older
+        checkpoint kept)."""
+        return any(key == self._key(name, k) for name, keys in self.left_out.items() for k in keys)
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        if self.one_model:
+            self.strategy.load_model_state_dict(self.models["model"], state, strict=not self.left_out["model"])
+            return
+        for name, m in self.models.items():
+            prefix = f"{name}."
+            self.strategy.load_model_state_dict(m, {k[len(prefix):]: v for k, v in state.items()
+                                                    if k.startswith(prefix)}, strict=not self.left_out[name])
+
+    def _each(self, fn) -> Any:
+        out = {name: fn(self.models[model], opt) for name, (model, opt) in self.optimizers.items()}
+        return next(iter(out.values()), {"state": {}, "param_groups": []}) if self.single else out
+
+    def optimizer_state(self) -> Any:
+        return self._each(self.strategy.optimizer_state_dict)
+
+    def optimizer_template(self, saved: Any) -> Any:
+        """The live optimizers' state shape where the checkpoint has stepped state, an empty state elsewhere."""
+        def template(model, opt, stepped):
+            return self.strategy.optimizer_template(model, opt) if stepped else {"state": {}, "param_groups": []}
+
+        if self.single:
+            return self._each(lambda m, o: template(m, o, _stepped(saved)))
+        saved = saved if isinstance(saved, dict) else {}
+        return {name: template(self.models[model], opt, _stepped(saved.get(name)))
+                for name, (model, opt) in self.optimizers.items()}
+
+    def check_optimizer(self, state: Any, like: Any, where: str) -> None:
+        if self.single:
+            _check_optimizer(state, like, where)
+        else:
+            for name in self.optimizers:
+                _check_optimizer(state[name], like[name], f"{where} (optimizer {name})")
+
+    def load_optimizer_state(self, state: Any) -> None:
+        """The optimizers' moments and step counts from `state`; their hyperparameters (betas, weight decay, ...)
+        stay this run's config's. (The LR follows the schedule: see trainer/loop/schedule.py.)"""
+        for name, (model, opt) in self.optimizers.items():
+            hyper = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in opt.param_groups]
+            self.strategy.load_optimizer_state_dict(self.models[model], opt, state if self.single else state[name])
+            for group, h in zip(opt.param_groups, hyper):
+                group.update(h)
+
+    def fresh_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [opt for _, opt in self.optimizers.values() if not opt.state]
+
+
+def _stepped(state: Any) -> bool:
+    return isinstance(state, dict) and bool(state.get("state"))
+
+
+class CheckpointManager:
+    """`run` is the run state (`state_dict`, `load_state_dict`, `check_state`, `resize_notes`: the Trainer's, or
+    a hand-written loop's through trainer.Runtime); `parts` the models and optimizers (`Parts`); `components` the
+    other stateful parts, saved under their names."""
+
+    def __init__(self, checkpointer, parts: Parts, run, components: dict[str, Any]):
+        self.checkpointer, self.parts, self.strategy = checkpointer, parts, parts.strategy
+        self.backend = parts.strategy.backend
+        self.run, self.components = run, components
+        checkpointer.writer = self.strategy.checkpoint_writer()
+
+    def state(self) -> dict[str, Any]:
+        """Everything but the model weights. A collective when distributed (gathers each rank's RNG state)."""
+        return {"trainer": self.run.state_dict(),
+                "optimizer": self.parts.optimizer_state(),
+                "rng": self.backend.gather_object(rng_state()),
+                **{name: c.state_dict() for name, c in self.components.items()}}
+
+    def save(self, step: int, metrics: dict[str, float] | None = None, wait: bool = False) -> Path | None:
+        """Save step `step` (in the background with checkpoint.async_save); `wait` before exiting the process."""
+        self.checkpointer.consider(metrics, step)  # before the state is taken: it records the best
+        model_state = self.parts.model_state()
+        state = self.state()  # on every rank: it gathers RNG states
+        path = self.checkpointer.save(step, model_state, state, metrics)
+        if wait:  # nobody exits (and gets the job torn down) while a rank is still writing
+            self.checkpointer.wait()
+            self.backend.barrier()
+        return path
+
+    def finish_pending(self) -> None:
+        """Wait for the save in flight, on every rank."""
+        self.checkpointer.wait()
+        self.backend.barrier()
+
+    def load(self, path: Path, resume: bool = True) -> list[str]:
+        """Load a checkpoint written under any strategy, world size and global batch. Every tensor and value is
+        checked against the live objects first, and every rank agrees on the verdict; nothing is changed unless
+        all fit on every rank. A component the checkpoint lacks (EMA or a callback turned on since) keeps its
+        initial state. `resume=False` (an eval): the data order need not continue. Returns what a user should
+        know about the load (components started fresh, a changed global batch)."""
+        loaded = ckpt.read(path, self.backend)
+        where = f"checkpoint {path}"
+        fresh = self.parts.fresh_optimizers()
+        error, checked = None, None
+        try:
+            checked = self._checked(loaded, where, resume)
+        except CheckpointError as e:
+            error = e
+        except BaseException:
+            for opt in fresh:  # the template initialised it; a fresh run must not start from that
+                self.strategy.reset_optimizer(opt)
+            raise
+        if self.backend.distributed:  # one verdict for all ranks: a rank that loads while another falls back hangs
+            verdicts = self.backend.gather_object(str(error) if error else None)
+            first = next((f"{v} (rank {r})" if self.backend.world_size > 1 else v
+                          for r, v in enumerate(verdicts) if v), None)
+            error = CheckpointError(first) if first and error is None else error
+        if error is not None:
+            for opt in fresh:
+                self.strategy.reset_optimizer(opt)
+            raise error
+        model_state, state, absent = checked
+        self.parts.load_model_state(model_state)
+        self.parts.load_optimizer_state(state["optimizer"])
+        for name, c in self.components.items():
+            if name in state:
+                c.load_state_dict(state[name])
+        notes = []
+        if "ema" in absent:
+            self.components["ema"].reset()  # an average of the weights from here on, starting at the checkpoint's
+            notes.append(f"resume: {path.name} has no EMA state (ema.enabled was off): the EMA starts from its "
+                         "weights now.")
+        for name in absent.get("callbacks", []):
+            notes.append(f"resume: {path.name} has no state for callbacks.{name} (it was not on): it starts from "
+                         "its initial state.")
+        if resume:
+            notes += self.run.resize_notes(state["trainer"])
+            self.run.load_state_dict(state["trainer"])
+        else:
+            self.run.step = state["trainer"]["step"]
+        rngs = state["rng"]
+        if self.backend.rank < len(rngs):  # same world size: continue each rank's own stream
+            set_rng_state(rngs[self.backend.rank])
+        return notes
+
+    def _checked(self, loaded: ckpt.Loaded, where: str, resume: bool):
+        """The checkpoint's model and run state, checked against the live objects and conformed to them, and the
+        components it has no state for ({"ema": True, "callbacks": [names]}). Raises CheckpointError."""
+        live_model = self.parts.model_state()
+        loaded.model, loaded.tree = self.strategy.restrict_checkpoint(loaded.model, loaded.tree)
+        for key in [k for k in loaded.model if k not in live_model and self.parts.saved_elsewhere(k)]:
+            del loaded.model[key]  # this run rebuilds it (an older checkpoint of a LoRA run kept its base)
+        problems = ckpt.model_mismatches(loaded, live_model)
+        if problems:
+            raise CheckpointError(f"{where} does not match the model ({len(problems)} tensors): " + "; ".join(problems)
+                                  + ". Use the model config it was trained with (see its config.yaml).")
+        tree = loaded.tree if isinstance(loaded.tree, dict) else {}
+        like = {"trainer": self.run.state_dict(), "rng": [rng_state()],
+                **{n: c.state_dict() for n, c in self.components.items()},
+                **({"loggers": {}} if "loggers" in self.components else {})}  # (a rewound stream: any state)
+        absent: dict[str, Any] = {}
+        if "ema" in like and "ema" not in tree:
+            absent["ema"] = True
+            del like["ema"]
+        if isinstance(tree.get("callbacks"), dict) and like.get("callbacks"):
+            absent["callbacks"] = [n for n in like["callbacks"] if n not in tree["callbacks"]]
+            like["callbacks"] = {n: v for n, v in like["callbacks"].items() if n in tree["callbacks"]}
+        missing = [k for k in ("optimizer", *like) if k not in tree]
+        if missing:
+            raise CheckpointError(f"{where} has no {', '.join(missing)} state: it was saved by another configuration.")
+        model_state = {k: snapshot.assemble(k, loaded.model[k], v, where) for k, v in live_model.items()}
+        like["optimizer"] = self.parts.optimizer_template(tree["optimizer"])
+        state = snapshot.conform({k: tree[k] for k in like}, like, loaded.state, where)
+        self.parts.check_optimizer(state["optimizer"], like["optimizer"], where)
+        for name, c in self.components.items():
+            if name in state and hasattr(c, "check_state"):  # values of the right kind but out of range
+                c.check_state(state[name], f"{where}: {name}")
+        if resume:
+            self.run.check_state(state["trainer"], where)
+            _check_schedule(state.get("scheduler"), state["trainer"]["step"], where)
+        rngs = state["rng"]
+        if self.backend.rank < len(rngs):
+            _check_rng(rngs[self.backend.rank], where)
+        return model_state, state, absent
+
+
+
+def _check_schedule(state: Any, step: int, where: str) -> None:
+    """The schedule's position is a step the run has reached (a negative one would run the LR backwards)."""
+    position = state.get("last_epoch") if isinstance(state, dict) else None
+    if isinstance(position, int) and not 0 <= position <= step:
+        raise CheckpointError(f"{where}: scheduler.last_epoch={position} is not a position within step {step}.")
+
+
+def _check_rng(state: dict, where: str) -> None:
+    """Python and torch accept this rank's RNG state (tried on throwaway generators, so a refusal changes nothing)."""
+    import random
+
+    try:
+        random.Random().setstate(state["python"])
+        torch.Generator().set_state(state["torch"])
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise CheckpointError(f"{where}: the RNG state of this rank cannot be restored ({e}).") from None
+
+
+def _check_optimizer(state: dict, like: dict, where: str) -> None:
+    """The checkpoint's optimizer holds the same parameters, in the same groups, as the live one."""
+    if not state["state"]:
+        return  # saved before the first step
+    groups = [list(g["params"]) for g in state["param_groups"]]
+    if groups != [list(g["params"]) for g in like["param_groups"]]:
+        raise CheckpointError(f"{where}: the optimizer's parameter groups differ from this run's "
+                              "(another model or optim config). Resume with the checkpoint's config.yaml.")
+
+
+
+# -- the resume policy -----------------------------------------------------------------------------------
+def resume_candidates(resume: str | None, checkpointer: ckpt.Checkpointer, restarted: bool) -> tuple[list[Path], bool]:
+    """The checkpoints to try, newest first, and whether falling back past a bad one is allowed.
+    An elastic restart always resumes from the newest good one."""
+    if resume is None and not restarted:
+        return [], False
+    if resume in (None, "auto"):
+        return list(reversed(checkpointer.complete())), True
+    path = Path(resume).expanduser()
+    if path.is_dir() and not (path / ckpt.MANIFEST).exists():  # a run dir or its checkpoints/ dir
+        inner = ckpt.Checkpointer(path / "checkpoints" if (path / "checkpoints").is_dir() else path)
+        found = inner.complete()
+        if not found:
+            raise CheckpointError(f"resume={resume!r}: no complete checkpoint (step_*/manifest.json) under {path}.")
+        path = found[-1]
+    return [path], False
+
+
+def resume(trainer, cfg: DictConfig, say) -> Path | None:
+    """Load the checkpoint `cfg.resume` names into `trainer`: with `auto`, the most recently written one that
+    loads (each one skipped is named, with why, and stays on disk); an explicit path must load, or the run stops
+    with the reason. A resume never starts over silently: when `auto` finds checkpoints and none can continue
+    this run, it stops (exit 2) naming the settings that differ and the two ways out. Says which settings
+    differ from the checkpoint's config (they apply from here on). A fresh start in a run dir with checkpoints
+    sets them aside (checkpoints.prev/) rather than pruning them."""
+    restarted = trainer.backend.info.restart_count > 0
+    candidates, fallback = resume_candidates(cfg.get("resume"), trainer.checkpointer, restarted)
+    candidates = trainer.backend.broadcast_object(candidates)  # one list for every rank
+    skipped: list[tuple[Path, CheckpointError]] = []
+    for path in candidates:
+        try:
+            notes = trainer.checkpoints.load(path)
+        except CheckpointError as e:
+            if not fallback:
+                raise CheckpointError(f"{e}{_differences(path, cfg)}") from None
+            say(f"warning: skipping checkpoint {path}: {e} It stays on disk; trying the one before it.")
+            skipped.append((path, e))
+            continue
+        trainer.checkpointer.protected.update(p.name for p, _ in skipped)
+        if trainer.backend.is_main:
+            for line in [*notes, *resume_notes(path, cfg, trainer.checkpointer)]:
+                say(line)
+        return path
+    if skipped:
+        newest, why = skipped[0]
+        differences = _differences(newest, cfg)
+        raise CheckpointError(
+            f"resume=auto: none of the {len(skipped)} checkpoints in {trainer.checkpointer.dir} can continue this "
+            f"run. The newest, {newest.name}: {why}{differences} Nothing in the run dir was changed."
+            + ("" if differences else " To start over anyway, pass resume=null (the checkpoints are then kept in "
+               "checkpoints.prev/), or give this job a run dir of its own."))
+    if trainer.checkpointer.complete():
+        # resume=null in a run dir that has checkpoints: start fresh, and keep the earlier attempt's.
+        aside = trainer.backend.broadcast_object(
+            ckpt.set_aside(trainer.checkpointer.dir) if trainer.backend.is_main else None)
+        say(f"starting fresh (resume={cfg.get('resume')}): the earlier checkpoints of this run dir are kept in "
+            f"{aside}.")
+    elif cfg.get("resume") == "auto":
+        say(f"resume=auto: no complete checkpoint in {trainer.checkpointer.dir}; starting fresh.")
+    return None
+
+
+def _differences(path: Path, cfg: DictConfig) -> str:
+    """The settings that differ between the checkpoint's config and this run's, and the two ways out; "" when
+    none differ (then the checkpoint itself is at fault, and its error says so)."""
+    changed = [c for c in changed_settings(path, cfg) if not resumable(c[0])]  # (those a resume may change)
+    if not changed:
+        return ""
+    back = " ".join(f"{k}={_shown(v)}" for k, v, _ in changed[:8])
+    listed = "; ".join(f"{k}: {_shown(a)} -> {_shown(b)}" for k, a, b in changed[:8])
+    more = f" (and {len(changed) - 8} more)" if len(changed) > 8 else ""
+    return (f" Settings that differ from its config.yaml: {listed}{more}. Either continue the run with the "
+            f"checkpoint's settings (rerun with {back}{' ...' if more else ''}, or without the overrides that changed "
+            "them), or start a new run in a directory of its own (another hydra.run.dir, or none for a new "
+            "timestamped one).")
+
+
+def _shown(value: Any) -> str:
+    text = "null" if value is None else str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def resume_notes(path: Path, cfg: DictConfig, checkpointer: ckpt.Checkpointer) -> list[str]:
+    """What a user should know after a resume: the settings that changed, and newer checkpoints left behind."""
+    notes = []
+    changed = changed_settings(path, cfg)
+    if changed:
+        notes.append("resume: these settings differ from the checkpoint's and apply from here on (optimizer and "
+                     "schedule settings included: the schedule keeps its position and takes the new shape): "
+                     + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed))
+    done = checkpointer.complete()
+    if checkpointer.dir is not None and path.parent.resolve() == checkpointer.dir.resolve() and path in done:
+        later = [p.name for p in done[done.index(path) + 1:] if p.name not in checkpointer.protected]
+        if later:
+            notes.append(f"resume: {path.name} is older than {', '.join(later)}, written before this rollback. "
+                         "They stay on disk, but resume=auto now follows this run (checkpoints are ordered by when "
+                         "they were written), and checkpoint.keep_last prunes them as new checkpoints are written.")
+    return notes

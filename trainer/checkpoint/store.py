@@ -1,0 +1,559 @@
+"""Checkpoints: atomic, verified, free of pickle, and written by every rank that holds a shard.
+
+Layout of one checkpoint (a directory under `<run_dir>/checkpoints/`):
+
+    step_00000100/
+      model.safetensors          the model's state_dict (keys unchanged); under a sharded strategy, the
+      model.rank00001.safetensors  chunks each rank holds (global shape and offset in the file's metadata)
+      state.safetensors          every other tensor (optimizer moments, RNG states, EMA, ...), same scheme
+      state.json                 everything that is not a tensor, with references into the tensor files
+      config.yaml                the resolved config of the run (secrets redacted)
+      manifest.json              format version + sha256 of every file; written last = the completion marker
+
+A checkpoint is written into a temp directory beside its final place, fsynced, then renamed by the main
+rank once every rank's files are complete, so a reader sees a complete checkpoint or none. With
+`async_save` the state is copied to CPU memory at the step boundary (training waits for that only)
+and written by a background thread; ranks that write shards agree on completion over a process group
+of their own, never the training one (whose collectives the save would interleave with).
+
+Loading parses only safetensors and JSON: nothing is ever unpickled, so a planted pickle payload cannot
+run. The sha256 manifest proves integrity, not sanity (whoever can write a checkpoint can rewrite its
+hashes), so nothing in a checkpoint is trusted: the manifest must name the checkpoint's own files (no
+path elsewhere), a step number and this format; only regular files are opened (a FIFO never blocks, a
+symbolic link is not followed); each safetensors header is checked against its file's size before
+anything is mapped or hashed; JSON is depth-limited; and `snapshot` checks every tensor and value
+against the live state before anything is applied. The main rank checks every sha256 once; then every
+rank reads the chunks it needs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.checkpoint import snapshot, tensorfile
+from trainer.errors import CheckpointError, StorageError
+from trainer.io import atomic_write_json, fsync_dir
+
+FORMAT_VERSION = 2  # 2: tensors may be chunks of a sharded tensor; optimizer state keyed by parameter name
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step_([0-9]{8,})$")  # ASCII digits only: no sign, no other script's digits
+_FILE = re.compile(r"^(model|state)(\.rank[0-9]{5})?\.safetensors$|^state\.json$|^config\.yaml$")
+_REQUIRED = ("model.safetensors", "state.safetensors", "state.json", "config.yaml")  # every trainer checkpoint has them
+_MAX_TEXT = 256 << 20  # manifest.json, state.json, config.yaml: far more than a trainer writes (~10 KB a rank)
+CONFIG_MAX_BYTES = _MAX_TEXT
+_MAX_STEP = 2**62
+
+
+def tensor_file(kind: str, rank: int) -> str:
+    return f"{kind}.safetensors" if rank == 0 else f"{kind}.rank{rank:05d}.safetensors"
+
+
+def sha256(path: Path) -> str:
+    """sha256 of a file (for tools and tests; saving and loading hash the bytes they move)."""
+    return tensorfile.file_sha256(path)
+
+
+def _write(path: Path, data: bytes) -> str:
+    """Write and fsync `data`; return its sha256 (hashed from memory: no second read of the file)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return hashlib.sha256(data).hexdigest()
+
+
+def step_of(path: Path) -> int:
+    m = _STEP_DIR.match(path.name)
+    return int(m.group(1)) if m else -1
+
+
+class _Local:
+    """The backend of a checkpointer used outside a run (tools, benchmarks): one process."""
+
+    rank, world_size, is_main, distributed = 0, 1, True, False
+
+
+class Checkpointer:
+    """Writes, lists, verifies, reads and prunes the checkpoints of one run.
+
+    Every rank calls `save` (the main rank only, unless `sharded`: then every rank writes its chunks)."""
+
+    def __init__(self, directory: str | os.PathLike, every_n_steps: int = 0, keep_last: int = 2,
+                 best_metric: str | None = None, best_mode: str = "min", save_final: bool = True,
+                 async_save: bool = False, config_yaml: str = "", backend=None, sharded: bool = False):
+        self.dir = Path(directory)
+        self.every_n_steps, self.keep_last, self.save_final = every_n_steps, keep_last, save_final
+        self.async_save, self._pool, self._pending = async_save, None, None
+        self.best_metric, self.best_mode = best_metric, best_mode
+        self.best: tuple[float, str] | None = None  # (metric value, checkpoint name); in checkpoints too
+        self.config_yaml = config_yaml
+        self.backend = backend or _Local()
+        self.sharded = sharded and self.backend.distributed
+        self.writes = self.sharded or self.backend.is_main
+        self.protected: set[str] = set()  # checkpoints this run could not read: never pruned or overwritten
+        # Which tensors this rank writes (snapshot.Writer; None: the main rank's plain tensors and every rank's
+        # DTensor shards). Set by the checkpoint manager from the strategy (pipeline stages each write theirs).
+        self.writer: snapshot.Writer | None = None
+        self._group, nonce = None, uuid.uuid4().hex[:8]
+        if self.sharded:
+            # The ranks' writes meet over a group of their own: a background save must never interleave its
+            # collectives with the training group's (FSDP's all-gathers), which gloo would deadlock on.
+            self._group = self.backend.side_group()
+            nonce = self.backend.broadcast_object(nonce)
+        self._nonce = nonce
+        self._saves = 0  # every rank counts its save() calls alike: each save gets a temp directory of its own
+
+    def due(self, step: int) -> bool:
+        return self.every_n_steps > 0 and step % self.every_n_steps == 0
+
+    def consider(self, metrics: dict[str, float] | None, step: int) -> None:
+        """Before saving step `step` with `metrics`: remember it as the best if it is (so the state it saves
+        knows; best.json follows once the checkpoint is complete)."""
+        if not self.best_metric or not metrics:
+            return
+        if self.best_metric not in metrics:
+            from trainer.errors import ConfigError
+
+            raise ConfigError(f"checkpoint.best_metric={self.best_metric!r} is not among the metrics of this run's "
+                              f"evals ({', '.join(sorted(metrics))}). Pick one of them, or null.")
+        value = metrics[self.best_metric]
+        if self.best is None or (value < self.best[0] if self.best_mode == "min" else value > self.best[0]):
+            self.best = (value, f"step_{step:08d}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": list(self.best) if self.best else None}
+
+    def check_state(self, state: dict[str, Any], where: str) -> None:
+        best = state.get("best")
+        if best is None:
+            return
+        ok = (isinstance(best, (list, tuple)) and len(best) == 2 and isinstance(best[0], (int, float))
+              and not isinstance(best[0], bool) and isinstance(best[1], str) and _STEP_DIR.match(best[1]))
+        if not ok:
+            raise CheckpointError(f"{where}.best={snapshot.shown(best)} is not a (metric value, step_NNNNNNNN) pair.")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        best = state.get("best")
+        self.best = (float(best[0]), str(best[1])) if best else None
+
+    # -- writing -----------------------------------------------------------------------------
+    def save(self, step: int, model_state: dict[str, torch.Tensor], state: dict[str, Any],
+             metrics: dict[str, float] | None = None) -> Path:
+        """Snapshot this rank's part of the state to CPU now; write `step_<step>` atomically (in the
+        background with `async_save`), then prune old checkpoints. Returns the checkpoint's final path."""
+        final = self.dir / f"step_{step:08d}"
+        if not self.writes:
+            return final
+        self.wait()  # one save in flight at a time; an earlier failure surfaces here
+        # A background write needs a snapshot: training goes on mutating the originals. A synchronous
+        # one writes CPU tensors straight from their memory. Tied weights are written once per key.
+        copy, writer = self.async_save, self.writer or snapshot.Writer(main=self.backend.is_main)
+        model_chunks: dict[str, snapshot.Chunk] = {}
+        for k, v in model_state.items():
+            snapshot.flatten(v, model_chunks, writer, k, copy)
+        state_chunks: dict[str, snapshot.Chunk] = {}
+        tree = snapshot.flatten(state, state_chunks, writer, copy=copy)
+        self._saves += 1
+        args = (final, step, model_chunks, state_chunks, tree, metrics, self._saves)
+        if self.async_save:
+            self._pool = self._pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+            self._pending = self._pool.submit(self._write_checkpoint, *args)
+        else:
+            self._write_checkpoint(*args)
+        return final
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete; re-raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        self.wait()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    def _write_checkpoint(self, final: Path, step: int, model_chunks: dict, state_chunks: dict, tree: Any,
+                          metrics: dict[str, float] | None, number: int = 0) -> None:
+        rank = self.backend.rank
+        # Its own temp directory per save: a second save of the same step (a preemption right after a periodic
+        # save) must not write into the directory the main rank is renaming into place.
+        tmp = self.dir / f".tmp-{final.name}-{self._nonce}-{number}"
+        files, error = {}, None
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            for kind, chunks in (("model", model_chunks), ("state", state_chunks)):
+                if chunks or rank == 0:
+                    name = tensor_file(kind, rank)
+                    files[name] = tensorfile.write(tmp / name, {k: c.local for k, c in chunks.items()},
+                                                   snapshot.chunk_metadata(chunks))
+        except OSError as e:
+            error = e
+        merge = self.writer.merge if self.writer is not None else None
+        if self.sharded:  # every rank's files are complete (or failed) once the main rank has heard from all
+            gathered = self.backend.gather_object_to_main((files, str(error) if error else None,
+                                                           tree if merge else None), self._group)
+            if rank != 0:
+                if error:
+                    raise self._failed(final, error)
+                return
+            for other_files, other_error, _ in gathered[1:]:
+                files.update(other_files)
+                error = error or (OSError(other_error) if other_error else None)
+            if merge:  # each pipeline stage's state (its parameters' optimizer moments) in one tree
+                tree = merge([t for _, _, t in gathered])
+        try:
+            if error:
+                raise error
+            files["state.json"] = _write(tmp / "state.json", json.dumps(tree).encode())
+            files["config.yaml"] = _write(tmp / "config.yaml", self.config_yaml.encode())
+            # `written` orders checkpoints by completion, not by step: after a rollback (resume=PATH to an
+            # earlier step) the new branch's checkpoints are the newest, and resume=auto follows them.
+            written = 1 + max((_written(p) for p in self.complete()), default=0)
+            manifest = {"format": FORMAT_VERSION, "step": step, "written": written,
+                        "world_size": self.backend.world_size, "files": dict(sorted(files.items()))}
+            _write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: marks it complete
+            fsync_dir(tmp)
+            if final.name in self.protected:  # one this run could not read: set it aside, never delete it
+                os.replace(final, _free_name(final, ".unreadable"))
+            elif final.exists():  # a re-run of the same step (after a resume): replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fsync_dir(self.dir)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError):  # disk full, file too large, I/O error
+                raise self._failed(final, e) from None
+            raise
+        if self.best and self.best[1] == final.name:
+            atomic_write_json(self.dir / "best.json", {"metric": self.best_metric, "value": self.best[0],
+                                                      "checkpoint": final.name})
+        self._prune()
+
+    def _failed(self, final: Path, e: BaseException) -> StorageError:
+        kept = self.complete()
+        return StorageError(
+            f"could not write checkpoint {final} ({getattr(e, 'strerror', None) or e}). "
+            f"{'The previous checkpoint ' + kept[-1].name + ' is intact. ' if kept else ''}"
+            "Free disk space (or point hydra.run.dir at a larger disk) and rerun with resume=auto."
+        )
+
+    def _prune(self) -> None:
+        """Delete all but the `keep_last` most recently written complete checkpoints, never the best one
+        (in memory or named by best.json)."""
+        done = [p for p in self.complete() if p.name not in self.protected]
+        keep = {p.name for p in done[-self.keep_last:]}
+        if self.best:
+            keep.add(self.best[1])
+        try:
+            keep.add(str(_read_json(self.dir / "best.json")["checkpoint"]))
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+            pass
+        for p in done:
+            if p.name not in keep:
+                shutil.rmtree(p, ignore_errors=True)
+        for p in self.dir.glob(".tmp-step_*"):  # left by a process killed mid-save
+            if f"-{self._nonce}-" not in p.name:
+                shutil.rmtree(p, ignore_errors=True)
+
+    # -- reading -----------------------------------------------------------------------------
+    def complete(self) -> list[Path]:
+        """Checkpoints with a manifest (the completion marker), in the order they were written (oldest first).
+        Only directories of this run count: a symbolic link (to another run's checkpoint, say) is not one."""
+        if not self.dir.is_dir():
+            return []
+        found = [p for p in self.dir.iterdir()
+                 if step_of(p) >= 0 and not p.is_symlink() and (p / MANIFEST).is_file()]
+        return sorted(found, key=lambda p: (_written(p), step_of(p)))
+
+
+def _free_name(path: Path, suffix: str) -> Path:
+    """`path` + `suffix`, or + `suffix-2`, ... : a name nothing has yet."""
+    n, candidate = 1, path.with_name(path.name + suffix)
+    while candidate.exists() or candidate.is_symlink():
+        n += 1
+        candidate = path.with_name(f"{path.name}{suffix}-{n}")
+    return candidate
+
+
+def set_aside(directory: Path) -> Path | None:
+    """Move a checkpoints directory out of the way (to `checkpoints.prev`, or `.prev-2`, ...): what a fresh
+    start in a run dir does with an earlier attempt's checkpoints instead of pruning them."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    target = _free_name(directory, ".prev")
+    os.replace(directory, target)
+    return target
+
+
+def _read_json(path: Path) -> Any:
+    """A small JSON file, read only if it is a regular file (a FIFO would block the reader forever)."""
+    return json.loads(bytes(tensorfile.map_file(path, follow_links=False, max_size=_MAX_TEXT)))
+
+
+def _written(path: Path) -> int:
+    """A checkpoint's place in the order of completion (its manifest's `written`; 0 if unreadable)."""
+    try:
+        written = _read_json(path / MANIFEST).get("written", 0)
+        return written if _is_count(written) else 0
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return 0
+
+
+def _is_count(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and 0 <= n < _MAX_STEP
+
+
+def _manifest(path: Path) -> dict:
+    """The manifest of the checkpoint at `path`, checked: a format this trainer reads, a step number, and the
+    files of a trainer checkpoint (names only: nothing outside the checkpoint can be named)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist (or is not a directory). "
+                              "Pass resume=auto, resume=null or the path of a step_* directory.")
+    where = path / MANIFEST
+    try:
+        raw = tensorfile.map_file(where, follow_links=False, max_size=_MAX_TEXT)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} has no {MANIFEST}: it is incomplete (its save never finished) "
+                              "or not a checkpoint.") from None
+    except tensorfile.NotRegularFile as e:
+        raise CheckpointError(f"{where} is {e.strerror}; the checkpoint is damaged.") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{where} cannot be read ({getattr(e, 'strerror', None) or e}).") from None
+    manifest = snapshot.parse_tree(raw, where)
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{where} is {type(manifest).__name__}, not a JSON object; the checkpoint is damaged.")
+    if "format" not in manifest:
+        raise CheckpointError(f"{where} has no format version; the checkpoint is damaged.")
+    fmt = manifest["format"]
+    if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt < 1:
+        raise CheckpointError(f"{where}: format {fmt!r} is not a version number; the checkpoint is damaged.")
+    if fmt > FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format version {fmt}, newer than this trainer's "
+                              f"({FORMAT_VERSION}). Upgrade trainer to load it.")
+    if fmt < FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format version {fmt}: it was written by an older trainer, whose "
+                              "optimizer state (keyed by position) this one cannot map. Resume it with the trainer "
+                              "version that wrote it, or start fresh with resume=null.")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise CheckpointError(f"{where}: 'files' is not a map of file names to sha256 digests; the checkpoint is damaged.")
+    foreign = sorted(n for n in files if not _FILE.match(n))
+    if foreign:
+        raise CheckpointError(f"{where} lists {', '.join(repr(n) for n in foreign[:3])}: not the name of a file of a "
+                              "trainer checkpoint (only its own model*.safetensors, state*.safetensors, state.json "
+                              "and config.yaml are read, never a path elsewhere); the checkpoint is damaged.")
+    missing = [n for n in _REQUIRED if n not in files]
+    if missing:
+        raise CheckpointError(f"{where} does not list {', '.join(missing)}, which every trainer checkpoint has; "
+                              "the checkpoint is damaged.")
+    step = manifest.get("step")
+    if not _is_count(step):
+        raise CheckpointError(f"{where}: step {snapshot.shown(step)} is not a step number (an integer from 0 to 2**62); "
+                              "the checkpoint is damaged.")
+    return manifest
+
+
+def _map_all(path: Path, files: dict[str, str]) -> tuple[dict[str, Any], dict[str, tuple]]:
+    """Every listed file mapped (regular files only: no symbolic link, FIFO or directory), and the header of
+    each safetensors file, checked against the file's size before anything is hashed."""
+    data, headers = {}, {}
+    for name in files:
+        p = path / name
+        try:
+            if name.endswith(".safetensors"):
+                data[name], metadata, entries = tensorfile.map_safetensors(p)
+                headers[name] = (metadata, entries)
+            else:
+                data[name] = tensorfile.map_file(p, follow_links=False, max_size=_MAX_TEXT)
+        except FileNotFoundError:
+            raise CheckpointError(f"file {p} listed in the manifest is missing.") from None
+        except tensorfile.NotRegularFile as e:
+            raise CheckpointError(f"file {p} listed in the manifest is {e.strerror}: only regular files inside the "
+                                  "checkpoint are read.") from None
+        except OSError as e:  # no permission, an I/O error
+            raise CheckpointError(f"file {p} listed in the manifest cannot be read ({e.strerror or e}).") from None
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {path} cannot be read ({e}); it is not a valid trainer checkpoint.") from None
+    return data, headers
+
+
+def _check_digests(path: Path, files: dict[str, str], digests: dict[str, str]) -> None:
+    for name, digest in digests.items():
+        if digest != files[name]:
+            raise CheckpointError(f"file {path / name} is corrupted or truncated (sha256 does not match the manifest).")
+
+
+def verify(path: Path) -> dict:
+    """Check the manifest, the files' kinds and sizes, and every file's sha256. Returns the manifest."""
+    path = Path(path)
+    manifest = _manifest(path)
+    data, _ = _map_all(path, manifest["files"])
+    _check_digests(path, manifest["files"], tensorfile.sha256_all(data))
+    return manifest
+
+
+@dataclass
+class Loaded:
+    """A checkpoint opened for reading: its tree and the stored chunks of every tensor (read on use)."""
+
+    path: Path
+    step: int
+    tree: Any
+    model: dict[str, list[snapshot.Stored]]
+    state: dict[str, list[snapshot.Stored]]
+    buffers: dict[str, Any]  # the open files the pending chunks read from
+
+
+def read(path: Path, backend=None) -> Loaded:
+    """Map a checkpoint and index its tensors. The manifest, the files' kinds and the safetensors headers
+    against the files' sizes are checked first (cheap); then every sha256 is verified, in parallel with
+    parsing, each file by one rank (`_share`: a sharded checkpoint's files spread over the ranks that read
+    them, so verifying does not grow with the world size), and the ranks agree on one verdict. Nothing is
+    returned unless every file matches the manifest."""
+    backend = backend or _Local()
+    path = Path(path)
+    damaged, error, loaded = None, None, None
+    try:
+        manifest = _manifest(path)
+        files = manifest["files"]
+        data, headers = _map_all(path, files)
+        mine = _share(data, backend.rank, backend.world_size)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            digests = pool.submit(tensorfile.sha256_all, mine) if mine else None
+            try:
+                loaded = _index(path, manifest, data, headers)
+            except CheckpointError as e:
+                error = e
+            if digests is not None:
+                try:
+                    _check_digests(path, files, digests.result())
+                except CheckpointError as e:
+                    damaged = e
+    except CheckpointError as e:
+        error = e
+    if backend.distributed:  # one verdict for all ranks: any rank's
+        verdicts = backend.gather_object((str(damaged) if damaged else None, str(error) if error else None))
+        damaged, error = (next((CheckpointError(v[i]) for v in verdicts if v[i]), None) for i in (0, 1))
+    if damaged or error:
+        raise damaged or error  # a damaged file is reported as such first
+    return loaded
+
+
+def _share(data: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """The files this rank hashes: the largest first, each to the rank with the fewest bytes so far (the same
+    split on every rank: it depends on the sizes alone)."""
+    load = [0] * world_size
+    mine = {}
+    for name in sorted(data, key=lambda n: (-len(data[n]), n)):
+        r = min(range(world_size), key=lambda i: (load[i], i))
+        load[r] += len(data[name])
+        if r == rank:
+            mine[name] = data[name]
+    return mine
+
+
+def _index(path: Path, manifest: dict, data: dict[str, Any], headers: dict[str, tuple]) -> Loaded:
+    chunks: dict[str, dict[str, list[snapshot.Stored]]] = {"model": {}, "state": {}}
+    for name, (metadata, entries) in headers.items():
+        buf = data[name]
+        views = {k: tensorfile.view(buf, e) for k, e in entries.items()}
+        for k, stored in snapshot.stored_chunks(metadata, views, path / name).items():
+            chunks[name.split(".", 1)[0]].setdefault(k, []).append(stored)
+    tree = snapshot.parse_tree(data["state.json"], path / "state.json")
+    if not isinstance(tree, dict):
+        raise CheckpointError(f"{path / 'state.json'} is {type(tree).__name__}, not a JSON object; it is not a valid "
+                              "trainer checkpoint.")
+    _check_config(data["config.yaml"], path / "config.yaml")
+    step, run = manifest["step"], tree.get("trainer")
+    if isinstance(run, dict) and "step" in run and not (_is_count(run["step"]) and run["step"] == step):
+        raise CheckpointError(f"{path / 'state.json'}: trainer.step is {snapshot.shown(run['step'])} but {MANIFEST} says step "
+                              f"{step}; the checkpoint is inconsistent.")
+    return Loaded(path, step, tree, chunks["model"], chunks["state"], data)
+
+
+def _check_config(data: Any, source: Path) -> None:
+    """config.yaml is read again after a resume (to say which settings changed): it must be YAML without
+    anchors or aliases (a chain of aliases expands exponentially: a "billion laughs") and nested at most
+    MAX_DEPTH deep. Scanned token by token, without building anything."""
+    import yaml
+
+    opens = (yaml.BlockMappingStartToken, yaml.BlockSequenceStartToken, yaml.FlowMappingStartToken,
+             yaml.FlowSequenceStartToken)
+    closes = (yaml.BlockEndToken, yaml.FlowMappingEndToken, yaml.FlowSequenceEndToken)
+    depth, why = 0, None
+    try:
+        for token in yaml.scan(bytes(data), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+            if isinstance(token, (yaml.AnchorToken, yaml.AliasToken)):
+                why = "has a YAML anchor or alias, which no trainer writes (a chain of them expands exponentially)"
+                break
+            depth += isinstance(token, opens) - isinstance(token, closes)
+            if depth > snapshot.MAX_DEPTH:
+                why = f"nests more than {snapshot.MAX_DEPTH} levels deep"
+                break
+    except yaml.YAMLError as e:
+        why = f"is not YAML ({str(e).splitlines()[0]})"
+    if why:
+        raise CheckpointError(f"{source} {why}; it is not a valid trainer checkpoint.")
+
+
+check_config_yaml = _check_config  # (for other readers of a run's config.yaml: resume=auto's search)
+
+
+def model_mismatches(loaded: Loaded, live: dict[str, torch.Tensor]) -> list[str]:
+    """Every model tensor whose name, global shape or dtype differs between the checkpoint and the live model."""
+    problems = []
+    for k, v in live.items():
+        found = loaded.model.get(k)
+        if not found:
+            problems.append(f"{k}: missing from the checkpoint")
+        elif found[0].shape != tuple(v.shape):
+            problems.append(f"{k}: checkpoint {found[0].shape} vs model {tuple(v.shape)}")
+        elif found[0].data.dtype != v.dtype:
+            problems.append(f"{k}: checkpoint {found[0].data.dtype} vs model {v.dtype}")
+    problems += [f"{k}: not in the model" for k in loaded.model if k not in live]
+    return problems
+
+
+class NullCheckpointer:
+    """No checkpoints (a Trainer built by hand without a checkpointer)."""
+
+    dir, save_final, best = None, False, None
+
+    def due(self, step: int) -> bool:
+        return False
+
+    def consider(self, metrics, step: int) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def save(self, *args, **kwargs) -> None:
+        return None
+
+    def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def complete(self) -> list[Path]:
+        return []

@@ -1,0 +1,323 @@
+"""From command-line overrides to a checked, resolved config, without Hydra's run machinery.
+
+`compose` builds the config Hydra would build; `prepare` validates it, resolves every interpolation
+and checks its `_target_`s, once. The CLI prepares every job of a command before Hydra writes
+anything; `trainer.train(cfg)` prepares what it is given. Composition errors (unknown keys,
+unknown group options, wrong types) become one paragraph with the nearest valid names.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from itertools import product
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from trainer.config import schema as _config  # registers the typed schema with Hydra's ConfigStore
+from trainer.errors import ConfigError, suggest
+
+CONFIG_MODULE = "trainer.conf"
+# conf/config.yaml puts the user's config dir on the search path for this machine's defaults (trainer/config/machine.py),
+# and Hydra warns at every composition about a search path that does not exist: on most machines, this one.
+warnings.filterwarnings("ignore", message=r"provider=hydra\.searchpath in main, path=.* is not available")
+
+
+def compose(overrides: list[str], config_dir: str | None = None) -> DictConfig:
+    """The job config for `overrides` (no sweeps), as `python -m trainer OVERRIDES` would compose it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+
+    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+        return hydra_compose("config", overrides=[*overrides, *search_path(config_dir)])
+
+
+def search_path(config_dir: str | None) -> list[str]:
+    """The override that adds `config_dir` (`--config-dir`) to Hydra's search path. It replaces conf/config.yaml's
+    list, so the machine's defaults dir (trainer/config/machine.py) is named again, as `--config-dir` keeps it."""
+    from trainer.config.machine import home
+
+    return [f"hydra.searchpath=[file://{Path(config_dir).resolve()},file://{home()}]"] if config_dir else []
+
+
+def sweep_jobs(overrides: list[str], limit: int = 256) -> list[list[str]]:
+    """The override lists of every job of a multirun sweep (`a=1,2 b=x,y`: four), the first `limit` of them."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException as exc:
+        raise unparsable(overrides, exc) from None
+    choices = []
+    for o in parsed:
+        if o.is_sweep_override():
+            key = o.get_key_element()
+            choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+        else:
+            choices.append([o.input_line])
+    jobs = []
+    for combo in product(*choices):
+        jobs.append(list(combo))
+        if len(jobs) >= limit:
+            break
+    return jobs
+
+
+def resolve(cfg: DictConfig) -> DictConfig:
+    """Resolve every interpolation once (in the parent), so workers see exactly the same values."""
+    from omegaconf.errors import MissingMandatoryValue
+
+    try:
+        container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as e:
+        key = getattr(e, "full_key", "?")
+        raise ConfigError(f"{key} is required but not set. Pass it on the command line, e.g. {key}=VALUE.") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{getattr(e, 'full_key', '')}: {str(e).splitlines()[0]}") from None
+    resolved = OmegaConf.create(container)
+    OmegaConf.set_struct(resolved, True)
+    return resolved
+
+
+def prepare(cfg: DictConfig, targets: bool = True) -> DictConfig:
+    """Validate, resolve and (with `targets`) check every `_target_`: the config a run starts from."""
+    resolved = resolve(cfg)
+    _config.validate(resolved)
+    if targets:
+        _config.check_targets(resolved)
+    return resolved
+
+
+def load(overrides: list[str], config_dir: str | None = None, targets: bool = True) -> DictConfig:
+    """`compose` + `prepare`, with composition errors explained."""
+    try:
+        cfg = compose(overrides, config_dir)
+    except (Exception, OmegaConfBaseException) as exc:  # hydra raises several unrelated types
+        raise explain(exc, overrides, config_dir) from exc
+    check_choices(cfg, overrides, config_dir)
+    return prepare(cfg, targets)
+
+
+def check_choices(cfg: DictConfig, overrides: list[str], config_dir: str | None) -> None:
+    """Refuse a group option chosen on the command line (`precision=bf16`) that the composed config does not
+    hold. Hydra merges a config's inline node (a recipe's `precision: {_target_: ...}`) over the option chosen
+    for that group, so the choice would be ignored without a word (or, for `precision=fp16`, mixed with the
+    inline class into a node neither meant). A config selects an option in its defaults list instead
+    (`override /precision: fp32`), which the command line overrides. Compares `_target_`s only: a recipe may
+    change an option's other values on purpose (`optim: {lr: ...}` over `optim=sgd`)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    dotted = {o.key_or_group for o in parsed if "." in o.key_or_group}
+    chosen = [(o.key_or_group, o.value()) for o in parsed
+              if not ("." in o.key_or_group or "/" in o.key_or_group or o.is_delete() or o.is_sweep_override())
+              and isinstance(o.value(), str)]
+    chosen = list(dict(chosen).items())  # precision=bf16 ... precision=fp32: the last one is the choice
+    if not chosen:
+        return
+    search = search_path(config_dir)
+    recipe = OmegaConf.select(cfg, "hydra.runtime.choices.recipe", default=None) or \
+        next((value for key, value in chosen if key == "recipe"), None)
+
+    def alone(group: str, option: str) -> list[tuple[str, str]]:
+        try:
+            return _targets_under(hydra_compose(f"{group}/{option}", overrides=search), group)
+        except Exception:  # noqa: BLE001 - not a group (resume=auto), or an option with a defaults list of its own
+            return []
+
+    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+        for group, option in chosen:
+            for path, want in alone(group, option):
+                got = OmegaConf.select(cfg, f"{path}._target_", default=None)
+                if got == want or any(f"{path}._target_" == k or f"{path}._target_".startswith(k + ".") for k in dotted):
+                    continue  # as chosen, or a _target_ set on purpose on the command line
+                from hydra.core.global_hydra import GlobalHydra
+
+                # The option the inline node amounts to, to name in the fix.
+                same = [o for o in GlobalHydra.instance().config_loader().get_group_options(group)
+                        if (path, got) in alone(group, o)]
+                setter = f" (recipe={recipe}?)" if recipe else ""
+                raise ConfigError(
+                    f"{group}={option} would be ignored: a config merged after it{setter} sets `{group}:` inline, so "
+                    f"{path}._target_ stays {got!r} instead of {option}'s {want!r}. In that config, select the option "
+                    f"in its defaults list instead: `defaults: [override /{group}: {same[0] if same else 'NAME'}]` "
+                    "(after the `# @package _global_` line, as conf/recipe/diffusion.yaml does); then "
+                    f"{group}=... on the command line wins. Or set the class itself: {path}._target_=CLASS."
+                )
+
+
+def _targets_under(cfg: DictConfig, group: str) -> list[tuple[str, str]]:
+    """(path, _target_) of each node with a `_target_` under `group` (a group option composed alone puts its
+    content at its package: `precision`, `logger.wandb`); nodes elsewhere (a `_global_` option's) are not
+    the group's own."""
+    found = []
+    node = OmegaConf.select(cfg, group, default=None)
+
+    def walk(n, path):
+        if isinstance(n, DictConfig):
+            if isinstance(n.get("_target_"), str):
+                found.append((path, n._target_))
+            for k in n.keys():
+                walk(n[k], f"{path}.{k}")
+
+    walk(node, group)
+    return found
+
+
+def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> ConfigError:
+    """Turn a Hydra/OmegaConf composition error into a ConfigError naming the key and the fix."""
+    from hydra.errors import MissingConfigException
+
+    msg = str(exc)
+    cause = exc.__cause__ or exc
+    if isinstance(exc, MissingConfigException) or "Could not find" in msg:
+        m = re.search(r"Could not (?:find|load) '([^']+)/([^']+)'", msg)
+        if m:
+            group, option = m.groups()
+            options = list(exc.options or []) if isinstance(exc, MissingConfigException) else []
+            if not options:
+                options = re.findall(r"^\t(\S+)$", msg, flags=re.M)
+            return ConfigError(
+                f"{group}={option} is not an option of config group '{group}'. "
+                f"Available: {', '.join(options) or '(none)'}.{suggest(option, options)}"
+            )
+    from hydra.errors import OverrideParseException
+
+    if isinstance(exc, OverrideParseException):
+        return unparsable(overrides, exc)
+    full_key = getattr(cause, "full_key", None)
+    m = re.search(r"Could not override '([^']+)'", msg)
+    if m and ("To append" in msg or "not in" in str(cause)):
+        key = m.group(1)
+        parent, _, leaf = key.rpartition(".")
+        others = [o for o in overrides if o.split("=")[0].lstrip("+~") != key]
+        value = next((o.split("=", 1)[1] for o in overrides if o.split("=")[0].lstrip("+~") == key and "=" in o), None)
+        composed = _composed(others, config_dir)
+        node = OmegaConf.select(composed, parent, default=None) if parent and composed is not None else composed
+        valid = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+        where = f"under '{parent}'" if parent else "at the top level"
+        # A key another strategy has (pipeline stages are world=ddp's): say which, before the generic list.
+        elsewhere = (" Pipeline stages (world.pp, world.pp_schedule, world.microbatches) are an option of world=ddp."
+                     if key in ("world.pp", "world.pp_schedule", "world.microbatches") else "")
+        return ConfigError(
+            f"unknown config key '{key}'.{elsewhere}{did_you_mean(key, value, composed)} Valid keys {where}: "
+            f"{', '.join(sorted(valid))}. To add a new key on purpose, write +{key}=VALUE."
+        )
+    if full_key and cause is not exc:
+        first = str(cause).splitlines()[0]
+        return ConfigError(f"{full_key}: {first}. See the expected types with: python -m trainer --cfg job")
+    lines = [line.strip() for line in msg.strip().splitlines() if line.strip()] or [type(exc).__name__]
+    first = lines[0]
+    # Keep what Hydra says under its summary line ("... while composing config:" / "Key 'recipe' not in
+    # 'Config'"): it is the cause.
+    detail = str(cause).strip().splitlines()[0] if cause is not exc and str(cause).strip() else ""
+    if not detail and first.endswith(":") and len(lines) > 1:
+        detail = lines[1]
+    if detail and detail not in first:
+        first = f"{first.rstrip(':')}: {detail}"
+    hint = "see python -m trainer --help for the config groups and their options"
+    m = re.match(r"In '([^'/]+)/([^']+)'", first)
+    if m and re.search(r"Key '[^']+' not in '", first):
+        # A group option that sets keys outside its group (a recipe) is read into the group's node unless its
+        # first line is the package header.
+        hint = (f"if {m.group(1)}/{m.group(2)}.yaml sets top-level keys, its first line must be "
+                "'# @package _global_': Hydra reads that header on the first line only")
+    return ConfigError(f"{first} ({hint})")
+
+
+def _composed(overrides: list[str], config_dir: str | None) -> DictConfig | None:
+    try:
+        return compose(overrides, config_dir)
+    except Exception:  # noqa: BLE001 - another mistake among the overrides: no suggestions then
+        return None
+
+
+def nearest_keys(key: str, cfg: DictConfig | None) -> list[str]:
+    """The keys of `cfg` an unknown `key` probably means: its underscore spelling (Accelerate treats - and _
+    in flag names alike: world.nproc-per-node -> world.nproc_per_node), else a close name at the same level
+    (trainer.max_stepz -> trainer.max_steps), else the nested keys whose last part is, or is close to, its
+    last part (lr -> optim.lr, trainer.lr -> optim.lr, batch_size -> data.batch_size)."""
+    if cfg is None:
+        return []
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent, default=None) if parent else cfg
+    here = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+    prefix, fixed = f"{parent}." if parent else "", leaf.replace("-", "_")
+    if fixed in here:
+        return [prefix + fixed]
+    close = _closest(fixed, here)
+    if close:
+        return [prefix + c for c in close]
+    leaves = [p for p in _leaf_paths(OmegaConf.to_container(cfg, resolve=False)) if p != key]
+    exact = [p for p in leaves if p.rpartition(".")[2] == fixed]
+    if exact:
+        return exact[:3]
+    by_leaf: dict[str, list[str]] = {}
+    for p in leaves:
+        by_leaf.setdefault(p.rpartition(".")[2], []).append(p)
+    return [p for name in _closest(fixed, list(by_leaf), cutoff=0.8) for p in by_leaf[name]][:3]
+
+
+def did_you_mean(key: str, value: str | None, cfg: DictConfig | None) -> str:
+    """' Did you mean optim.lr=1e-3?' (with the value when it is known), or '' when no key is close."""
+    found = nearest_keys(key, cfg)
+    shown = [f"{k}={value}" if value is not None else k for k in found]
+    return f" Did you mean {' or '.join(shown)}?" if shown else ""
+
+
+def _closest(name: str, choices: list[str], cutoff: float = 0.6) -> list[str]:
+    """errors.suggest's choice: the close names, or the one clearly closer than the rest."""
+    import difflib
+
+    close = difflib.get_close_matches(name, choices, n=3, cutoff=cutoff)
+    score = {c: difflib.SequenceMatcher(None, c, name).ratio() for c in close}
+    return [c for c in close if score[c] >= score[close[0]] - 0.1] if close else []
+
+
+def _leaf_paths(tree, path: str = "") -> list[str]:
+    """Dotted paths of the values (not the sections) of a plain config tree; `_target_`-style keys left out."""
+    if not isinstance(tree, dict):
+        return [path] if path else []
+    return [p for k, v in tree.items() if not str(k).startswith("_")
+            for p in _leaf_paths(v, f"{path}.{k}" if path else str(k))]
+
+
+def unparsable(overrides: list[str], exc: Exception) -> ConfigError:
+    """Hydra's override parser names no override ("mismatched input '=' expecting <EOF>"): name it, and how to
+    quote its value."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    for override in overrides:
+        try:
+            parser.parse_override(override)
+        except Exception as e:  # noqa: BLE001 - hydra's OverrideParseException, among others
+            key, sep, value = override.partition("=")
+            if not sep:
+                return ConfigError(f"{override!r} is not an override: write KEY=VALUE (python -m trainer --cfg job "
+                                   "lists the keys).")
+            why = str(e).strip().splitlines()[0] if str(e).strip() else detail
+            return ConfigError(
+                f"the value of {key} does not parse as Hydra reads overrides ({why}): a value with =, spaces, quotes, "
+                f"brackets, braces or a leading ~ must be quoted for Hydra, the quotes inside the shell's: "
+                f"'{key}=\"{value}\"'.")
+    return ConfigError(f"an override does not parse ({detail}); quote values that hold =, spaces or brackets: "
+                       "'KEY=\"VALUE\"'.")
+
+
+def yaml_value(override: str) -> Any:
+    """The value of a KEY=VALUE override, read as YAML (`null`, `0.8`, `[1, 2]`); a syntax error is one paragraph."""
+    key, _, value = override.partition("=")
+    try:
+        return yaml.safe_load(value) if value else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"the value of {key} is not YAML ({str(e).splitlines()[0]}): quote a string, e.g. "
+                          f"'{key}=\"...\"'.") from None

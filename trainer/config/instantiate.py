@@ -1,0 +1,130 @@
+"""Config sections to objects: `hydra.utils.instantiate` with the section named in its error, and the sections
+whose objects need more than that: the strategy (world without its launch keys), the (train, val) datasets
+(checked for what the loaders can read) and the loggers. `trainer/entry/run.py` builds a whole run from these;
+`trainer.Runtime` builds from them under `python -m trainer launch`. Torch is imported only when a section is built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.config.schema import LOADER_KEYS, strategy_options
+from trainer.errors import CheckpointError, ConfigError, DataError
+
+
+def build_node(section: str, node: Any, *args, **kwargs) -> Any:
+    """`hydra.utils.instantiate` with the config section named in the error instead of a traceback."""
+    from hydra.errors import InstantiationException
+
+    try:
+        return instantiate(node, *args, **kwargs)
+    except InstantiationException as e:
+        cause = e.__cause__ or e
+        detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        if isinstance(cause, DataError | ConfigError | CheckpointError):
+            raise cause from None
+        raise ConfigError(f"could not build '{section}' ({node.get('_target_', '?')}): {detail}. "
+                          f"Check the keys under {section} (python -m trainer --cfg job).") from None
+
+
+def build_strategy(world: DictConfig):
+    """The strategy of `world._target_`, from world's keys but the launch keys."""
+    return build_node("world", OmegaConf.create(strategy_options(world)))
+
+
+def build_data(cfg: DictConfig) -> tuple[Any, Any]:
+    """`data._target_` builds (train, val) datasets from every key of `data` except the loader keys."""
+    kwargs = {k: v for k, v in cfg.items() if k not in LOADER_KEYS}
+    splits = build_node("data", OmegaConf.create(kwargs))
+    if not (isinstance(splits, tuple) and len(splits) == 2):
+        raise DataError(f"data._target_={cfg._target_!r} must return a (train, val) pair of datasets; "
+                        f"val may be None. It returned {type(splits).__name__}.")
+    train, val = splits
+    for name, split in (("training", train), ("val", val)):
+        if split is not None:
+            refuse_unsupported(name, split, cfg._target_)
+    from trainer.data.streaming import is_stream, sized
+
+    if is_stream(train):
+        check_stream(train, cfg)
+    if sized(train) == 0:
+        raise DataError(f"the training split built by data._target_={cfg._target_!r} is empty.")
+    return train, val
+
+
+def check_stream(train: Any, cfg: DictConfig) -> None:
+    """The settings an iterable training split cannot honour, refused while the data is built: shuffling (a stream
+    is read in its own order), and epochs of a stream without __len__ (an epoch is a number of samples)."""
+    from trainer.data.streaming import sized
+
+    where = f"the training split built by data._target_={cfg._target_!r} is a stream ({type(train).__name__})"
+    if cfg.get("shuffle", True):
+        raise DataError(f"data.shuffle=true, but {where}: it is read in its own order, which the framework cannot "
+                        "shuffle. Set data.shuffle=false, and shuffle inside the dataset if the order matters (per "
+                        "pass: its set_epoch(n) is called before pass n; see README, Streaming data).")
+    if sized(train) is None:
+        # The data node's siblings, where it is part of a run's config (build_data(cfg.data)); absent otherwise.
+        epochs = [k for k in ("trainer.max_epochs", "trainer.eval_every_epochs", "checkpoint.every_n_epochs")
+                  if _sibling(cfg, k) is not None]
+        if epochs:
+            raise DataError(f"{epochs[0]} is set, but {where} without __len__, so it has no epochs. Set "
+                            "trainer.max_steps (and trainer.eval_every, checkpoint.every_n_steps) instead: the stream "
+                            "then starts over whenever it ends. Or give the dataset __len__ (the samples in one pass).")
+
+
+def _sibling(node: DictConfig, key: str) -> Any:
+    """`key` of the config that `node` is part of (None when it is not part of one, or has no such key)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.select(node, f"..{key}", default=None)
+    except OmegaConfBaseException:
+        return None
+
+
+def refuse_unsupported(name: str, split: Any, target: str) -> None:
+    """A DataError for a split the loaders cannot read: a map-style dataset needs __len__ and __getitem__ (samples are
+    drawn by index from one global sample stream), an IterableDataset is read as a stream (trainer/data/streaming.py), a
+    val stream needs __len__ (each eval reads its first trainer.eval_samples, every rank its share), and a DataLoader
+    is refused. Raised while the datasets are built, before any worker starts (the CLI then removes the run dir it
+    had begun)."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    where = f"the {name} split built by data._target_={target!r}"
+    why = ("the loaders draw samples by index from one global sample stream (the same global batches on any number "
+           "of processes, exact resume), so a split must be a map-style dataset, with __len__ and __getitem__, or an "
+           "IterableDataset (a stream)")
+    if isinstance(split, IterableDataset):
+        from trainer.data.streaming import sized
+
+        if name == "val" and sized(split) is None:
+            raise DataError(f"{where} is an IterableDataset ({type(split).__name__}) without __len__: every eval reads "
+                            "a val stream from its start, each rank its share of the first trainer.eval_samples, "
+                            "which needs its length. Give it __len__, or return the val samples as a list (they are "
+                            "read whole at every eval anyway).")
+        return
+    if isinstance(split, DataLoader):
+        raise DataError(f"{where} is a DataLoader: return its dataset instead ({type(split.dataset).__name__}); "
+                        f"batching, shuffling and workers come from data.batch_size, data.shuffle and "
+                        f"data.num_workers, and {why}.")
+    missing = [m for m in ("__len__", "__getitem__") if not hasattr(split, m)
+               and not (m == "__getitem__" and hasattr(split, "__getitems__"))]  # (a whole batch at once is enough)
+    if missing:
+        raise DataError(f"{where} ({type(split).__name__}) has no {' or '.join(missing)}: {why}. Return a torch "
+                        "Dataset or a list of samples.")
+
+
+def build_loggers(cfg: DictConfig, run_dir: Path, is_main: bool):
+    """The main process's loggers: the JSONL file and every `logger` section; a NullLogger elsewhere."""
+    from trainer.tracking.loggers import JsonlLogger, LoggerGroup, NullLogger
+
+    if not is_main:
+        return NullLogger()
+    loggers = [JsonlLogger(run_dir)]
+    for node in (cfg or {}).values():
+        if node is not None:
+            loggers.append(build_node("logger", node, run_dir=str(run_dir)))
+    return LoggerGroup(loggers)

@@ -1,0 +1,658 @@
+"""Typed schemas for the framework's own config sections, and the checks run when a config is built.
+
+The framework sections (`trainer`, `checkpoint`, `ema`) are dataclasses: Hydra type-checks command-line
+overrides against them. `world` is the strategy (`world._target_`, with its options) plus the launch
+topology (`LAUNCH_KEYS`, typed by `LaunchConfig`). Recipe sections (`model`, `data`, `task`, `optim`,
+`scheduler`) are free-form `_target_` nodes owned by the recipe; `validate` checks the keys the
+framework reads. No torch import here: `--help` and `--cfg job` must stay fast.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from trainer.config import slurm
+from trainer.errors import ConfigError, suggest
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int | None = 1000  # optimizer steps to run in total; null with max_epochs (which decides anyway)
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    grad_clip: float | None = 1.0  # max global grad norm; null disables clipping
+    log_every: int = 10  # optimizer steps between metric events
+    eval_every: int = 250  # optimizer steps between evals; 0 = only at the end
+    eval_samples: int | None = None  # evaluate on the first N val samples; null = the whole split
+    eval_batch_size: int | None = None  # null = data.batch_size
+    seed: int = 0
+    compile: bool = False  # torch.compile the model (checkpoints still save the plain module)
+    compile_backend: str = "inductor"  # torch.compile backend (inductor generates fused kernels)
+    nonfinite: str = "stop"  # on a NaN/inf loss or grad norm: stop | skip
+    max_nonfinite_skips: int = 10  # with nonfinite=skip: stop after this many consecutive skips
+    nonfinite_check: str = "auto"  # step (host reads the grad norm every step) | log (no per-step host sync) | auto
+    progress: str = "auto"  # auto (bar on a terminal, lines otherwise) | bar | lines | off
+    peak_tflops: float | None = None  # per-device peak for MFU; null = GPU table, or a CPU matmul probe
+    max_epochs: int | None = None  # instead of max_steps: passes over the training split (the steps are derived)
+    eval_every_epochs: int | None = None  # instead of eval_every: an eval every N epochs
+    activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, more time
+
+
+@dataclass
+class LaunchConfig:
+    """The launch topology under `world` (the other keys of `world` are the strategy's options)."""
+
+    nproc_per_node: Any = 1  # int, or "auto" = one per GPU (1 on CPU)
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None  # host:port of node 0 when nnodes > 1
+    max_restarts: int = 0  # elastic restarts of all workers after a failure
+    rdzv_timeout: int = 600  # seconds every node waits for the others (nnodes > 1) before giving up
+    hang_timeout: float | None = 600  # seconds without progress on any rank before the job is stopped; 0/null: off
+    device: str = "auto"  # auto | cpu | cuda
+    threads: Any = "auto"  # CPU threads per process; auto = cores / processes on this machine
+
+
+LAUNCH_KEYS = tuple(f.name for f in fields(LaunchConfig))
+
+
+@dataclass
+class CheckpointConfig:
+    every_n_steps: int = 0  # save every N optimizer steps; 0 = only at the end
+    keep_last: int = 2  # complete checkpoints kept; older ones are deleted after a new one is complete
+    best_metric: str | None = None  # e.g. val/loss: also keep the best checkpoint by this metric
+    best_mode: str = "min"  # min | max
+    every_n_epochs: int | None = None  # instead of every_n_steps: a checkpoint every N epochs
+    save_final: bool = True  # a checkpoint at the end too, so raising trainer.max_steps continues the run
+    async_save: bool = True  # copy the state to CPU at the step, write it in a background thread
+    max_shard_mb: float = 4096  # model.safetensors larger than this is exported as shards + index.json
+
+
+@dataclass
+class EMAConfig:
+    enabled: bool = False
+    decay: float = 0.999
+    warmup: bool = False  # decay_t = min(decay, (1 + t) / (10 + t)), t = EMA updates so far
+    update_every: int = 1  # optimizer steps between EMA updates
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = 0  # 0 = no adapters; 8 or 16 are usual (trainer/models/lora.py)
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapters' input
+    targets: list[str] = field(default_factory=list)  # linear layers: last name parts (qkv), globs, full names
+
+
+@dataclass
+class FinetuneConfig:
+    weights: str | None = None  # start from: a .safetensors file, a Hugging Face model dir, a finished run dir
+    dtype: str | None = None  # the loaded weights' dtype (fp32, bf16, fp16); null = the model's own
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+
+@dataclass
+class Config:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)  # pretrained weights, LoRA (trainer/models/finetune.py)
+    resume: str | None = None  # null = fresh | auto = newest complete checkpoint of this run dir | PATH
+    # The launch keys' defaults; conf/world/NAME.yaml adds the strategy (_target_) and its options.
+    world: Any = field(default_factory=lambda: asdict(LaunchConfig()))
+    model: Any = None
+    data: Any = None
+    task: Any = None
+    optim: Any = None
+    scheduler: Any = None
+    precision: Any = None
+    logger: Any = field(default_factory=dict)
+    callbacks: Any = field(default_factory=dict)  # name -> a _target_ node (trainer/loop/callbacks.py)
+
+
+ConfigStore.instance().store(name="trainer_schema", node=Config)
+
+# Keys of `data` read by the framework's loaders; the rest go to the dataset builder (`data._target_`).
+LOADER_KEYS = ("batch_size", "shuffle", "num_workers")
+
+
+def typed(schema, node: DictConfig | dict | None):
+    """A config section as its dataclass (values type-checked against the schema)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node or {}))
+
+
+def launch_config(world: DictConfig) -> LaunchConfig:
+    """The launch keys of `world` as a typed LaunchConfig (a ConfigError names a key of the wrong type)."""
+    try:
+        return typed(LaunchConfig, {k: world[k] for k in LAUNCH_KEYS if k in world})
+    except Exception as e:  # noqa: BLE001 - OmegaConf's ValidationError
+        key = getattr(e, "full_key", "") or "?"
+        raise ConfigError(f"world.{key}: {str(e).splitlines()[0]}. See python -m trainer --cfg job.") from None
+
+
+def strategy_options(world: DictConfig) -> dict[str, Any]:
+    """`world` without the launch keys: what the strategy class receives."""
+    return {k: v for k, v in world.items() if k not in LAUNCH_KEYS}
+
+
+# -- validation ---------------------------------------------------------------------------------------
+def _check(ok: bool, key: str, value: Any, expected: str, fix: str = "") -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: expected {expected}.{' ' + fix if fix else ''}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node) if isinstance(node, (DictConfig, ListConfig)) else node
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check the types and ranges of what the framework reads, before any process group starts or any
+    file is written. Torch-free, so `--cfg job` runs it too."""
+    t = cfg.trainer
+    _check(t.max_steps >= 1 if t.max_steps is not None else t.max_epochs is not None, "trainer.max_steps", t.max_steps,
+           "an integer >= 1, or null with trainer.max_epochs set", "The run needs a length: trainer.max_epochs=N.")
+    _check(t.grad_accum_steps >= 1, "trainer.grad_accum_steps", t.grad_accum_steps, "an integer >= 1")
+    _check(t.log_every >= 1, "trainer.log_every", t.log_every, "an integer >= 1")
+    _check(t.eval_every >= 0, "trainer.eval_every", t.eval_every, "an integer >= 0 (0 = eval only at the end)")
+    _check(t.grad_clip is None or t.grad_clip > 0, "trainer.grad_clip", t.grad_clip, "a number > 0, or null",
+           "null switches clipping off.")
+    _check(t.nonfinite in ("stop", "skip"), "trainer.nonfinite", t.nonfinite, "'stop' or 'skip'")
+    _check(t.max_nonfinite_skips >= 1, "trainer.max_nonfinite_skips", t.max_nonfinite_skips, "an integer >= 1")
+    _check(t.nonfinite_check in ("auto", "step", "log"), "trainer.nonfinite_check", t.nonfinite_check,
+           "auto, step or log")
+    _check(t.nonfinite_check != "log" or t.nonfinite == "stop", "trainer.nonfinite_check", t.nonfinite_check,
+           "step or auto with trainer.nonfinite=skip", "Whether a skipped step advances the LR schedule is decided on the host.")
+    _check(t.progress in ("auto", "bar", "lines", "off"), "trainer.progress", t.progress, "auto, bar, lines or off")
+    _check(t.eval_samples is None or t.eval_samples >= 1, "trainer.eval_samples", t.eval_samples, "an integer >= 1, or null")
+    _check(t.eval_batch_size is None or t.eval_batch_size >= 1, "trainer.eval_batch_size", t.eval_batch_size,
+           "an integer >= 1, or null (= data.batch_size)")
+    _check(t.peak_tflops is None or t.peak_tflops > 0, "trainer.peak_tflops", t.peak_tflops, "a number > 0, or null")
+    for key in ("max_epochs", "eval_every_epochs"):
+        _check(t[key] is None or t[key] >= 1, f"trainer.{key}", t[key], "an integer >= 1, or null")
+    _check(cfg.checkpoint.every_n_epochs is None or cfg.checkpoint.every_n_epochs >= 1, "checkpoint.every_n_epochs",
+           cfg.checkpoint.every_n_epochs, "an integer >= 1, or null")
+
+    c, e = cfg.checkpoint, cfg.ema
+    _check(c.every_n_steps >= 0, "checkpoint.every_n_steps", c.every_n_steps, "an integer >= 0 (0 = only at the end)")
+    _check(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "an integer >= 1")
+    _check(c.best_mode in ("min", "max"), "checkpoint.best_mode", c.best_mode, "'min' or 'max'")
+    _check(c.best_metric is None or c.best_metric.startswith(("val/", "val_ema/")), "checkpoint.best_metric",
+           c.best_metric, "a metric logged at eval, e.g. val/loss or val_ema/loss", "Or null.")
+    _check(c.max_shard_mb > 0, "checkpoint.max_shard_mb", c.max_shard_mb, "a number > 0")
+    _check(0.0 <= e.decay < 1.0, "ema.decay", e.decay, "a number in [0, 1), e.g. 0.999")
+    _check(e.update_every >= 1, "ema.update_every", e.update_every, "an integer >= 1")
+
+    for key in ("model", "data", "task", "optim", "scheduler", "precision", "world"):
+        node = cfg.get(key)
+        _check(isinstance(node, DictConfig) and "_target_" in node, key, _plain(node), "a config node with a _target_",
+               f"Select one with {key}=NAME or point {key}._target_ at your class.")
+    resume = cfg.get("resume")
+    if resume not in (None, "auto"):
+        from pathlib import Path
+
+        if not (isinstance(resume, str) and Path(resume).expanduser().is_dir()):
+            raise ConfigError(f"resume={resume!r} does not exist (or is not a directory): pass auto, null, or the "
+                              "path of a checkpoint (RUN_DIR/checkpoints/step_N), a checkpoints/ dir or a run dir.")
+    _validate_data(cfg.data)
+    _validate_finetune(cfg.get("finetune"))
+    for name, node in per_part(cfg.optim).items():
+        _validate_optim(node, f"optim.{name}" if name else "optim")
+    for name, node in per_part(cfg.scheduler).items():
+        _validate_scheduler(node, f"scheduler.{name}" if name else "scheduler")
+    _validate_world(cfg.world, cfg.data.get("batch_size"), cfg.precision.get("_target_"))
+
+
+def _validate_finetune(f: DictConfig | None) -> None:
+    if f is None:
+        return
+    _check(f.dtype in (None, "fp32", "bf16", "fp16"), "finetune.dtype", f.dtype, "fp32, bf16, fp16 or null")
+    lora = f.lora
+    _check(_is_int(lora.rank) and lora.rank >= 0, "finetune.lora.rank", lora.rank, "an integer >= 0 (0 = no LoRA)")
+    _check(lora.alpha > 0, "finetune.lora.alpha", lora.alpha, "a number > 0 (the adapters' scale is alpha / rank)")
+    _check(0.0 <= lora.dropout < 1.0, "finetune.lora.dropout", lora.dropout, "a number in [0, 1)")
+    _check(lora.rank == 0 or len(lora.targets) > 0, "finetune.lora.targets", _plain(lora.targets),
+           "the linear layers to adapt with finetune.lora.rank > 0", "E.g. finetune.lora.targets=[qkv,proj].")
+    _check(lora.rank > 0 or len(lora.targets) == 0, "finetune.lora.rank", lora.rank,
+           "an integer >= 1 with finetune.lora.targets set", "E.g. finetune.lora.rank=8.")
+
+
+def _validate_data(d: DictConfig) -> None:
+    bs = d.get("batch_size")
+    _check(_is_int(bs) and bs >= 1, "data.batch_size", bs, "an integer >= 1 (the per-process micro-batch)")
+    nw = d.get("num_workers", 0)
+    _check(_is_int(nw) and nw >= 0, "data.num_workers", nw, "an integer >= 0")
+    _check(isinstance(d.get("shuffle", True), bool), "data.shuffle", d.get("shuffle"), "true or false")
+    if "seq_len" in d:
+        _check(_is_int(d.seq_len) and d.seq_len >= 1, "data.seq_len", d.seq_len, "an integer >= 1")
+
+
+def per_part(node: DictConfig) -> dict[str | None, DictConfig]:
+    """An `optim` or `scheduler` node as the node of each model part: {None: node} for one optimizer; with keys
+    whose values are nodes (`optim.generator: {lr: 2e-4}`, for a task whose own training_step steps one optimizer
+    per part) each part's node is the base node with those keys changed (its own `_target_` too, if given)."""
+    parts = [k for k, v in node.items() if isinstance(v, DictConfig)]
+    if not parts:
+        return {None: node}
+    base = OmegaConf.masked_copy(node, [k for k in node if k not in parts])
+    return {p: OmegaConf.merge(base, node[p]) for p in parts}
+
+
+def _validate_optim(o: DictConfig, where: str = "optim") -> None:
+    """The keys torch's optimizers share. Which keys a given optimizer takes is checked at its class."""
+    lr = o.get("lr")
+    _check(_is_number(lr) and lr > 0, f"{where}.lr", lr, "a number > 0")
+    if o.get("betas") is not None:
+        b = _plain(o.betas)
+        _check(isinstance(b, (list, tuple)) and len(b) == 2 and all(_is_number(x) and 0 <= x < 1 for x in b),
+               f"{where}.betas", b, "two numbers in [0, 1), e.g. [0.9, 0.95]")
+    for key in ("eps", "weight_decay", "momentum"):
+        v = o.get(key)
+        _check(v is None or (_is_number(v) and v >= 0), f"{where}.{key}", _plain(v), "a number >= 0")
+
+
+def _validate_scheduler(s: DictConfig, where: str = "scheduler") -> None:
+    w = s.get("warmup_steps", 0)
+    _check(_is_int(w) and w >= 0, f"{where}.warmup_steps", _plain(w), "an integer >= 0")
+    r = s.get("min_lr_ratio", 0.0)
+    _check(_is_number(r) and 0 <= r <= 1, f"{where}.min_lr_ratio", _plain(r), "a number in [0, 1]")
+
+
+def _validate_world(world: DictConfig, batch_size: Any = None, precision: Any = None) -> None:
+    w = launch_config(world)
+    n = w.nproc_per_node
+    _check(n == "auto" or (_is_int(n) and n >= 1), "world.nproc_per_node", n, "an integer >= 1 or 'auto'")
+    _check(1 <= w.nnodes <= slurm.MAX_NODES, "world.nnodes", w.nnodes, f"an integer in [1, {slurm.MAX_NODES}]")
+    _check(0 <= w.node_rank < w.nnodes, "world.node_rank", w.node_rank, f"an integer in [0, world.nnodes={w.nnodes})")
+    _check(w.max_restarts >= 0, "world.max_restarts", w.max_restarts, "an integer >= 0")
+    _check(w.rdzv_timeout >= 1, "world.rdzv_timeout", w.rdzv_timeout, "a number of seconds >= 1")
+    _check(w.hang_timeout is None or w.hang_timeout >= 0, "world.hang_timeout", w.hang_timeout,
+           "a number of seconds > 0 (0 or null switches the hang watchdog off)")
+    _check(w.threads == "auto" or (_is_int(w.threads) and w.threads >= 1), "world.threads", w.threads,
+           "an integer >= 1 or 'auto'")
+    if w.nnodes > 1:
+        _check(bool(w.rdzv_endpoint), "world.rdzv_endpoint", w.rdzv_endpoint,
+               "host:port of node 0 when world.nnodes > 1", "Pass world.rdzv_endpoint=NODE0_HOST:29500 on every node.")
+    if w.rdzv_endpoint is not None:
+        try:
+            slurm.split_endpoint(w.rdzv_endpoint)
+        except ValueError as e:
+            _check(False, "world.rdzv_endpoint", w.rdzv_endpoint, f"HOST:PORT of node 0 ({e})",
+                   "Pass node 0's address, e.g. world.rdzv_endpoint=node0:29500.")
+    if slurm.leaves_topology_to_slurm(w.nnodes, w.node_rank, w.rdzv_endpoint):
+        slurm.topology(os.environ)  # under SLURM the launcher reads the job's variables: refuse bad ones now
+    _check(w.device == "auto" or w.device.split(":")[0] in ("cpu", "cuda", "mps"), "world.device", w.device,
+           "auto, cpu or cuda")
+    from trainer.parallel.layout import (  # the layout's own checks, before workers start
+        check_degree,
+        check_pipeline,
+    )
+
+    tp = check_degree(_plain(world.get("tp", 1)), n * w.nnodes if _is_int(n) else None)
+    if "pp" in world:
+        pp, _, _ = check_pipeline(_plain(world.pp), _plain(world.get("pp_schedule", "1F1B")),
+                                  _plain(world.get("microbatches")), n * w.nnodes if _is_int(n) else None, tp,
+                                  batch_size)
+        _check(pp == 1 or not str(precision).endswith("FP16"), "world.pp", pp, "1 with precision=fp16",
+               "The pipeline's stages would each decide alone to skip an overflowed step; use precision=bf16.")
+
+
+# -- targets ---------------------------------------------------------------------------------------------
+def iter_targets(node: Any, path: str = ""):
+    """(key path, _target_) for every node of the config that will be instantiated, lists included."""
+    if isinstance(node, DictConfig):
+        if "_target_" in node:
+            yield path or "<root>", node._target_
+        for k in node.keys():
+            if OmegaConf.is_missing(node, k):
+                continue
+            yield from iter_targets(node[k], f"{path}.{k}" if path else str(k))
+    elif isinstance(node, ListConfig):
+        for i, v in enumerate(node):
+            yield from iter_targets(v, f"{path}[{i}]")
+
+
+def locate(key: str, target: Any, field: str = "_target_") -> Any:
+    """Import a `_target_` that Hydra's instantiate policy and the config trust model allow (`refusal`);
+    a ConfigError otherwise. The name is judged before anything is imported, then what it resolves to."""
+    from hydra._internal.utils import _locate
+    from hydra.errors import InstantiationException
+
+    try:
+        from hydra._internal.target_policy import _authorize_target_name
+    except ImportError:  # Hydra without a target policy
+        _authorize_target_name = None
+    if not isinstance(target, str):
+        raise ConfigError(f"{key}.{field}={target!r} is invalid: expected a dotted path such as mypkg.MyClass.")
+    if _authorize_target_name is not None:
+        try:
+            _authorize_target_name(target, target, key)
+        except InstantiationException:
+            raise ConfigError(
+                f"{key}.{field}={target!r} is refused: Hydra's instantiate blocklist forbids it because it "
+                "can run commands or change files. Point _target_ at a model, dataset or loss class."
+            ) from None
+    trusted = allowed(target)
+    if not trusted:
+        refuse_if_untrusted(key, field, target, target)
+    try:
+        obj = _locate(target)
+    except (ImportError, AttributeError, ValueError) as e:
+        from trainer.checkpoint.settings import new_path
+
+        if (moved := new_path(target)) is not None:
+            raise ConfigError(f"{key}.{field}={target!r} moved to {moved!r} when trainer's modules became packages. "
+                              f"Write {key}.{field}={moved}.") from None
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        reason = lines[-1] if lines else type(e).__name__
+        raise ConfigError(
+            f"{key}.{field}={target!r} cannot be imported ({reason}). Check the spelling, and that its "
+            "module is importable (installed, or on PYTHONPATH)."
+        ) from None
+    if not trusted:
+        for origin in origins(obj):
+            if not allowed(origin):
+                refuse_if_untrusted(key, field, target, origin)
+    return obj
+
+
+def check_targets(cfg: DictConfig) -> None:
+    """Every `_target_` must pass the instantiate policy and import; the strategy must take world's options.
+
+    Checked once in the parent, before any worker starts, so a typo or a refused target is one
+    clear message instead of a traceback per rank. Imports the targets (and so torch).
+    """
+    found = [(key, locate(key, target)) for key, target in iter_targets(cfg)]  # the trust model first, for all
+    for key, obj in found:
+        node = OmegaConf.select(cfg, key) if key != "<root>" else cfg
+        # The keys a target's call takes (a typo here would otherwise surface as a TypeError in every worker).
+        extra = LOADER_KEYS if key == "data" else LAUNCH_KEYS if key == "world" else ()
+        if isinstance(node, DictConfig):
+            special = ("_target_", "_partial_", "_args_", "_recursive_", "_convert_")
+            parts = [k for k in node if isinstance(node[k], DictConfig)] if key in ("optim", "scheduler") else []
+            check_keywords(key, obj, {k: node[k] for k in node if k not in special and k not in parts}, extra_ok=extra)
+            for part in parts:  # optim.generator: {lr: ...}: the base target's keys, for one part (per_part)
+                if "_target_" not in node[part]:
+                    check_keywords(f"{key}.{part}", obj, {k: node[part][k] for k in node[part] if k not in special})
+    strategy = locate("world", cfg.world._target_)
+    if cfg.trainer.compile:
+        import torch._dynamo
+
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        _check(cfg.trainer.compile_backend in backends, "trainer.compile_backend", cfg.trainer.compile_backend,
+               f"one of torch.compile's backends: {', '.join(backends)}", "inductor is the usual one.")
+    procs = launch_config(cfg.world)
+    if procs.device.startswith("cuda"):
+        from trainer.parallel.backend import usable_device
+
+        usable_device(procs.device)
+    if not getattr(strategy, "distributed", True):
+        _check(procs.nproc_per_node in (1, "auto") and procs.nnodes == 1, "world.nproc_per_node",
+               procs.nproc_per_node, f"1 with world._target_={cfg.world._target_}",
+               "Use world=ddp (or world=fsdp) to run several processes.")
+
+
+def check_keywords(section: str, target: Any, node: dict, extra_ok: tuple[str, ...] = ()) -> None:
+    """Every key of `node` (but `_target_`, `_partial_`) must be a parameter of `target`'s signature."""
+    import inspect
+
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for k in node:
+        if k in names and isinstance(node[k], str):
+            # A string where the signature wants a list would be taken apart into characters ("baseline" ->
+            # ['b', 'a', ...]) without a word: refuse it.
+            annotation = str(params[k].annotation)
+            if any(t in annotation for t in ("list", "tuple", "Sequence")) and "str |" not in annotation \
+                    and not annotation.startswith("str"):
+                raise ConfigError(f"{section}.{k}={node[k]!r} is invalid: expected a list, e.g. {section}.{k}=[{node[k]}].")
+        if k.startswith("_") or k in extra_ok or k in names:
+            continue
+        raise ConfigError(
+            f"{section}.{k} is not an option of {section}._target_={getattr(target, '__qualname__', target)}."
+            f"{suggest(k, [*names, *extra_ok])} It takes: "
+            f"{', '.join([n for n in names if n not in ('self', 'params', 'run_dir')] + list(extra_ok)) or '(nothing)'}. "
+            f"Remove the key with ~{section}.{k}."
+        )
+
+
+# -- the config trust model ------------------------------------------------------------------------------
+# A config is data, but `_target_` makes it call Python, and configs come from elsewhere: a shared
+# --config-dir, a colleague's recipe, an interpolation of the environment. So a config may name model,
+# dataset, loss, optimizer, schedule and logger classes and functions from any module, but not the families
+# below: what deserialises (unpickling runs code), runs commands or code, writes files at a path the config
+# chooses, or opens connections. A name is refused when it, or any dotted prefix of it, is listed, and so is
+# a target whose definition (`origins`) is: a re-export (`from os import system as run`) is judged by what
+# it is. This guards against the known ways in; it is not a sandbox: an allowed class still does whatever its
+# code does with the arguments the config gives it. A user allows a name on purpose with the environment
+# variable TRAINER_ALLOW_TARGETS (the environment, so that a config cannot allow itself).
+ALLOW_TARGETS_ENV = "TRAINER_ALLOW_TARGETS"
+
+REFUSED_TARGETS: dict[str, tuple[str, ...]] = {
+    "deserialises data, and unpickling runs code": (
+        "pickle", "_pickle", "cPickle", "pickletools", "copyreg", "dill", "cloudpickle", "joblib", "marshal",
+        "shelve", "dbm", "jsonpickle", "yaml", "ruamel", "torch.load", "torch.serialization", "torch.jit.load",
+        "torch.jit._serialization", "torch.package", "torch.export.load", "torch.hub", "torch.utils.model_zoo",
+        "numpy.load", "numpy.lib.npyio", "numpy.lib._npyio_impl", "numpy.lib.format", "numpy.lib._format_impl",
+        "pandas.read_pickle", "pandas.io.pickle",
+    ),
+    "runs commands, other programs or code": (
+        "_sitebuiltins", "os", "posix", "nt", "posixpath", "ntpath", "genericpath", "subprocess",
+        "_posixsubprocess", "pty", "tty", "termios", "fcntl", "resource", "signal", "_signal", "sys", "atexit",
+        "faulthandler", "ctypes", "_ctypes", "cffi", "multiprocessing", "_multiprocessing", "_posixshmem",
+        "concurrent", "asyncio", "_thread", "importlib", "_imp", "_frozen_importlib",
+        "_frozen_importlib_external", "zipimport", "pkgutil", "runpy", "code", "codeop", "pdb", "bdb", "trace",
+        "profile", "cProfile", "timeit", "doctest", "unittest", "pytest", "_pytest", "pydoc", "inspect", "gc",
+        "site", "compileall", "py_compile", "zipapp", "venv", "ensurepip", "pip", "setuptools", "distutils",
+        "_distutils_hack", "pkg_resources", "antigravity", "this", "webbrowser", "hydra",
+        "torch.utils.cpp_extension", "torch.ops.load_library", "torch._ops._Ops.load_library",
+        "torch.classes.load_library", "torch._classes._Classes.load_library", "torch.multiprocessing",
+        "torch.distributed.run", "torch.distributed.launch", "torch.distributed.launcher",
+        "torch.distributed.elastic", "torch.distributed.rpc", "numpy.f2py", "numpy.distutils", "numpy.ctypeslib",
+        "trainer.entry.cli", "trainer.entry.commands", "trainer.entry.launcher", "trainer.entry.worker", "trainer.__main__",
+    ),
+    "writes files at a path the config chooses": (
+        "io", "_io", "pathlib", "shutil", "tempfile", "fileinput", "tarfile", "zipfile", "gzip", "bz2", "lzma",
+        "sqlite3", "_sqlite3", "mailbox", "wave", "aifc", "sunau", "mmap", "readline", "logging.FileHandler",
+        "logging.basicConfig", "logging.handlers", "logging.config", "omegaconf", "torch.save", "torch.from_file",
+        "torch.UntypedStorage.from_file", "torch.TypedStorage.from_file", "torch.storage", "torch.jit.save",
+        "torch.export.save", "torch.onnx", "numpy.save", "numpy.savez", "numpy.savez_compressed", "numpy.savetxt",
+        "numpy.fromfile", "numpy.memmap", "numpy.ndarray.tofile", "numpy.ndarray.dump",
+        "safetensors.torch.save_file", "safetensors.torch.save_model", "safetensors.numpy.save_file", "h5py",
+        "pandas.HDFStore", "pandas.io.pytables", "pandas.ExcelWriter", "trainer.io", "trainer.models.export",
+        "trainer.checkpoint.store", "trainer.entry.run",
+    ),
+    "opens network connections": (
+        "socket", "_socket", "socketserver", "ssl", "_ssl", "select", "selectors", "http", "urllib", "urllib3",
+        "requests", "httpx", "aiohttp", "ftplib", "smtplib", "poplib", "imaplib", "nntplib", "telnetlib", "xmlrpc",
+        "wsgiref",
+    ),
+}
+_REFUSED = {name: why for why, names in REFUSED_TARGETS.items() for name in names}
+# Of `builtins`, only plain types and pure functions: open, exec, eval, compile, __import__, getattr, input,
+# breakpoint, ... are refused.
+SAFE_BUILTINS = frozenset({"bool", "bytes", "complex", "dict", "float", "frozenset", "int", "list", "range", "set",
+                           "slice", "str", "tuple", "abs", "divmod", "enumerate", "len", "max", "min", "pow",
+                           "reversed", "round", "sorted", "sum", "zip"})
+# Hydra's own launcher and sweeper (hydra/launcher=basic) and its logging-only callbacks.
+KEPT_TARGETS = ("hydra._internal.core_plugins", "hydra.experimental.callbacks.LogJobReturnCallback",
+                "hydra.experimental.callbacks.LogComposeTimeCallback")
+
+
+def refusal(name: str) -> str | None:
+    """What calling the dotted `name` would do that a config may not ask for; None when it may be a target."""
+    parts = name.split(".")
+    if parts[0] in ("builtins", "__builtin__"):
+        if len(parts) == 2 and parts[1] in SAFE_BUILTINS:
+            return None
+        return "is a Python builtin that is not a plain type (open, exec, eval, compile, __import__, getattr, ...)"
+    if _kept(name):
+        return None
+    prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    return next((_REFUSED[p] for p in prefixes if p in _REFUSED), None)
+
+
+def _kept(name: str) -> bool:
+    return any(name == k or name.startswith(k + ".") for k in KEPT_TARGETS)
+
+
+def allowed(name: str) -> bool:
+    """Whether TRAINER_ALLOW_TARGETS (comma-separated dotted names or modules) allows `name` on purpose."""
+    entries = [e.strip() for e in os.environ.get(ALLOW_TARGETS_ENV, "").split(",") if e.strip()]
+    return any(name == e or name.startswith(e + ".") for e in entries)
+
+
+def origins(obj: Any) -> list[str]:
+    """The dotted names `obj` is defined under (a function's module, a class's module, a bound method's
+    owner), so that an alias re-exported by another module is judged by what it is."""
+    import functools
+    import types
+
+    if isinstance(obj, types.ModuleType):
+        return [obj.__name__]
+    if isinstance(obj, functools.partial):
+        return origins(obj.func)
+    names = []
+    name, owner = getattr(obj, "__name__", None), getattr(obj, "__self__", None)
+    if isinstance(owner, types.ModuleType):  # C functions (posix.system) and functions bound to a module
+        names.append(f"{owner.__name__}.{name}")
+    elif owner is not None and isinstance(name, str):  # bound methods: of a class, or of an instance
+        cls = owner if isinstance(owner, type) else type(owner)
+        names.append(f"{cls.__module__}.{cls.__qualname__}.{name}")
+    if getattr(obj, "__func__", None) is not None:
+        names += origins(obj.__func__)
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if isinstance(module, str) and isinstance(qualname, str):
+        names.append(f"{module}.{qualname}")
+    elif not names:  # an instance: judged by its class
+        names.append(f"{type(obj).__module__}.{type(obj).__qualname__}")
+    return names
+
+
+def refuse_if_untrusted(key: str, field: str, target: str, name: str) -> None:
+    why = refusal(name)
+    if why is None:
+        return
+    what = "" if name == target else f" (it is {name})"
+    raise ConfigError(
+        f"{key}.{field}={target!r} is refused{what}: it {why}, which the config trust model's blocklist keeps "
+        f"configs from doing. Point {field} at a model, dataset or loss class, or, if you trust this config, "
+        f"allow it on purpose in the environment: {ALLOW_TARGETS_ENV}={target} (comma-separated dotted names or "
+        "modules)."
+    )
+
+
+# What Hydra builds from its own `hydra` node before the job starts.
+# The files Hydra's own logging options write: the job log in the run dir, and hydra/hydra_logging=hydra_debug's.
+HYDRA_LOG_FILES = ("${hydra.runtime.output_dir}/${hydra.job.name}.log", "hydra-${hydra.job.name}.log")
+LOG_HANDLERS = ("logging.StreamHandler", "logging.NullHandler")
+LOG_STREAMS = ("ext://sys.stdout", "ext://sys.stderr")
+# hydra.job.env_set may not set what decides which code runs: the allow switches, and the search paths of
+# programs, shared libraries, Python modules, compilers and compiled-kernel caches.
+ENV_SET_REFUSED = frozenset({ALLOW_TARGETS_ENV, "HYDRA_INSTANTIATE_ALLOWLIST_OVERRIDE", "PATH", "BASH_ENV", "ENV",
+                             "CC", "CXX"})
+ENV_SET_REFUSED_PREFIXES = ("LD_", "DYLD_", "PYTHON", "TORCHINDUCTOR_", "TRITON_")
+
+
+def check_hydra_hooks(cfg: DictConfig) -> None:
+    """The trust model for Hydra's own hooks, in `cfg` composed with `return_hydra_config=True`: every
+    `_target_` under `hydra` (callbacks, launcher, sweeper); the handlers, filters and formatters of
+    hydra.job_logging and hydra.hydra_logging (handlers: StreamHandler and NullHandler on sys.stdout or
+    sys.stderr, and FileHandlers for Hydra's own logs, `HYDRA_LOG_FILES`; any other handler writes files or
+    opens connections before training starts); hydra.job.name (a plain file name: it names the log);
+    hydra.job.env_set; hydra.output_subdir."""
+    raw = OmegaConf.to_container(cfg.hydra, resolve=False)
+
+    def value(keys: tuple, v: Any) -> Any:  # an interpolation, resolved where it can be before the run
+        if not (isinstance(v, str) and "${" in v):
+            return v
+        try:
+            node = cfg.hydra
+            for k in keys:
+                node = node[k]
+            return node
+        except Exception:  # noqa: BLE001 - e.g. ${hydra.runtime.output_dir}: not known until Hydra runs
+            return v
+
+    for keys, node in _walk(raw):
+        if isinstance(node, dict) and "_target_" in node:
+            target = value((*keys, "_target_"), node["_target_"])
+            if not (isinstance(target, str) and _kept(target)):  # Hydra's own: Hydra builds them itself
+                locate(_path(("hydra", *keys)), target)
+    for section in ("job_logging", "hydra_logging"):
+        logging_cfg = raw.get(section)
+        if not isinstance(logging_cfg, dict):
+            continue
+        for kind in ("handlers", "filters", "formatters"):
+            for name, spec in (logging_cfg.get(kind) or {}).items():
+                if not isinstance(spec, dict):
+                    continue
+                keys = (section, kind, name)
+                key = _path(("hydra", *keys))
+                if "()" in spec:
+                    locate(key, value((*keys, "()"), spec["()"]), field="()")
+                cls = value((*keys, "class"), spec.get("class"))
+                if cls is None:
+                    continue
+                if kind != "handlers":
+                    locate(key, cls, field="class")
+                elif not (cls in LOG_HANDLERS or allowed(cls)
+                          or (cls == "logging.FileHandler" and spec.get("filename") in HYDRA_LOG_FILES)):
+                    raise ConfigError(
+                        f"{key}.class={cls!r} is refused: a logging handler other than {' or '.join(LOG_HANDLERS)} "
+                        "writes files or opens connections where the config says, before training starts (Hydra's "
+                        f"own logs, {' and '.join(HYDRA_LOG_FILES)}, are kept). Remove it, or, if you trust this config, allow it "
+                        f"on purpose in the environment: {ALLOW_TARGETS_ENV}={cls}."
+                    )
+        for keys, v in _walk(logging_cfg, (section,)):
+            v = value(keys, v)
+            if isinstance(v, str) and v.startswith("ext://") and v not in LOG_STREAMS and not allowed(v[6:]):
+                raise ConfigError(
+                    f"{_path(('hydra', *keys))}={v!r} is refused: ext:// hands the logging config any object by "
+                    f"its import path; only {' and '.join(LOG_STREAMS)} are kept. Remove it, or, if you trust "
+                    f"this config, allow it on purpose in the environment: {ALLOW_TARGETS_ENV}={v[6:]}."
+                )
+    job = raw.get("job") or {}
+    name = value(("job", "name"), job.get("name"))
+    if isinstance(name, str) and ("/" in name or "\\" in name or name in ("", ".", "..")):
+        raise ConfigError(f"hydra.job.name={name!r} is refused: Hydra writes its log to <run dir>/<job name>.log, "
+                          "so the job name must be a plain file name, not a path.")
+    for var in job.get("env_set") or {}:
+        if var in ENV_SET_REFUSED or str(var).startswith(ENV_SET_REFUSED_PREFIXES):
+            raise ConfigError(
+                f"hydra.job.env_set.{var} is refused: a config may not set {var}, which decides what code runs "
+                "(the allow switches, or where programs, libraries or modules are found). Set it in the "
+                "environment of the command instead."
+            )
+    subdir = raw.get("output_subdir")
+    if isinstance(subdir, str) and (os.path.isabs(subdir) or ".." in subdir.replace("\\", "/").split("/")):
+        raise ConfigError(f"hydra.output_subdir={subdir!r} is refused: Hydra writes config.yaml, hydra.yaml and "
+                          "overrides.yaml there, which must stay inside the run dir. Use a relative name such as .hydra.")
+
+
+def _walk(tree: Any, keys: tuple = ()):
+    """(keys, node) for every dict, list and value of a plain tree, the tree itself first."""
+    yield keys, tree
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+    for k, v in items:
+        yield from _walk(v, (*keys, k))
+
+
+def _path(keys: tuple) -> str:
+    return "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in keys).lstrip(".")

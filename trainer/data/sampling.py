@@ -1,0 +1,253 @@
+"""Sample order and data loaders.
+
+The training sample order is one global stream, so world size and gradient accumulation are pure
+performance knobs and a resume continues exactly where the run stopped, on any world size. A map-style
+dataset's stream is its per-epoch permutations (`GlobalBatchSampler`); an iterable dataset's is its own order
+(trainer/data/streaming.py, which also says where world size stays a knob for it and where not).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from trainer.data import streaming
+from trainer.data.streaming import StreamLayout, is_stream
+from trainer.errors import CheckpointError
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """Yields this rank's micro-batches of sample indices, cut from one global sample stream.
+
+    The stream is the concatenation of per-epoch permutations of the dataset drawn from `seed`
+    (or 0..N-1 in order when `shuffle` is off). Optimizer step s consumes stream positions
+    [s*G, (s+1)*G) where G = micro_batch * accum * world. Micro-step m on rank r takes the b
+    positions starting at s*G + (m*world + r)*b. The global batches therefore depend only on G and
+    the seed, never on how G is split across ranks and micro-steps; `start` (samples consumed)
+    fast-forwards without touching the data.
+    """
+
+    def __init__(self, num_samples: int, micro_batch: int, accum: int = 1, rank: int = 0, world: int = 1,
+                 seed: int = 0, shuffle: bool = True, start: int = 0):
+        if num_samples < 1:
+            raise ValueError("the dataset is empty")
+        self.n, self.b, self.accum, self.rank, self.world = num_samples, micro_batch, accum, rank, world
+        self.seed, self.shuffle, self.start = seed, shuffle, start
+        self._perms: dict[int, list[int]] = {}
+
+    @property
+    def global_batch(self) -> int:
+        return self.b * self.accum * self.world
+
+    def _perm(self, epoch: int) -> list[int]:
+        if epoch not in self._perms:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                perm = torch.randperm(self.n, generator=g).tolist()
+            else:
+                perm = list(range(self.n))
+            self._perms = {k: v for k, v in self._perms.items() if k >= epoch - 1}  # keep two epochs
+            self._perms[epoch] = perm
+        return self._perms[epoch]
+
+    def indices(self, pos: int, count: int) -> list[int]:
+        """Dataset indices at stream positions [pos, pos + count)."""
+        out: list[int] = []
+        while count > 0:
+            epoch, i = divmod(pos, self.n)
+            take = min(count, self.n - i)
+            out += self._perm(epoch)[i : i + take]
+            pos, count = pos + take, count - take
+        return out
+
+    def __iter__(self) -> Iterator[list[int]]:
+        pos = self.start
+        while True:
+            for m in range(self.accum):
+                yield self.indices(pos + (m * self.world + self.rank) * self.b, self.b)
+            pos += self.global_batch
+
+    def fingerprint(self, steps: int = 2) -> str:
+        """A hash of the next `steps` global batches: equal iff the data order would continue the same."""
+        ids = self.indices(self.start, steps * self.global_batch)
+        return hashlib.sha256(repr((self.n, ids)).encode()).hexdigest()[:16]
+
+
+def _collate_fn(dataset: Dataset):
+    # A dataset that batches itself (via __getitems__) says how to collate with a `collate_fn`
+    # attribute; otherwise torch's default_collate stacks samples.
+    return getattr(dataset, "collate_fn", None)
+
+
+def in_process_batches(dataset: Dataset, batch_sampler) -> Iterator[Any]:
+    """What a DataLoader with num_workers=0 yields, without its per-batch bookkeeping (~30 us a step)."""
+    from torch.utils.data import default_collate
+
+    collate = _collate_fn(dataset) or default_collate
+    getitems = getattr(dataset, "__getitems__", None)
+    for indices in batch_sampler:
+        yield collate(getitems(indices) if getitems else [dataset[i] for i in indices])
+
+
+def train_loader(dataset: Dataset, sampler: GlobalBatchSampler | StreamLayout, num_workers: int,
+                 device: torch.device, seed: int, resume: dict | None = None):
+    """This rank's micro-batches from `sampler`'s position on: a map-style dataset's by index, a stream's read by
+    its readers (`resume`: the checkpoint's stream position, see trainer/data/streaming.py)."""
+    if isinstance(sampler, StreamLayout):
+        from torch.utils.data import default_collate
+
+        return streaming.StreamBatches(dataset, sampler, num_workers, device, seed, resume,
+                                       _collate_fn(dataset) or default_collate)
+    if num_workers == 0 and device.type == "cpu":  # on CUDA the DataLoader pins memory for async copies
+        return in_process_batches(dataset, sampler)
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=_collate_fn(dataset),
+        pin_memory=device.type == "cuda",
+        persistent_workers=num_workers > 0,
+        # A private generator: creating the iterator must not consume the global RNG (exact resume).
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def eval_loader(dataset: Dataset, batch_size: int, rank: int, world: int, limit: int | None,
+                num_workers: int, device: torch.device) -> DataLoader:
+    """Each rank gets every world-th sample of the first `limit` samples: each counted exactly once."""
+    n = len(dataset) if limit is None else min(limit, len(dataset))
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=range(rank, n, world),
+        num_workers=num_workers,
+        collate_fn=_collate_fn(dataset),
+        pin_memory=device.type == "cuda",
+    )
+
+
+def eval_batches(dataset: Dataset, batch_size: int, rank: int, world: int, limit: int | None,
+                 device: torch.device, lockstep: bool = False) -> Iterator[tuple[Any, bool, list[int]]]:
+    """(batch, counted, sample indices) for this rank's share of the eval samples. With `lockstep`, a rank
+    with fewer batches than rank 0 repeats one, uncounted, until it has run as many (forwards that are
+    collectives). A val stream (it has __len__: see run.py's build_data) is read from its start at every eval."""
+    n = len(dataset) if limit is None else min(limit, len(dataset))
+    if is_stream(dataset):
+        from torch.utils.data import default_collate
+
+        collate = _collate_fn(dataset) or default_collate
+        mine = streaming.eval_batches(dataset, batch_size, rank, world, n, collate)
+        first = lambda: next(streaming.eval_batches(dataset, batch_size, 0, 1, 1, collate))  # noqa: E731
+    else:
+        owned = list(range(rank, n, world))
+        mine = ((batch, owned[i * batch_size : (i + 1) * batch_size]) for i, batch in
+                enumerate(eval_loader(dataset, batch_size, rank, world, limit, 0, device)))
+        first = lambda: (next(iter(eval_loader(dataset, batch_size, 0, 1, 1, 0, device))), [0])  # noqa: E731
+    batch, indices, count = None, [], 0
+    for batch, indices in mine:
+        count += 1
+        yield batch, True, indices
+    if lockstep:
+        most = math.ceil(len(range(0, n, world)) / batch_size)
+        if batch is None and count < most:  # this rank got no sample at all
+            batch, indices = first()
+        for _ in range(most - count):
+            yield batch, False, indices
+
+
+def epoch_length(dataset: Dataset) -> int:
+    """Samples in one epoch of the training split: its length, or 0 for a stream without __len__ (which has no
+    epochs: run.py's build_data refuses the epoch settings for it, so nothing divides by this)."""
+    return streaming.sized(dataset) or 0
+
+
+@dataclass
+class Data:
+    """The datasets and loader settings a Trainer trains and evaluates on, and the training data's position.
+
+    The loop asks it for its sampler at a position (`sampler`), the batches from there (`loader`), and the
+    position's checkpoint state (`position_state`, `check_position`, `load_position`): for a map-style dataset the
+    samples seen and a fingerprint of the order suffice; a stream adds where its readers stopped."""
+
+    train: Dataset
+    val: Dataset | None = None
+    batch_size: int = 1  # per-process micro-batch
+    shuffle: bool = True
+    num_workers: int = 0
+
+    def __post_init__(self):
+        self._reading: streaming.StreamBatches | None = None  # the stream being read, for position_state
+        self._resume: dict | None = None  # the checkpoint's stream position, for the next loader
+
+    @property
+    def streaming(self) -> bool:
+        return is_stream(self.train)
+
+    def sampler(self, accum: int, rank: int, world: int, seed: int, start: int = 0) -> GlobalBatchSampler | StreamLayout:
+        """Where this rank's micro-batches sit in the training stream, from stream position `start`."""
+        if self.streaming:
+            return StreamLayout(self.batch_size, accum, rank, world, start)
+        return GlobalBatchSampler(len(self.train), self.batch_size, accum, rank, world, seed, self.shuffle,
+                                  start=start)
+
+    def loader(self, sampler: GlobalBatchSampler | StreamLayout, device: torch.device, seed: int):
+        """This rank's training micro-batches from `sampler` on; a stream's continue a loaded checkpoint's readers."""
+        resume = self._resume if self._resume is not None and self._resume["position"] == sampler.start else None
+        batches = train_loader(self.train, sampler, self.num_workers, device, seed, resume)
+        self._reading = batches if self.streaming else None
+        return batches
+
+    def fingerprint(self, sampler: GlobalBatchSampler | StreamLayout) -> str:
+        """Equal iff the training order would continue the same (map-style: a hash of the next global batches)."""
+        return streaming.fingerprint(self.train) if self.streaming else sampler.fingerprint()
+
+    def position_state(self, sampler: GlobalBatchSampler | StreamLayout, gather) -> dict[str, Any]:
+        """A stream's position for the checkpoint ({} for a map-style dataset: samples_seen is its position), as
+        JSON text. `gather(obj)` returns every rank's obj: it is called on every rank alike, only once batches
+        have been read (the same on every rank), so a checkpoint's template, taken before, is no collective."""
+        if not self.streaming:
+            return {}
+        reading = self._reading
+        if reading is None or reading.consumed == 0:
+            rec = self._resume if self._resume is not None and self._resume["position"] == sampler.start else \
+                streaming.initial_record(self.train, sampler, self.num_workers)
+        else:
+            rec = streaming.record(self.train, reading.layout, self.num_workers, gather(reading.local_record()),
+                                   sampler.start)
+        return {"stream": json.dumps(rec)}
+
+    def check_position(self, state: dict[str, Any], sampler: GlobalBatchSampler | StreamLayout, where: str) -> None:
+        """Whether this run's data continues the checkpoint's (`state`: samples_seen, global_batch, data_fingerprint
+        and a stream's position); `sampler` is this run's, at any position. Raises CheckpointError."""
+        if self.streaming:
+            if state.get("data_fingerprint") != self.fingerprint(sampler):
+                raise CheckpointError(f"{where}: the checkpoint was trained on another dataset than this run's stream "
+                                      f"({type(self.train).__name__}): resume with the data it was trained on.")
+            rec = streaming.parse_record(state.get("stream"), where)
+            streaming.check_record(rec, self.train, sampler, self.num_workers, state["samples_seen"], where)
+            return
+        # The next two of the checkpoint's global batches, as positions of this run's stream.
+        stream = GlobalBatchSampler(len(self.train), state["global_batch"], seed=sampler.seed, shuffle=self.shuffle,
+                                    start=state["samples_seen"])
+        if stream.fingerprint() != state["data_fingerprint"]:
+            raise CheckpointError(
+                f"{where}: the sample stream after step {state['step']} differs from the checkpoint's (fingerprint "
+                f"{stream.fingerprint()} vs {state['data_fingerprint']}): the training data, trainer.seed or "
+                "data.shuffle changed, and the run would not see the samples it was going to see."
+            )
+
+    def load_position(self, state: dict[str, Any]) -> str | None:
+        """Take a checked checkpoint's stream position for the next loader; a line to show when the resume must
+        read the stream again (a dataset without state_dict), else None."""
+        if not self.streaming:
+            return None
+        self._resume = streaming.parse_record(state["stream"], "the checkpoint")
+        self._reading = None
+        return streaming.resume_note(self._resume, self.train)

@@ -1,0 +1,257 @@
+"""The command line: Hydra at the edge, turning argv into a prepared config and a call to the launcher.
+
+Every job of the command is composed and checked first (`precheck`), so a mistake is one
+paragraph with exit code 2 before Hydra creates a run dir; then `hydra.main` runs the job(s), and
+`run_job` records the config and starts training here or in worker processes.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from trainer.config.compose import (
+    CONFIG_MODULE,
+    check_choices,
+    explain,
+    prepare,
+    resolve,
+    search_path,
+    sweep_jobs,
+)
+from trainer.config.schema import check_hydra_hooks
+from trainer.errors import NonFiniteError, TrainerExit, UserError, debug_enabled, report
+from trainer.redaction import redact, scrub, secret_values
+
+COMMANDS = ("env", "check", "eval", "sample", "config", "tune", "launch")  # trainer/entry/commands.py
+
+
+def precheck(argv: list[str]) -> None:
+    """Compose and check every job of this command up front, so mistakes end here, before any file is written."""
+    from hydra._internal.utils import get_args_parser
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    if args.help or args.hydra_help or args.info or args.shell_completion:
+        return
+    jobs = sweep_jobs(args.overrides) if args.multirun else [args.overrides]
+    try:
+        for overrides in jobs:
+            cfg = compose_with_hydra(overrides, args.config_dir)
+            check_hydra_hooks(cfg)  # what Hydra itself builds before the job: callbacks, logging, env_set
+            check_choices(cfg, overrides, args.config_dir)  # precision=bf16 that a recipe's inline node hides
+            with open_dict(cfg):
+                del cfg["hydra"]  # now the config `compose` gives
+            # `--cfg job` prints without running: check values, but import nothing (no torch).
+            prepare(cfg, targets=not args.cfg)
+    except UserError as err:
+        # A message quotes config values, and those may come from the environment's secrets.
+        err.args = (scrub(str(err), secret_values()),)
+        raise
+
+
+def compose_with_hydra(overrides: list[str], config_dir: str | None) -> DictConfig:
+    """`composition.load`'s config with the `hydra` node kept (callbacks, logging, env_set), so that the
+    config trust model can check Hydra's hooks before Hydra runs them. Errors are explained as by `load`."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+
+    full = [*overrides, *search_path(config_dir)]
+    try:
+        with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+            return hydra_compose("config", overrides=full, return_hydra_config=True)
+    except (Exception, OmegaConfBaseException) as exc:  # hydra raises several unrelated types
+        raise explain(exc, overrides, config_dir) from exc
+
+
+# -- recording the config ------------------------------------------------------------------------
+def scrub_hydra_files(run_dir: Path, secrets: set[str]) -> None:
+    """Hydra records the command line in .hydra/; take secrets given there back out."""
+    from trainer.io import atomic_write_text
+
+    for f in (run_dir / ".hydra").glob("*.yaml") if secrets else ():
+        text = f.read_text()
+        clean = scrub(text, secrets)
+        if clean != text:
+            atomic_write_text(f, clean)
+
+
+# -- the Hydra task ----------------------------------------------------------------------------------
+def run_job(cfg: DictConfig) -> float | None:
+    """Hydra's task function: record the (already checked) config, then train here or launch workers."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from trainer.entry.rundir import continue_command, find_run_to_continue
+
+    hc = HydraConfig.get()
+    run_dir, lock, started = Path(hc.runtime.output_dir), None, False
+    try:
+        from trainer.parallel.precision import resolve_auto
+
+        # precision=auto is decided once, here, before any worker starts; config.yaml records the choice.
+        resolved, chosen = resolve_auto(resolve(cfg))
+        if chosen:
+            print(chosen, flush=True)
+        if resolved.get("resume") == "auto" and not _chose_run_dir(hc):
+            # The default run dir is new at every start: continue the newest unfinished run with this config.
+            found = find_run_to_continue(run_dir, redact(OmegaConf.to_container(resolved)))
+            if found is not None:
+                print(f"resume=auto: continuing {found}, the newest unfinished run under {found.parent.parent} "
+                      "with this config (pass hydra.run.dir=DIR to choose another).", flush=True)
+                _remove_if_free(run_dir)  # this job's fresh timestamped dir (another job's of the same second stays)
+                run_dir = found
+        run_dir, lock = _own_run_dir(run_dir, resolved, chosen=_chose_run_dir(hc))
+        if lock.held:  # (the launchers of nodes other than 0 leave the records to node 0's)
+            scrub_hydra_files(run_dir, secret_values(OmegaConf.to_container(resolved)))
+            from trainer.entry.run import save_config
+
+            save_config(resolved, run_dir)
+        from trainer.config.machine import defaults_file
+
+        if defaults_file().is_file():  # (composed into this config by conf/config.yaml's defaults list)
+            print(f"machine defaults: {defaults_file()} (python -m trainer config shows them; the command line "
+                  "overrides them)", flush=True)
+        print(f"run dir: {run_dir}", flush=True)
+        from trainer.entry.launcher import WorkerFailed, run
+
+        started = True
+        try:
+            final = run(resolved, run_dir)
+        except WorkerFailed as wf:
+            code = wf.report()
+            if wf.exitcode not in (UserError.exit_code, NonFiniteError.exit_code):  # rerunning would not help
+                _say_how_to_continue(run_dir, continue_command(run_dir))
+            sys.exit(code)
+        except KeyboardInterrupt:
+            print("interrupted: stopped all processes.", file=sys.stderr, flush=True)
+            _say_how_to_continue(run_dir, continue_command(run_dir))
+            sys.exit(130)
+        print(f"done: {run_dir}", flush=True)
+    except TrainerExit as err:
+        if debug_enabled():
+            raise
+        report(err)
+        if isinstance(err, UserError):
+            if lock is not None and lock.held:  # never a run dir another job holds (or shares, on other nodes)
+                remove_if_unused(run_dir)
+        elif started and not isinstance(err, NonFiniteError):  # preempted, disk full (a NaN would come back)
+            _say_how_to_continue(run_dir, continue_command(run_dir))
+        sys.exit(err.exit_code)
+    except Exception:
+        if started:  # a crash: say how to continue from the newest checkpoint, then the traceback
+            _say_how_to_continue(run_dir, continue_command(run_dir))
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
+    return (final or {}).get("val/loss")
+
+
+def _own_run_dir(run_dir: Path, cfg: DictConfig, chosen: bool):
+    """The run dir this job may write, and its lock (see trainer/entry/rundir.py). One job per run dir, one lock per
+    job: on several nodes the launcher of node 0 takes it for the job, and the others check that the lock they
+    find is their job's. Two jobs started in the same second share a default (timestamped) run dir: the later
+    one moves to `<dir>-2` (then -3, ...) instead of stopping, since nobody chose that dir."""
+    import shutil
+
+    from trainer.entry.launcher import launch_topology
+    from trainer.entry.rundir import RunDirLock
+    from trainer.errors import ConfigError
+
+    w = launch_topology(cfg.world)
+    if w.nnodes > 1:
+        lock = RunDirLock(run_dir, job=f"rdzv={w.rdzv_endpoint}")
+        if w.node_rank != 0:
+            lock.check_same_job()
+            return run_dir, lock
+        return run_dir, lock.acquire()
+    try:
+        return run_dir, RunDirLock(run_dir).acquire()
+    except ConfigError:
+        if chosen:
+            raise
+    for n in range(2, 100):
+        other = run_dir.with_name(f"{run_dir.name}-{n}")
+        try:
+            other.mkdir(parents=True)  # exclusive: a third job of the same second takes the next number
+        except FileExistsError:
+            continue
+        if (run_dir / ".hydra").is_dir():
+            shutil.copytree(run_dir / ".hydra", other / ".hydra")
+        print(f"note: {run_dir} is in use by another job started in the same second; this job runs in {other}.",
+              flush=True)
+        return other, RunDirLock(other).acquire()
+    raise ConfigError(f"run dir {run_dir} and 98 numbered siblings are in use; pass hydra.run.dir=DIR.")
+
+
+def _remove_if_free(run_dir: Path) -> None:
+    """`remove_if_unused`, unless another job holds the run dir (a job started in the same second shares it)."""
+    from trainer.entry.rundir import RunDirLock
+    from trainer.errors import ConfigError
+
+    try:
+        lock = RunDirLock(run_dir).acquire()
+    except ConfigError:
+        return
+    try:
+        remove_if_unused(run_dir)
+    finally:
+        lock.release()
+
+
+def _chose_run_dir(hc) -> bool:
+    """Whether the user named the run dir (hydra.run.dir=..., or a sweep's dir) rather than the default's timestamp."""
+    chosen = [o.split("=", 1)[0].lstrip("+~") for o in hc.overrides.hydra]
+    return "hydra.run.dir" in chosen or str(hc.mode) == "RunMode.MULTIRUN"
+
+
+def _say_how_to_continue(run_dir: Path, command: str) -> None:
+    """After an interruption: the exact command that continues the run (if it has a checkpoint to continue from)."""
+    if any((p / "manifest.json").is_file() for p in (run_dir / "checkpoints").glob("step_*")):
+        print(f"to continue this run: {scrub(command, secret_values())}", file=sys.stderr, flush=True)
+
+
+def remove_if_unused(run_dir: Path) -> None:
+    """A run that failed before it trained leaves no run dir behind (but never touches earlier results: the
+    dir goes only if it holds nothing but the records of this attempt's start)."""
+    import shutil
+
+    if not run_dir.is_dir():
+        return
+    records = {".hydra", ".lock", "config.yaml", "run_info.json", f"{Path(sys.argv[0]).stem}.log", "cli.log"}
+    for p in run_dir.iterdir():
+        if p.name in records or (p.name in ("metrics.jsonl", "samples.jsonl") and p.stat().st_size == 0):
+            continue
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] and argv[0] in COMMANDS:
+        from trainer.entry import commands
+
+        sys.exit(commands.COMMANDS[argv[0]](argv[1:]))
+    from trainer.entry.launcher import follow_torchrun_rank0, is_torchrun_follower
+
+    if is_torchrun_follower():
+        sys.exit(follow_torchrun_rank0())
+    # Hydra's parser wants -m before the overrides; accept it anywhere.
+    flags = [a for a in argv if a in ("-m", "--multirun")]
+    argv = flags[:1] + [a for a in argv if a not in ("-m", "--multirun")]
+    try:
+        from trainer.config.flags import refuse_foreign_flags
+
+        refuse_foreign_flags(argv)  # accelerate's --num_processes 2: world=ddp world.nproc_per_node=2
+        precheck(argv)
+    except UserError as err:
+        if debug_enabled():
+            raise
+        report(err)
+        sys.exit(err.exit_code)
+    import hydra
+
+    sys.argv = [sys.argv[0], *argv]
+    hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base="1.3")(run_job)()

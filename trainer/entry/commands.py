@@ -1,0 +1,385 @@
+"""The commands beside training: `python -m trainer env` (what is installed and available), `check` (a
+correctness self-test of this machine: accumulation, DDP, FSDP, tensor parallelism and resume), and for a
+finished run `eval RUN_DIR` (its val metrics, on any world size) and `sample RUN_DIR`."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+
+def _version(pkg: str) -> str:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def env(argv: list[str]) -> int:
+    """Print versions, devices and backends, then the default config (like `accelerate env`)."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer.parallel.backend import available_cores
+    from trainer.parallel.precision import choose_for, cpu_flags
+
+    flags = cpu_flags()
+    relevant = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16", "amx_tile", "avx512f", "avx2", "bf16")
+
+    rows = [
+        ("trainer", _version("trainer")),
+        ("Python", f"{platform.python_version()} ({sys.executable})"),
+        ("Platform", platform.platform()),
+        *[(p, _version(p)) for p in ("torch", "hydra-core", "omegaconf", "wandb", "safetensors", "tqdm")],
+        ("CPU cores available", str(available_cores())),
+        ("torch threads (intra-op / inter-op)", f"{torch.get_num_threads()} / {torch.get_num_interop_threads()}"),
+        ("CUDA available", str(torch.cuda.is_available())),
+    ]
+    if torch.cuda.is_available():
+        rows += [("CUDA / cuDNN", f"{torch.version.cuda} / {torch.backends.cudnn.version()}")]
+        rows += [(f"GPU {i}", torch.cuda.get_device_name(i)) for i in range(torch.cuda.device_count())]
+        rows += [("bf16 on GPU", str(torch.cuda.is_bf16_supported()))]
+    rows += [
+        ("torch.distributed", str(dist.is_available())),
+        ("gloo / nccl", f"{dist.is_gloo_available()} / {dist.is_nccl_available()}"),
+        ("MKL / oneDNN (CPU bf16 matmuls)", f"{torch.backends.mkl.is_available()} / {torch.backends.mkldnn.is_available()}"),
+        ("CPU flags (bf16/fp16 units)", "unknown (no /proc/cpuinfo)" if flags is None else
+         " ".join(f for f in relevant if f in flags) or "none of " + " ".join(relevant)),
+        ("WANDB_MODE", os.environ.get("WANDB_MODE", "(unset)")),
+        ("wandb credentials", "yes" if os.environ.get("WANDB_API_KEY") else "not in the environment"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"- {k.ljust(width)} : {v}" for k, v in rows))
+    name, why = choose_for("auto")
+    print(f"\nprecision=auto would choose: {name} ({why})")
+    from trainer.config.machine import describe
+
+    print(f"\nMachine defaults (python -m trainer config): {describe()}")
+    print("\nDefault config (python -m trainer --cfg job):\n")
+    from omegaconf import OmegaConf
+
+    from trainer.config.compose import compose
+
+    print(OmegaConf.to_yaml(compose(argv)))
+    return 0
+
+
+# -- check ---------------------------------------------------------------------------------------
+# Two blocks, so that the pipeline line has a block for each of its two stages.
+CHECK_SETTINGS = ["debug=smoke", "data=text", "trainer.max_steps=12", "trainer.eval_samples=37",
+                  "checkpoint.every_n_steps=6", "model.n_layer=2"]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["train/loss"] for line in lines if "train/loss" in line]
+
+
+def _compare(name: str, got: list[float], want: list[float], tol: float) -> bool:
+    if len(got) != len(want):
+        print(f"FAIL  {name}: {len(got)} logged steps, expected {len(want)}")
+        return False
+    diff = max((abs(a - b) for a, b in zip(got, want)), default=0.0)
+    ok = diff <= tol
+    print(f"{'OK  ' if ok else 'FAIL'}  {name}: max |loss difference| = {diff:.2e} (tolerance {tol:.0e})", flush=True)
+    return ok
+
+
+def check(argv: list[str]) -> int:
+    """Train a tiny model several ways that must agree, and say which agree. Exit 0 if all do."""
+    import contextlib
+    import io
+    import shutil
+
+    import torch
+
+    from trainer.config.compose import load as compose
+    from trainer.entry.run import train
+    from trainer.parallel.backend import available_cores
+
+    tmp = Path(tempfile.mkdtemp(prefix="trainer-check-"))
+    try:
+        corpus = tmp / "corpus.txt"
+        corpus.write_bytes(Path(json.__file__).read_bytes() + Path(subprocess.__file__).read_bytes())
+        os.environ.setdefault("TRAINER_CACHE_DIR", str(tmp / "cache"))
+        base = [*CHECK_SETTINGS, f"data.path={corpus}", *argv]
+        # GPU kernels are not bitwise deterministic; on the CPU everything here is.
+        tol_equiv, tol_exact = (1e-3, 1e-3) if torch.cuda.is_available() else (1e-5, 0.0)
+
+        def run_here(name: str, *extra: str) -> Path:
+            run_dir = tmp / name
+            with contextlib.redirect_stdout(io.StringIO()):  # the inner runs' own summary lines
+                train(compose([*base, *extra]), run_dir)
+            return run_dir
+
+        def run_procs(name: str, *extra: str) -> tuple[Path, str | None]:
+            r = subprocess.run([sys.executable, "-m", "trainer", *base, *extra, f"hydra.run.dir={tmp / name}"],
+                               capture_output=True, text=True)
+            return tmp / name, (r.stderr.strip() or f"exit code {r.returncode}") if r.returncode else None
+
+        print(f"trainer check: tiny GPT, 12 steps, in {tmp} (removed afterwards)", flush=True)
+        ref = _losses(run_here("big", "data.batch_size=8"))
+        results = [_compare("accumulation 2 x 4 equals batch 8",
+                            _losses(run_here("acc", "data.batch_size=4", "trainer.grad_accum_steps=2")), ref, tol_equiv)]
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # Tensor parallelism on 4 processes (fsdp 2 x tp 2) where there are 4 cores or GPUs, else tp 2 alone.
+        four = (torch.cuda.device_count() if torch.cuda.is_available() else available_cores()) >= 4
+        tp = ["world=fsdp", "world.nproc_per_node=4", "world.tp=2", "data.batch_size=4"] if four else \
+             ["world=ddp", "world.nproc_per_node=2", "world.tp=2", "data.batch_size=8"]
+        runs = [(f"2 ranks ({backend}, ddp) x batch 4 equals 1 rank x batch 8", "ddp",
+                 ["world=ddp", "world.nproc_per_node=2", "data.batch_size=4"]),
+                (f"2 ranks ({backend}, fsdp) x batch 4 equals 1 rank x batch 8", "fsdp",
+                 ["world=fsdp", "world.nproc_per_node=2", "data.batch_size=4"]),
+                (f"tensor parallel 2 ({backend}{', x fsdp 2' if four else ''}) equals 1 rank x batch 8", "tp", tp),
+                (f"pipeline 2 stages ({backend}, 1F1B, 2 microbatches) equals 1 rank x batch 8", "pp",
+                 ["world=ddp", "world.nproc_per_node=2", "world.pp=2", "data.batch_size=8"])]
+        for label, name, args in runs:
+            run_dir, failed = run_procs(name, *args)
+            if failed:
+                print(f"FAIL  {label}: the run failed:\n{failed}")
+                results.append(False)
+            else:
+                results.append(_compare(label, _losses(run_dir), ref, tol_equiv))
+        resumed = run_here("resumed", "data.batch_size=8", f"resume={tmp / 'big' / 'checkpoints' / 'step_00000006'}")
+        results.append(_compare("save at step 6, resume: steps 7-12 continue the loss stream", _losses(resumed),
+                                ref[6:], tol_exact))
+        print(f"\n{sum(results)} passed, {len(results) - sum(results)} failed")
+        return 0 if all(results) else 1
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- eval and sample: a finished run -------------------------------------------------------------------------
+def _run_and_options(argv: list[str], usage: str, options: tuple[str, ...]) -> tuple[str, dict[str, str], list[str]]:
+    from trainer.errors import ConfigError
+
+    if not argv or "=" in argv[0] or argv[0].startswith("-"):
+        raise ConfigError(f"usage: {usage}")
+    opts = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv[1:] if a.split("=", 1)[0] in options}
+    rest = [a for a in argv[1:] if a.split("=", 1)[0] not in options]
+    return argv[0], opts, rest
+
+
+def _user_errors(fn):
+    """A command's user mistakes are one paragraph and exit 2, as for training."""
+    import functools
+
+    @functools.wraps(fn)
+    def inner(argv: list[str]) -> int:
+        from trainer.entry.launcher import WorkerFailed
+        from trainer.errors import TrainerExit, debug_enabled, report
+
+        try:
+            return fn(argv)
+        except WorkerFailed as wf:  # a worker of `eval` on several processes: its error, once
+            if debug_enabled():
+                raise
+            return wf.report()
+        except TrainerExit as err:
+            if debug_enabled():
+                raise
+            report(err)
+            return err.exit_code
+    return inner
+
+
+def _secrets_of(cfg) -> set[str]:
+    """What must not be printed, as training redacts it: the environment's secrets and the config's (its values
+    resolved where they can be)."""
+    from omegaconf import OmegaConf
+
+    from trainer.redaction import secret_values
+
+    try:
+        container = OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # an interpolation that does not resolve here: its text, then
+        container = OmegaConf.to_container(cfg, resolve=False)
+    return secret_values(container)
+
+
+def _scrub_error(err: Exception, secrets: set[str]) -> None:
+    """A user error's message may quote the config's values: its secrets are replaced before it is printed."""
+    from trainer.redaction import scrub
+
+    err.args = (scrub(str(err), secrets),)
+
+
+@_user_errors
+def evaluate(argv: list[str]) -> int:
+    """`python -m trainer eval RUN_DIR [checkpoint=latest|best|PATH] [OVERRIDES...]`: the val metrics of a run's
+    final (or best, or a given) checkpoint, its EMA's too, on any world size (world=ddp world.nproc_per_node=2)
+    and eval settings (trainer.eval_samples=null: the whole val split). Prints one JSON line."""
+    import shutil
+
+    from omegaconf import open_dict
+
+    from trainer.config.compose import prepare
+    from trainer.entry.launcher import run
+    from trainer.errors import UserError
+    from trainer.inference.device_map import cli_options
+    from trainer.inference.finished import checkpoint_of, config_of
+
+    usage = ("python -m trainer eval RUN_DIR [checkpoint=latest|best|PATH] [device_map=auto max_memory.cpu=SIZE "
+             "offload_dir=DIR] [KEY=VALUE ...]")
+    run_dir, opts, overrides = _run_and_options(argv, usage, ("checkpoint",))
+    placement, overrides = cli_options(overrides)
+    cfg = config_of(run_dir, overrides)
+    secrets = _secrets_of(cfg)
+    try:
+        if placement:  # the export placed over devices, on this process (trainer/inference/device_map.py)
+            from trainer.config.compose import yaml_value
+            from trainer.errors import ConfigError
+            from trainer.inference.finished import evaluate_dispatched
+
+            if "checkpoint" in opts:
+                raise ConfigError("eval with device_map reads the run's export (its final weights), not a checkpoint: "
+                                  "leave out checkpoint=, or leave out device_map, max_memory and offload_dir.")
+            task_keys = {a.split("=", 1)[0][len("task."):]: yaml_value(a) for a in overrides if a.startswith("task.")}
+            evaluate_dispatched(run_dir, cfg, task_keys, _show(placement), bool(placement.get("show_map")))
+            return 0
+        with open_dict(cfg):
+            cfg.resume = str(checkpoint_of(run_dir, opts.get("checkpoint", "latest")))
+        cfg = prepare(cfg)
+        scratch = Path(tempfile.mkdtemp(prefix="trainer-eval-"))
+        try:
+            from trainer.entry.run import evaluate as evaluate_entry
+
+            run(cfg, scratch, entry=evaluate_entry)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    except UserError as err:
+        _scrub_error(err, secrets)
+        raise
+    return 0
+
+
+@_user_errors
+def sample(argv: list[str]) -> int:
+    """`python -m trainer sample RUN_DIR [ema=true|false] [out=PATH] [task.KEY=VALUE ...]`: what the run's task
+    samples from its final weights (the EMA's when the run kept them), with the task's settings changed by
+    task.KEY=VALUE (task.sample_tokens=500): text is printed, an image grid is written (default
+    RUN_DIR/samples/sample.png), sample metrics are printed. What is printed is redacted as training's output is."""
+    import torch
+
+    from trainer.config.compose import yaml_value
+    from trainer.errors import ConfigError, UserError
+    from trainer.inference.device_map import cli_options
+    from trainer.inference.finished import config_yaml, has_ema, load, load_task
+    from trainer.io import atomic_write_bytes
+    from trainer.loop.trainer import printable
+    from trainer.redaction import scrub, secret_values
+    from trainer.tracking.images import is_image, png_bytes
+
+    usage = ("python -m trainer sample RUN_DIR [ema=true|false] [out=PATH] [device_map=auto max_memory.cpu=SIZE "
+             "offload_dir=DIR show_map=true] [task.KEY=VALUE ...]")
+    run_dir, opts, rest = _run_and_options(argv, usage, ("ema", "out"))
+    placement, rest = cli_options(rest)
+    if any(not a.startswith("task.") or "=" not in a for a in rest):
+        raise ConfigError(f"python -m trainer sample takes ema=, out=, device_map=, max_memory.DEVICE=, offload_dir=, "
+                          f"show_map= and task.KEY=VALUE, not {' '.join(rest)}. "
+                          f"Usage: {usage}")
+    task_keys = {a.split("=", 1)[0][len("task."):]: yaml_value(a) for a in rest}
+    run = Path(run_dir)
+    secrets = _secrets_of(config_yaml(run)) | secret_values(task_keys)
+    try:
+        ema = opts.get("ema", "true" if has_ema(run) else "false").lower() in ("1", "true", "yes")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = load(run, ema=ema, device=device, **_show(placement))
+        if placement:
+            device = model.device_map.main_device
+            if placement.get("show_map"):
+                print(model.device_map, file=sys.stderr)
+        task = load_task(run, task_keys)
+        if not hasattr(task, "sample"):
+            raise ConfigError(f"the task of {run} ({type(task).__name__}) has no sample().")
+        with torch.no_grad():
+            out = task.sample(model, torch.device(device))
+    except UserError as err:
+        _scrub_error(err, secrets)
+        raise
+    out = out if isinstance(out, dict) else {"sample": out}
+    if not any(v != "" for v in out.values()):  # e.g. the lm task with sample_tokens=0 (debug=smoke)
+        print(scrub(f"the task sampled nothing: its settings in {run / 'config.yaml'} ask for no output "
+                    "(for lm: add task.sample_tokens=200).", secrets), file=sys.stderr)
+        return 0
+    for name, value in out.items():
+        if isinstance(value, str):
+            print(printable(scrub(value, secrets)))
+        elif is_image(value):
+            path = Path(opts.get("out", run / "samples" / ("sample.png" if name == "image" else f"sample_{name}.png")))
+            atomic_write_bytes(path, png_bytes(value))
+            print(scrub(f"{name}: {path}", secrets))
+        else:
+            print(scrub(f"{name}: {value:.4g}" if isinstance(value, float) else f"{name}: {value}", secrets))
+    return 0
+
+
+def _show(placement: dict) -> dict:
+    """trainer.load's placement keywords (show_map is the command's own)."""
+    return {k: v for k, v in placement.items() if k != "show_map"}
+
+
+@_user_errors
+def config(argv: list[str]) -> int:
+    """`python -m trainer config [KEY=VALUE ...]`: this machine's defaults (trainer/config/machine.py)."""
+    from trainer.config.machine import config as machine_config
+
+    return machine_config(argv)
+
+
+@_user_errors
+def tune(argv: list[str]) -> int:
+    """`python -m trainer tune batch_size|lr [OVERRIDES]`: finders that agree across ranks (trainer/entry/tuning.py)."""
+    from trainer.entry.tuning import command
+
+    return command(argv)
+
+
+@_user_errors
+def launch(argv: list[str]) -> int:
+    """`python -m trainer launch [OVERRIDES ...] SCRIPT.py [SCRIPT ARGS ...]`: run your own script (a loop on
+    trainer.Runtime) on the processes `world` asks for (world=ddp world.nproc_per_node=2), like `accelerate
+    launch`. `trainer.Runtime()` in the script then takes world, precision, trainer.grad_accum_steps and
+    trainer.seed from these overrides."""
+    import shutil
+
+    from trainer.entry.launcher import run
+
+    cfg, script, args = launch_parts(argv)
+    scratch = Path(tempfile.mkdtemp(prefix="trainer-launch-"))  # the launcher's bookkeeping (hang reports)
+    os.environ[SCRIPT_ENV] = json.dumps([str(script.resolve()), *args])
+    try:
+        from trainer.entry.run import script as script_entry
+
+        run(cfg, scratch, entry=script_entry)
+    finally:
+        os.environ.pop(SCRIPT_ENV, None)
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+def launch_parts(argv: list[str]):
+    """`launch`'s arguments: the overrides' config (composed and checked), the script, the script's arguments."""
+    from trainer.config.compose import load, prepare
+    from trainer.errors import ConfigError
+
+    usage = "python -m trainer launch [KEY=VALUE ...] SCRIPT.py [ARGS ...]"
+    at = next((i for i, a in enumerate(argv) if "=" not in a or a.startswith("-")), None)
+    if at is None:
+        raise ConfigError(f"usage: {usage} (no script given).")
+    overrides, script, args = argv[:at], Path(argv[at]), argv[at + 1:]
+    if not script.is_file():
+        raise ConfigError(f"python -m trainer launch: the script {script} is not a file. usage: {usage}")
+    return prepare(load(overrides)), script, args
+
+
+SCRIPT_ENV = "TRAINER_SCRIPT"  # the script and its arguments, for trainer.entry.run.script on every rank
+
+COMMANDS = {"env": env, "check": check, "eval": evaluate, "sample": sample, "config": config, "tune": tune,
+            "launch": launch}

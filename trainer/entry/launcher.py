@@ -1,0 +1,312 @@
+"""Starting the processes of a run: in-process, via torch's elastic launcher, or under torchrun.
+
+`python -m trainer world=ddp world.nproc_per_node=2` composes and resolves the config once, here in
+the parent, then starts the workers with `torch.distributed.launcher.api.elastic_launch`. Workers
+(`trainer.entry.worker`) receive the resolved config through the environment and never re-parse argv.
+Under `torchrun ... -m trainer`, rank 0 composes the config with Hydra and broadcasts it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.entry.worker import CONFIG_ENV, ENTRY_ENV, LAUNCHER_ENV, RUN_DIR_ENV, run_worker
+from trainer.errors import TrainerExit
+from trainer.loop import watchdog
+
+
+def in_torchrun() -> bool:
+    """True in a worker started by torchrun (or our launcher)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
+def is_torchrun_follower() -> bool:
+    """A torchrun worker other than rank 0: it waits for rank 0's config instead of parsing argv."""
+    return in_torchrun() and int(os.environ["RANK"]) != 0
+
+
+def _init_bootstrap_group() -> None:
+    """Process group used first to share the config; the Backend later reuses it."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer.parallel.backend import default_pg_backend
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        dist.init_process_group(backend=default_pg_backend())
+
+
+def _share_config(payload: list) -> list:
+    import torch.distributed as dist
+
+    _init_bootstrap_group()
+    dist.broadcast_object_list(payload, src=0)
+    return payload
+
+
+def follow_torchrun_rank0() -> int:
+    """Entry of torchrun ranks > 0: receive rank 0's resolved config and train."""
+    from trainer.entry.run import ENTRY_POINTS
+
+    container, run_dir, entry = _share_config([None, None, None])
+    return run_worker(OmegaConf.create(container), Path(run_dir), ENTRY_POINTS[entry])
+
+
+def nproc_per_node(value) -> int:
+    if value == "auto":
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    return int(value)
+
+
+def run(cfg: DictConfig, run_dir: Path, entry: Callable | None = None) -> dict | None:
+    """Run the entry point `entry` (one of trainer.entry.run.ENTRY_POINTS: train, the default, evaluate, ...) according
+    to `cfg.world`: here, or on every rank of workers started by the elastic launcher (which get its name)."""
+    from trainer.config.schema import locate
+    from trainer.entry.run import train
+
+    entry = entry or train
+    if in_torchrun():  # we are torchrun's rank 0: hand the config to the other ranks
+        _share_config([OmegaConf.to_container(cfg), str(run_dir), entry.__name__])
+    else:
+        w = launch_topology(cfg.world)
+        several = nproc_per_node(w.nproc_per_node) * w.nnodes > 1
+        if several and locate("world", cfg.world._target_).distributed:
+            return launch(cfg, run_dir, entry)
+    return entry(cfg, run_dir)
+
+
+# -- SLURM: the multi-node topology from the job's environment (trainer/config/slurm.py) ---------------------
+def launch_topology(world: DictConfig, say=None):
+    """The launch keys of `world` (a LaunchConfig). Under SLURM (SLURM_JOB_ID set) on several nodes, when
+    world.nnodes, world.node_rank and world.rdzv_endpoint are all left at their defaults (1, 0, null), the
+    three come from SLURM_NNODES, SLURM_NODEID and the first host of SLURM_JOB_NODELIST (port MASTER_PORT,
+    default 29500). Setting any one of them yourself turns this off: then the three are yours. Variables that
+    make no sense raise a ConfigError naming the variable (config.validate checked them already, before the
+    run dir was made)."""
+    from trainer.config import slurm
+    from trainer.config.schema import launch_config
+
+    w = launch_config(world)
+    if not slurm.leaves_topology_to_slurm(w.nnodes, w.node_rank, w.rdzv_endpoint):
+        return w
+    found = slurm.topology(os.environ)
+    if found is not None:
+        w.nnodes, w.node_rank, w.rdzv_endpoint = found
+        if say is not None:
+            say(f"world.nnodes={w.nnodes} world.node_rank={w.node_rank} world.rdzv_endpoint={w.rdzv_endpoint} "
+                f"(from SLURM job {os.environ['SLURM_JOB_ID']})", flush=True)
+    return w
+
+
+class RendezvousFailed(TrainerExit):
+    """The nodes of a multi-node run did not all meet: one never came, or node 0's endpoint could not be
+    opened or reached. Nothing was trained."""
+
+    exit_code = 69  # EX_UNAVAILABLE
+
+
+def wait_for_node0(w) -> None:
+    """On nodes other than 0: wait up to world.rdzv_timeout until node 0's rendezvous endpoint accepts a
+    connection. torch's store client would wait too, but logs a C++ stack trace at every retry, then raises."""
+    import socket
+    import time
+
+    from trainer.config.slurm import split_endpoint
+
+    host, port = split_endpoint(w.rdzv_endpoint)
+    deadline, last = time.monotonic() + w.rdzv_timeout, None
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(5.0, w.rdzv_timeout)):
+                return
+        except OSError as e:  # refused (node 0 not up yet), unreachable, unknown host: all may pass
+            last = e
+        if time.monotonic() >= deadline:
+            raise RendezvousFailed(f"nothing answered at the rendezvous endpoint {w.rdzv_endpoint} (node 0) within "
+                                   f"world.rdzv_timeout={w.rdzv_timeout} s ({_first_line(last)}); "
+                                   f"{_rendezvous_checklist(w)}")
+        time.sleep(0.5)
+
+
+def rendezvous_failed(w, error: Exception) -> RendezvousFailed:
+    """The one paragraph for torch's rendezvous giving up: RendezvousTimeoutError (not every node joined within
+    the join timeout) or RendezvousConnectionError (node 0's store could not be opened, e.g. its port is taken,
+    or reached)."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    if isinstance(error, RendezvousTimeoutError):
+        what = (f"not all {w.nnodes} nodes joined the rendezvous at {w.rdzv_endpoint} within "
+                f"world.rdzv_timeout={w.rdzv_timeout} s")
+    else:
+        what = (f"the rendezvous at {w.rdzv_endpoint} failed on node {w.node_rank} "
+                f"({_first_line(error.__cause__ or error)})")
+    return RendezvousFailed(f"{what}; {_rendezvous_checklist(w)}")
+
+
+def _rendezvous_checklist(w) -> str:
+    return (f"this is node {w.node_rank} of {w.nnodes} nodes. Check that all {w.nnodes} nodes run the same command "
+            f"with world.nnodes={w.nnodes}, each its own world.node_rank in 0..{w.nnodes - 1}, and "
+            f"world.rdzv_endpoint={w.rdzv_endpoint}: node 0's address, reachable from every node, its port free "
+            "on node 0 (under SLURM: run it with srun, one task per node, not in the batch script alone). "
+            "Raise world.rdzv_timeout if some nodes start late.")
+
+
+def _first_line(error: BaseException | None) -> str:
+    text = str(error).strip().splitlines()[0] if error is not None and str(error).strip() else type(error).__name__
+    return text[:200]
+# -- end SLURM -------------------------------------------------------------------------------------------
+
+
+def launch(cfg: DictConfig, run_dir: Path, entry: Callable) -> dict | None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from trainer.entry.run import preflight, script
+    from trainer.loop.preemption import PreemptionFlag
+
+    # A stop signal before the workers exist (while the datasets are built): nothing to save, exit 75.
+    early = PreemptionFlag().install()
+    try:
+        if entry is not script:  # (a user's script builds what it builds itself)
+            preflight(cfg, run_dir)
+    finally:
+        early.uninstall()
+    if early.requested:
+        from trainer.errors import Preempted
+
+        raise Preempted(f"stopped by {signal.Signals(early.signum).name} before training started; nothing to save. "
+                        "Rerun the same command with resume=auto to continue.")
+    w = launch_topology(cfg.world, say=print)
+    nproc = nproc_per_node(w.nproc_per_node)
+    if w.nnodes > 1:
+        endpoint, run_id = w.rdzv_endpoint, f"trainer-{w.rdzv_endpoint}"
+        # Node 0 hosts the rendezvous store; the others connect to it. Every node waits world.rdzv_timeout.
+        rdzv_configs = {"is_host": w.node_rank == 0, "join_timeout": w.rdzv_timeout}
+        if w.node_rank:
+            wait_for_node0(w)
+    else:
+        # Port 0: the rendezvous picks a free port, so concurrent jobs (multirun) never collide.
+        endpoint, run_id, rdzv_configs = "127.0.0.1:0", f"trainer-{uuid.uuid4().hex[:8]}", {}
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # The agent logs every failed worker ("failed (exitcode: 3) local_rank: ..."); we report the failure
+    # ourselves, once, as the worker's own message (or its traceback), so drop that line.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_drop_worker_failed_line)
+    config = LaunchConfig(
+        min_nodes=w.nnodes, max_nodes=w.nnodes, nproc_per_node=nproc, run_id=run_id,
+        rdzv_backend="c10d", rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs,
+        max_restarts=w.max_restarts, monitor_interval=0.1,
+        # The agent forwards these to the workers (and raises SignalException here): SIGUSR1, a scheduler's
+        # preemption notice, too. Not in torch's default list, it would kill this process and orphan the workers.
+        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+    )
+    # Workers of each restart get a fresh rendezvous store. The agent's shared store outlives restarts
+    # and keeps the previous attempt's gloo addresses, which restarted workers then fail to reach.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ[CONFIG_ENV] = json.dumps(OmegaConf.to_container(cfg))
+    os.environ[RUN_DIR_ENV] = str(run_dir)
+    os.environ[ENTRY_ENV] = entry.__name__  # (the worker finds it in trainer.entry.run.ENTRY_POINTS)
+    os.environ[LAUNCHER_ENV] = str(os.getpid())
+    # Where the workers' hang watchdogs share their progress and, after a hang, their stacks (trainer/loop/watchdog.py).
+    hang_dir = os.environ[watchdog.HANG_DIR_ENV] = tempfile.mkdtemp(prefix="trainer-hang-")
+    before = _newest_checkpoint(run_dir)
+    try:
+        elastic_launch(config, entrypoint=sys.executable)("-m", "trainer.entry.worker")
+    except ChildFailedError as e:
+        rank, failure = root_failure(e.failures)
+        hang = watchdog.report(hang_dir, e.failures, w.hang_timeout, run_dir)  # no progress: every rank's stack
+        if hang is not None:
+            raise WorkerFailed(rank, watchdog.HangDetected.exit_code, hang) from None
+        raise WorkerFailed(rank, failure.exitcode, _failure_text(failure)) from None
+    except (RendezvousTimeoutError, RendezvousConnectionError) as e:  # a node never came, or node 0 unreachable
+        raise rendezvous_failed(w, e) from None
+    except SignalException as e:
+        # The agent forwarded the signal to the workers and waited for them: a SIGTERM/SIGUSR1 made
+        # them save a checkpoint; Ctrl-C stopped them.
+        if e.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        from trainer.errors import Preempted
+
+        raise Preempted(f"stopped by {signal.Signals(e.sigval).name}; {_what_was_saved(run_dir, before)} "
+                        "Rerun the same command with resume=auto to continue.") from None
+    finally:
+        for name in (CONFIG_ENV, RUN_DIR_ENV, ENTRY_ENV, LAUNCHER_ENV, watchdog.HANG_DIR_ENV):
+            os.environ.pop(name, None)
+        shutil.rmtree(hang_dir, ignore_errors=True)
+    return None
+
+
+def _newest_checkpoint(run_dir: Path) -> Path | None:
+    from trainer.checkpoint.store import Checkpointer
+
+    done = Checkpointer(Path(run_dir) / "checkpoints").complete()
+    return done[-1] if done else None
+
+
+def _what_was_saved(run_dir: Path, before: Path | None) -> str:
+    """What the workers left after a forwarded stop signal, read from the run dir (not assumed: a worker may have
+    died before it could save)."""
+    newest = _newest_checkpoint(run_dir)
+    if newest is not None and newest != before:
+        return f"the workers saved a checkpoint ({newest})."
+    if newest is not None:
+        return f"the workers saved no new checkpoint; the newest is {newest}."
+    return "the workers saved no checkpoint (none was due yet)."
+
+
+def root_failure(failures: dict) -> tuple:
+    """The (rank, ProcessFailure) to report: the earliest failure that is not the agent's SIGTERM. Once one
+    worker fails the agent SIGTERMs the others (possibly after they recorded the same error): consequences.
+    Times: our workers record theirs to the nanosecond (torchelastic's `timestamp` is whole seconds, which
+    cannot tell a crash from the peer's 'connection closed' a millisecond later); a worker that died without
+    a record (killed, aborted) counts from the start of the second it was found dead in."""
+    def key(rank_failure: tuple) -> tuple:
+        f = rank_failure[1]
+        message = f.error_file_data.get("message") if isinstance(f.error_file_data, dict) else None
+        info = message.get("extraInfo", {}) if isinstance(message, dict) else {}
+        return f.exitcode == -signal.SIGTERM, int(info.get("time_ns", f.timestamp * 10**9))
+    return min(failures.items(), key=key)
+
+
+def _drop_worker_failed_line(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("failed (exitcode")
+
+
+def _failure_text(failure) -> str:
+    msg = failure.message
+    if isinstance(msg, dict):
+        text = msg.get("message", "")
+        stack = msg.get("extraInfo", {}).get("py_callstack", "")
+        return stack if stack and not text.startswith("error:") else text
+    return str(msg)
+
+
+class WorkerFailed(Exception):
+    def __init__(self, rank: int, exitcode: int, text: str):
+        super().__init__(text)
+        self.rank, self.exitcode, self.text = rank, exitcode, text
+
+    def report(self) -> int:
+        """Print the root cause once (a worker's own user error, or its traceback), secrets taken out;
+        returns the exit code to leave with."""
+        from trainer.redaction import scrub, secret_values
+
+        text = self.text if self.text.startswith("error:") else f"error: worker rank {self.rank} failed:\n{self.text}"
+        print(scrub(text.rstrip(), secret_values()), file=sys.stderr, flush=True)
+        return self.exitcode if self.exitcode > 0 else 1

@@ -1,0 +1,452 @@
+"""From a prepared config to a running Trainer: the one place config becomes objects.
+
+`build(cfg, run_dir)` returns the Trainer a run starts from (process group, strategy, model, data,
+optimizer, loggers, checkpointer); `train(cfg, run_dir)` is build, resume, fit, export. The CLI, the
+workers, `check`, the tests and the benchmarks all go through them; Hydra never reaches below here.
+`cfg` is a prepared config (`trainer.compose(overrides)`, or `trainer.config.compose.prepare(cfg)`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.checkpoint import store as ckpt
+from trainer.checkpoint.manager import resume
+from trainer.config.instantiate import build_data, build_loggers, build_node, build_strategy
+from trainer.config.schema import (
+    CheckpointConfig,
+    EMAConfig,
+    TrainerConfig,
+    launch_config,
+    per_part,
+    typed,
+)
+from trainer.data.sampling import Data, epoch_length
+from trainer.errors import ConfigError, Preempted
+from trainer.loop import watchdog
+from trainer.loop.callbacks import Callbacks
+from trainer.loop.ema import EMA
+from trainer.loop.metrics import Cost
+from trainer.loop.nonfinite import NonFiniteGuard
+from trainer.loop.runtime import Runtime
+from trainer.loop.trainer import Trainer
+from trainer.parallel import seed_everything, unwrap
+from trainer.parallel.backend import Backend, usable_device
+from trainer.redaction import redact
+
+
+def build_optimizer(cfg: DictConfig, model: torch.nn.Module, say=print) -> torch.optim.Optimizer:
+    """`optim` is a partial (`_partial_: true`); weight decay applies to matrices only (not norms, biases),
+    unless the optimizer class groups the parameters itself (`param_groups(model)`, as optim=muon does)."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    kinds = {isinstance(p, DTensor) for p in params}
+    if len(kinds) == 2 and (cfg.get("fused") or cfg.get("foreach") is not False) and "fused" in cfg:
+        # Tensor parallelism without FSDP leaves the parameters it does not split as plain tensors, and
+        # torch's fused and foreach kernels refuse a mix of plain tensors and DTensors in one list (splitting
+        # the groups by kind would make checkpoints of this layout unloadable under the others).
+        say("note: world=ddp with world.tp mixes DTensor shards and plain tensors, which optim.fused and "
+            "optim.foreach kernels refuse; using the per-parameter loop (optim.fused=false optim.foreach=false).")
+        cfg = OmegaConf.merge(cfg, {"fused": False, "foreach": False})
+    factory = build_node("optim", cfg)
+    grouping = getattr(getattr(factory, "func", factory), "param_groups", None)
+    if grouping is not None:
+        return factory(grouping(model))
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return factory([g for g in groups if g["params"]])
+
+
+def build_optimizers(cfg: DictConfig, model: torch.nn.Module, rt: Runtime, say=print):
+    """One optimizer over the model (set up on the runtime), or, where `optim` has part nodes (optim.generator:
+    {...}, for a task's own training_step), one per part over `model.<part>`'s parameters: a dict by part."""
+    nodes = per_part(cfg)
+    if list(nodes) == [None]:
+        return rt.setup(build_optimizer(cfg, model, say=say), names=["optimizer"])
+    raw = unwrap(model)
+    missing = [p for p in nodes if not isinstance(getattr(raw, p, None), torch.nn.Module)]
+    if missing:
+        children = ", ".join(n for n, _ in raw.named_children())
+        raise ConfigError(f"optim.{missing[0]} names no part of the model ({type(raw).__name__}'s children: "
+                          f"{children}). Give one optim.NAME per child the task's training_step steps.")
+    return {p: rt.setup(build_optimizer(node, getattr(raw, p), say=say), names=[p]) for p, node in nodes.items()}
+
+
+def build_schedulers(cfg: DictConfig, optimizer, total_steps: int):
+    """The schedule of each optimizer: `scheduler`, with scheduler.NAME's changes for optimizer NAME."""
+    if not isinstance(optimizer, dict):
+        return build_node("scheduler", cfg)(optimizer, total_steps=total_steps)
+    nodes = per_part(cfg)
+    base = OmegaConf.masked_copy(cfg, [k for k in cfg if not isinstance(cfg[k], DictConfig)])
+    return {name: build_node(f"scheduler.{name}", nodes.get(name, base))(opt, total_steps=total_steps)
+            for name, opt in optimizer.items()}
+
+
+def epochs_to_steps(tcfg: TrainerConfig, ccfg: CheckpointConfig, samples: int, global_batch: int, say) -> None:
+    """trainer.max_epochs / eval_every_epochs and checkpoint.every_n_epochs as steps of the global batch (an
+    epoch is `samples` positions of the one global sample stream: ceil(samples / global batch) steps)."""
+    import math
+
+    per_epoch = math.ceil(samples / global_batch)
+    if tcfg.max_epochs is not None:
+        tcfg.max_steps = tcfg.max_epochs * per_epoch
+        # The sample stream runs on across epochs (trainer/data/sampling.py): no global batch is short, none is padded.
+        read = tcfg.max_steps * global_batch
+        say(f"trainer.max_epochs={tcfg.max_epochs}: {tcfg.max_steps} steps of {global_batch} samples "
+            f"({per_epoch} per epoch of {samples}). The sample stream runs on across epochs: a global batch that "
+            f"reaches the end of an epoch is completed from the next epoch's order (nothing dropped or padded), so "
+            f"the run reads {read} samples, {read / samples:.2f} passes.")
+    if tcfg.eval_every_epochs is not None:
+        tcfg.eval_every = tcfg.eval_every_epochs * per_epoch
+    if ccfg.every_n_epochs is not None:
+        ccfg.every_n_steps = ccfg.every_n_epochs * per_epoch
+
+
+def warn_long_warmup(scheduler: DictConfig, max_steps: int, say) -> None:
+    """One line when the warmup does not end before the run does: the learning rate never reaches optim.lr."""
+    warmup = scheduler.get("warmup_steps") or 0
+    if warmup >= max_steps:
+        say(f"warning: scheduler.warmup_steps={warmup} is not shorter than the run ({max_steps} steps): the learning "
+            "rate is still rising when it ends and never reaches optim.lr. Lower scheduler.warmup_steps.")
+
+
+def preflight(cfg: DictConfig, run_dir: Path) -> None:
+    """Build what can fail from a config mistake, cheaply, before any worker process starts:
+    the strategy, the model on the meta device (no memory), the task, the precision and the datasets
+    (whose cache is then built once, here, for all workers)."""
+    device = usable_device(launch_config(cfg.world).device)
+    strategy = build_strategy(cfg.world)
+    from trainer.models.finetune import check, factory
+    from trainer.parallel.materialize import SkipMetaInit
+
+    with torch.device("meta"), SkipMetaInit():
+        model = factory(lambda: build_node("model", cfg.model), cfg.get("finetune"))()
+        strategy.check_model(model)
+    check(model, cfg.get("finetune"))  # pretrained weights that do not fit the model: before any worker starts
+    build_node("task", cfg.task)
+    build_node("precision", cfg.precision, device_type=device.type, sharded=strategy.shards_parameters)
+    build_data(cfg.data)
+    for node in (cfg.logger or {}).values():  # trackers' constructors validate and start nothing
+        if node is not None:
+            build_node("logger", node, run_dir=str(run_dir))
+
+
+def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
+    """The Trainer a run of `cfg` starts from, on this process (joining the process group if there is one).
+    Leave the group with `trainer.backend.teardown()` (`train` does)."""
+    run_dir = Path(run_dir)
+    launch = launch_config(cfg.world)
+    usable_device(launch.device)
+    backend = Backend(device=launch.device, threads=launch.threads)
+    strategy = build_strategy(cfg.world)
+    backend.setup(process_group=strategy.needs_process_group)
+    try:
+        from trainer.parallel.precision import AUTO_TARGET, emulation_note, resolve_auto
+
+        # precision=auto, unless the CLI resolved it already: rank 0 chooses, every rank computes in its choice.
+        if cfg.precision.get("_target_") == AUTO_TARGET:
+            cfg, chosen = backend.broadcast_object(resolve_auto(cfg) if backend.is_main else None)
+            if backend.is_main:
+                print(chosen, flush=True)
+        note = emulation_note(cfg.precision, backend.device) if backend.is_main else None
+        if note:
+            print(note, flush=True)
+        tcfg: TrainerConfig = typed(TrainerConfig, cfg.trainer)
+        ccfg: CheckpointConfig = typed(CheckpointConfig, cfg.get("checkpoint"))
+        ecfg: EMAConfig = typed(EMAConfig, cfg.get("ema"))
+        precision = build_node("precision", cfg.precision, device_type=backend.device.type,
+                               sharded=strategy.shards_parameters)  # built for the strategy it serves
+        # The runtime sets the strategy up and takes the step's calls: the Trainer is a loop on trainer.Runtime.
+        rt = Runtime(strategy, precision, grad_accum_steps=tcfg.grad_accum_steps, seed=tcfg.seed, backend=backend)
+        task = build_node("task", cfg.task)
+        train_data, val_data = build_data(cfg.data)
+        if hasattr(task, "setup"):  # e.g. fit a normaliser on the training split (see trainer/task.py)
+            task.setup(train_data, val_data, run_dir)
+        if hasattr(task, "training_step"):  # its forwards reach one part of the model at a time
+            strategy.expect_unused_parameters()
+        # Same seed on every rank: identical initial weights.
+        from trainer.models import finetune
+
+        model = rt.build_model(finetune.factory(lambda: build_node("model", cfg.model), cfg.get("finetune")),
+                               tcfg.activation_checkpointing)
+        weights_source = finetune.start(model, cfg.get("finetune"), tcfg.seed, backend.is_main)  # pretrained, LoRA
+        raw_model = unwrap(model)
+        frozen = finetune.frozen_keys(raw_model)  # a LoRA run's base: rebuilt on resume, never in checkpoints
+        ema = EMA(raw_model, ecfg.decay, ecfg.warmup, ecfg.update_every, frozen) if ecfg.enabled else None
+        if tcfg.compile:
+            model = torch.compile(model, backend=tcfg.compile_backend)
+        say = print if backend.is_main else (lambda *a, **k: None)
+        registered = rt.models["model"]
+        optimizer = build_optimizers(cfg.optim, model, rt, say)
+        if rt.models["model"] is not registered:  # a strategy with its own engine wrapped model and optimizer
+            model = rt.models["model"]
+        if ema is not None:
+            ema.attach(strategy)  # (ZeRO-3 partitioned the parameters just now: the EMA keeps this rank's part)
+        epochs_to_steps(tcfg, ccfg, epoch_length(train_data), cfg.data.batch_size * tcfg.grad_accum_steps * strategy.dp_size,
+                        say)
+        warn_long_warmup(cfg.scheduler, tcfg.max_steps, say)
+        scheduler = build_schedulers(cfg.scheduler, optimizer, tcfg.max_steps)
+        # Different randomness per rank from here on (dropout), reproducible per (seed, rank).
+        seed_everything(tcfg.seed + backend.rank)
+        checkpointer = ckpt.Checkpointer(
+            run_dir / "checkpoints", ccfg.every_n_steps, ccfg.keep_last, ccfg.best_metric, ccfg.best_mode,
+            ccfg.save_final, ccfg.async_save, OmegaConf.to_yaml(OmegaConf.create(redact(OmegaConf.to_container(cfg)))),
+            backend=backend, sharded=strategy.sharded)
+        data = Data(train_data, val_data, cfg.data.batch_size, cfg.data.get("shuffle", True),
+                    cfg.data.get("num_workers", 0))
+        trainer = Trainer(
+            runtime=rt, model=model, task=task, optimizer=optimizer, scheduler=scheduler, data=data, config=tcfg, loggers=build_loggers(cfg.logger, run_dir, backend.is_main),
+            checkpointer=checkpointer, ema=ema, guard=NonFiniteGuard.build(tcfg, precision, optimizer, backend),
+            cost=Cost(raw_model, backend.device, precision.dtype, tcfg.peak_tflops, backend.world_size, say=say),
+            components={**({"task": task} if hasattr(task, "state_dict") else {}),
+                        **({"finetune": finetune.Source(backend.broadcast_object(weights_source))}
+                           if frozen and finetune.settings(cfg.get("finetune")).weights else {})},
+            preemption=preemption,
+            callbacks=Callbacks({name: build_node(f"callbacks.{name}", node)
+                                 for name, node in (cfg.get("callbacks") or {}).items() if node is not None}),
+        )
+        trainer.config = cfg  # the run's config as built (precision=auto resolved), for what the run records
+        trainer.weights_source = weights_source  # finetune.weights: path and sha256 of its files (main rank)
+        return trainer
+    except BaseException:
+        backend.teardown()
+        raise
+
+
+def save_config(cfg: DictConfig, run_dir: Path) -> Path:
+    """`config.yaml`: the run's resolved config, secrets redacted (what `trainer eval` and `resume` read)."""
+    from trainer.io import atomic_write_text
+
+    path = Path(run_dir) / "config.yaml"
+    atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.create(redact(OmegaConf.to_container(cfg)))))
+    return path
+
+
+def write_run_info(run_dir: Path, cfg: DictConfig, trainer: Trainer) -> None:
+    """`run_info.json`: what it takes to reproduce the run, beside config.yaml and .hydra/overrides.yaml."""
+    import platform
+    import subprocess
+    import sys
+    from importlib import metadata
+
+    from trainer.io import atomic_write_json
+    from trainer.redaction import secret_values
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=5)
+            return out.stdout.strip() if out.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+
+    commit = git("rev-parse", "HEAD")
+    packages = {}
+    for name in ("trainer", "torch", "hydra-core", "omegaconf", "wandb", "safetensors", "tqdm"):
+        try:
+            packages[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            packages[name] = None
+    info = {
+        "command": sys.argv,
+        "git_commit": commit,
+        "git_dirty": bool(git("status", "--porcelain")) if commit else None,
+        "seed": trainer.cfg.seed,
+        "world_size": trainer.backend.world_size,
+        "strategy": type(trainer.strategy).__name__,
+        "device": str(trainer.backend.device),
+        "precision": {"name": trainer.precision.name, "reason": getattr(trainer.precision, "reason", None)},
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": packages,
+        "finetune_weights": getattr(trainer, "weights_source", None),  # the pretrained weights it started from
+    }
+    # Secrets out of every value (the command line, and anything else here): the config's and the environment's.
+    atomic_write_json(run_dir / "run_info.json", redact(info, secret_values(OmegaConf.to_container(cfg))))
+
+
+EXPORT_MARKER = "export.json"
+
+
+def export(trainer: Trainer, cfg: DictConfig, run_dir: Path) -> None:
+    """The final weights (and the EMA's, and a stateful task's) as whole tensors in the run dir, then
+    `export.json` naming the step and every file of the export with its size and sha256: written last, so a
+    missing or older one, or a listed file missing or changed, means the export must be (re)done. Every rank
+    takes part under a sharded strategy (each tensor is gathered in turn)."""
+    from trainer.io import atomic_write_json
+    from trainer.models.export import export_model, export_task_state, file_digests
+
+    ccfg: CheckpointConfig = typed(CheckpointConfig, cfg.get("checkpoint"))
+    model_config = redact(OmegaConf.to_container(cfg.model, resolve=True))
+    parts = [("model", trainer.strategy.model_state_dict(trainer.model))]
+    if trainer.ema is not None:
+        parts.append(("model_ema", trainer.ema.model_state_dict()))
+    files: list[str] = []
+    try:
+        for name, state in parts:
+            if not (trainer.backend.is_main or trainer.strategy.sharded):
+                continue
+            tensors = trainer.strategy.full_state_dict(state)
+            if trainer.backend.is_main:
+                files += export_model(tensors, run_dir, name, model_config, ccfg.max_shard_mb)
+        if trainer.backend.is_main:
+            if hasattr(trainer.task, "state_dict"):
+                files.append(export_task_state(trainer.task.state_dict(), run_dir))
+            config = getattr(trainer.raw_model, "config", None)
+            if hasattr(config, "save_pretrained"):  # a Hugging Face model: config.json, so from_pretrained(RUN_DIR) works
+                config.save_pretrained(str(run_dir))
+                files.append("config.json")
+            atomic_write_json(run_dir / EXPORT_MARKER, {"step": trainer.step, "names": [n for n, _ in parts],
+                                                        "files": file_digests(run_dir, sorted(set(files)))})
+    except OSError as e:
+        from trainer.errors import StorageError
+
+        raise StorageError(f"could not write the exported weights to {run_dir} ({e.strerror or e}). The final "
+                           f"checkpoint (step {trainer.step}) is complete: free disk space and rerun with "
+                           "resume=auto, which writes the export.") from None
+
+
+def exported(run_dir: Path, step: int) -> bool:
+    """Whether export.json says the export of step `step` is complete, and every file it lists is as written."""
+    import json
+
+    from trainer.models.export import export_intact
+
+    try:
+        marker = json.loads((run_dir / EXPORT_MARKER).read_text())
+        return marker["step"] == step and export_intact(run_dir, marker["files"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
+    """The val metrics of the checkpoint `cfg.resume` names (its weights, and its EMA's when the run kept one),
+    on this config's world; `run_dir` is scratch space. The main rank prints them as one JSON line."""
+    import json
+
+    trainer = build(cfg, Path(run_dir))
+    done = False
+    watch = watchdog.start(launch_config(cfg.world).hang_timeout, run_dir, trainer.backend.info)
+    try:
+        trainer.load_checkpoint(Path(cfg.resume), resume=False)
+        watchdog.beat()
+        metrics = trainer.evaluate()
+        if trainer.ema is not None:
+            with trainer.ema.swapped_in():
+                metrics.update(trainer.evaluate(prefix="val_ema"))
+        if trainer.backend.is_main:
+            print(json.dumps({"checkpoint": str(cfg.resume), "step": trainer.step, **metrics}), flush=True)
+        done = True
+        return metrics
+    finally:
+        try:
+            trainer.backend.teardown(wait_for_peers=done)
+        finally:
+            watch.stop()
+
+
+def tune_batch_size(cfg: DictConfig, run_dir: str | Path) -> int | None:
+    """`python -m trainer tune batch_size` on every rank (trainer/entry/tuning.py)."""
+    from trainer.entry.tuning import find_batch_size
+
+    return find_batch_size(cfg, Path(run_dir))
+
+
+def tune_lr(cfg: DictConfig, run_dir: str | Path) -> float | None:
+    """`python -m trainer tune lr` on every rank (trainer/entry/tuning.py)."""
+    from trainer.entry.tuning import find_lr
+
+    return find_lr(cfg, Path(run_dir))
+
+
+def script(cfg: DictConfig, run_dir: str | Path) -> None:
+    """`python -m trainer launch ... SCRIPT.py ARGS`, on every rank: the user's script as `__main__`, with the job's
+    config where `trainer.Runtime()` finds it."""
+    import json
+    import os
+    import runpy
+    import sys
+
+    from trainer.entry.commands import SCRIPT_ENV
+    from trainer.loop.runtime import LAUNCH_ENV
+
+    path, *args = json.loads(os.environ[SCRIPT_ENV])
+    ours = LAUNCH_ENV not in os.environ  # one process: the launcher started no workers, so it is not set yet
+    if ours:
+        os.environ[LAUNCH_ENV] = json.dumps(OmegaConf.to_container(cfg))
+    argv, sys.argv = sys.argv, [path, *args]
+    sys.path.insert(0, str(Path(path).parent))
+    try:
+        runpy.run_path(path, run_name="__main__")
+    finally:
+        sys.argv = argv
+        sys.path.remove(str(Path(path).parent))
+        if ours:
+            os.environ.pop(LAUNCH_ENV, None)
+
+
+def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
+    """Train with a prepared config, writing outputs to `run_dir`. Returns the final metrics."""
+    from trainer.loop.preemption import PreemptionFlag
+
+    run_dir = Path(run_dir)
+    # From the very start: a SIGTERM while the model or the data are built stops the run with exit 75 too.
+    preemption = PreemptionFlag().install()
+    finished = False
+    try:
+        trainer = build(cfg, run_dir, preemption)
+    except BaseException:
+        preemption.uninstall()
+        raise
+    backend, loggers, cfg = trainer.backend, trainer.loggers, trainer.config
+    say = print if backend.is_main else (lambda *a, **k: None)
+    # From here to the end (teardown included), no progress for world.hang_timeout s stops the job (exit 70).
+    watch = watchdog.start(launch_config(cfg.world).hang_timeout, run_dir, backend.info)
+    try:
+        source = resume(trainer, cfg, say)
+        watchdog.beat()
+        if source is not None:
+            loggers.rewind(trainer.step)  # drop events logged after the checkpoint
+            say(f"resumed from {source} at step {trainer.step}")
+            if trainer.finished:
+                if not backend.broadcast_object(exported(run_dir, trainer.step)):
+                    say(f"the run finished at step {trainer.step} but its export is missing or incomplete: writing it.")
+                    export(trainer, cfg, run_dir)
+                say(f"the run is already finished: {trainer.stop_reason or 'step'}"
+                    + ("" if trainer.stop_reason else f" {trainer.step} >= trainer.max_steps={trainer.cfg.max_steps}. "
+                       "Raise trainer.max_steps to train further."))
+                loggers.finish({})
+                finished = True
+                return {}
+        else:
+            loggers.start_fresh()  # a rerun that found no checkpoint: set the earlier run's events aside
+        if backend.is_main:
+            save_config(cfg, run_dir)  # (the CLI wrote it before the workers started; this is the API's path)
+            loggers.log_config(OmegaConf.to_container(cfg, resolve=True))
+            write_run_info(run_dir, cfg, trainer)
+        try:
+            final = trainer.fit()
+            export(trainer, cfg, run_dir)
+            trainer.stop_if_preempted("while the weights were exported")
+        except BaseException as e:
+            # Every rank stops at the same step boundary on preemption: they can leave together.
+            finished = isinstance(e, Preempted)
+            loggers.finish({}, exit_code=getattr(e, "exit_code", 1))  # trackers mark the run failed/preempted
+            raise
+        loggers.finish(final)
+        finished = True
+        return final
+    finally:
+        preemption.uninstall()
+        try:
+            backend.teardown(wait_for_peers=finished)
+        finally:
+            watch.stop()
+
+
+# What a job runs on every rank (trainer/entry/launcher.py passes the function; workers find it here by its name).
+ENTRY_POINTS = {f.__name__: f for f in (train, evaluate, tune_batch_size, tune_lr, script)}

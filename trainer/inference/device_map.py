@@ -1,0 +1,689 @@
+"""Big-model inference: a model placed block by block on the GPUs, the CPU and disk, for a model larger than
+any one of them (`trainer.load(PATH, device_map="auto", max_memory={"cpu": "2GB"}, offload_dir="/scratch")`).
+
+The model is built with its parameters on the meta device (the buffers a constructor computes stay real), so
+building it takes no memory. Its placement units are its repeated blocks (the classes in `_no_split_modules`,
+the children of a ModuleList or Sequential whose children are all of one class) and the modules beside them
+that hold no block (embeddings, final norm, head); a dict map's keys refine them. The units are placed in the
+model's order on the GPUs by index, then the CPU, then disk, each filled up to its `max_memory` ("sequential";
+"balanced" and "auto" first even out the GPUs). A unit that shares a tensor with an earlier one (a tied head)
+goes where that one is.
+
+Each tensor is then read from the safetensors files straight to its device, one tensor at a time, so the whole
+model is never in memory. Files are read with `pread`, as everywhere in this framework (trainer/checkpoint/tensorfile.py:
+a mapped file that shrinks under the reader kills the process with SIGBUS). A unit on disk is copied once into a
+file of its own in `offload_dir` (its tensors 64-byte aligned, in the model's dtype), unlinked as soon as it is
+created: the open descriptor keeps it, and nothing is left behind even if the process is killed. In a forward,
+a disk unit's file is read whole with one `pread` into one of two buffers while the unit before it computes (a
+background thread; `pread` releases the GIL); its tensors become views of that buffer for its forward and go
+back to meta after it. So the CPU holds at most two disk units at once, and the placement keeps room for them.
+Which unit comes next is learnt from the forward passes themselves (the model's order until then), so the
+prefetch follows a generation loop from the last block back to the first.
+
+Disk and CPU units compute on the CPU, GPU units on their GPU; forward pre-hooks move a unit's tensor inputs to
+its device, and the model's outputs come back on its input's device. `model.device_map` is the placement
+({unit: device}, as Hugging Face's `hf_device_map`); `print(model.device_map)` shows it with each unit's size.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import math
+import os
+import re
+import tempfile
+import weakref
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from trainer.errors import ConfigError, StorageError
+
+STRATEGIES = ("auto", "balanced", "sequential")
+CPU, DISK = "cpu", "disk"
+ALIGN = 64  # each offloaded tensor starts on a cache line, as an allocation does
+UNLIMITED = 1 << 62
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+# -- sizes and devices ------------------------------------------------------------------------------------------
+def parse_size(value: Any, where: str) -> int:
+    """Bytes from 2000000000, "2GB" (10^9), "2GiB" (2^30), "1.5 TB", ... (as Accelerate reads them)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        return int(value)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", value) if isinstance(value, str) else None
+    if m and m.group(2).lower() in _UNITS:
+        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ConfigError(f"{where}={value!r} is not a size: write a number of bytes (2000000000) or a number with a "
+                      "unit: 2GB (10^9 bytes), 2GiB (2^30), 500MB, 1.5TiB (units B, KB, MB, GB, TB, KiB, MiB, GiB, "
+                      "TiB).")
+
+
+def device_name(key: Any, where: str) -> str:
+    """'cuda:N', 'cpu' or 'disk' for what a map or max_memory may say: a GPU index (0 or "0"), cuda, cuda:N, cpu,
+    disk."""
+    if isinstance(key, torch.device):
+        key = str(key)
+    if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+        return f"cuda:{key}"
+    if isinstance(key, str):
+        k = key.strip().lower()
+        if k.isdigit():
+            return f"cuda:{int(k)}"
+        if k in (CPU, DISK):
+            return k
+        if k == "cuda":
+            return "cuda:0"
+        if re.fullmatch(r"cuda:\d+", k):
+            return f"cuda:{int(k[5:])}"
+    raise ConfigError(f"{where}: {key!r} is not a device. Write a GPU index (0, 1, ...), cuda:N, cpu or disk.")
+
+
+def _fill_order(device: str) -> tuple[int, int]:
+    return (0, int(device[5:])) if device.startswith("cuda:") else (1 if device == CPU else 2, 0)
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def budgets(max_memory: Mapping | None, offload_dir: str | os.PathLike | None) -> dict[str, int]:
+    """{device: bytes it may hold} in fill order. Without max_memory: 90% of each GPU's free memory and of the
+    available RAM. Disk: what max_memory says, else unlimited with an offload_dir and nothing without one."""
+    if max_memory is None:
+        out = {f"cuda:{i}": int(torch.cuda.mem_get_info(i)[0] * 0.9)
+               for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0)}
+        out[CPU] = int(_available_ram() * 0.9)
+    elif not isinstance(max_memory, Mapping):
+        raise ConfigError(f"max_memory={max_memory!r} is not a mapping of devices to sizes: write e.g. "
+                          "{'cpu': '2GB', 0: '10GiB', 'disk': '100GB'} (on the command line max_memory.cpu=2GB).")
+    else:
+        out = {}
+        for key, value in max_memory.items():
+            out[device_name(key, f"max_memory's key {key!r}")] = parse_size(value, f"max_memory.{key}")
+    out.setdefault(DISK, UNLIMITED if offload_dir is not None else 0)
+    return dict(sorted(out.items(), key=lambda kv: _fill_order(kv[0])))
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
+# -- placement units ---------------------------------------------------------------------------------------------
+def _blocks(model: nn.Module) -> set[int]:
+    """ids of the model's repeated blocks."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    out = set()
+    for m in model.modules():
+        if type(m).__name__ in names:
+            out.add(id(m))
+        if isinstance(m, (nn.ModuleList, nn.Sequential)):
+            kids = list(m.children())
+            if len(kids) > 1 and len({type(k) for k in kids}) == 1:
+                out.update(id(k) for k in kids)
+    return out
+
+
+def units_of(model: nn.Module, keys: tuple[str, ...] = ()) -> list[str]:
+    """The placement units, in the model's order: each repeated block, each module beside them that holds no
+    block, split further where a key of a dict map names a module inside one. "" is the whole model."""
+    blocks = _blocks(model)
+
+    def walk(prefix: str, module: nn.Module):
+        finer = any(k.startswith(prefix + ".") if prefix else k != "" for k in keys)
+        holds_block = any(id(m) in blocks for n, m in module.named_modules() if n)
+        if not finer and (id(module) in blocks or not holds_block) or not any(True for _ in module.children()):
+            yield prefix
+            return
+        for name, child in module.named_children():
+            yield from walk(f"{prefix}.{name}" if prefix else name, child)
+
+    return list(walk("", model))
+
+
+def _owner(key: str, units: list[str]) -> str | None:
+    """The unit holding a state_dict key (the longest unit name it starts with)."""
+    best = None
+    for u in units:
+        if (u == "" or key.startswith(u + ".")) and (best is None or len(u) > len(best)):
+            best = u
+    return best
+
+
+def unit_sizes(model: nn.Module, units: list[str]) -> tuple[dict[str, int], dict[str, str]]:
+    """({unit: bytes of its state_dict tensors}, {unit: the earlier unit it shares a tensor with}); a shared
+    tensor counts once, at its first holder."""
+    sizes, ties, first = dict.fromkeys(units, 0), {}, {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        u = _owner(key, units)
+        if id(t) in first:
+            if u is not None and first[id(t)] not in (None, u):
+                ties.setdefault(u, first[id(t)])
+            continue
+        first[id(t)] = u
+        if u is not None:
+            sizes[u] += t.numel() * t.element_size()
+    return sizes, ties
+
+
+# -- placement ---------------------------------------------------------------------------------------------------
+def plan(units: list[str], sizes: dict[str, int], ties: dict[str, str], caps: dict[str, int],
+         strategy: str = "auto") -> dict[str, str]:
+    """{unit: device}: the units in order on the devices of `caps` in order (GPUs, cpu, disk), each up to its cap.
+    "balanced"/"auto" first lower each GPU but the last to an even share. When units go to disk, the CPU keeps room
+    for two of them (the one computing, the one prefetched). Raises ConfigError when they do not fit."""
+    gpus = [d for d in caps if d.startswith("cuda:")]
+    caps = dict(caps)
+    if strategy != "sequential" and len(gpus) > 1:
+        share = math.ceil(sum(sizes.values()) / len(gpus)) + max(sizes.values(), default=0)
+        for d in gpus[:-1]:
+            caps[d] = min(caps[d], share)
+    order, reserve = list(caps), 0
+    while True:
+        free = dict(caps)
+        if CPU in free:
+            free[CPU] -= reserve
+        placed: dict[str, str] = {}
+        i = 0
+        for u in units:
+            if u in ties and placed[ties[u]] != DISK:  # a tied head stays beside its embedding
+                placed[u] = placed[ties[u]]
+                free[placed[u]] -= sizes[u]
+                continue
+            while i < len(order) and sizes[u] > max(free[order[i]], 0):
+                i += 1
+            if i == len(order):
+                raise _does_not_fit(units, sizes, caps, reserve, u)
+            placed[u] = order[i]
+            free[order[i]] -= sizes[u]
+        need = 2 * max((sizes[u] for u in units if placed[u] == DISK), default=0)
+        if need <= reserve:
+            if reserve > caps.get(CPU, 0):
+                raise _does_not_fit(units, sizes, caps, reserve, None)
+            return placed
+        reserve = need
+
+
+def _does_not_fit(units, sizes, caps, reserve, unit) -> ConfigError:
+    total, largest = sum(sizes.values()), max(sizes.values(), default=0)
+    held = ", ".join(f"{d} {_mb(c) if c < UNLIMITED else 'unlimited'}" for d, c in caps.items())
+    where = f"{unit!r} ({_mb(sizes[unit])}) is the first unit that fits nowhere" if unit is not None else \
+        f"the CPU has less than the {_mb(reserve)} it needs for two disk units in flight"
+    return ConfigError(
+        f"the model ({_mb(total)} in {len(units)} units, the largest {_mb(largest)}) does not fit max_memory "
+        f"({held}): {where}. Raise max_memory for a device, or give offload_dir=DIR (a directory with room) for "
+        f"disk offload, which needs at least {_mb(2 * largest)} on the CPU (two units in flight) and max_memory.disk "
+        "unset or large enough.")
+
+
+def check_map(model: nn.Module, device_map: Mapping) -> dict[str, str]:
+    """A dict map's keys checked against the model's modules, its values as device names."""
+    from trainer.errors import suggest
+
+    modules = dict(model.named_modules())
+    out = {}
+    for key, value in device_map.items():
+        if not isinstance(key, str) or key not in modules:
+            names = [n for n in modules if n]
+            raise ConfigError(f"device_map names {key!r}, which is not a module of {type(model).__name__}.{suggest(str(key), names)} "
+                              f"Its modules start {', '.join(names[:6])}, ...; '' is the whole model.")
+        out[key] = device_name(value, f"device_map[{key!r}]")
+    return out
+
+
+def _from_dict(units: list[str], mapping: dict[str, str]) -> dict[str, str]:
+    placed, missing = {}, []
+    for u in units:
+        key = max((k for k in mapping if k == "" or u == k or u.startswith(k + ".")), key=len, default=None)
+        if key is None:
+            missing.append(u)
+        else:
+            placed[u] = mapping[key]
+    if missing:
+        raise ConfigError(f"device_map places no device for {', '.join(missing[:6])}"
+                          f"{f' and {len(missing) - 6} more' if len(missing) > 6 else ''}: give each module a device "
+                          "(or a module that holds it; '' for the whole model).")
+    return placed
+
+
+# -- building on the meta device ---------------------------------------------------------------------------------
+@contextmanager
+def params_on_meta():
+    """Modules built inside have their parameters on the meta device (no memory); buffers stay real, so those a
+    constructor computes (rotary frequencies) need no file."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        p = module._parameters.get(name)
+        if p is not None and p.device.type != "meta":  # (a tied parameter is on meta already: keep it shared)
+            module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    from trainer.parallel.materialize import SkipMetaInit
+
+    nn.Module.register_parameter = on_meta
+    try:
+        with SkipMetaInit():  # (torch's fills of meta tensors import torch._dynamo: ~1 s and ~80 MB of RSS)
+            yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+# -- streaming disk units ----------------------------------------------------------------------------------------
+class _OnDisk:
+    """A unit offloaded to a file: its tensors at aligned offsets, and where each goes in the modules."""
+
+    def __init__(self, name: str, fd: int, nbytes: int, slots: list):
+        self.name, self.fd, self.nbytes = name, fd, nbytes
+        self.slots = slots  # [(offset, dtype, shape, [(module, attr, is_param, placeholder)])]
+
+    def attach(self, buf: torch.Tensor) -> None:
+        for offset, dtype, shape, refs in self.slots:
+            t = buf[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            p = nn.Parameter(t, requires_grad=False)
+            for module, attr, is_param, _ in refs:
+                if is_param:
+                    module._parameters[attr] = p
+                else:
+                    module._buffers[attr] = t
+
+    def detach(self) -> None:
+        for _, _, _, refs in self.slots:
+            for module, attr, is_param, placeholder in refs:
+                (module._parameters if is_param else module._buffers)[attr] = placeholder
+
+
+class Streamer:
+    """Reads disk units into two buffers: the one computing and the one prefetched on a background thread."""
+
+    def __init__(self, units: list[_OnDisk]):
+        self.units = units
+        self.next = {u.name: units[(i + 1) % len(units)] for i, u in enumerate(units)}  # learnt as forwards run
+        self.buffers: list[torch.Tensor | None] = [None, None]
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-prefetch")
+        self.pending = None  # (unit, slot, future)
+        self.active: _OnDisk | None = None
+        self.last: _OnDisk | None = None
+        self.bytes_read = 0
+
+    def _read(self, unit: _OnDisk, slot: int) -> None:
+        if self.buffers[slot] is None:
+            self.buffers[slot] = torch.empty(max(u.nbytes for u in self.units), dtype=torch.uint8)
+        view, got = memoryview(self.buffers[slot].numpy())[:unit.nbytes], 0
+        while got < unit.nbytes:
+            n = os.preadv(unit.fd, [view[got:]], got)
+            if n == 0:
+                raise StorageError(f"the offload file of {unit.name!r} came back short: its disk failed or was "
+                                   "unmounted. Load the model again.")
+            got += n
+        self.bytes_read += unit.nbytes  # (never at once on two threads: the main one reads after result())
+
+    def before(self, unit: _OnDisk) -> None:
+        if self.active is not None:  # a forward that raised never ran the hook after it
+            self.active.detach()
+        if self.last is not None and self.last is not unit:
+            self.next[self.last.name] = unit
+        slot = 0
+        if self.pending is not None:
+            ahead, ahead_slot, done = self.pending
+            self.pending = None
+            done.result()  # (a wrong guess finishes too: then its buffer is free again)
+            if ahead is unit:
+                slot = ahead_slot
+            else:
+                self._read(unit, slot)
+        else:
+            self._read(unit, slot)
+        unit.attach(self.buffers[slot])
+        self.active = unit
+        following = self.next[unit.name]
+        if following is not unit:
+            self.pending = (following, 1 - slot, self.pool.submit(self._read, following, 1 - slot))
+
+    def after(self, unit: _OnDisk) -> None:
+        unit.detach()
+        self.active, self.last = None, unit
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        for u in self.units:
+            os.close(u.fd)
+
+
+# -- the placed model --------------------------------------------------------------------------------------------
+class DeviceMap(dict):
+    """{unit: device} of a model placed by `trainer.load(..., device_map=...)` (its `model.device_map`);
+    `print(model.device_map)` shows it, consecutive units on one device on one line, with their sizes."""
+
+    def __init__(self, placement: dict[str, str], sizes: dict[str, int], streamer: Streamer | None,
+                 main_device: torch.device):
+        super().__init__(placement)
+        self.sizes, self._streamer, self.main_device = sizes, streamer, main_device  # (inputs go to main_device)
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from the offload files by forwards so far."""
+        return self._streamer.bytes_read if self._streamer else 0
+
+    def __str__(self) -> str:
+        rows, run = [], []
+        for unit, device in [*self.items(), (None, None)]:
+            if run and (device != run[0][1]):
+                names = run[0][0] if len(run) == 1 else f"{run[0][0]} .. {run[-1][0]} ({len(run)} units)"
+                rows.append((names or "(the whole model)", run[0][1], _mb(sum(self.sizes[u] for u, _ in run))))
+                run = []
+            if unit is not None:
+                run.append((unit, device))
+        width = max(len(r[0]) for r in rows)
+        totals = {}
+        for u, d in self.items():
+            totals[d] = totals.get(d, 0) + self.sizes[u]
+        lines = [f"{name.ljust(width)}  {dev:<7} {size:>12}" for name, dev, size in rows]
+        return "\n".join([*lines, "total: " + ", ".join(f"{d} {_mb(n)}" for d, n in totals.items())])
+
+
+def _move(obj: Any, device: torch.device) -> Any:
+    """Tensors in obj (nested tuples, lists, dicts) on `device`; anything else as it is."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.device == device else obj.to(device)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_move(o, device) for o in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_move(o, device) for o in obj)
+    if isinstance(obj, dict):
+        out = copy.copy(obj)
+        for k, v in obj.items():
+            out[k] = _move(v, device)
+        return out
+    return obj
+
+
+def _first_device(obj: Any) -> torch.device | None:
+    if isinstance(obj, torch.Tensor):
+        return obj.device
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
+    return next((d for d in map(_first_device, items) if d is not None), None)
+
+
+def _check_gpus(placement: dict[str, str]) -> None:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for unit, device in placement.items():
+        if device.startswith("cuda:") and int(device[5:]) >= count:
+            raise ConfigError(f"the device map puts {unit!r} on {device}, but this machine has "
+                              f"{count or 'no'} GPU{'s' if count != 1 else ''}: give max_memory without that GPU "
+                              "(max_memory.cpu=...), or a map of the devices it has.")
+
+
+def offload_scratch(offload_dir: str | os.PathLike) -> Path:
+    """A fresh directory inside offload_dir; a missing or read-only offload_dir is one paragraph."""
+    p = Path(offload_dir).expanduser()
+    fix = "Give a directory on a disk with room for the offloaded blocks (create it first: mkdir -p DIR)."
+    if not p.is_dir():
+        raise ConfigError(f"offload_dir={offload_dir} {'is not a directory' if p.exists() else 'does not exist'}. "
+                          f"{fix}")
+    try:
+        return Path(tempfile.mkdtemp(prefix="trainer-offload-", dir=p))
+    except OSError as e:
+        raise ConfigError(f"offload_dir={offload_dir} is not writable ({e.strerror or e}). {fix}") from None
+
+
+def _write(fd: int, data: torch.Tensor, offset: int) -> None:
+    view, done = memoryview(data.reshape(-1).view(torch.uint8).numpy()), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+@torch.no_grad()
+def dispatch(model: nn.Module, read, device_map: str | Mapping, caps: dict[str, int],
+             offload_dir: str | os.PathLike | None, copy=None) -> nn.Module:
+    """Place `model` (built under params_on_meta) by `device_map` within `caps` (budgets()), its tensors read
+    with `read(key) -> CPU tensor` (a state_dict key), and hook it up. `copy(key, dtype, fd, offset) -> bool`, if
+    given, copies a tensor's bytes into an offload file without reading them into memory when the file holds
+    them in `dtype`. Returns the model, in eval mode, with `model.device_map`."""
+    model.eval()
+    if isinstance(device_map, Mapping):
+        mapping = check_map(model, device_map)
+        units = units_of(model, tuple(mapping))
+        sizes, ties = unit_sizes(model, units)
+        placement = _from_dict(units, mapping)
+    else:
+        if device_map not in STRATEGIES:
+            raise ConfigError(f"device_map={device_map!r} is not a strategy or a map: write auto, balanced, "
+                              "sequential, or {module: device} ({'blocks.0': 'cpu', '': 'disk'}).")
+        mapping = {}
+        units = units_of(model)
+        sizes, ties = unit_sizes(model, units)
+        placement = plan(units, sizes, ties, caps, device_map)
+    _check_gpus(placement)
+    disk_units = [u for u in units if placement[u] == DISK and sizes[u]]
+    if disk_units and offload_dir is None:
+        raise ConfigError(f"the device map puts {len(disk_units)} units on disk ({', '.join(disk_units[:3])}"
+                          f"{', ...' if len(disk_units) > 3 else ''}): give offload_dir=DIR, a directory for their "
+                          "files, or raise max_memory.")
+    main = next((torch.device(d) for d in sorted(set(placement.values()), key=_fill_order)
+                 if d.startswith("cuda:")), torch.device(CPU))
+
+    def runs_on(unit: str | None) -> torch.device:
+        if unit is None:  # a tensor of a module that was split: where a dict map puts it, else the main device
+            return main
+        device = placement[unit]
+        return torch.device(CPU if device == DISK else device)
+
+    # Where each tensor lives: on the device of a unit that holds it and is not on disk, else in a disk file.
+    state = model.state_dict(keep_vars=True)
+    holders: dict[int, list[str]] = {}
+    for key, t in state.items():
+        holders.setdefault(id(t), []).append(key)
+
+    def refs(keys: list[str]) -> list[tuple[nn.Module, str, bool, torch.Tensor]]:
+        out = []
+        for key in keys:
+            owner, _, attr = key.rpartition(".")
+            module = model.get_submodule(owner)
+            is_param = attr in module._parameters
+            out.append((module, attr, is_param, (module._parameters if is_param else module._buffers)[attr]))
+        return out
+
+    streamed: dict[str, list[list[str]]] = {}
+    for keys in holders.values():
+        owners = [_owner(k, units) for k in keys]
+        resident = [o for o in owners if o is None or placement[o] != DISK]
+        if not resident:  # each disk unit that holds it streams it for its own modules
+            for o in dict.fromkeys(owners):
+                streamed.setdefault(o, []).append([k for k, ok in zip(keys, owners) if ok == o])
+            continue
+        owner = resident[0]
+        if owner is None and mapping:
+            key = max((k for k in mapping if k == "" or keys[0].startswith(k + ".")), key=len, default=None)
+            owner_device = torch.device(CPU if key is None or mapping[key] == DISK else mapping[key])
+        else:
+            owner_device = runs_on(owner)
+        meta = state[keys[0]]
+        t = read(keys[0]).to(dtype=meta.dtype).to(owner_device)
+        p = nn.Parameter(t, requires_grad=False)
+        for module, attr, is_param, _ in refs(keys):
+            if is_param:
+                module._parameters[attr] = p
+            else:
+                module._buffers[attr] = t
+    # Buffers no file holds (computed by the constructor) go where their unit computes.
+    for name, module in model.named_modules():
+        for attr, b in module._buffers.items():
+            if b is not None and f"{name}.{attr}".lstrip(".") not in state:
+                module._buffers[attr] = b.to(runs_on(_owner(f"{name}.{attr}".lstrip("."), units)))
+
+    streamer = None
+    if streamed:
+        scratch = offload_scratch(offload_dir)
+        on_disk = []
+        try:
+            for unit in units:
+                if unit not in streamed:
+                    continue
+                path = scratch / f"{unit or 'model'}.bin"
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                path.unlink()  # the descriptor keeps the file until it is closed: nothing is left behind
+                slots, offset = [], 0
+                for keys in streamed[unit]:
+                    meta = state[keys[0]]
+                    try:
+                        if copy is None or not copy(keys[0], meta.dtype, fd, offset):
+                            _write(fd, read(keys[0]).to(dtype=meta.dtype).contiguous(), offset)
+                    except OSError as e:
+                        os.close(fd)
+                        raise StorageError(f"writing the offloaded blocks to offload_dir={offload_dir} failed "
+                                           f"({e.strerror or e}): give a directory with more room.") from None
+                    slots.append((offset, meta.dtype, tuple(meta.shape), refs(keys)))
+                    offset += -(-meta.numel() * meta.element_size() // ALIGN) * ALIGN
+                os.ftruncate(fd, offset)  # (the last tensor's padding too: a block is read whole, padding included)
+                on_disk.append(_OnDisk(unit, fd, offset, slots))
+        except BaseException:
+            for u in on_disk:
+                os.close(u.fd)
+            raise
+        finally:
+            scratch.rmdir()
+        streamer = Streamer(on_disk)
+        for u in on_disk:
+            module = model.get_submodule(u.name)
+            module.register_forward_pre_hook(lambda m, a, u=u: streamer.before(u))
+            module.register_forward_hook(lambda m, a, o, u=u: streamer.after(u))
+        weakref.finalize(model, streamer.close)
+
+    devices = {runs_on(u) for u in units}
+    if len(devices) > 1:  # activations follow the units; the outputs come back where the inputs were
+        for u in units:
+            device = runs_on(u)
+            model.get_submodule(u).register_forward_pre_hook(
+                lambda m, a, k, d=device: (_move(a, d), _move(k, d)), with_kwargs=True)
+        came_from: list[torch.device | None] = []
+        model.register_forward_pre_hook(lambda m, a, k: came_from.append(_first_device((a, k))), with_kwargs=True)
+
+        def outputs_back(m, a, out):
+            origin = came_from.pop() if came_from else None
+            return _move(out, origin) if origin is not None else out
+
+        model.register_forward_hook(outputs_back)
+    model.device_map = DeviceMap(placement, sizes, streamer, main)
+    return model
+
+
+# -- the command line: python -m trainer sample|eval RUN_DIR device_map=auto max_memory.cpu=2GB offload_dir=DIR --
+def cli_options(args: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """(trainer.load's placement keywords, the other arguments) from `device_map=auto|balanced|sequential|{YAML
+    map}`, `device_map.MODULE=DEVICE`, `max_memory.DEVICE=SIZE` (or `max_memory={YAML map}`), `offload_dir=DIR`
+    and `show_map=true`. Empty when none is given."""
+    from trainer.config.compose import yaml_value
+
+    out: dict[str, Any] = {}
+    rest = []
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        head, dot, sub = key.partition(".")
+        if not sep or head not in ("device_map", "max_memory", "offload_dir", "show_map"):
+            rest.append(arg)
+        elif head == "offload_dir" and not dot:
+            out["offload_dir"] = value
+        elif head == "show_map" and not dot:
+            out["show_map"] = str(yaml_value(arg)).lower() in ("true", "1", "yes")
+        elif dot and sub:  # one entry of a map (a module name keeps its dots)
+            entries = out.setdefault(head, {})
+            if not isinstance(entries, dict):
+                raise ConfigError(f"{arg}: {head} was given as {entries!r} already; give the map or its entries.")
+            entries[sub] = value if head == "max_memory" else yaml_value(arg)
+        else:
+            out[head] = yaml_value(arg)
+    if list(out) == ["show_map"]:  # the map of the default placement, or nothing asked
+        out = {"show_map": True, "device_map": "auto"} if out["show_map"] else {}
+    return out, rest
+
+
+# -- trainer.load(..., device_map=...) ---------------------------------------------------------------------------
+LABEL = "trainer.load path "
+
+
+def _build_hf(path: Path) -> nn.Module:
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ConfigError(f"{path} is a Hugging Face model directory (config.json): building it needs transformers. "
+                          "Install the hf extra: pip install -e '.[hf]'.") from None
+    config = AutoConfig.from_pretrained(path)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def load(path: str | os.PathLike, device_map: str | Mapping = "auto", max_memory: Mapping | None = None,
+         offload_dir: str | os.PathLike | None = None, ema: bool = False) -> nn.Module:
+    """The model of a finished run (or an export of one, or a Hugging Face model directory) placed by
+    `device_map` within `max_memory`, disk units in `offload_dir`. See the module's docstring."""
+    from trainer.inference import finished
+    from trainer.models import pretrained
+
+    p = Path(path).expanduser()
+    caps = budgets(max_memory, offload_dir)  # (a size or device that does not parse stops here, before any work)
+    if offload_dir is not None:
+        offload_scratch(offload_dir).rmdir()
+    if (p / "model_config.json").is_file():
+        if ema and not finished.has_ema(p):
+            raise ConfigError(f"{p} has no EMA weights (it was trained without ema.enabled); load it with ema=False.")
+        with params_on_meta():
+            model = finished.model_of(p)
+    elif (p / "config.json").is_file():
+        with params_on_meta():
+            model = _build_hf(p)
+    elif (p / "config.yaml").is_file():
+        finished.model_of(p)  # its one-paragraph error: the run has no model_config.json
+        raise AssertionError("unreachable")
+    else:
+        raise ConfigError(f"{p} is neither a finished run dir (model_config.json) nor a Hugging Face model directory "
+                          "(config.json beside model.safetensors or its index). Pass one of those.")
+    name = "model_ema" if ema else "model"
+    weights = pretrained.open_weights(p, LABEL, name)
+    try:
+        keys = pretrained.match(model, weights, label=LABEL,
+                                fix=f"They do not come from the model {p} describes, or one was edited.")
+
+        def read(key: str) -> torch.Tensor:
+            if key not in keys:  # a key the model lets the files lack (_keys_to_ignore_on_load_missing)
+                raise ConfigError(f"{p} has no weights for {key}, which the model needs to be placed: load it "
+                                  "without device_map.")
+            file, entry = weights.entries[keys[key]]
+            return weights.readers[file].tensor(entry)
+
+        def copy(key: str, dtype: torch.dtype, fd: int, offset: int) -> bool:
+            """The tensor's bytes from its file into an offload file, by the kernel (no copy in this process's
+            memory), when the file holds it in `dtype`."""
+            file, entry = weights.entries[keys[key]]
+            if entry.dtype != dtype or not hasattr(os, "copy_file_range"):
+                return False
+            source, done, n = weights.readers[file]._file.fileno(), 0, entry.end - entry.begin
+            try:
+                while done < n:
+                    step = os.copy_file_range(source, fd, n - done, entry.begin + done, offset + done)
+                    if step == 0:
+                        raise StorageError(f"{file} is shorter than when it was opened (truncated or replaced while "
+                                           "it was read).")
+                    done += step
+            except OSError as e:
+                if e.errno in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL) and done == 0:
+                    return False  # (a kernel or file system that cannot: read and write instead)
+                raise
+            return True
+
+        return dispatch(model, read, device_map, caps, offload_dir, copy)
+    finally:
+        weights.close()

@@ -1,0 +1,395 @@
+"""Using a finished run: its model with weights (`trainer.load`), its task (for sampling), its config with
+new overrides (for `python -m trainer eval`), and the checkpoint an eval reads.
+
+Everything here reads what a run wrote: `model_config.json` and the exported weights
+(`model.safetensors`, `model_ema.safetensors`, or their sharded index), `task_state.safetensors`,
+`config.yaml` and `checkpoints/`. The `_target_`s in them go through the same trust model as a config's.
+
+A run dir may come from anywhere, so it is read as a checkpoint is (trainer/checkpoint/store.py): only regular
+files are opened (a FIFO never blocks, a symbolic link is not followed), each no larger than such a file
+can be, JSON is depth-limited, config.yaml has no YAML anchors or aliases (a "billion laughs"), weights
+are checked against the model before they are loaded, and a checkpoint is one of the run's own. Each
+damaged or hostile file is one paragraph naming it and what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import yaml
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from trainer.checkpoint import snapshot, tensorfile
+from trainer.errors import CheckpointError, ConfigError, UserError
+
+# config.yaml, model_config.json, best.json: a trainer writes about 2 KB. The limit keeps OmegaConf, which
+# takes ~0.1 ms a node, to seconds on whatever a file holds.
+MAX_CONFIG_BYTES = 64 << 10
+MAX_INDEX_BYTES = 16 << 20  # a sharded index: ~100 KB for the largest models
+
+
+def _run_dir(run_dir: str | Path) -> Path:
+    path = Path(run_dir).expanduser()
+    if not os.path.lexists(path / "config.yaml"):
+        raise ConfigError(f"{path} is not a run dir (it has no config.yaml). Pass the directory a run wrote, e.g. "
+                          "outputs/2026-01-01/12-00-00.")
+    return path
+
+
+def _reexport(run: Path) -> str:
+    return (f"Rewrite the export: delete {run / 'export.json'} and rerun the run's training command (in its "
+            f"run_info.json) with hydra.run.dir={run} resume=auto: a finished run writes a missing export from its "
+            "last checkpoint.")
+
+
+def _restore_config(run: Path) -> str:
+    return (f"Restore it from one of the run's checkpoints ({run / 'checkpoints'}/step_*/config.yaml holds the "
+            "same config), or pass the directory of a run that trainer wrote.")
+
+
+@contextlib.contextmanager
+def _reading(path: Path, fix: str):
+    """A run dir's file read by the checkpoint reader's rules (a regular file, never waiting on a FIFO or
+    following a symbolic link, no larger than such a file can be); what breaks them is one paragraph."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing. {fix}") from None
+    except tensorfile.NotRegularFile as e:
+        raise CheckpointError(f"{path} is {e.strerror}: only regular files of a run dir are read. {fix}") from None
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read ({e.strerror or e}). {fix}") from None
+    except ValueError as e:  # too large, or "... is not a valid safetensors file: <why>"
+        raise CheckpointError(f"{e}. {fix}") from None
+
+
+def _read(path: Path, max_size: int, fix: str) -> bytes:
+    with _reading(path, fix):
+        return bytes(tensorfile.map_file(path, follow_links=False, max_size=max_size))
+
+
+def _tensors(path: Path, fix: str) -> dict[str, torch.Tensor]:
+    """A safetensors file of the run dir, its header checked against its size before anything is read."""
+    with _reading(path, fix):
+        buf, _, entries = tensorfile.map_safetensors(path, follow_links=False)
+    return {name: tensorfile.load(buf, entry) for name, entry in entries.items()}
+
+
+def _why(err: CheckpointError) -> str:
+    """A checkpoint reader's message, without its ending (this is a run dir's file, not a checkpoint's)."""
+    return str(err).removesuffix("; it is not a valid trainer checkpoint.").removesuffix(".")
+
+
+def _json_object(path: Path, max_size: int, fix: str) -> dict:
+    raw = _read(path, max_size, fix)
+    try:
+        tree = snapshot.parse_tree(raw, path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{_why(e)}. {fix}") from None
+    if not isinstance(tree, dict):
+        raise CheckpointError(f"{path} is a JSON {type(tree).__name__}, not a JSON object. {fix}")
+    return tree
+
+
+def config_yaml(run_dir: str | Path) -> DictConfig:
+    """The run's config.yaml, checked like a checkpoint's (no anchors or aliases, depth- and size-limited) and
+    a mapping."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from trainer.checkpoint.store import _check_config
+
+    path = _run_dir(run_dir)
+    source, fix = path / "config.yaml", _restore_config(path)
+    raw = _read(source, MAX_CONFIG_BYTES, fix)
+    try:
+        _check_config(raw, source)
+    except CheckpointError as e:
+        raise ConfigError(f"{_why(e)}. {fix}") from None
+    try:
+        cfg = OmegaConf.create(raw.decode())
+    except UnicodeDecodeError:
+        raise ConfigError(f"{source} is not UTF-8 text. {fix}") from None
+    except yaml.MarkedYAMLError as e:  # what a scan alone does not see: a mapping left open
+        where = f", line {e.problem_mark.line + 1} column {e.problem_mark.column + 1}" if e.problem_mark else ""
+        raise ConfigError(f"{source} is not YAML ({e.problem or e.context}{where}). {fix}") from None
+    except (yaml.YAMLError, OmegaConfBaseException, ValueError, TypeError) as e:
+        raise ConfigError(f"{source} is not a config ({_one_line(e)}). {fix}") from None
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"{source} is a YAML {'list' if OmegaConf.is_list(cfg) else type(cfg).__name__}, not a "
+                          f"mapping of config keys. {fix}")
+    from trainer.checkpoint.settings import upgrade
+
+    return OmegaConf.create(upgrade(OmegaConf.to_container(cfg)))  # a run dir from before trainer's modules moved
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)  # (a KeyError's str() is a repr)
+    text = " ".join(text.split()) or type(e).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _instantiate_checked(node: dict, where: str, source: Path, fix: str) -> Any:
+    """`node` built by Hydra once every `_target_` in it passed the trust model; a failure is one paragraph
+    naming `source` (the file it came from)."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    from trainer.config.schema import iter_targets, locate
+
+    try:
+        cfg = OmegaConf.create(node)
+        for key, target in iter_targets(cfg, where):
+            locate(key, target)  # the trust model: a run dir may come from elsewhere too
+        return instantiate(cfg)
+    except UserError:
+        raise
+    except Exception as e:  # whatever the class's constructor raises for what the file holds
+        cause = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ else e
+        if isinstance(cause, UserError):
+            raise cause from None
+        raise ConfigError(f"the {where} of {source} cannot be built ({type(cause).__name__}: {_one_line(cause)}). "
+                          f"{fix}") from e
+
+
+def _mismatches(live: dict[str, torch.Tensor], stored: dict[str, torch.Tensor], name: str) -> list[str]:
+    problems = [f"{k}: missing from {name}" for k in live if k not in stored]
+    problems += [f"{k}: {name} {tuple(stored[k].shape)} vs model {tuple(v.shape)}" for k, v in live.items()
+                 if k in stored and stored[k].shape != v.shape]
+    return problems + [f"{k}: not in the model" for k in stored if k not in live]
+
+
+def _listed(problems: list[str], n: int = 4) -> str:
+    return "; ".join(problems[:n]) + (f"; and {len(problems) - n} more" if len(problems) > n else "")
+
+
+def exported_weights(run_dir: Path, name: str = "model") -> dict[str, torch.Tensor]:
+    """`<name>.safetensors`, or the shards its Hugging Face index lists."""
+    run_dir = Path(run_dir)
+    single, index = run_dir / f"{name}.safetensors", run_dir / f"{name}.safetensors.index.json"
+    fix = _reexport(run_dir)
+    if os.path.lexists(single):
+        return _tensors(single, fix)
+    if os.path.lexists(index):
+        weight_map = _json_object(index, MAX_INDEX_BYTES, fix).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' is not a map of tensor names to shard file names. {fix}")
+        out: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            if Path(shard).name != shard or shard.startswith(".") or not shard.endswith(".safetensors"):
+                raise CheckpointError(f"{index} names {snapshot.shown(shard)}, not a .safetensors file beside it: only "
+                                      f"files inside the run dir are read. {fix}")
+            out.update(_tensors(run_dir / shard, fix))
+        return out
+    raise CheckpointError(f"{run_dir} has no {name}.safetensors: the run did not finish its export. Resume it with "
+                          f"resume=auto (a finished run writes a missing export), or evaluate a checkpoint.")
+
+
+def has_ema(run_dir: str | Path) -> bool:
+    """Whether the run exported EMA weights."""
+    run = Path(run_dir)
+    return any(os.path.lexists(run / f) for f in ("model_ema.safetensors", "model_ema.safetensors.index.json"))
+
+
+def model_of(path: Path) -> nn.Module:
+    """The model `path/model_config.json` builds (its `_target_` through the trust model), without weights."""
+    source, fix = path / "model_config.json", _reexport(path)
+    node = _json_object(source, MAX_CONFIG_BYTES, fix)
+    if node.get("_partial_"):
+        raise CheckpointError(f"{source} has _partial_: {snapshot.shown(node['_partial_'])}, so it builds a function "
+                              f"that makes a model, not the model. {fix}")
+    model = _instantiate_checked(node, "model", source, fix)
+    if not isinstance(model, nn.Module):
+        raise CheckpointError(f"{source} builds a {type(model).__module__}.{type(model).__qualname__}, not a "
+                              f"torch.nn.Module. {fix}")
+    return model
+
+
+def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "cpu", *,
+         device_map: str | dict | None = None, max_memory: dict | None = None,
+         offload_dir: str | Path | None = None) -> nn.Module:
+    """The model of a finished run, built from its `model_config.json`, with its final weights (the EMA's with
+    `ema=True`), in eval mode. `model = trainer.load("outputs/2026-01-01/12-00-00")`.
+
+    With `device_map` ("auto", "balanced", "sequential" or {module: device}), `max_memory` ({"cpu": "2GB", 0:
+    "10GiB", "disk": ...}) or `offload_dir`, the model is placed block by block on the GPUs, the CPU and disk
+    and never held whole (trainer/inference/device_map.py; `run_dir` may then also be a Hugging Face model directory);
+    `max_memory` or `offload_dir` alone mean device_map="auto"."""
+    if device_map is not None or max_memory is not None or offload_dir is not None:
+        from trainer.inference.device_map import load as load_dispatched
+
+        return load_dispatched(run_dir, device_map="auto" if device_map is None else device_map,
+                               max_memory=max_memory, offload_dir=offload_dir, ema=ema)
+    path = _run_dir(run_dir)
+    source, fix = path / "model_config.json", _reexport(path)
+    model = model_of(path)
+    if ema and not has_ema(path):
+        raise ConfigError(f"{path} has no EMA weights (it was trained without ema.enabled); load it with ema=False.")
+    name = "model_ema" if ema else "model"
+    weights = exported_weights(path, name)
+    problems = _mismatches(model.state_dict(), weights, f"{name}.safetensors")
+    if problems:
+        raise CheckpointError(f"the weights of {path} ({name}.safetensors) do not fit the model {source} builds: "
+                              f"{_listed(problems)}. The two do not come from the same run, or one was edited. {fix}")
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        raise CheckpointError(f"the weights of {path} ({name}.safetensors) do not fit the model {source} builds "
+                              f"({_one_line(e)}). {fix}") from None
+    return model.to(device).eval()
+
+
+def load_task(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> Any:
+    """The run's task, built from its config.yaml with `overrides` of its keys (`{"sample_tokens": 200}`), with
+    its exported state (a data normaliser) if it has one."""
+    path = _run_dir(run_dir)
+    source = path / "config.yaml"
+    task_node = OmegaConf.to_container(config_yaml(path), resolve=False).get("task")
+    if not isinstance(task_node, dict) or "_target_" not in task_node:
+        raise ConfigError(f"{source} has no task with a _target_. {_restore_config(path)}")
+    if overrides:
+        from trainer.config.schema import check_keywords, locate
+
+        check_keywords("task", locate("task._target_", task_node["_target_"]), overrides)  # a typo is named
+        task_node.update(overrides)
+    task = _instantiate_checked(task_node, "task", source, "Check the values of its keys (and of the task.KEY=VALUE "
+                                "you passed) against the task's class.")
+    state_file, fix = path / "task_state.safetensors", _reexport(path)
+    if hasattr(task, "load_state_dict") and os.path.lexists(state_file):
+        try:
+            task.load_state_dict(_tensors(state_file, fix))
+        except UserError:
+            raise
+        except Exception as e:  # the task's own check of what it is given
+            raise CheckpointError(f"{state_file} does not fit the task ({type(task).__name__}: {_one_line(e)}). "
+                                  f"{fix}") from e
+    return task
+
+
+@torch.no_grad()
+def evaluate_dispatched(run_dir: str | Path, cfg: DictConfig, task_keys: dict[str, Any], placement: dict[str, Any],
+                        show_map: bool = False) -> dict[str, float]:
+    """`python -m trainer eval RUN_DIR device_map=...`: the val metrics of the run's exported weights (and its EMA's)
+    on one process, the model placed by `placement` (trainer.load's keywords), in the weights' dtype. The same sums
+    as the Trainer's eval on one rank: the loss over targets, the task's extra sums and eval_metrics, and its
+    whole-set score when it predicts."""
+    import json
+
+    from trainer import noise
+    from trainer.config.compose import prepare
+    from trainer.config.instantiate import build_data
+    from trainer.data.sampling import eval_batches
+    from trainer.loop.trainer import EVAL_STREAM
+    from trainer.task import EvalSums
+
+    path = _run_dir(run_dir)
+    cfg = prepare(cfg)
+    _, val = build_data(cfg.data)
+    task = load_task(path, task_keys)
+    metrics: dict[str, float] = {}
+    for prefix, ema in (("val", False), ("val_ema", True)):
+        if ema and not has_ema(path):
+            continue
+        model = load(path, ema=ema, **placement)
+        device = model.device_map.main_device
+        if show_map:
+            print(f"{prefix}:\n{model.device_map}", file=sys.stderr)
+        batch_size = cfg.trainer.eval_batch_size or cfg.data.batch_size
+        acc = EvalSums(task, device)  # the Trainer's eval sums, on one process
+        for batch, _, indices in eval_batches(val, batch_size, 0, 1, cfg.trainer.eval_samples, device):
+            with noise.for_samples(EVAL_STREAM + torch.tensor(indices), cfg.trainer.seed):
+                acc.add(batch, indices, acc.forward(model, batch))
+        loss_sum, count = acc.totals.tolist()
+        if count == 0:
+            continue
+        scored = task.score({n: torch.cat(r) for n, r in acc.rows.items()}) if acc.rows else {}
+        metrics.update(acc.metrics(loss_sum, count, {n: float(v) for n, v in acc.sums.items()},
+                                   {k: float(v) for k, v in scored.items()}, prefix))
+        del model
+    print(json.dumps({"run_dir": str(path), "weights": "export", **metrics}), flush=True)
+    return metrics
+
+
+# -- python -m trainer eval RUN_DIR ------------------------------------------------------------------------
+def config_of(run_dir: str | Path, overrides: list[str]) -> DictConfig:
+    """The run's config.yaml with `overrides` applied: `key=value`, or `group=option` for a group whose options
+    live in the package's conf/ (world=ddp, precision=bf16, ...). Loggers are off (an eval logs nothing)."""
+    from dataclasses import asdict
+    from importlib.resources import files
+
+    from omegaconf.errors import OmegaConfBaseException
+
+    from trainer.config.compose import did_you_mean, yaml_value
+    from trainer.config.schema import LaunchConfig
+    from trainer.errors import suggest
+
+    path = _run_dir(run_dir)
+    cfg = config_yaml(path)
+    OmegaConf.set_struct(cfg, True)  # a key that is not there is a typo, not a new key
+    conf = files("trainer.conf")
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if not sep:
+            raise ConfigError(f"{override!r} is not an override: write KEY=VALUE (e.g. world=ddp, trainer.eval_samples=null).")
+        option = conf / key / f"{value}.yaml"
+        if "." not in key and option.is_file():
+            node = OmegaConf.create(yaml.safe_load(option.read_text()) or {})
+            if "defaults" in node:
+                raise ConfigError(f"{key}={value} selects a config with its own defaults; set its keys one by one.")
+            with open_dict(cfg):  # (world's launch keys default as in a fresh config)
+                cfg[key] = OmegaConf.merge(asdict(LaunchConfig()), node) if key == "world" else node
+            continue
+        if "." not in key and (conf / key).is_dir():  # a group, and no such option
+            options = sorted(p.name[:-5] for p in (conf / key).iterdir() if p.name.endswith(".yaml"))
+            raise ConfigError(f"the override {override}: {value!r} is not an option of config group '{key}'. "
+                              f"Available: {', '.join(options)}.{suggest(value, options)}")
+        try:
+            OmegaConf.update(cfg, key, yaml_value(override))
+        except OmegaConfBaseException:
+            # The mistake is the override's, not the run's: name it, and the key it probably means.
+            raise ConfigError(f"the override {override} names no key of this run's config ({path / 'config.yaml'}, "
+                              f"what it trained with).{did_you_mean(key, value, cfg)} An eval changes keys the run "
+                              "has; `python -m trainer --cfg job` lists them.") from None
+    with open_dict(cfg):
+        cfg.logger = {}
+    return cfg
+
+
+def checkpoint_of(run_dir: str | Path, which: str = "latest") -> Path:
+    """`latest` (the most recently written complete checkpoint: the final one for a finished run), `best`
+    (what checkpoints/best.json names), or a checkpoint's path. `latest` and `best` are the run's own
+    checkpoints: a `step_*` name inside its checkpoints/, never a symbolic link to one elsewhere."""
+    from trainer.checkpoint.store import Checkpointer, step_of
+
+    path = _run_dir(run_dir)
+    checkpoints = path / "checkpoints"
+    if which == "latest":
+        links = sorted(p for p in checkpoints.iterdir() if step_of(p) >= 0 and p.is_symlink()) \
+            if checkpoints.is_dir() else []
+        for link in links:
+            print(f"note: {link} is a symbolic link (to {os.readlink(link)}), not a checkpoint this run wrote: "
+                  "skipped (pass checkpoint=PATH to evaluate the checkpoint it points to).", file=sys.stderr)
+        found = [p for p in Checkpointer(checkpoints).complete() if not p.is_symlink()]
+        if not found:
+            raise CheckpointError(f"{path} has no complete checkpoint (checkpoints/step_*/manifest.json) to evaluate.")
+        return found[-1]
+    if which == "best":
+        best = checkpoints / "best.json"
+        if not os.path.lexists(best):
+            raise ConfigError(f"{path} has no checkpoints/best.json: it was trained without checkpoint.best_metric. "
+                              "Use checkpoint=latest or a checkpoint's path.")
+        fix = "Use checkpoint=latest or a checkpoint's path."
+        name = _json_object(best, MAX_CONFIG_BYTES, fix).get("checkpoint")
+        if not isinstance(name, str) or Path(name).name != name or step_of(Path(name)) < 0:
+            raise CheckpointError(f"{best} names {snapshot.shown(name)} as the best checkpoint: not a step_NNNNNNNN "
+                                  f"checkpoint inside {checkpoints}, so not one this run wrote. {fix}")
+        if (checkpoints / name).is_symlink():
+            raise CheckpointError(f"{checkpoints / name}, the best checkpoint by {best}, is a symbolic link (to "
+                                  f"{os.readlink(checkpoints / name)}), not a checkpoint this run wrote. {fix}")
+        return checkpoints / name
+    return Path(which).expanduser()

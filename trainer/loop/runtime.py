@@ -1,0 +1,593 @@
+"""`trainer.Runtime`: the framework's machinery for a loop you write yourself, and the one the Trainer runs on.
+
+Coming from Accelerate or Lightning Fabric, a script keeps its loop and gains five calls::
+
+    rt = trainer.Runtime(world="ddp", precision="bf16", grad_accum_steps=4)
+    model, optimizer = rt.setup(model, optimizer)        # placed, wrapped (DDP) or sharded (FSDP, tp)
+    loader = rt.loader(dataset, batch_size=8)           # this rank's part of one global sample stream
+    for batch in loader:
+        with rt.accumulate(model), rt.autocast():
+            loss = model(batch)
+        rt.backward(loss)
+        rt.clip_grad_norm_(model, 1.0)
+        rt.step(optimizer, scheduler)                    # steps, schedules and zeroes at the boundary only
+
+The Runtime owns the process (device, process group, threads: `Backend`), the strategy (how models are placed,
+wrapped and sharded, and gradients synced and clipped) and the precision (autocast, loss scaling), which it
+builds for the strategy. It registers every model, optimizer and loader it sets up, so `save_state` and
+`load_state` checkpoint all of them in the framework's pickle-free format (resumable under any strategy and
+world size), and `save_model` exports one as safetensors. The declarative Trainer (trainer/loop/trainer.py) takes its
+steps through the same calls: there is one code path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from trainer.errors import UserError
+from trainer.loop.loaders import EvalLoader, Loader, RunPosition
+from trainer.parallel import Strategy, unwrap
+from trainer.parallel.backend import Backend
+
+WORLDS = ("single", "ddp", "fsdp", "deepspeed")
+
+
+def _strategy(world: str | Strategy, options: dict[str, Any]) -> Strategy:
+    if isinstance(world, Strategy):
+        return world
+    from trainer import parallel as strategies
+
+    if world not in WORLDS:
+        raise UserError(f"Runtime(world={world!r}) is invalid: expected one of {', '.join(WORLDS)} (or a Strategy).")
+    classes = {"single": "SingleDevice", "ddp": "DDP", "fsdp": "FSDP", "deepspeed": "DeepSpeed"}
+    try:
+        return getattr(strategies, classes[world])(**options)
+    except TypeError as e:
+        raise UserError(f"Runtime(world={world!r}, world_options={options!r}): {e}. The options are the keys of "
+                        f"conf/world/{world}.yaml but the launch keys.") from None
+
+
+def _precision(precision: Any, device_type: str, sharded: bool):
+    from trainer.parallel import precision as modes
+
+    if not isinstance(precision, str):
+        return precision
+    if precision == "auto":
+        return modes.auto(device_type, sharded=sharded)
+    if precision not in modes.MODES:
+        raise UserError(f"Runtime(precision={precision!r}) is invalid: expected one of auto, "
+                        f"{', '.join(modes.MODES)}.")
+    return modes.MODES[precision](device_type, sharded=sharded)
+
+
+class Runtime:
+    """Everything a training loop needs from the framework, for one process of a job.
+
+    `world`: "single", "ddp", "fsdp" or "deepspeed" (or a Strategy), with `world_options` (the keys of
+    conf/world/*.yaml: `tp`, `bucket_cap_mb`, `reshard_after_forward`, `stage`, ...). `precision`: "fp32", "bf16",
+    "fp16" or "auto" (or a
+    precision object built for the strategy). Left at None, both come from the config of the job when the script
+    runs under `python -m trainer launch SCRIPT.py [overrides]`, else "single" and "fp32". Run it under that
+    launcher, under torchrun, or as a plain `python script.py` (one process).
+    """
+
+    def __init__(self, world: str | Strategy | None = None, precision: Any = None, *, grad_accum_steps: int = 1,
+                 seed: int | None = None, device: str = "auto", threads: int | str = "auto",
+                 world_options: dict[str, Any] | None = None, log_with: list[str] | str | None = None,
+                 run_dir: str | os.PathLike | None = None, backend: Backend | None = None):
+        launched = launched_config() if world is None and precision is None and backend is None else None
+        if launched is not None:
+            from trainer.config.instantiate import build_strategy
+
+            strategy = build_strategy(launched.world)
+            device, threads = launched.world.get("device", device), launched.world.get("threads", threads)
+            grad_accum_steps = launched.trainer.get("grad_accum_steps", grad_accum_steps)
+            seed = launched.trainer.get("seed", 0) if seed is None else seed
+        else:
+            strategy = _strategy(world or "single", dict(world_options or {}))
+        if not isinstance(grad_accum_steps, int) or isinstance(grad_accum_steps, bool) or grad_accum_steps < 1:
+            raise UserError(f"Runtime(grad_accum_steps={grad_accum_steps!r}) is invalid: expected an integer >= 1.")
+        self.backend = backend or Backend(device=device, threads=threads)
+        self.strategy = strategy
+        self.backend.setup(process_group=strategy.needs_process_group)
+        if launched is not None:
+            from trainer.config.instantiate import build_node
+            from trainer.parallel.precision import AUTO_TARGET, resolve_auto
+
+            cfg = launched
+            if cfg.precision.get("_target_") == AUTO_TARGET:  # rank 0 chooses, every rank computes in its choice
+                cfg, _ = self.backend.broadcast_object(resolve_auto(cfg) if self.backend.is_main else None)
+            precision = build_node("precision", cfg.precision, device_type=self.backend.device.type,
+                                   sharded=strategy.shards_parameters)
+        self.precision = _precision(precision or "fp32", self.backend.device.type, strategy.shards_parameters)
+        strategy.setup(self.backend, self.precision)
+        self.grad_accum_steps, self.seed = grad_accum_steps, 0 if seed is None else seed
+        # How many checkpoints save_state keeps: the job's checkpoint.keep_last under launch.
+        self.keep_last = launched.checkpoint.get("keep_last", 2) if launched is not None else 2
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.loggers = self._loggers(launched, log_with)
+        # What save_state checkpoints: models and optimizers by name, and every other stateful object.
+        self.models: dict[str, nn.Module] = {}
+        self.optimizers: dict[str, tuple[str, torch.optim.Optimizer]] = {}  # name -> (its model's name, optimizer)
+        self.stateful: dict[str, Any] = {}
+        self._originals: dict[int, tuple[str, str]] = {}  # id of a set-up model's original parameter -> (model, name)
+        self._set_up: set[int] = set()  # ids of the modules set up (original and wrapped)
+        self._micro = 0  # micro-steps taken in accumulate() (the step boundary is every grad_accum_steps-th)
+        self._in_accumulate = False
+        self.sync_gradients = True  # whether this micro-step ends an optimizer step (gradients are synced)
+        self._pending_reduce: set[str] = set()  # models whose gradients the strategy must still average (ddp x tp)
+        self.position = RunPosition()
+        self._checkpointer = None
+        # A gloo group of its own for the barrier that checks every rank called save_state (made now, on every
+        # rank: making it later, on the one rank that called save_state, would itself hang).
+        self._monitor = self.backend.side_group() if self.backend.distributed else None
+
+    # -- where this process sits -----------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    @property
+    def rank(self) -> int:
+        return self.backend.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.backend.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.backend.is_main
+
+    def print(self, *args, **kwargs) -> None:
+        """print, on the main process only."""
+        if self.backend.is_main:
+            print(*args, **kwargs, flush=True)
+
+    def wait_for_everyone(self) -> None:
+        self.backend.barrier()
+
+    @contextlib.contextmanager
+    def main_process_first(self, local: bool = True) -> Iterator[None]:
+        from trainer.parallel.backend import main_process_first
+
+        with main_process_first(local):
+            yield
+
+    # -- setup -------------------------------------------------------------------------------------------
+    def setup(self, *objects: Any, names: list[str] | None = None) -> Any:
+        """Models placed, wrapped or sharded by the strategy; optimizers pointed at the parameters that result.
+        Returns the objects in the order given (one object: just it). Models and optimizers are named for
+        checkpoints in the order they are set up ("model", "model_1", ...; "optimizer", "optimizer_1", ...)
+        unless `names` says otherwise; a name is also how `save_state` keys them."""
+        names = list(names) if names is not None else [None] * len(objects)
+        if len(names) != len(objects):
+            raise UserError(f"Runtime.setup: {len(names)} names for {len(objects)} objects.")
+        out = list(objects)
+        for i, obj in enumerate(objects):
+            if isinstance(obj, nn.Module):
+                out[i] = self._setup_model(obj, names[i])
+        for i, obj in enumerate(objects):
+            if isinstance(obj, torch.optim.Optimizer):
+                out[i] = self._setup_optimizer(obj, names[i])
+            elif not isinstance(obj, nn.Module):
+                raise UserError(f"Runtime.setup got a {type(obj).__name__}: it sets up nn.Modules and torch "
+                                "optimizers. Data goes through rt.loader(dataset, batch_size=...), schedulers to "
+                                "rt.step(optimizer, scheduler).")
+        for i, obj in enumerate(objects):  # a strategy with an engine (DeepSpeed's) wrapped model and optimizer
+            if isinstance(obj, nn.Module):
+                out[i] = self.models[self._name_of(out[i])]
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def build_model(self, factory: Callable[[], nn.Module], activation_checkpointing: bool = False,
+                    name: str | None = None) -> nn.Module:
+        """A model built by `factory` and set up, so that no process holds the whole of a sharded one: under FSDP
+        or tensor parallelism it is built on the meta device and materialised shard by shard by its
+        `init_weights()`, with the weights one process would draw from `seed` (trainer/parallel/materialize.py)."""
+        model = self.strategy.build_model(factory, self.seed, activation_checkpointing)
+        return self._register_model(model, name, {})
+
+    def _setup_model(self, model: nn.Module, name: str | None) -> nn.Module:
+        if id(model) in self._set_up:
+            raise UserError(f"Runtime.setup: this {type(model).__name__} is set up already (as "
+                            f"{self._name_of(model)!r}). Set up each model once and keep what setup returned.")
+        if self.strategy.shards_parameters and self.backend.distributed:
+            # Every rank shards its own copy: they must be the same. Rank 0's weights go to all, as DDP does.
+            self.backend.broadcast_tensors_([*model.parameters(), *model.buffers()])
+        originals = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        self.strategy.parallelize(model)
+        wrapped = self.strategy.wrap(model)
+        return self._register_model(wrapped, name, originals, original=model)
+
+    def _register_model(self, wrapped: nn.Module, name: str | None, originals: dict[int, str],
+                        original: nn.Module | None = None) -> nn.Module:
+        name = name or self._free_name("model", self.models)
+        if name in self.models:
+            raise UserError(f"Runtime.setup: a model named {name!r} is set up already; pass names=[...].")
+        self.models[name] = wrapped
+        self._set_up.update({id(wrapped), id(unwrap(wrapped)), *([id(original)] if original is not None else [])})
+        self._originals.update({pid: (name, pname) for pid, pname in originals.items()})
+        return wrapped
+
+    def _setup_optimizer(self, optimizer: torch.optim.Optimizer, name: str | None) -> torch.optim.Optimizer:
+        if any(opt is optimizer for _, opt in self.optimizers.values()):
+            raise UserError("Runtime.setup: this optimizer is set up already. Set up each optimizer once.")
+        if optimizer.state:
+            raise UserError("Runtime.setup: the optimizer has taken steps already. Set it up before its first step "
+                            "(its state would not follow the parameters onto their devices and shards).")
+        live = {id(p): (m, n) for m, model in self.models.items()
+                for n, p in unwrap(model).named_parameters(remove_duplicate=False)}
+        owners, foreign = set(), 0
+        for group in optimizer.param_groups:
+            params = []
+            for p in group["params"]:
+                where = live.get(id(p)) or self._originals.get(id(p))
+                if where is None:
+                    foreign += 1
+                    params.append(p)
+                    continue
+                owners.add(where[0])
+                named = dict(unwrap(self.models[where[0]]).named_parameters(remove_duplicate=False))
+                if where[1] not in named and self.strategy.pipeline is not None:
+                    continue  # a parameter of another pipeline stage: that rank's optimizer steps it
+                params.append(named[where[1]])
+            group["params"] = params
+        if foreign:
+            raise UserError(f"Runtime.setup: the optimizer holds {foreign} parameters of no model set up here. Set up "
+                            "the model first (rt.setup(model, optimizer) does both, models first), and build the "
+                            "optimizer over that model's parameters.")
+        if len(owners) != 1:
+            raise UserError(f"Runtime.setup: one optimizer over the parameters of {len(owners) or 'no'} models "
+                            f"({', '.join(sorted(owners))}): give each model its own optimizer (a GAN's generator "
+                            "and discriminator each have one).")
+        name = name or self._free_name("optimizer", self.optimizers)
+        if name in self.optimizers:
+            raise UserError(f"Runtime.setup: an optimizer named {name!r} is set up already; pass names=[...].")
+        owner = owners.pop()
+        # A strategy whose engine takes model and optimizer together (DeepSpeed) wraps them here.
+        self.models[owner], optimizer = self.strategy.attach_optimizer(self.models[owner], optimizer)
+        self._set_up.add(id(self.models[owner]))
+        self.optimizers[name] = (owner, optimizer)
+        return optimizer
+
+    @staticmethod
+    def _free_name(base: str, taken: dict) -> str:
+        return next(n for n in (base, *(f"{base}_{i}" for i in range(1, len(taken) + 2))) if n not in taken)
+
+    def _name_of(self, model: nn.Module) -> str | None:
+        return next((n for n, m in self.models.items() if m is model), None) or next(
+            (n for n, m in self.models.items() if unwrap(m) is unwrap(model)), None)
+
+    def register(self, name: str, obj: Any) -> Any:
+        """Checkpoint `obj` (anything with state_dict/load_state_dict: a scheduler, a custom counter) under `name`
+        in save_state/load_state."""
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise UserError(f"Runtime.register({name!r}): a {type(obj).__name__} has no state_dict/load_state_dict.")
+        if name in self.stateful or name in ("trainer", "optimizer", "rng"):
+            raise UserError(f"Runtime.register: the name {name!r} is taken.")
+        self.stateful[name] = obj
+        return obj
+
+    # -- data --------------------------------------------------------------------------------------------
+    def loader(self, dataset, batch_size: int, shuffle: bool = True, num_workers: int = 0,
+               name: str | None = None) -> Loader:
+        """This rank's micro-batches of `dataset` (`batch_size` per process and micro-step), on the device: the
+        same global batches on any number of processes. Checkpointed by save_state."""
+        loader = Loader(self, dataset, batch_size, shuffle, num_workers, self.seed)
+        self.stateful[name or self._free_name("loader", self.stateful)] = loader
+        return loader
+
+    def eval_loader(self, dataset, batch_size: int, limit: int | None = None) -> EvalLoader:
+        """This rank's share of an eval set, each sample once (see EvalLoader; rt.gather_for_metrics)."""
+        return EvalLoader(self, dataset, batch_size, limit)
+
+    # -- the step ------------------------------------------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return self.precision.autocast()
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: nn.Module, last: bool | None = None) -> Iterator[None]:
+        """One micro-step: gradients are synced between ranks only in the last of every `grad_accum_steps`
+        (DDP's no_sync, FSDP's set_requires_gradient_sync); `rt.step` steps only then. `last` says whether this
+        micro-step ends the step, where the loop knows (the Trainer does); by default every grad_accum_steps-th."""
+        models = models or tuple(self.models.values())
+        if self._micro > 0:  # not the step's first micro-step: the earlier ones' gradients must still be there
+            self._check_not_zeroed(models)
+        boundary = self._micro + 1 >= self.grad_accum_steps if last is None else last
+        self._micro = 0 if boundary else self._micro + 1
+        self.sync_gradients = boundary
+        with contextlib.ExitStack() as stack:
+            for m in models:
+                stack.enter_context(self.strategy.no_sync(m, enabled=not boundary))
+            self._in_accumulate = True
+            try:
+                yield
+            finally:
+                self._in_accumulate = False
+
+    def _check_not_zeroed(self, models) -> None:
+        """Mid-accumulation, the gradients of the micro-steps before must still be there (zero_grad is rt.step's)."""
+        if self.strategy.shards_data_parallel:
+            return  # FSDP keeps the unsynced gradients to itself until the boundary
+        for m in models:
+            params = [p for p in m.parameters() if p.requires_grad]
+            if params and all(p.grad is None for p in params):
+                raise UserError(f"the gradients of {self._name_of(m)!r} were zeroed in the middle of an accumulation "
+                                f"(before micro-step {self._micro + 1} of {self.grad_accum_steps}): "
+                                "rt.step(optimizer) zeroes them at the step boundary; "
+                                "do not call optimizer.zero_grad() yourself.")
+
+    def backward(self, loss: torch.Tensor, scale: float | torch.Tensor | None = None) -> None:
+        """`loss` x `scale` backward, with fp16's loss scaling. `scale` defaults to 1 / grad_accum_steps (a mean
+        loss per micro-batch becomes the mean over the step's micro-batches, as in Accelerate)."""
+        if self.grad_accum_steps > 1 and not self._in_accumulate and self.backend.distributed \
+                and self.strategy.distributed:
+            raise UserError(f"rt.backward outside rt.accumulate(model) with grad_accum_steps={self.grad_accum_steps}: "
+                            "every backward would sync gradients between ranks, and rt.step could not tell the step "
+                            "boundary. Put the forward and backward of each micro-batch in `with "
+                            "rt.accumulate(model):`.")
+        if self.strategy.pipeline is not None:  # the model's forward there hands activations on, outside autograd
+            raise UserError("rt.backward under pipeline parallelism (world.pp): each stage's backward must run in the "
+                            "pipeline's schedule, microbatch by microbatch. Use `loss, sums = rt.forward_backward(model, "
+                            "batch, loss_fn)` (loss_fn(model, batch) -> loss) for each micro-batch instead of calling "
+                            "the model and rt.backward.")
+        if scale is None:
+            scale = 1.0 / self.grad_accum_steps
+        self.strategy.backward(loss * scale if not (isinstance(scale, float) and scale == 1.0) else loss)
+        if self.sync_gradients:
+            self._pending_reduce.update(self.models)
+
+    def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any],
+                         scale: float | torch.Tensor | None = None,
+                         mean: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One micro-batch's forward and backward: `loss_fn(model, batch)` (a loss, or a dict of "loss" and other
+        additive sums) under autocast, then `backward(loss, scale)`. Returns (loss, sums), as computed.
+
+        Under pipeline parallelism (world.pp) the strategy's schedule runs both, microbatch by microbatch, on every
+        stage, `loss_fn` seeing each microbatch's rows of `batch`, and every rank gets the last stage's loss and
+        sums. `mean=True` (a loop of your own: the loss is the micro-batch's mean, as in Accelerate): the
+        microbatches' losses are averaged. `mean=False`: the loss is additive over rows (the Trainer's: a sum
+        divided by the global target count) and the microbatches' losses are summed."""
+        if self.strategy.pipeline is None:
+            from trainer.task import split_loss
+
+            with self.autocast():
+                loss, sums = split_loss(loss_fn(model, batch))
+            self.backward(loss, scale)
+            return loss, sums
+        scale = 1.0 / self.grad_accum_steps if scale is None else scale
+        loss, sums = self.strategy.pipeline.forward_backward(batch, loss_fn, scale, self.autocast, mean=mean)
+        if self.sync_gradients:
+            self._pending_reduce.update(self.models)
+        return loss, sums
+
+    def _params(self, target) -> list[torch.Tensor]:
+        if isinstance(target, nn.Module):
+            return [p for p in target.parameters() if p.requires_grad]
+        return [p for p in target if p.requires_grad]
+
+    def _synced(self, model_names) -> None:
+        """Average the gradients the strategy did not (tensor parallelism under DDP: DDP cannot hold DTensors)."""
+        for name in sorted(set(model_names) & self._pending_reduce):
+            self.strategy.reduce_gradients(self._params(self.models[name]))
+            self._pending_reduce.discard(name)
+
+    def _owners(self, params: list[torch.Tensor]) -> tuple[set[str], list[torch.optim.Optimizer]]:
+        ids = {id(p) for p in params}
+        models = {m for m, model in self.models.items() if any(id(p) in ids for p in model.parameters())}
+        opts = [opt for _, (m, opt) in self.optimizers.items() if m in models]
+        return models, opts
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """fp16: divide `optimizer`'s gradients by the loss scale (once per step; clip_grad_norm_ does it)."""
+        model = next((m for m, o in self.optimizers.values() if o is optimizer), None)
+        if model is not None:
+            self._synced([model])
+        self.strategy.unscale_(optimizer)
+
+    def clip_grad_norm_(self, target, max_norm: float | None) -> torch.Tensor:
+        """Clip the true (unscaled, synced) gradients of a model or parameters to `max_norm` over every rank and
+        mesh; None only measures. Returns the total norm before clipping, on the device."""
+        params = self._params(target)
+        name = self._name_of(target) if isinstance(target, nn.Module) else None
+        if name is not None:  # a set-up model: its owner is known without looking at every parameter
+            models, opts = {name}, [opt for m, opt in self.optimizers.values() if m == name]
+        else:
+            models, opts = self._owners(params)
+        self._synced(models)
+        for opt in opts:
+            self.unscale_(opt)
+        return self.strategy.clip_grad_norm_(params, max_norm)
+
+    def step(self, optimizer: torch.optim.Optimizer, scheduler=None, *, zero_grad: bool = True) -> bool:
+        """At a step boundary: the optimizer's step (fp16: unless the loss scaler skips it), then the scheduler's
+        (only after a real update), then zero the gradients. Mid-accumulation: nothing. Returns whether the
+        update was applied."""
+        if not self.sync_gradients:
+            return False
+        owner = next((m for m, o in self.optimizers.values() if o is optimizer), None)
+        if owner is None:
+            raise UserError("rt.step got an optimizer that was not set up: pass it to rt.setup(model, optimizer).")
+        self._synced([owner])
+        applied = self.strategy.optimizer_step(optimizer)
+        if applied and scheduler is not None:
+            scheduler.step()
+        if zero_grad:
+            optimizer.zero_grad(set_to_none=True)
+        return applied
+
+    def no_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        return self.strategy.no_sync(model, enabled)
+
+    # -- ranks ---------------------------------------------------------------------------------------------
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The plain module under DDP and torch.compile (under FSDP: the module, its parameters still shards)."""
+        return unwrap(model)
+
+    def reduce(self, value, op: str = "mean"):
+        """The sum, mean, max or min of a tensor or number over all ranks."""
+        if op not in ("sum", "mean", "max", "min"):
+            raise UserError(f"rt.reduce(op={op!r}): expected sum, mean, max or min.")
+        out = self.backend.all_reduce(value, op="sum" if op == "mean" else op)
+        return out / self.world_size if op == "mean" else out
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` (same shape on all), concatenated along dim 0 in rank order, on every rank."""
+        return self.backend.all_gather_cat(tensor)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self.backend.broadcast_object(obj, src)
+
+    def gather_for_metrics(self, outputs: torch.Tensor, loader: EvalLoader) -> torch.Tensor:
+        """The per-sample `outputs` of every rank (rows in the order `loader` yielded this rank's samples), as one
+        tensor in dataset order, every sample exactly once: the repeats a rank ran to keep collective forwards in
+        step are dropped, nothing is padded. On every rank."""
+        if not isinstance(outputs, torch.Tensor):
+            raise UserError("rt.gather_for_metrics: expected one tensor of per-sample rows (torch.cat the batches).")
+        if outputs.shape[0] < len(loader.indices):
+            raise UserError(f"rt.gather_for_metrics: {outputs.shape[0]} rows for the {len(loader.indices)} samples "
+                            "this rank's loader yielded: give one row per sample, for every batch.")
+        return self.backend.gather_samples(loader.indices, outputs[: len(loader.indices)])
+
+    # -- checkpoints and exports ----------------------------------------------------------------------------
+    def _manager(self, directory: Path, keep_last: int):
+        from trainer.checkpoint.manager import CheckpointManager, Parts
+        from trainer.checkpoint.store import Checkpointer
+        from trainer.models.finetune import frozen_keys
+
+        if self._checkpointer is None or self._checkpointer.dir != directory:
+            self._checkpointer = Checkpointer(directory, keep_last=keep_last, backend=self.backend,
+                                              sharded=self.strategy.sharded)
+        self._checkpointer.keep_last = keep_last
+        parts = Parts(self.strategy, self.models, self.optimizers,
+                      {name: frozen_keys(m) for name, m in self.models.items()})
+        return CheckpointManager(self._checkpointer, parts, self.position, self.stateful)
+
+    def save_state(self, directory: str | os.PathLike, step: int, keep_last: int | None = None) -> Path:
+        """Checkpoint every model, optimizer, loader and registered object, and each rank's RNG, as
+        `directory/step_<step>` (atomic, pickle-free; the `keep_last` newest are kept: default checkpoint.keep_last
+        under launch, else 2). Every rank must call it."""
+        self._all_ranks_here("save_state")
+        self.position.step = step
+        path = self._manager(Path(directory), keep_last or self.keep_last).save(step, None, wait=True)
+        return path
+
+    def load_state(self, path: str | os.PathLike) -> int | None:
+        """Load a checkpoint of save_state (a `step_*` dir, or the newest complete one under `path`): under any
+        strategy and world size. Returns its step, or None when `path` holds no checkpoint yet. Every rank."""
+        from trainer.checkpoint.store import MANIFEST, Checkpointer
+
+        self._all_ranks_here("load_state")
+        path = Path(path)
+        if not (path / MANIFEST).exists():
+            found = Checkpointer(path).complete() if path.is_dir() else []
+            if not found:
+                return None
+            path = found[-1]
+        self._manager(path.parent, 2).load(path)
+        return self.position.step
+
+    def _all_ranks_here(self, what: str) -> None:
+        """Every rank must call `what`: a rank that calls it alone would wait in its collectives forever (the
+        usual mistake: under `if rt.is_main_process`). A barrier that names the ranks that never came."""
+        if self.backend.distributed:
+            timeout = float(os.environ.get("TRAINER_COLLECTIVE_TIMEOUT", 120))
+            missing = self.backend.monitored_barrier(timeout, group=self._monitor)
+            if missing is not None:
+                raise UserError(f"rt.{what} was called on rank {self.rank} but not on every rank within {timeout:g} s "
+                                f"({missing}): "
+                                f"every rank must call it (do not put rt.{what} under `if rt.is_main_process`; it "
+                                "writes from the main rank, or from every rank holding a shard, by itself).")
+
+    def save_model(self, model: nn.Module, directory: str | os.PathLike, max_shard_size: str | int = "1GB",
+                   name: str = "model") -> list[str] | None:
+        """The whole model as safetensors in `directory` (`<name>.safetensors`, or shards with the Hugging Face
+        index above `max_shard_size`), written by the main rank. Every rank must call it (shards are gathered)."""
+        from trainer.models.export import export_model
+
+        self._all_ranks_here("save_model")
+        tensors = self.strategy.full_state_dict(self.strategy.model_state_dict(model))
+        if not self.backend.is_main:
+            return None
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        return export_model(tensors, directory, name, {}, _megabytes(max_shard_size))
+
+    # -- logging -------------------------------------------------------------------------------------------
+    def _loggers(self, launched, log_with):
+        """metrics.jsonl in run_dir, and the trackers `log_with` names ("wandb", "tensorboard"), or under `launch`
+        those of the job's logger=...; on the main process only. Without a run_dir, none."""
+        from trainer.tracking.loggers import JsonlLogger, LoggerGroup, NullLogger
+
+        names = [log_with] if isinstance(log_with, str) else list(log_with or [])
+        if self.run_dir is None:
+            if names:
+                raise UserError(f"Runtime(log_with={log_with!r}) needs run_dir=...: where the trackers write.")
+            return NullLogger()
+        if not self.backend.is_main:
+            return NullLogger()
+        if launched is not None and not names:
+            from trainer.config.instantiate import build_loggers
+
+            return build_loggers(launched.get("logger"), self.run_dir, True)
+        trackers = {"wandb": ("wandb_logger", "WandbLogger"), "tensorboard": ("tensorboard_logger", "TensorBoardLogger")}
+        unknown = [n for n in names if n not in trackers]
+        if unknown:
+            raise UserError(f"Runtime(log_with={unknown[0]!r}) is invalid: expected {' or '.join(trackers)}.")
+        from importlib import import_module
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        built = [getattr(import_module(f"trainer.tracking.{trackers[n][0]}"), trackers[n][1])(run_dir=self.run_dir)
+                 for n in names]
+        return LoggerGroup([JsonlLogger(self.run_dir), *built])
+
+    def init_trackers(self, config: dict[str, Any] | None = None) -> None:
+        """Record the run's config with the trackers (main process only)."""
+        if self.backend.is_main and config:
+            self.loggers.log_config(config)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Metrics to the trackers, from the main process (the others' calls do nothing)."""
+        if self.backend.is_main:
+            self.loggers.log_metrics({k: float(v) for k, v in metrics.items()}, step)
+
+    def end(self) -> None:
+        """Finish the trackers and leave the process group (every rank, at the end of the script)."""
+        if self.backend.is_main:
+            self.loggers.finish({})
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+        self.backend.teardown(wait_for_peers=True)
+
+
+def _megabytes(size: str | int) -> float:
+    if isinstance(size, int):
+        return size / 2**20
+    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
+    text = str(size).strip().upper()
+    for unit, factor in units.items():
+        if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return float(text[: -len(unit)]) * factor / 2**20
+    raise UserError(f"max_shard_size={size!r} is invalid: expected bytes (an int) or a size like '500MB' or '1GB'.")
+
+
+LAUNCH_ENV = "TRAINER_CONFIG"  # set by `python -m trainer launch` for its workers (trainer/entry/worker.py: CONFIG_ENV)
+
+
+def launched_config():
+    """The job's config when this process runs under `python -m trainer launch`, else None."""
+    import json
+
+    text = os.environ.get(LAUNCH_ENV)
+    if not text:
+        return None
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create(json.loads(text))

@@ -1,0 +1,442 @@
+"""The training loop. Components arrive built; the Trainer orders their calls and owns the run state."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from trainer import noise
+from trainer.checkpoint import store as ckpt
+from trainer.checkpoint.manager import CheckpointManager, Parts
+from trainer.config.schema import TrainerConfig
+from trainer.data.sampling import Data, GlobalBatchSampler, eval_batches
+from trainer.data.streaming import StreamLayout
+from trainer.errors import CheckpointError, NonFiniteError, Preempted
+from trainer.loop import watchdog
+from trainer.loop.callbacks import Callbacks
+from trainer.loop.custom_step import Schedules, TrainingStep
+from trainer.loop.ema import EMA
+from trainer.loop.metrics import Cost, Throughput
+from trainer.loop.nonfinite import FIX, NonFiniteGuard
+from trainer.loop.preemption import PreemptionFlag
+from trainer.loop.runtime import Runtime
+from trainer.models.finetune import frozen_keys
+from trainer.parallel import unwrap
+from trainer.redaction import redact_text
+from trainer.task import EvalSums, Task, split_loss
+from trainer.tracking.images import is_image
+from trainer.tracking.loggers import NullLogger
+from trainer.tracking.progress import NullProgress, Progress
+
+EVAL_STREAM = 1 << 48  # val sample i draws its noise (trainer.noise) as sample EVAL_STREAM + i of the stream
+
+
+class Trainer:
+    """Owns the loop: data order, the optimizer step, eval, logging and checkpoint cadence, run state.
+
+    Checkpoints are the CheckpointManager's (`self.checkpoints`, trainer/checkpoint/manager.py), handed the
+    Trainer's own run state (`state_dict`, `check_state`) and each stateful component (scheduler, precision,
+    non-finite guard, loggers, EMA, and whatever the recipe adds through `components`); the loop only says when.
+    """
+
+    def __init__(self, *, runtime: Runtime, model: nn.Module, task: Task,
+                 optimizer: torch.optim.Optimizer | dict[str, torch.optim.Optimizer],
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | dict[str, Any], data: Data,
+                 config: TrainerConfig, loggers: NullLogger | None = None, checkpointer=None,
+                 ema: EMA | None = None, guard: NonFiniteGuard | None = None, cost: Cost | None = None,
+                 components: dict[str, Any] | None = None, preemption: PreemptionFlag | None = None,
+                 callbacks: Callbacks | None = None):
+        # The runtime (trainer/loop/runtime.py) holds the process, the strategy and the precision, and takes the step's
+        # calls (accumulate, backward, clip, step): the same ones a hand-written loop makes.
+        self.rt, self.model, self.task = runtime, model, task
+        self.precision, self.strategy, self.backend, self.cfg = runtime.precision, runtime.strategy, runtime.backend, config
+        precision, strategy = self.precision, self.strategy
+        # One optimizer, or one per model part (a task's own training_step; trainer/loop/custom_step.py), by name.
+        self.optimizers = optimizer if isinstance(optimizer, dict) else {"optimizer": optimizer}
+        self.schedulers = scheduler if isinstance(scheduler, dict) else {"optimizer": scheduler}
+        self.optimizer = next(iter(self.optimizers.values()))
+        self.scheduler = scheduler if not isinstance(scheduler, dict) else Schedules(scheduler)
+        self.data = data
+        self.loggers = loggers or NullLogger()
+        self.checkpointer = checkpointer or ckpt.NullCheckpointer()
+        self.ema, self.cost = ema, cost
+        self.raw_model = unwrap(model)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.guard = guard or NonFiniteGuard.build(config, precision, self.optimizer, self.backend)
+        self.preemption = preemption or PreemptionFlag()
+        self.callbacks = callbacks or Callbacks()
+        self.components = {"scheduler": self.scheduler, "precision": precision, "nonfinite": self.guard,
+                           "loggers": self.loggers, "checkpointer": self.checkpointer, "callbacks": self.callbacks,
+                           **({"ema": ema} if ema is not None else {}), **(components or {})}
+        parts = Parts(strategy, {"model": model}, {name: ("model", opt) for name, opt in self.optimizers.items()},
+                      {"model": frozen_keys(model)})
+        self.checkpoints = CheckpointManager(self.checkpointer, parts, self, self.components)
+        # Run state (in checkpoints).
+        self.step = 0  # optimizer steps done (skipped fp16/nonfinite steps included)
+        self.samples_seen = 0  # position in the global sample stream
+        self.skipped_steps = 0
+        self.stop_reason: str | None = None  # set by request_stop (early stopping): the run ends at this step
+        self.saved_step: int | None = None  # the step of the last save_checkpoint (in flight or complete)
+
+    def request_stop(self, reason: str) -> None:
+        """End the run after the current step, as if it were the last (a callback's way to stop training)."""
+        self.stop_reason = reason
+
+    @property
+    def finished(self) -> bool:
+        return self.step >= self.cfg.max_steps or self.stop_reason is not None
+
+    @property
+    def global_batch(self) -> int:
+        return self.data.batch_size * self.cfg.grad_accum_steps * self.strategy.dp_size
+
+    def sampler(self) -> GlobalBatchSampler | StreamLayout:
+        """This rank's place in the training stream at the run's position (a stream's: trainer/data/streaming.py)."""
+        return self.data.sampler(self.cfg.grad_accum_steps, self.strategy.dp_rank, self.strategy.dp_size,
+                                 self.cfg.seed, start=self.samples_seen)
+
+    # -- the optimizer step --------------------------------------------------------------------
+    def sync_counts(self, batches: list[Any]) -> tuple[Any, bool]:
+        """Targets in the global batch, and whether any rank was asked to stop.
+
+        Both are reduced in host memory (gloo), which never waits for the GPU; only a task that counts
+        its targets on the device (a tensor) gets a second, asynchronous reduction there. Ranks that
+        share a batch (tensor-parallel peers) count it once."""
+        n_local = sum(self.task.num_targets(b) for b in batches)
+        be = self.backend
+        if not be.distributed:
+            return n_local, self.preemption.requested
+        replicas = be.world_size // self.strategy.dp_size
+        on_device = isinstance(n_local, torch.Tensor)
+        host = be.all_reduce(torch.tensor([0.0 if on_device else float(n_local), float(self.preemption.requested)],
+                                          dtype=torch.float64), on_host=True).tolist()
+        if on_device:
+            return be.all_reduce(n_local.to(torch.float64)).float() / replicas, host[1] > 0
+        return host[0] / replicas, host[1] > 0
+
+    def train_step(self, batches: list[Any], n_global) -> dict[str, Any]:
+        """One optimizer step over this rank's micro-batches. Returns device tensors (no host sync)."""
+        if hasattr(self.task, "training_step"):
+            return self._task_step(batches, n_global)
+        rt, model, opt = self.rt, self.model, self.optimizer
+        # Token-weighted normalisation: each micro-batch's summed loss is divided by the number of
+        # targets in the whole global batch (all micro-steps, all ranks). So k micro-batches of b
+        # equal one batch of k*b even when batches differ in length. Data-parallel ranks average their
+        # gradients, hence the factor dp_size.
+        scale = self.strategy.dp_size / n_global
+        b, dp = self.data.batch_size, self.strategy.dp_size
+        loss_sum, sums = None, {}
+        for i, batch in enumerate(batches):
+            # Where this micro-batch sits in the global sample stream: a task's per-sample noise
+            # (trainer.noise) depends on it alone, not on how the global batch is split.
+            first = self.samples_seen + (i * dp + self.strategy.dp_rank) * b
+            # Gradients are synced only in the last micro-step's backward; earlier ones accumulate.
+            with rt.accumulate(model, last=i == len(batches) - 1), \
+                    noise.for_samples(torch.arange(first, first + b), self.cfg.seed):
+                loss, extra = rt.forward_backward(model, batch, self.task.loss, scale=scale, mean=False)
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            for name, value in extra.items():  # additive sums (accuracy counts, ...): summed like the loss
+                sums[name] = sums.get(name, 0) + torch.as_tensor(value).detach().double()
+        # The true gradients (averaged where the wrapper did not, fp16's unscaled), clipped over every mesh.
+        grad_norm = rt.clip_grad_norm_(model, self.cfg.grad_clip)
+        # The update, unless the norm is NaN/inf (trainer.nonfinite; see trainer/loop/nonfinite.py).
+        applied = False
+        if self.guard.allows(grad_norm, self.step + 1, loss_sum):
+            with self.guard.skip_on_device(opt):
+                applied = rt.step(opt, zero_grad=False)  # False when fp16's loss scaler skipped an overflowed step
+        self.guard.record(applied, self.step + 1)
+        opt.zero_grad(set_to_none=True)
+        if applied:
+            # Only real updates advance the schedule and the EMA; a skipped step does not.
+            self.scheduler.step()
+            if self.ema is not None:
+                self.ema.update(self.step + 1)
+        else:
+            self.skipped_steps += 1
+        return {"loss_sum": loss_sum, "grad_norm": grad_norm, "sums": sums}
+
+    def _task_step(self, batches: list[Any], n_global) -> dict[str, Any]:
+        """The task's own step (trainer/loop/custom_step.py): it steps its optimizers; the rest is the Trainer's."""
+        step = TrainingStep(self, batches, n_global)
+        loss, sums = split_loss(self.task.training_step(step))
+        applied = bool(step.applied) and all(step.applied.values())
+        self.guard.record(applied, self.step + 1)
+        self.model.zero_grad(set_to_none=True)  # what one part's loss left on another's parameters
+        if applied:
+            if self.ema is not None:
+                self.ema.update(self.step + 1)
+        else:
+            self.skipped_steps += 1
+        return {"loss_sum": loss.detach(), "grad_norm": step.grad_norm(),
+                "sums": {k: torch.as_tensor(v).detach().double() for k, v in sums.items()}}
+
+    # -- eval ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, prefix: str = "val") -> dict[str, float]:
+        if self.data.val is None:
+            return {}
+        st, be = self.strategy, self.backend
+        # Under FSDP or tensor parallelism a forward is a collective: every rank runs as many batches.
+        batches = eval_batches(self.data.val, self.cfg.eval_batch_size or self.data.batch_size, st.dp_rank, st.dp_size,
+                               self.cfg.eval_samples, be.device, lockstep=st.collective_forward)
+        self.model.eval()
+        acc = EvalSums(self.task, be.device)
+        for batch, counted, indices in batches:
+            batch = be.to_device(batch)
+            # The raw module: DDP's forward would expect a backward to follow. Noise by val sample: the same
+            # at every eval and on any number of ranks.
+            with self.precision.autocast(), noise.for_samples(EVAL_STREAM + torch.tensor(indices), self.cfg.seed):
+                outputs = acc.forward(self.raw_model, batch)
+            if counted:  # (a rank's repeated lockstep batches under FSDP are run, not counted)
+                acc.add(batch, indices, outputs)
+            watchdog.beat()
+        self.model.train()
+        # Every rank reduces the same names (a rank without val samples has none of its own).
+        names = sorted(set().union(*be.gather_object(sorted(acc.sums)))) if be.distributed else sorted(acc.sums)
+        values = torch.stack([acc.totals[0], acc.totals[1], *(torch.as_tensor(acc.sums.get(n, 0.0),
+                                                                               dtype=torch.float64, device=be.device)
+                                                               for n in names)])
+        loss_sum, count, *reduced = be.all_reduce(values, group=st.dp_group).tolist()
+        if count == 0:
+            return {}
+        if not math.isfinite(loss_sum / count) and self.cfg.nonfinite == "stop":
+            raise NonFiniteError(f"{prefix}/loss is {loss_sum / count} at step {self.step}: the model's outputs are no "
+                                 f"longer finite. {FIX} Earlier checkpoints are intact.")
+        scored = self._whole_set_metrics(acc.rows, acc.owned) if acc.predicts else None
+        return acc.metrics(loss_sum, count, dict(zip(names, reduced)), scored, prefix)
+
+    def _whole_set_metrics(self, rows: dict[str, list[torch.Tensor]], owned: list[int]) -> dict[str, float]:
+        """`task.score(outputs)` over every val sample's `task.predict` rows, gathered from all ranks in sample order,
+        each sample once (a rank's repeated lockstep batches are not among its rows). Computed on the main rank;
+        every rank gets its result (early stopping and the best checkpoint read it)."""
+        outputs = {name: self.backend.gather_samples(owned, torch.cat(parts)) for name, parts in sorted(rows.items())}
+        scored = {k: float(v) for k, v in self.task.score(outputs).items()} if self.backend.is_main else None
+        return self.backend.broadcast_object(scored)
+
+    @torch.no_grad()
+    def sample(self) -> dict[str, Any]:
+        """The task's samples, from the EMA weights when EMA is on: a dict of named artefacts (text, images
+        as tensors, numbers as metrics; a plain string is {"sample": text}). Computed on the main rank (on
+        every rank when a forward is a collective); {} on the others."""
+        if not hasattr(self.task, "sample") or not (self.backend.is_main or self.strategy.collective_forward):
+            return {}
+        self.model.eval()
+        with self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext(), self.precision.autocast():
+            out = self.task.sample(self.raw_model, self.backend.device)
+        self.model.train()
+        if not self.backend.is_main or not out:
+            return {}
+        return dict(out) if isinstance(out, dict) else {"sample": out}
+
+    def _eval_and_log(self, progress: Progress) -> dict[str, float]:
+        self.guard.read(self.step)  # a run that hit a non-finite step stops before evaluating it
+        metrics = self.evaluate()
+        if self.ema is not None:
+            with self.ema.swapped_in():
+                metrics.update(self.evaluate(prefix="val_ema"))
+        prefix = "val_ema" if self.ema is not None else "val"
+        for name, value in self.sample().items():
+            key = f"{prefix if isinstance(value, (int, float)) else 'val'}/{name}"
+            if isinstance(value, str):
+                self.loggers.log_text(key, value, self.step)
+                progress.write(f"--- {name} at step {self.step} ---\n{printable(redact_text(value))}\n---")
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                metrics[key] = float(value)
+            elif is_image(value):
+                self.loggers.log_image(key, value, self.step)
+            else:
+                raise TypeError(f"task.sample() returned {type(value).__name__} for '{name}': expected a string, "
+                                "an image tensor or a number.")
+        if metrics:
+            self.loggers.log_metrics(metrics, self.step)
+            progress.write(f"step {self.step}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+            self.callbacks.on_eval_end(self, metrics)
+        return metrics
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _log_due(self) -> bool:
+        return self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps
+
+    def _eval_due(self) -> bool:
+        return self.cfg.eval_every > 0 and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.max_steps
+
+    def _train_metrics(self, out: dict[str, Any], n_global, meter: Throughput) -> dict[str, float]:
+        """The log step's metrics: the loop's host syncs happen here, every log_every steps."""
+        self.guard.read(self.step)
+        rates = meter.window(self.global_batch)
+        names = sorted(out["sums"])
+        sums = torch.stack([out["loss_sum"].double(), *(out["sums"][n].to(out["loss_sum"].device) for n in names)])
+        loss, *others = (self.backend.all_reduce(sums, group=self.strategy.dp_group) / n_global).tolist()
+        unit = self.target_unit
+        return {
+            "train/loss": loss,
+            **{f"train/{n}": v for n, v in zip(names, others)},
+            "train/lr": self.scheduler.get_last_lr()[0],
+            "train/grad_norm": float(out["grad_norm"]),
+            **({} if unit == "samples" else {f"train/{unit}_per_s": rates["targets_per_s"]}),
+            "train/samples_per_s": rates["samples_per_s"],
+            "train/step_time_ms": rates["step_time_ms"],
+            "train/skipped_steps": self.skipped_steps,
+            **(self.cost.metrics(rates["targets_per_s"]) if self.cost else {}),
+        }
+
+    @property
+    def target_unit(self) -> str:
+        """What the task's num_targets counts ("tokens", "samples", ...; trainer/task.py)."""
+        return getattr(self.task, "target_unit", "targets")
+
+    def _preempted(self, first_step: int) -> None:
+        """Every rank agreed at this step boundary: save (unless no step was taken), then stop with exit code 75."""
+        if self.step == first_step:
+            raise Preempted(f"stopped by {self._cause()} before the first step of this attempt (step {self.step}); "
+                            "nothing new to save. Rerun the same command with resume=auto to continue.")
+        if self.saved_step == self.step:  # the periodic save of this very step is in flight: finish it
+            self.checkpoints.finish_pending()
+            path = self.checkpointer.dir / f"step_{self.step:08d}"
+        else:
+            path = self.save_checkpoint(wait=True)
+        raise Preempted(f"preempted by {self._cause()} at step {self.step}; checkpoint saved to {path}. "
+                        "Rerun the same command with resume=auto to continue.")
+
+    def stop_if_preempted(self, when: str) -> None:
+        """A stop signal that came after the loop (the end's checkpoint is complete): still exit 75."""
+        if self.preemption.requested:
+            raise Preempted(f"preempted by {self._cause()} {when}; the run's final checkpoint (step {self.step}) is "
+                            "complete. Rerun the same command with resume=auto to finish.")
+
+    def _cause(self) -> str:
+        signum = self.preemption.signum
+        return signal.Signals(signum).name if signum else "a signal to another rank"
+
+    def fit(self) -> dict[str, float]:
+        cfg, be = self.cfg, self.backend
+        progress = Progress(cfg.max_steps, self.step, cfg.progress, self.target_unit) if be.is_main else NullProgress()
+        batches_iter = iter(self.data.loader(self.sampler(), be.device, cfg.seed))
+        installed_here = not self.preemption.installed
+        self.preemption.install()
+        self.model.train()
+        meter, metrics, first_step = Throughput(), {}, self.step
+        if self.cfg.compile and be.is_main:
+            progress.write(f"compiling the model (trainer.compile_backend={self.cfg.compile_backend}): the first "
+                           "steps take longer.")
+        try:
+            evaluated_at, final = None, {}
+            while not self.finished:
+                batches = [be.to_device(next(batches_iter)) for _ in range(cfg.grad_accum_steps)]
+                n_global, stop = self.sync_counts(batches)
+                if stop:
+                    self._preempted(first_step)
+                out = self.train_step(batches, n_global)
+                watchdog.beat()  # progress, for the hang watchdog (world.hang_timeout)
+                self.step += 1
+                self.samples_seen += self.global_batch
+                meter.add(n_global)
+                logged = self._log_due()
+                if logged:
+                    metrics = self._train_metrics(out, n_global, meter)
+                    self.loggers.log_metrics(metrics, self.step)
+                progress.update(self.step, metrics if logged else None)
+                self.callbacks.on_step_end(self)
+                evaluated = self._eval_and_log(progress) if self._eval_due() else None
+                if evaluated is not None:
+                    evaluated_at, final = self.step, evaluated
+                saving = self.checkpointer.due(self.step) and not self.finished
+                if saving:
+                    self.save_checkpoint(evaluated)
+                if evaluated is not None or saving:
+                    meter.restart()  # eval and saving are not training throughput
+
+            if self.stop_reason and be.is_main:
+                progress.write(f"stopping at step {self.step}: {self.stop_reason}")
+            if evaluated_at != self.step:  # (a stop requested at an eval: that eval is the final one)
+                final = self._eval_and_log(progress)
+            self.callbacks.on_fit_end(self, final)
+            if self.checkpointer.save_final:
+                self.save_checkpoint(final, wait=True)
+            self.checkpointer.close()  # surfaces a failed background save
+        except BaseException:
+            try:  # finish a save in flight, but keep the original error
+                self.checkpointer.close()
+            except Exception:  # noqa: BLE001
+                pass
+            raise
+        finally:
+            if installed_here:
+                self.preemption.uninstall()
+            progress.close()
+        summary = self._summary(self.step - first_step, meter)
+        if summary and be.is_main:
+            print("summary: " + " ".join(f"{k.split('/')[1]}={v:.4g}" for k, v in summary.items()), flush=True)
+        return {**metrics, **final, **summary}
+
+    def _summary(self, steps: int, meter: Throughput) -> dict[str, float]:
+        """Whole-run throughput and cost (training time only: eval and checkpoints excluded)."""
+        if steps == 0 or meter.run_seconds == 0:
+            return {}
+        rate = meter.run_targets / meter.run_seconds
+        out = {"summary/steps": steps, "summary/train_time_s": meter.run_seconds,
+               f"summary/{self.target_unit}_per_s": rate}
+        if self.cost:
+            out.update({k.replace("train/", "summary/"): v for k, v in self.cost.metrics(rate).items()})
+        return out
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The run state: where the loop is, and what the data order depends on."""
+        return {"step": self.step, "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
+                "global_batch": self.global_batch, "world_size": self.backend.world_size,
+                "data_fingerprint": self.data.fingerprint(self.sampler()), "stop_reason": self.stop_reason,
+                **self.data.position_state(self.sampler(), self.backend.gather_object)}  # a stream's readers
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
+        self.step, self.samples_seen, self.skipped_steps = state["step"], state["samples_seen"], state["skipped_steps"]
+        self.stop_reason = state.get("stop_reason")
+        note = self.data.load_position(state)  # a stream's readers continue where they stopped
+        if note and self.backend.is_main:
+            print(note, flush=True)
+
+    def check_state(self, state: dict[str, Any], where: str = "the checkpoint") -> None:
+        """Counts that are counts, and the same sample stream from the checkpoint's position on. The stream is
+        the same whatever the global batch (data.batch_size x accumulation x data-parallel ranks): a resume with
+        another global batch continues it at the same sample, with batches of the new size."""
+        for key in ("step", "samples_seen", "skipped_steps", "global_batch"):
+            value = state.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**62:
+                raise CheckpointError(f"{where}: trainer.{key}={value!r} is not a count.")
+        if state["global_batch"] < 1:
+            raise CheckpointError(f"{where}: trainer.global_batch={state['global_batch']!r} is not a batch size.")
+        self.data.check_position(state, self.sampler(), where)  # the same data, continued where it stopped
+
+    def resize_notes(self, state: dict[str, Any]) -> list[str]:
+        """What a resume from run state `state` changes about the batches (the sample stream stays)."""
+        if state["global_batch"] == self.global_batch:
+            return []
+        return [f"resume: the global batch changes from {state['global_batch']} to {self.global_batch} samples "
+                f"(data.batch_size x trainer.grad_accum_steps x data-parallel ranks); the sample stream continues at "
+                f"sample {state['samples_seen']}, with batches of the new size."]
+
+    def save_checkpoint(self, metrics: dict[str, float] | None = None, wait: bool = False) -> Path | None:
+        """Save (in the background with checkpoint.async_save); `wait` before exiting the process."""
+        self.guard.read(self.step)  # never save the state after a non-finite step
+        path = self.checkpoints.save(self.step, metrics, wait)
+        self.saved_step = self.step
+        watchdog.beat()
+        self.callbacks.on_save(self, path)
+        return path
+
+    def load_checkpoint(self, path: Path, resume: bool = True) -> list[str]:
+        """Load a checkpoint (see CheckpointManager.load); returns what a user should know about the load."""
+        return self.checkpoints.load(path, resume)
+
+
+def printable(text: str) -> str:
+    """`text` with control characters (a generated sample may hold any byte) shown as escapes, not sent to
+    the terminal."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)

@@ -1,0 +1,101 @@
+"""The weights a finished run leaves in its run dir, in the layout Hugging Face tools read.
+
+`model.safetensors` (keys = the plain model's state_dict), or above `checkpoint.max_shard_mb` the shards
+`model-00001-of-0000N.safetensors` plus `model.safetensors.index.json`; `model_config.json` beside them
+(`hydra.utils.instantiate(json.load(...))` rebuilds the model); `task_state.safetensors` when the task
+is stateful (a data normaliser: what sampling from the weights needs besides them). A model with LoRA adapters
+(trainer/models/lora.py) is exported merged (W + scale B A, keyed as the plain model: what `trainer.load` and
+`from_pretrained` read), with the adapter alone beside it in peft's layout (`adapter_model.safetensors`,
+`adapter_config.json`). Every file is written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from trainer.io import atomic_save_safetensors, atomic_write_json
+
+
+def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, model_config: dict,
+                 max_shard_mb: float) -> list[str]:
+    """Write `tensors` (whole, on the CPU) as `<name>.safetensors` or as shards with an index. Returns the names
+    of the files written."""
+    from trainer.models.lora import adapters_in, merge
+
+    adapter_files = []
+    if adapters_in(tensors):
+        tensors, adapter, adapter_config = merge(tensors)
+        if name == "model":
+            atomic_save_safetensors(run_dir / "adapter_model.safetensors", adapter, metadata={"format": "pt"})
+            atomic_write_json(run_dir / "adapter_config.json", adapter_config)
+            adapter_files = ["adapter_model.safetensors", "adapter_config.json"]
+    limit = int(max_shard_mb * 2**20)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in tensors.items():
+        nbytes = v.numel() * v.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += nbytes
+    for old in run_dir.glob(f"{name}-*-of-*.safetensors"):  # from an earlier export of this run
+        old.unlink()
+    if len(shards) == 1:
+        atomic_save_safetensors(run_dir / f"{name}.safetensors", tensors, metadata={"format": "pt"})
+        written = [f"{name}.safetensors"]
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            fname = f"{name}-{i:05d}-of-{len(shards):05d}.safetensors"
+            atomic_save_safetensors(run_dir / fname, shard, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, fname))
+        total = sum(v.numel() * v.element_size() for v in tensors.values())
+        atomic_write_json(run_dir / f"{name}.safetensors.index.json",
+                          {"metadata": {"total_size": total}, "weight_map": weight_map})
+        written = [*sorted(set(weight_map.values())), f"{name}.safetensors.index.json"]
+    atomic_write_json(run_dir / "model_config.json", json.loads(json.dumps(model_config)))
+    return [*written, "model_config.json", *adapter_files]
+
+
+def file_digests(run_dir: Path, names: list[str]) -> dict[str, dict]:
+    """{name: {"bytes": size, "sha256": digest}} of files in `run_dir`: what export.json says the export is."""
+    import hashlib
+
+    out = {}
+    for name in names:
+        h = hashlib.sha256()
+        with open(run_dir / name, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        out[name] = {"bytes": (run_dir / name).stat().st_size, "sha256": h.hexdigest()}
+    return out
+
+
+def export_intact(run_dir: Path, files: dict) -> bool:
+    """Every file export.json lists is there, a regular file of its size and sha256."""
+    import os
+
+    try:
+        for name, want in files.items():
+            path = run_dir / name
+            if "/" in name or name.startswith(".") or not path.is_file() or os.path.islink(path):
+                return False
+            if path.stat().st_size != want["bytes"]:
+                return False
+        return file_digests(run_dir, list(files)) == files
+    except (OSError, TypeError, KeyError, AttributeError):
+        return False
+
+
+def export_task_state(state: dict, run_dir: Path) -> str:
+    """A stateful task's `state_dict()` (tensors, by name) as `task_state.safetensors`."""
+    bad = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise TypeError(f"task.state_dict() must map names to tensors to be exported; {', '.join(bad)} are not.")
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+    atomic_save_safetensors(run_dir / "task_state.safetensors", tensors, metadata={"format": "pt"})
+    return "task_state.safetensors"

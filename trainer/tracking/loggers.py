@@ -1,0 +1,153 @@
+"""Metric loggers. The main process gets real ones; other ranks get `NullLogger`.
+
+Every logger has the same small interface; `LoggerGroup` fans out to several, so the training
+loop calls `loggers.log_metrics(...)` once and never asks which trackers are on.
+`metrics.jsonl` (`JsonlLogger`) is always written; trackers such as wandb come from `logger=...`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+class NullLogger:
+    """Does nothing. Base class and the logger of non-main ranks."""
+
+    def log_config(self, config: dict[str, Any]) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def log_text(self, key: str, text: str, step: int) -> None:
+        pass
+
+    def log_image(self, key: str, image, step: int) -> None:
+        """`image`: a tensor [H, W], [H, W, C] or [C, H, W], uint8 or float in [0, 1] (see trainer/tracking/images.py)."""
+
+    def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:
+        pass
+
+    def rewind(self, step: int) -> None:
+        """On resume from a checkpoint at `step`: forget what was logged after it."""
+
+    def start_fresh(self) -> None:
+        """A run dir's run starts over (no usable checkpoint): set what an earlier attempt logged aside."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class JsonlLogger(NullLogger):
+    """One JSON object per event in `metrics.jsonl`, eval samples in `samples.jsonl` (text, and the paths of
+    images written as PNG under `samples/`), flushed as it goes."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.samples_path = Path(run_dir) / "samples.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a")
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._file.flush()
+
+    def log_text(self, key: str, text: str, step: int) -> None:
+        self._sample({"step": step, "key": key, "text": text})
+
+    def log_image(self, key: str, image, step: int) -> None:
+        from trainer.io import atomic_write_bytes
+        from trainer.tracking.images import png_bytes
+
+        name = key.rsplit("/", 1)[-1]
+        path = self.path.parent / "samples" / (f"step_{step}.png" if name == "image" else f"{name}_step_{step}.png")
+        atomic_write_bytes(path, png_bytes(image))
+        self._sample({"step": step, "key": key, "image": str(path.relative_to(self.path.parent))})
+
+    def _sample(self, event: dict) -> None:
+        with open(self.samples_path, "a") as f:
+            f.write(json.dumps(event) + "\n")
+
+    def rewind(self, step: int) -> None:
+        """On resume: drop events after `step`, so the file reads as if the run had never stopped."""
+        from trainer.io import atomic_write_text
+
+        self._file.close()
+        for path in (self.path, self.samples_path):
+            if path.exists():
+                keep = [ln for ln in path.read_text().splitlines(keepends=True)
+                        if ln.strip() and _step_of(ln) is not None and _step_of(ln) <= step]
+                atomic_write_text(path, "".join(keep))
+        self._file = open(self.path, "a")
+
+    def start_fresh(self) -> None:
+        """Keep an earlier attempt's events as `metrics.prev.jsonl` (and `samples.prev.jsonl`), start empty."""
+        self._file.close()
+        for path in (self.path, self.samples_path):
+            if path.exists() and path.stat().st_size:
+                path.replace(path.with_suffix(".prev.jsonl"))
+        self._file = open(self.path, "a")
+
+    def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:
+        self._file.close()
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None  # a torn last line from a killed run
+
+
+class LoggerGroup(NullLogger):
+    """Fans out to several loggers. Text (a generated sample may echo anything) is redacted here, once for
+    all of them: every secret value of the environment and of the config's secret keys is replaced."""
+
+    def __init__(self, loggers: list[NullLogger]):
+        self.loggers = loggers
+        self._config: dict[str, Any] | None = None
+
+    def log_config(self, config):
+        self._config = config
+        for lg in self.loggers:
+            lg.log_config(config)
+
+    def log_metrics(self, metrics, step):
+        for lg in self.loggers:
+            lg.log_metrics(metrics, step)
+
+    def log_text(self, key, text, step):
+        from trainer.redaction import redact_text
+
+        text = redact_text(text, self._config)
+        for lg in self.loggers:
+            lg.log_text(key, text, step)
+
+    def log_image(self, key, image, step):
+        for lg in self.loggers:
+            lg.log_image(key, image, step)
+
+    def finish(self, summary, exit_code=0):
+        for lg in self.loggers:
+            lg.finish(summary, exit_code)
+
+    def rewind(self, step: int) -> None:
+        for lg in self.loggers:
+            lg.rewind(step)
+
+    def start_fresh(self) -> None:
+        for lg in self.loggers:
+            lg.start_fresh()
+
+    def state_dict(self):
+        return {type(lg).__name__: lg.state_dict() for lg in self.loggers}
+
+    def load_state_dict(self, state):
+        for lg in self.loggers:
+            lg.load_state_dict(state.get(type(lg).__name__, {}))

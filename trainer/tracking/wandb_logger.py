@@ -1,0 +1,195 @@
+"""Weights & Biases logger: `logger=wandb` (conf/logger/wandb.yaml).
+
+wandb is imported only when the run starts, so `--help` and configs without it never pay for the
+import. The run starts lazily, at the first `log_*` call (the framework's first is `log_config`), so
+that a resumed job can `load_state_dict` the previous run id before and continue the same wandb run.
+
+It never prompts and never fails for lack of credentials or network: without an API key (or when
+the server cannot be reached) it logs offline into the run dir and, at the end, prints the
+`wandb sync` command that uploads the run later. wandb's own system metrics (CPU, memory, GPU)
+and machine info are left on.
+"""
+
+from __future__ import annotations
+
+import netrc
+import os
+import secrets
+import shlex
+import string
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from trainer.errors import ConfigError
+from trainer.redaction import redact, redact_text, scrub, secret_values
+from trainer.tracking.loggers import NullLogger
+
+MODES = (None, "online", "offline", "disabled")
+
+
+class WandbLogger(NullLogger):
+    """Logs metrics, the resolved config, eval samples and the final summary to one wandb run.
+
+    Args:
+        project, entity, name, group, tags: passed to `wandb.init`.
+        mode: "online" | "offline" | "disabled", or None: $WANDB_MODE if set, else online when
+            credentials exist (WANDB_API_KEY, or a ~/.netrc entry from `wandb login`), else offline.
+        dir: where wandb writes its `wandb/` folder; None = the run dir.
+        run_dir: the run's output directory (passed by the framework).
+    """
+
+    def __init__(self, *, run_dir: str | os.PathLike, project: str | None = "trainer",
+                 entity: str | None = None, name: str | None = None, group: str | None = None,
+                 tags: list[str] | None = None, mode: str | None = None, dir: str | None = None):
+        if mode not in MODES:
+            raise ConfigError(f"logger.wandb.mode={mode!r} is invalid: expected one of "
+                              "online, offline, disabled, or null (online with credentials, else offline).")
+        self.init_kwargs = {"project": project, "entity": entity, "name": name, "group": group,
+                            "tags": [str(t) for t in tags or ()] or None}
+        self.mode = mode
+        self.dir = Path(dir if dir is not None else run_dir)
+        self.run_id = new_run_id()  # known before the run starts, so state_dict() works at any time
+        self.run = None
+        self.offline = False  # set when the run starts
+        self._sync_hint: str | None = None  # why we logged offline, when the user did not ask to
+        self._config: dict[str, Any] | None = None  # the run's config, as given to log_config
+
+    # -- starting the run --------------------------------------------------------------------------
+    def _start(self, config: dict[str, Any] | None = None) -> None:
+        import wandb
+
+        mode = self.mode or os.environ.get("WANDB_MODE") or "online"
+        # The server wandb will use: $WANDB_BASE_URL, or the host saved by `wandb login --host`.
+        if mode in ("online", "run") and not has_credentials(wandb.setup().settings.base_url):
+            mode, self._sync_hint = "offline", "no W&B credentials: set WANDB_API_KEY or run `wandb login`"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run = self._init(mode, config)
+        except Exception as exc:  # noqa: BLE001 - wandb raises several types for a bad key or no network
+            if mode not in ("online", "run"):
+                raise
+            self._sync_hint = f"could not start an online run: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+            mode = "offline"
+            self.run = self._init_offline_after_failure(config)
+        self.offline = mode in ("offline", "dryrun")
+
+    def _init(self, mode: str, config: dict[str, Any] | None):
+        import wandb
+
+        settings = wandb.Settings(
+            # Offline, wandb's own banner ("run `wandb online`...") is noise; we print the sync command.
+            silent=mode in ("offline", "dryrun", "disabled"),
+            quiet=True,
+            # Our own run object, never wandb's global one: an unfinished earlier run (another
+            # logger, a notebook) is neither returned nor finished by this init.
+            reinit="create_new",
+        )
+        # wandb records the name, group and tags, and sys.argv as the run's metadata: secrets taken out.
+        secrets = secret_values(self._config)  # of the environment and the config as given (unredacted)
+        argv, sys.argv = sys.argv, [scrub(arg, secrets) for arg in sys.argv]
+        try:
+            return wandb.init(
+                **redact(self.init_kwargs, secrets), dir=str(self.dir), mode=mode, config=config, id=self.run_id,
+                # "allow": continue the run with this id if it exists (a resumed job), else create it.
+                resume="allow", settings=settings,
+            )
+        finally:
+            sys.argv = argv
+
+    def _init_offline_after_failure(self, config: dict[str, Any] | None):
+        import wandb
+
+        # wandb's service keeps the failed run's id reserved; a fresh service frees it, so the offline
+        # run keeps the id (and a resumed job still continues the same run once synced).
+        wandb.teardown()
+        try:
+            return self._init("offline", config)
+        except Exception:  # noqa: BLE001 - a service shared with a parent process ($WANDB_SERVICE) keeps it
+            self.run_id = new_run_id()
+            return self._init("offline", config)
+
+    def _ensure_started(self) -> None:
+        if self.run is None:
+            self._start()
+
+    # -- the logger interface ----------------------------------------------------------------------
+    def log_config(self, config: dict[str, Any]) -> None:
+        self._config = config  # its secret keys' values are secrets in logged text too
+        config = redact(config)
+        if self.run is None:
+            self._start(config)
+        else:
+            self.run.config.update(config, allow_val_change=True)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._ensure_started()
+        self.run.log(dict(metrics), step=step)
+
+    def log_text(self, key: str, text: str, step: int) -> None:
+        """Shown as a preformatted HTML panel with a step slider; whitespace is kept as generated."""
+        import html
+
+        import wandb
+
+        self._ensure_started()
+        text = redact_text(text, self._config)
+        panel = wandb.Html(f'<pre style="white-space: pre-wrap">{html.escape(text)}</pre>', inject=False)
+        self.run.log({key: panel}, step=step)
+
+    def log_image(self, key: str, image, step: int) -> None:
+        import wandb
+
+        from trainer.tracking.images import to_hwc_uint8
+
+        self._ensure_started()
+        self.run.log({key: wandb.Image(to_hwc_uint8(image).numpy())}, step=step)
+
+    def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:
+        if self.run is None:
+            if not summary:
+                return
+            self._start()
+        run, self.run = self.run, None
+        run.summary.update(dict(summary))
+        run.finish(exit_code=exit_code)
+        if self.offline:
+            why = f" ({self._sync_hint})" if self._sync_hint else ""
+            sync_dir = shlex.quote(str(self.dir / "wandb"))
+            print(f"wandb: run {self.run_id} was logged offline{why}; upload it with: wandb sync {sync_dir}",
+                  file=sys.stderr, flush=True)
+
+    # -- resume --------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        run_id = state.get("run_id")
+        if not run_id or run_id == self.run_id:
+            return
+        if self.run is not None:
+            raise RuntimeError(
+                f"WandbLogger.load_state_dict(run_id={run_id!r}) after wandb run {self.run_id!r} started: "
+                "restore logger state before the first log_config/log_metrics call."
+            )
+        self.run_id = run_id
+
+
+# Words that make a config key secret: "hf_token", "apiKey", "db_password", but not "sample_tokens".
+def has_credentials(base_url: str) -> bool:
+    """Whether wandb can authenticate to `base_url` without asking: a key in the environment or ~/.netrc."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlsplit(base_url).hostname
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
+        entry = netrc.netrc(path).authenticators(host) if host else None
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(entry and entry[2])
+
+
+def new_run_id() -> str:
+    """A fresh wandb run id: 8 lowercase letters and digits, like the ids wandb makes itself."""
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
