@@ -189,3 +189,19 @@ def test_a_misspelt_mode_fails_with_the_valid_ones(tmp_path):
 
     with pytest.raises(ConfigError, match="logger.wandb.mode='ofline' is invalid.*online, offline, disabled"):
         WandbLogger(run_dir=tmp_path, mode="ofline")
+
+
+def test_your_own_loop_logs_to_the_trackers_log_with_names(tmp_path, offline):
+    """`Runtime(log_with="wandb", run_dir=...)`: metrics.jsonl and the wandb run get the same metrics; an unknown
+    tracker is one UserError naming the valid ones."""
+    from trainer import Runtime
+    from trainer.errors import UserError
+
+    rt = Runtime(log_with="wandb", run_dir=tmp_path)
+    rt.log({"loss": 2.0}, step=1)
+    rt.log({"loss": 1.5}, step=2)
+    rt.end()
+    assert [(r["step"], r["loss"]) for r in history(tmp_path)] == [(1, 2.0), (2, 1.5)]
+    assert [(m["step"], m["loss"]) for m in read_metrics(tmp_path)] == [(1, 2.0), (2, 1.5)]
+    with pytest.raises(UserError, match="log_with='mlflow'.*expected wandb or tensorboard"):
+        Runtime(log_with="mlflow", run_dir=tmp_path / "other")

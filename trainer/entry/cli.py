@@ -102,7 +102,10 @@ def run_job(cfg: DictConfig) -> float | None:
                       "with this config (pass hydra.run.dir=DIR to choose another).", flush=True)
                 _remove_if_free(run_dir)  # this job's fresh timestamped dir (another job's of the same second stays)
                 run_dir = found
-        run_dir, lock = _own_run_dir(run_dir, resolved, chosen=_chose_run_dir(hc))
+        from trainer.entry.launcher import launch_topology
+
+        topology = launch_topology(resolved.world, say=print)  # world's launch keys, typed once for this job
+        run_dir, lock = _own_run_dir(run_dir, topology, chosen=_chose_run_dir(hc))
         if lock.held:  # (the launchers of nodes other than 0 leave the records to node 0's)
             scrub_hydra_files(run_dir, secret_values(OmegaConf.to_container(resolved)))
             from trainer.entry.run import save_config
@@ -118,7 +121,7 @@ def run_job(cfg: DictConfig) -> float | None:
 
         started = True
         try:
-            final = run(resolved, run_dir)
+            final = run(resolved, run_dir, topology=topology)
         except WorkerFailed as wf:
             code = wf.report()
             if wf.exitcode not in (UserError.exit_code, NonFiniteError.exit_code):  # rerunning would not help
@@ -149,19 +152,17 @@ def run_job(cfg: DictConfig) -> float | None:
     return (final or {}).get("val/loss")
 
 
-def _own_run_dir(run_dir: Path, cfg: DictConfig, chosen: bool):
+def _own_run_dir(run_dir: Path, w, chosen: bool):
     """The run dir this job may write, and its lock (see trainer/entry/rundir.py). One job per run dir, one lock per
     job: on several nodes the launcher of node 0 takes it for the job, and the others check that the lock they
     find is their job's. Two jobs started in the same second share a default (timestamped) run dir: the later
     one moves to `<dir>-2` (then -3, ...) instead of stopping, since nobody chose that dir."""
     import shutil
 
-    from trainer.entry.launcher import launch_topology
     from trainer.entry.rundir import RunDirLock
     from trainer.errors import ConfigError
 
-    w = launch_topology(cfg.world)
-    if w.nnodes > 1:
+    if w.nnodes > 1:  # (w: world's launch keys, LaunchConfig)
         lock = RunDirLock(run_dir, job=f"rdzv={w.rdzv_endpoint}")
         if w.node_rank != 0:
             lock.check_same_job()

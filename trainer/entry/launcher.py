@@ -73,9 +73,10 @@ def nproc_per_node(value) -> int:
     return int(value)
 
 
-def run(cfg: DictConfig, run_dir: Path, entry: Callable | None = None) -> dict | None:
+def run(cfg: DictConfig, run_dir: Path, entry: Callable | None = None, topology=None) -> dict | None:
     """Run the entry point `entry` (one of trainer.entry.run.ENTRY_POINTS: train, the default, evaluate, ...) according
-    to `cfg.world`: here, or on every rank of workers started by the elastic launcher (which get its name)."""
+    to `cfg.world`: here, or on every rank of workers started by the elastic launcher (which get its name).
+    `topology`: world's launch keys as `launch_topology` typed them, when the caller has them already."""
     from trainer.config.schema import locate
     from trainer.entry.run import train
 
@@ -83,10 +84,10 @@ def run(cfg: DictConfig, run_dir: Path, entry: Callable | None = None) -> dict |
     if in_torchrun():  # we are torchrun's rank 0: hand the config to the other ranks
         _share_config([OmegaConf.to_container(cfg), str(run_dir), entry.__name__])
     else:
-        w = launch_topology(cfg.world)
+        w = topology or launch_topology(cfg.world, say=print)
         several = nproc_per_node(w.nproc_per_node) * w.nnodes > 1
         if several and locate("world", cfg.world._target_).distributed:
-            return launch(cfg, run_dir, entry)
+            return launch(cfg, run_dir, entry, w)
     return entry(cfg, run_dir)
 
 
@@ -172,7 +173,8 @@ def _first_line(error: BaseException | None) -> str:
 # -- end SLURM -------------------------------------------------------------------------------------------
 
 
-def launch(cfg: DictConfig, run_dir: Path, entry: Callable) -> dict | None:
+def launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
+    """Start the workers of this node, each running `entry`; `w` is world's launch keys (a LaunchConfig)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
@@ -185,7 +187,7 @@ def launch(cfg: DictConfig, run_dir: Path, entry: Callable) -> dict | None:
     early = PreemptionFlag().install()
     try:
         if entry is not script:  # (a user's script builds what it builds itself)
-            preflight(cfg, run_dir)
+            preflight(cfg, run_dir, w.device)
     finally:
         early.uninstall()
     if early.requested:
@@ -193,7 +195,6 @@ def launch(cfg: DictConfig, run_dir: Path, entry: Callable) -> dict | None:
 
         raise Preempted(f"stopped by {signal.Signals(early.signum).name} before training started; nothing to save. "
                         "Rerun the same command with resume=auto to continue.")
-    w = launch_topology(cfg.world, say=print)
     nproc = nproc_per_node(w.nproc_per_node)
     if w.nnodes > 1:
         endpoint, run_id = w.rdzv_endpoint, f"trainer-{w.rdzv_endpoint}"

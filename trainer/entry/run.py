@@ -115,11 +115,11 @@ def warn_long_warmup(scheduler: DictConfig, max_steps: int, say) -> None:
             "rate is still rising when it ends and never reaches optim.lr. Lower scheduler.warmup_steps.")
 
 
-def preflight(cfg: DictConfig, run_dir: Path) -> None:
+def preflight(cfg: DictConfig, run_dir: Path, device: str = "auto") -> None:
     """Build what can fail from a config mistake, cheaply, before any worker process starts:
     the strategy, the model on the meta device (no memory), the task, the precision and the datasets
     (whose cache is then built once, here, for all workers)."""
-    device = usable_device(launch_config(cfg.world).device)
+    device = usable_device(device)  # (world.device, which the launcher has typed)
     strategy = build_strategy(cfg.world)
     from trainer.models.finetune import check, factory
     from trainer.parallel.materialize import SkipMetaInit
@@ -211,6 +211,7 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
                                  for name, node in (cfg.get("callbacks") or {}).items() if node is not None}),
         )
         trainer.config = cfg  # the run's config as built (precision=auto resolved), for what the run records
+        trainer.launch = launch  # world's launch keys as typed here: what the entry points read (hang_timeout)
         trainer.weights_source = weights_source  # finetune.weights: path and sha256 of its files (main rank)
         return trainer
     except BaseException:
@@ -330,7 +331,7 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
 
     trainer = build(cfg, Path(run_dir))
     done = False
-    watch = watchdog.start(launch_config(cfg.world).hang_timeout, run_dir, trainer.backend.info)
+    watch = watchdog.start(trainer.launch.hang_timeout, run_dir, trainer.backend.info)
     try:
         trainer.load_checkpoint(Path(cfg.resume), resume=False)
         watchdog.beat()
@@ -405,7 +406,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     backend, loggers, cfg = trainer.backend, trainer.loggers, trainer.config
     say = print if backend.is_main else (lambda *a, **k: None)
     # From here to the end (teardown included), no progress for world.hang_timeout s stops the job (exit 70).
-    watch = watchdog.start(launch_config(cfg.world).hang_timeout, run_dir, backend.info)
+    watch = watchdog.start(trainer.launch.hang_timeout, run_dir, backend.info)
     try:
         source = resume(trainer, cfg, say)
         watchdog.beat()

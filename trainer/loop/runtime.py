@@ -537,15 +537,15 @@ class Runtime:
             from trainer.config.instantiate import build_loggers
 
             return build_loggers(launched.get("logger"), self.run_dir, True)
-        trackers = {"wandb": ("wandb_logger", "WandbLogger"), "tensorboard": ("tensorboard_logger", "TensorBoardLogger")}
+        from trainer.tracking.tensorboard_logger import TensorBoardLogger
+        from trainer.tracking.wandb_logger import WandbLogger
+
+        trackers = {"wandb": WandbLogger, "tensorboard": TensorBoardLogger}  # (each imports its library when built)
         unknown = [n for n in names if n not in trackers]
         if unknown:
             raise UserError(f"Runtime(log_with={unknown[0]!r}) is invalid: expected {' or '.join(trackers)}.")
-        from importlib import import_module
-
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        built = [getattr(import_module(f"trainer.tracking.{trackers[n][0]}"), trackers[n][1])(run_dir=self.run_dir)
-                 for n in names]
+        built = [trackers[n](run_dir=self.run_dir) for n in names]
         return LoggerGroup([JsonlLogger(self.run_dir), *built])
 
     def init_trackers(self, config: dict[str, Any] | None = None) -> None:
