@@ -1,7 +1,7 @@
 """The config trust model and secrets, through the real CLI.
 
 A config file (`--config-dir`), an override or an interpolation may not name a `_target_` that runs
-commands or code, deserialises, or touches files (trainer/config/schema.py: `refusal`); Hydra's own hooks
+commands or code, deserialises, or touches files (trainer/config/targets.py: `refusal`); Hydra's own hooks
 (callbacks, logging handlers, `hydra.job.env_set`) get the same policy. Each refusal is one paragraph,
 exit 2, before any run dir exists, and the file the target would have touched is left as it was.
 Every attack points at a path under tmp_path, so a regression touches nothing else.

@@ -72,7 +72,7 @@ def changed_settings(path: Path, cfg: DictConfig) -> list[tuple[str, Any, Any]]:
 # -- run dirs written before trainer's flat modules became packages (trainer/parallel, trainer/loop, ...) ----
 # What reads a saved config upgrades its dotted paths, so such a run dir still loads, resumes, compares its
 # settings and is found by resume=auto. A config of your own naming an old path gets the new one in its error
-# (trainer/config/schema.py's locate).
+# (trainer/config/targets.py's locate).
 MOVED = {  # old module prefix -> new
     "trainer.precision.": "trainer.parallel.precision.",
     "trainer.strategies.": "trainer.parallel.",

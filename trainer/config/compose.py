@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.config import schema as _config  # registers the typed schema with Hydra's ConfigStore
+from trainer.config.targets import check_targets
 from trainer.errors import ConfigError, suggest
 
 CONFIG_MODULE = "trainer.conf"
@@ -89,7 +90,7 @@ def prepare(cfg: DictConfig, targets: bool = True) -> DictConfig:
     resolved = resolve(cfg)
     _config.validate(resolved)
     if targets:
-        _config.check_targets(resolved)
+        check_targets(resolved)
     return resolved
 
 

@@ -22,7 +22,7 @@ from trainer.config.compose import (
     search_path,
     sweep_jobs,
 )
-from trainer.config.schema import check_hydra_hooks
+from trainer.config.targets import check_hydra_hooks
 from trainer.errors import NonFiniteError, TrainerExit, UserError, debug_enabled, report
 from trainer.redaction import redact, scrub, secret_values
 

@@ -77,7 +77,7 @@ def run(cfg: DictConfig, run_dir: Path, entry: Callable | None = None, topology=
     """Run the entry point `entry` (one of trainer.entry.run.ENTRY_POINTS: train, the default, evaluate, ...) according
     to `cfg.world`: here, or on every rank of workers started by the elastic launcher (which get its name).
     `topology`: world's launch keys as `launch_topology` typed them, when the caller has them already."""
-    from trainer.config.schema import locate
+    from trainer.config.targets import locate
     from trainer.entry.run import train
 
     entry = entry or train

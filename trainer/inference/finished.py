@@ -140,7 +140,7 @@ def _instantiate_checked(node: dict, where: str, source: Path, fix: str) -> Any:
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
-    from trainer.config.schema import iter_targets, locate
+    from trainer.config.targets import iter_targets, locate
 
     try:
         cfg = OmegaConf.create(node)
@@ -253,7 +253,7 @@ def load_task(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> A
     if not isinstance(task_node, dict) or "_target_" not in task_node:
         raise ConfigError(f"{source} has no task with a _target_. {_restore_config(path)}")
     if overrides:
-        from trainer.config.schema import check_keywords, locate
+        from trainer.config.targets import check_keywords, locate
 
         check_keywords("task", locate("task._target_", task_node["_target_"]), overrides)  # a typo is named
         task_node.update(overrides)
