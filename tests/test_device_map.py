@@ -15,7 +15,7 @@ from test_errors import assert_clean_error
 
 import trainer
 from trainer.errors import ConfigError
-from trainer.inference.device_map import budgets, parse_size, plan, unit_sizes, units_of
+from trainer.inference.placement import budgets, parse_size, plan, unit_sizes, units_of
 
 N_LAYER = 4
 SAMPLE = ("task.sample_tokens=24", "task.temperature=1.0")
