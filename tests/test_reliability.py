@@ -125,20 +125,21 @@ def test_two_jobs_of_the_same_second_get_two_run_dirs(corpus, tmp_path):
     being refused (and never removes the first one's)."""
     from trainer import compose
     from trainer.entry.cli import _own_run_dir
+    from trainer.entry.launcher import launch_topology
     from trainer.entry.rundir import RunDirLock
 
     first = tmp_path / "outputs" / "2026-01-01" / "12-00-00"
     (first / ".hydra").mkdir(parents=True)
     lock = RunDirLock(first).acquire()
-    cfg = compose(tiny_overrides(corpus))
+    topology = launch_topology(compose(tiny_overrides(corpus)).world)
     try:
-        other, other_lock = _own_run_dir(first, cfg, chosen=False)
+        other, other_lock = _own_run_dir(first, topology, chosen=False)
         assert other == first.with_name("12-00-00-2") and other_lock.held and (other / ".hydra").is_dir()
         other_lock.release()
         from trainer.errors import ConfigError
 
         with pytest.raises(ConfigError, match="in use"):  # a dir the user chose is never swapped
-            _own_run_dir(first, cfg, chosen=True)
+            _own_run_dir(first, topology, chosen=True)
     finally:
         lock.release()
     assert (first / ".hydra").is_dir()
