@@ -73,6 +73,12 @@ def _write(path: Path, data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def has_complete(checkpoints: Path) -> bool:
+    """Whether `checkpoints` (a run's checkpoints/ dir) holds a checkpoint whose manifest was written: the last
+    file of a save, so a complete one (read checks the rest). A cheap test, without reading anything."""
+    return any((p / "manifest.json").is_file() for p in checkpoints.glob("step_*"))
+
+
 def step_of(path: Path) -> int:
     m = _STEP_DIR.match(path.name)
     return int(m.group(1)) if m else -1

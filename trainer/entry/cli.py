@@ -210,7 +210,9 @@ def _chose_run_dir(hc) -> bool:
 
 def _say_how_to_continue(run_dir: Path, command: str) -> None:
     """After an interruption: the exact command that continues the run (if it has a checkpoint to continue from)."""
-    if any((p / "manifest.json").is_file() for p in (run_dir / "checkpoints").glob("step_*")):
+    from trainer.checkpoint.store import has_complete
+
+    if has_complete(run_dir / "checkpoints"):
         print(f"to continue this run: {scrub(command, secret_values())}", file=sys.stderr, flush=True)
 
 

@@ -182,6 +182,8 @@ def find_run_to_continue(run_dir: Path, config: dict[str, Any], depth: int = 2) 
     """The newest other run dir `depth` levels under the outputs root of `run_dir` (outputs/DATE/TIME) with a
     complete checkpoint, not finished, whose config.yaml equals `config` (as saved: resolved, redacted) but for
     the settings a resume may change."""
+    from trainer.checkpoint.store import has_complete  # (torch: not at import, which `--help` pays)
+
     root = run_dir
     for _ in range(depth):
         root = root.parent
@@ -190,7 +192,7 @@ def find_run_to_continue(run_dir: Path, config: dict[str, Any], depth: int = 2) 
     for cand in root.glob("/".join("*" * depth)):
         if cand == run_dir or not (cand / "checkpoints").is_dir() or is_finished(cand):
             continue
-        if not any((p / "manifest.json").is_file() for p in (cand / "checkpoints").glob("step_*")):
+        if not has_complete(cand / "checkpoints"):
             continue
         saved = read_config(cand / "config.yaml")
         if isinstance(saved, dict) and comparable(saved) == want:
