@@ -36,25 +36,10 @@ def is_torchrun_follower() -> bool:
     return in_torchrun() and int(os.environ["RANK"]) != 0
 
 
-def _init_bootstrap_group() -> None:
-    """Process group used first to share the config; the Backend later reuses it."""
-    import torch
-    import torch.distributed as dist
-
-    from trainer.parallel.backend import default_pg_backend
-
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if not dist.is_initialized():
-        dist.init_process_group(backend=default_pg_backend())
-
-
 def _share_config(payload: list) -> list:
-    import torch.distributed as dist
+    from trainer.parallel.backend import share_before_setup
 
-    _init_bootstrap_group()
-    dist.broadcast_object_list(payload, src=0)
-    return payload
+    return share_before_setup(payload)
 
 
 def follow_torchrun_rank0() -> int:

@@ -305,6 +305,17 @@ def broadcast_from_main(obj: Any) -> Any:
     return box[0]
 
 
+def share_before_setup(payload: list) -> list:
+    """`payload` as rank 0 has it, on every rank of a job that torchrun started, before any Backend exists (rank 0's
+    resolved config): joins the default process group, which the Backend later reuses."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        dist.init_process_group(backend=default_pg_backend())
+    dist.broadcast_object_list(payload, src=0)
+    return payload
+
+
 @contextlib.contextmanager
 def main_process_first(local: bool = True) -> Iterator[None]:
     """Run the body on the main process first while the others wait, then on the others.
