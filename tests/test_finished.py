@@ -146,9 +146,10 @@ def test_a_run_dir_written_before_the_modules_moved_still_loads_and_compares_equ
     import shutil
 
     import yaml
+    from omegaconf import OmegaConf
 
     import trainer
-    from trainer.checkpoint.settings import read_config
+    from trainer.checkpoint.settings import changed_settings, read_config
 
     run = tmp_path / "run"
     shutil.copytree(reference, run)
@@ -159,6 +160,10 @@ def test_a_run_dir_written_before_the_modules_moved_still_loads_and_compares_equ
     assert old_text.count("trainer.precision.") == 1 and old_text.count("trainer.strategies.") == 1
     (run / "config.yaml").write_text(old_text)
     assert read_config(run / "config.yaml") == yaml.safe_load(new_text)
+    # A resume compares this job's config with the checkpoint's copy: a changed _target_ would refuse it.
+    step = sorted((run / "checkpoints").glob("step_*"))[-1]
+    (step / "config.yaml").write_text(old_text)
+    assert changed_settings(step, OmegaConf.create(new_text)) == []
     model, weights = trainer.load(run), load_weights(reference / "model.safetensors")
     assert all(torch.equal(model.state_dict()[k], weights[k]) for k in weights)
 
