@@ -120,28 +120,10 @@ def stdlib_corpus(seq_len: int = 256, cache_dir: str | None = None, val_every: i
 def text_files(path: str) -> list[Path]:
     """The files `data.path` names: a file, every regular file under a directory (hidden ones skipped), or the
     files a glob pattern matches (`~/books/*.txt`, `corpus/**/*.md`), in sorted order."""
-    import glob
+    from trainer.data.files import local_files
 
-    raw = os.path.expanduser(str(path))
-    hint = ("Point data.path at a readable text file, a directory of them or a glob pattern, e.g. "
-            "data=text data.path=/path/to/book.txt.")
-    if glob.has_magic(raw):
-        files = sorted(Path(f) for f in glob.glob(raw, recursive=True) if Path(f).is_file())
-        if not files:
-            raise DataError(f"data.path={str(path)!r} matches no file. {hint}")
-        return files
-    p = Path(raw)
-    if not p.exists():
-        raise DataError(f"data.path={str(path)!r} does not exist. {hint}")
-    if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".")
-                                                                          for part in f.relative_to(p).parts))
-        if not files:
-            raise DataError(f"data.path={str(path)!r} is a directory with no files in it. {hint}")
-        return files
-    if not p.is_file():  # a FIFO or a device would block the read forever
-        raise DataError(f"data.path={str(path)!r} is not a regular file (a pipe or a device?). {hint}")
-    return [p]
+    return local_files(path, "Point data.path at a readable text file, a directory of them or a glob pattern, e.g. "
+                             "data=text data.path=/path/to/book.txt.")
 
 
 def text_file(path: str, seq_len: int = 256, cache_dir: str | None = None, val_fraction: float = 0.1):

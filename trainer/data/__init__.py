@@ -1,2 +1,2 @@
-"""Data: the global sample order and loaders (sampling), iterable and streaming datasets (streaming), and local
-Hugging Face datasets tokenised once into a memmap (hf_data)."""
+"""Data: the global sample order and loaders (sampling), iterable and streaming datasets (streaming), local
+Hugging Face datasets files tokenised once into a memmap (hf_data), and the local files `data.path` names (files)."""

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from trainer.data.files import local_files
 from trainer.errors import DataError
 
 FORMAT = 2  # bump when the cache layout or the encoding changes (2: text files keep their line breaks)
@@ -88,26 +89,9 @@ def sources(path: str, fmt: str | None) -> tuple[list[Path], str]:
     raw = os.path.expanduser(str(path))
     hint = ("Point data.path at local json/jsonl, parquet, csv or text files (a file, a directory or a glob such "
             "as 'corpus/*.jsonl'), or at a directory written by Dataset.save_to_disk.")
-    if glob.has_magic(raw):
-        files = sorted(Path(f) for f in glob.glob(raw, recursive=True) if Path(f).is_file())
-        if not files:
-            raise DataError(f"data.path={str(path)!r} matches no file. {hint}")
-    else:
-        p = Path(raw)
-        if not p.exists():
-            raise DataError(f"data.path={str(path)!r}: {p} does not exist. {hint}")
-        if _is_saved(p):
-            return [p], "saved"
-        if p.is_dir():
-            files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in FORMATS
-                           and not any(part.startswith(".") for part in f.relative_to(p).parts))
-            if not files:
-                raise DataError(f"data.path={str(path)!r} is a directory with no {', '.join(sorted(FORMATS))} "
-                                f"file in it. {hint}")
-        elif not p.is_file():
-            raise DataError(f"data.path={str(path)!r} is not a regular file (a pipe or a device?). {hint}")
-        else:
-            files = [p]
+    if not glob.has_magic(raw) and _is_saved(Path(raw)):
+        return [Path(raw)], "saved"
+    files = local_files(path, hint, suffixes=FORMATS)
     if fmt is not None:
         if fmt not in set(FORMATS.values()):
             raise DataError(f"data.format={fmt!r} is not one of json, parquet, csv, text (or null: from the files' "
