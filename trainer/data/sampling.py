@@ -137,7 +137,7 @@ def eval_batches(dataset: Dataset, batch_size: int, rank: int, world: int, limit
                  device: torch.device, lockstep: bool = False) -> Iterator[tuple[Any, bool, list[int]]]:
     """(batch, counted, sample indices) for this rank's share of the eval samples. With `lockstep`, a rank
     with fewer batches than rank 0 repeats one, uncounted, until it has run as many (forwards that are
-    collectives). A val stream (it has __len__: see run.py's build_data) is read from its start at every eval."""
+    collectives). A val stream (it has __len__: see config/instantiate.py's build_data) is read from its start at every eval."""
     n = len(dataset) if limit is None else min(limit, len(dataset))
     if is_stream(dataset):
         from torch.utils.data import default_collate
@@ -164,7 +164,7 @@ def eval_batches(dataset: Dataset, batch_size: int, rank: int, world: int, limit
 
 def epoch_length(dataset: Dataset) -> int:
     """Samples in one epoch of the training split: its length, or 0 for a stream without __len__ (which has no
-    epochs: run.py's build_data refuses the epoch settings for it, so nothing divides by this)."""
+    epochs: config/instantiate.py's build_data refuses the epoch settings for it, so nothing divides by this)."""
     return streaming.sized(dataset) or 0
 
 

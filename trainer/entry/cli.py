@@ -53,7 +53,7 @@ def precheck(argv: list[str]) -> None:
 
 
 def compose_with_hydra(overrides: list[str], config_dir: str | None) -> DictConfig:
-    """`composition.load`'s config with the `hydra` node kept (callbacks, logging, env_set), so that the
+    """`config.compose.load`'s config with the `hydra` node kept (callbacks, logging, env_set), so that the
     config trust model can check Hydra's hooks before Hydra runs them. Errors are explained as by `load`."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
