@@ -123,6 +123,7 @@ class Runtime:
         self._in_accumulate = False
         self.sync_gradients = True  # whether this micro-step ends an optimizer step (gradients are synced)
         self._pending_reduce: set[str] = set()  # models whose gradients the strategy must still average (ddp x tp)
+        self._listed: dict[str, list[torch.Tensor]] = {}  # each set-up model's parameters, listed once (_trainable)
         self.position = RunPosition()
         self._checkpointer = None
         # A gloo group of its own for the barrier that checks every rank called save_state (made now, on every
@@ -253,6 +254,7 @@ class Runtime:
         owner = owners.pop()
         # A strategy whose engine takes model and optimizer together (DeepSpeed) wraps them here.
         self.models[owner], optimizer = self.strategy.attach_optimizer(self.models[owner], optimizer)
+        self._listed.pop(owner, None)  # (listed again from the engine, at the first step)
         self._set_up.add(id(self.models[owner]))
         self.optimizers[name] = (owner, optimizer)
         return optimizer
@@ -341,7 +343,7 @@ class Runtime:
         if scale is None:
             scale = 1.0 / self.grad_accum_steps
         self.strategy.backward(loss * scale if not (isinstance(scale, float) and scale == 1.0) else loss)
-        if self.sync_gradients:
+        if self.sync_gradients and self.strategy.reduces_gradients:
             self._pending_reduce.update(self.models)
 
     def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any],
@@ -364,7 +366,7 @@ class Runtime:
             return loss, sums
         scale = 1.0 / self.grad_accum_steps if scale is None else scale
         loss, sums = self.strategy.pipeline.forward_backward(batch, loss_fn, scale, self.autocast, mean=mean)
-        if self.sync_gradients:
+        if self.sync_gradients and self.strategy.reduces_gradients:
             self._pending_reduce.update(self.models)
         return loss, sums
 
@@ -373,10 +375,20 @@ class Runtime:
             return [p for p in target.parameters() if p.requires_grad]
         return [p for p in target if p.requires_grad]
 
+    def _trainable(self, name: str) -> list[torch.Tensor]:
+        """The set-up model `name`'s parameters that require gradients. Its parameters are listed once, at the
+        first step, after everything that replaces them (wrapping, sharding, cutting pipeline stages); each call
+        reads their requires_grad, so freezing and unfreezing take effect. Walking every submodule instead, at
+        every step, was most of the Trainer's per-step Python calls beyond a hand-written loop's."""
+        listed = self._listed.get(name)
+        if listed is None:
+            listed = self._listed[name] = list(self.models[name].parameters())
+        return [p for p in listed if p.requires_grad]
+
     def _synced(self, model_names) -> None:
         """Average the gradients the strategy did not (tensor parallelism under DDP: DDP cannot hold DTensors)."""
         for name in sorted(set(model_names) & self._pending_reduce):
-            self.strategy.reduce_gradients(self._params(self.models[name]))
+            self.strategy.reduce_gradients(self._trainable(name))
             self._pending_reduce.discard(name)
 
     def _owners(self, params: list[torch.Tensor]) -> tuple[set[str], list[torch.optim.Optimizer]]:
@@ -395,8 +407,8 @@ class Runtime:
     def clip_grad_norm_(self, target, max_norm: float | None) -> torch.Tensor:
         """Clip the true (unscaled, synced) gradients of a model or parameters to `max_norm` over every rank and
         mesh; None only measures. Returns the total norm before clipping, on the device."""
-        params = self._params(target)
         name = self._name_of(target) if isinstance(target, nn.Module) else None
+        params = self._trainable(name) if name is not None else self._params(target)
         if name is not None:  # a set-up model: its owner is known without looking at every parameter
             models, opts = {name}, [opt for m, opt in self.optimizers.values() if m == name]
         else:

@@ -52,6 +52,10 @@ class DDP(Strategy):
             return model.no_sync()
         return contextlib.nullcontext()
 
+    @property
+    def reduces_gradients(self) -> bool:
+        return self.pipeline is not None or (self.shards_parameters and self.dp_size > 1)
+
     def reduce_gradients(self, params: list[torch.Tensor]) -> None:
         """The average of each tensor-parallel shard's gradient over its data-parallel peers, in one flat buffer
         (what DistributedDataParallel does for plain parameters, in its buckets)."""

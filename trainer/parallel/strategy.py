@@ -221,6 +221,8 @@ class Strategy:
         (ZeRO-3's flat partitions: see deepspeed.py); None here, as for every strategy of torch's own."""
         return None
 
+    reduces_gradients = False  # whether reduce_gradients has work to do (DDP and FSDP average in the backward)
+
     def reduce_gradients(self, params: list[torch.Tensor]) -> None:
         """Average gradients over data-parallel ranks where the wrapper did not (DDP and FSDP do it in the
         last micro-step's backward)."""
