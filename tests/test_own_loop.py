@@ -216,6 +216,27 @@ def test_accumulating_two_micro_batches_equals_one_batch_of_both(rt):
     assert model.weight.grad is None  # zeroed by rt.step at the boundary
 
 
+def test_clipping_a_set_up_model_follows_freezing_and_unfreezing_after_its_first_step(rt):
+    """rt.clip_grad_norm_(model) lists a set-up model's parameters once (not a walk of its modules every step), but
+    reads their requires_grad at every call: a layer frozen or unfrozen between steps leaves or rejoins the norm."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def norm_of(params) -> torch.Tensor:
+        return torch.nn.utils.get_total_norm([p.grad for p in params])
+
+    for _ in range(2):  # one whole step (grad_accum_steps=2): the parameters are listed by now
+        with rt.accumulate(model):
+            rt.backward(model(torch.randn(4, 3)).pow(2).mean())
+    everything = list(model.parameters())
+    torch.testing.assert_close(rt.clip_grad_norm_(model, None), norm_of(everything), rtol=0, atol=0)
+    model[0].requires_grad_(False)  # its gradients are still there: a stale list would count them
+    torch.testing.assert_close(rt.clip_grad_norm_(model, None), norm_of(model[1].parameters()), rtol=0, atol=0)
+    model[0].requires_grad_(True)
+    torch.testing.assert_close(rt.clip_grad_norm_(model, None), norm_of(everything), rtol=0, atol=0)
+
+
 def test_save_model_writes_safetensors_with_the_hugging_face_index_above_the_shard_size(rt, tmp_path):
     from safetensors.torch import load_file
 
