@@ -7,7 +7,8 @@ with the same seed and keeps its half (the embedding and the first blocks, or th
 and the head), `PipelineStage` and `Schedule1F1B` with a mean cross-entropy per microbatch (the schedule
 divides the gradients by the number of microbatches), the tied embedding / head gradient summed between the
 two stages, clipping over both stages' norms (the tied weight counted once), AdamW with the same groups,
-schedule and autocast. It times log windows on rank 0 as the Trainer times train/tokens_per_s.
+schedule and autocast. It times log windows on rank 0 as the Trainer times train/tokens_per_s. It runs twice in
+each round: the second run against the first (an A/A control) shows how far two runs of the same code spread here.
 
 The bubble of a schedule is measured, not computed: 1 - T1 / (pp x Tpp), where Tpp is the time of a step of
 `world.pp=2` under the schedule and T1 a step of one process on one thread (the same total compute, one
@@ -129,11 +130,16 @@ def measure(ctx: Context, sizes: dict) -> dict:
     microbatches = NPROC
     pp = ["world=ddp", f"world.nproc_per_node={NPROC}", f"world.pp={NPROC}"]
     plain_cfg = OmegaConf.to_container(cfg)
-    t = alternate({"pp": lambda: cli_window_rates([*base, *pp]),
-                   "plain_pp": lambda: spawn(_plain_pp_worker, NPROC, plain_cfg, windows, log_every, microbatches)[0],
-                   "single": lambda: cli_window_rates(base)}, rounds)
+    def plain() -> list[float]:
+        return spawn(_plain_pp_worker, NPROC, plain_cfg, windows, log_every, microbatches)[0]
+
+    # "plain_again": an A/A control, the hand-written loop against itself. Its ratio is this machine's noise
+    # between rounds, the scale on which the framework's ratio can be read.
+    t = alternate({"pp": lambda: cli_window_rates([*base, *pp]), "plain_pp": plain,
+                   "single": lambda: cli_window_rates(base), "plain_again": plain}, rounds)
     per_round, fastest = summarize(t)
     vs_plain = ratio(per_round, "pp", "plain_pp")
+    control = [x / y for x, y in zip(per_round["plain_again"], per_round["plain_pp"])]
     # Each schedule once (4 microbatches, so that the looped and V schedules' 4 stages get one each), against
     # one process in the same round.
     sched = alternate({s: (lambda s=s: cli_window_rates([*base, *pp, f"world.pp_schedule={s}",
@@ -148,6 +154,8 @@ def measure(ctx: Context, sizes: dict) -> dict:
             "plain_pp_tokens_per_s": median(per_round["plain_pp"]), "single_tokens_per_s": median(per_round["single"]),
             "pp_vs_plain_pp": vs_plain, "pp_vs_single": ratio(per_round, "pp", "single"),
             "pp_vs_plain_pp_fastest_windows": fastest["pp"] / fastest["plain_pp"],
+            "pp_vs_plain_pp_per_round": [x / y for x, y in zip(per_round["pp"], per_round["plain_pp"])],
+            "control_ratio": median(control), "control_per_round": control,
             "schedule_tokens_per_s": {s: median(sched[s][0]) for s in SCHEDULES}, "schedule_single_tokens_per_s": single,
             "bubble": bubbles, "textbook_bubble_1f1b": (NPROC - 1) / (4 + NPROC - 1),
             "held_bytes_per_stage": held, "per_round_tokens_per_s": per_round, "per_window_tokens_per_s": t,
@@ -164,8 +172,11 @@ def rows(r: dict) -> list[str]:
     return [
         f"| m. pipeline 2 stages (`world=ddp world.pp=2`, 1F1B, {r['microbatches']} microbatches), 2 proc x 1 thread, "
         f"{r['model']} {r['batch']} | {r['pp_tokens_per_s']:,.0f} tok/s | hand-written torch.distributed.pipelining "
-        f"1F1B loop {r['plain_pp_tokens_per_s']:,.0f} tok/s | {r['pp_vs_plain_pp']:.3f}x (fastest windows: "
-        f"{r['pp_vs_plain_pp_fastest_windows']:.3f}x) | {r['target']} | {met_cell(r['met'])} |",
+        f"1F1B loop {r['plain_pp_tokens_per_s']:,.0f} tok/s | {r['pp_vs_plain_pp']:.3f}x (rounds "
+        f"{', '.join(f'{x:.2f}' for x in r['pp_vs_plain_pp_per_round'])}; fastest windows: "
+        f"{r['pp_vs_plain_pp_fastest_windows']:.3f}x; A/A control, hand-written vs hand-written: "
+        f"{r['control_ratio']:.3f}x, rounds {', '.join(f'{x:.2f}' for x in r['control_per_round'])}) | "
+        f"{r['target']} | {met_cell(r['met'])} |",
         f"| m. pipeline 2 stages vs one process, {r['model']} {r['batch']} | {r['pp_tokens_per_s']:,.0f} tok/s | "
         f"world=single, 1 proc x 1 thread {r['single_tokens_per_s']:,.0f} tok/s | {r['pp_vs_single']:.2f}x | — | — |",
         f"| m. pipeline bubble by schedule (4 microbatches): 1 - T1 / (2 x Tpp) | {bubbles} | textbook GPipe/1F1B "
