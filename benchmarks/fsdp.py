@@ -6,8 +6,10 @@
        FSDP2 loop over the same model, and vs the framework's `world=ddp`, in alternating rounds.
 
 Both sides time log windows of a few steps on rank 0, the first (warm-up) left out; a round's figure is
-the median window. The CLI runs, the hand-written multi-process loop (`plain_parallel_window_rates`) and
-the summary of rounds are shared with tp.py.
+the median window. The hand-written loop runs twice in each round: the second run against the first (an A/A
+control) shows how far two runs of the same code spread on this machine, beside the framework's ratio. The
+CLI runs, the hand-written multi-process loop (`plain_parallel_window_rates`), the summary of rounds and the
+A/A control are shared with tp.py and pp.py.
 """
 
 from __future__ import annotations
@@ -63,9 +65,32 @@ def summarize(t: dict[str, list[list[float]]]) -> tuple[dict[str, list[float]], 
             {k: max(x for w in rounds for x in w) for k, rounds in t.items()})
 
 
+def round_ratios(per_round: dict[str, list[float]], a: str, b: str) -> list[float]:
+    """a's tokens/s over b's, round by round."""
+    return [x / y for x, y in zip(per_round[a], per_round[b])]
+
+
 def ratio(per_round: dict[str, list[float]], a: str, b: str) -> float:
     """The median over rounds of a's tokens/s over b's in the same round."""
-    return median([x / y for x, y in zip(per_round[a], per_round[b])])
+    return median(round_ratios(per_round, a, b))
+
+
+# The hand-written loop runs a second time in each round under this name: an A/A control. Its ratio to the first
+# run is this machine's noise between rounds, the scale on which the framework's ratio can be read.
+AGAIN = "plain_again"
+
+
+def judged(per_round: dict[str, list[float]], fastest: dict[str, float], ours: str, plain: str) -> dict:
+    """What a framework-vs-hand-written ratio can be read against: its rounds, its fastest windows' ratio, and
+    the A/A control's ratio and rounds."""
+    return {"per_round": round_ratios(per_round, ours, plain), "fastest_windows": fastest[ours] / fastest[plain],
+            "control": ratio(per_round, AGAIN, plain), "control_per_round": round_ratios(per_round, AGAIN, plain)}
+
+
+def judged_cell(value: float, j: dict) -> str:
+    rounds, control = (", ".join(f"{x:.2f}" for x in j[k]) for k in ("per_round", "control_per_round"))
+    return (f"{value:.3f}x (rounds {rounds}; fastest windows: {j['fastest_windows']:.3f}x; A/A control, hand-written "
+            f"vs hand-written: {j['control']:.3f}x, rounds {control})")
 
 
 # -- a. bytes held per rank ----------------------------------------------------------------------------
@@ -217,11 +242,11 @@ def measure(ctx: Context, sizes: dict) -> dict:
     cfg = compose(base)
     plain_cfg = OmegaConf.to_container(cfg)
     world = [f"world.nproc_per_node={NPROC}"]
-    t = alternate({"fsdp": lambda: cli_window_rates([*base, "world=fsdp", *world]),
-                   "plain_fsdp": lambda: plain_parallel_window_rates(fully_shard_loop, plain_cfg, windows, log_every,
-                                                                     device),
-                   "ddp": lambda: cli_window_rates([*base, "world=ddp", *world])},
-                  rounds)
+    def plain() -> list[float]:
+        return plain_parallel_window_rates(fully_shard_loop, plain_cfg, windows, log_every, device)
+
+    t = alternate({"fsdp": lambda: cli_window_rates([*base, "world=fsdp", *world]), "plain_fsdp": plain,
+                   "ddp": lambda: cli_window_rates([*base, "world=ddp", *world]), AGAIN: plain}, rounds)
     per_round, fastest = summarize(t)
     vs_plain = ratio(per_round, "fsdp", "plain_fsdp")
     return {
@@ -234,6 +259,7 @@ def measure(ctx: Context, sizes: dict) -> dict:
         "fsdp_vs_ddp": ratio(per_round, "fsdp", "ddp"),
         "fastest_window_tokens_per_s": fastest,
         "fsdp_vs_plain_fsdp_fastest_windows": fastest["fsdp"] / fastest["plain_fsdp"],
+        "fsdp_vs_plain_fsdp_judged": judged(per_round, fastest, "fsdp", "plain_fsdp"),
         "per_round_tokens_per_s": per_round, "per_window_tokens_per_s": t,
         "throughput_target": ">= 0.97x", "throughput_met": bool(vs_plain >= 0.97),
         "target": "bytes <= 0.55x of ddp; tokens/s >= 0.97x of the hand-written FSDP2 loop",
@@ -252,14 +278,14 @@ def rows(r: dict) -> list[str]:
             f"{r['bytes_target']} | {met_cell(r['bytes_met'])} |",
             f"| f. FSDP (`world=fsdp`), {where}, {r['model']} {r['batch_per_process']}/proc | "
             f"{r['fsdp_tokens_per_s']:,.0f} tok/s | hand-written fully_shard loop "
-            f"{r['plain_fsdp_tokens_per_s']:,.0f} tok/s | {r['fsdp_vs_plain_fsdp']:.3f}x (fastest windows: "
-            f"{r['fsdp_vs_plain_fsdp_fastest_windows']:.3f}x) | "
+            f"{r['plain_fsdp_tokens_per_s']:,.0f} tok/s | "
+            f"{judged_cell(r['fsdp_vs_plain_fsdp'], r['fsdp_vs_plain_fsdp_judged'])} | "
             f"{r['throughput_target']} | {met_cell(r['throughput_met'])} |",
             f"| f. FSDP vs the framework's DDP, same processes and batches | {r['fsdp_tokens_per_s']:,.0f} tok/s | "
             f"world=ddp {r['ddp_tokens_per_s']:,.0f} tok/s | {r['fsdp_vs_ddp']:.3f}x | — | — |"]
 
 
-# Sizes: rounds (each runs the three cases once), the model and batch, timed log windows per run, log_every.
+# Sizes: rounds (each runs the four cases once), the model and batch, timed log windows per run, log_every.
 FSDP = Item(measure, rows,
             full={"fsdp_rounds": 3, "fsdp_model": tuple(DEFAULT), "fsdp_windows": 6, "fsdp_log_every": 3},
             quick={"fsdp_rounds": 1, "fsdp_model": tuple(TINY), "fsdp_windows": 2, "fsdp_log_every": 1})

@@ -22,7 +22,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .fsdp import NPROC, cli_overrides, cli_window_rates, new_optimizer, ratio, summarize
+from .fsdp import (
+    AGAIN,
+    NPROC,
+    cli_overrides,
+    cli_window_rates,
+    judged,
+    judged_cell,
+    new_optimizer,
+    ratio,
+    summarize,
+)
 from .harness import DEFAULT, Context, Item, Stopwatch, alternate, compose, median, met_cell, spawn
 from .loop import PlainLoop
 
@@ -133,13 +143,10 @@ def measure(ctx: Context, sizes: dict) -> dict:
     def plain() -> list[float]:
         return spawn(_plain_pp_worker, NPROC, plain_cfg, windows, log_every, microbatches)[0]
 
-    # "plain_again": an A/A control, the hand-written loop against itself. Its ratio is this machine's noise
-    # between rounds, the scale on which the framework's ratio can be read.
     t = alternate({"pp": lambda: cli_window_rates([*base, *pp]), "plain_pp": plain,
-                   "single": lambda: cli_window_rates(base), "plain_again": plain}, rounds)
+                   "single": lambda: cli_window_rates(base), AGAIN: plain}, rounds)
     per_round, fastest = summarize(t)
     vs_plain = ratio(per_round, "pp", "plain_pp")
-    control = [x / y for x, y in zip(per_round["plain_again"], per_round["plain_pp"])]
     # Each schedule once (4 microbatches, so that the looped and V schedules' 4 stages get one each), against
     # one process in the same round.
     sched = alternate({s: (lambda s=s: cli_window_rates([*base, *pp, f"world.pp_schedule={s}",
@@ -154,8 +161,7 @@ def measure(ctx: Context, sizes: dict) -> dict:
             "plain_pp_tokens_per_s": median(per_round["plain_pp"]), "single_tokens_per_s": median(per_round["single"]),
             "pp_vs_plain_pp": vs_plain, "pp_vs_single": ratio(per_round, "pp", "single"),
             "pp_vs_plain_pp_fastest_windows": fastest["pp"] / fastest["plain_pp"],
-            "pp_vs_plain_pp_per_round": [x / y for x, y in zip(per_round["pp"], per_round["plain_pp"])],
-            "control_ratio": median(control), "control_per_round": control,
+            "pp_vs_plain_pp_judged": judged(per_round, fastest, "pp", "plain_pp"),
             "schedule_tokens_per_s": {s: median(sched[s][0]) for s in SCHEDULES}, "schedule_single_tokens_per_s": single,
             "bubble": bubbles, "textbook_bubble_1f1b": (NPROC - 1) / (4 + NPROC - 1),
             "held_bytes_per_stage": held, "per_round_tokens_per_s": per_round, "per_window_tokens_per_s": t,
@@ -172,11 +178,8 @@ def rows(r: dict) -> list[str]:
     return [
         f"| m. pipeline 2 stages (`world=ddp world.pp=2`, 1F1B, {r['microbatches']} microbatches), 2 proc x 1 thread, "
         f"{r['model']} {r['batch']} | {r['pp_tokens_per_s']:,.0f} tok/s | hand-written torch.distributed.pipelining "
-        f"1F1B loop {r['plain_pp_tokens_per_s']:,.0f} tok/s | {r['pp_vs_plain_pp']:.3f}x (rounds "
-        f"{', '.join(f'{x:.2f}' for x in r['pp_vs_plain_pp_per_round'])}; fastest windows: "
-        f"{r['pp_vs_plain_pp_fastest_windows']:.3f}x; A/A control, hand-written vs hand-written: "
-        f"{r['control_ratio']:.3f}x, rounds {', '.join(f'{x:.2f}' for x in r['control_per_round'])}) | "
-        f"{r['target']} | {met_cell(r['met'])} |",
+        f"1F1B loop {r['plain_pp_tokens_per_s']:,.0f} tok/s | {judged_cell(r['pp_vs_plain_pp'], r['pp_vs_plain_pp_judged'])} "
+        f"| {r['target']} | {met_cell(r['met'])} |",
         f"| m. pipeline 2 stages vs one process, {r['model']} {r['batch']} | {r['pp_tokens_per_s']:,.0f} tok/s | "
         f"world=single, 1 proc x 1 thread {r['single_tokens_per_s']:,.0f} tok/s | {r['pp_vs_single']:.2f}x | — | — |",
         f"| m. pipeline bubble by schedule (4 microbatches): 1 - T1 / (2 x Tpp) | {bubbles} | textbook GPipe/1F1B "
