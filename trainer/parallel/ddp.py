@@ -54,14 +54,18 @@ class DDP(Strategy):
 
     @property
     def reduces_gradients(self) -> bool:
+        """Pipeline stages (tied weights' copies; and no DDP wrapper, so data-parallel peers too) and tensor-parallel
+        shards with data-parallel peers (DDP cannot hold DTensors) have gradients to sum here."""
         return self.pipeline is not None or (self.shards_parameters and self.dp_size > 1)
 
     def reduce_gradients(self, params: list[torch.Tensor]) -> None:
         """The average of each tensor-parallel shard's gradient over its data-parallel peers, in one flat buffer
         (what DistributedDataParallel does for plain parameters, in its buckets)."""
+        if not self.reduces_gradients:  # DistributedDataParallel averaged them in the backward
+            return
         if self.pipeline is not None:
             self.pipeline.reduce_tied()  # a tied weight's copies on several stages: the sum of their gradients
-        if not (self.shards_parameters or self.pipeline is not None) or self.dp_size == 1:
+        if self.dp_size == 1:
             return
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
         from torch.distributed.tensor import DTensor
