@@ -126,3 +126,42 @@ def test_the_failure_reported_is_the_cause_not_a_consequence(tmp_path):
                      {1: failure(1, 3, 300), 0: failure(0, -15, None)}):
         assert root_failure(failures)[0] == 1, failures
     assert root_failure({0: failure(0, -9, None), 1: failure(1, 1, 300)})[0] == 0
+
+
+def test_the_cause_is_found_when_torch_reports_only_the_consequence(tmp_path):
+    """Workers forked from the forkserver are reported one at a time: torch.multiprocessing names the first dead
+    worker it looks at, here rank 0 on node 1 (global ranks 2, 3), which failed on the closed connection after
+    rank 1 had recorded the real error. Rank 1's record (beside rank 0's, in torchelastic's attempt directory)
+    is read back, with the exit code it recorded, and is the one reported."""
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from trainer.entry.launcher import every_failure, root_failure
+
+    def record(local: int, ms: int, exitcode: int) -> str:
+        path = tmp_path / "attempt_0" / str(local) / "error.json"
+        path.parent.mkdir(parents=True)
+        info = {"py_callstack": "", "timestamp": "50", "time_ns": 50 * 10**9 + ms * 10**6, "exitcode": exitcode}
+        path.write_text(json.dumps({"message": {"message": f"error: rank {local}", "extraInfo": info}}))
+        return str(path)
+
+    reported = {2: ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file=record(0, 700, 1))}
+    record(1, 300, 2)
+    (tmp_path / "attempt_0" / "2").mkdir()  # a rank that left no record (stopped by the agent)
+    failures = every_failure(reported, nproc=3)
+    assert sorted(failures) == [2, 3]
+    rank, failure = root_failure(failures)
+    assert (rank, failure.exitcode, failure.message["message"]) == (3, 2, "error: rank 1")
+
+
+def test_a_forked_worker_takes_this_launchs_environment_not_the_forkservers():
+    """The forkserver keeps the environment of the launch that started it; a later launch from the same process
+    (a sweep, the Python API called twice) hands its own. What torchelastic set for the rank stays."""
+    from trainer.entry.worker import worker_environment
+
+    boot = {"PATH": "/bin", "TRAINER_CONFIG": "first job", "STALE": "1"}
+    current = {**boot, "RANK": "1", "MASTER_PORT": "29500"}  # forked, then torchelastic's rank variables
+    launcher = {"PATH": "/bin", "TRAINER_CONFIG": "second job", "NEW": "2"}
+    assert worker_environment(launcher, boot, current) == {
+        "PATH": "/bin", "TRAINER_CONFIG": "second job", "NEW": "2", "RANK": "1", "MASTER_PORT": "29500"}

@@ -70,7 +70,7 @@ def test_a_sigkilled_launcher_takes_its_workers_with_it_and_frees_the_run_dir(co
     try:
         with open(hold) as f:  # rank 1 is at its third loss call: the job is training
             blocked = int(f.read())
-        workers = _children(launcher.pid)
+        workers = [w for child in _children(launcher.pid) for w in _children(child)]  # (its forkserver's children)
         assert blocked in workers and len(workers) == 2
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()

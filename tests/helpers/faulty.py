@@ -71,7 +71,8 @@ class Faulty:
                 time.sleep(3600)
             if self.action == "raise":
                 raise RuntimeError(f"boom from the faulty task on rank {self.rank}")
-            target = os.getppid() if self.action.endswith("_parent") else os.getpid()
+            # "_parent": the launcher, as a user or a scheduler signals it (a worker's parent is its forkserver).
+            target = int(os.environ["TRAINER_LAUNCHER_PID"]) if self.action.endswith("_parent") else os.getpid()
             os.kill(target, {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1,
                              "sigterm_parent": signal.SIGTERM, "sigusr1_parent": signal.SIGUSR1,
                              "sigint_parent": signal.SIGINT}[self.action])

@@ -3,6 +3,9 @@
 `python -m trainer world=ddp world.nproc_per_node=2` composes and resolves the config once, here in
 the parent, then starts the workers with `torch.distributed.launcher.api.elastic_launch`. Workers
 (`trainer.entry.worker`) receive the resolved config through the environment and never re-parse argv.
+They are forked from a forkserver that imported torch once (start_method="forkserver"), not each started
+as a fresh interpreter: a fork of a process that only imported torch is safe, where a fork of one that
+ran torch ops (OpenMP's threads) or holds threads (the agent's store) is not.
 Under `torchrun ... -m trainer`, rank 0 composes the config with Hydra and broadcasts it.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
@@ -17,11 +21,12 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Callable
+from multiprocessing import forkserver
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.entry.worker import CONFIG_ENV, ENTRY_ENV, LAUNCHER_ENV, RUN_DIR_ENV, run_worker
+from trainer.entry.worker import CONFIG_ENV, ENTRY_ENV, LAUNCHER_ENV, PRELOAD, RUN_DIR_ENV, forked, run_worker
 from trainer.errors import TrainerExit
 from trainer.loop import watchdog
 
@@ -168,6 +173,9 @@ def launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
     from trainer.entry.run import preflight, script
     from trainer.loop.preemption import PreemptionFlag
 
+    # The workers' forkserver imports torch (PRELOAD) while the datasets are built.
+    multiprocessing.set_forkserver_preload(list(PRELOAD))
+    forkserver.ensure_running()
     # A stop signal before the workers exist (while the datasets are built): nothing to save, exit 75.
     early = PreemptionFlag().install()
     try:
@@ -201,6 +209,7 @@ def launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
         # The agent forwards these to the workers (and raises SignalException here): SIGUSR1, a scheduler's
         # preemption notice, too. Not in torch's default list, it would kill this process and orphan the workers.
         signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        start_method="forkserver",
     )
     # Workers of each restart get a fresh rendezvous store. The agent's shared store outlives restarts
     # and keeps the previous attempt's gloo addresses, which restarted workers then fail to reach.
@@ -213,10 +222,11 @@ def launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
     hang_dir = os.environ[watchdog.HANG_DIR_ENV] = tempfile.mkdtemp(prefix="trainer-hang-")
     before = _newest_checkpoint(run_dir)
     try:
-        elastic_launch(config, entrypoint=sys.executable)("-m", "trainer.entry.worker")
+        elastic_launch(config, entrypoint=forked)(dict(os.environ))
     except ChildFailedError as e:
-        rank, failure = root_failure(e.failures)
-        hang = watchdog.report(hang_dir, e.failures, w.hang_timeout, run_dir)  # no progress: every rank's stack
+        failures = every_failure(e.failures, nproc)
+        rank, failure = root_failure(failures)
+        hang = watchdog.report(hang_dir, failures, w.hang_timeout, run_dir)  # no progress: every rank's stack
         if hang is not None:
             raise WorkerFailed(rank, watchdog.HangDetected.exit_code, hang) from None
         raise WorkerFailed(rank, failure.exitcode, _failure_text(failure)) from None
@@ -254,6 +264,27 @@ def _what_was_saved(run_dir: Path, before: Path | None) -> str:
     if newest is not None:
         return f"the workers saved no new checkpoint; the newest is {newest}."
     return "the workers saved no checkpoint (none was due yet)."
+
+
+def every_failure(failures: dict, nproc: int) -> dict:
+    """`failures` and every other worker of this node that recorded an error. torch.multiprocessing reports one
+    dead worker, the first it looks at among those found dead, then stops the rest; the one that failed first
+    may be another, whose error file (beside the reported one's: attempt_N/LOCAL_RANK/error.json) says so."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    found = dict(failures)
+    for rank, failure in failures.items():
+        base = rank - failure.local_rank
+        for local in range(nproc):
+            path = Path(failure.error_file).parent.parent / str(local) / "error.json"
+            if base + local not in found and path.is_file():
+                try:
+                    data = json.loads(path.read_text())
+                    exitcode = int(data["message"]["extraInfo"]["exitcode"])
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue  # (not one of our records: the reported failure stands)
+                found[base + local] = ProcessFailure(local, 0, exitcode, str(path))
+    return found
 
 
 def root_failure(failures: dict) -> tuple:

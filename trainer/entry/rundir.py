@@ -156,17 +156,20 @@ def _pids_holding(run_dir: Path) -> list[str]:
     return found[:8]
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGKILL this process when its parent (the launcher) dies, so no worker outlives a
-    SIGKILLed launcher and trains on beside the next job. Linux only (prctl PR_SET_PDEATHSIG); elsewhere a no-op."""
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this worker when its parent dies, so no worker outlives a SIGKILLed launcher and
+    trains on beside the next job. The parent is the launcher's forkserver (trainer/entry/launcher.py), which
+    exits as soon as the launcher does: it reads end-of-file on a pipe only the launcher holds open. Linux only
+    (prctl PR_SET_PDEATHSIG); elsewhere a no-op."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
     import signal
 
+    parent = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG = 1
-    if os.getppid() != parent_pid:  # the launcher died before the request took effect
+    if os.getppid() != parent:  # the parent died before the request took effect
         os._exit(1)
 
 

@@ -1,4 +1,5 @@
-"""Entry point of each worker process started by the elastic launcher: `python -m trainer.entry.worker`.
+"""Entry point of each worker process started by the elastic launcher: `forked`, called in a process forked from
+the launcher's forkserver, which has imported torch once for all of them (trainer/entry/launcher.py).
 
 The prepared config arrives in $TRAINER_CONFIG (JSON), the run dir in $TRAINER_RUN_DIR. A failure
 is written to torchelastic's per-worker error file instead of stderr, so the parent can print the
@@ -11,6 +12,7 @@ import json
 import os
 import sys
 import traceback
+from multiprocessing import forkserver
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -18,6 +20,15 @@ from omegaconf import DictConfig, OmegaConf
 # What the launcher sets for each worker (this module reads them; the launcher imports the names).
 CONFIG_ENV, RUN_DIR_ENV, ENTRY_ENV = "TRAINER_CONFIG", "TRAINER_RUN_DIR", "TRAINER_ENTRY"
 LAUNCHER_ENV = "TRAINER_LAUNCHER_PID"  # the launching process: workers die with it (trainer/entry/rundir.py)
+# What the launcher's forkserver preloads, so that a worker forked from it starts with these imported: torch and
+# the parts every run reaches (an optimizer's first param group imports torch._dynamo, ~1.7 s on its own; DTensor
+# comes with the checkpoint and parallel code). About 3.4 s of CPU a worker, paid once a launch instead.
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed.tensor", "torch.distributed.checkpoint",
+           "trainer.entry.worker", "trainer.entry.run", "trainer.loop.trainer", "trainer.parallel.ddp")
+# The environment of the process that imported this module: in a forked worker, the forkserver's (see `forked`).
+_BOOT_ENV = dict(os.environ)
+
+
 def run_worker(cfg: DictConfig, run_dir: Path, entry) -> int:
     """Run the entry point `entry` (a function of trainer.entry.run.ENTRY_POINTS) on this rank; its exit code."""
     from trainer.entry.rundir import hold_as_worker
@@ -30,14 +41,14 @@ def run_worker(cfg: DictConfig, run_dir: Path, entry) -> int:
     except KeyboardInterrupt:  # Ctrl-C reached every process of the job; the parent says so once
         return 130
     except TrainerExit as e:
-        _record(f"error: {e}", "")
+        _record(f"error: {e}", "", e.exit_code)
         return e.exit_code
     except Exception as e:  # noqa: BLE001 - reported once by the parent, with its traceback
-        _record(f"{type(e).__name__}: {e}", traceback.format_exc())
+        _record(f"{type(e).__name__}: {e}", traceback.format_exc(), 1)
         return 1
 
 
-def _record(message: str, stack: str) -> None:
+def _record(message: str, stack: str, exitcode: int) -> None:
     """Write torchelastic's error file (what ChildFailedError reads), or stderr without a launcher."""
     import time
 
@@ -46,7 +57,8 @@ def _record(message: str, stack: str) -> None:
         print(stack or message, file=sys.stderr, flush=True)
         return
     now = time.time_ns()  # torchelastic reads whole seconds; the launcher orders failures by the nanosecond
-    info = {"py_callstack": stack, "timestamp": str(now // 10**9), "time_ns": now}
+    # exitcode: a rank torch.multiprocessing did not report itself is read back from here (launcher.every_failure).
+    info = {"py_callstack": stack, "timestamp": str(now // 10**9), "time_ns": now, "exitcode": exitcode}
     payload = {"message": {"message": message, "extraInfo": info}}
     with open(path, "w") as f:
         json.dump(payload, f)
@@ -56,7 +68,7 @@ def main() -> int:
     if os.environ.get(LAUNCHER_ENV):
         from trainer.entry.rundir import die_with_parent
 
-        die_with_parent(int(os.environ[LAUNCHER_ENV]))  # a SIGKILLed launcher takes its workers with it
+        die_with_parent()  # a SIGKILLed launcher takes its workers with it
     cfg = OmegaConf.create(json.loads(os.environ[CONFIG_ENV]))
     OmegaConf.set_struct(cfg, True)
     from trainer.entry.run import ENTRY_POINTS
@@ -64,18 +76,52 @@ def main() -> int:
     return run_worker(cfg, Path(os.environ[RUN_DIR_ENV]), ENTRY_POINTS[os.environ[ENTRY_ENV]])
 
 
-def exit_now(code: int) -> None:
-    """Leave without running interpreter and C++ static teardown. By now the run is complete or its error
-    recorded, files closed and trackers finished, and the process group destroyed; what is left to tear down
-    is gloo's threads, whose destructors at exit can abort a process whose peer left first ("terminate called
-    without an active exception"), turning a finished job into a failed one."""
+def forked(launcher_env: dict[str, str]) -> int:
+    """A worker, in a process forked from the launcher's forkserver. The forkserver's environment is the one
+    the launcher had when it started the server, which a later launch from the same process (a sweep, or the
+    Python API called twice) would inherit stale: the worker takes the launcher's environment of this launch,
+    plus what torchelastic set for this rank (RANK, MASTER_PORT, ...: what differs from the forkserver's)."""
+    _let_go_of_forkserver()
+    env = worker_environment(launcher_env, _BOOT_ENV, dict(os.environ))
+    os.environ.clear()
+    os.environ.update(env)
+    code = main()
+    if code:
+        exit_now(code)  # (the error is in torchelastic's error file; the exit code says which kind)
+    _flush()
+    return 0  # torchelastic waits for this value; the process then ends without interpreter teardown (os._exit)
+
+
+def worker_environment(launcher: dict, boot: dict, current: dict) -> dict:
+    """A forked worker's environment: the launcher's (`launcher`, at this launch), and over it what torchelastic
+    set for this rank, which is what `current` holds differently from the forkserver's start (`boot`)."""
+    return {**launcher, **{k: v for k, v in current.items() if boot.get(k) != v}}
+
+
+def _let_go_of_forkserver() -> None:
+    """Close this worker's copy of the write end of the pipe that keeps the forkserver alive (multiprocessing
+    hands one to every child it forks, so that the child could fork through it too). The forkserver exits
+    when every copy is closed; with the workers holding copies, a SIGKILLed launcher would leave it, and so
+    its workers (whose parent-death signal is the forkserver's death: rundir.die_with_parent), running."""
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        os.close(fd)
+        server._forkserver_alive_fd = None
+
+
+def _flush() -> None:
     import logging
 
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def exit_now(code: int) -> None:
+    """Leave without running interpreter and C++ static teardown. By now the run is complete or its error
+    recorded, files closed and trackers finished, and the process group destroyed; what is left to tear down
+    is gloo's threads, whose destructors at exit can abort a process whose peer left first ("terminate called
+    without an active exception"), turning a finished job into a failed one."""
+    _flush()
     os._exit(code)
-
-
-if __name__ == "__main__":
-    exit_now(main())
