@@ -84,11 +84,54 @@ def load_weights(path: Path) -> dict:
 
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 180,
-            module: str = "trainer") -> subprocess.CompletedProcess:
-    """`python -m trainer ARGS` in a subprocess, as a user would run it."""
+            module: str = "trainer", fresh: bool = False) -> subprocess.CompletedProcess:
+    """`python -m trainer ARGS` in a subprocess, as a user would run it: a process of its own with this argv,
+    cwd, environment and sys.path, its exit code and output. It is forked from a forkserver that imported
+    torch, Hydra and the trainer once (tests/helpers/forked_cli.py), not started as a fresh interpreter, which
+    `fresh=True` asks for (and any PYTHON* interpreter flag in `env` gets): what only an interpreter's start
+    reads, such as sitecustomize or PYTHONPROFILEIMPORTTIME."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    flags = {k for k in (env or {}) if k.startswith("PYTHON")} - {"PYTHONPATH", "PYTHONUNBUFFERED"}
+    if fresh or flags:
+        return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or ROOT, env=full_env,
+                              capture_output=True, text=True, timeout=timeout)
+    return _forked_cli(module, list(args), Path(cwd or ROOT), full_env, timeout)
+
+
+def _interpreter_path(cwd: Path, pythonpath: str) -> list[str]:
+    """The sys.path of `python -m ...` started in `cwd` with PYTHONPATH=`pythonpath`."""
+    global _SITE_PATH
+    if _SITE_PATH is None:
+        bare = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        _SITE_PATH = json.loads(subprocess.run([sys.executable, "-c", "import sys, json; print(json.dumps(sys.path[1:]))"],
+                                               env=bare, capture_output=True, text=True, check=True).stdout)
+    return [str(cwd), *(p for p in pythonpath.split(os.pathsep) if p), *_SITE_PATH]
+
+
+_SITE_PATH: list[str] | None = None
+
+
+def _forked_cli(module: str, args: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    import multiprocessing
+
+    import forked_cli
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(forked_cli.PRELOAD)
+    with tempfile.TemporaryDirectory(prefix="trainer-cli-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        out.touch()
+        err.touch()
+        child = context.Process(target=forked_cli.main, args=(
+            module, args, str(cwd), env, _interpreter_path(cwd, env.get("PYTHONPATH", "")), str(out), str(err)))
+        child.start()
+        child.join(timeout)
+        command = [sys.executable, "-m", module, *args]
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+            raise subprocess.TimeoutExpired(command, timeout, out.read_text(), err.read_text())
+        return subprocess.CompletedProcess(command, child.exitcode, out.read_text(), err.read_text())
 
 
 def run_main(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:

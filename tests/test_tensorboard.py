@@ -246,7 +246,7 @@ def test_without_tensorboard_the_error_says_how_to_install_it(corpus, tmp_path, 
     (site / "sitecustomize.py").write_text("import sys\nsys.modules['tensorboard'] = None\n")
     run_dir = tmp_path / "run"
     r = run_cli(*tiny_overrides(corpus, *DDP2, "logger=tensorboard"), f"hydra.run.dir={run_dir}",
-                env={"PYTHONPATH": f"{site}:{ROOT}"})
+                env={"PYTHONPATH": f"{site}:{ROOT}"}, fresh=True)  # (sitecustomize runs at an interpreter's start)
     assert r.returncode == 2, r.stderr
     assert re.fullmatch(r"error: [^\n]*pip install tensorboard[^\n]*\n", r.stderr), r.stderr
     assert not run_dir.exists()

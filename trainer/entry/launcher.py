@@ -165,6 +165,14 @@ def _first_line(error: BaseException | None) -> str:
 
 def launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
     """Start the workers of this node, each running `entry`; `w` is world's launch keys (a LaunchConfig)."""
+    server = _start_forkserver()
+    try:
+        return _launch(cfg, run_dir, entry, w)
+    finally:
+        _stop_forkserver(server)
+
+
+def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
@@ -173,9 +181,6 @@ def launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
     from trainer.entry.run import preflight, script
     from trainer.loop.preemption import PreemptionFlag
 
-    # The workers' forkserver imports torch (PRELOAD) while the datasets are built.
-    multiprocessing.set_forkserver_preload(list(PRELOAD))
-    forkserver.ensure_running()
     # A stop signal before the workers exist (while the datasets are built): nothing to save, exit 75.
     early = PreemptionFlag().install()
     try:
@@ -246,6 +251,27 @@ def launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
             os.environ.pop(name, None)
         shutil.rmtree(hang_dir, ignore_errors=True)
     return None
+
+
+def _start_forkserver():
+    """Start the workers' forkserver, which imports torch (PRELOAD) while the datasets are built; returns it
+    when this launch started it (None when one was running already, started by someone else)."""
+    server = getattr(forkserver, "_forkserver", None)
+    if server is None or getattr(server, "_forkserver_pid", None) is not None:
+        return None
+    multiprocessing.set_forkserver_preload(list(PRELOAD))
+    forkserver.ensure_running()
+    return server
+
+
+def _stop_forkserver(server) -> None:
+    """End the forkserver this launch started, and wait for it: it would otherwise outlive the job by a moment
+    (it exits when it notices its launcher gone), and a later launch from this process gets a fresh one."""
+    if server is not None and hasattr(server, "_stop"):
+        try:
+            server._stop()
+        except OSError:
+            pass  # (it is gone already)
 
 
 def _newest_checkpoint(run_dir: Path) -> Path | None:
