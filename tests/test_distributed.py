@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import socket
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -153,6 +156,32 @@ def test_the_cause_is_found_when_torch_reports_only_the_consequence(tmp_path):
     assert sorted(failures) == [2, 3]
     rank, failure = root_failure(failures)
     assert (rank, failure.exitcode, failure.message["message"]) == (3, 2, "error: rank 1")
+
+
+def _inherited(queue) -> None:
+    from multiprocessing import forkserver
+
+    from trainer.entry.worker import _let_go_of_forkserver
+
+    before = multiprocessing.get_start_method()
+    _let_go_of_forkserver()
+    queue.put((before, multiprocessing.get_start_method(), forkserver._forkserver._forkserver_alive_fd))
+
+
+def test_a_forked_worker_keeps_nothing_of_the_forkserver_a_fresh_interpreter_lacks():
+    """A worker forked from the launcher's forkserver inherits "forkserver" as the default start method (its
+    DataLoader's workers would start through a forkserver of their own, importing torch again) and the pipe
+    that keeps the forkserver alive (a SIGKILLed launcher's forkserver would live on, and its workers with it).
+    After `_let_go_of_forkserver` it has neither: the start method is a fresh interpreter's."""
+    fresh = subprocess.run([sys.executable, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    context = multiprocessing.get_context("forkserver")
+    queue = context.SimpleQueue()
+    child = context.Process(target=_inherited, args=(queue,))
+    child.start()
+    inherited, after, alive_fd = queue.get()
+    child.join()
+    assert inherited == "forkserver" and (after, alive_fd) == (fresh, None)
 
 
 def test_a_forked_worker_takes_this_launchs_environment_not_the_forkservers():

@@ -168,10 +168,19 @@ def test_sigkill_then_resume_auto_is_bit_identical_with_loader_workers(corpus, t
 
 
 @pytest.mark.slow
-def test_two_ranks_with_loader_workers_equal_one_process(corpus, tmp_path, stream_reference):
-    from conftest import tiny_overrides
+def test_two_ranks_with_loader_workers_equal_one_process_and_leave_no_process(corpus, tmp_path, stream_reference):
+    """Also: the loader's workers end with the job. (Workers forked from the launcher's forkserver inherit
+    "forkserver" as the default start method; their loader workers then started through a forkserver of their
+    own, which they kept alive after the job.)"""
+    import uuid
 
+    from conftest import tiny_overrides
+    from test_distributed import _processes_with_marker
+
+    key, value = "TRAINER_TEST_MARKER", uuid.uuid4().hex
     r = run_cli(*tiny_overrides(corpus, *STREAM, f"data.val_path={corpus}", "world=ddp", "world.nproc_per_node=2",
-                                "data.batch_size=2", "data.num_workers=1"), f"hydra.run.dir={tmp_path}")
+                                "data.batch_size=2", "data.num_workers=1"), f"hydra.run.dir={tmp_path}",
+                env={key: value})
     assert r.returncode == 0, r.stderr
     assert_same_run(tmp_path, stream_reference)
+    assert _processes_with_marker(f"{key}={value}") == []

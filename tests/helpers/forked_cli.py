@@ -11,6 +11,7 @@ interpreter's start reads (PYTHON* flags, sitecustomize) needs `run_cli(..., fre
 from __future__ import annotations
 
 import atexit
+import multiprocessing
 import os
 import runpy
 import sys
@@ -25,6 +26,9 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed.tensor", "torch.distribu
 def main(module: str, args: list[str], cwd: str, env: dict, path: list[str], out: str, err: str) -> None:
     """The child: become `python -m MODULE ARGS` (run from `cwd` with `env`; `path`: the sys.path such an
     interpreter has) writing to the files `out` and `err`, then leave with its exit code."""
+    # A fresh interpreter's default start method (a forkserver's child inherits "forkserver": the DataLoader's
+    # workers would start through a forkserver of their own, and outlive this process).
+    multiprocessing.set_start_method(None, force=True)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)

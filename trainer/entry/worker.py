@@ -9,6 +9,7 @@ root cause once rather than once per rank.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import sys
 import traceback
@@ -99,15 +100,19 @@ def worker_environment(launcher: dict, boot: dict, current: dict) -> dict:
 
 
 def _let_go_of_forkserver() -> None:
-    """Close this worker's copy of the write end of the pipe that keeps the forkserver alive (multiprocessing
-    hands one to every child it forks, so that the child could fork through it too). The forkserver exits
-    when every copy is closed; with the workers holding copies, a SIGKILLed launcher would leave it, and so
-    its workers (whose parent-death signal is the forkserver's death: rundir.die_with_parent), running."""
+    """Undo what a process forked from a forkserver inherits and a fresh interpreter does not have.
+    - The write end of the pipe that keeps the forkserver alive (multiprocessing hands one to every child it forks,
+      so that the child could fork through it too). The forkserver exits when every copy is closed; with the
+      workers holding copies, a SIGKILLed launcher would leave it, and so its workers (whose parent-death signal
+      is the forkserver's death: rundir.die_with_parent), running.
+    - "forkserver" as the default start method: the DataLoader's workers would start through a forkserver of
+      their own (importing torch again, and outliving the worker), where a fresh interpreter forks them."""
     server = getattr(forkserver, "_forkserver", None)
     fd = getattr(server, "_forkserver_alive_fd", None)
     if fd is not None:
         os.close(fd)
         server._forkserver_alive_fd = None
+    multiprocessing.set_start_method(None, force=True)  # (None: the platform's default again)
 
 
 def _flush() -> None:
