@@ -78,10 +78,10 @@ def main() -> int:
 
 
 def forked(launcher_env: dict[str, str]) -> int:
-    """A worker, in a process forked from the launcher's forkserver. The forkserver's environment is the one
-    the launcher had when it started the server, which a later launch from the same process (a sweep, or the
-    Python API called twice) would inherit stale: the worker takes the launcher's environment of this launch,
-    plus what torchelastic set for this rank (RANK, MASTER_PORT, ...: what differs from the forkserver's)."""
+    """A worker, in a process forked from the launcher's forkserver. A forkserver keeps the environment its
+    process had when it started, stale where the launch did not start it (one was running already in the
+    calling process): the worker takes the launcher's environment of this launch, plus what torchelastic set
+    for this rank (RANK, MASTER_PORT, ...: what differs from the forkserver's)."""
     _let_go_of_forkserver()
     env = worker_environment(launcher_env, _BOOT_ENV, dict(os.environ))
     os.environ.clear()
