@@ -111,15 +111,6 @@ def _interpreter_path(cwd: Path, pythonpath: str) -> list[str]:
 _SITE_PATH: list[str] | None = None
 
 
-def pytest_sessionfinish(session, exitstatus) -> None:
-    """Stop run_cli's forkserver with the session, rather than a moment after it (when it notices)."""
-    from multiprocessing import forkserver
-
-    server = forkserver._forkserver
-    if getattr(server, "_forkserver_pid", None) is not None:
-        server._stop()
-
-
 def _forked_cli(module: str, args: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
     import multiprocessing
 

@@ -14,6 +14,7 @@ import yaml
 from conftest import (
     DDP2,
     FAULTY_ENV,
+    ROOT,
     SHARED,
     assert_same_run,
     read_metrics,
@@ -182,6 +183,32 @@ def test_a_forked_worker_keeps_nothing_of_the_forkserver_a_fresh_interpreter_lac
     inherited, after, alive_fd = queue.get()
     child.join()
     assert inherited == "forkserver" and (after, alive_fd) == (fresh, None)
+
+
+STOP_WITH_A_FORKED_CHILD = """
+import os, signal, sys
+from trainer.entry.launcher import _start_forkserver, _stop_forkserver
+server = _start_forkserver()
+pid = server._forkserver_pid
+r, w = os.pipe()
+child = os.fork()  # holds a copy of the launcher's end of the forkserver's pipe, as a DataLoader worker would
+if child == 0:
+    os.read(r, 1)
+    os._exit(0)
+_stop_forkserver(server)
+gone = not os.path.exists(f"/proc/{pid}")
+os.kill(child, signal.SIGKILL)
+print(gone, server._forkserver_pid)
+"""
+
+
+def test_the_launcher_ends_its_forkserver_even_while_a_process_it_forked_holds_the_pipe():
+    """multiprocessing's own stop waits for the server to read end-of-file, which a forked child's copy of the
+    pipe withholds: the job would never end. The launcher kills its forkserver instead, once its workers are gone."""
+    r = subprocess.run([sys.executable, "-c", STOP_WITH_A_FORKED_CHILD], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "None"]
 
 
 def test_a_forked_worker_takes_this_launchs_environment_not_the_forkservers():

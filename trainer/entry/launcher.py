@@ -265,13 +265,18 @@ def _start_forkserver():
 
 
 def _stop_forkserver(server) -> None:
-    """End the forkserver this launch started, and wait for it: it would otherwise outlive the job by a moment
-    (it exits when it notices its launcher gone), and a later launch from this process gets a fresh one."""
-    if server is not None and hasattr(server, "_stop"):
-        try:
-            server._stop()
-        except OSError:
-            pass  # (it is gone already)
+    """End the forkserver this launch started, now that its workers are gone: it would otherwise outlive the job
+    by a moment (it exits when it notices its launcher gone), and a later launch from this process gets a fresh
+    one. Killed, not asked: multiprocessing's own stop waits for the server to read end-of-file on a pipe, which
+    never comes while any process forked from this one (a DataLoader's worker) holds a copy."""
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None or not hasattr(server, "_stop"):
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+        server._stop()  # (closes our end, reaps it, removes its socket)
+    except OSError:
+        pass  # (it is gone already)
 
 
 def _newest_checkpoint(run_dir: Path) -> Path | None:
