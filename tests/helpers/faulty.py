@@ -16,6 +16,8 @@ import time
 
 from hydra.utils import get_class
 
+from trainer.entry.worker import LAUNCHER_ENV
+
 
 class Faulty:
     def __init__(self, rank: int = 1, at_call: int = 3, action: str = "raise", first_attempt_only: bool = False,
@@ -72,7 +74,7 @@ class Faulty:
             if self.action == "raise":
                 raise RuntimeError(f"boom from the faulty task on rank {self.rank}")
             # "_parent": the launcher, as a user or a scheduler signals it (a worker's parent is its forkserver).
-            target = int(os.environ["TRAINER_LAUNCHER_PID"]) if self.action.endswith("_parent") else os.getpid()
+            target = int(os.environ[LAUNCHER_ENV]) if self.action.endswith("_parent") else os.getpid()
             os.kill(target, {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1,
                              "sigterm_parent": signal.SIGTERM, "sigusr1_parent": signal.SIGUSR1,
                              "sigint_parent": signal.SIGINT}[self.action])

@@ -16,11 +16,11 @@ import os
 import runpy
 import sys
 
-# What `python -m trainer` imports on its way to a run or a launch (torch._dynamo: an optimizer's first step).
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed.tensor", "torch.distributed.checkpoint",
-           "torch.distributed.launcher.api", "hydra", "omegaconf", "safetensors.torch",
-           "trainer.entry.cli", "trainer.entry.commands", "trainer.entry.run", "trainer.entry.launcher",
-           "trainer.loop.trainer", "trainer.parallel.ddp"]
+from trainer.entry.worker import PRELOAD as WORKER_PRELOAD
+
+# What `python -m trainer` imports on its way to a run or a launch: what a worker needs, and the CLI's side.
+PRELOAD = [*WORKER_PRELOAD, "torch.distributed.launcher.api", "hydra", "safetensors.torch",
+           "trainer.entry.cli", "trainer.entry.commands", "trainer.entry.launcher"]
 
 
 def main(module: str, args: list[str], cwd: str, env: dict, path: list[str], out: str, err: str) -> None:
@@ -41,8 +41,12 @@ def main(module: str, args: list[str], cwd: str, env: dict, path: list[str], out
     code = 0
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else (print(e.code, file=sys.stderr) or 1))
+    except SystemExit as e:  # as the interpreter leaves: an int is the code, anything else is printed (code 1)
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
     except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught exception
         import traceback
 
