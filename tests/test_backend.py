@@ -34,3 +34,16 @@ def test_main_process_first_runs_rank_0_then_the_others(tmp_path):
     # runs before this test), and a forked child can inherit a lock one of them held and wait on it forever.
     mp.start_processes(_worker, args=(2, str(tmp_path / "store"), str(log)), nprocs=2, start_method="spawn")
     assert log.read_text().splitlines() == ["0 main=True cache_existed=False", "1 main=False cache_existed=True"]
+
+
+def test_a_cpu_run_on_a_gpu_machine_joins_a_gloo_only_group(monkeypatch):
+    """world.device=cpu where there are GPUs (two CPU processes on a one-GPU machine): no NCCL part in its process
+    group, so no collective of it can pick a GPU that is not its own. A GPU run gets both."""
+    import torch
+
+    from trainer.parallel.backend import default_pg_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_pg_backend(torch.device("cpu")) == "gloo"
+    assert default_pg_backend(torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
+    assert default_pg_backend() == "cpu:gloo,cuda:nccl"  # before the device is known: whatever the machine has

@@ -62,9 +62,11 @@ def test_ema_skips_steps_the_scaler_skipped(corpus, tmp_path):
 
 
 def test_env_prints_versions_devices_and_the_default_config(tmp_path):
+    import torch
+
     r = run_here("env", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    for needle in ("torch", "2.13.0", "hydra-core", "omegaconf", "wandb", "safetensors", "CUDA available",
+    for needle in ("torch", torch.__version__.split("+")[0], "hydra-core", "omegaconf", "wandb", "safetensors", "CUDA available",
                    "gloo / nccl", "torch threads", "max_steps:"):
         assert needle in r.stdout, needle
 

@@ -109,6 +109,7 @@ def test_log_check_refuses_what_it_cannot_do(corpus, tmp_path):
         train_in_process(corpus, tmp_path / "b", "trainer.nonfinite_check=log", "precision=fp16")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_no_device_sync_between_log_steps_on_cuda(corpus, tmp_path, monkeypatch):
     """`auto` on CUDA: torch raises on any synchronizing call inside the steps between log steps."""

@@ -46,9 +46,12 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def default_pg_backend() -> str:
-    """gloo for CPU tensors, plus nccl for CUDA tensors when there is a GPU."""
-    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+def default_pg_backend(device: torch.device | None = None) -> str:
+    """gloo for CPU tensors, plus nccl for CUDA tensors when the run is on a GPU (`device`; None: when this
+    machine has one). A CPU run on a GPU machine (world.device=cpu, more processes than GPUs) gets gloo alone,
+    so nothing of it can reach for a GPU that is not its own."""
+    cuda = torch.cuda.is_available() if device is None else device.type == "cuda"
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -118,9 +121,9 @@ class Backend:
         device_id = self.device if self.device.type == "cuda" else None
         timeout = datetime.timedelta(seconds=self.timeout_s)
         if self.distributed:
-            dist.init_process_group(backend=default_pg_backend(), timeout=timeout, device_id=device_id)
+            dist.init_process_group(backend=default_pg_backend(self.device), timeout=timeout, device_id=device_id)
         elif process_group:  # a strategy built on DTensor (FSDP at one process) needs a group of one
-            dist.init_process_group(backend=default_pg_backend(), store=dist.HashStore(), rank=0, world_size=1,
+            dist.init_process_group(backend=default_pg_backend(self.device), store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timeout, device_id=device_id)
 
     def teardown(self, wait_for_peers: bool = False) -> None:
@@ -308,8 +311,9 @@ def broadcast_from_main(obj: Any) -> Any:
 def share_before_setup(payload: list) -> list:
     """`payload` as rank 0 has it, on every rank of a job that torchrun started, before any Backend exists (rank 0's
     resolved config): joins the default process group, which the Backend later reuses."""
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():  # else a CPU job on a GPU machine
+        torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group(backend=default_pg_backend())
     dist.broadcast_object_list(payload, src=0)

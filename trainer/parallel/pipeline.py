@@ -145,6 +145,10 @@ class _Replay(_StandIn):
         return self.output
 
 
+def _contiguous(x: Any) -> Any:
+    return x.contiguous() if isinstance(x, torch.Tensor) else x
+
+
 def _rows(batch: Any, rows: torch.Tensor, n: int) -> Any:
     """The rows `rows` of every tensor of `batch` with `n` rows (the rest as it is)."""
     if isinstance(batch, torch.Tensor):
@@ -274,7 +278,10 @@ class Pipeline:
             else:
                 raise TypeError("world.pp: the task's loss never called the model; the pipeline splits the model's "
                                 "forward, so the loss must call model(...) once.")
-        args, kwargs = recorder.args, recorder.kwargs
+        # Contiguous: the stages check their inputs' strides against the shapes they inferred (torch 2.11 does),
+        # and a batch of windows sliced from one buffer (x = w[:-1]) has its rows a token apart too many.
+        args = tuple(_contiguous(a) for a in recorder.args)
+        kwargs = {k: _contiguous(v) for k, v in recorder.kwargs.items()}
         n = next(t.shape[0] for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
         losses, sums = [], []
 

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The GPU checks, as one script for a lent GPU machine (one H100 or H200, 16 cores): the CUDA tests, GPT-2 124M
+# in bf16 (tokens/s and MFU, compiled and not), the lm recipe's default run compiled and not (what compile=auto
+# would decide), the single-device bench items on CUDA, and the multi-process CPU items (pp, fsdp, tp, the
+# Accelerate/Lightning anchors) on 8 cores that nothing else uses. Everything lands in $OUT (a summary, and the
+# logs and run dirs' metrics as one tarball); each step has a deadline so that a failing one leaves time to
+# the rest. From the project root, after `bash ../shared/gpu/prepare.sh`:
+#   source .gpu/setup.sh && bash benchmarks/gpu_check.sh 560
+set -u
+PY=${PYTHON:-python3}                       # the interpreter with (CUDA) torch
+budget=${1:-560}                           # seconds for the whole script
+start=$SECONDS
+G=/tmp/gpu_check; mkdir -p "$G"
+OUT=${OUT:-$G/out}; mkdir -p "$OUT"
+export TRAINER_CACHE_DIR=$G/cache WANDB_MODE=offline PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=8
+GPU_CORES=0-7 CPU_CORES=8-15               # the GPU runs and the CPU benches never share a core
+save() { tar czf "$OUT/results.tgz" -C "$G" --exclude=cache --exclude='*.safetensors' --exclude=checkpoints . 2>/dev/null; }
+left() { echo $((budget - (SECONDS - start))); }
+step() {  # step NAME MAX_SECONDS CMD...: runs on the GPU cores, logs to $G/NAME.log, never past the budget
+  local name=$1 max=$2; shift 2
+  local t=$(( $(left) - 15 )); (( t > max )) && t=$max
+  if (( t < 10 )); then echo "SKIP $name (no time left)" | tee -a "$G/summary.txt"; return; fi
+  local t0=$SECONDS
+  taskset -c $GPU_CORES timeout -k 5 "$t" "$@" > "$G/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc wall=$((SECONDS - t0))s (limit ${t}s)" | tee -a "$G/summary.txt"
+  save
+}
+lm() {  # lm NAME MAX_SECONDS OVERRIDES...: a training run whose run dir is $G/NAME
+  local name=$1 max=$2; shift 2
+  step "$name" "$max" "$PY" -m trainer recipe=lm trainer.eval_every=0 trainer.eval_samples=64 \
+    checkpoint.save_final=false task.sample_tokens=0 trainer.progress=lines logger=none "$@" "hydra.run.dir=$G/$name"
+}
+rates() {  # rates NAME: the median tokens/s and MFU over the log windows after the first two (compilation)
+  "$PY" - "$G/$1" <<'EOF' | tee -a "$G/summary.txt"
+import json, statistics, sys
+from pathlib import Path
+p = Path(sys.argv[1]) / "metrics.jsonl"
+ev = [json.loads(l) for l in p.read_text().splitlines()] if p.exists() else []
+w = [e for e in ev if "train/tokens_per_s" in e][2:]
+if not w:
+    print(f"{p.parent.name}: no windows"); sys.exit()
+tps = statistics.median(e["train/tokens_per_s"] for e in w)
+mfu = statistics.median(e.get("train/mfu", float("nan")) for e in w)
+mem = max(e.get("train/peak_mem_mb", 0) for e in w)
+print(f"{p.parent.name}: {tps:,.0f} tokens/s, MFU {mfu:.3f}, peak {mem:,.0f} MiB, windows {len(w)}, "
+      f"last loss {[e['train/loss'] for e in ev if 'train/loss' in e][-1]:.3f}")
+EOF
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  lscpu | grep -E 'Model name|^CPU\(s\)'
+  "$PY" -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"
+} 2>&1 | tee "$G/summary.txt"
+
+# The CPU benches, in the background on their own cores (pp for issue 29; fsdp, tp and the anchors for 33).
+( taskset -c $CPU_CORES timeout $(( budget - 60 )) "$PY" -m benchmarks --only pp,fsdp,tp --out "$G/bench_cpu.md" \
+    > "$G/bench_cpu.log" 2>&1
+  echo "bench_cpu rc=$? at $((SECONDS - start))s" >> "$G/summary.txt"
+  taskset -c $CPU_CORES timeout $(( budget - 20 - (SECONDS - start) )) "$PY" -m benchmarks --only anchors \
+    --out "$G/bench_anchors.md" > "$G/bench_anchors.log" 2>&1
+  echo "bench_anchors rc=$? at $((SECONDS - start))s" >> "$G/summary.txt" ) &
+bg=$!
+
+# GPT-2 124M's shape (12 x 768, GPT-2's vocabulary padded to 50304) on the byte corpus, bf16, flash SDPA.
+GPT2=(model=gpt_medium model.vocab_size=50304 precision=bf16 data.seq_len=1024 data.batch_size=32 trainer.log_every=10)
+lm gpt2_compiled 170 "${GPT2[@]}" trainer.compile=true trainer.max_steps=100; rates gpt2_compiled
+step tests 170 "$PY" -m pytest -q -m gpu tests -n 3 -p no:cacheprovider -rfEs
+tail -n 25 "$G/tests.log" >> "$G/summary.txt"
+lm gpt2_eager 60 "${GPT2[@]}" trainer.max_steps=50; rates gpt2_eager
+step bench_cuda 90 "$PY" -m benchmarks --only loop_tiny,loop_default,checkpoint --out "$G/bench_cuda.md"
+# The lm recipe's default run (make train: gpt_small, precision=auto), 300 steps: does compile pay on a GPU?
+lm default_eager 45 trainer.max_steps=300; rates default_eager
+lm default_compiled 80 trainer.compile=true trainer.max_steps=300; rates default_compiled
+
+wait $bg
+for f in bench_cuda bench_cpu bench_anchors; do
+  [ -f "$G/$f.md" ] && { echo "== $f"; grep -E '^\|' "$G/$f.md" | head -30; } >> "$G/summary.txt"
+done
+save; cp "$G/summary.txt" "$OUT/summary.txt"
+cat "$G/summary.txt"

@@ -1,0 +1,117 @@
+"""On a CUDA device: what the CPU suite proves, proved again where the kernels, autocast, NCCL and the copies
+between host and device differ. Skipped without a GPU (CI has none): `pytest -m gpu tests` on a machine with one.
+
+Tolerances. fp32 runs on the CPU and on the GPU differ only in summation order (TF32 is off for matmuls unless a
+user turns it on, which the first test checks): each operation's result moves by a few float32 ulps (~1e-7
+relative), and 20 AdamW steps of the smoke model carry that into the loss at about 1e-6. `rel=1e-4` leaves two
+orders of margin, while a real fault (a lost micro-batch, a missed loss scale, a step from the wrong weights)
+moves the loss by 1e-2 or more. bf16 keeps 8 significant bits (2^-9 ~ 2e-3 relative rounding per element) and fp16
+11 bits: their losses stay within a few parts in a thousand of fp32's over these steps, so `rel=2e-2` for both.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import (
+    assert_identical,
+    load_weights,
+    read_metrics,
+    run_cli,
+    series,
+    tiny_overrides,
+    train_in_process,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+# cuBLAS reads this when it creates its handle: set before any test of this process multiplies on the GPU, so
+# that the deterministic-algorithms test below gets reproducible matmuls (docs: "Reproducibility").
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+CUDA, CPU = "world.device=cuda", "world.device=cpu"
+FP32_REL, HALF_REL = 1e-4, 2e-2
+
+
+def losses(events: list[dict]) -> list[float]:
+    out = series(events, "train/loss")
+    assert len(out) == 20, out  # every step of debug=smoke's 20 logged (log_every=1)
+    return out
+
+
+def test_fp32_on_cuda_trains_as_on_the_cpu(corpus, tmp_path):
+    assert not torch.backends.cuda.matmul.allow_tf32  # else "fp32" matmuls would round to 10 bits on the GPU
+    cpu = losses(train_in_process(corpus, tmp_path / "cpu", CPU))
+    gpu = losses(train_in_process(corpus, tmp_path / "cuda", CUDA))
+    assert gpu == pytest.approx(cpu, rel=FP32_REL)
+    assert load_weights(tmp_path / "cuda" / "model.safetensors")["head.weight"].device.type == "cpu"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_on_cuda_tracks_fp32_and_really_runs_in_half(corpus, tmp_path, precision):
+    fp32 = losses(train_in_process(corpus, tmp_path / "fp32", CUDA))
+    half = losses(train_in_process(corpus, tmp_path / precision, CUDA, f"precision={precision}"))
+    assert half == pytest.approx(fp32, rel=HALF_REL)
+    assert half != fp32  # identical losses would mean autocast never ran in 16 bits
+    weights = load_weights(tmp_path / precision / "model.safetensors")
+    assert {w.dtype for w in weights.values()} == {torch.float32}  # fp32 master weights, as exported
+
+
+def test_the_lm_model_runs_flash_attention_in_bf16():
+    """Under autocast to bf16 the GPT's attention is one that torch's flash kernel takes (causal, no mask, a
+    head size it supports): with only that kernel allowed, a model it could not take raises."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from trainer.recipes.lm.model import GPT
+
+    model = GPT(vocab_size=256, seq_len=128, n_layer=2, n_head=4, d_model=256).cuda()
+    idx = torch.randint(0, 256, (4, 128), device="cuda")
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(idx)
+    logits.float().logsumexp(-1).mean().backward()
+    assert model.tok_emb.weight.grad is not None and torch.isfinite(model.tok_emb.weight.grad).all()
+
+
+def test_a_run_moves_from_the_gpu_to_the_cpu_mid_way_and_trains_as_if_it_had_stayed(corpus, tmp_path):
+    """A checkpoint written on CUDA (async: copied to host memory at the step, written by a thread) resumes on
+    the CPU: the model, AdamW's moments and the RNG all cross, so the last 10 steps match a run that stayed."""
+    stayed = losses(train_in_process(corpus, tmp_path / "stayed", CUDA))
+    moved = tmp_path / "moved"
+    train_in_process(corpus, moved, CUDA, "trainer.max_steps=10")
+    train_in_process(corpus, moved, CPU, "resume=auto")
+    after = series(read_metrics(moved), "train/loss")
+    assert after == pytest.approx(stayed, rel=FP32_REL)
+
+
+def test_resume_on_cuda_is_bit_identical_under_deterministic_algorithms(corpus, tmp_path, monkeypatch):
+    """With torch's deterministic algorithms on (what a user asks for to get bitwise reproducibility on a GPU),
+    10 steps, a checkpoint, and 10 more after `resume=auto` give the same losses and weights, EMA's too, as 20
+    steps at once. An op without a deterministic CUDA kernel raises here instead of passing by luck."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        ema = ("ema.enabled=true", "ema.decay=0.9")
+        train_in_process(corpus, tmp_path / "ref", CUDA, *ema)
+        train_in_process(corpus, tmp_path / "resumed", CUDA, *ema, "trainer.max_steps=10")
+        train_in_process(corpus, tmp_path / "resumed", CUDA, *ema, "resume=auto")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert_identical(tmp_path / "resumed", tmp_path / "ref")
+
+
+@pytest.mark.parametrize("world", ["ddp", "fsdp"])
+def test_a_launched_worker_trains_on_the_gpu_as_a_single_process_does(corpus, tmp_path, world):
+    """One worker through the launcher: forked from its forkserver (which must not have touched CUDA, or the
+    child's first CUDA call fails), NCCL initialised, the model wrapped by DDP or sharded by FSDP2."""
+    single = losses(train_in_process(corpus, tmp_path / "single", CUDA))
+    r = run_cli(*tiny_overrides(corpus, CUDA, f"world={world}", "world.nproc_per_node=1"),
+                f"hydra.run.dir={tmp_path / world}")
+    assert r.returncode == 0, r.stderr
+    assert losses(read_metrics(tmp_path / world)) == pytest.approx(single, rel=FP32_REL)
+
+
+def test_compile_on_cuda_trains_as_eager(corpus, tmp_path):
+    eager = losses(train_in_process(corpus, tmp_path / "eager", CUDA))
+    compiled = losses(train_in_process(corpus, tmp_path / "compiled", CUDA, "trainer.compile=true"))
+    assert compiled == pytest.approx(eager, rel=FP32_REL)  # inductor fuses in fp32: rounding moves, no more
