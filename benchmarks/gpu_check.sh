@@ -63,9 +63,10 @@ EOF
 bg=$!
 
 # GPT-2 124M's shape (12 x 768, GPT-2's vocabulary padded to 50304) on the byte corpus, bf16, flash SDPA.
-GPT2=(model=gpt_medium model.vocab_size=50304 precision=bf16 data.seq_len=1024 data.batch_size=32 trainer.log_every=10)
+GPT2=(model=gpt_medium model.vocab_size=50304 precision=bf16 data.seq_len=1024 data.batch_size=32 optim.lr=6e-4
+      trainer.log_every=10)
 lm gpt2_compiled 170 "${GPT2[@]}" trainer.compile=true trainer.max_steps=100; rates gpt2_compiled
-step tests 170 "$PY" -m pytest -q -m gpu tests -n 3 -p no:cacheprovider -rfEs
+step tests 170 "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_nonfinite.py -n 3 -p no:cacheprovider -rfEs
 tail -n 25 "$G/tests.log" >> "$G/summary.txt"
 lm gpt2_eager 60 "${GPT2[@]}" trainer.max_steps=50; rates gpt2_eager
 step bench_cuda 90 "$PY" -m benchmarks --only loop_tiny,loop_default,checkpoint --out "$G/bench_cuda.md"

@@ -88,12 +88,12 @@ def _plain_pp_worker(rank: int, nprocs: int, port: int, out: str, cfg: dict, win
         params = list(stage.parameters())
 
         def step() -> None:
-            x, y = loop.batch()
+            x, y = loop.batch()  # windows cut from one buffer: contiguous copies, as torch 2.11's stages want
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=loop.bf16):
                 if first:
-                    schedule.step(x)
+                    schedule.step(x.contiguous())
                 else:
-                    schedule.step(target=y)
+                    schedule.step(target=y.contiguous())
             dist.all_reduce(tied.grad)  # the embedding's and the head's gradients: one weight's
             local = [p.grad for p in params if p.grad is not None and (first or p is not tied)]
             square = torch.nn.utils.get_total_norm(local) ** 2
