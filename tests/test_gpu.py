@@ -12,11 +12,11 @@ moves the loss by 1e-2 or more. bf16 keeps 8 significant bits (2^-9 ~ 2e-3 relat
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import (
-    assert_identical,
     load_weights,
     read_metrics,
     run_cli,
@@ -73,30 +73,36 @@ def test_the_lm_model_runs_flash_attention_in_bf16():
     assert model.tok_emb.weight.grad is not None and torch.isfinite(model.tok_emb.weight.grad).all()
 
 
+def stop_and_resume(corpus, tmp_path, first: str, then: str, *extra: str) -> tuple[Path, Path]:
+    """20 steps on `first` with a checkpoint at step 10 (the same schedule as any 20-step run), and a second run
+    dir that resumes that checkpoint on `then` and trains steps 11 to 20: (the uninterrupted dir, the resumed)."""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    train_in_process(corpus, whole, first, "checkpoint.every_n_steps=10", *extra)
+    train_in_process(corpus, resumed, then, *extra, f"resume={whole / 'checkpoints' / 'step_00000010'}")
+    return whole, resumed
+
+
 def test_a_run_moves_from_the_gpu_to_the_cpu_mid_way_and_trains_as_if_it_had_stayed(corpus, tmp_path):
     """A checkpoint written on CUDA (async: copied to host memory at the step, written by a thread) resumes on
-    the CPU: the model, AdamW's moments and the RNG all cross, so the last 10 steps match a run that stayed."""
-    stayed = losses(train_in_process(corpus, tmp_path / "stayed", CUDA))
-    moved = tmp_path / "moved"
-    train_in_process(corpus, moved, CUDA, "trainer.max_steps=10")
-    train_in_process(corpus, moved, CPU, "resume=auto")
-    after = series(read_metrics(moved), "train/loss")
-    assert after == pytest.approx(stayed, rel=FP32_REL)
+    the CPU: the model, AdamW's moments and the RNG all cross, so steps 11-20 match the run that stayed."""
+    stayed, moved = stop_and_resume(corpus, tmp_path, CUDA, CPU)
+    assert series(read_metrics(moved), "train/loss") == pytest.approx(losses(read_metrics(stayed))[10:],
+                                                                      rel=FP32_REL)
 
 
-def test_resume_on_cuda_is_bit_identical_under_deterministic_algorithms(corpus, tmp_path, monkeypatch):
+def test_resume_on_cuda_is_bit_identical_under_deterministic_algorithms(corpus, tmp_path):
     """With torch's deterministic algorithms on (what a user asks for to get bitwise reproducibility on a GPU),
-    10 steps, a checkpoint, and 10 more after `resume=auto` give the same losses and weights, EMA's too, as 20
-    steps at once. An op without a deterministic CUDA kernel raises here instead of passing by luck."""
+    steps 11-20 resumed from the step-10 checkpoint give the same losses and final weights, EMA's too, as the
+    run that went on. An op without a deterministic CUDA kernel raises here instead of passing by luck."""
     torch.use_deterministic_algorithms(True)
     try:
-        ema = ("ema.enabled=true", "ema.decay=0.9")
-        train_in_process(corpus, tmp_path / "ref", CUDA, *ema)
-        train_in_process(corpus, tmp_path / "resumed", CUDA, *ema, "trainer.max_steps=10")
-        train_in_process(corpus, tmp_path / "resumed", CUDA, *ema, "resume=auto")
+        whole, resumed = stop_and_resume(corpus, tmp_path, CUDA, CUDA, "ema.enabled=true", "ema.decay=0.9")
     finally:
         torch.use_deterministic_algorithms(False)
-    assert_identical(tmp_path / "resumed", tmp_path / "ref")
+    assert series(read_metrics(resumed), "train/loss") == losses(read_metrics(whole))[10:]
+    for name in ("model.safetensors", "model_ema.safetensors"):
+        a, b = load_weights(resumed / name), load_weights(whole / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
 
 
 @pytest.mark.parametrize("world", ["ddp", "fsdp"])

@@ -6,7 +6,9 @@ shard from that rank's own generator: other values than the whole tensor would g
 same values on every rank. `ShardedInit` catches the random fills on DTensors where every init ends up,
 at the dispatcher (`aten.normal_`, `aten.uniform_`, ...): it draws the whole tensor from the global
 generator, exactly as the plain model would (every rank draws the same, since every rank has the same
-seed), and keeps this rank's shard. Catching them there, and not by the name of the function called,
+seed), and keeps this rank's shard. The draw is on the CPU whatever the device, as the plain model's
+constructor draws (a GPU's generator is another stream: seen on an H100, FSDP started from other weights than
+world=single), and so are the fills of parameters left whole on a GPU. Catching them there, and not by the name of the function called,
 covers every way an init is written: `torch.nn.init`, tensor methods, and wrappers such as Hugging Face's
 `transformers.initialization`, which replaces `torch.nn.init`'s functions while `_init_weights` runs.
 Ops that read the tensor they fill (`trunc_normal_`'s erfinv and clamp, `kaiming_uniform_`'s bounds from
@@ -49,8 +51,11 @@ def _fill_shard(target, fill: Callable[[torch.Tensor], object]) -> None:
     from torch.distributed.tensor import distribute_tensor
 
     local = target.to_local()
-    whole = torch.empty(target.shape, dtype=target.dtype, device=local.device)
+    # Drawn on the CPU, from the generator the plain model's constructor draws from: a GPU's generator (the
+    # shard's device) is another stream, and FSDP on CUDA started from other weights than world=single.
+    whole = torch.empty(target.shape, dtype=target.dtype)
     fill(whole)  # the whole tensor's draw: the plain model's values, and the same generator state after
+    whole = whole.to(local.device)
     local.copy_(distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None).to_local())
 
 
@@ -62,6 +67,11 @@ class _RandomFillsOnShards(TorchDispatchMode):
         if func in _RANDOM_FILLS and args and isinstance(args[0], DTensor):
             _fill_shard(args[0], lambda whole: func(whole, *args[1:], **kwargs))
             return args[0]
+        if func in _RANDOM_FILLS and args and isinstance(args[0], torch.Tensor) and args[0].device.type not in ("cpu", "meta"):
+            # A parameter left whole (tensor parallelism's embeddings and norms) on a GPU: drawn on the CPU too.
+            whole = torch.empty(args[0].shape, dtype=args[0].dtype)
+            func(whole, *args[1:], **kwargs)
+            return args[0].copy_(whole)
         return func(*args, **kwargs)
 
 
