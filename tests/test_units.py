@@ -192,3 +192,16 @@ def test_no_module_imports_from_a_package_above_its_own_and_the_top_level_import
             if public_api or rank.get(target, 0) > own:
                 upward.append(f"{path.relative_to(root)}:{line} imports {name}")
     assert not upward, "\n".join(upward)
+
+
+def test_configs_not_importable_from_a_source_tree_say_why_and_what_to_do():
+    """`pip install .` (not -e), then `python -m trainer` inside the checkout: the checkout's trainer/ comes first on
+    sys.path and has no conf/ of its own (seen on the GPU machine). The error names the tree and the two ways out."""
+    from pathlib import Path
+
+    import trainer
+    from trainer.config.compose import explain
+
+    err = explain(Exception("Primary config module 'trainer.conf' not found."), [], None)
+    tree = str(Path(trainer.__file__).resolve().parent)
+    assert tree in str(err) and "pip install -e" in str(err) and "another directory" in str(err)

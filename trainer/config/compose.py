@@ -172,12 +172,28 @@ def _targets_under(cfg: DictConfig, group: str) -> list[tuple[str, str]]:
     return found
 
 
+def missing_configs() -> str:
+    """Why `trainer.conf` (conf/, mapped in by the install) is not importable, and the way out."""
+    import trainer
+
+    here = Path(trainer.__file__).resolve().parent
+    if (here.parent / "conf").is_dir() and not (here / "conf").exists():
+        return (f"the configs (conf/) are not importable as trainer.conf: python imported trainer from the source "
+                f"tree {here} (the current directory comes first on sys.path), where conf/ and recipes/ become "
+                "trainer.conf and trainer.recipes only through an editable install. Install it with "
+                f"`pip install -e {here.parent}` (what `make` does), or run from another directory.")
+    return (f"the configs (trainer.conf) are missing from the installed package at {here}. Reinstall it "
+            "(`pip install --force-reinstall` of the same source), or install from a checkout with `pip install -e .`.")
+
+
 def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> ConfigError:
     """Turn a Hydra/OmegaConf composition error into a ConfigError naming the key and the fix."""
     from hydra.errors import MissingConfigException
 
     msg = str(exc)
     cause = exc.__cause__ or exc
+    if "Primary config module 'trainer.conf' not found" in msg:
+        return ConfigError(missing_configs())
     if isinstance(exc, MissingConfigException) or "Could not find" in msg:
         m = re.search(r"Could not (?:find|load) '([^']+)/([^']+)'", msg)
         if m:
