@@ -174,9 +174,7 @@ def _targets_under(cfg: DictConfig, group: str) -> list[tuple[str, str]]:
 
 def missing_configs() -> str:
     """Why `trainer.conf` (conf/, mapped in by the install) is not importable, and the way out."""
-    import trainer
-
-    here = Path(trainer.__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # the trainer package python imported
     if (here.parent / "conf").is_dir() and not (here / "conf").exists():
         return (f"the configs (conf/) are not importable as trainer.conf: python imported trainer from the source "
                 f"tree {here} (the current directory comes first on sys.path), where conf/ and recipes/ become "
