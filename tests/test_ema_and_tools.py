@@ -85,18 +85,24 @@ def test_check_reports_each_equivalence(capsys):
 
 
 def test_check_fails_loudly_when_an_equivalence_breaks(capsys, monkeypatch):
-    """Break accumulation on purpose (later micro-batches dropped): check must say FAIL and exit 1."""
-    import subprocess
+    """Break accumulation on purpose (later micro-batches dropped): check must say FAIL and exit 1. The launched
+    items run in processes of their own, out of the patch's reach: their launch fails at once, as a worker's
+    failure does, and each is reported as failed with the worker's message."""
+    import contextlib
 
-    from trainer.entry import commands
+    from trainer.entry import commands, launcher
     from trainer.loop.trainer import Trainer
 
     original = Trainer.train_step
     monkeypatch.setattr(Trainer, "train_step", lambda self, batches, n: original(self, batches[:1], n))
-    # The 2-process item runs in its own processes, out of the patch's reach: report it as failed, fast.
-    monkeypatch.setattr(commands.subprocess, "run",
-                        lambda args, **kw: subprocess.CompletedProcess(args, 1, "", "stubbed"))
+
+    def failed(cfg, run_dir, *args, **kwargs):
+        raise launcher.WorkerFailed(1, 3, f"stubbed failure of {cfg.world.nproc_per_node} processes")
+
+    monkeypatch.setattr(launcher, "run", failed)
+    monkeypatch.setattr(launcher, "one_forkserver", lambda output: contextlib.nullcontext())
     assert commands.check([]) == 1
     out = capsys.readouterr().out
     assert "FAIL  accumulation 2 x 4 equals batch 8" in out
+    assert out.count("the run failed:\nworker rank 1 failed (exit code 3):\nstubbed failure of 2 processes") == 4
     assert "OK    save at step 6, resume" in out  # the other items are still judged on their own

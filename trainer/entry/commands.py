@@ -95,12 +95,16 @@ def check(argv: list[str]) -> int:
     """Train a tiny model several ways that must agree, and say which agree. Exit 0 if all do."""
     import contextlib
     import io
+    import logging
     import shutil
 
     import torch
 
     from trainer.config.compose import load as compose
+    from trainer.entry.launcher import WorkerFailed, one_forkserver
+    from trainer.entry.launcher import run as launch
     from trainer.entry.run import train
+    from trainer.errors import TrainerExit
     from trainer.parallel.backend import available_cores
 
     tmp = Path(tempfile.mkdtemp(prefix="trainer-check-"))
@@ -119,9 +123,15 @@ def check(argv: list[str]) -> int:
             return run_dir
 
         def run_procs(name: str, *extra: str) -> tuple[Path, str | None]:
-            r = subprocess.run([sys.executable, "-m", "trainer", *base, *extra, f"hydra.run.dir={tmp / name}"],
-                               capture_output=True, text=True)
-            return tmp / name, (r.stderr.strip() or f"exit code {r.returncode}") if r.returncode else None
+            """Launched from this process, as `python -m trainer` would launch them (one forkserver for all)."""
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    launch(compose([*base, *extra]), tmp / name)
+            except WorkerFailed as wf:
+                return tmp / name, f"worker rank {wf.rank} failed (exit code {wf.exitcode}):\n{wf.text.strip()}"
+            except TrainerExit as err:
+                return tmp / name, str(err)
+            return tmp / name, None
 
         print(f"trainer check: tiny GPT, 12 steps, in {tmp} (removed afterwards)", flush=True)
         ref = _losses(run_here("big", "data.batch_size=8"))
@@ -139,8 +149,11 @@ def check(argv: list[str]) -> int:
                 (f"tensor parallel 2 ({backend}{', x fsdp 2' if four else ''}) equals 1 rank x batch 8", "tp", tp),
                 (f"pipeline 2 stages ({backend}, 1F1B, 2 microbatches) equals 1 rank x batch 8", "pp",
                  ["world=ddp", "world.nproc_per_node=2", "world.pp=2", "data.batch_size=8"])]
-        for label, name, args in runs:
-            run_dir, failed = run_procs(name, *args)
+        # (a failed run's other rank is stopped with SIGTERM, which torch logs: the failure is reported below)
+        logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+        with one_forkserver(tmp / "workers.log"):  # the workers' own output goes there, not into this report
+            launched = [(label, *run_procs(name, *args)) for label, name, args in runs]
+        for label, run_dir, failed in launched:
             if failed:
                 print(f"FAIL  {label}: the run failed:\n{failed}")
                 results.append(False)

@@ -11,6 +11,7 @@ Under `torchrun ... -m trainer`, rank 0 composes the config with Hydra and broad
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing
@@ -20,7 +21,7 @@ import signal
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing import forkserver
 from pathlib import Path
 
@@ -262,6 +263,29 @@ def _start_forkserver():
     multiprocessing.set_forkserver_preload(list(PRELOAD))
     forkserver.ensure_running()
     return server
+
+
+@contextlib.contextmanager
+def one_forkserver(output: Path) -> Iterator[None]:
+    """Launches inside share one forkserver (the imports of PRELOAD paid once, not at every launch), and it and the
+    workers it forks write their stdout and stderr to `output` (`trainer check`: its runs' own lines kept out of
+    its report). The forkserver takes the file descriptors it is started with; this process keeps its own."""
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with open(output, "ab") as f:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(f.fileno(), 1), os.dup2(f.fileno(), 2)
+            try:
+                server = _start_forkserver()
+            finally:
+                os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+    finally:
+        for fd in saved:
+            os.close(fd)
+    try:
+        yield
+    finally:
+        _stop_forkserver(server)
 
 
 def _stop_forkserver(server) -> None:
