@@ -21,26 +21,31 @@ from pathlib import Path
 
 
 def profile(run, steps: int, cuda: bool):
-    """(ops per step: name -> (calls, self CPU us), kernel launches per step) of `run(steps)`."""
+    """(ops per step: name -> (calls, self CPU us), kernel launches per step, device time per step: name -> us) of
+    `run(steps)`."""
     import torch
     from torch.profiler import ProfilerActivity
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities) as prof:
         run(steps)
-    ops, launches = {}, 0
+    ops, launches, device = {}, 0, {}
     for e in prof.key_averages():
         if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"):
             launches += e.count
         elif not e.key.startswith(("cuda", "cu", "ProfilerStep")):
             ops[e.key] = (e.count / steps, e.self_cpu_time_total / steps)
-    return ops, launches / steps
+        own = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        if own:
+            device[e.key] = own / steps
+    return ops, launches / steps, device
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.profile_steps", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=100, help="profiled steps per side (default: 100)")
     p.add_argument("--top", type=int, default=25, help="operators listed (default: 25)")
+    p.add_argument("--kernels", type=int, default=0, help="on CUDA: also list the Trainer's N costliest kernels")
     p.add_argument("overrides", nargs="*", help="config overrides (default: the loop bench's gpt_tiny sizes)")
     args = p.parse_args(argv)
 
@@ -73,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                 watch = Stopwatch(device)
                 run(args.steps)
                 ms = watch.lap(args.steps).wall * 1000
-                ops, launches = profile(run, args.steps, cuda)
-                result[name] = (ms, ops, launches)
+                result[name] = (ms, *profile(run, args.steps, cuda))
         finally:
             trainer.loggers.finish({})
             trainer.backend.teardown()
@@ -82,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
     print(f"{' '.join(args.overrides or TINY)} on {device}, {args.steps} steps a side, per step:")
-    for name, (ms, ops, launches) in result.items():
+    for name, (ms, ops, launches, _) in result.items():
         calls = sum(c for c, _ in ops.values())
         cpu = sum(t for _, t in ops.values()) / 1000
         print(f"  {name:8s} {ms:8.3f} ms wall (unprofiled), {calls:7.1f} operator calls, {cpu:7.3f} ms self CPU in "
               f"them, {launches:6.1f} kernel launches")
-    (_, t_ops, _), (_, p_ops, _) = result["trainer"], result["plain"]
+    (_, t_ops, _, t_device), (_, p_ops, _, _) = result["trainer"], result["plain"]
     diff, rare = Counter(), []
     for key in set(t_ops) | set(p_ops):
         if max(t_ops.get(key, (0, 0))[0], p_ops.get(key, (0, 0))[0]) < 0.5:  # not every step: fit()'s own start
@@ -101,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     for key, d in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:args.top]:
         (tc, tt), (pc, pt) = t_ops.get(key, (0, 0)), p_ops.get(key, (0, 0))
         print(f"  {key[:48]:48s} {tc:6.1f}/{pc:<6.1f} {tt:8.1f}/{pt:<8.1f} {d:+8.1f}")
+    if args.kernels and t_device:
+        total = sum(t_device.values())
+        print(f"\nthe Trainer's {args.kernels} costliest operators and kernels on the device, per step "
+              f"({total / 1000:.2f} ms of device time counted a step, nested ones included):")
+        for key, us in sorted(t_device.items(), key=lambda kv: -kv[1])[:args.kernels]:
+            print(f"  {key[:90]:90s} {us:9.1f} us")
     return 0
 
 
