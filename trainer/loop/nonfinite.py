@@ -78,11 +78,11 @@ class NonFiniteGuard:
         self.precision = precision if precision is not None and precision.skips_own_steps else None
         self._loss_skip = False  # this step was refused for a NaN/inf loss (fp16 with nonfinite=skip)
         self.consecutive_skips = 0
-        # `log` mode, all on the device: 1.0 from the first non-finite norm on (the value fused kernels
-        # test for), and that step's number and norm, for the message.
+        # `log` mode: on the device, 1.0 from the first non-finite norm on (the value fused kernels test for);
+        # on the host, the (step, norm) pairs latched since the last read, which name the first bad step then.
         self.found_inf = torch.zeros((), dtype=torch.float32, device=backend.device)
-        self.first_bad_step = torch.zeros((), dtype=torch.int64, device=backend.device)
-        self.first_bad_norm = torch.zeros((), dtype=torch.float32, device=backend.device)
+        self._one = torch.ones((), dtype=torch.float32, device=backend.device)
+        self._latched: list[tuple[int, torch.Tensor]] = []
         self.unread = False  # steps latched since the last read
 
     def allows(self, grad_norm: torch.Tensor, step: int, loss: torch.Tensor | None = None) -> bool:
@@ -149,11 +149,13 @@ class NonFiniteGuard:
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
 
     def _latch(self, grad_norm: torch.Tensor, step: int) -> None:
-        finite = torch.isfinite(grad_norm)
-        first = ~finite & (self.found_inf == 0)
-        self.first_bad_step = torch.where(first, step, self.first_bad_step)
-        self.first_bad_norm = torch.where(first, grad_norm.float(), self.first_bad_norm)
-        self.found_inf = torch.where(finite, self.found_inf, 1.0)
+        """One kernel a step (a GPU runs ahead of the host, and small models are launch-bound): GradScaler's own
+        check sets found_inf to 1 if the norm is NaN/inf, and multiplies it by 1.0, which leaves it as it was.
+        The norm is kept, unread, for the message; reads come at every log step, so the list stays short."""
+        norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else torch.as_tensor(grad_norm)
+        norm = norm.detach().to(device=self.found_inf.device, dtype=torch.float32)  # (no copy when it is already)
+        torch._amp_foreach_non_finite_check_and_unscale_([norm], self.found_inf, self._one)
+        self._latched.append((step, norm))
         self.unread = True
 
     def read(self, step: int) -> None:
@@ -162,16 +164,19 @@ class NonFiniteGuard:
         if not self.unread:
             return
         self.unread = False
+        latched, self._latched = self._latched, []
         found = self.backend.all_reduce(self.found_inf, op="max")
         if not float(found):
             return
-        local, bad_step, norm = torch.stack([self.found_inf.double(), self.first_bad_step.double(),
-                                             self.first_bad_norm.double()]).tolist()
+        local = float(self.found_inf)
         self.found_inf.zero_()  # a caller that catches the error and goes on trains normally again
         if not local:
             raise NonFiniteError(f"another rank hit a non-finite gradient norm by step {step} (rank "
                                  f"{self.backend.rank}'s gradients were finite); its updates were skipped on the "
                                  f"device and earlier checkpoints are intact. {FIX}")
+        norms = torch.stack([n for _, n in latched]).tolist() if latched else []
+        bad_step, norm = next(((s, v) for (s, _), v in zip(latched, norms) if not math.isfinite(v)),
+                              (step, float("nan")))
         bad_step = int(bad_step)
         raise NonFiniteError(
             f"non-finite gradient norm ({norm}) at step {bad_step} on rank {self.backend.rank}; that update and "
