@@ -1,5 +1,6 @@
 """On a CUDA device: what the CPU suite proves, proved again where the kernels, autocast, NCCL and the copies
-between host and device differ. Skipped without a GPU (CI has none): `pytest -m gpu tests` on a machine with one.
+between host and device differ. Skipped without a GPU (CI has none); on a machine with one:
+`pytest -m gpu tests/test_gpu.py tests/test_nonfinite.py` (or benchmarks/gpu_check.sh, with the GPU figures).
 
 Tolerances. fp32 runs on the CPU and on the GPU differ only in summation order (TF32 is off for matmuls unless a
 user turns it on, which the first test checks): each operation's result moves by a few float32 ulps (~1e-7

@@ -273,15 +273,17 @@ def one_forkserver(output: Path) -> Iterator[None]:
     saved = [os.dup(1), os.dup(2)]
     try:
         with open(output, "ab") as f:
-            sys.stdout.flush(), sys.stderr.flush()
-            os.dup2(f.fileno(), 1), os.dup2(f.fileno(), 2)
+            for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
+                stream.flush()
+                os.dup2(f.fileno(), fd)
             try:
                 server = _start_forkserver()
             finally:
-                os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+                for copy, fd in zip(saved, (1, 2)):
+                    os.dup2(copy, fd)
     finally:
-        for fd in saved:
-            os.close(fd)
+        for copy in saved:
+            os.close(copy)
     try:
         yield
     finally:
