@@ -51,7 +51,11 @@ EOF
 
 # From a source tree beside a non-editable install (what setup.sh makes) the tree's trainer/ shadows the installed
 # package, which alone maps conf/ and recipes/ in as trainer.conf and trainer.recipes (pyproject's package-dir).
-"$PY" -c "import trainer.conf, trainer.recipes" 2>/dev/null || { ln -sfn ../conf trainer/conf; ln -sfn ../recipes trainer/recipes; }
+# The links go again at exit, so a checkout this runs in is left as it was.
+if ! "$PY" -c "import trainer.conf, trainer.recipes" 2>/dev/null; then
+  ln -sn ../conf trainer/conf && ln -sn ../recipes trainer/recipes
+  trap 'rm -f trainer/conf trainer/recipes' EXIT
+fi
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   lscpu | grep -E 'Model name|^CPU\(s\)'

@@ -7,9 +7,9 @@ same values on every rank. `ShardedInit` catches the random fills on DTensors wh
 at the dispatcher (`aten.normal_`, `aten.uniform_`, ...): it draws the whole tensor from the global
 generator, exactly as the plain model would (every rank draws the same, since every rank has the same
 seed), and keeps this rank's shard. The draw is on the CPU whatever the device, as the plain model's
-constructor draws (a GPU's generator is another stream: seen on an H100, FSDP started from other weights than
-world=single), and so are the fills of parameters left whole on a GPU. Catching them there, and not by the name of the function called,
-covers every way an init is written: `torch.nn.init`, tensor methods, and wrappers such as Hugging Face's
+constructor draws (a GPU's generator is another stream: seen on an H100, FSDP started from other weights
+than world=single), and so are the fills of parameters left whole on a GPU. Catching them there, and not by
+the name of the function called, covers every way an init is written: `torch.nn.init`, tensor methods, and wrappers such as Hugging Face's
 `transformers.initialization`, which replaces `torch.nn.init`'s functions while `_init_weights` runs.
 Ops that read the tensor they fill (`trunc_normal_`'s erfinv and clamp, `kaiming_uniform_`'s bounds from
 the global shape) then work on the shard as they would on the whole. Two inits draw a whole matrix at once
@@ -46,17 +46,22 @@ def _is_init(func, names: set[str]) -> bool:
     return getattr(func, "__name__", None) in names and getattr(func, "__module__", None) in _INIT_MODULES
 
 
+def _drawn_on_cpu(like: torch.Tensor, fill: Callable[[torch.Tensor], object]) -> torch.Tensor:
+    """A whole tensor shaped like `like`, filled by `fill` on the CPU, from the generator the plain model's
+    constructor draws from (a GPU's generator is another stream), then moved to `like`'s device. The plain
+    model's values, and the same generator state after."""
+    whole = torch.empty(like.shape, dtype=like.dtype)
+    fill(whole)
+    return whole.to(like.to_local().device if hasattr(like, "to_local") else like.device)
+
+
 def _fill_shard(target, fill: Callable[[torch.Tensor], object]) -> None:
     """Fill a DTensor with its part of a whole tensor that `fill` fills."""
     from torch.distributed.tensor import distribute_tensor
 
-    local = target.to_local()
-    # Drawn on the CPU, from the generator the plain model's constructor draws from: a GPU's generator (the
-    # shard's device) is another stream, and FSDP on CUDA started from other weights than world=single.
-    whole = torch.empty(target.shape, dtype=target.dtype)
-    fill(whole)  # the whole tensor's draw: the plain model's values, and the same generator state after
-    whole = whole.to(local.device)
-    local.copy_(distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None).to_local())
+    whole = _drawn_on_cpu(target, fill)
+    target.to_local().copy_(distribute_tensor(whole, target.device_mesh, target.placements,
+                                              src_data_rank=None).to_local())
 
 
 class _RandomFillsOnShards(TorchDispatchMode):
@@ -67,11 +72,10 @@ class _RandomFillsOnShards(TorchDispatchMode):
         if func in _RANDOM_FILLS and args and isinstance(args[0], DTensor):
             _fill_shard(args[0], lambda whole: func(whole, *args[1:], **kwargs))
             return args[0]
-        if func in _RANDOM_FILLS and args and isinstance(args[0], torch.Tensor) and args[0].device.type not in ("cpu", "meta"):
+        if func in _RANDOM_FILLS and args and isinstance(args[0], torch.Tensor) \
+                and args[0].device.type not in ("cpu", "meta"):
             # A parameter left whole (tensor parallelism's embeddings and norms) on a GPU: drawn on the CPU too.
-            whole = torch.empty(args[0].shape, dtype=args[0].dtype)
-            func(whole, *args[1:], **kwargs)
-            return args[0].copy_(whole)
+            return args[0].copy_(_drawn_on_cpu(args[0], lambda whole: func(whole, *args[1:], **kwargs)))
         return func(*args, **kwargs)
 
 
