@@ -30,13 +30,14 @@ def main(module: str, args: list[str], cwd: str, env: dict, path: list[str], out
     # workers would start through a forkserver of their own, and outlive this process).
     multiprocessing.set_start_method(None, force=True)
     os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
     sys.path[:] = path
     for fd, name in ((1, out), (2, err)):
         target = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(target, fd)
         os.close(target)
+    server = _own_forkserver()
+    os.environ.clear()
+    os.environ.update(env)
     sys.argv = [module, *args]
     code = 0
     try:
@@ -53,6 +54,51 @@ def main(module: str, args: list[str], cwd: str, env: dict, path: list[str], out
         traceback.print_exc()
         code = 1
     atexit._run_exitfuncs()  # (what the interpreter runs at exit; C++ teardown it skips, as worker.exit_now does)
+    _stop_forkserver(server)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _own_forkserver():
+    """The forkserver this process's launches fork their workers from, started now as a fork of this process,
+    which is the suite's forkserver's fork and has imported what a worker needs (PRELOAD), and no more than the
+    launcher's forkserver (`python -c 'from multiprocessing.forkserver import main; ...'`) would import: its
+    ~3 s of CPU a launch saved. Otherwise it is what the launcher starts: this process's child, running
+    multiprocessing's server loop, exiting when this process does (the pipe only this process holds), with
+    this run's cwd, sys.path and output files. Its environment is the one the worker module was imported in,
+    as the launcher's has, so a worker's is the launch's (trainer.entry.worker.worker_environment). The launcher
+    finds it running, uses it, and leaves it to `_stop_forkserver` here."""
+    import socket
+    from multiprocessing import connection, forkserver, util
+
+    address = connection.arbitrary_address("AF_UNIX")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(address)
+    if not util.is_abstract_socket_namespace(address):
+        os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the forkserver
+        code = 1
+        try:
+            os.close(alive_w)
+            forkserver.main(listener.fileno(), alive_r, [])
+        except SystemExit as e:  # (the server loop ends so, at end-of-file on its pipe)
+            code = e.code if isinstance(e.code, int) else 0
+        finally:
+            os._exit(code)
+    listener.close()
+    os.close(alive_r)
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:  # (this process's copy of the suite's forkserver's pipe)
+        os.close(server._forkserver_alive_fd)
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    return server
+
+
+def _stop_forkserver(server) -> None:
+    from trainer.entry.launcher import _stop_forkserver as stop
+
+    stop(server)

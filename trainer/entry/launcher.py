@@ -27,6 +27,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from trainer.entry import worker
 from trainer.entry.worker import CONFIG_ENV, ENTRY_ENV, LAUNCHER_ENV, PRELOAD, RUN_DIR_ENV, forked, run_worker
 from trainer.errors import TrainerExit
 from trainer.loop import watchdog
@@ -228,7 +229,7 @@ def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
     hang_dir = os.environ[watchdog.HANG_DIR_ENV] = tempfile.mkdtemp(prefix="trainer-hang-")
     before = _newest_checkpoint(run_dir)
     try:
-        elastic_launch(config, entrypoint=forked)(dict(os.environ))
+        elastic_launch(config, entrypoint=forked)(dict(os.environ), worker.Streams())  # (this launch's stdout, stderr)
     except ChildFailedError as e:
         failures = every_failure(e.failures, nproc)
         rank, failure = root_failure(failures)
@@ -267,27 +268,24 @@ def _start_forkserver():
 
 @contextlib.contextmanager
 def one_forkserver(output: Path) -> Iterator[None]:
-    """Launches inside share one forkserver (the imports of PRELOAD paid once, not at every launch), and it and the
-    workers it forks write their stdout and stderr to `output` (`trainer check`: its runs' own lines kept out of
-    its report). The forkserver takes the file descriptors it is started with; this process keeps its own."""
+    """Launches inside share one forkserver (the imports of PRELOAD paid once, not at every launch), and this
+    process's stdout and stderr go to `output` meanwhile, so the workers' (which take the launcher's: worker.Streams)
+    and the launches' own lines go there too (`trainer check`: its report keeps only its own lines)."""
     saved = [os.dup(1), os.dup(2)]
+    server = None
     try:
         with open(output, "ab") as f:
             for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
                 stream.flush()
                 os.dup2(f.fileno(), fd)
-            try:
-                server = _start_forkserver()
-            finally:
-                for copy, fd in zip(saved, (1, 2)):
-                    os.dup2(copy, fd)
-    finally:
-        for copy in saved:
-            os.close(copy)
-    try:
+        server = _start_forkserver()
         yield
     finally:
         _stop_forkserver(server)
+        for stream, copy, fd in zip((sys.stdout, sys.stderr), saved, (1, 2)):
+            stream.flush()
+            os.dup2(copy, fd)
+            os.close(copy)
 
 
 def _stop_forkserver(server) -> None:

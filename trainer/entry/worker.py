@@ -77,11 +77,38 @@ def main() -> int:
     return run_worker(cfg, Path(os.environ[RUN_DIR_ENV]), ENTRY_POINTS[os.environ[ENTRY_ENV]])
 
 
-def forked(launcher_env: dict[str, str]) -> int:
-    """A worker, in a process forked from the launcher's forkserver. A forkserver keeps the environment its
-    process had when it started, stale where the launch did not start it (one was running already in the
-    calling process): the worker takes the launcher's environment of this launch, plus what torchelastic set
-    for this rank (RANK, MASTER_PORT, ...: what differs from the forkserver's)."""
+class Streams:
+    """The launcher's stdout and stderr at this launch, for its workers. A worker forked from a forkserver has the
+    forkserver's file descriptors, which are those of whoever started it, and when (a forkserver started for an
+    earlier launch, or around one with its output sent elsewhere: `check`'s log). Pickled into the worker's
+    arguments as duplicates of the two descriptors, which multiprocessing hands over with the fork request."""
+
+    def __init__(self, fds: tuple[int, int] = (1, 2)):
+        self.fds = fds
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _received, tuple(reduction.DupFd(fd) for fd in self.fds)
+
+    def take(self) -> None:
+        """Make the descriptors this process's stdout and stderr."""
+        for fd, target in zip(self.fds, (1, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+def _received(*duplicates) -> Streams:
+    return Streams(tuple(d.detach() for d in duplicates))
+
+
+def forked(launcher_env: dict[str, str], streams: Streams | None = None) -> int:
+    """A worker, in a process forked from the launcher's forkserver. A forkserver keeps the environment and the
+    stdout/stderr its process had when it started, stale where the launch did not start it (one was running
+    already): the worker takes the launcher's environment of this launch, plus what torchelastic set for this
+    rank (RANK, MASTER_PORT, ...: what differs from the forkserver's), and the launcher's `streams`."""
+    if streams is not None:
+        streams.take()
     _let_go_of_forkserver()
     env = worker_environment(launcher_env, _BOOT_ENV, dict(os.environ))
     os.environ.clear()
