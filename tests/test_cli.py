@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from conftest import (
     run_main,
     tiny_overrides,
 )
+from omegaconf import OmegaConf
 
 CONF = ROOT / "conf"
 
@@ -159,3 +161,75 @@ def test_the_smoke_config_is_a_run_of_seconds(corpus):
     assert TINY == ["debug=smoke"]
     assert cfg.data.batch_size == 4 and cfg.model.seq_len == 32 and cfg.model.n_layer == 1
     assert cfg.trainer.max_steps == 20 and cfg.precision._target_.endswith("FP32") and cfg.world.threads == 1
+
+
+def test_a_command_composes_its_config_twice_and_parses_each_config_file_once(corpus, tmp_path, monkeypatch):
+    """Issue 33 (start-up): a run's config is composed by the up-front check and by Hydra's run, and no more:
+    Hydra's get_mode (a whole composition to read hydra.mode) is answered with the check's. Each config file's
+    text is parsed once for all compositions, here and in the next command of the same process."""
+    from collections import OrderedDict
+
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    from trainer.config import shortcuts
+
+    composed = []
+    original = ConfigLoaderImpl.load_configuration
+
+    def counting(self, config_name, *args, **kwargs):
+        composed.append(config_name)
+        return original(self, config_name, *args, **kwargs)
+
+    parsed = []
+    parse = yaml.load
+    monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", counting)
+    monkeypatch.setattr(shortcuts, "_PARSED", OrderedDict())
+    monkeypatch.setattr(yaml, "load", lambda text, Loader: parsed.append(text) or parse(text, Loader=Loader))
+    for n in range(2):
+        composed.clear()
+        r = run_here(*tiny_overrides(corpus, "trainer.max_steps=2"), f"hydra.run.dir={tmp_path / str(n)}")
+        assert r.returncode == 0, r.stderr
+        assert composed.count("config") == 2, composed
+        if n == 0:
+            first = len(parsed)
+            assert first > 10 and len(set(parsed)) == first  # the tree's files, each once
+    assert len(parsed) == first  # the second command parsed nothing again
+
+
+def test_hydra_mode_set_by_an_override_still_decides_the_run_mode(tmp_path):
+    """hydra.mode=MULTIRUN without -m: Hydra runs a sweep of one job (into the sweep dir), as it decides when it
+    composes for get_mode itself."""
+    r = run_here("debug=smoke", "trainer.max_steps=2", "hydra.mode=MULTIRUN", f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "0" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("overrides", [["debug=smoke"], ["recipe=diffusion", "precision=bf16"],
+                                       ["recipe=gan", "world=fsdp", "optim.lr=0.01"]])
+def test_a_config_composed_with_each_file_parsed_once_is_the_config_composed_without(overrides):
+    """The parse cache changes no value: compositions with and without it are equal, and a config it hands
+    out is the caller's own (changing it changes no later composition)."""
+    from trainer.config import shortcuts
+    from trainer.config.compose import compose
+
+    plain = OmegaConf.to_container(compose(overrides))
+    with shortcuts.yaml_parsed_once():
+        first = compose(overrides)
+        first.trainer.max_steps = -1
+        assert OmegaConf.to_container(compose(overrides)) == plain
+    assert OmegaConf.to_container(compose(overrides)) == plain
+    assert not getattr(OmegaConf.load, "_parses_once", False)  # in force only inside
+
+
+def test_a_yaml_mistake_is_the_same_error_with_the_parse_cache(tmp_path):
+    from trainer.config import shortcuts
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1, 2\n")
+    errors = []
+    for cached in (False, True):
+        with shortcuts.yaml_parsed_once() if cached else contextlib.nullcontext(), open(bad) as f:
+            with pytest.raises(Exception) as info:
+                OmegaConf.load(f)
+            errors.append((type(info.value), str(info.value)))
+    assert errors[0] == errors[1]

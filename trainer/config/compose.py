@@ -96,11 +96,14 @@ def prepare(cfg: DictConfig, targets: bool = True) -> DictConfig:
 
 def load(overrides: list[str], config_dir: str | None = None, targets: bool = True) -> DictConfig:
     """`compose` + `prepare`, with composition errors explained."""
-    try:
-        cfg = compose(overrides, config_dir)
-    except (Exception, OmegaConfBaseException) as exc:  # hydra raises several unrelated types
-        raise explain(exc, overrides, config_dir) from exc
-    check_choices(cfg, overrides, config_dir)
+    from trainer.config.shortcuts import yaml_parsed_once
+
+    with yaml_parsed_once():  # (check_choices composes again: each file parsed once)
+        try:
+            cfg = compose(overrides, config_dir)
+        except (Exception, OmegaConfBaseException) as exc:  # hydra raises several unrelated types
+            raise explain(exc, overrides, config_dir) from exc
+        check_choices(cfg, overrides, config_dir)
     return prepare(cfg, targets)
 
 

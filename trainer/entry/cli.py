@@ -29,17 +29,20 @@ from trainer.redaction import redact, scrub, secret_values
 COMMANDS = ("env", "check", "eval", "sample", "config", "tune", "launch")  # trainer/entry/commands.py
 
 
-def precheck(argv: list[str]) -> None:
-    """Compose and check every job of this command up front, so mistakes end here, before any file is written."""
+def precheck(argv: list[str]):
+    """Compose and check every job of this command up front, so mistakes end here, before any file is written.
+    Returns the `hydra.mode` they compose to (Hydra's own run needs it: shortcuts.hydra_mode_known)."""
     from hydra._internal.utils import get_args_parser
 
     args, _ = get_args_parser().parse_known_args(argv)
     if args.help or args.hydra_help or args.info or args.shell_completion:
-        return
+        return None
     jobs = sweep_jobs(args.overrides) if args.multirun else [args.overrides]
+    mode = None
     try:
         for overrides in jobs:
             cfg = compose_with_hydra(overrides, args.config_dir)
+            mode = cfg.hydra.mode
             check_hydra_hooks(cfg)  # what Hydra itself builds before the job: callbacks, logging, env_set
             check_choices(cfg, overrides, args.config_dir)  # precision=bf16 that a recipe's inline node hides
             with open_dict(cfg):
@@ -50,6 +53,7 @@ def precheck(argv: list[str]) -> None:
         # A message quotes config values, and those may come from the environment's secrets.
         err.args = (scrub(str(err), secret_values()),)
         raise
+    return mode
 
 
 def compose_with_hydra(overrides: list[str], config_dir: str | None) -> DictConfig:
@@ -244,17 +248,21 @@ def main(argv: list[str] | None = None) -> None:
     # Hydra's parser wants -m before the overrides; accept it anywhere.
     flags = [a for a in argv if a in ("-m", "--multirun")]
     argv = flags[:1] + [a for a in argv if a not in ("-m", "--multirun")]
-    try:
-        from trainer.config.flags import refuse_foreign_flags
+    from trainer.config.shortcuts import hydra_mode_known, yaml_parsed_once
 
-        refuse_foreign_flags(argv)  # accelerate's --num_processes 2: world=ddp world.nproc_per_node=2
-        precheck(argv)
-    except UserError as err:
-        if debug_enabled():
-            raise
-        report(err)
-        sys.exit(err.exit_code)
-    import hydra
+    with yaml_parsed_once():  # (the command composes several times: each file parsed once)
+        try:
+            from trainer.config.flags import refuse_foreign_flags
 
-    sys.argv = [sys.argv[0], *argv]
-    hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base="1.3")(run_job)()
+            refuse_foreign_flags(argv)  # accelerate's --num_processes 2: world=ddp world.nproc_per_node=2
+            mode = precheck(argv)
+        except UserError as err:
+            if debug_enabled():
+                raise
+            report(err)
+            sys.exit(err.exit_code)
+        import hydra
+
+        sys.argv = [sys.argv[0], *argv]
+        with hydra_mode_known(mode):
+            hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base="1.3")(run_job)()
