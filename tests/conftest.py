@@ -84,18 +84,20 @@ def load_weights(path: Path) -> dict:
 
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 180,
-            module: str = "trainer", fresh: bool = False) -> subprocess.CompletedProcess:
+            module: str = "trainer", fresh: bool = False, preexec=None) -> subprocess.CompletedProcess:
     """`python -m trainer ARGS` in a subprocess, as a user would run it: a process of its own with this argv,
     cwd, environment and sys.path, its exit code and output. It is forked from a forkserver that imported
     torch, Hydra and the trainer once (tests/helpers/forked_cli.py), not started as a fresh interpreter, which
     `fresh=True` asks for (and any PYTHON* interpreter flag in `env` gets): what only an interpreter's start
-    reads, such as sitecustomize or PYTHONPROFILEIMPORTTIME."""
+    reads, such as sitecustomize or PYTHONPROFILEIMPORTTIME. `preexec`: as subprocess's preexec_fn (a function
+    of a module, run in the child before the command)."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
     flags = {k for k in (env or {}) if k.startswith("PYTHON")} - {"PYTHONPATH", "PYTHONUNBUFFERED"}
     if fresh or flags:
         return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or ROOT, env=full_env,
-                              capture_output=True, text=True, timeout=timeout)
-    return _forked_cli(module, list(args), Path(cwd or ROOT), full_env, timeout)
+                              capture_output=True, text=True, timeout=timeout, preexec_fn=preexec)
+    with start_cli(*args, cwd=cwd, env=env, module=module, preexec=preexec) as cli:
+        return cli.wait(timeout)
 
 
 def _interpreter_path(cwd: Path, pythonpath: str) -> list[str]:
@@ -111,27 +113,49 @@ def _interpreter_path(cwd: Path, pythonpath: str) -> list[str]:
 _SITE_PATH: list[str] | None = None
 
 
-def _forked_cli(module: str, args: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
-    import multiprocessing
+class start_cli:
+    """`run_cli`'s process, started and not waited for (several "nodes" at once): `wait(timeout)` gives its
+    CompletedProcess (and kills it past the timeout, raising subprocess.TimeoutExpired, as subprocess.run does).
+    Used as a context manager, the process is killed if the block leaves before waiting for it."""
 
-    import forked_cli
+    def __init__(self, *args: str, cwd: Path | None = None, env: dict | None = None, module: str = "trainer",
+                 preexec=None):
+        import multiprocessing
 
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(forked_cli.PRELOAD)
-    with tempfile.TemporaryDirectory(prefix="trainer-cli-") as tmp:
-        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        out.touch()
-        err.touch()
-        child = context.Process(target=forked_cli.main, args=(
-            module, args, str(cwd), env, _interpreter_path(cwd, env.get("PYTHONPATH", "")), str(out), str(err)))
-        child.start()
-        child.join(timeout)
-        command = [sys.executable, "-m", module, *args]
-        if child.exitcode is None:
-            child.kill()
-            child.join()
-            raise subprocess.TimeoutExpired(command, timeout, out.read_text(), err.read_text())
-        return subprocess.CompletedProcess(command, child.exitcode, out.read_text(), err.read_text())
+        import forked_cli
+
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
+        cwd = Path(cwd or ROOT)
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(forked_cli.PRELOAD)
+        self._tmp = tempfile.TemporaryDirectory(prefix="trainer-cli-")
+        self.out, self.err = Path(self._tmp.name) / "stdout", Path(self._tmp.name) / "stderr"
+        self.out.touch()
+        self.err.touch()
+        self.command = [sys.executable, "-m", module, *args]
+        self.child = context.Process(target=forked_cli.main, args=(
+            module, list(args), str(cwd), env, _interpreter_path(cwd, env.get("PYTHONPATH", "")), str(self.out),
+            str(self.err), preexec))
+        self.child.start()
+        self.pid = self.child.pid
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess:
+        self.child.join(timeout)
+        if self.child.exitcode is None:
+            self.child.kill()
+            self.child.join()
+            raise subprocess.TimeoutExpired(self.command, timeout, self.out.read_text(), self.err.read_text())
+        return subprocess.CompletedProcess(self.command, self.child.exitcode, self.out.read_text(),
+                                           self.err.read_text())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.child.exitcode is None:
+            self.child.kill()
+            self.child.join()
+        self._tmp.cleanup()
 
 
 def run_main(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -211,6 +211,17 @@ def test_the_launcher_ends_its_forkserver_even_while_a_process_it_forked_holds_t
     assert r.stdout.split() == ["True", "None"]
 
 
+def test_workers_write_where_their_launcher_writes_at_the_launch_not_where_the_forkserver_did(corpus, tmp_path):
+    """A worker forked from a forkserver started earlier (by another launch, or with other files open) takes
+    the launcher's stdout and stderr of this launch (worker.Streams): `trainer check` sends them to its log
+    for its launches, and its report must not fill with the workers' lines."""
+    out = tmp_path / "launch.log"
+    r = run_cli(str(tmp_path / "run"), str(out), *tiny_overrides(corpus, *DDP2, "trainer.max_steps=2"),
+                module="launch_elsewhere", env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'helpers'}"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "launched\n" and "summary: steps=2" in out.read_text()  # (rank 0's last line)
+
+
 def test_a_forked_worker_takes_this_launchs_environment_not_the_forkservers():
     """The forkserver keeps the environment of the launch that started it; a later launch from the same process
     (a sweep, the Python API called twice) hands its own. What torchelastic set for the rank stays."""

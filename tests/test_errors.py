@@ -11,7 +11,6 @@ import os
 import resource
 import signal
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -19,7 +18,6 @@ import pytest
 from conftest import (
     DDP2,
     FAULTY_ENV,
-    ROOT,
     SHARED,
     read_metrics,
     run_cli,
@@ -140,11 +138,11 @@ def test_data_mistakes(tmp_path, case, needle):
     path = _data_case(tmp_path, case)
     run_dir = tmp_path / "run"
     args = (*tiny_overrides(path), f"hydra.run.dir={run_dir}")
-    if case in ("unreadable", "fifo"):  # a process of its own: without root's file access; a FIFO opened by
-        # mistake would block its reader (the timeout fails the test instead of hanging the suite)
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAINER_CACHE_DIR": str(tmp_path / "cache")}
-        r = subprocess.run([sys.executable, "-m", "trainer", *args], cwd=tmp_path, env=env, capture_output=True,
-                           text=True, timeout=120, preexec_fn=_without_root_file_access if case == "unreadable" else None)
+    if case in ("unreadable", "fifo"):  # a process of its own: without root's file access (dropped for the
+        # interpreter it starts: fresh); a FIFO opened by mistake would block its reader (the timeout fails the
+        # test instead of hanging the suite)
+        r = run_cli(*args, cwd=tmp_path, env={"TRAINER_CACHE_DIR": str(tmp_path / "cache")}, timeout=120,
+                    fresh=case == "unreadable", preexec=_without_root_file_access if case == "unreadable" else None)
     else:
         r = run_here(*args, cwd=tmp_path, env={"TRAINER_CACHE_DIR": str(tmp_path / "cache")})
     assert_clean_error(r, f"data.path='{path}'", needle)
@@ -211,9 +209,7 @@ def _limit_file_size() -> None:
 def test_a_checkpoint_that_does_not_fit_keeps_the_previous_one(corpus, tmp_path):
     args = [*tiny_overrides(corpus, *SHARED), f"hydra.run.dir={tmp_path}"]
     train_in_process(corpus, tmp_path, *SHARED, "trainer.max_steps=8")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "trainer", *args, "resume=auto"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=120, preexec_fn=_limit_file_size)
+    r = run_cli(*args, "resume=auto", timeout=120, preexec=_limit_file_size)
     # A full disk is not a usage error: its own exit code (74, EX_IOERR), so a scheduler can tell it from a typo.
     assert_clean_error(r, "could not write checkpoint", "step_00000008 is intact", "resume=auto", code=74)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000004", "step_00000008"]  # no temp dir

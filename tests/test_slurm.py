@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
 import socket
 import subprocess
-import sys
 
 import pytest
 import yaml
@@ -20,6 +20,7 @@ from conftest import (
     run_here,
     run_main,
     series,
+    start_cli,
     tiny_overrides,
 )
 from omegaconf import OmegaConf
@@ -105,7 +106,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_on_localhost_one_configured_by_hand_one_from_slurm_variables(corpus, tmp_path, reference):
+def test_two_nodes_on_localhost_one_configured_by_hand_one_from_slurm_variables(corpus, tmp_path, reference,
+                                                                                monkeypatch):
     """Two "nodes" of one process each on 127.0.0.1, sharing one run dir as the README says: node 0 is given
     world.nnodes / node_rank / rdzv_endpoint on its command line, node 1 reads them from faked SLURM variables
     alone. The run dir's lock is one per job (node 0's launcher holds it for the job; node 1 checks it is its
@@ -114,19 +116,18 @@ def test_two_nodes_on_localhost_one_configured_by_hand_one_from_slurm_variables(
     port = str(_free_port())
     slurm = {"SLURM_JOB_ID": "777", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "127.0.0.[1-2]", "MASTER_PORT": port,
              "SLURM_NODEID": "1"}
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
+    for key in os.environ:
+        if key.startswith(("SLURM_", "MASTER_")):
+            monkeypatch.delenv(key)
     by_hand = ["world.nnodes=2", "world.node_rank=0", f"world.rdzv_endpoint=127.0.0.1:{port}"]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "trainer",
-             *tiny_overrides(corpus, *SHARED, "world=ddp", "world.nproc_per_node=1", "data.batch_size=4"),
-             *(by_hand if rank == 0 else []), f"hydra.run.dir={tmp_path / 'shared'}"],
-            cwd=ROOT, env={**base, "PYTHONPATH": str(ROOT), **(slurm if rank == 1 else {})},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for rank in (0, 1)
-    ]
-    outs = [p.communicate(timeout=240) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    with contextlib.ExitStack() as stack:
+        nodes = [stack.enter_context(start_cli(
+            *tiny_overrides(corpus, *SHARED, "world=ddp", "world.nproc_per_node=1", "data.batch_size=4"),
+            *(by_hand if rank == 0 else []), f"hydra.run.dir={tmp_path / 'shared'}", env=slurm if rank == 1 else {}))
+            for rank in (0, 1)]
+        done = [node.wait(timeout=240) for node in nodes]
+    outs = [(r.stdout, r.stderr) for r in done]
+    assert [r.returncode for r in done] == [0, 0], outs
     assert f"world.nnodes=2 world.node_rank=1 world.rdzv_endpoint=127.0.0.1:{port} (from SLURM job 777)" in outs[1][0]
     assert "from SLURM" not in outs[0][0]
     assert_same_run(tmp_path / "shared", reference)

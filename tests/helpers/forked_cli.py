@@ -23,13 +23,17 @@ PRELOAD = [*WORKER_PRELOAD, "torch.distributed.launcher.api", "hydra", "safetens
            "trainer.entry.cli", "trainer.entry.commands", "trainer.entry.launcher"]
 
 
-def main(module: str, args: list[str], cwd: str, env: dict, path: list[str], out: str, err: str) -> None:
+def main(module: str, args: list[str], cwd: str, env: dict, path: list[str], out: str, err: str,
+         preexec=None) -> None:
     """The child: become `python -m MODULE ARGS` (run from `cwd` with `env`; `path`: the sys.path such an
-    interpreter has) writing to the files `out` and `err`, then leave with its exit code."""
+    interpreter has) writing to the files `out` and `err`, then leave with its exit code. `preexec` is called
+    first, as subprocess calls its preexec_fn before the command starts (the processes it starts inherit it)."""
     # A fresh interpreter's default start method (a forkserver's child inherits "forkserver": the DataLoader's
     # workers would start through a forkserver of their own, and outlive this process).
     multiprocessing.set_start_method(None, force=True)
     os.chdir(cwd)
+    if preexec is not None:
+        preexec()
     sys.path[:] = path
     for fd, name in ((1, out), (2, err)):
         target = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
