@@ -217,11 +217,19 @@ def test_a_checkpoint_that_does_not_fit_keeps_the_previous_one(corpus, tmp_path)
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_every_worker_promptly(corpus, tmp_path):
+def _as_a_background_job() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # what a non-interactive shell does to a job it starts with &
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_ctrl_c_stops_every_worker_promptly(corpus, tmp_path, background):
+    """SIGINT to the launcher (Ctrl-C, kill -INT) stops every worker with KeyboardInterrupt, well before the
+    agent's SIGKILL 30 s later (the timeout): also for a launcher started with SIGINT ignored, as a background
+    job, whose workers used to inherit that."""
     key, value = "TRAINER_TEST_MARKER", uuid.uuid4().hex
     r = run_cli(*tiny_overrides(corpus, *DDP2, "task._target_=faulty.Faulty", "trainer.max_steps=1000"),
                 "+task.action=sigint_parent", "+task.at_call=5", "+task.rank=0", f"hydra.run.dir={tmp_path}",
-                env={**FAULTY_ENV, key: value}, timeout=60)
+                env={**FAULTY_ENV, key: value}, timeout=25, preexec=_as_a_background_job if background else None)
     assert r.returncode == 130 and "interrupted" in r.stderr
     assert "Traceback" not in r.stderr
     from test_distributed import _processes_with_marker

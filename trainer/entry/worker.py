@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import traceback
 from multiprocessing import forkserver
@@ -110,6 +111,10 @@ def forked(launcher_env: dict[str, str], streams: Streams | None = None) -> int:
     if streams is not None:
         streams.take()
     _let_go_of_forkserver()
+    # The launcher forwards SIGINT (Ctrl-C, kill -INT) to its workers, which stop with KeyboardInterrupt. A launcher
+    # started with SIGINT ignored (a job that a non-interactive shell put in the background) passes that on to its
+    # forkserver and to every worker, which then ignored it until the agent's SIGKILL, 30 s later.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     env = worker_environment(launcher_env, _BOOT_ENV, dict(os.environ))
     os.environ.clear()
     os.environ.update(env)
