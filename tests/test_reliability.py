@@ -145,6 +145,27 @@ def test_two_jobs_of_the_same_second_get_two_run_dirs(corpus, tmp_path):
     assert (first / ".hydra").is_dir()
 
 
+def test_a_job_of_the_same_second_as_a_killed_one_leaves_its_run_dir_alone(corpus, tmp_path):
+    """A killed job's default run dir holds no lock, but holds its checkpoints: a job of the same second (another
+    config) used to take the dir over, train in it and finish it, and resume=auto then never found the killed
+    run. It moves to `<dir>-2`; a run that resume=auto continues, or a dir the user chose, stays where it is."""
+    from trainer import compose
+    from trainer.entry.cli import _own_run_dir
+    from trainer.entry.launcher import launch_topology
+
+    killed = tmp_path / "outputs" / "2026-01-01" / "12-00-00"
+    (killed / "checkpoints" / "step_00000008").mkdir(parents=True)
+    (killed / "config.yaml").write_text("the killed job's\n")
+    topology = launch_topology(compose(tiny_overrides(corpus)).world)
+    other, lock = _own_run_dir(killed, topology, chosen=False)
+    lock.release()
+    assert other == killed.with_name("12-00-00-2")
+    assert (killed / "config.yaml").read_text() == "the killed job's\n"
+    same, lock = _own_run_dir(killed, topology, chosen=True)
+    lock.release()
+    assert same == killed
+
+
 def test_a_node_refuses_a_run_dir_another_job_holds(corpus, tmp_path):
     from trainer.entry.rundir import RunDirLock
 

@@ -109,7 +109,8 @@ def run_job(cfg: DictConfig) -> float | None:
         from trainer.entry.launcher import launch_topology
 
         topology = launch_topology(resolved.world, say=print)  # world's launch keys, typed once for this job
-        run_dir, lock = _own_run_dir(run_dir, topology, chosen=_chose_run_dir(hc))
+        continuing = run_dir != Path(hc.runtime.output_dir)  # (resume=auto found the run dir to continue)
+        run_dir, lock = _own_run_dir(run_dir, topology, chosen=_chose_run_dir(hc) or continuing)
         if lock.held:  # (the launchers of nodes other than 0 leave the records to node 0's)
             scrub_hydra_files(run_dir, secret_values(OmegaConf.to_container(resolved)))
             from trainer.entry.run import save_config
@@ -160,7 +161,8 @@ def _own_run_dir(run_dir: Path, w, chosen: bool):
     """The run dir this job may write, and its lock (see trainer/entry/rundir.py). One job per run dir, one lock per
     job: on several nodes the launcher of node 0 takes it for the job, and the others check that the lock they
     find is their job's. Two jobs started in the same second share a default (timestamped) run dir: the later
-    one moves to `<dir>-2` (then -3, ...) instead of stopping, since nobody chose that dir."""
+    one moves to `<dir>-2` (then -3, ...) instead of stopping, since nobody chose that dir; so does a job whose
+    default dir holds an earlier job's records (one of the same second that ended or was killed)."""
     import shutil
 
     from trainer.entry.rundir import RunDirLock
@@ -172,11 +174,12 @@ def _own_run_dir(run_dir: Path, w, chosen: bool):
             lock.check_same_job()
             return run_dir, lock
         return run_dir, lock.acquire()
-    try:
-        return run_dir, RunDirLock(run_dir).acquire()
-    except ConfigError:
-        if chosen:
-            raise
+    if chosen or not _earlier_job_in(run_dir):
+        try:
+            return run_dir, RunDirLock(run_dir).acquire()
+        except ConfigError:
+            if chosen:
+                raise
     for n in range(2, 100):
         other = run_dir.with_name(f"{run_dir.name}-{n}")
         try:
@@ -189,6 +192,12 @@ def _own_run_dir(run_dir: Path, w, chosen: bool):
               flush=True)
         return other, RunDirLock(other).acquire()
     raise ConfigError(f"run dir {run_dir} and 98 numbered siblings are in use; pass hydra.run.dir=DIR.")
+
+
+def _earlier_job_in(run_dir: Path) -> bool:
+    """Whether a default run dir holds what an earlier job of the same second recorded (one that ended, or was
+    killed): this job must not write over it, nor finish it as its own run (resume=auto would lose it)."""
+    return any((run_dir / name).exists() for name in ("config.yaml", "checkpoints", "metrics.jsonl"))
 
 
 def _remove_if_free(run_dir: Path) -> None:
