@@ -58,6 +58,8 @@ def main(module: str, args: list[str], cwd: str, env: dict, path: list[str], out
         traceback.print_exc()
         code = 1
     atexit._run_exitfuncs()  # (what the interpreter runs at exit; C++ teardown it skips, as worker.exit_now does)
+    from trainer.entry.launcher import _stop_forkserver
+
     _stop_forkserver(server)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -100,9 +102,3 @@ def _own_forkserver():
         os.close(server._forkserver_alive_fd)
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
     return server
-
-
-def _stop_forkserver(server) -> None:
-    from trainer.entry.launcher import _stop_forkserver as stop
-
-    stop(server)

@@ -98,19 +98,19 @@ def run_job(cfg: DictConfig) -> float | None:
         resolved, chosen = resolve_auto(resolve(cfg))
         if chosen:
             print(chosen, flush=True)
-        if resolved.get("resume") == "auto" and not _chose_run_dir(hc):
+        chosen = _chose_run_dir(hc)
+        if resolved.get("resume") == "auto" and not chosen:
             # The default run dir is new at every start: continue the newest unfinished run with this config.
             found = find_run_to_continue(run_dir, redact(OmegaConf.to_container(resolved)))
             if found is not None:
                 print(f"resume=auto: continuing {found}, the newest unfinished run under {found.parent.parent} "
                       "with this config (pass hydra.run.dir=DIR to choose another).", flush=True)
                 _remove_if_free(run_dir)  # this job's fresh timestamped dir (another job's of the same second stays)
-                run_dir = found
+                run_dir, chosen = found, True  # (resume=auto chose it: continue it, never a sibling)
         from trainer.entry.launcher import launch_topology
 
         topology = launch_topology(resolved.world, say=print)  # world's launch keys, typed once for this job
-        continuing = run_dir != Path(hc.runtime.output_dir)  # (resume=auto found the run dir to continue)
-        run_dir, lock = _own_run_dir(run_dir, topology, chosen=_chose_run_dir(hc) or continuing)
+        run_dir, lock = _own_run_dir(run_dir, topology, chosen=chosen)
         if lock.held:  # (the launchers of nodes other than 0 leave the records to node 0's)
             scrub_hydra_files(run_dir, secret_values(OmegaConf.to_container(resolved)))
             from trainer.entry.run import save_config

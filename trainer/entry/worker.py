@@ -95,8 +95,9 @@ class Streams:
     def take(self) -> None:
         """Make the descriptors this process's stdout and stderr."""
         for fd, target in zip(self.fds, (1, 2)):
-            os.dup2(fd, target)
-            os.close(fd)
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
 
 
 def _received(*duplicates) -> Streams:
