@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -163,10 +164,10 @@ def test_the_smoke_config_is_a_run_of_seconds(corpus):
     assert cfg.trainer.max_steps == 20 and cfg.precision._target_.endswith("FP32") and cfg.world.threads == 1
 
 
-def test_a_command_composes_its_config_twice_and_parses_each_config_file_once(corpus, tmp_path, monkeypatch):
-    """Issue 33 (start-up): a run's config is composed by the up-front check and by Hydra's run, and no more:
-    Hydra's get_mode (a whole composition to read hydra.mode) is answered with the check's. Each config file's
-    text is parsed once for all compositions, here and in the next command of the same process."""
+def test_a_command_composes_its_config_once_and_parses_each_config_file_once(corpus, tmp_path, monkeypatch):
+    """Issue 33 (start-up), issue 24 (the suite's time): a run's config is composed by the up-front check, and
+    no more: Hydra's get_mode (a whole composition to read hydra.mode) and Hydra's run take the check's. Each
+    config file's text is parsed once for all compositions, here and in the next command of the same process."""
     from collections import OrderedDict
 
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
@@ -189,11 +190,71 @@ def test_a_command_composes_its_config_twice_and_parses_each_config_file_once(co
         composed.clear()
         r = run_here(*tiny_overrides(corpus, "trainer.max_steps=2"), f"hydra.run.dir={tmp_path / str(n)}")
         assert r.returncode == 0, r.stderr
-        assert composed.count("config") == 2, composed
+        assert composed.count("config") == 1, composed
         if n == 0:
             first = len(parsed)
             assert first > 10 and len(set(parsed)) == first  # the tree's files, each once
     assert len(parsed) == first  # the second command parsed nothing again
+
+
+@pytest.mark.parametrize("overrides", [["debug=smoke"], ["recipe=diffusion", "precision=bf16", "+hydra.job.env_set.X=1"],
+                                       ["hydra.mode=RUN", "debug=smoke", "hydra.job.name=other"],
+                                       ["--cfg", "hydra", "recipe=gan", "world=fsdp"]])
+def test_hydra_runs_the_config_it_would_have_composed_itself(overrides, tmp_path, monkeypatch):
+    """The config Hydra's run takes from the up-front check is the one it composes without it: the job's config
+    and the whole `hydra` node (the overrides it records, hydra.mode, its choices and sources), key for key. A
+    command whose composition differs from the check's (another working directory) composes anew."""
+    import io
+
+    from hydra.core.hydra_config import HydraConfig
+
+    from trainer.config import shortcuts
+    from trainer.entry import cli
+
+    seen = []
+
+    def record(cfg):
+        seen.append((OmegaConf.to_container(cfg), OmegaConf.to_container(HydraConfig.get())))
+
+    def command(reuse: bool):
+        take = shortcuts.Precomposed.take
+        with monkeypatch.context() as m, contextlib.redirect_stdout(io.StringIO()) as out:
+            m.setattr(cli, "run_job", record)
+            m.setattr(sys, "argv", ["trainer"])
+            m.setattr(shortcuts.Precomposed, "take", lambda *a: taken.append(take(*a) if reuse else None) or taken[-1])
+            cli.main([*overrides, f"hydra.run.dir={tmp_path}"])
+        return out.getvalue()
+
+    taken: list = []
+    plain, reused = command(reuse=False), command(reuse=True)
+    assert taken[0] is None and taken[-1] is not None  # the second command ran on the check's config
+    assert plain == reused  # (--cfg hydra prints the config Hydra composed)
+    if "--cfg" not in overrides:
+        assert len(seen) == 2 and seen[0] == seen[1]
+        assert seen[1][1]["mode"].name == "RUN" and "hydra.mode=RUN" in seen[1][1]["overrides"]["hydra"]
+
+
+def test_the_checks_config_is_handed_out_once_and_only_for_what_it_was_composed_from(tmp_path, monkeypatch):
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    from trainer.entry import cli
+
+    def take(known, overrides=("debug=smoke", "hydra.mode=RUN"), mode=RunMode.RUN, name="config"):
+        with initialize_config_module("trainer.conf", version_base="1.3"):
+            return known.take(GlobalHydra.instance().config_loader(), name, list(overrides), mode)
+
+    known = cli.precheck(["debug=smoke"])
+    assert take(known, mode=RunMode.MULTIRUN) is None and take(known, name="other") is None
+    assert take(known, ("debug=smoke", "trainer.max_steps=3")) is None and take(known, ("precision=bf16",)) is None
+    monkeypatch.chdir(tmp_path)
+    assert take(known) is None  # (Hydra records the working directory)
+    monkeypatch.undo()
+    cfg = take(known)
+    assert cfg.hydra.mode == RunMode.RUN and cfg.trainer.max_steps == 20
+    assert take(known) is None  # Hydra's run writes into it: handed out once
+    assert cli.precheck(["-m", "debug=smoke", "optim.lr=1e-3,1e-4"]).config is None  # a sweeper composes its own
 
 
 def test_hydra_mode_set_by_an_override_still_decides_the_run_mode(tmp_path):

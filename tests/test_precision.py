@@ -160,10 +160,21 @@ def test_a_cpu_peak_is_the_faster_of_fp32_and_the_run_dtype(monkeypatch):
     assert hardware.cpu_matmul_tflops(torch.bfloat16, size=64, seconds=0.001) > 0
     assert torch.get_num_threads() == threads  # the one-thread probe gives the threads back
     speed = {torch.float32: 0.1, torch.bfloat16: 0.4, torch.float16: 0.002}  # TFLOP/s of one thread, as here
-    monkeypatch.setattr(hardware, "cpu_matmul_tflops", lambda dtype, **probe: speed[dtype])
+    probed = []
+    monkeypatch.setattr(hardware, "cpu_matmul_tflops", lambda dtype, **probe: probed.append(dtype) or speed[dtype])
+    monkeypatch.setattr(hardware, "_ONE_THREAD", {})  # (what this process probed before)
     assert hardware.cpu_peak_tflops(torch.float16) == pytest.approx(threads * 0.1)  # emulated: against fp32
     assert hardware.cpu_peak_tflops(torch.bfloat16) == pytest.approx(threads * 0.4)
     assert hardware.cpu_peak_tflops(torch.float32) == pytest.approx(threads * 0.1)
+    # Probed once per process, each dtype in rounds: the next runs of this process pay nothing for it.
+    rounds = hardware.PROBE_ROUNDS
+    assert sorted(map(str, probed)) == sorted(map(str, [torch.float32, torch.float16, torch.bfloat16] * rounds))
+    torch.set_num_threads(1)
+    try:
+        assert hardware.cpu_peak_tflops(torch.bfloat16) == pytest.approx(0.4)  # x this process's threads now
+    finally:
+        torch.set_num_threads(threads)
+    assert len(probed) == 3 * rounds
 
 
 def test_emulated_bf16_gets_a_note(monkeypatch):

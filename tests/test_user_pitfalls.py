@@ -53,6 +53,51 @@ def test_a_group_option_an_inline_node_hides_is_one_paragraph(tmp_path):
         "trainer.parallel.precision.FP32"  # a _target_ set on purpose after the option
 
 
+def test_a_model_or_data_option_an_inline_node_hides_is_refused_too(tmp_path):
+    """model= and data= options interpolate keys outside themselves (`${data.seq_len}`): read unresolved, the
+    check sees their `_target_` (it used to give up on them, and the inline node won without a word)."""
+    from trainer.config.compose import load
+    from trainer.errors import ConfigError
+
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "inline_model.yaml").write_text(
+        "# @package _global_\nmodel:\n  _target_: torch.nn.Linear\n  in_features: 2\n  out_features: 2\n")
+    with pytest.raises(ConfigError, match=r"^model=gpt_tiny would be ignored: .* model\._target_ stays 'torch\.nn\.Linear'"):
+        load(["recipe=inline_model", "model=gpt_tiny"], config_dir=str(tmp_path), targets=False)
+    assert load(["debug=smoke", "model=gpt_small", "data=stdlib"]).model._target_ == "trainer.recipes.lm.model.GPT"
+
+
+def test_each_option_checked_alone_is_what_hydra_composes_for_it_alone():
+    """check_choices composes each chosen option alone without Hydra's own `hydra` node (a seventh of the time):
+    for every option of every group, shipped and the tests' (--config-dir), the group's node is what
+    `hydra.compose("GROUP/OPTION")` gives, or both fail alike."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from trainer.config.compose import CONFIG_MODULE, option_alone, search_path
+
+    def node(compose, *args, group):
+        try:
+            return OmegaConf.to_container(OmegaConf.select(compose(*args), group, default=None) or {}, resolve=False)
+        except Exception as exc:  # noqa: BLE001 - an option that cannot stand alone: the same failure
+            return type(exc).__name__
+
+    checked = 0
+    for config_dir in (None, CONF):
+        search = search_path(config_dir)
+        with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+            loader = GlobalHydra.instance().config_loader()
+            for group in sorted(p.name for p in (ROOT / "conf").iterdir() if p.is_dir() and p.name != "__pycache__"):
+                for option in loader.get_group_options(group):
+                    ours = node(option_alone, group, option, search, group=group)
+                    hydras = node(hydra_compose, f"{group}/{option}", search, group=group)
+                    assert ours == hydras, (group, option)
+                    checked += 1
+    assert checked > 40
+
+
 # -- 32.3: the habits people bring ---------------------------------------------------------------------------
 def _suggested_command(stderr: str) -> list[str]:
     """The overrides of the `python -m trainer ...` command an error message proposes."""
@@ -206,6 +251,7 @@ def _loaded_for_one_call(monkeypatch, slow_dtype):
         return steady / 100 if dtype == slow_dtype and calls.count(dtype) == 1 else steady
 
     monkeypatch.setattr(trainer.parallel.hardware, "cpu_matmul_tflops", probe)
+    monkeypatch.setattr(trainer.parallel.hardware, "_ONE_THREAD", {})  # (what this process probed before)
     return calls
 
 

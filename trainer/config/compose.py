@@ -114,7 +114,6 @@ def check_choices(cfg: DictConfig, overrides: list[str], config_dir: str | None)
     inline class into a node neither meant). A config selects an option in its defaults list instead
     (`override /precision: fp32`), which the command line overrides. Compares `_target_`s only: a recipe may
     change an option's other values on purpose (`optim: {lr: ...}` over `optim=sgd`)."""
-    from hydra import compose as hydra_compose
     from hydra import initialize_config_module
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -132,7 +131,7 @@ def check_choices(cfg: DictConfig, overrides: list[str], config_dir: str | None)
 
     def alone(group: str, option: str) -> list[tuple[str, str]]:
         try:
-            return _targets_under(hydra_compose(f"{group}/{option}", overrides=search), group)
+            return _targets_under(option_alone(group, option, search), group)
         except Exception:  # noqa: BLE001 - not a group (resume=auto), or an option with a defaults list of its own
             return []
 
@@ -157,21 +156,39 @@ def check_choices(cfg: DictConfig, overrides: list[str], config_dir: str | None)
                 )
 
 
+def option_alone(group: str, option: str, search: list[str]) -> DictConfig:
+    """The group option `group/option` composed as the primary config, as `hydra.compose(f"{group}/{option}")`
+    composes it, less Hydra's own `hydra` node: the same defaults tree and merge, without the dozen configs of
+    that node (a seventh of the time: ~10 ms, not ~70). Inside `initialize_config_module`."""
+    from hydra import compose as hydra_compose
+    from hydra._internal.defaults_list import create_defaults_list
+    from hydra.core.global_hydra import GlobalHydra
+
+    name, loader = f"{group}/{option}", GlobalHydra.instance().config_loader()
+    if not all(hasattr(loader, f) for f in ("_parse_overrides_and_create_caching_repo",
+                                             "_compose_config_from_defaults_list")):  # (another Hydra version)
+        return hydra_compose(name, overrides=search)
+    _, repo = loader._parse_overrides_and_create_caching_repo(name, search)  # (search: --config-dir's path)
+    tree = create_defaults_list(repo=repo, config_name=name, overrides_list=[], prepend_hydra=False,
+                                skip_missing=False)
+    return loader._compose_config_from_defaults_list(defaults=tree.defaults, repo=repo)
+
+
 def _targets_under(cfg: DictConfig, group: str) -> list[tuple[str, str]]:
     """(path, _target_) of each node with a `_target_` under `group` (a group option composed alone puts its
     content at its package: `precision`, `logger.wandb`); nodes elsewhere (a `_global_` option's) are not
-    the group's own."""
+    the group's own. Read unresolved: an option's interpolations (`${data.seq_len}`) point outside it."""
     found = []
     node = OmegaConf.select(cfg, group, default=None)
 
     def walk(n, path):
-        if isinstance(n, DictConfig):
+        if isinstance(n, dict):
             if isinstance(n.get("_target_"), str):
-                found.append((path, n._target_))
-            for k in n.keys():
-                walk(n[k], f"{path}.{k}")
+                found.append((path, n["_target_"]))
+            for k, v in n.items():
+                walk(v, f"{path}.{k}")
 
-    walk(node, group)
+    walk(OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else None, group)
     return found
 
 

@@ -7,6 +7,7 @@ paragraph with exit code 2 before Hydra creates a run dir; then `hydra.main` run
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -31,18 +32,26 @@ COMMANDS = ("env", "check", "eval", "sample", "config", "tune", "launch")  # tra
 
 def precheck(argv: list[str]):
     """Compose and check every job of this command up front, so mistakes end here, before any file is written.
-    Returns the `hydra.mode` they compose to (Hydra's own run needs it: shortcuts.hydra_mode_known)."""
+    Returns what they composed (`shortcuts.Precomposed`): the `hydra.mode` and, for one job, the config itself,
+    which Hydra's own run then takes instead of composing it again (`shortcuts.precomposed_reused`)."""
+    import copy
+
     from hydra._internal.utils import get_args_parser
 
+    from trainer.config.shortcuts import Precomposed
+
     args, _ = get_args_parser().parse_known_args(argv)
+    known = Precomposed()
     if args.help or args.hydra_help or args.info or args.shell_completion:
-        return None
+        return known
     jobs = sweep_jobs(args.overrides) if args.multirun else [args.overrides]
-    mode = None
     try:
         for overrides in jobs:
-            cfg = compose_with_hydra(overrides, args.config_dir)
-            mode = cfg.hydra.mode
+            cfg, sources = compose_with_hydra(overrides, args.config_dir, sources=True)
+            known.mode = cfg.hydra.mode
+            if not args.multirun:  # (a sweep's jobs are composed by its sweeper, from other overrides)
+                known.overrides, known.config = list(overrides), copy.deepcopy(cfg)
+                known.sources, known.cwd = sources, os.getcwd()
             check_hydra_hooks(cfg)  # what Hydra itself builds before the job: callbacks, logging, env_set
             check_choices(cfg, overrides, args.config_dir)  # precision=bf16 that a recipe's inline node hides
             with open_dict(cfg):
@@ -53,19 +62,24 @@ def precheck(argv: list[str]):
         # A message quotes config values, and those may come from the environment's secrets.
         err.args = (scrub(str(err), secret_values()),)
         raise
-    return mode
+    return known
 
 
-def compose_with_hydra(overrides: list[str], config_dir: str | None) -> DictConfig:
+def compose_with_hydra(overrides: list[str], config_dir: str | None, sources: bool = False):
     """`config.compose.load`'s config with the `hydra` node kept (callbacks, logging, env_set), so that the
-    config trust model can check Hydra's hooks before Hydra runs them. Errors are explained as by `load`."""
+    config trust model can check Hydra's hooks before Hydra runs them. Errors are explained as by `load`.
+    With `sources`, also the config sources it was composed from (`shortcuts.config_sources`)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from trainer.config.shortcuts import config_sources
 
     full = [*overrides, *search_path(config_dir)]
     try:
         with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-            return hydra_compose("config", overrides=full, return_hydra_config=True)
+            cfg = hydra_compose("config", overrides=full, return_hydra_config=True)
+            return (cfg, config_sources(GlobalHydra.instance().config_loader())) if sources else cfg
     except (Exception, OmegaConfBaseException) as exc:  # hydra raises several unrelated types
         raise explain(exc, overrides, config_dir) from exc
 
@@ -257,14 +271,14 @@ def main(argv: list[str] | None = None) -> None:
     # Hydra's parser wants -m before the overrides; accept it anywhere.
     flags = [a for a in argv if a in ("-m", "--multirun")]
     argv = flags[:1] + [a for a in argv if a not in ("-m", "--multirun")]
-    from trainer.config.shortcuts import hydra_mode_known, yaml_parsed_once
+    from trainer.config.shortcuts import precomposed_reused, yaml_parsed_once
 
     with yaml_parsed_once():  # (the command composes several times: each file parsed once)
         try:
             from trainer.config.flags import refuse_foreign_flags
 
             refuse_foreign_flags(argv)  # accelerate's --num_processes 2: world=ddp world.nproc_per_node=2
-            mode = precheck(argv)
+            known = precheck(argv)
         except UserError as err:
             if debug_enabled():
                 raise
@@ -273,5 +287,5 @@ def main(argv: list[str] | None = None) -> None:
         import hydra
 
         sys.argv = [sys.argv[0], *argv]
-        with hydra_mode_known(mode):
+        with precomposed_reused(known):
             hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base="1.3")(run_job)()

@@ -59,11 +59,20 @@ def best_matmul_tflops(dtypes, size: int = 512, seconds: float = 0.05, rounds: i
     return best
 
 
+# One thread's best matmul TFLOP/s per dtype, probed once per process: the cores do not change while it runs, and
+# every run of a process (the tests', a sweep's in-process jobs, `tune`'s trials) paid ~0.1 s of CPU for the probe
+# again. A process forked after the probe (a launch's workers from a parent that probed) inherits it.
+_ONE_THREAD: dict[torch.dtype, float] = {}
+
+
 def cpu_peak_tflops(dtype: torch.dtype) -> float:
     """The peak of this process on a CPU: its threads x one thread's best matmul throughput in the faster of
-    fp32 and `dtype` (~0.1 s, in rounds). Still a measurement, so it can read low on a busy machine: `Cost`
-    raises it to any throughput the run reaches."""
-    return torch.get_num_threads() * max(best_matmul_tflops((torch.float32, dtype)).values())
+    fp32 and `dtype` (~0.1 s, in rounds, the first time). Still a measurement, so it can read low on a busy
+    machine: `Cost` raises it to any throughput the run reaches."""
+    missing = [d for d in dict.fromkeys((torch.float32, dtype)) if d not in _ONE_THREAD]
+    if missing:
+        _ONE_THREAD.update(best_matmul_tflops(missing))
+    return torch.get_num_threads() * max(_ONE_THREAD[torch.float32], _ONE_THREAD[dtype])
 
 
 def peak_memory_mb(device: torch.device) -> float:
