@@ -268,18 +268,29 @@ def test_hydra_mode_set_by_an_override_still_decides_the_run_mode(tmp_path):
 @pytest.mark.parametrize("overrides", [["debug=smoke"], ["recipe=diffusion", "precision=bf16"],
                                        ["recipe=gan", "world=fsdp", "optim.lr=0.01"]])
 def test_a_config_composed_with_each_file_parsed_once_is_the_config_composed_without(overrides):
-    """The parse cache changes no value: compositions with and without it are equal, and a config it hands
-    out is the caller's own (changing it changes no later composition)."""
+    """The shortcuts change no value: compositions with and without them (each file's config built once, the
+    structured configs shared by the repository's copies) are equal, with and without Hydra's own node, and a
+    config they hand out is the caller's own (changing it changes no later composition)."""
+    from hydra._internal.core_plugins.structured_config_source import StructuredConfigSource
+
     from trainer.config import shortcuts
     from trainer.config.compose import compose
+    from trainer.entry.cli import compose_with_hydra
 
-    plain = OmegaConf.to_container(compose(overrides))
-    with shortcuts.yaml_parsed_once():
+    def both():
+        hydra_node = OmegaConf.to_container(compose_with_hydra(overrides, None))
+        hydra_node["hydra"]["runtime"].pop("output_dir", None)
+        return OmegaConf.to_container(compose(overrides)), hydra_node
+
+    plain = both()
+    with shortcuts.composing():
         first = compose(overrides)
         first.trainer.max_steps = -1
-        assert OmegaConf.to_container(compose(overrides)) == plain
-    assert OmegaConf.to_container(compose(overrides)) == plain
+        assert both() == plain
+        assert both() == plain
+    assert both() == plain
     assert not getattr(OmegaConf.load, "_parses_once", False)  # in force only inside
+    assert "__deepcopy__" not in StructuredConfigSource.__dict__
 
 
 def test_a_yaml_mistake_is_the_same_error_with_the_parse_cache(tmp_path):

@@ -96,9 +96,9 @@ def prepare(cfg: DictConfig, targets: bool = True) -> DictConfig:
 
 def load(overrides: list[str], config_dir: str | None = None, targets: bool = True) -> DictConfig:
     """`compose` + `prepare`, with composition errors explained."""
-    from trainer.config.shortcuts import yaml_parsed_once
+    from trainer.config.shortcuts import composing
 
-    with yaml_parsed_once():  # (check_choices composes again: each file parsed once)
+    with composing():  # (check_choices composes again: each file read once)
         try:
             cfg = compose(overrides, config_dir)
         except (Exception, OmegaConfBaseException) as exc:  # hydra raises several unrelated types

@@ -1,15 +1,19 @@
-"""Two things Hydra repeats within one command, done once (issue 33: start-up; half of a short run's CPU).
+"""What Hydra repeats within one command, done once (issue 33: start-up; issue 24: the suite's time, where Hydra's
+composition was a fifth of all CPU).
 
-- Every composition parses each YAML file of the config tree again, and one command composes several times:
-  the up-front check (`cli.precheck`), each group option it checks alone (`compose.check_choices`), and
-  Hydra's run. `yaml_parsed_once` keeps the parse of each file's text and hands out fresh copies.
+- Every composition parses each YAML file of the config tree again and builds its config, and one command
+  composes several times (the up-front check `cli.precheck`, each group option it checks alone in
+  `compose.check_choices`). `yaml_parsed_once` keeps the config built from each file's text and hands out copies.
+- Every composition deep-copies Hydra's config repository, and with it every structured config registered
+  in Hydra's ConfigStore (~5 ms), though it only replaces the repository's list of sources.
+  `structured_configs_shared` lets the copies share the store, which hands out copies of what it holds anyway.
 - Before it runs, Hydra composes the whole config once more only to read `hydra.mode` (`Hydra.get_mode`),
   and once more for the run: both are the config `precheck` has composed already (a composition is ~0.15 s of
   CPU, a copy of its result ~6 ms). `precomposed_reused` answers both with it.
 
-Each is in force only inside its `with`; neither changes what a command composes (the tests compare).
+Each is in force only inside its `with` (`composing()` holds the first two); none changes what a command
+composes (the tests compare).
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -23,18 +27,17 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-# YAML text -> its parse (plain dicts, lists and scalars). The texts are the config tree's files: a few hundred
+# YAML text -> the config `OmegaConf.load` builds from it (never handed out: each load gets a copy). The texts are the config tree's files: a few hundred
 # small strings at most; the bound is for a long-lived process that composes configs from many directories.
 _PARSED: OrderedDict[str | bytes, Any] = OrderedDict()
 _BOUND = 1024
-_UNSEEN = object()
 
 
 @contextlib.contextmanager
 def yaml_parsed_once() -> Iterator[None]:
-    """Inside, `OmegaConf.load` of an open file (how Hydra's config sources read every config) parses a text it
-    has parsed before only once. A YAML parse is a function of the text alone: the config each load returns is
-    a new one, built as `OmegaConf.load` builds it, from a copy of the parse. Paths and errors go to the original."""
+    """Inside, `OmegaConf.load` of an open file (how Hydra's config sources read every config) builds the config
+    of a text it has read before only once. The config is a function of the text alone: each load returns a
+    copy of the one `OmegaConf.load` built from it. Paths and errors go to the original."""
     original = OmegaConf.__dict__["load"]
     if getattr(original, "_parses_once", False):  # (nested: already in force)
         yield
@@ -45,23 +48,17 @@ def yaml_parsed_once() -> Iterator[None]:
             return original.__func__(file_)
         start = file_.tell() if _seekable(file_) else None
         text = file_.read()
-        obj = _PARSED.get(text, _UNSEEN)
-        if obj is _UNSEEN:
-            import yaml
-            from omegaconf._utils import get_yaml_loader
-
+        cfg = _PARSED.get(text)
+        if cfg is None:
             try:
-                obj = yaml.load(text, Loader=get_yaml_loader())
-                usable = obj is None or isinstance(obj, (list, dict, str))
-            except yaml.YAMLError:
-                usable = False
-            if not usable:  # OmegaConf's own error, which names the file: nothing is kept
+                cfg = original.__func__(_again(None, None, text))
+            except Exception:  # noqa: BLE001 - OmegaConf's own error, which names the file: nothing is kept
                 return original.__func__(_again(file_, start, text))
-            _PARSED[text] = obj
+            _PARSED[text] = cfg
             if len(_PARSED) > _BOUND:
                 _PARSED.popitem(last=False)
-        obj = copy.deepcopy(obj)
-        return OmegaConf.create() if obj is None else OmegaConf.create(obj)
+        # A copy of the config built from the text (half the CPU of building it again from the parse).
+        return copy.deepcopy(cfg)
 
     load._parses_once = True
     OmegaConf.load = staticmethod(load)
@@ -69,6 +66,31 @@ def yaml_parsed_once() -> Iterator[None]:
         yield
     finally:
         OmegaConf.load = original
+
+
+@contextlib.contextmanager
+def structured_configs_shared() -> Iterator[None]:
+    """Inside, a deep copy of Hydra's structured config source (made by every composition's
+    `CachingConfigRepository`) shares the ConfigStore instead of copying all it holds. The copy exists so that
+    the composition can replace the repository's sources; nothing writes into the store, and `ConfigStore.load`
+    hands out a deep copy of each config it loads."""
+    from hydra._internal.core_plugins.structured_config_source import StructuredConfigSource
+
+    if "__deepcopy__" in StructuredConfigSource.__dict__:  # (nested, or another Hydra's own copy)
+        yield
+        return
+    StructuredConfigSource.__deepcopy__ = lambda self, memo: copy.copy(self)
+    try:
+        yield
+    finally:
+        del StructuredConfigSource.__deepcopy__
+
+
+@contextlib.contextmanager
+def composing() -> Iterator[None]:
+    """`yaml_parsed_once` and `structured_configs_shared`: where a command or `trainer.compose` composes."""
+    with yaml_parsed_once(), structured_configs_shared():
+        yield
 
 
 @dataclass

@@ -271,9 +271,9 @@ def main(argv: list[str] | None = None) -> None:
     # Hydra's parser wants -m before the overrides; accept it anywhere.
     flags = [a for a in argv if a in ("-m", "--multirun")]
     argv = flags[:1] + [a for a in argv if a not in ("-m", "--multirun")]
-    from trainer.config.shortcuts import precomposed_reused, yaml_parsed_once
+    from trainer.config.shortcuts import composing, precomposed_reused
 
-    with yaml_parsed_once():  # (the command composes several times: each file parsed once)
+    with composing():  # (the command composes several times: each file read once)
         try:
             from trainer.config.flags import refuse_foreign_flags
 
