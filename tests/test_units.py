@@ -115,6 +115,24 @@ def test_config_validation_names_the_key_it_refuses(override, named):
         trainer.compose(["debug=smoke", override])
 
 
+def test_a_typed_section_is_its_own_and_checked_against_the_schema_each_time():
+    """`typed` builds each schema's config once per process: what one section sets never reaches the next."""
+    from omegaconf.errors import ValidationError
+
+    from trainer.config.schema import TrainerConfig, launch_config, typed
+
+    first = typed(TrainerConfig, {"max_steps": 5, "grad_clip": None})
+    first.log_every = 3
+    assert (first.max_steps, first.grad_clip) == (5, None)
+    again = typed(TrainerConfig, {})
+    assert (again.max_steps, again.grad_clip, again.log_every) == (1000, 1.0, 10) and again is not first
+    with pytest.raises(ValidationError, match="max_steps"):
+        typed(TrainerConfig, {"max_steps": "many"})
+    with pytest.raises(ConfigError, match=r"world\.nnodes"):
+        launch_config({"nnodes": "two"})
+    assert launch_config({}).nnodes == 1
+
+
 def test_per_part_optimizer_settings_are_checked_as_the_base_optimizer_s():
     """recipe=gan's optim.generator: {...} is the base optim with those keys changed: checked the same way."""
     import trainer

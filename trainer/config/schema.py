@@ -9,6 +9,7 @@ framework reads. No torch import here: `--help` and `--cfg job` must stay fast.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -122,7 +123,13 @@ LOADER_KEYS = ("batch_size", "shuffle", "num_workers")
 
 def typed(schema, node: DictConfig | dict | None):
     """A config section as its dataclass (values type-checked against the schema)."""
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node or {}))
+    return OmegaConf.to_object(OmegaConf.merge(_structured(schema), node or {}))  # (merge copies, never writes it)
+
+
+@functools.cache
+def _structured(schema) -> DictConfig:
+    """The schema's config, built once (most of `typed`'s time; a run types ten sections)."""
+    return OmegaConf.structured(schema)
 
 
 def launch_config(world: DictConfig) -> LaunchConfig:
