@@ -113,6 +113,20 @@ def _interpreter_path(cwd: Path, pythonpath: str) -> list[str]:
 _SITE_PATH: list[str] | None = None
 
 
+def start_processes(fn, args: tuple, nprocs: int) -> None:
+    """`torch.multiprocessing.start_processes(fn, args, nprocs)`, the processes forked from run_cli's forkserver:
+    as fresh as spawn's (forked from a process that has only imported modules, not from this pytest worker,
+    which may hold other threads' locks by now: wandb's, tqdm's monitor), without each importing torch again
+    (~2.5 s of CPU a process)."""
+    import multiprocessing
+
+    import forked_cli
+    import torch.multiprocessing as mp
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(forked_cli.PRELOAD)
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
 class start_cli:
     """`run_cli`'s process, started and not waited for (several "nodes" at once): `wait(timeout)` gives its
     CompletedProcess (and kills it past the timeout, raising subprocess.TimeoutExpired, as subprocess.run does).

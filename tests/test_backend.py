@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch.multiprocessing as mp
+from conftest import start_processes
 
 
 def _worker(rank: int, world: int, store: str, log: str) -> None:
@@ -30,9 +30,7 @@ def _worker(rank: int, world: int, store: str, log: str) -> None:
 
 def test_main_process_first_runs_rank_0_then_the_others(tmp_path):
     log = tmp_path / "log.txt"
-    # spawn, not fork: the pytest worker may hold background threads by now (wandb's, tqdm's monitor, from in-process
-    # runs before this test), and a forked child can inherit a lock one of them held and wait on it forever.
-    mp.start_processes(_worker, args=(2, str(tmp_path / "store"), str(log)), nprocs=2, start_method="spawn")
+    start_processes(_worker, (2, str(tmp_path / "store"), str(log)), nprocs=2)
     assert log.read_text().splitlines() == ["0 main=True cache_existed=False", "1 main=False cache_existed=True"]
 
 

@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from conftest import start_processes
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
@@ -217,7 +218,6 @@ def test_every_rank_gets_rank_0s_normaliser_not_whatever_file_it_finds(tmp_path)
     """Rank 0 fits the normaliser and writes it to the run dir; the other ranks must end with exactly rank 0's
     statistics, whatever they find at that path: here rank 1's run dir holds another normaliser (what a file
     replaced between rank 0's write and rank 1's read would leave)."""
-    import torch.multiprocessing as mp
     from safetensors.torch import load_file, save_file
 
     run_dirs = [tmp_path / "rank0", tmp_path / "rank1"]
@@ -226,10 +226,7 @@ def test_every_rank_gets_rank_0s_normaliser_not_whatever_file_it_finds(tmp_path)
     swapped = {"mean": torch.full((1, 8, 8), 0.5), "std": torch.full((1, 8, 8), 0.25)}
     save_file(swapped, str(run_dirs[1] / "normalizer.safetensors"))
     out = tmp_path / "stats"
-    # spawn, not fork: the pytest worker may hold background threads by now (wandb's, tqdm's monitor, from in-process
-    # runs before this test), and a forked child can inherit a lock one of them held and wait on it forever.
-    mp.start_processes(_share_normaliser, args=(2, str(tmp_path / "store"), [str(d) for d in run_dirs], str(out)),
-                       nprocs=2, start_method="spawn")
+    start_processes(_share_normaliser, (2, str(tmp_path / "store"), [str(d) for d in run_dirs], str(out)), nprocs=2)
     fitted, received = load_file(f"{out}.0"), load_file(f"{out}.1")
     assert all(torch.equal(fitted[k], received[k]) for k in ("mean", "std"))
     assert all(torch.equal(fitted[k], v) for k, v in load_file(str(run_dirs[0] / "normalizer.safetensors")).items())

@@ -23,6 +23,7 @@ from conftest import (
     run_cli,
     run_here,
     series,
+    start_processes,
     tiny_overrides,
     train_in_process,
 )
@@ -191,12 +192,9 @@ def _traps(rank: int, world: int, store: str, out: str) -> None:
 
 
 def test_tensor_parallel_traps_tied_weights_and_norms_across_meshes(tmp_path):
-    import torch.multiprocessing as mp
 
     out = tmp_path / "out.json"
-    # spawn, not fork: the pytest worker may hold background threads by now (wandb's, tqdm's monitor, from in-process
-    # runs before this test), and a forked child can inherit a lock one of them held and wait on it forever.
-    mp.start_processes(_traps, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, start_method="spawn")
+    start_processes(_traps, (2, str(tmp_path / "store"), str(out)), nprocs=2)
     got = json.loads(out.read_text())
     assert got["tied"] is True
     assert got["norm"] == pytest.approx(got["want"], rel=1e-5)
