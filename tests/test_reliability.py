@@ -19,6 +19,7 @@ from conftest import (
     checkpoints,
     faulty,
     read_metrics,
+    run_cli,
     run_here,
     tiny_overrides,
 )
@@ -426,7 +427,7 @@ def test_a_preemption_right_after_a_periodic_save_does_not_save_that_step_again(
 def test_a_checkpoint_file_truncated_while_it_is_read_is_an_error_not_sigbus(tmp_path):
     """Checkpoint files used to be mapped: a shard truncated after its checks and before its tensors were copied
     out killed the process with SIGBUS. Now each rank reads the byte ranges it uses, and a short read is one
-    CheckpointError. (In a subprocess: before the fix the signal would have killed pytest.)"""
+    CheckpointError. (In a process of its own: before the fix the signal would have killed pytest.)"""
     script = """
 import os, sys, torch
 from trainer.checkpoint.store import Checkpointer, read
@@ -440,8 +441,8 @@ try:
 except CheckpointError as e:
     print("refused:", e)
 """
-    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ckpt")], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60)
+    (tmp_path / "truncated_read.py").write_text(script)
+    r = run_cli(str(tmp_path / "ckpt"), module="truncated_read", cwd=tmp_path, timeout=60)  # (python -m truncated_read)
     assert r.returncode == 0, (r.returncode, r.stderr)
     assert "refused:" in r.stdout and "shorter than when it was opened" in r.stdout
 
