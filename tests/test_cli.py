@@ -197,9 +197,9 @@ def test_a_command_composes_its_config_once_and_parses_each_config_file_once(cor
     assert len(parsed) == first  # the second command parsed nothing again
 
 
-@pytest.mark.parametrize("overrides", [["debug=smoke"], ["recipe=diffusion", "precision=bf16", "+hydra.job.env_set.X=1"],
-                                       ["hydra.mode=RUN", "debug=smoke", "hydra.job.name=other"],
-                                       ["--cfg", "hydra", "recipe=gan", "world=fsdp"]])
+@pytest.mark.parametrize("overrides", [
+    ["debug=smoke"], ["recipe=diffusion", "precision=bf16", "+hydra.job.env_set.X=1"],
+    ["hydra.mode=RUN", "debug=smoke", "hydra.job.name=other"], ["--cfg", "hydra", "recipe=gan", "world=fsdp"]])
 def test_hydra_runs_the_config_it_would_have_composed_itself(overrides, tmp_path, monkeypatch):
     """The config Hydra's run takes from the up-front check is the one it composes without it: the job's config
     and the whole `hydra` node (the overrides it records, hydra.mode, its choices and sources), key for key. A

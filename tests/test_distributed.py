@@ -258,7 +258,8 @@ def test_rendezvous_events_keep_the_names_torch_gives_them_without_reading_the_s
         return names
 
     names = next_rendezvous()
-    assert [t for t, _ in names] == ["_record", "next_rendezvous", test_rendezvous_events_keep_the_names_torch_gives_them_without_reading_the_stacks_source.__name__, "no_method_name"]
+    this_test = test_rendezvous_events_keep_the_names_torch_gives_them_without_reading_the_stacks_source.__name__
+    assert [t for t, _ in names] == ["_record", "next_rendezvous", this_test, "no_method_name"]
     assert [ours for _, ours in names] == [t for t, _ in names]
     launcher._name_rendezvous_events_cheaply()  # (what every launch does before the agent starts)
     assert dynamic_rendezvous.get_method_name is launcher._caller_name

@@ -27,8 +27,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-# YAML text -> the config `OmegaConf.load` builds from it (never handed out: each load gets a copy). The texts are the config tree's files: a few hundred
-# small strings at most; the bound is for a long-lived process that composes configs from many directories.
+# YAML text -> the config `OmegaConf.load` builds from it (never handed out: each load gets a copy). The texts are
+# the config tree's files: a few hundred small strings at most; the bound is for a long-lived process that composes
+# configs from many directories.
 _PARSED: OrderedDict[str | bytes, Any] = OrderedDict()
 _BOUND = 1024
 
