@@ -61,7 +61,7 @@ def best_matmul_tflops(dtypes, size: int = 512, seconds: float = 0.05, rounds: i
 
 # One thread's best matmul TFLOP/s per dtype, probed once per process: the cores do not change while it runs, and
 # every run of a process (the tests', a sweep's in-process jobs, `tune`'s trials) paid ~0.1 s of CPU for the probe
-# again. A process forked after the probe (a launch's workers from a parent that probed) inherits it.
+# again. (A launch's workers fork from a forkserver that has only imported modules: each probes once.)
 _ONE_THREAD: dict[torch.dtype, float] = {}
 
 
