@@ -198,6 +198,31 @@ def test_zero_grad_in_the_middle_of_an_accumulation_is_refused(rt):
         pass
 
 
+def test_a_micro_step_that_raises_leaves_the_strategys_no_sync_and_the_accumulation(rt, monkeypatch):
+    """rt.accumulate enters the strategy's no_sync of each model (DDP's restores its sync flag on exit): a step that
+    raises inside the block must still leave them, and leave the Runtime out of its accumulation."""
+    events = []
+
+    class Recording:
+        def __enter__(self):
+            events.append("enter")
+
+        def __exit__(self, *exc):
+            events.append(("exit", exc[0]))
+
+    model = nn.Linear(2, 1)
+    model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    monkeypatch.setattr(rt.strategy, "no_sync", lambda m, enabled: Recording())
+    with pytest.raises(ZeroDivisionError), rt.accumulate(model):
+        assert rt._in_accumulate and events == ["enter"]
+        rt.backward(model(torch.ones(1, 2)).sum())
+        raise ZeroDivisionError("the step failed")
+    assert events == ["enter", ("exit", ZeroDivisionError)] and not rt._in_accumulate
+    with rt.accumulate(model):  # and the next micro-step (the boundary) enters and leaves it again
+        rt.backward(model(torch.ones(1, 2)).sum())
+    assert events[2:] == ["enter", ("exit", None)] and rt.step(opt) is True
+
+
 def test_accumulating_two_micro_batches_equals_one_batch_of_both(rt):
     torch.manual_seed(0)
     model = nn.Linear(3, 1)

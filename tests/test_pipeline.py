@@ -194,3 +194,25 @@ def test_a_microbatchs_noise_is_the_whole_batchs_for_its_rows():
         noise.randn(8, 5), noise.rand(8, 2)
         assert torch.equal(noise.randn(8, 5), after)
     assert not torch.equal(part[0], whole[0][:4])
+
+
+def test_a_range_of_positions_draws_what_their_tensor_draws():
+    """The Trainer hands each micro-batch's positions as a range (no tensor is built for a task that draws no
+    noise): the draws, a microbatch's rows of them, and the state after a nested block are the tensor's."""
+    import torch
+
+    from trainer import noise
+
+    def draws(positions):
+        with noise.for_samples(positions, seed=3):
+            first = [noise.randn(8, 5), noise.rand(8, 2)]
+            with noise.for_samples(range(0, 2), seed=4):  # a nested block, left before the next draw
+                noise.rand(2)
+            with noise.rows(torch.tensor([4, 5, 6, 7])):
+                part = noise.randn(4, 5)
+            return [*first, part, noise.randn(8, 5)]
+
+    by_range, by_tensor = draws(range(100, 108)), draws(torch.arange(100, 108))
+    assert all(torch.equal(a, b) for a, b in zip(by_range, by_tensor, strict=True))
+    assert not torch.equal(by_range[0], draws(range(101, 109))[0])  # the positions, not the call, decide
+    assert noise._state["positions"] is None  # and every block restored what was before it

@@ -117,13 +117,15 @@ class NonFiniteGuard:
                                  f"the update was not applied and earlier checkpoints are intact. {FIX}")
         return False
 
-    @contextlib.contextmanager
-    def skip_on_device(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    def skip_on_device(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
         """`log` mode: hand the latch to the fused optimizer as `found_inf`, the protocol torch.amp.GradScaler
         uses, so a non-finite step (and every later one) leaves parameters and moments untouched."""
         if self.check != "log":
-            yield
-            return
+            return contextlib.nullcontext()
+        return self._handed(optimizer)
+
+    @contextlib.contextmanager
+    def _handed(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
         optimizer.grad_scale, optimizer.found_inf = None, self.found_inf
         try:
             yield

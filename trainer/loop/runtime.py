@@ -35,6 +35,7 @@ from trainer.errors import UserError
 from trainer.loop.loaders import EvalLoader, Loader, RunPosition
 from trainer.parallel import Strategy, unwrap
 from trainer.parallel.backend import Backend
+from trainer.task import split_loss
 
 WORLDS = ("single", "ddp", "fsdp", "deepspeed")
 
@@ -294,8 +295,7 @@ class Runtime:
     def autocast(self) -> contextlib.AbstractContextManager:
         return self.precision.autocast()
 
-    @contextlib.contextmanager
-    def accumulate(self, *models: nn.Module, last: bool | None = None) -> Iterator[None]:
+    def accumulate(self, *models: nn.Module, last: bool | None = None) -> contextlib.AbstractContextManager:
         """One micro-step: gradients are synced between ranks only in the last of every `grad_accum_steps`
         (DDP's no_sync, FSDP's set_requires_gradient_sync); `rt.step` steps only then. `last` says whether this
         micro-step ends the step, where the loop knows (the Trainer does); by default every grad_accum_steps-th."""
@@ -305,14 +305,7 @@ class Runtime:
         boundary = self._micro + 1 >= self.grad_accum_steps if last is None else last
         self._micro = 0 if boundary else self._micro + 1
         self.sync_gradients = boundary
-        with contextlib.ExitStack() as stack:
-            for m in models:
-                stack.enter_context(self.strategy.no_sync(m, enabled=not boundary))
-            self._in_accumulate = True
-            try:
-                yield
-            finally:
-                self._in_accumulate = False
+        return _MicroStep(self, [self.strategy.no_sync(m, enabled=not boundary) for m in models])
 
     def _check_not_zeroed(self, models) -> None:
         """Mid-accumulation, the gradients of the micro-steps before must still be there (zero_grad is rt.step's)."""
@@ -358,8 +351,6 @@ class Runtime:
         microbatches' losses are averaged. `mean=False`: the loss is additive over rows (the Trainer's: a sum
         divided by the global target count) and the microbatches' losses are summed."""
         if self.strategy.pipeline is None:
-            from trainer.task import split_loss
-
             with self.autocast():
                 loss, sums = split_loss(loss_fn(model, batch))
             self.backward(loss, scale)
@@ -387,6 +378,8 @@ class Runtime:
 
     def _synced(self, model_names) -> None:
         """Average the gradients the strategy did not (tensor parallelism under DDP: DDP cannot hold DTensors)."""
+        if not self._pending_reduce:  # (every step of every other strategy)
+            return
         for name in sorted(set(model_names) & self._pending_reduce):
             self.strategy.reduce_gradients(self._trainable(name))
             self._pending_reduce.discard(name)
@@ -415,7 +408,7 @@ class Runtime:
             models, opts = self._owners(params)
         self._synced(models)
         for opt in opts:
-            self.unscale_(opt)
+            self.strategy.unscale_(opt)  # (what self.unscale_ does once its model is synced, as it is now)
         return self.strategy.clip_grad_norm_(params, max_norm)
 
     def step(self, optimizer: torch.optim.Optimizer, scheduler=None, *, zero_grad: bool = True) -> bool:
@@ -603,3 +596,28 @@ def launched_config():
     from omegaconf import OmegaConf
 
     return OmegaConf.create(json.loads(text))
+
+
+class _MicroStep:
+    """`rt.accumulate`'s context: the strategy's no_sync of each model, entered together. A class, not a generator
+    and an ExitStack: the Trainer enters one every micro-step, and most strategies' no_sync is a nullcontext."""
+
+    __slots__ = ("rt", "contexts", "stack")
+
+    def __init__(self, rt: Runtime, contexts: list[contextlib.AbstractContextManager]):
+        self.rt, self.contexts, self.stack = rt, contexts, None
+
+    def __enter__(self) -> None:
+        real = [c for c in self.contexts if type(c) is not contextlib.nullcontext]
+        if real:
+            with contextlib.ExitStack() as stack:
+                for c in real:
+                    stack.enter_context(c)
+                self.stack = stack.pop_all()  # entered: exited in __exit__ (or here, if one of them failed)
+        self.rt._in_accumulate = True
+
+    def __exit__(self, *exc) -> bool | None:
+        self.rt._in_accumulate = False
+        if self.stack is not None:
+            return self.stack.__exit__(*exc)
+        return None
