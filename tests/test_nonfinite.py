@@ -76,9 +76,9 @@ def test_log_check_reads_nothing_from_the_device_between_log_steps(corpus, tmp_p
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    # The sampler's permutation is drawn in host memory (a CPU tensor even on a GPU run): not a device read.
+    # The sampler's order is drawn and cut in host memory (a CPU tensor even on a GPU run): not a device read.
     for cls, method, where in ((Trainer, "train_step", "step"), (Trainer, "sync_counts", "step"),
-                               (GlobalBatchSampler, "_perm", "data order")):
+                               (GlobalBatchSampler, "indices", "data order")):
         original = getattr(cls, method)
 
         def tagged(self, *args, _original=original, _where=where, **kwargs):

@@ -212,7 +212,7 @@ def test_max_epochs_with_max_steps_null_is_max_epochs(small_corpus, tmp_path, ca
     sampler = GlobalBatchSampler(samples, batch, seed=0)
     stream = sampler.indices(0, steps * batch)
     assert sorted(stream[:samples]) == list(range(samples))  # the epoch: every sample once, none dropped
-    assert stream[samples:] == sampler._perm(1)[:steps * batch - samples]  # the rest: the next epoch's start
+    assert stream[samples:] == sampler._perm(1)[:steps * batch - samples].tolist()  # the rest: the next epoch's start
 
 
 def test_max_steps_null_needs_max_epochs():

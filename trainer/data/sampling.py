@@ -40,19 +40,21 @@ class GlobalBatchSampler(Sampler[list[int]]):
             raise ValueError("the dataset is empty")
         self.n, self.b, self.accum, self.rank, self.world = num_samples, micro_batch, accum, rank, world
         self.seed, self.shuffle, self.start = seed, shuffle, start
-        self._perms: dict[int, list[int]] = {}
+        self._perms: dict[int, torch.Tensor] = {}
 
     @property
     def global_batch(self) -> int:
         return self.b * self.accum * self.world
 
-    def _perm(self, epoch: int) -> list[int]:
+    def _perm(self, epoch: int) -> torch.Tensor:
+        """Epoch `epoch`'s order, an int64 tensor: 8 bytes a sample. As a Python list it took about 40 (10 M
+        samples: 400 MB a rank, and two epochs are kept), and every full garbage collection walked it."""
         if epoch not in self._perms:
             if self.shuffle:
                 g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-                perm = torch.randperm(self.n, generator=g).tolist()
+                perm = torch.randperm(self.n, generator=g)
             else:
-                perm = list(range(self.n))
+                perm = torch.arange(self.n)
             self._perms = {k: v for k, v in self._perms.items() if k >= epoch - 1}  # keep two epochs
             self._perms[epoch] = perm
         return self._perms[epoch]
@@ -63,7 +65,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         while count > 0:
             epoch, i = divmod(pos, self.n)
             take = min(count, self.n - i)
-            out += self._perm(epoch)[i : i + take]
+            out += self._perm(epoch)[i : i + take].tolist()
             pos, count = pos + take, count - take
         return out
 
