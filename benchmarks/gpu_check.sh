@@ -81,10 +81,12 @@ lm gpt2_eager 60 "${GPT2[@]}" trainer.max_steps=50; rates gpt2_eager
 step bench_cuda 90 "$PY" -m benchmarks --only loop_tiny,loop_default,checkpoint --out "$G/bench_cuda.md"
 # Where the Trainer's +0.65 ms a step on CUDA goes (first run): operator calls and kernel launches, both loops.
 step profile_tiny 40 "$PY" -m benchmarks.profile_steps
+# ... and which part of the step: each swapped for the hand-written loop's (data, contexts, backward, clip, guard, step).
+step parts_tiny 45 "$PY" -m benchmarks.step_parts --rounds 10 --steps 30
 step profile_default 40 "$PY" -m benchmarks.profile_steps model=gpt_small data.batch_size=8 data.seq_len=256
 # And where GPT-2's step spends the GPU's time (MFU 32.7% on the first run): its costliest kernels, compiled.
 step profile_gpt2 120 "$PY" -m benchmarks.profile_steps --steps 10 --top 10 --kernels 25 "${GPT2[@]}" trainer.compile=true
-for f in profile_tiny profile_default profile_gpt2; do grep -v USDT "$G/$f.log" | head -60 >> "$G/summary.txt"; done
+for f in profile_tiny parts_tiny profile_default profile_gpt2; do grep -v USDT "$G/$f.log" | head -60 >> "$G/summary.txt"; done
 # The lm recipe's default run (make train: gpt_small, precision=auto), 300 steps: does compile pay on a GPU?
 lm default_eager 45 trainer.max_steps=300; rates default_eager
 lm default_compiled 80 trainer.compile=true trainer.max_steps=300; rates default_compiled

@@ -92,3 +92,19 @@ def test_curve_rewrites_only_its_generated_part(tmp_path):
     assert "| 10 | 0.00 M | 1 s | 1.5000 | 2.1640 |" in text and "commit abcdef0" in text
     assert "(old)" not in text and "Settings: (config.yaml not found)" in text
     assert text.endswith("Settings: (config.yaml not found)\n\n" + OLD_CURVE.split("(old).\n\n")[-1])
+
+
+def test_step_parts_times_every_swap_and_leaves_the_framework_as_it_was(capsys):
+    """`python -m benchmarks.step_parts` swaps parts of the Trainer's step for the hand-written loop's by patching
+    the Runtime's class and the noise module; each case gets its line, and nothing stays patched after it."""
+    from benchmarks import step_parts
+    from trainer import noise
+    from trainer.loop.runtime import Runtime
+
+    before = {name: getattr(Runtime, name) for name in ("accumulate", "backward", "clip_grad_norm_", "step")}
+    for_samples = noise.for_samples
+    assert step_parts.main(["--rounds", "1", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    for label in ("as is", *(f"{part} swapped" for part in step_parts.PARTS), "all swapped"):
+        assert re.search(rf"^  {re.escape(label)} +[+-]\d+\.\d{{3}} ", out, flags=re.M), (label, out)
+    assert {name: getattr(Runtime, name) for name in before} == before and noise.for_samples is for_samples
