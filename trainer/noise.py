@@ -48,7 +48,7 @@ def _positions() -> torch.Tensor | None:
     """The current block's positions as a tensor (a range is made one at its first draw)."""
     positions = _state["positions"]
     if isinstance(positions, range):
-        positions = _state["positions"] = torch.arange(positions.start, positions.stop)
+        positions = _state["positions"] = torch.arange(positions.start, positions.stop, positions.step)
     return positions
 
 
