@@ -71,6 +71,11 @@ def test_resume_auto_without_a_run_dir_continues_the_newest_unfinished_run_with_
     other = run_here(*tiny_overrides(corpus, *SINGLE, "trainer.max_steps=4"), cwd=tmp_path)  # another config
     assert other.returncode == 0
     killed = next(p.parent for p in (tmp_path / "outputs").glob("*/*/checkpoints") if not (p.parent / "export.json").exists())
+    # A resume started in the same second as the killed job gets the killed job's timestamped dir as its own
+    # default: that run is still the one to continue (it was once skipped as "this job's dir", and trained anew).
+    from trainer.entry.rundir import find_run_to_continue, read_config
+
+    assert find_run_to_continue(killed, read_config(killed / "config.yaml")) == killed
     r = run_here(*args, "resume=auto", cwd=tmp_path, env=FAULTY_ENV)
     assert r.returncode == 0, r.stderr
     assert f"resume=auto: continuing {killed}" in r.stdout

@@ -119,7 +119,8 @@ def run_job(cfg: DictConfig) -> float | None:
             if found is not None:
                 print(f"resume=auto: continuing {found}, the newest unfinished run under {found.parent.parent} "
                       "with this config (pass hydra.run.dir=DIR to choose another).", flush=True)
-                _remove_if_free(run_dir)  # this job's fresh timestamped dir (another job's of the same second stays)
+                if found != run_dir:  # (the same dir: an earlier job of the same second stopped in it)
+                    _remove_if_free(run_dir)  # this job's fresh timestamped dir (another job's of the same second stays)
                 run_dir, chosen = found, True  # (resume=auto chose it: continue it, never a sibling)
         from trainer.entry.launcher import launch_topology
 

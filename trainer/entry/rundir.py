@@ -182,9 +182,10 @@ def is_finished(run_dir: Path) -> bool:
 
 
 def find_run_to_continue(run_dir: Path, config: dict[str, Any], depth: int = 2) -> Path | None:
-    """The newest other run dir `depth` levels under the outputs root of `run_dir` (outputs/DATE/TIME) with a
-    complete checkpoint, not finished, whose config.yaml equals `config` (as saved: resolved, redacted) but for
-    the settings a resume may change."""
+    """The newest run dir `depth` levels under the outputs root of `run_dir` (outputs/DATE/TIME) with a complete
+    checkpoint, not finished, whose config.yaml equals `config` (as saved: resolved, redacted) but for the
+    settings a resume may change. `run_dir` itself is one of them when it qualifies: this job has written nothing
+    there yet, so a checkpoint in it is an earlier job's, one that started in the same second and was stopped."""
     from trainer.checkpoint.store import has_complete  # (torch: not at import, which `--help` pays)
 
     root = run_dir
@@ -193,7 +194,7 @@ def find_run_to_continue(run_dir: Path, config: dict[str, Any], depth: int = 2) 
     want = comparable(config)
     found = []
     for cand in root.glob("/".join("*" * depth)):
-        if cand == run_dir or not (cand / "checkpoints").is_dir() or is_finished(cand):
+        if not (cand / "checkpoints").is_dir() or is_finished(cand):
             continue
         if not has_complete(cand / "checkpoints"):
             continue
