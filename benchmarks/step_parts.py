@@ -91,12 +91,18 @@ class Windows:
                 yield self.plain.batch() if self.case in ("data", "all") else next(self.real)
         return batches
 
+    def close(self) -> None:
+        """Undo the open window's patches (at its end, or when fit() raised in it)."""
+        if self.patches is not None:
+            self.patches.close()
+            self.patches = None
+
     def turn(self, window: int) -> None:
         from .harness import Stopwatch
 
         if self.watch is not None:
             lap = self.watch.lap(self.steps)
-            self.patches.close()
+            self.close()
             self.diffs[self.case].append(lap.wall * 1e3 - self.plain_ms)
         if window >= len(self.cases):
             self.case = self.watch = None
@@ -113,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40, help="steps a side in each timed window (default: 40)")
     p.add_argument("overrides", nargs="*", help="config overrides (default: the loop bench's gpt_tiny sizes)")
     args = p.parse_args(argv)
+    if args.rounds < 1 or args.steps < 2:
+        p.error("--rounds must be at least 1 and --steps at least 2 (a window closes at the next window's first batch)")
 
     import torch
 
@@ -128,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     order = [c for r in range(args.rounds + 1) for c in itertools.islice(itertools.cycle(cases), r, r + len(cases))]
     total = (len(order) + 1) * args.steps
     cfg = compose([*overrides, f"trainer.max_steps={total}", "world.threads=1", *no_checkpoints(compose(overrides))])
+    if cfg.trainer.grad_accum_steps != 1:
+        p.error(f"trainer.grad_accum_steps={cfg.trainer.grad_accum_steps}: the hand-written loop takes one batch a step, "
+                "so the Trainer's steps are timed with one micro-batch each; set trainer.grad_accum_steps=1")
     tmp = Path(tempfile.mkdtemp(prefix="bench-parts-"))
     try:
         with contextlib.redirect_stdout(io.StringIO()):
@@ -138,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
             plain = PlainLoop(cfg, trainer.data.train, device, cfg.precision._target_.endswith("BF16"))
             windows = Windows(trainer, plain, order, args.steps)
             trainer.data.loader = windows.loader(trainer.data.loader)
-            fit_steps(trainer, total - 1)
+            try:
+                fit_steps(trainer, total - 1)
+            finally:
+                windows.close()
         finally:
             trainer.loggers.finish({})
             trainer.backend.teardown()

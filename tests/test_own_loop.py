@@ -212,6 +212,10 @@ def test_a_micro_step_that_raises_leaves_the_strategys_no_sync_and_the_accumulat
 
     model = nn.Linear(2, 1)
     model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ZeroDivisionError), rt.accumulate(model, last=True):  # one process: no_sync is a nullcontext
+        assert rt._in_accumulate
+        raise ZeroDivisionError("the step failed")
+    assert not rt._in_accumulate
     monkeypatch.setattr(rt.strategy, "no_sync", lambda m, enabled: Recording())
     with pytest.raises(ZeroDivisionError), rt.accumulate(model):
         assert rt._in_accumulate and events == ["enter"]

@@ -196,23 +196,31 @@ def test_a_microbatchs_noise_is_the_whole_batchs_for_its_rows():
     assert not torch.equal(part[0], whole[0][:4])
 
 
-def test_a_range_of_positions_draws_what_their_tensor_draws():
-    """The Trainer hands each micro-batch's positions as a range (no tensor is built for a task that draws no
-    noise): the draws, a microbatch's rows of them, and the state after a nested block are the tensor's."""
+def test_noise_drawn_in_compiled_code_compiles_once_for_every_micro_batch_and_block_entered_twice():
+    """A compiled forward that draws noise takes the micro-batch's positions as an input: one compilation for
+    every micro-batch (positions held as a Python range or ints would be constants, recompiled at each), the
+    eager values. And a block entered again inside itself restores what was before each entry."""
     import torch
+    from torch._dynamo.testing import CompileCounter
 
     from trainer import noise
 
-    def draws(positions):
-        with noise.for_samples(positions, seed=3):
-            first = [noise.randn(8, 5), noise.rand(8, 2)]
-            with noise.for_samples(range(0, 2), seed=4):  # a nested block, left before the next draw
-                noise.rand(2)
-            with noise.rows(torch.tensor([4, 5, 6, 7])):
-                part = noise.randn(4, 5)
-            return [*first, part, noise.randn(8, 5)]
+    counter = CompileCounter()
 
-    by_range, by_tensor = draws(range(100, 108)), draws(torch.arange(100, 108))
-    assert all(torch.equal(a, b) for a, b in zip(by_range, by_tensor, strict=True))
-    assert not torch.equal(by_range[0], draws(range(101, 109))[0])  # the positions, not the call, decide
-    assert noise._state["positions"] is None  # and every block restored what was before it
+    def forward(x):
+        return x + noise.randn_like(x)
+
+    compiled = torch.compile(forward, backend=counter)
+    for first in range(0, 24, 4):
+        with noise.for_samples(torch.arange(first, first + 4), seed=3):
+            got = compiled(torch.zeros(4, 3))
+        with noise.for_samples(torch.arange(first, first + 4), seed=3):
+            assert torch.equal(got, forward(torch.zeros(4, 3)))
+    assert counter.frame_count == 1
+
+    block = noise.for_samples(torch.arange(4), seed=1)
+    with block:
+        with block:
+            noise.rand(4)
+        assert noise._state["positions"] is not None and noise._state["draws"] == 0  # the outer entry's state
+    assert noise._state["positions"] is None

@@ -28,35 +28,29 @@ _state: dict = {"positions": None, "seed": 0, "draws": 0}
 class for_samples:
     """Within the block, draws for row i of a batch depend only on (seed, positions[i]).
 
-    `positions` is a tensor of stream positions, or a `range` of them (the Trainer's micro-batches: no tensor is
-    built unless the task draws). A class, not a generator: the Trainer enters one every micro-step."""
+    A class, not a generator: the Trainer enters one every micro-step. (`positions` stays a tensor, built outside
+    any compiled code: a compiled forward that draws noise takes it as an input, where a Python range or int would
+    be a constant it recompiles for at every micro-step.)"""
 
     __slots__ = ("state", "previous")
 
-    def __init__(self, positions: torch.Tensor | range, seed: int):
+    def __init__(self, positions: torch.Tensor, seed: int):
         self.state = {"positions": positions, "seed": seed, "draws": 0}
+        self.previous: list[dict] = []  # (a stack: the same block may be entered again inside itself)
 
     def __enter__(self) -> None:
-        self.previous = dict(_state)
+        self.previous.append(dict(_state))
         _state.update(self.state)
 
     def __exit__(self, *exc) -> None:
-        _state.update(self.previous)
-
-
-def _positions() -> torch.Tensor | None:
-    """The current block's positions as a tensor (a range is made one at its first draw)."""
-    positions = _state["positions"]
-    if isinstance(positions, range):
-        positions = _state["positions"] = torch.arange(positions.start, positions.stop, positions.step)
-    return positions
+        _state.update(self.previous.pop())
 
 
 @contextlib.contextmanager
 def rows(rows: torch.Tensor) -> Iterator[None]:
     """Within a `for_samples` block: draws for these rows of its batch alone (a pipeline's microbatch), the same
     values the whole batch's draws give them. Outside one, nothing changes."""
-    positions = _positions()
+    positions = _state["positions"]
     if positions is None:
         yield
         return
@@ -75,7 +69,7 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 def _uniform(shape: tuple[int, ...], device, dtype) -> torch.Tensor:
     """Uniform (0, 1) values [len(positions), *shape] for the next draw of the current block."""
-    positions = _positions().to(device=device, dtype=torch.int64)
+    positions = _state["positions"].to(device=device, dtype=torch.int64)
     draw, seed = _state["draws"], _state["seed"]
     _state["draws"] += 1
     elems = torch.arange(math.prod(shape), device=device, dtype=torch.int64)
@@ -89,7 +83,7 @@ def _uniform(shape: tuple[int, ...], device, dtype) -> torch.Tensor:
 
 
 def _active(n: int) -> bool:
-    positions = _positions()
+    positions = _state["positions"]
     if positions is None:
         return False
     if len(positions) != n:

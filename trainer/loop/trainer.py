@@ -138,7 +138,7 @@ class Trainer:
             first = self.samples_seen + (i * dp + self.strategy.dp_rank) * b
             # Gradients are synced only in the last micro-step's backward; earlier ones accumulate.
             with rt.accumulate(model, last=i == len(batches) - 1), \
-                    noise.for_samples(range(first, first + b), self.cfg.seed):
+                    noise.for_samples(torch.arange(first, first + b), self.cfg.seed):
                 loss, extra = rt.forward_backward(model, batch, self.task.loss, scale=scale, mean=False)
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             for name, value in extra.items():  # additive sums (accuracy counts, ...): summed like the loss
