@@ -282,6 +282,28 @@ def test_secret_values_reach_no_sink(corpus, tmp_path, secrets):
     assert "<redacted>" in (run_dir / "config.yaml").read_text()
 
 
+def test_a_job_that_moves_out_of_a_shared_default_run_dir_leaves_no_secret_in_its_hydra_records(corpus, tmp_path):
+    """Two jobs of the same second share the default run dir. Hydra writes the later job's command line into that
+    dir's .hydra/ before the job sees the dir is taken and moves to `<dir>-2`: its secrets must not stay behind
+    in the other job's dir. (The default dir is pinned here by the machine's defaults: not the command line's
+    hydra.run.dir, which would make it the user's choice, never moved.)"""
+    literal = f"literal-{uuid.uuid4().hex}"
+    shared = tmp_path / "outputs" / "12-00-00"
+    (shared / "checkpoints").mkdir(parents=True)
+    (shared / "config.yaml").write_text("the earlier job's\n")
+    home = tmp_path / "home"
+    (home / "machine").mkdir(parents=True)
+    (home / "machine" / "default.yaml").write_text(f"# @package _global_\nhydra:\n  run:\n    dir: {shared}\n")
+    r = run_here(*tiny_overrides(corpus, "trainer.max_steps=2"), f"+hf_token={literal}", cwd=tmp_path,
+                 env={"TRAINER_CONFIG_HOME": str(home)})
+    assert r.returncode == 0, r.stderr
+    assert f"run dir: {shared.with_name('12-00-00-2')}" in r.stdout
+    files = run_files(shared)
+    assert any(p.parent.name == ".hydra" for p in files)  # Hydra did write there
+    assert_nowhere({"literal": literal}, [*files, *run_files(shared.with_name("12-00-00-2"))], r.stdout, r.stderr)
+    assert (shared / "config.yaml").read_text() == "the earlier job's\n"
+
+
 def test_secret_values_in_errors_are_redacted(corpus, tmp_path, secrets):
     r = run_main(*tiny_overrides(corpus, "trainer.progress=${oc.env:HF_TOKEN}"), "hydra.run.dir=run", cwd=tmp_path,
                 env=secrets)

@@ -126,6 +126,11 @@ def run_job(cfg: DictConfig) -> float | None:
 
         topology = launch_topology(resolved.world, say=print)  # world's launch keys, typed once for this job
         run_dir, lock = _own_run_dir(run_dir, topology, chosen=chosen)
+        hydra_dir = Path(hc.runtime.output_dir)
+        if hydra_dir != run_dir:
+            # Hydra recorded this job's command line in .hydra/ of the dir it started in, which this job left
+            # (another job's of the same second, or a run resume=auto continues elsewhere): no secret stays there.
+            scrub_hydra_files(hydra_dir, secret_values(OmegaConf.to_container(resolved)))
         if lock.held:  # (the launchers of nodes other than 0 leave the records to node 0's)
             scrub_hydra_files(run_dir, secret_values(OmegaConf.to_container(resolved)))
             from trainer.entry.run import save_config
