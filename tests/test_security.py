@@ -282,14 +282,18 @@ def test_secret_values_reach_no_sink(corpus, tmp_path, secrets):
     assert "<redacted>" in (run_dir / "config.yaml").read_text()
 
 
-def test_a_job_that_moves_out_of_a_shared_default_run_dir_leaves_no_secret_in_its_hydra_records(corpus, tmp_path):
-    """Two jobs of the same second share the default run dir. Hydra writes the later job's command line into that
-    dir's .hydra/ before the job sees the dir is taken and moves to `<dir>-2`: its secrets must not stay behind
-    in the other job's dir. (The default dir is pinned here by the machine's defaults: not the command line's
-    hydra.run.dir, which would make it the user's choice, never moved.)"""
+def test_a_job_that_moves_out_of_a_shared_default_run_dir_leaves_the_other_jobs_records_and_no_secret(corpus,
+                                                                                                    tmp_path):
+    """Two jobs of the same second share the default run dir. Hydra would write the later job's command line into
+    that dir's .hydra/ before the job sees the dir is taken and moves to `<dir>-2`, over the earlier job's records
+    and with the later job's secrets in them. The job writes them into the dir it owns instead, scrubbed. (The
+    default dir is pinned here by the machine's defaults: not the command line's hydra.run.dir, which would make
+    it the user's choice, never moved.)"""
     literal = f"literal-{uuid.uuid4().hex}"
     shared = tmp_path / "outputs" / "12-00-00"
     (shared / "checkpoints").mkdir(parents=True)
+    (shared / ".hydra").mkdir()
+    (shared / ".hydra" / "overrides.yaml").write_text("- the earlier job's override\n")
     (shared / "config.yaml").write_text("the earlier job's\n")
     home = tmp_path / "home"
     (home / "machine").mkdir(parents=True)
@@ -297,11 +301,14 @@ def test_a_job_that_moves_out_of_a_shared_default_run_dir_leaves_no_secret_in_it
     r = run_here(*tiny_overrides(corpus, "trainer.max_steps=2"), f"+hf_token={literal}", cwd=tmp_path,
                  env={"TRAINER_CONFIG_HOME": str(home)})
     assert r.returncode == 0, r.stderr
-    assert f"run dir: {shared.with_name('12-00-00-2')}" in r.stdout
-    files = run_files(shared)
-    assert any(p.parent.name == ".hydra" for p in files)  # Hydra did write there
-    assert_nowhere({"literal": literal}, [*files, *run_files(shared.with_name("12-00-00-2"))], r.stdout, r.stderr)
+    moved = shared.with_name("12-00-00-2")
+    assert f"run dir: {moved}" in r.stdout
+    assert_nowhere({"literal": literal}, [*run_files(shared), *run_files(moved)], r.stdout, r.stderr)
     assert (shared / "config.yaml").read_text() == "the earlier job's\n"
+    assert sorted(p.name for p in (shared / ".hydra").iterdir()) == ["overrides.yaml"]  # the earlier job's, untouched
+    assert (shared / ".hydra" / "overrides.yaml").read_text() == "- the earlier job's override\n"
+    assert sorted(p.name for p in (moved / ".hydra").iterdir()) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
+    assert "+hf_token=<redacted>" in (moved / ".hydra" / "overrides.yaml").read_text()
 
 
 def test_secret_values_in_errors_are_redacted(corpus, tmp_path, secrets):

@@ -7,9 +7,12 @@ paragraph with exit code 2 before Hydra creates a run dir; then `hydra.main` run
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
@@ -96,6 +99,54 @@ def scrub_hydra_files(run_dir: Path, secrets: set[str]) -> None:
             atomic_write_text(f, clean)
 
 
+_HYDRA_RECORDS: list[tuple[Path, str]] | None = None  # the .hydra/ files of the job Hydra is starting, unwritten
+
+
+@contextlib.contextmanager
+def hydra_records_deferred() -> Iterator[None]:
+    """Hydra writes .hydra/config.yaml, hydra.yaml and overrides.yaml into the run dir it starts a job in, before
+    the job runs: into another job's dir when two start in the same second (overwriting that job's records, with
+    this job's secrets in them). Within this block Hydra's writes are kept instead, and the job writes them,
+    scrubbed and atomically, into the run dir it owns (`write_hydra_records`). Hydra's own path where its
+    internals differ."""
+    import hydra.core.utils as hydra_utils
+
+    global _HYDRA_RECORDS
+    original = getattr(hydra_utils, "_save_config", None)
+    if original is None:
+        yield
+        return
+
+    def keep(cfg: Any, filename: str, output_dir: Path) -> None:
+        _HYDRA_RECORDS.append((Path(output_dir) / filename, OmegaConf.to_yaml(cfg)))
+
+    hydra_utils._save_config, _HYDRA_RECORDS = keep, []
+    try:
+        yield
+    finally:
+        hydra_utils._save_config, _HYDRA_RECORDS = original, None
+
+
+def take_hydra_records() -> list[tuple[Path, str]] | None:
+    """The records Hydra kept for the job now starting (each job of a sweep takes its own); None where Hydra
+    wrote them itself."""
+    if _HYDRA_RECORDS is None:
+        return None
+    records = list(_HYDRA_RECORDS)
+    _HYDRA_RECORDS.clear()
+    return records
+
+
+def write_hydra_records(records: list[tuple[Path, str]], hydra_dir: Path, run_dir: Path, secrets: set[str]) -> None:
+    """Hydra's records of this job, at their place under `run_dir` (Hydra meant them for `hydra_dir`)."""
+    from trainer.io import atomic_write_text
+
+    for path, text in records:
+        target = run_dir / path.relative_to(hydra_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(target, scrub(text, secrets))
+
+
 # -- the Hydra task ----------------------------------------------------------------------------------
 def run_job(cfg: DictConfig) -> float | None:
     """Hydra's task function: record the (already checked) config, then train here or launch workers."""
@@ -125,14 +176,16 @@ def run_job(cfg: DictConfig) -> float | None:
         from trainer.entry.launcher import launch_topology
 
         topology = launch_topology(resolved.world, say=print)  # world's launch keys, typed once for this job
-        run_dir, lock = _own_run_dir(run_dir, topology, chosen=chosen)
-        hydra_dir = Path(hc.runtime.output_dir)
-        if hydra_dir != run_dir:
+        records = take_hydra_records()
+        run_dir, lock = _own_run_dir(run_dir, topology, chosen=chosen, hydra_wrote=records is None)
+        secrets, hydra_dir = secret_values(OmegaConf.to_container(resolved)), Path(hc.runtime.output_dir)
+        if records is None and hydra_dir != run_dir:
             # Hydra recorded this job's command line in .hydra/ of the dir it started in, which this job left
             # (another job's of the same second, or a run resume=auto continues elsewhere): no secret stays there.
-            scrub_hydra_files(hydra_dir, secret_values(OmegaConf.to_container(resolved)))
+            scrub_hydra_files(hydra_dir, secrets)
         if lock.held:  # (the launchers of nodes other than 0 leave the records to node 0's)
-            scrub_hydra_files(run_dir, secret_values(OmegaConf.to_container(resolved)))
+            write_hydra_records(records or [], hydra_dir, run_dir, secrets)
+            scrub_hydra_files(run_dir, secrets)
             from trainer.entry.run import save_config
 
             save_config(resolved, run_dir)
@@ -177,7 +230,7 @@ def run_job(cfg: DictConfig) -> float | None:
     return (final or {}).get("val/loss")
 
 
-def _own_run_dir(run_dir: Path, w, chosen: bool):
+def _own_run_dir(run_dir: Path, w, chosen: bool, hydra_wrote: bool = True):
     """The run dir this job may write, and its lock (see trainer/entry/rundir.py). One job per run dir, one lock per
     job: on several nodes the launcher of node 0 takes it for the job, and the others check that the lock they
     find is their job's. Two jobs started in the same second share a default (timestamped) run dir: the later
@@ -206,7 +259,7 @@ def _own_run_dir(run_dir: Path, w, chosen: bool):
             other.mkdir(parents=True)  # exclusive: a third job of the same second takes the next number
         except FileExistsError:
             continue
-        if (run_dir / ".hydra").is_dir():
+        if hydra_wrote and (run_dir / ".hydra").is_dir():  # (Hydra's records of this job: else they were kept)
             shutil.copytree(run_dir / ".hydra", other / ".hydra")
         print(f"note: {run_dir} is in use by another job started in the same second; this job runs in {other}.",
               flush=True)
@@ -293,5 +346,5 @@ def main(argv: list[str] | None = None) -> None:
         import hydra
 
         sys.argv = [sys.argv[0], *argv]
-        with precomposed_reused(known):
+        with precomposed_reused(known), hydra_records_deferred():
             hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base="1.3")(run_job)()
