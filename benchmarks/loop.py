@@ -112,6 +112,28 @@ def fit_steps(trainer, n: int) -> Lap:
         return watch.lap(n)
 
 
+@contextlib.contextmanager
+def beside_plain(cfg, prefix: str):
+    """(trainer, plain): the Trainer `trainer.build` makes of `cfg` in a scratch run dir (no eval), and the
+    hand-written loop over its training set; both torn down, and the run dir removed, after the block. For the
+    profiling tools (profile_steps, step_parts)."""
+    from trainer import build
+
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer = build(cfg, tmp)
+        try:
+            trainer.data.val = None
+            yield trainer, PlainLoop(cfg, trainer.data.train, trainer.backend.device,
+                                     cfg.precision._target_.endswith("BF16"))
+        finally:
+            trainer.loggers.finish({})
+            trainer.backend.teardown()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 class Interleaved:
     """The training set, with `turn()` called before every `every`-th batch is cut from it.
 

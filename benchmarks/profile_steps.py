@@ -12,12 +12,7 @@ section. Not a `make bench` item: it prints a profile, not a figure with a targe
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import shutil
-import tempfile
 from collections import Counter
-from pathlib import Path
 
 
 def profile(run, steps: int, cuda: bool):
@@ -51,39 +46,26 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from trainer import build
-
     from .harness import COMMON, TINY, Stopwatch, compose, no_checkpoints
-    from .loop import PlainLoop, fit_steps
+    from .loop import beside_plain, fit_steps
 
     torch.set_num_threads(1)
     overrides = [*COMMON, *(args.overrides or TINY)]
     warmup = 20
     cfg = compose([*overrides, f"trainer.max_steps={2 * warmup + 2 * args.steps + 2}", "world.threads=1",
                    *no_checkpoints(compose(overrides))])
-    tmp = Path(tempfile.mkdtemp(prefix="bench-profile-"))
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            trainer = build(cfg, tmp)
-        try:
-            trainer.data.val = None
-            device = trainer.backend.device
-            plain = PlainLoop(cfg, trainer.data.train, device, cfg.precision._target_.endswith("BF16"))
-            cuda = device.type == "cuda"
-            sides = {"trainer": lambda n: fit_steps(trainer, n), "plain": plain.run}
-            for run in sides.values():
-                run(warmup)
-            result = {}
-            for name, run in sides.items():
-                watch = Stopwatch(device)
-                run(args.steps)
-                ms = watch.lap(args.steps).wall * 1000
-                result[name] = (ms, *profile(run, args.steps, cuda))
-        finally:
-            trainer.loggers.finish({})
-            trainer.backend.teardown()
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with beside_plain(cfg, "bench-profile-") as (trainer, plain):
+        device = trainer.backend.device
+        cuda = device.type == "cuda"
+        sides = {"trainer": lambda n: fit_steps(trainer, n), "plain": plain.run}
+        for run in sides.values():
+            run(warmup)
+        result = {}
+        for name, run in sides.items():
+            watch = Stopwatch(device)
+            run(args.steps)
+            ms = watch.lap(args.steps).wall * 1000
+            result[name] = (ms, *profile(run, args.steps, cuda))
 
     print(f"{' '.join(args.overrides or TINY)} on {device}, {args.steps} steps a side, per step:")
     for name, (ms, ops, launches, _) in result.items():

@@ -24,12 +24,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import itertools
-import shutil
 import statistics
-import tempfile
-from pathlib import Path
 
 PARTS = ("data", "contexts", "backward", "clip", "guard", "step")
 
@@ -124,10 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from trainer import build
-
     from .harness import COMMON, TINY, compose, no_checkpoints
-    from .loop import PlainLoop, fit_steps
+    from .loop import beside_plain, fit_steps
 
     torch.set_num_threads(1)
     overrides = [*COMMON, *(args.overrides or TINY)]
@@ -139,25 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.trainer.grad_accum_steps != 1:
         p.error(f"trainer.grad_accum_steps={cfg.trainer.grad_accum_steps}: the hand-written loop takes one batch a step, "
                 "so the Trainer's steps are timed with one micro-batch each; set trainer.grad_accum_steps=1")
-    tmp = Path(tempfile.mkdtemp(prefix="bench-parts-"))
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            trainer = build(cfg, tmp)
+    with beside_plain(cfg, "bench-parts-") as (trainer, plain):
+        device = trainer.backend.device
+        windows = Windows(trainer, plain, order, args.steps)
+        trainer.data.loader = windows.loader(trainer.data.loader)
         try:
-            trainer.data.val = None
-            device = trainer.backend.device
-            plain = PlainLoop(cfg, trainer.data.train, device, cfg.precision._target_.endswith("BF16"))
-            windows = Windows(trainer, plain, order, args.steps)
-            trainer.data.loader = windows.loader(trainer.data.loader)
-            try:
-                fit_steps(trainer, total - 1)
-            finally:
-                windows.close()
+            fit_steps(trainer, total - 1)
         finally:
-            trainer.loggers.finish({})
-            trainer.backend.teardown()
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            windows.close()
     diffs = {c: windows.diffs[c][1:] for c in cases}  # (the warm-up round left out)
 
     print(f"{' '.join(args.overrides or TINY)} on {device}: the Trainer's step minus the hand-written loop's, wall "
