@@ -184,8 +184,10 @@ def run_job(cfg: DictConfig) -> float | None:
             # (another job's of the same second, or a run resume=auto continues elsewhere): no secret stays there.
             scrub_hydra_files(hydra_dir, secrets)
         if lock.held:  # (the launchers of nodes other than 0 leave the records to node 0's)
-            write_hydra_records(records or [], hydra_dir, run_dir, secrets)
-            scrub_hydra_files(run_dir, secrets)
+            if records is None:  # (Hydra wrote them itself: its internals differ from what main expects)
+                scrub_hydra_files(run_dir, secrets)
+            else:
+                write_hydra_records(records, hydra_dir, run_dir, secrets)
             from trainer.entry.run import save_config
 
             save_config(resolved, run_dir)
