@@ -112,3 +112,23 @@ def test_only_regular_files_are_read_and_a_fifo_never_blocks(tmp_path, kind):
         assert bytes(tensorfile.map_file(path)) == target.read_bytes()
     with pytest.raises(ValueError, match="more than the 10 such a file may have"):
         tensorfile.map_file(target, max_size=10)
+
+
+@pytest.mark.parametrize("size", [0, 1, 4096, 3 * 4096 + 17])
+def test_a_file_hashed_block_by_block_into_one_buffer_hashes_to_its_sha256(tmp_path, size):
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(size))
+    fd, n = tensorfile._open_regular(path, True)
+    reader = tensorfile.FileReader(fd, n, path)
+    assert reader.sha256(block=4096) == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert tensorfile.file_sha256(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_file_truncated_while_it_is_hashed_is_an_error_not_a_digest_of_fewer_bytes(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(3 * 4096))
+    fd, n = tensorfile._open_regular(path, True)
+    reader = tensorfile.FileReader(fd, n, path)
+    os.truncate(path, 4096 + 5)
+    with pytest.raises(tensorfile.FileChanged, match="shorter than when it was opened"):
+        reader.sha256(block=4096)

@@ -126,20 +126,28 @@ class FileReader:
     def read(self, begin: int, end: int) -> torch.Tensor:
         """Bytes [begin, end) as a new uint8 tensor."""
         out = torch.empty(end - begin, dtype=torch.uint8)
-        view, got = memoryview(out.numpy()), 0
-        while got < end - begin:
+        self._read_into(memoryview(out.numpy()), begin)
+        return out
+
+    def _read_into(self, view: memoryview, begin: int) -> None:
+        got = 0
+        while got < len(view):
             n = os.preadv(self._file.fileno(), [view[got:]], begin + got)
             if n == 0:
                 raise FileChanged(errno.EIO, f"{self.path} is shorter than when it was opened (truncated or replaced "
                                              "while it was read)")
             got += n
-        return out
 
-    def sha256(self, block: int = 16 << 20) -> str:
-        """sha256 of the whole file, read a block at a time (hashlib releases the GIL: files hash in parallel)."""
+    def sha256(self, block: int = 256 << 10) -> str:
+        """sha256 of the whole file, read a block at a time into one buffer (hashlib releases the GIL: files hash
+        in parallel). The block is small so that it is hashed from the core's own cache, just as the read left
+        it: 16 MiB blocks, a fresh allocation each, hashed 10 MB in 11.8 ms, 256 KiB in 9.2 (Intel Xeon, 2026-11-27)."""
         digest = hashlib.sha256()
+        buf = memoryview(bytearray(min(block, self.size)))
         for begin in range(0, self.size, block):
-            digest.update(self.read(begin, min(begin + block, self.size)).numpy())
+            view = buf[:min(block, self.size - begin)]
+            self._read_into(view, begin)
+            digest.update(view)
         return digest.hexdigest()
 
     def tensor(self, entry: Entry) -> torch.Tensor:
