@@ -132,3 +132,16 @@ def test_a_file_truncated_while_it_is_hashed_is_an_error_not_a_digest_of_fewer_b
     os.truncate(path, 4096 + 5)
     with pytest.raises(tensorfile.FileChanged, match="shorter than when it was opened"):
         reader.sha256(block=4096)
+
+
+def test_files_and_buffers_hashed_together_give_each_its_sha256_with_fewer_cores_than_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)  # one worker for three files: it must not wait for three
+    blobs = {f"f{i}": os.urandom(5000 * (i + 1)) for i in range(3)}
+    buffers: dict = {"small": b"config: 1\n"}
+    for name, blob in blobs.items():
+        (tmp_path / name).write_bytes(blob)
+        fd, n = tensorfile._open_regular(tmp_path / name, True)
+        buffers[name] = tensorfile.FileReader(fd, n, tmp_path / name)
+    digests = tensorfile.sha256_all(buffers)
+    assert digests == {"small": hashlib.sha256(b"config: 1\n").hexdigest(),
+                       **{k: hashlib.sha256(v).hexdigest() for k, v in blobs.items()}}

@@ -439,17 +439,18 @@ def read(path: Path, backend=None) -> Loaded:
         files = manifest["files"]
         data, headers = _map_all(path, files)
         mine = _share(data, backend.rank, backend.world_size)
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            digests = pool.submit(tensorfile.sha256_all, mine) if mine else None
-            try:
-                loaded = _index(path, manifest, data, headers)
-            except CheckpointError as e:
-                error = e
-            if digests is not None:
-                try:
-                    _check_digests(path, files, digests.result())
-                except CheckpointError as e:
-                    damaged = e
+        hashing = tensorfile.Hashing(mine)
+        try:
+            loaded = _index(path, manifest, data, headers)
+        except CheckpointError as e:
+            error = e
+        except BaseException:
+            hashing.close()
+            raise
+        try:
+            _check_digests(path, files, hashing.result())
+        except CheckpointError as e:
+            damaged = e
     except CheckpointError as e:
         error = e
     if backend.distributed:  # one verdict for all ranks: any rank's

@@ -23,6 +23,7 @@ import math
 import os
 import stat
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
@@ -216,13 +217,45 @@ def map_safetensors(path: str | os.PathLike, follow_links: bool = False
     return FileReader(fd, size, path), metadata, entries
 
 
-def sha256_all(buffers: dict[str, FileReader | bytes]) -> dict[str, str]:
-    """sha256 of each file (a FileReader) or buffer, the big ones hashed in parallel."""
-    def digest(b) -> str:
-        return b.sha256() if isinstance(b, FileReader) else hashlib.sha256(b).hexdigest()
+class Hashing:
+    """sha256 of each file (a FileReader) or buffer, the files hashed on threads of their own while the caller
+    goes on; `result()` waits for the digests. The threads are running when the constructor returns: a caller
+    that then parses headers in Python would otherwise hold the GIL until it is done, and the hashing would
+    start only after it (2.5 ms later on a 15 ms checkpoint load)."""
 
-    with ThreadPoolExecutor(max_workers=max(1, min(len(buffers), os.cpu_count() or 1))) as pool:
-        return dict(zip(buffers, pool.map(digest, buffers.values())))
+    def __init__(self, buffers: dict[str, FileReader | bytes]):
+        self._small = {k: b for k, b in buffers.items() if not isinstance(b, FileReader)}
+        files = {k: b for k, b in buffers.items() if isinstance(b, FileReader)}
+        workers = min(len(files), os.cpu_count() or 1)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sha256") if files else None
+        started, running = threading.Condition(), [0]
+
+        def digest(reader: FileReader) -> str:
+            with started:
+                running[0] += 1
+                started.notify()
+            return reader.sha256()
+
+        self._files = {k: self._pool.submit(digest, b) for k, b in files.items()} if files else {}
+        with started:
+            started.wait_for(lambda: running[0] >= workers)
+
+    def result(self) -> dict[str, str]:
+        try:
+            digests = {k: hashlib.sha256(b).hexdigest() for k, b in self._small.items()}
+            return {**digests, **{k: f.result() for k, f in self._files.items()}}
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Wait for the threads (and drop what they found)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+
+
+def sha256_all(buffers: dict[str, FileReader | bytes]) -> dict[str, str]:
+    """sha256 of each file (a FileReader) or buffer, the files hashed in parallel."""
+    return Hashing(buffers).result()
 
 
 def read_header(buf: bytes, source: Path) -> tuple[dict[str, str], dict[str, Entry]]:
