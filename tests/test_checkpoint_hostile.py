@@ -452,3 +452,23 @@ def test_chunks_must_tile_a_tensor_exactly_once(parts, why):
     else:
         with pytest.raises(CheckpointError, match=f"the chunks of 'w' {why} here"):
             assemble("w", chunks, torch.empty(4, 6), "here")
+
+
+def test_a_file_truncated_while_it_is_hashed_is_a_checkpoint_error_not_an_oserror(good, tmp_path, monkeypatch):
+    """The headers were checked against the sizes; then the file shrinks before its hash is read. Every rank must
+    reach the common verdict (an OSError would skip it and leave the other ranks waiting), and the user reads one
+    sentence, not a traceback."""
+    from trainer.checkpoint import store
+
+    shutil.copytree(good, tmp_path / "copy")
+    ckpt = tmp_path / "copy" / "checkpoints" / NEWEST
+    checked = store._map_all
+
+    def then_truncated(path, files):
+        out = checked(path, files)
+        os.truncate(ckpt / "state.safetensors", 100)
+        return out
+
+    monkeypatch.setattr(store, "_map_all", then_truncated)
+    with pytest.raises(CheckpointError, match="state.safetensors is shorter than when it was opened"):
+        store.read(ckpt)

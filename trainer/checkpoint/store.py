@@ -451,6 +451,8 @@ def read(path: Path, backend=None) -> Loaded:
             _check_digests(path, files, hashing.result())
         except CheckpointError as e:
             damaged = e
+        except OSError as e:  # a file that shrank or failed while hashed: a verdict like any other, so no rank hangs
+            damaged = CheckpointError(f"{e.strerror or e}; read the checkpoint again once nothing writes to it.")
     except CheckpointError as e:
         error = e
     if backend.distributed:  # one verdict for all ranks: any rank's
