@@ -192,7 +192,7 @@ class Case:
     damage: Callable[[Path], None]
     needles: tuple[str, ...]  # in the message, besides the checkpoint's path
     rehash: bool = True
-    tried: bool = True  # False: resume=auto orders a checkpoint whose manifest it cannot read as the oldest
+    tried: bool = True  # False: not a checkpoint to resume=auto (its manifest is not a regular file)
 
 
 S, M = "state.safetensors", "model.safetensors"
@@ -204,7 +204,7 @@ CASES = [
     # The manifest: rewritten as valid JSON.
     Case("manifest-files-empty", edit_manifest(lambda m: m.update(files={})), ("manifest.json", "model.safetensors")),
     Case("manifest-not-an-object", lambda c: (c / "manifest.json").write_text("[2, 12]"), ("manifest.json", "not a JSON object"),
-         rehash=False, tried=False),
+         rehash=False),
     Case("manifest-no-format", edit_manifest(lambda m: m.pop("format")), ("manifest.json", "format")),
     Case("listed-file-missing", lambda c: (c / S).unlink(), (S, "missing")),
     Case("file-not-listed", edit_manifest(lambda m: m["files"].pop(S)), ("manifest.json", S)),

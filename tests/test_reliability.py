@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import (
     FAULTY_ENV,
     ROOT,
@@ -259,20 +260,37 @@ def test_resume_auto_never_prunes_what_it_could_not_read_and_resume_null_sets_it
     assert checkpoints(run_dir) == ["step_00000004", "step_00000008"]  # the new run's own
 
 
-def test_a_damaged_newer_checkpoint_survives_the_fallback_and_the_pruning_after_it(corpus, stopped, tmp_path):
-    """resume=auto falls back past a damaged step 8 to step 4; step 8 is rewritten by the resumed run, and the
-    damaged one is set aside as step_00000008.unreadable rather than deleted."""
+@pytest.mark.parametrize("damage", ["state", "manifest"])
+def test_a_damaged_newer_checkpoint_survives_the_fallback_and_the_pruning_after_it(corpus, stopped, tmp_path, damage):
+    """resume=auto falls back past a damaged step 8 to step 4 and renames the damaged one step_00000008.unreadable,
+    out of reach of this and every later run's pruning. A manifest cut short (a copy stopped half-way) is damage
+    too: it was once sorted as the oldest checkpoint, never tried, never named, and pruned."""
     run_dir = _copy(stopped, tmp_path / "run")
-    f = run_dir / "checkpoints" / "step_00000008" / "state.safetensors"
-    f.write_bytes(f.read_bytes()[:-10])
+    f = run_dir / "checkpoints" / "step_00000008" / ("state.safetensors" if damage == "state" else "manifest.json")
+    f.write_bytes(f.read_bytes()[:-10] if damage == "state" else f.read_bytes()[:50])
     damaged = f.read_bytes()
     r = run_here(*tiny_overrides(corpus, *BASE, "trainer.max_steps=12"), f"hydra.run.dir={run_dir}", "resume=auto")
     assert r.returncode == 0, r.stderr
-    assert "skipping checkpoint" in r.stdout and "It stays on disk" in r.stdout
-    assert (run_dir / "checkpoints" / "step_00000008.unreadable" / "state.safetensors").read_bytes() == damaged
+    assert f"skipping checkpoint {run_dir / 'checkpoints' / 'step_00000008'}" in r.stdout
+    assert "resumed from" in r.stdout and "step_00000004" in r.stdout
+    assert "the skipped step_00000008 is kept as step_00000008.unreadable" in r.stdout
+    assert (run_dir / "checkpoints" / "step_00000008.unreadable" / f.name).read_bytes() == damaged
     from trainer.checkpoint.store import Checkpointer
 
-    assert [p.name for p in Checkpointer(run_dir / "checkpoints").complete()][-2:] == ["step_00000008", "step_00000012"]
+    assert [p.name for p in Checkpointer(run_dir / "checkpoints").complete()] == ["step_00000008", "step_00000012"]
+
+
+def test_a_checkpoint_whose_manifest_cannot_be_read_is_tried_first_and_never_pruned(tmp_path):
+    from trainer.checkpoint.store import Checkpointer
+
+    c = Checkpointer(tmp_path / "checkpoints", keep_last=1)
+    state = {"trainer": {"step": 0}}
+    c.save(1, {"w": torch.zeros(2)}, state)
+    c.save(2, {"w": torch.ones(2)}, state)
+    (tmp_path / "checkpoints" / "step_00000002" / "manifest.json").write_text("{")
+    c.save(3, {"w": torch.ones(2)}, state)
+    c.save(4, {"w": torch.ones(2)}, state)
+    assert [p.name for p in c.complete()] == ["step_00000004", "step_00000002"]  # the unreadable one: tried first
 
 
 # -- finding the run to continue (item 5) -------------------------------------------------------------------

@@ -11,6 +11,7 @@ checkpoint-format code.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -299,9 +300,14 @@ def resume(trainer, cfg: DictConfig, say) -> Path | None:
             say(f"warning: skipping checkpoint {path}: {e} It stays on disk; trying the one before it.")
             skipped.append((path, e))
             continue
-        trainer.checkpointer.protected.update(p.name for p, _ in skipped)
+        # What was skipped is moved out of the checkpoints' namespace, so that no later run prunes it or tries it
+        # again; where that fails it stays in place, and this run does not prune it.
+        moved = trainer.backend.broadcast_object(_set_aside(p for p, _ in skipped) if trainer.backend.is_main else None)
+        trainer.checkpointer.protected.update(name for name, to in moved if to is None)
         if trainer.backend.is_main:
-            for line in [*notes, *resume_notes(path, cfg, trainer.checkpointer)]:
+            kept = [f"resume: the skipped {name} is kept as {to} (resume=auto and checkpoint.keep_last leave it alone)."
+                    for name, to in moved if to is not None]
+            for line in [*kept, *notes, *resume_notes(path, cfg, trainer.checkpointer)]:
                 say(line)
         return path
     if skipped:
@@ -321,6 +327,19 @@ def resume(trainer, cfg: DictConfig, say) -> Path | None:
     elif cfg.get("resume") == "auto":
         say(f"resume=auto: no complete checkpoint in {trainer.checkpointer.dir}; starting fresh.")
     return None
+
+
+def _set_aside(paths) -> list[tuple[str, str | None]]:
+    """Each checkpoint in `paths` renamed to `step_N.unreadable` (or `-2`, ...): [(name, new name or None)]."""
+    moved = []
+    for path in paths:
+        target = ckpt.free_name(path, ".unreadable")
+        try:
+            os.replace(path, target)
+            moved.append((path.name, target.name))
+        except OSError:
+            moved.append((path.name, None))
+    return moved
 
 
 def _differences(path: Path, cfg: DictConfig) -> str:

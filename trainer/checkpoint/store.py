@@ -227,13 +227,13 @@ class Checkpointer:
             files["config.yaml"] = _write(tmp / "config.yaml", self.config_yaml.encode())
             # `written` orders checkpoints by completion, not by step: after a rollback (resume=PATH to an
             # earlier step) the new branch's checkpoints are the newest, and resume=auto follows them.
-            written = 1 + max((_written(p) for p in self.complete()), default=0)
+            written = 1 + max((_written(p) or 0 for p in self.complete()), default=0)
             manifest = {"format": FORMAT_VERSION, "step": step, "written": written,
                         "world_size": self.backend.world_size, "files": dict(sorted(files.items()))}
             _write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: marks it complete
             fsync_dir(tmp)
-            if final.name in self.protected:  # one this run could not read: set it aside, never delete it
-                os.replace(final, _free_name(final, ".unreadable"))
+            if final.name in self.protected and final.exists():  # one this run could not read: never delete it
+                os.replace(final, free_name(final, ".unreadable"))
             elif final.exists():  # a re-run of the same step (after a resume): replace it
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -259,7 +259,9 @@ class Checkpointer:
     def _prune(self) -> None:
         """Delete all but the `keep_last` most recently written complete checkpoints, never the best one
         (in memory or named by best.json)."""
-        done = [p for p in self.complete() if p.name not in self.protected]
+        # Never one whose manifest cannot be read: nothing says when it was written (resume=auto tries it first,
+        # and sets it aside when another one loads instead).
+        done = [p for p in self.complete() if p.name not in self.protected and _written(p) is not None]
         keep = {p.name for p in done[-self.keep_last:]}
         if self.best:
             keep.add(self.best[1])
@@ -282,10 +284,11 @@ class Checkpointer:
             return []
         found = [p for p in self.dir.iterdir()
                  if step_of(p) >= 0 and not p.is_symlink() and (p / MANIFEST).is_file()]
-        return sorted(found, key=lambda p: (_written(p), step_of(p)))
+        order = {p: _written(p) for p in found}  # an unreadable manifest: as if written last (tried first)
+        return sorted(found, key=lambda p: (order[p] is None, order[p] or 0, step_of(p)))
 
 
-def _free_name(path: Path, suffix: str) -> Path:
+def free_name(path: Path, suffix: str) -> Path:
     """`path` + `suffix`, or + `suffix-2`, ... : a name nothing has yet."""
     n, candidate = 1, path.with_name(path.name + suffix)
     while candidate.exists() or candidate.is_symlink():
@@ -300,7 +303,7 @@ def set_aside(directory: Path) -> Path | None:
     directory = Path(directory)
     if not directory.is_dir():
         return None
-    target = _free_name(directory, ".prev")
+    target = free_name(directory, ".prev")
     os.replace(directory, target)
     return target
 
@@ -310,13 +313,14 @@ def _read_json(path: Path) -> Any:
     return json.loads(bytes(tensorfile.map_file(path, follow_links=False, max_size=_MAX_TEXT)))
 
 
-def _written(path: Path) -> int:
-    """A checkpoint's place in the order of completion (its manifest's `written`; 0 if unreadable)."""
+def _written(path: Path) -> int | None:
+    """A checkpoint's place in the order of completion (its manifest's `written`; 0 where it has none, as the first
+    format 2 manifests); None if the manifest cannot be read (a damaged checkpoint, or one copied half-way)."""
     try:
         written = _read_json(path / MANIFEST).get("written", 0)
-        return written if _is_count(written) else 0
     except (OSError, ValueError, AttributeError, RecursionError):
-        return 0
+        return None
+    return written if _is_count(written) else 0
 
 
 def _is_count(n: Any) -> bool:
