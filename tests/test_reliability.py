@@ -482,3 +482,21 @@ def test_resume_auto_leaves_the_same_seconds_other_job_alone(tmp_path):
         lock.release()
     _remove_if_free(run_dir)  # nobody holds it: only start records, so it goes
     assert not run_dir.exists()
+
+
+def test_a_refused_rerun_leaves_the_run_dirs_records_and_an_accepted_one_updates_them(corpus, tmp_path):
+    """A job refused in an existing run dir (a changed model under resume=auto) used to rewrite config.yaml and
+    .hydra/ with its own settings while saying nothing was changed: the record of what ran was lost, and
+    `trainer eval` of the run then built the wrong model. A resumed job still records its own settings."""
+    run_dir = tmp_path / "run"
+    args = (*tiny_overrides(corpus, *BASE), f"hydra.run.dir={run_dir}")
+    assert run_here(*args).returncode == 0
+    files = ["config.yaml", ".hydra/config.yaml", ".hydra/overrides.yaml", ".hydra/hydra.yaml"]
+    before = {f: (run_dir / f).read_bytes() for f in files}
+    refused = run_here(*args, "model.d_model=48", "trainer.max_steps=12", "resume=auto")
+    assert refused.returncode == 2 and "Nothing in the run dir was changed" in refused.stderr + refused.stdout
+    assert {f: (run_dir / f).read_bytes() for f in files} == before
+    resumed = run_here(*args, "optim.lr=0.002", "trainer.max_steps=12", "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "optim.lr=0.002" in (run_dir / ".hydra" / "overrides.yaml").read_text()
+    assert "lr: 0.002" in (run_dir / "config.yaml").read_text()

@@ -155,7 +155,7 @@ def run_job(cfg: DictConfig) -> float | None:
     from trainer.entry.rundir import continue_command, find_run_to_continue
 
     hc = HydraConfig.get()
-    run_dir, lock, started = Path(hc.runtime.output_dir), None, False
+    run_dir, lock, started, records_after = Path(hc.runtime.output_dir), None, False, None
     try:
         from trainer.parallel.precision import resolve_auto
 
@@ -186,11 +186,17 @@ def run_job(cfg: DictConfig) -> float | None:
         if lock.held:  # (the launchers of nodes other than 0 leave the records to node 0's)
             if records is None:  # (Hydra wrote them itself: its internals differ from what main expects)
                 scrub_hydra_files(run_dir, secrets)
+            elif (run_dir / "config.yaml").exists():
+                # An earlier job's records: they stay until this job's resume is accepted (a refused job, say for a
+                # changed model, must leave the record of what ran). Training writes config.yaml once it is; the
+                # rest follow when this job ends (`finally`, below) if it did.
+                records_after = _after_resume(records, hydra_dir, run_dir, secrets)
             else:
                 write_hydra_records(records, hydra_dir, run_dir, secrets)
-            from trainer.entry.run import save_config
+            if records_after is None:
+                from trainer.entry.run import save_config
 
-            save_config(resolved, run_dir)
+                save_config(resolved, run_dir)
         from trainer.config.machine import defaults_file
 
         if defaults_file().is_file():  # (composed into this config by conf/config.yaml's defaults list)
@@ -227,9 +233,33 @@ def run_job(cfg: DictConfig) -> float | None:
             _say_how_to_continue(run_dir, continue_command(run_dir))
         raise
     finally:
+        if records_after is not None:
+            records_after()
         if lock is not None:
             lock.release()
     return (final or {}).get("val/loss")
+
+
+def _after_resume(records, hydra_dir: Path, run_dir: Path, secrets: set[str]):
+    """A function that writes this job's Hydra records into `run_dir` if training rewrote config.yaml since now (it
+    does so once the resume is accepted, with an atomic rename: a new inode)."""
+    def identity() -> tuple[int, int] | None:
+        try:
+            st = (run_dir / "config.yaml").stat()
+            return st.st_ino, st.st_mtime_ns
+        except OSError:
+            return None
+
+    before = identity()
+
+    def write() -> None:
+        if identity() != before:
+            try:
+                write_hydra_records(records, hydra_dir, run_dir, secrets)
+            except OSError as e:  # (never in place of what ended the job)
+                print(f"warning: could not write this job's .hydra/ records into {run_dir} ({e.strerror or e}).",
+                      file=sys.stderr, flush=True)
+    return write
 
 
 def _own_run_dir(run_dir: Path, w, chosen: bool, hydra_wrote: bool = True):
