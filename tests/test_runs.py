@@ -160,3 +160,23 @@ def test_raising_max_steps_on_resume_stretches_the_schedule_and_says_so(corpus, 
     import yaml
 
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["trainer"]["max_steps"] == 12  # truthful
+
+
+def test_every_earlier_attempt_keeps_its_events_and_its_only_copy_of_the_weights(corpus, tmp_path):
+    """Three fresh starts in one run dir without final checkpoints: the first attempt's events were overwritten by
+    the second's in metrics.prev.jsonl, and each rerun replaced model.safetensors, the only copy of the weights."""
+    args = [*tiny_overrides(corpus, "checkpoint.save_final=false", "trainer.max_steps=3"), f"hydra.run.dir={tmp_path}"]
+    weights, events = [], []
+    for seed in (0, 1, 2):
+        r = run_here(*args, f"trainer.seed={seed}", "resume=null")
+        assert r.returncode == 0, r.stderr
+        weights.append((tmp_path / "model.safetensors").read_bytes())
+        events.append((tmp_path / "metrics.jsonl").read_text())
+    assert len(set(weights)) == 3
+    assert (tmp_path / "metrics.prev.jsonl").read_text() == events[0]
+    assert (tmp_path / "metrics.prev-2.jsonl").read_text() == events[1]
+    assert (tmp_path / "export.prev" / "model.safetensors").read_bytes() == weights[0]
+    assert (tmp_path / "export.prev-2" / "model.safetensors").read_bytes() == weights[1]
+    assert (tmp_path / "model.safetensors").read_bytes() == weights[2]
+    assert sorted(p.name for p in (tmp_path / "export.prev").iterdir()) == ["export.json", "model.safetensors",
+                                                                            "model_config.json"]

@@ -73,3 +73,14 @@ def atomic_save_safetensors(path: str | os.PathLike, tensors: dict, metadata: di
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def free_name(path: Path, tag: str, before_suffix: bool = False) -> Path:
+    """`path` with `tag` added (`checkpoints.prev`; `metrics.prev.jsonl` with `before_suffix`), or the tag and -2, -3,
+    ...: a name nothing has yet. What an earlier attempt's files move to, so that no later attempt overwrites them."""
+    stem, ext = (path.stem, path.suffix) if before_suffix else (path.name, "")
+    n, candidate = 1, path.with_name(f"{stem}{tag}{ext}")
+    while candidate.exists() or candidate.is_symlink():
+        n += 1
+        candidate = path.with_name(f"{stem}{tag}-{n}{ext}")
+    return candidate

@@ -23,6 +23,7 @@ from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.rng import rng_state, set_rng_state
 from trainer.checkpoint.settings import changed_settings, resumable
 from trainer.errors import CheckpointError
+from trainer.io import free_name
 
 
 class Parts:
@@ -333,7 +334,7 @@ def _set_aside(paths) -> list[tuple[str, str | None]]:
     """Each checkpoint in `paths` renamed to `step_N.unreadable` (or `-2`, ...): [(name, new name or None)]."""
     moved = []
     for path in paths:
-        target = ckpt.free_name(path, ".unreadable")
+        target = free_name(path, ".unreadable")
         try:
             os.replace(path, target)
             moved.append((path.name, target.name))

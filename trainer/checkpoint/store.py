@@ -43,7 +43,7 @@ import torch
 
 from trainer.checkpoint import snapshot, tensorfile
 from trainer.errors import CheckpointError, StorageError
-from trainer.io import atomic_write_json, fsync_dir
+from trainer.io import atomic_write_json, free_name, fsync_dir
 
 FORMAT_VERSION = 2  # 2: tensors may be chunks of a sharded tensor; optimizer state keyed by parameter name
 MANIFEST = "manifest.json"
@@ -286,15 +286,6 @@ class Checkpointer:
                  if step_of(p) >= 0 and not p.is_symlink() and (p / MANIFEST).is_file()]
         order = {p: _written(p) for p in found}  # an unreadable manifest: as if written last (tried first)
         return sorted(found, key=lambda p: (order[p] is None, order[p] or 0, step_of(p)))
-
-
-def free_name(path: Path, suffix: str) -> Path:
-    """`path` + `suffix`, or + `suffix-2`, ... : a name nothing has yet."""
-    n, candidate = 1, path.with_name(path.name + suffix)
-    while candidate.exists() or candidate.is_symlink():
-        n += 1
-        candidate = path.with_name(f"{path.name}{suffix}-{n}")
-    return candidate
 
 
 def set_aside(directory: Path) -> Path | None:

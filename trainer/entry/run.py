@@ -425,6 +425,18 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
                 return {}
         else:
             loggers.start_fresh()  # a rerun that found no checkpoint: set the earlier run's events aside
+            if backend.is_main:  # and its exported weights (with checkpoint.save_final=false, their only copy)
+                from trainer.errors import StorageError
+                from trainer.models.export import set_aside
+
+                try:
+                    aside = set_aside(run_dir)
+                except OSError as e:
+                    raise StorageError(f"could not move the earlier attempt's exported weights in {run_dir} aside "
+                                       f"({e.strerror or e}); nothing was overwritten. Make the run dir writable, or "
+                                       "give this run a dir of its own (hydra.run.dir=...).") from None
+                if aside is not None:
+                    say(f"starting fresh: the earlier attempt's exported weights are kept in {aside}.")
         if backend.is_main:
             save_config(cfg, run_dir)  # (the CLI wrote it before the workers started; this is the API's path)
             loggers.log_config(OmegaConf.to_container(cfg, resolve=True))

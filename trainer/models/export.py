@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.io import atomic_save_safetensors, atomic_write_json
+from trainer.io import atomic_save_safetensors, atomic_write_json, free_name
 
 
 def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, model_config: dict,
@@ -99,3 +99,31 @@ def export_task_state(state: dict, run_dir: Path) -> str:
     tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
     atomic_save_safetensors(run_dir / "task_state.safetensors", tensors, metadata={"format": "pt"})
     return "task_state.safetensors"
+
+
+_EXPORTED = ("model.safetensors", "model_ema.safetensors", "model.safetensors.index.json",
+             "model_ema.safetensors.index.json", "model_config.json", "task_state.safetensors",
+             "adapter_model.safetensors", "adapter_config.json")
+
+
+def set_aside(run_dir: Path) -> Path | None:
+    """An earlier attempt's export moved into `export.prev/` (then `export.prev-2/`, ...), where a fresh start in the
+    same run dir would overwrite it: export.json and the files it lists, or, without it (an export cut short), the
+    files an export writes. Returns the directory, or None when there was nothing to move."""
+    import os
+
+    names = {n for n in _EXPORTED if (run_dir / n).is_file()}
+    names |= {p.name for p in run_dir.glob("model*-of-*.safetensors")}
+    try:
+        listed = json.loads((run_dir / "export.json").read_text())["files"]
+        names |= {"export.json", *(n for n in listed if isinstance(n, str) and "/" not in n and not n.startswith("."))}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    present = sorted(n for n in names if (run_dir / n).is_file() and not (run_dir / n).is_symlink())
+    if not present:
+        return None
+    target = free_name(run_dir / "export", ".prev")
+    target.mkdir()
+    for name in present:
+        os.replace(run_dir / name, target / name)
+    return target

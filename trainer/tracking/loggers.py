@@ -87,11 +87,14 @@ class JsonlLogger(NullLogger):
         self._file = open(self.path, "a")
 
     def start_fresh(self) -> None:
-        """Keep an earlier attempt's events as `metrics.prev.jsonl` (and `samples.prev.jsonl`), start empty."""
+        """Keep an earlier attempt's events as `metrics.prev.jsonl` (and `samples.prev.jsonl`; an attempt before that
+        one's as `metrics.prev-2.jsonl`, ...), start empty."""
+        from trainer.io import free_name
+
         self._file.close()
         for path in (self.path, self.samples_path):
             if path.exists() and path.stat().st_size:
-                path.replace(path.with_suffix(".prev.jsonl"))
+                path.replace(free_name(path, ".prev", before_suffix=True))
         self._file = open(self.path, "a")
 
     def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:

@@ -21,13 +21,12 @@ A resumed run continues the same curves, each step once, for every reader:
 from __future__ import annotations
 
 import os
-import shutil
 from io import BytesIO
 from pathlib import Path
 from typing import Any
 
 from trainer.errors import ConfigError
-from trainer.io import atomic_write_bytes
+from trainer.io import atomic_write_bytes, free_name
 from trainer.redaction import redact
 from trainer.tracking.loggers import NullLogger
 
@@ -95,12 +94,10 @@ class TensorBoardLogger(NullLogger):
 
     def start_fresh(self) -> None:
         """A rerun into the same run dir that found no checkpoint: an earlier attempt's event files move to
-        `<dir>.prev/` (replacing an older one), which TensorBoard shows as a run of its own."""
+        `<dir>.prev/` (an older one's to `<dir>.prev-2/`, ...), which TensorBoard shows as a run of its own."""
         self.finish({})
         if self.dir.is_dir() and any(self.dir.glob("events.out.tfevents.*")):
-            prev = self.dir.with_name(self.dir.name + ".prev")
-            shutil.rmtree(prev, ignore_errors=True)
-            self.dir.rename(prev)
+            self.dir.rename(free_name(self.dir, ".prev"))
         self._first_step, self._session_start = 0, 1
 
     def rewind(self, step: int) -> None:
