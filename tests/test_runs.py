@@ -180,3 +180,14 @@ def test_every_earlier_attempt_keeps_its_events_and_its_only_copy_of_the_weights
     assert (tmp_path / "model.safetensors").read_bytes() == weights[2]
     assert sorted(p.name for p in (tmp_path / "export.prev").iterdir()) == ["export.json", "model.safetensors",
                                                                             "model_config.json"]
+
+
+def test_a_checkpoint_dir_that_cannot_be_written_stops_the_run_before_it_trains(corpus, tmp_path):
+    """A file where checkpoints/ goes was found at the first save, after every step before it had been trained,
+    and the message said to free disk space."""
+    (tmp_path / "checkpoints").write_text("not a directory")
+    r = run_here(*tiny_overrides(corpus, "trainer.max_steps=6"), f"hydra.run.dir={tmp_path}")
+    assert_clean_error(r, f"checkpoints cannot be written to {tmp_path / 'checkpoints'}", "is not a directory",
+                       "nothing was trained", code=74)
+    assert not [e for e in read_metrics(tmp_path) if "train/loss" in e]
+    assert (tmp_path / "checkpoints").read_text() == "not a directory"

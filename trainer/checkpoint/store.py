@@ -28,6 +28,7 @@ rank reads the chunks it needs.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -250,11 +251,32 @@ class Checkpointer:
 
     def _failed(self, final: Path, e: BaseException) -> StorageError:
         kept = self.complete()
+        full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, None)
         return StorageError(
             f"could not write checkpoint {final} ({getattr(e, 'strerror', None) or e}). "
             f"{'The previous checkpoint ' + kept[-1].name + ' is intact. ' if kept else ''}"
-            "Free disk space (or point hydra.run.dir at a larger disk) and rerun with resume=auto."
+            + ("Free disk space (or point hydra.run.dir at a larger disk) and rerun with resume=auto." if full else
+               f"{self.dir} must be a directory this process can write: fix that and rerun with resume=auto.")
         )
+
+    def check_writable(self) -> None:
+        """Before training: the checkpoint directory is one this process can write, or can be made (a file in its
+        place, or no permission, would otherwise surface at the first save, after the steps before it were
+        trained). Creates nothing."""
+        if not self.writes or not (self.every_n_steps > 0 or self.save_final):
+            return
+        path = self.dir.absolute()
+        while not path.exists() and not path.is_symlink() and path != path.parent:
+            path = path.parent  # the first part of the path that exists: where the directories would be made
+        why = None
+        if not path.is_dir():
+            why = f"{path} is not a directory"
+        elif not os.access(path, os.W_OK | os.X_OK):
+            why = f"{path} is not writable by this process"
+        if why:
+            raise StorageError(f"checkpoints cannot be written to {self.dir} ({why}); nothing was trained. Move what is "
+                               "in its place, fix its permissions or give the run another dir (hydra.run.dir=...), "
+                               "then rerun.")
 
     def _prune(self) -> None:
         """Delete all but the `keep_last` most recently written complete checkpoints, never the best one
@@ -557,6 +579,9 @@ class NullCheckpointer:
         pass
 
     def close(self) -> None:
+        pass
+
+    def check_writable(self) -> None:
         pass
 
     def complete(self) -> list[Path]:

@@ -437,6 +437,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
                                        "give this run a dir of its own (hydra.run.dir=...).") from None
                 if aside is not None:
                     say(f"starting fresh: the earlier attempt's exported weights are kept in {aside}.")
+        trainer.checkpointer.check_writable()
         if backend.is_main:
             save_config(cfg, run_dir)  # (the CLI wrote it before the workers started; this is the API's path)
             loggers.log_config(OmegaConf.to_container(cfg, resolve=True))
