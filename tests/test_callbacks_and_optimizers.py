@@ -102,3 +102,16 @@ def test_max_epochs_derives_the_steps_and_evals_every_epoch(small_corpus, tmp_pa
     assert events[-1]["step"] == 2 * per_epoch
     assert [e["step"] for e in events if "val/loss" in e] == [per_epoch, 2 * per_epoch]
     assert torch.tensor(series(events, "train/loss")).isfinite().all()
+
+
+def test_a_max_steps_beside_max_epochs_is_named_as_unused_not_dropped_silently():
+    """`trainer.max_epochs=1 trainer.max_steps=100` ran the epoch's 90,468 steps without a word about the 100."""
+    from trainer.config.schema import CheckpointConfig, TrainerConfig
+    from trainer.entry.run import epochs_to_steps
+
+    for max_steps, note in ((100, "trainer.max_steps=100 is not used"), (None, None), (10, None)):
+        said: list[str] = []
+        t = TrainerConfig(max_steps=max_steps, max_epochs=1)
+        epochs_to_steps(t, CheckpointConfig(), samples=90, global_batch=9, say=said.append)
+        assert t.max_steps == 10 and len(said) == 1
+        assert (note in said[0]) if note else "not used" not in said[0]

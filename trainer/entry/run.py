@@ -94,13 +94,17 @@ def epochs_to_steps(tcfg: TrainerConfig, ccfg: CheckpointConfig, samples: int, g
 
     per_epoch = math.ceil(samples / global_batch)
     if tcfg.max_epochs is not None:
+        # max_epochs decides the length; a max_steps beside it (the recipe's, or the user's) is not used, and says so.
+        unused = tcfg.max_steps if tcfg.max_steps not in (None, tcfg.max_epochs * per_epoch) else None
         tcfg.max_steps = tcfg.max_epochs * per_epoch
         # The sample stream runs on across epochs (trainer/data/sampling.py): no global batch is short, none is padded.
         read = tcfg.max_steps * global_batch
         say(f"trainer.max_epochs={tcfg.max_epochs}: {tcfg.max_steps} steps of {global_batch} samples "
             f"({per_epoch} per epoch of {samples}). The sample stream runs on across epochs: a global batch that "
             f"reaches the end of an epoch is completed from the next epoch's order (nothing dropped or padded), so "
-            f"the run reads {read} samples, {read / samples:.2f} passes.")
+            f"the run reads {read} samples, {read / samples:.2f} passes."
+            + (f" trainer.max_steps={unused} is not used: max_epochs decides the run's length (drop trainer.max_epochs "
+               f"to train {unused} steps)." if unused is not None else ""))
     if tcfg.eval_every_epochs is not None:
         tcfg.eval_every = tcfg.eval_every_epochs * per_epoch
     if ccfg.every_n_epochs is not None:
