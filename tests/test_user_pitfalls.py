@@ -482,3 +482,30 @@ def test_a_finder_mistake_is_one_paragraph(tmp_path, args, says):
 
     r = run_here("tune", *args, cwd=tmp_path)
     assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_data_drawn_from_torchs_generator_is_the_same_at_every_build(tmp_path):
+    """A data factory that calls torch.randn (the README's regress recipe) drew from an unseeded generator: two
+    runs of one config trained on different data, and so did the ranks of one run."""
+    import torch
+
+    from trainer import build
+    from trainer.config.compose import load
+
+    cfg = load(["recipe=classify", "data._target_=classify.global_blobs", "checkpoint.save_final=false"],
+               config_dir=CONF)
+    drawn = []
+    for run in ("a", "b"):
+        torch.manual_seed(len(drawn) + 123)  # whatever the process drew before
+        trainer = build(cfg, tmp_path / run)
+        try:
+            drawn.append(trainer.data.train.tensors[0].clone())
+        finally:
+            trainer.backend.teardown()
+    assert torch.equal(drawn[0], drawn[1])
+    other = load(["recipe=classify", "data._target_=classify.global_blobs", "trainer.seed=1"], config_dir=CONF)
+    trainer = build(other, tmp_path / "c")
+    try:
+        assert not torch.equal(trainer.data.train.tensors[0], drawn[0])  # the seed decides it
+    finally:
+        trainer.backend.teardown()

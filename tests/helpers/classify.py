@@ -45,3 +45,10 @@ def auroc(score: torch.Tensor, positive: torch.Tensor) -> float:
     pos, neg = score[positive == 1], score[positive == 0]
     greater = (pos[:, None] > neg[None, :]).double().sum() + 0.5 * (pos[:, None] == neg[None, :]).double().sum()
     return (greater / (len(pos) * len(neg))).item()
+
+
+def global_blobs(n: int = 300, val: int = 61):
+    """The blobs drawn from torch's global generator, as a user's `torch.randn` data factory would."""
+    y = torch.arange(n) % 3
+    x = torch.tensor([[0.0, 2.0], [2.0, -1.0], [-2.0, -1.0]])[y] + 1.2 * torch.randn(n, 2)
+    return TensorDataset(x[val:], y[val:]), TensorDataset(x[:val], y[:val])

@@ -167,6 +167,9 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
                                sharded=strategy.shards_parameters)  # built for the strategy it serves
         # The runtime sets the strategy up and takes the step's calls: the Trainer is a loop on trainer.Runtime.
         rt = Runtime(strategy, precision, grad_accum_steps=tcfg.grad_accum_steps, seed=tcfg.seed, backend=backend)
+        # The same seed on every rank for what the task and the data draw while they are built (a dataset made with
+        # torch.randn): the same data on every rank, and at every run of this config.
+        seed_everything(tcfg.seed)
         task = build_node("task", cfg.task)
         train_data, val_data = build_data(cfg.data)
         if hasattr(task, "setup"):  # e.g. fit a normaliser on the training split (see trainer/task.py)
