@@ -300,3 +300,24 @@ def test_the_loader_is_one_global_stream_and_a_resumed_epoch_ends_where_it_would
     resumed = rt.loader(data, batch_size=2, name="resumed")
     resumed.load_state_dict(state)
     assert [b[0].tolist() for b in resumed] == first[3:]
+
+
+def test_under_launch_what_the_script_passes_wins_and_the_jobs_config_gives_the_rest(monkeypatch):
+    """Runtime(grad_accum_steps=2) under `launch` ran with the config's trainer.grad_accum_steps, and
+    Runtime(precision=...) dropped the whole launch config."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    import trainer
+    from trainer.loop.runtime import LAUNCH_ENV
+    from trainer.parallel.precision import BF16, FP32
+
+    cfg = trainer.compose(["debug=smoke", "trainer.grad_accum_steps=3", "trainer.seed=7", "precision=bf16"])
+    monkeypatch.setenv(LAUNCH_ENV, json.dumps(OmegaConf.to_container(cfg)))
+    rt = trainer.Runtime()
+    assert (rt.grad_accum_steps, rt.seed, type(rt.precision)) == (3, 7, BF16)
+    rt = trainer.Runtime(grad_accum_steps=2, seed=1)
+    assert (rt.grad_accum_steps, rt.seed, type(rt.precision)) == (2, 1, BF16)
+    rt = trainer.Runtime(precision="fp32")
+    assert (rt.grad_accum_steps, rt.seed, type(rt.precision)) == (3, 7, FP32)

@@ -79,26 +79,31 @@ class Runtime:
     launcher, under torchrun, or as a plain `python script.py` (one process).
     """
 
-    def __init__(self, world: str | Strategy | None = None, precision: Any = None, *, grad_accum_steps: int = 1,
-                 seed: int | None = None, device: str = "auto", threads: int | str = "auto",
-                 world_options: dict[str, Any] | None = None, log_with: list[str] | str | None = None,
-                 run_dir: str | os.PathLike | None = None, backend: Backend | None = None):
-        launched = launched_config() if world is None and precision is None and backend is None else None
-        if launched is not None:
+    def __init__(self, world: str | Strategy | None = None, precision: Any = None, *,
+                 grad_accum_steps: int | None = None, seed: int | None = None, device: str = "auto",
+                 threads: int | str = "auto", world_options: dict[str, Any] | None = None,
+                 log_with: list[str] | str | None = None, run_dir: str | os.PathLike | None = None,
+                 backend: Backend | None = None):
+        # Under `launch`, what the script passes wins and the job's config gives the rest (it once gave all of it:
+        # Runtime(grad_accum_steps=2) ran with the config's 1, and Runtime(precision=...) dropped the job's world).
+        launched = launched_config() if backend is None else None
+        if launched is not None and world is None:
             from trainer.config.instantiate import build_strategy
 
             strategy = build_strategy(launched.world)
-            device, threads = launched.world.get("device", device), launched.world.get("threads", threads)
-            grad_accum_steps = launched.trainer.get("grad_accum_steps", grad_accum_steps)
-            seed = launched.trainer.get("seed", 0) if seed is None else seed
         else:
             strategy = _strategy(world or "single", dict(world_options or {}))
+        if launched is not None:
+            device, threads = launched.world.get("device", device), launched.world.get("threads", threads)
+            grad_accum_steps = launched.trainer.get("grad_accum_steps", 1) if grad_accum_steps is None else grad_accum_steps
+            seed = launched.trainer.get("seed", 0) if seed is None else seed
+        grad_accum_steps = 1 if grad_accum_steps is None else grad_accum_steps
         if not isinstance(grad_accum_steps, int) or isinstance(grad_accum_steps, bool) or grad_accum_steps < 1:
             raise UserError(f"Runtime(grad_accum_steps={grad_accum_steps!r}) is invalid: expected an integer >= 1.")
         self.backend = backend or Backend(device=device, threads=threads)
         self.strategy = strategy
         self.backend.setup(process_group=strategy.needs_process_group)
-        if launched is not None:
+        if launched is not None and precision is None:
             from trainer.config.instantiate import build_node
             from trainer.parallel.precision import AUTO_TARGET, resolve_auto
 
