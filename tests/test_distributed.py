@@ -41,6 +41,16 @@ def test_two_ranks_equal_one_rank_with_accumulation_and_big_batch(corpus, tmp_pa
     assert stdout.count("step 6: val/loss") == 1 and stdout.count("step 12/12 loss=") == 1
 
 
+def test_the_python_api_starts_the_processes_the_config_asks_for(corpus, tmp_path, reference):
+    """trainer.train(cfg) with world.nproc_per_node=2 trained one process (half the global batch) without a word."""
+    import json
+
+    api = tmp_path / "api"
+    train_in_process(corpus, api, *SHARED, *DDP2)
+    assert json.loads((api / "run_info.json").read_text())["world_size"] == 2
+    assert_same_run(api, reference)
+
+
 def test_torchrun_launch_matches_self_launch(corpus, tmp_path, reference):
     r = run_cli("--standalone", "--nproc_per_node=2", "-m", "trainer",
                 *tiny_overrides(corpus, *SHARED, "world=ddp", "data.batch_size=4"), f"hydra.run.dir={tmp_path}",

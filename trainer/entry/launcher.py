@@ -69,7 +69,6 @@ def run(cfg: DictConfig, run_dir: Path, entry: Callable | None = None, topology=
     """Run the entry point `entry` (one of trainer.entry.run.ENTRY_POINTS: train, the default, evaluate, ...) according
     to `cfg.world`: here, or on every rank of workers started by the elastic launcher (which get its name).
     `topology`: world's launch keys as `launch_topology` typed them, when the caller has them already."""
-    from trainer.config.targets import locate
     from trainer.entry.run import train
 
     entry = entry or train
@@ -77,10 +76,20 @@ def run(cfg: DictConfig, run_dir: Path, entry: Callable | None = None, topology=
         _share_config([OmegaConf.to_container(cfg), str(run_dir), entry.__name__])
     else:
         w = topology or launch_topology(cfg.world, say=print)
-        several = nproc_per_node(w.nproc_per_node) * w.nnodes > 1
-        if several and locate("world", cfg.world._target_).distributed:
+        if starts_workers(cfg, w):
             return launch(cfg, run_dir, entry, w)
     return entry(cfg, run_dir)
+
+
+def starts_workers(cfg: DictConfig, w=None) -> bool:
+    """Whether `cfg.world` asks for worker processes (several, of a distributed strategy) that this process, not
+    itself a worker, must start."""
+    from trainer.config.targets import locate
+
+    if in_torchrun():
+        return False
+    w = w or launch_topology(cfg.world)
+    return nproc_per_node(w.nproc_per_node) * w.nnodes > 1 and locate("world", cfg.world._target_).distributed
 
 
 # -- SLURM: the multi-node topology from the job's environment (trainer/config/slurm.py) ---------------------

@@ -399,9 +399,12 @@ def script(cfg: DictConfig, run_dir: str | Path) -> None:
 
 def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     """Train with a prepared config, writing outputs to `run_dir`. Returns the final metrics."""
+    from trainer.entry import launcher
     from trainer.loop.preemption import PreemptionFlag
 
     run_dir = Path(run_dir)
+    if launcher.starts_workers(cfg):  # trainer.train(cfg) of a world of several processes: start them, as the CLI does
+        return launcher.run(cfg, run_dir) or {}
     # From the very start: a SIGTERM while the model or the data are built stops the run with exit 75 too.
     preemption = PreemptionFlag().install()
     finished = False
