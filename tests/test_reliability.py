@@ -500,3 +500,39 @@ def test_a_refused_rerun_leaves_the_run_dirs_records_and_an_accepted_one_updates
     assert resumed.returncode == 0, resumed.stderr
     assert "optim.lr=0.002" in (run_dir / ".hydra" / "overrides.yaml").read_text()
     assert "lr: 0.002" in (run_dir / "config.yaml").read_text()
+
+
+def test_a_resume_onto_other_bytes_at_data_path_is_refused_and_onto_the_same_bytes_elsewhere_is_not(corpus, tmp_path):
+    """The order's fingerprint covers only the corpus's length: a file edited in place (same size, other text)
+    resumed without a word."""
+    data = tmp_path / "data.txt"
+    data.write_bytes(corpus.read_bytes())
+    run_dir = tmp_path / "run"
+    args = ("debug=smoke", "data=text", f"data.cache_dir={tmp_path / 'cache'}", *BASE, f"hydra.run.dir={run_dir}")
+    assert run_here(*args, f"data.path={data}").returncode == 0
+    data.write_bytes(bytes(b ^ 1 for b in corpus.read_bytes()))  # every byte changed, the size kept
+    r = run_here(*args, f"data.path={data}", "trainer.max_steps=12", "resume=auto")
+    assert r.returncode == 2
+    assert "trained on other data than this run's" in r.stderr, r.stderr
+    moved = tmp_path / "elsewhere.txt"
+    moved.write_bytes(corpus.read_bytes())
+    r = run_here(*args, f"data.path={moved}", "trainer.max_steps=12", "resume=auto")
+    assert r.returncode == 0, r.stderr
+    assert "resumed from" in r.stdout
+
+
+def test_a_checkpoint_from_before_the_data_identity_was_recorded_still_resumes(corpus, stopped, tmp_path):
+    import hashlib
+    import json
+
+    run_dir = _copy(stopped, tmp_path / "run")
+    ckpt = run_dir / "checkpoints" / "step_00000008"
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["trainer"].pop("data_identity")  # (the lm recipe's text corpus records one)
+    (ckpt / "state.json").write_text(json.dumps(state))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["state.json"] = hashlib.sha256((ckpt / "state.json").read_bytes()).hexdigest()
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    r = run_here(*tiny_overrides(corpus, *BASE, "trainer.max_steps=12"), f"hydra.run.dir={run_dir}", "resume=auto")
+    assert r.returncode == 0, r.stderr
+    assert f"resumed from {ckpt} at step 8" in r.stdout

@@ -9,6 +9,7 @@ block at a time, whatever their size (`data=text_stream`; trainer/data/streaming
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import sysconfig
@@ -38,6 +39,7 @@ class TokenWindows(Dataset):
     """
 
     collate_fn = staticmethod(already_batched)
+    fingerprint: str | None = None  # the sha256 of the tokens, where the cache recorded it (what a resume checks)
 
     def __init__(self, path: str | os.PathLike, seq_len: int, dtype: str = "uint8"):
         self.path, self.seq_len, self.dtype = str(path), seq_len, getattr(torch, dtype)
@@ -75,12 +77,19 @@ def default_cache_dir() -> Path:
 def _build(cache: Path, parts: dict[str, bytes], meta: dict) -> None:
     for name, data in parts.items():
         atomic_write_bytes(cache / f"{name}.bin", data)
-    atomic_write_json(cache / "meta.json", meta)  # written last: marks the cache complete
+    # The contents' digest: a resume checks that the run trains on the bytes its checkpoint was trained on (a file
+    # edited in place, same size, other text, is other data), hashed once here, where the bytes are in memory.
+    digests = {f"{name}_sha256": hashlib.sha256(data).hexdigest() for name, data in parts.items()}
+    atomic_write_json(cache / "meta.json", {**meta, **digests})  # written last: marks the cache complete
 
 
 def _splits(cache: Path, seq_len: int) -> tuple[TokenWindows, TokenWindows | None]:
     train = TokenWindows(cache / "train.bin", seq_len)
     val = TokenWindows(cache / "val.bin", seq_len)
+    try:  # (a cache built before the digests were recorded has none: its resumes are checked as before)
+        train.fingerprint = json.loads((cache / "meta.json").read_text()).get("train_sha256")
+    except (OSError, ValueError, AttributeError):
+        train.fingerprint = None
     return train, (val if len(val) > 0 else None)
 
 

@@ -207,6 +207,10 @@ class CheckpointManager:
         like = {"trainer": self.run.state_dict(), "rng": [rng_state()],
                 **{n: c.state_dict() for n, c in self.components.items()},
                 **({"loggers": {}} if "loggers" in self.components else {})}  # (a rewound stream: any state)
+        saved_run = tree.get("trainer")
+        for key in getattr(self.run, "OPTIONAL_STATE", ()):  # run state newer than some checkpoints: may be absent
+            if isinstance(saved_run, dict) and key not in saved_run:
+                like["trainer"].pop(key, None)
         absent: dict[str, Any] = {}
         if "ema" in like and "ema" not in tree:
             absent["ema"] = True

@@ -210,6 +210,12 @@ class Data:
         """Equal iff the training order would continue the same (map-style: a hash of the next global batches)."""
         return streaming.fingerprint(self.train) if self.streaming else sampler.fingerprint()
 
+    def identity(self) -> str | None:
+        """What a map-style training set says its contents are (its `fingerprint` attribute, e.g. the lm recipe's
+        sha256 of the tokens), or None: the order's fingerprint covers only its length and order."""
+        ident = None if self.streaming else getattr(self.train, "fingerprint", None)
+        return ident if isinstance(ident, str) else None
+
     def position_state(self, sampler: GlobalBatchSampler | StreamLayout, gather) -> dict[str, Any]:
         """A stream's position for the checkpoint ({} for a map-style dataset: samples_seen is its position), as
         JSON text. `gather(obj)` returns every rank's obj: it is called on every rank alike, only once batches
@@ -235,6 +241,14 @@ class Data:
             rec = streaming.parse_record(state.get("stream"), where)
             streaming.check_record(rec, self.train, sampler, self.num_workers, state["samples_seen"], where)
             return
+        saved, now = state.get("data_identity"), self.identity()
+        if saved is not None and now is not None and saved != now:
+            raise CheckpointError(
+                f"{where}: the checkpoint was trained on other data than this run's: the training set's contents "
+                f"differ ({type(self.train).__name__} fingerprint {now[:16]} vs {str(saved)[:16]}; a file edited in "
+                "place, or another one at data.path). Resume with the data it was trained on, or start a new run from "
+                "its weights (finetune.weights=CHECKPOINT_OR_RUN_DIR)."
+            )
         # The next two of the checkpoint's global batches, as positions of this run's stream.
         stream = GlobalBatchSampler(len(self.train), state["global_batch"], seed=sampler.seed, shuffle=self.shuffle,
                                     start=state["samples_seen"])

@@ -387,11 +387,15 @@ class Trainer:
         return out
 
     # -- checkpoints ---------------------------------------------------------------------------
+    # Keys of the run state a checkpoint written before them lacks (then they are not checked).
+    OPTIONAL_STATE = ("data_identity",)
+
     def state_dict(self) -> dict[str, Any]:
         """The run state: where the loop is, and what the data order depends on."""
         return {"step": self.step, "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
                 "global_batch": self.global_batch, "world_size": self.backend.world_size,
-                "data_fingerprint": self.data.fingerprint(self.sampler()), "stop_reason": self.stop_reason,
+                "data_fingerprint": self.data.fingerprint(self.sampler()), "data_identity": self.data.identity(),
+                "stop_reason": self.stop_reason,
                 **self.data.position_state(self.sampler(), self.backend.gather_object)}  # a stream's readers
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
