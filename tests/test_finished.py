@@ -21,6 +21,30 @@ def test_load_gives_the_model_with_its_final_or_ema_weights(reference):
         assert all(torch.equal(model.state_dict()[k], weights[k]) for k in weights)
 
 
+def test_exported_weights_changed_since_the_run_wrote_them_are_refused_by_every_reader(reference, tmp_path):
+    """A flipped byte inside model.safetensors loaded silently through trainer.load, device_map and
+    finetune.weights, although export.json records every file's sha256."""
+    import shutil
+
+    import trainer
+    from trainer.errors import CheckpointError
+    from trainer.models.pretrained import open_weights
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    data = bytearray((run / "model.safetensors").read_bytes())
+    data[-3] ^= 0x10  # a bit of the last tensor's last element: the header still checks out
+    (run / "model.safetensors").write_bytes(bytes(data))
+    needle = "is not the file its run wrote"
+    with pytest.raises(CheckpointError, match=needle):
+        trainer.load(run)
+    with pytest.raises(CheckpointError, match=needle):
+        trainer.load(run, device_map="auto")
+    with pytest.raises(CheckpointError, match=needle):
+        open_weights(run)
+    assert trainer.load(run, ema=True).training is False  # model_ema.safetensors is intact: it loads
+
+
 def test_load_refuses_a_model_config_that_runs_code(reference, tmp_path):
     import shutil
 

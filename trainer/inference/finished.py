@@ -76,8 +76,11 @@ def _read(path: Path, max_size: int, fix: str) -> bytes:
 
 def _tensors(path: Path, fix: str) -> dict[str, torch.Tensor]:
     """A safetensors file of the run dir, its header checked against its size before anything is read."""
+    from trainer.models.export import check_against_record
+
     with _reading(path, fix):
         buf, _, entries = tensorfile.map_safetensors(path, follow_links=False)
+        check_against_record({path: buf})
     return {name: tensorfile.load(buf, entry) for name, entry in entries.items()}
 
 

@@ -127,3 +127,33 @@ def set_aside(run_dir: Path) -> Path | None:
     for name in present:
         os.replace(run_dir / name, target / name)
     return target
+
+
+def check_against_record(readers: dict[Path, object]) -> None:
+    """Each file (a tensorfile.FileReader) that its directory's export.json lists is the one the run wrote: its
+    sha256 is the recorded one. Files export.json does not list, and directories without one (a Hugging Face
+    model, a run from before the record), are not checked. Raises CheckpointError naming the file."""
+    from trainer.checkpoint import tensorfile
+    from trainer.errors import CheckpointError
+
+    listed: dict[Path, str] = {}
+    for path in readers:
+        record = path.parent / "export.json"
+        try:
+            files = json.loads(tensorfile.map_file(record, follow_links=False, max_size=16 << 20))["files"]
+            want = files[path.name]["sha256"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        listed[path] = want
+    if not listed:
+        return
+    try:
+        digests = tensorfile.sha256_all({str(p): readers[p] for p in listed})
+    except OSError as e:  # shrank or failed while it was read
+        raise CheckpointError(f"{e.strerror or e}; read the weights again once nothing writes to them.") from None
+    for path, want in listed.items():
+        if digests[str(path)] != want:
+            raise CheckpointError(
+                f"{path} is not the file its run wrote: its sha256 differs from the one {path.parent / 'export.json'} "
+                "records (damaged, or changed since). Rewrite the export: delete export.json and rerun the run's "
+                f"training command with hydra.run.dir={path.parent} resume=auto, or load one of its checkpoints.")

@@ -137,6 +137,13 @@ def open_weights(path: str | os.PathLike, label: str = "finetune.weights=", name
     except (OSError, ValueError) as e:
         weights.close()
         raise CheckpointError(f"cannot read the weights of {label}{path}: {e}.") from None
+    from trainer.models.export import check_against_record
+
+    try:
+        check_against_record(weights.readers)  # a finished run's export: the files it recorded, byte for byte
+    except BaseException:
+        weights.close()
+        raise
     return weights
 
 
