@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import checkpoints, read_metrics, series, train_in_process
+from conftest import checkpoints, read_metrics, run_here, series, train_in_process
 
 
 def test_early_stopping_stops_with_a_final_checkpoint_and_the_run_stays_finished(corpus, tmp_path, capsys):
@@ -115,3 +115,27 @@ def test_a_max_steps_beside_max_epochs_is_named_as_unused_not_dropped_silently()
         epochs_to_steps(t, CheckpointConfig(), samples=90, global_batch=9, say=said.append)
         assert t.max_steps == 10 and len(said) == 1
         assert (note in said[0]) if note else "not used" not in said[0]
+
+
+def test_a_part_that_names_its_own_optimizer_inherits_only_the_settings_that_class_takes():
+    """`+optim.discriminator._target_=torch.optim.SGD` under the gan recipe's Adam gave SGD Adam's `betas`: a
+    TypeError traceback, and no command line that does what the README says."""
+    from omegaconf import OmegaConf
+
+    from trainer.config.schema import per_part
+
+    node = OmegaConf.create({"_target_": "torch.optim.Adam", "lr": 2e-4, "betas": [0.5, 0.999], "weight_decay": 0.0,
+                             "generator": {"lr": 1e-3}, "discriminator": {"_target_": "torch.optim.SGD", "momentum": 0.9}})
+    parts = per_part(node)
+    assert OmegaConf.to_container(parts["generator"]) == {"_target_": "torch.optim.Adam", "lr": 1e-3,
+                                                          "betas": [0.5, 0.999], "weight_decay": 0.0}
+    assert OmegaConf.to_container(parts["discriminator"]) == {"_target_": "torch.optim.SGD", "lr": 2e-4,
+                                                              "weight_decay": 0.0, "momentum": 0.9}
+
+
+def test_a_part_given_a_setting_its_own_optimizer_does_not_take_is_one_paragraph(tmp_path):
+    from test_errors import assert_clean_error
+
+    r = run_here("recipe=gan", "debug=smoke", "+optim.discriminator._target_=torch.optim.Adagrad",
+                 "+optim.discriminator.momentum=0.9", f"hydra.run.dir={tmp_path / 'run'}")
+    assert_clean_error(r, "optim.discriminator.momentum is not an option of optim.discriminator._target_=Adagrad")

@@ -78,6 +78,13 @@ class GPT(nn.Module):
         bias: bool = False,
     ):
         super().__init__()
+        sizes = {"vocab_size": vocab_size, "seq_len": seq_len, "n_layer": n_layer, "n_head": n_head, "d_model": d_model}
+        bad = [f"model.{k}={v!r}" for k, v in sizes.items()
+               if not isinstance(v, int) or isinstance(v, bool) or v < (0 if k == "n_layer" else 1)]
+        if bad:  # (n_layer=0 is a model of embeddings and head alone: a bigram model)
+            raise ValueError(f"{', '.join(bad)}: the GPT's sizes are positive integers (n_layer may be 0)")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"model.dropout={dropout!r} must be in [0, 1)")
         self.seq_len = seq_len
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(seq_len, d_model)

@@ -18,7 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from trainer.config import slurm
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, UserError
 
 
 @dataclass
@@ -253,7 +253,26 @@ def per_part(node: DictConfig) -> dict[str | None, DictConfig]:
     if not parts:
         return {None: node}
     base = OmegaConf.masked_copy(node, [k for k in node if k not in parts])
-    return {p: OmegaConf.merge(base, node[p]) for p in parts}
+    return {p: OmegaConf.merge(_taken_by(base, node[p]), node[p]) for p in parts}
+
+
+def _taken_by(base: DictConfig, part: DictConfig) -> DictConfig:
+    """The base node's keys a part inherits: all of them, or where the part names another class
+    (`optim.discriminator._target_=torch.optim.SGD` under Adam's `betas`), those that class takes."""
+    import inspect
+
+    target = part.get("_target_")
+    if target is None or target == base.get("_target_"):
+        return base
+    from trainer.config.targets import locate
+
+    try:
+        params = inspect.signature(locate("optim._target_", target)).parameters
+    except (TypeError, ValueError, UserError):
+        return base  # (its own check names the problem when it is built)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return base
+    return OmegaConf.masked_copy(base, [k for k in base if k.startswith("_") or k in params])
 
 
 def _validate_optim(o: DictConfig, where: str = "optim") -> None:
