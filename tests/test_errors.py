@@ -47,6 +47,8 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
 @pytest.mark.parametrize(("args", "needles"), [
     (["trainer.max_stps=3"], ["unknown config key 'trainer.max_stps'", "Did you mean trainer.max_steps=3?", "+trainer.max_stps"]),
     (["model.n_layr=3"], ["'model.n_layr'", "Did you mean model.n_layer=3?"]),
+    (["model.d_model=0"], ["model.d_model=0", "positive integers"]),  # (was a reshape traceback in the first step)
+    (["model.n_layer=-1"], ["model.n_layer=-1", "n_layer may be 0"]),
     (["model=gpt_tny"], ["model=gpt_tny", "Available: gan, gpt_medium, gpt_small, gpt_tiny", "Did you mean gpt_tiny?"]),
     (["precision=bf61"], ["precision=bf61", "bf16, fp16, fp32"]),
     (["trainer.max_steps=abc"], ["trainer.max_steps", "'abc'"]),
@@ -84,7 +86,7 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
 def test_config_mistakes(tmp_path, args, needles):
     # Most mistakes end before Hydra writes anything: checked in this process (`run_main`, the same
     # output without an interpreter start-up). Those the recipe's task finds run Hydra's job (`run_here`).
-    inside_the_job = any(a.startswith(("model.vocab_size", "model.seq_len")) for a in args)
+    inside_the_job = any(a.startswith(("model.vocab_size", "model.seq_len", "model.d_model", "model.n_layer")) for a in args)
     r = (run_here if inside_the_job else run_main)(*args, "hydra.run.dir=run", cwd=tmp_path)
     assert_clean_error(r, *needles)
     assert list(tmp_path.iterdir()) == []  # no run dir, no half-written files
