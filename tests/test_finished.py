@@ -118,7 +118,9 @@ def test_eval_mistakes_are_one_paragraph(reference, tmp_path):
     for args, needle in ((["eval"], "usage: python -m trainer eval RUN_DIR"),
                          (["eval", str(tmp_path)], "is not a run dir"),
                          (["eval", str(reference), "checkpoint=best"], "no checkpoints/best.json"),
-                         (["eval", str(reference), "trainer.nosuch=1"], "nosuch")):
+                         (["eval", str(reference), "trainer.nosuch=1"], "nosuch"),
+                         (["sample", str(reference), "ema=maybe"], "ema=maybe is not true or false"),
+                         (["sample", str(reference), "show_map=perhaps"], "show_map=perhaps is not true or false")):
         r = run_main(*args, cwd=tmp_path)
         assert_clean_error(r, needle)
 

@@ -348,6 +348,17 @@ def unparsable(overrides: list[str], exc: Exception) -> ConfigError:
                        "'KEY=\"VALUE\"'.")
 
 
+def flag_value(key: str, text: str) -> bool:
+    """A command's true/false option (`ema=false`): true, false, yes, no, 1 or 0; anything else is one paragraph
+    (`ema=maybe` once meant false)."""
+    value = str(text).strip().lower()
+    if value in ("true", "yes", "1"):
+        return True
+    if value in ("false", "no", "0"):
+        return False
+    raise ConfigError(f"{key}={text} is not true or false: pass {key}=true or {key}=false.")
+
+
 def yaml_value(override: str) -> Any:
     """The value of a KEY=VALUE override, read as YAML (`null`, `0.8`, `[1, 2]`); a syntax error is one paragraph."""
     key, _, value = override.partition("=")

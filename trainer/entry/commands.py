@@ -301,7 +301,9 @@ def sample(argv: list[str]) -> int:
     run = Path(run_dir)
     secrets = _secrets_of(config_yaml(run)) | secret_values(task_keys)
     try:
-        ema = opts.get("ema", "true" if has_ema(run) else "false").lower() in ("1", "true", "yes")
+        from trainer.config.compose import flag_value
+
+        ema = flag_value("ema", opts.get("ema", "true" if has_ema(run) else "false"))
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model = load(run, ema=ema, device=device, **_show(placement))
         if placement:

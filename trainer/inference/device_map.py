@@ -387,7 +387,7 @@ def cli_options(args: list[str]) -> tuple[dict[str, Any], list[str]]:
     """(trainer.load's placement keywords, the other arguments) from `device_map=auto|balanced|sequential|{YAML
     map}`, `device_map.MODULE=DEVICE`, `max_memory.DEVICE=SIZE` (or `max_memory={YAML map}`), `offload_dir=DIR`
     and `show_map=true`. Empty when none is given."""
-    from trainer.config.compose import yaml_value
+    from trainer.config.compose import flag_value, yaml_value
 
     out: dict[str, Any] = {}
     rest = []
@@ -399,7 +399,7 @@ def cli_options(args: list[str]) -> tuple[dict[str, Any], list[str]]:
         elif head == "offload_dir" and not dot:
             out["offload_dir"] = value
         elif head == "show_map" and not dot:
-            out["show_map"] = str(yaml_value(arg)).lower() in ("true", "1", "yes")
+            out["show_map"] = flag_value("show_map", arg.partition("=")[2])
         elif dot and sub:  # one entry of a map (a module name keeps its dots)
             entries = out.setdefault(head, {})
             if not isinstance(entries, dict):
