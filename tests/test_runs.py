@@ -191,3 +191,23 @@ def test_a_checkpoint_dir_that_cannot_be_written_stops_the_run_before_it_trains(
                        "nothing was trained", code=74)
     assert not [e for e in read_metrics(tmp_path) if "train/loss" in e]
     assert (tmp_path / "checkpoints").read_text() == "not a directory"
+
+
+def test_a_sweep_rerun_with_its_values_in_another_order_continues_each_points_own_run(corpus, tmp_path):
+    """resume=auto on a sweep whose values came in another order continued job 0's dir (trained at lr 1e-3) at
+    lr 3e-4, and rewrote its records: each point's results were another point's."""
+    sweep = tmp_path / "sweep"
+    args = (*tiny_overrides(corpus, "checkpoint.every_n_steps=2"), f"hydra.sweep.dir={sweep}", "resume=auto")
+    r = run_here("-m", *args, "trainer.max_steps=4", "optim.lr=0.001,0.0003,0.002")
+    assert r.returncode == 0, r.stderr
+    before = {d.name: (d / ".hydra" / "overrides.yaml").read_text() for d in sweep.iterdir() if d.is_dir()}
+    r = run_here("-m", *args, "trainer.max_steps=6", "optim.lr=0.0003,0.005,0.001")
+    assert r.returncode == 0, r.stderr
+    lr_of = {d.name: next(line for line in (d / ".hydra" / "overrides.yaml").read_text().splitlines() if "optim.lr" in line)
+             for d in sweep.iterdir() if d.is_dir()}
+    # Each old point continued in its own dir, the new one got a dir of its own.
+    assert lr_of == {"0": "- optim.lr=0.001", "1": "- optim.lr=0.0003", "2": "- optim.lr=0.002", "1-2": "- optim.lr=0.005"}
+    assert "optim.lr=0.002" in before["2"] and [e["step"] for e in read_metrics(sweep / "2")][-1] == 4  # not run
+    for point in ("0", "1"):
+        assert [e["step"] for e in read_metrics(sweep / point) if "train/loss" in e] == list(range(1, 7)), point
+    assert f"resumed from {sweep / '1' / 'checkpoints' / 'step_00000004'}" in r.stdout

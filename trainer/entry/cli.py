@@ -173,6 +173,18 @@ def run_job(cfg: DictConfig) -> float | None:
                 if found != run_dir:  # (the same dir: an earlier job of the same second stopped in it)
                     _remove_if_free(run_dir)  # this job's fresh timestamped dir (another job's of the same second stays)
                 run_dir, chosen = found, True  # (resume=auto chose it: continue it, never a sibling)
+        if resolved.get("resume") == "auto" and str(hc.mode) == "RunMode.MULTIRUN":
+            from trainer.entry.rundir import sweep_point_dir
+
+            # A sweep rerun with its values in another order (or new ones in front): each point continues its own
+            # run, not the one its job number had (which would continue another point's checkpoints as its own).
+            point = sweep_point_dir(run_dir, list(hc.overrides.task), sys.argv[1:])
+            if point != run_dir:
+                print(f"resume=auto: {run_dir} holds another point of the sweep; this one "
+                      f"({' '.join(hc.overrides.task)}) continues in {point}.", flush=True)
+                if not _earlier_job_in(run_dir):  # (a dir Hydra made for this job, empty: not left behind)
+                    _remove_if_free(run_dir)
+                run_dir = point
         from trainer.entry.launcher import launch_topology
 
         topology = launch_topology(resolved.world, say=print)  # world's launch keys, typed once for this job

@@ -209,3 +209,60 @@ def continue_command(run_dir: Path, argv: list[str] | None = None) -> str:
     argv = sys.argv[1:] if argv is None else argv
     kept = [a for a in argv if not a.lstrip("+~").startswith(("resume=", "hydra.run.dir="))]
     return shlex.join(["python", "-m", "trainer", *kept, f"hydra.run.dir={run_dir}", "resume=auto"])
+
+
+# -- a sweep continued with resume=auto: each point finds its own run ---------------------------------------------
+def swept_keys(argv: list[str]) -> set[str]:
+    """The keys a `-m` command line sweeps (`optim.lr=1e-3,3e-4`, `x=range(1,3)`); empty when it cannot tell."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    candidates = [a for a in argv if "=" in a and not a.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(candidates)
+    except Exception:  # (Hydra's parser raises its own errors; the job itself parsed these already)
+        return set()
+    return {o.key_or_group for o in parsed if o.is_sweep_override()}
+
+
+def _point(overrides: Any, keys: set[str]) -> dict[str, str] | None:
+    """{key: value} of `overrides` (a job's override strings) for `keys`; None if it is not a list of strings."""
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        return None
+    out = {}
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.lstrip("+~") in keys:
+            out[key.lstrip("+~")] = value
+    return out
+
+
+def _recorded_point(run_dir: Path, keys: set[str]) -> dict[str, str] | None:
+    import yaml
+
+    try:
+        return _point(yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()), keys)
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def sweep_point_dir(run_dir: Path, job_overrides: list[str], argv: list[str]) -> Path:
+    """Where a sweep's job continues with resume=auto: its numbered dir if that holds this point's run (the
+    same values of the swept keys) or none; else the sibling that holds it (the sweep's values came in another
+    order); else, the numbered dir holding another point's run, a new `<dir>-2` (then -3, ...)."""
+    keys = swept_keys(argv)
+    if not keys:
+        return run_dir
+    mine = _point(list(job_overrides), keys)
+    here = _recorded_point(run_dir, keys)
+    if here == mine:
+        return run_dir
+    siblings = [d for d in run_dir.parent.iterdir() if d.is_dir() and d != run_dir] if run_dir.parent.is_dir() else []
+    matching = [d for d in siblings if _recorded_point(d, keys) == mine]
+    if matching:
+        return max(matching, key=lambda d: d.stat().st_mtime)
+    if here is None:
+        return run_dir
+    n = 2
+    while (run_dir.parent / f"{run_dir.name}-{n}").exists():
+        n += 1
+    return run_dir.parent / f"{run_dir.name}-{n}"
