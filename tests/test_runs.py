@@ -4,6 +4,7 @@ Each case reproduces a way work was lost or silently changed (issues 16, 18, 19)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 from pathlib import Path
@@ -211,3 +212,36 @@ def test_a_sweep_rerun_with_its_values_in_another_order_continues_each_points_ow
     for point in ("0", "1"):
         assert [e["step"] for e in read_metrics(sweep / point) if "train/loss" in e] == list(range(1, 7)), point
     assert f"resumed from {sweep / '1' / 'checkpoints' / 'step_00000004'}" in r.stdout
+
+
+def test_the_forkserver_guard_takes_the_process_that_imports_it_when_its_parent_dies(tmp_path):
+    """The launcher's forkserver imports trainer.entry.forkserver_guard first, so that a SIGKILLed launcher takes it,
+    and through it the workers, at once (they trained on for 2-4 s while the forkserver shut down by itself)."""
+    import os
+    import select
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    parent = tmp_path / "parent.py"
+    parent.write_text(
+        "import subprocess, sys\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time, trainer.entry.forkserver_guard; "
+        "print(1, flush=True); time.sleep(300)'], stdout=subprocess.PIPE, text=True)\n"
+        "assert child.stdout.readline().strip() == '1'\n"
+        "print(child.pid, flush=True)\n")  # and ends, its child left behind
+    r = subprocess.run([sys.executable, str(parent)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    pid = int(r.stdout.strip())
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # gone already
+    try:
+        assert select.select([fd], [], [], 60)[0], "the child outlived its parent"
+    finally:
+        os.close(fd)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

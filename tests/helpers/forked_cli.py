@@ -19,7 +19,9 @@ import sys
 from trainer.entry.worker import PRELOAD as WORKER_PRELOAD
 
 # What `python -m trainer` imports on its way to a run or a launch: what a worker needs, and the CLI's side.
-PRELOAD = [*WORKER_PRELOAD, "torch.distributed.launcher.api", "hydra", "safetensors.torch",
+# (Not the launcher's forkserver guard: this forkserver is the suite's, and lives as long as the pytest worker does.)
+PRELOAD = [*(m for m in WORKER_PRELOAD if m != "trainer.entry.forkserver_guard"), "torch.distributed.launcher.api",
+           "hydra", "safetensors.torch",
            "trainer.entry.cli", "trainer.entry.commands", "trainer.entry.launcher"]
 
 

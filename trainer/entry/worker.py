@@ -25,7 +25,8 @@ LAUNCHER_ENV = "TRAINER_LAUNCHER_PID"  # the launching process: workers die with
 # What the launcher's forkserver preloads, so that a worker forked from it starts with these imported: torch and
 # the parts every run reaches (an optimizer's first param group imports torch._dynamo, ~1.7 s on its own; DTensor
 # comes with the checkpoint and parallel code). About 3.4 s of CPU a worker, paid once a launch instead.
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed.tensor", "torch.distributed.checkpoint",
+PRELOAD = ("trainer.entry.forkserver_guard", "torch", "torch._dynamo", "torch.distributed.tensor",
+           "torch.distributed.checkpoint",
            "trainer.entry.worker", "trainer.entry.run", "trainer.loop.trainer", "trainer.parallel.ddp")
 # The environment of the process that imported this module: in a forked worker, the forkserver's (see `forked`).
 _BOOT_ENV = dict(os.environ)
