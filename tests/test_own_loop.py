@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from conftest import ROOT, load_weights, read_metrics, run_cli, run_here, series
 
-from trainer.errors import UserError
+from trainer.errors import CheckpointError, UserError
 
 OWN_LOOP = str(ROOT / "recipes" / "lm" / "own_loop.py")
 SCRIPT = str(ROOT / "tests" / "helpers" / "runtime_script.py")
@@ -321,3 +321,27 @@ def test_under_launch_what_the_script_passes_wins_and_the_jobs_config_gives_the_
     assert (rt.grad_accum_steps, rt.seed, type(rt.precision)) == (2, 1, BF16)
     rt = trainer.Runtime(precision="fp32")
     assert (rt.grad_accum_steps, rt.seed, type(rt.precision)) == (3, 7, FP32)
+
+
+def test_a_loader_state_continues_the_same_sample_stream_with_another_batch_size(rt, tmp_path):
+    """The state's check compared the next batches at this run's global batch, so a checkpoint of batch 2 was
+    "another dataset, seed or shuffle" for batch 3: save_state is resumable under another world size or batch."""
+    from torch.utils.data import TensorDataset
+
+    from trainer.data.sampling import GlobalBatchSampler
+
+    data = TensorDataset(torch.arange(10))
+    before = rt.loader(data, batch_size=2, name="before")
+    for i, _ in enumerate(before):
+        if i == 1:
+            state = before.state_dict()  # 4 samples in
+            break
+    after = rt.loader(data, batch_size=3, name="after")
+    after.check_state(state, "state")
+    after.load_state_dict(state)
+    stream = iter(GlobalBatchSampler(10, 3, rt.grad_accum_steps, seed=rt.seed, start=4))
+    got = [b[0].tolist() for _, b in zip(range(2), after)]
+    assert got == [next(stream) for _ in range(2)]
+    other = rt.loader(TensorDataset(torch.arange(11)), batch_size=3, name="other")
+    with pytest.raises(CheckpointError, match="differs from the checkpoint's"):
+        other.check_state(state, "state")

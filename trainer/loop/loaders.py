@@ -123,12 +123,13 @@ class Loader:
             sampler = self._sampler()
             return {"samples_seen": self.samples_seen, "fingerprint": self._data.fingerprint(sampler),
                     **self._data.position_state(sampler, self.rt.backend.gather_object)}
-        return {"samples_seen": self.samples_seen, "fingerprint": self._fingerprint(self.samples_seen)}
+        return {"samples_seen": self.samples_seen, "global_batch": self.global_batch,
+                "fingerprint": self._fingerprint(self.samples_seen, self.global_batch)}
 
-    def _fingerprint(self, start: int) -> str:
+    def _fingerprint(self, start: int, global_batch: int) -> str:
         from trainer.data.sampling import GlobalBatchSampler
 
-        return GlobalBatchSampler(len(self.dataset), self.global_batch, seed=self.seed, shuffle=self.shuffle,
+        return GlobalBatchSampler(len(self.dataset), global_batch, seed=self.seed, shuffle=self.shuffle,
                                   start=start).fingerprint()
 
     def check_state(self, state: dict[str, Any], where: str) -> None:
@@ -139,7 +140,12 @@ class Loader:
             self._data.check_position({"samples_seen": n, "data_fingerprint": state.get("fingerprint"),
                                        "stream": state.get("stream")}, self._sampler(), where)
             return
-        if state.get("fingerprint") != self._fingerprint(n):
+        # The order is one stream of samples whatever the batch: compared over the checkpoint's global batches (a
+        # state from before they were recorded: this run's), so another batch size or world size continues it.
+        saved = state.get("global_batch", self.global_batch)
+        if not isinstance(saved, int) or isinstance(saved, bool) or not 0 < saved < 2**62:
+            raise CheckpointError(f"{where}.global_batch={saved!r} is not a batch size.")
+        if state.get("fingerprint") != self._fingerprint(n, saved):
             raise CheckpointError(f"{where}: the sample stream after sample {n} differs from the checkpoint's: the "
                                   "dataset, the seed or shuffle changed.")
 
