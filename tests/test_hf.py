@@ -206,3 +206,17 @@ def test_the_readme_fine_tuning_code_runs(transformers, corpus, tmp_path, llama_
     with torch.no_grad():
         torch.testing.assert_close(scope["adapted"](ids), scope["lora"](ids), rtol=1e-5, atol=1e-5)
         assert torch.equal(scope["llama"](ids).logits, __import__("trainer").load(llama_single)(ids))
+
+
+def test_the_models_own_size_keys_win_over_the_lm_recipes_names_for_them():
+    """debug=smoke's model.n_layer=1 replaced a model.num_hidden_layers=4 the user gave: a 1-layer model, and pp=2
+    then refused it as having one block."""
+    pytest.importorskip("transformers")
+    from trainer.models.hf import causal_lm
+
+    sizes = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+             "num_key_value_heads": 2}
+    own = causal_lm("LlamaForCausalLM", **sizes, num_hidden_layers=4, n_layer=1)
+    assert own.config.num_hidden_layers == 4
+    named = causal_lm("LlamaForCausalLM", **sizes, n_layer=3)
+    assert named.config.num_hidden_layers == 3

@@ -56,10 +56,12 @@ def causal_lm(architecture: str, **config: Any) -> nn.Module:
                           f"{transformers.__version__}: give the name of one, e.g. model.architecture=LlamaForCausalLM.")
     defaults = config_cls()
     settings = {}
-    # An alias after the config's own keys, whatever their order (model_config.json sorts them): the lm recipe's
-    # size keys come from debug=smoke, which shrinks the model as it shrinks the recipe's own.
-    for key, value in sorted(config.items(), key=lambda kv: kv[0] in _ALIASES and not hasattr(defaults, kv[0])):
+    # The lm recipe's size keys come from debug=smoke, which shrinks a model that does not set its own: the config's
+    # own key wins (model.num_hidden_layers=4 beside smoke's n_layer: 1 builds 4 layers, as the user asked).
+    for key, value in config.items():
         if not hasattr(defaults, key) and hasattr(defaults, _ALIASES.get(key, key)):
+            if _ALIASES[key] in config:
+                continue
             key = _ALIASES[key]
         if not hasattr(defaults, key):
             raise ConfigError(f"model.{key} is not a setting of {config_cls.__name__} (the config of {architecture}). "
