@@ -68,7 +68,9 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
     (["optim.betas=[0.9,1.5]"], ["optim.betas=[0.9, 1.5]"]),
     (["optim.eps=-1"], ["optim.eps=-1", ">= 0"]),
     (["optim.weight_decay=-1"], ["optim.weight_decay=-1"]),
-    (["optim._target_=torch.optim.SGD"], ["optim.betas is not an option of optim._target_=SGD", "momentum"]),
+    (["optim._target_=torch.optim.SGD"], ["optim.betas, optim.eps are not options of optim._target_=SGD", "momentum"]),
+    (["optim._target_=torch.optim.RMSprop"], ["optim.betas, optim.fused are not options of optim._target_=RMSprop",
+                                              "~optim.betas ~optim.fused"]),  # (all at once, not one per rerun)
     (["data.batch_size=-1"], ["data.batch_size=-1"]),
     (["trainer.eval_batch_size=0"], ["trainer.eval_batch_size=0"]),
     (["scheduler.warmup_steps=-1"], ["scheduler.warmup_steps=-1"]),

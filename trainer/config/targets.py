@@ -119,6 +119,7 @@ def check_keywords(section: str, target: Any, node: dict, extra_ok: tuple[str, .
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
     names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = []
     for k in node:
         if k in names and isinstance(node[k], str):
             # A string where the signature wants a list would be taken apart into characters ("baseline" ->
@@ -129,12 +130,18 @@ def check_keywords(section: str, target: Any, node: dict, extra_ok: tuple[str, .
                 raise ConfigError(f"{section}.{k}={node[k]!r} is invalid: expected a list, e.g. {section}.{k}=[{node[k]}].")
         if k.startswith("_") or k in extra_ok or k in names:
             continue
-        raise ConfigError(
-            f"{section}.{k} is not an option of {section}._target_={getattr(target, '__qualname__', target)}."
-            f"{suggest(k, [*names, *extra_ok])} It takes: "
-            f"{', '.join([n for n in names if n not in ('self', 'params', 'run_dir')] + list(extra_ok)) or '(nothing)'}. "
-            f"Remove the key with ~{section}.{k}."
-        )
+        unknown.append(str(k))
+    if not unknown:
+        return
+    # Every key it does not take at once (a new optimizer class under the old one's betas and fused: two keys).
+    takes = ", ".join(dict.fromkeys([n for n in names if n not in ("self", "params", "run_dir")] + list(extra_ok)))
+    cls = getattr(target, "__qualname__", target)
+    if len(unknown) == 1:
+        k = unknown[0]
+        raise ConfigError(f"{section}.{k} is not an option of {section}._target_={cls}.{suggest(k, [*names, *extra_ok])} "
+                          f"It takes: {takes or '(nothing)'}. Remove the key with ~{section}.{k}.")
+    raise ConfigError(f"{', '.join(f'{section}.{k}' for k in unknown)} are not options of {section}._target_={cls}. It "
+                      f"takes: {takes or '(nothing)'}. Remove the keys with {' '.join(f'~{section}.{k}' for k in unknown)}.")
 
 
 # -- the config trust model ------------------------------------------------------------------------------
