@@ -245,3 +245,14 @@ def test_the_forkserver_guard_takes_the_process_that_imports_it_when_its_parent_
         os.close(fd)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_killed_runs_data_loader_workers_die_with_it_and_leave_its_resume_free(corpus, tmp_path):
+    """With data.num_workers=1 a resume=auto right after a SIGKILL was refused ("in use by process ...") until the
+    loader's worker noticed its parent gone, seconds later."""
+    args = [*tiny_overrides(corpus, "checkpoint.every_n_steps=2", "data.num_workers=1"), f"hydra.run.dir={tmp_path}"]
+    once = f"+task.once={tmp_path / 'fired'}"
+    assert run_cli(*args, *faulty("sigkill", 5), once, env=FAULTY_ENV).returncode == -9
+    r = run_here(*args, *faulty("sigkill", 5), once, "resume=auto", env=FAULTY_ENV)
+    assert r.returncode == 0, r.stderr
+    assert f"resumed from {tmp_path / 'checkpoints'}" in r.stdout

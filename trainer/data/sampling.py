@@ -118,6 +118,7 @@ def train_loader(dataset: Dataset, sampler: GlobalBatchSampler | StreamLayout, n
         persistent_workers=num_workers > 0,
         # A private generator: creating the iterator must not consume the global RNG (exact resume).
         generator=torch.Generator().manual_seed(seed),
+        worker_init_fn=streaming.loader_worker_init,
     )
 
 
@@ -132,6 +133,7 @@ def eval_loader(dataset: Dataset, batch_size: int, rank: int, world: int, limit:
         num_workers=num_workers,
         collate_fn=_collate_fn(dataset),
         pin_memory=device.type == "cuda",
+        worker_init_fn=streaming.loader_worker_init,
     )
 
 

@@ -220,7 +220,7 @@ class StreamBatches:
             self._it: Iterator = iter(reader)
         else:
             self._it = iter(DataLoader(reader, batch_size=None, num_workers=workers, collate_fn=_as_is,
-                                       pin_memory=device.type == "cuda",
+                                       pin_memory=device.type == "cuda", worker_init_fn=loader_worker_init,
                                        generator=torch.Generator().manual_seed(seed)))
         self.consumed = 0
         self.boundary: dict | None = None  # one stream: the newest batch that ended a global batch
@@ -272,6 +272,14 @@ def record(dataset: Any, layout: StreamLayout, workers: int, pieces: list[dict],
     if ends:
         out.update({k: ends[0][k] for k in ("pass", "pass_start", "state")})
     return out
+
+
+def loader_worker_init(worker_id: int) -> None:
+    """A data-loader worker dies with the process that started it (Linux; see rundir.die_with_parent): a
+    SIGKILLed run's workers would live on for seconds, holding its run dir, and refuse its own resume meanwhile."""
+    from trainer.entry.rundir import die_with_parent
+
+    die_with_parent()
 
 
 def fingerprint(dataset: Any) -> str:
