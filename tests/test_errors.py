@@ -188,7 +188,8 @@ def test_nonfinite_skip_counts_and_gives_up_after_n_in_a_row(corpus, tmp_path):
                                 "task._target_=faulty.Faulty"),
                 "+task.action=nan_always", "+task.at_call=6", "+task.rank=0", f"hydra.run.dir={tmp_path / 'many'}",
                 env=FAULTY_ENV)
-    assert_clean_error(r, "3 consecutive non-finite steps up to step 8", code=3)
+    assert_clean_error(r, "3 consecutive non-finite steps up to step 8", "raise trainer.max_nonfinite_skips", code=3)
+    assert "set trainer.nonfinite=skip" not in r.stderr  # (it is set: the advice was to do what was done)
 
 
 def test_secrets_never_reach_the_run_dir(corpus, tmp_path):

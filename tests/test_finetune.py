@@ -172,6 +172,13 @@ def unfinished(tmp_path: Path) -> Path:
     return run
 
 
+def a_checkpoint(tmp_path: Path) -> Path:
+    """A checkpoint dir (its model.safetensors holds one rank's part under a sharded strategy): refused, not read."""
+    from trainer.checkpoint.store import Checkpointer
+
+    return Checkpointer(tmp_path / "checkpoints").save(1, {"w": torch.zeros(2)}, {"trainer": {"step": 1}})
+
+
 def pickled(tmp_path: Path) -> Path:
     d = tmp_path / "hub"
     d.mkdir()
@@ -187,6 +194,7 @@ def pickled(tmp_path: Path) -> Path:
     ([lambda tmp: f"finetune.weights={pickled(tmp)}"], ["pytorch_model.bin is a pickle file", "never unpickles",
                                                         "safetensors.torch"]),
     ([lambda tmp: f"finetune.weights={unfinished(tmp)}"], ["run dir without an export", "resume=auto"]),
+    ([lambda tmp: f"finetune.weights={a_checkpoint(tmp)}"], ["is a checkpoint, not a model", "resume="]),
     (["finetune.lora.rank=4", "finetune.lora.targets=[q_proj]"], ["'q_proj', which is no linear layer of GPT",
                                                                   "qkv"]),
     (["finetune.lora.rank=4", "finetune.lora.targets=[head]"], ["adapts head, whose weight is shared"]),

@@ -119,6 +119,8 @@ def test_eval_mistakes_are_one_paragraph(reference, tmp_path):
                          (["eval", str(tmp_path)], "is not a run dir"),
                          (["eval", str(reference), "checkpoint=best"], "no checkpoints/best.json"),
                          (["eval", str(reference), "trainer.nosuch=1"], "nosuch"),
+                         (["eval", str(reference), "checkpoint=/no/such/step"], "checkpoint=/no/such/step is not a "
+                                                                                 "directory. Pass checkpoint=latest"),
                          (["sample", str(reference), "ema=maybe"], "ema=maybe is not true or false"),
                          (["sample", str(reference), "show_map=perhaps"], "show_map=perhaps is not true or false")):
         r = run_main(*args, cwd=tmp_path)

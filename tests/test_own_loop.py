@@ -273,6 +273,7 @@ def test_save_model_writes_safetensors_with_the_hugging_face_index_above_the_sha
     written = rt.save_model(model, tmp_path, max_shard_size="20KB")
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert "model.safetensors.index.json" in written and len(set(index["weight_map"].values())) == 2
+    assert not (tmp_path / "model_config.json").exists()  # (it was an empty {}: nothing says how to build the model)
     loaded = {k: v for f in set(index["weight_map"].values()) for k, v in load_file(str(tmp_path / f)).items()}
     assert loaded.keys() == model.state_dict().keys()
     assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())

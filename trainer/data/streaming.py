@@ -275,9 +275,9 @@ def record(dataset: Any, layout: StreamLayout, workers: int, pieces: list[dict],
 
 
 def loader_worker_init(worker_id: int) -> None:
-    """A data-loader worker dies with the process that started it (Linux; see rundir.die_with_parent): a
+    """A data-loader worker dies with the process that started it (Linux; see backend.die_with_parent): a
     SIGKILLed run's workers would live on for seconds, holding its run dir, and refuse its own resume meanwhile."""
-    from trainer.entry.rundir import die_with_parent
+    from trainer.parallel.backend import die_with_parent
 
     die_with_parent()
 

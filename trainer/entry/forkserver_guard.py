@@ -4,6 +4,6 @@ with the forkserver), so a SIGKILLed launcher takes the forkserver, and with it 
 itself the forkserver noticed its launcher gone only once it was done preloading torch and then shut its
 interpreter down; the workers trained on for another 2-4 s meanwhile."""
 
-from trainer.entry.rundir import die_with_parent
+from trainer.parallel.backend import die_with_parent
 
 die_with_parent()

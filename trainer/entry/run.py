@@ -260,7 +260,9 @@ def write_run_info(run_dir: Path, cfg: DictConfig, trainer: Trainer) -> None:
         except metadata.PackageNotFoundError:
             packages[name] = None
     info = {
-        "command": sys.argv,
+        # `python -m trainer ...` as typed, not the path of trainer/__main__.py that Python puts in argv[0].
+        "command": (["python", "-m", "trainer", *sys.argv[1:]]
+                    if Path(sys.argv[0]).parts[-2:] == ("trainer", "__main__.py") else list(sys.argv)),
         "git_commit": commit,
         "git_dirty": bool(git("status", "--porcelain")) if commit else None,
         "seed": trainer.cfg.seed,

@@ -5,7 +5,7 @@ and the command line that continues a run.
   naming it (PID, host and job). The OS releases it when that process dies, so a SIGKILLed run never
   blocks its own resume; a second job in the same run dir stops with one paragraph naming the holder.
 * Workers: every worker process of the job holds a shared flock on the run dir itself for its whole life
-  (`hold_as_worker`), and workers die with their launcher (`die_with_parent`). A job only starts where no
+  (`hold_as_worker`), and workers die with their launcher (`parallel.backend.die_with_parent`). A job only starts where no
   earlier job's worker still holds it, so "the launcher is gone" never means "nobody writes here".
 * Several nodes: each node runs its own launcher, and they share the run dir. The launcher of node 0 takes
   the lock for the job (naming the job's rendezvous endpoint); the other nodes take no lock but refuse a run
@@ -154,23 +154,6 @@ def _pids_holding(run_dir: Path) -> list[str]:
         except OSError:
             continue
     return found[:8]
-
-
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this worker when its parent dies, so no worker outlives a SIGKILLed launcher and
-    trains on beside the next job. The parent is the launcher's forkserver (trainer/entry/launcher.py), which
-    exits as soon as the launcher does: it reads end-of-file on a pipe only the launcher holds open. Linux only
-    (prctl PR_SET_PDEATHSIG); elsewhere a no-op."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG = 1
-    if os.getppid() != parent:  # the parent died before the request took effect
-        os._exit(1)
 
 
 # -- which run resume=auto continues (what counts as the same run: trainer/checkpoint/settings.py) ------------

@@ -69,7 +69,7 @@ def _record(message: str, stack: str, exitcode: int) -> None:
 
 def main() -> int:
     if os.environ.get(LAUNCHER_ENV):
-        from trainer.entry.rundir import die_with_parent
+        from trainer.parallel.backend import die_with_parent
 
         die_with_parent()  # a SIGKILLed launcher takes its workers with it
     cfg = OmegaConf.create(json.loads(os.environ[CONFIG_ENV]))
@@ -138,7 +138,7 @@ def _let_go_of_forkserver() -> None:
     - The write end of the pipe that keeps the forkserver alive (multiprocessing hands one to every child it forks,
       so that the child could fork through it too). The forkserver exits when every copy is closed; with the
       workers holding copies, a SIGKILLed launcher would leave it, and so its workers (whose parent-death signal
-      is the forkserver's death: rundir.die_with_parent), running.
+      is the forkserver's death: backend.die_with_parent), running.
     - "forkserver" as the default start method: the DataLoader's workers would start through a forkserver of
       their own (importing torch again, and outliving the worker), where a fresh interpreter forks them."""
     server = getattr(forkserver, "_forkserver", None)

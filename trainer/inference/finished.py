@@ -395,4 +395,8 @@ def checkpoint_of(run_dir: str | Path, which: str = "latest") -> Path:
             raise CheckpointError(f"{checkpoints / name}, the best checkpoint by {best}, is a symbolic link (to "
                                   f"{os.readlink(checkpoints / name)}), not a checkpoint this run wrote. {fix}")
         return checkpoints / name
-    return Path(which).expanduser()
+    path = Path(which).expanduser()
+    if not path.is_dir():  # (the reader's own message would speak of resume=, which eval does not take)
+        raise ConfigError(f"checkpoint={which} is not a directory. Pass checkpoint=latest (the default), "
+                          "checkpoint=best, or the path of a step_* checkpoint directory.")
+    return path

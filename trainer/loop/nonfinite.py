@@ -28,6 +28,9 @@ import torch
 from trainer.errors import ConfigError, NonFiniteError
 
 FIX = "Lower optim.lr, enable trainer.grad_clip, use precision=bf16/fp32, or set trainer.nonfinite=skip."
+# Under trainer.nonfinite=skip already (the run stopped after max_nonfinite_skips in a row): what is left to try.
+FIX_SKIPPING = ("Lower optim.lr, enable trainer.grad_clip, use precision=bf16/fp32, or raise "
+                "trainer.max_nonfinite_skips.")
 
 
 def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
@@ -142,7 +145,7 @@ class NonFiniteGuard:
         self.consecutive_skips = 0 if applied else self.consecutive_skips + 1
         if self.consecutive_skips >= self.max_skips:
             raise NonFiniteError(f"{self.consecutive_skips} consecutive non-finite steps up to step {step}, each one "
-                                 f"skipped (trainer.max_nonfinite_skips={self.max_skips}); stopping. {FIX}")
+                                 f"skipped (trainer.max_nonfinite_skips={self.max_skips}); stopping. {FIX_SKIPPING}")
 
     def state_dict(self) -> dict:
         return {"consecutive_skips": self.consecutive_skips}

@@ -528,7 +528,7 @@ class Runtime:
             return None
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        return export_model(tensors, directory, name, {}, _megabytes(max_shard_size))
+        return export_model(tensors, directory, name, None, _megabytes(max_shard_size))  # (no empty model_config.json)
 
     # -- logging -------------------------------------------------------------------------------------------
     def _loggers(self, launched, log_with):

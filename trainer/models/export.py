@@ -19,10 +19,11 @@ import torch
 from trainer.io import atomic_save_safetensors, atomic_write_json, free_name
 
 
-def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, model_config: dict,
+def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, model_config: dict | None,
                  max_shard_mb: float) -> list[str]:
-    """Write `tensors` (whole, on the CPU) as `<name>.safetensors` or as shards with an index. Returns the names
-    of the files written."""
+    """Write `tensors` (whole, on the CPU) as `<name>.safetensors` or as shards with an index, and `model_config`
+    as model_config.json (None: no such file; rt.save_model does not know how the model was built). Returns the
+    names of the files written."""
     from trainer.models.lora import adapters_in, merge
 
     adapter_files = []
@@ -57,6 +58,8 @@ def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, mod
         atomic_write_json(run_dir / f"{name}.safetensors.index.json",
                           {"metadata": {"total_size": total}, "weight_map": weight_map})
         written = [*sorted(set(weight_map.values())), f"{name}.safetensors.index.json"]
+    if model_config is None:
+        return [*written, *adapter_files]
     atomic_write_json(run_dir / "model_config.json", json.loads(json.dumps(model_config)))
     return [*written, "model_config.json", *adapter_files]
 

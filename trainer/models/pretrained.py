@@ -83,15 +83,16 @@ def files_of(path: str | os.PathLike, label: str = "finetune.weights=", name: st
             raise CheckpointError(f"{label}{path} is not a .safetensors file. Give a safetensors file, or "
                                   "the directory of a model or of a finished run.")
         return [p]
+    # (before its model.safetensors, which holds one rank's part of a sharded run, unverified here)
+    if (p / "manifest.json").is_file() and (p / "state.json").is_file():
+        raise ConfigError(f"{label}{path} is a checkpoint, not a model: continue that run with "
+                          f"resume={path}, or start from the run's export (finetune.weights=RUN_DIR, the directory "
+                          "above checkpoints/).")
     if (p / f"{name}.safetensors").is_file():
         return [p / f"{name}.safetensors"]
     index = p / f"{name}.safetensors.index.json"
     if index.is_file():
         return _shards(index, label)
-    if (p / "manifest.json").is_file() and (p / "state.json").is_file():
-        raise ConfigError(f"{label}{path} is a checkpoint, not a model: continue that run with "
-                          f"resume={path}, or start from the run's export (finetune.weights=RUN_DIR, the directory "
-                          "above checkpoints/).")
     pickled = sorted(q.name for q in p.iterdir() if q.suffix in PICKLED)
     if pickled:
         _refuse_pickle(p / pickled[0], label)

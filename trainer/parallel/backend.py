@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -339,3 +340,20 @@ def main_process_first(local: bool = True) -> Iterator[None]:
     finally:
         if first:
             barrier()
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies, so that no worker outlives a SIGKILLed launcher
+    and trains on beside the next job: a training worker (its parent, the launcher's forkserver, dies with the
+    launcher the same way: trainer/entry/forkserver_guard.py) and a data-loader worker (its parent, the rank).
+    Linux only (prctl PR_SET_PDEATHSIG); elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG = 1
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
