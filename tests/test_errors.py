@@ -240,3 +240,13 @@ def test_ctrl_c_stops_every_worker_promptly(corpus, tmp_path, background):
     from test_distributed import _processes_with_marker
 
     assert _processes_with_marker(f"{key}={value}") == []
+
+
+def test_a_run_dir_that_cannot_be_made_is_one_paragraph_before_hydra_makes_it(tmp_path):
+    """A file where the run dir's parent should be (or a read-only place) was a traceback from Hydra's mkdir."""
+    (tmp_path / "afile").write_text("x")
+    r = run_main("debug=smoke", f"hydra.run.dir={tmp_path / 'afile' / 'run'}", cwd=tmp_path)
+    assert_clean_error(r, f"hydra.run.dir={tmp_path / 'afile' / 'run'} cannot be made", "is not a directory")
+    r = run_main("-m", "debug=smoke", f"hydra.sweep.dir={tmp_path / 'afile' / 'sw'}", "optim.lr=1e-3,1e-4", cwd=tmp_path)
+    assert_clean_error(r, "hydra.sweep.dir=", "is not a directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

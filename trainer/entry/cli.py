@@ -27,7 +27,7 @@ from trainer.config.compose import (
     sweep_jobs,
 )
 from trainer.config.targets import check_hydra_hooks
-from trainer.errors import NonFiniteError, TrainerExit, UserError, debug_enabled, report
+from trainer.errors import ConfigError, NonFiniteError, TrainerExit, UserError, debug_enabled, report
 from trainer.redaction import redact, scrub, secret_values
 
 COMMANDS = ("env", "check", "eval", "sample", "config", "tune", "launch")  # trainer/entry/commands.py
@@ -57,6 +57,8 @@ def precheck(argv: list[str]):
                 known.sources, known.cwd = sources, os.getcwd()
             check_hydra_hooks(cfg)  # what Hydra itself builds before the job: callbacks, logging, env_set
             check_choices(cfg, overrides, args.config_dir)  # precision=bf16 that a recipe's inline node hides
+            if not args.cfg:
+                check_output_dir(cfg, args.multirun)  # Hydra makes it before the job: a traceback there
             with open_dict(cfg):
                 del cfg["hydra"]  # now the config `compose` gives
             # `--cfg job` prints without running: check values, but import nothing (no torch).
@@ -66,6 +68,24 @@ def precheck(argv: list[str]):
         err.args = (scrub(str(err), secret_values()),)
         raise
     return known
+
+
+def check_output_dir(cfg: DictConfig, multirun: bool) -> None:
+    """The run (or sweep) dir Hydra is about to make can be made: the first part of its path that exists is a
+    directory this process can write. (A file in the way, or a read-only place, was a traceback from Hydra.)"""
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    try:
+        text = str(OmegaConf.select(cfg, key, throw_on_missing=True))
+    except Exception:  # (an interpolation only Hydra's runtime resolves: left to it)
+        return
+    path = Path(text).expanduser().absolute()
+    while not path.exists() and not path.is_symlink() and path != path.parent:
+        path = path.parent
+    why = (f"{path} is not a directory" if not path.is_dir() else
+           f"{path} is not writable by this process" if not os.access(path, os.W_OK | os.X_OK) else None)
+    if why:
+        raise ConfigError(f"{key}={text} cannot be made: {why}. Choose another with {key}=DIR (or outputs=DIR for "
+                          "the default run dirs).")
 
 
 def compose_with_hydra(overrides: list[str], config_dir: str | None, sources: bool = False):
