@@ -250,3 +250,18 @@ def test_a_run_dir_that_cannot_be_made_is_one_paragraph_before_hydra_makes_it(tm
     r = run_main("-m", "debug=smoke", f"hydra.sweep.dir={tmp_path / 'afile' / 'sw'}", "optim.lr=1e-3,1e-4", cwd=tmp_path)
     assert_clean_error(r, "hydra.sweep.dir=", "is not a directory")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_a_full_disk_while_the_run_dir_is_set_up_is_one_paragraph(tmp_path, monkeypatch):
+    """A failed write of config.yaml or Hydra's records (ENOSPC, a read-only place) before training was a
+    traceback."""
+    import errno
+
+    import trainer.entry.run
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "config.yaml"))
+
+    monkeypatch.setattr(trainer.entry.run, "save_config", full)
+    r = run_here("debug=smoke", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert_clean_error(r, "could not set up the run dir", "No space left on device", "nothing was trained", code=74)

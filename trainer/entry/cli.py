@@ -260,6 +260,18 @@ def run_job(cfg: DictConfig) -> float | None:
         elif started and not isinstance(err, NonFiniteError):  # preempted, disk full (a NaN would come back)
             _say_how_to_continue(run_dir, continue_command(run_dir))
         sys.exit(err.exit_code)
+    except OSError as e:
+        if started or debug_enabled():  # (in training: a crash, reported as one below would be)
+            if started:
+                _say_how_to_continue(run_dir, continue_command(run_dir))
+            raise
+        # Setting the run dir up (its lock, the config and Hydra's records): a full disk, a read-only place.
+        from trainer.errors import StorageError
+
+        report(StorageError(f"could not set up the run dir {run_dir} ({e.strerror or e}"
+                            f"{': ' + str(e.filename) if getattr(e, 'filename', None) else ''}); nothing was trained. "
+                            "Free disk space or make it writable, or give the run another dir (hydra.run.dir=...)."))
+        sys.exit(StorageError.exit_code)
     except Exception:
         if started:  # a crash: say how to continue from the newest checkpoint, then the traceback
             _say_how_to_continue(run_dir, continue_command(run_dir))
