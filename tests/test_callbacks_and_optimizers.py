@@ -139,3 +139,15 @@ def test_a_part_given_a_setting_its_own_optimizer_does_not_take_is_one_paragraph
     r = run_here("recipe=gan", "debug=smoke", "+optim.discriminator._target_=torch.optim.Adagrad",
                  "+optim.discriminator.momentum=0.9", f"hydra.run.dir={tmp_path / 'run'}")
     assert_clean_error(r, "optim.discriminator.momentum is not an option of optim.discriminator._target_=Adagrad")
+
+
+def test_a_warmup_longer_than_the_run_is_named_when_it_trains_and_not_when_it_is_evaluated(corpus, tmp_path):
+    from conftest import run_main, tiny_overrides
+
+    run = tmp_path / "run"
+    r = run_here(*tiny_overrides(corpus, "trainer.max_steps=4", "scheduler.warmup_steps=6"), f"hydra.run.dir={run}")
+    assert r.returncode == 0, r.stderr
+    assert "warning: scheduler.warmup_steps=6 is not shorter than the run (4 steps)" in r.stdout
+    r = run_main("eval", str(run), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "is not shorter than the run" not in r.stdout + r.stderr  # (an eval repeated it: it builds the same Trainer)

@@ -196,7 +196,6 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
             ema.attach(strategy)  # (ZeRO-3 partitioned the parameters just now: the EMA keeps this rank's part)
         epochs_to_steps(tcfg, ccfg, epoch_length(train_data), cfg.data.batch_size * tcfg.grad_accum_steps * strategy.dp_size,
                         say)
-        warn_long_warmup(cfg.scheduler, tcfg.max_steps, say)
         scheduler = build_schedulers(cfg.scheduler, optimizer, tcfg.max_steps)
         # Different randomness per rank from here on (dropout), reproducible per (seed, rank).
         seed_everything(tcfg.seed + backend.rank)
@@ -417,6 +416,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
         raise
     backend, loggers, cfg = trainer.backend, trainer.loggers, trainer.config
     say = print if backend.is_main else (lambda *a, **k: None)
+    warn_long_warmup(cfg.scheduler, trainer.cfg.max_steps, say)  # (a training run's: eval builds the same Trainer)
     # From here to the end (teardown included), no progress for world.hang_timeout s stops the job (exit 70).
     watch = watchdog.start(trainer.launch.hang_timeout, run_dir, backend.info)
     try:
