@@ -184,3 +184,14 @@ def test_two_ranks_with_loader_workers_equal_one_process_and_leave_no_process(co
     assert r.returncode == 0, r.stderr
     assert_same_run(tmp_path, stream_reference)
     assert _processes_with_marker(f"{key}={value}") == []
+
+
+def test_a_data_function_without_a_null_key_of_the_data_option_builds(tmp_path):
+    """`cache_dir: null` of the stdlib data option, under a data._target_ that takes no cache_dir, was "not an option"
+    with the advice ~data.cache_dir, which Hydra refuses for a null key: no command line could run it."""
+    r = run_here("debug=smoke", "data._target_=stream_data.windows_without_a_cache", "data.shuffle=false",
+                 "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env=FAULTY_ENV)
+    assert r.returncode == 0, r.stderr
+    r = run_here("debug=smoke", "data._target_=stream_data.windows_without_a_cache", "data.shuffle=false",
+                 "data.cache_dir=/tmp/x", f"hydra.run.dir={tmp_path / 'run2'}", cwd=tmp_path, env=FAULTY_ENV)
+    assert r.returncode == 2 and "data.cache_dir is not an option" in r.stderr  # (a value is still refused)

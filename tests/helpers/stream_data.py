@@ -77,6 +77,11 @@ def windows(seq_len: int = 256, cache_dir: str | None = None, val_every: int = 2
     return Stream(seq_len), None
 
 
+def windows_without_a_cache(seq_len: int = 256, val_every: int = 20):
+    """A user's data function that takes no cache_dir, under conf/data/stdlib.yaml's `cache_dir: null`."""
+    return Stream(seq_len), None
+
+
 def unsized_val(seq_len: int = 256, cache_dir: str | None = None, val_every: int = 20):
     return Stream(seq_len), _Unsized(seq_len)
 

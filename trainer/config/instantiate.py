@@ -37,7 +37,11 @@ def build_strategy(world: DictConfig):
 
 def build_data(cfg: DictConfig) -> tuple[Any, Any]:
     """`data._target_` builds (train, val) datasets from every key of `data` except the loader keys."""
+    from trainer.config.targets import locate, unused_nulls
+
     kwargs = {k: v for k, v in cfg.items() if k not in LOADER_KEYS}
+    for key in unused_nulls(locate("data", cfg._target_), kwargs):
+        del kwargs[key]  # (a null the target does not take: the data option's default for another target)
     splits = build_node("data", OmegaConf.create(kwargs))
     if not (isinstance(splits, tuple) and len(splits) == 2):
         raise DataError(f"data._target_={cfg._target_!r} must return a (train, val) pair of datasets; "

@@ -86,7 +86,10 @@ def check_targets(cfg: DictConfig) -> None:
         if isinstance(node, DictConfig):
             special = ("_target_", "_partial_", "_args_", "_recursive_", "_convert_")
             parts = [k for k in node if isinstance(node[k], DictConfig)] if key in ("optim", "scheduler") else []
-            check_keywords(key, obj, {k: node[k] for k in node if k not in special and k not in parts}, extra_ok=extra)
+            keys = {k: node[k] for k in node if k not in special and k not in parts}
+            if key == "data":  # (build_data leaves these out of the call)
+                keys = {k: v for k, v in keys.items() if k not in unused_nulls(obj, keys)}
+            check_keywords(key, obj, keys, extra_ok=extra)
             for part in parts:  # optim.generator: {lr: ...}: the base target's keys, for one part (per_part)
                 if "_target_" not in node[part]:
                     check_keywords(f"{key}.{part}", obj, {k: node[part][k] for k in node[part] if k not in special})
@@ -106,6 +109,21 @@ def check_targets(cfg: DictConfig) -> None:
         _check(procs.nproc_per_node in (1, "auto") and procs.nnodes == 1, "world.nproc_per_node",
                procs.nproc_per_node, f"1 with world._target_={cfg.world._target_}",
                "Use world=ddp (or world=fsdp) to run several processes.")
+
+
+def unused_nulls(target: Any, node: dict) -> set[str]:
+    """The keys of `node` set to null that `target` does not take: a data config's `cache_dir: null` under your own
+    `data._target_` (Hydra cannot remove a null key: ~data.cache_dir says it does not exist). They are left out
+    of the call rather than refused: null says nothing to pass."""
+    import inspect
+
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return set()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return set()
+    return {k for k, v in node.items() if v is None and not str(k).startswith("_") and k not in params}
 
 
 def check_keywords(section: str, target: Any, node: dict, extra_ok: tuple[str, ...] = ()) -> None:
