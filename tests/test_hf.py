@@ -210,13 +210,17 @@ def test_the_readme_fine_tuning_code_runs(transformers, corpus, tmp_path, llama_
 
 def test_the_models_own_size_keys_win_over_the_lm_recipes_names_for_them():
     """debug=smoke's model.n_layer=1 replaced a model.num_hidden_layers=4 the user gave: a 1-layer model, and pp=2
-    then refused it as having one block."""
+    then refused it as having one block. A run saved before, with the two keys differing, still builds the model
+    its weights are for (the recipe's name wins in the builder; the resolved config makes them agree)."""
     pytest.importorskip("transformers")
+    import trainer
     from trainer.models.hf import causal_lm
 
+    cfg = trainer.compose(["model=llama_tiny", "debug=smoke", "model.num_hidden_layers=4"])
+    assert (cfg.model.num_hidden_layers, cfg.model.n_layer) == (4, 4)
+    assert trainer.compose(["model=llama_tiny", "debug=smoke", "model.n_layer=3"]).model.num_hidden_layers == 3
+    assert trainer.compose(["model=llama_tiny", "debug=smoke"]).model.num_hidden_layers == 1
     sizes = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
              "num_key_value_heads": 2}
-    own = causal_lm("LlamaForCausalLM", **sizes, num_hidden_layers=4, n_layer=1)
-    assert own.config.num_hidden_layers == 4
-    named = causal_lm("LlamaForCausalLM", **sizes, n_layer=3)
-    assert named.config.num_hidden_layers == 3
+    saved_before = causal_lm("LlamaForCausalLM", **sizes, num_hidden_layers=2, n_layer=1)  # an older model_config.json
+    assert saved_before.config.num_hidden_layers == 1

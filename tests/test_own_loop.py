@@ -322,6 +322,17 @@ def test_under_launch_what_the_script_passes_wins_and_the_jobs_config_gives_the_
     assert (rt.grad_accum_steps, rt.seed, type(rt.precision)) == (2, 1, BF16)
     rt = trainer.Runtime(precision="fp32")
     assert (rt.grad_accum_steps, rt.seed, type(rt.precision)) == (3, 7, FP32)
+    before = torch.get_num_threads()
+    try:
+        trainer.Runtime("single", threads=1)  # the job's world.threads (smoke: 1) would be taken without it
+        assert torch.get_num_threads() == 1
+        monkeypatch.setenv(LAUNCH_ENV, json.dumps(OmegaConf.to_container(OmegaConf.merge(cfg, {"world": {"threads": 2}}))))
+        trainer.Runtime("single", threads=1)
+        assert torch.get_num_threads() == 1  # what the script passes wins
+        trainer.Runtime("single")
+        assert torch.get_num_threads() == 2  # the job's config gives the rest
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_loader_state_continues_the_same_sample_stream_with_another_batch_size(rt, tmp_path):
@@ -346,3 +357,34 @@ def test_a_loader_state_continues_the_same_sample_stream_with_another_batch_size
     other = rt.loader(TensorDataset(torch.arange(11)), batch_size=3, name="other")
     with pytest.raises(CheckpointError, match="differs from the checkpoint's"):
         other.check_state(state, "state")
+
+
+def test_a_state_saved_before_the_loader_recorded_its_global_batch_still_loads(tmp_path):
+    """The loader's state gained `global_batch`; a checkpoint written without it must still load (every key the live
+    state has was required)."""
+    import hashlib
+
+    from torch.utils.data import TensorDataset
+
+    import trainer
+
+    def fresh():
+        rt = trainer.Runtime("single", "fp32", grad_accum_steps=2)
+        model = rt.setup(nn.Linear(1, 1))
+        rt.setup(torch.optim.SGD(model.parameters(), lr=0.1))
+        return rt, rt.loader(TensorDataset(torch.arange(10.0)[:, None]), batch_size=2)
+
+    rt, loader = fresh()
+    for i, _ in enumerate(loader):
+        if i == 2:
+            break
+    path = rt.save_state(tmp_path, step=1)
+    state = json.loads((path / "state.json").read_text())
+    assert state["loader"].pop("global_batch") == 4
+    (path / "state.json").write_text(json.dumps(state))
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["state.json"] = hashlib.sha256((path / "state.json").read_bytes()).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    rt2, loader2 = fresh()
+    assert rt2.load_state(tmp_path) == 1
+    assert loader2.samples_seen == loader.samples_seen

@@ -290,7 +290,13 @@ def test_a_checkpoint_whose_manifest_cannot_be_read_is_tried_first_and_never_pru
     (tmp_path / "checkpoints" / "step_00000002" / "manifest.json").write_text("{")
     c.save(3, {"w": torch.ones(2)}, state)
     c.save(4, {"w": torch.ones(2)}, state)
-    assert [p.name for p in c.complete()] == ["step_00000004", "step_00000002"]  # the unreadable one: tried first
+    from trainer.checkpoint.manager import resume_candidates
+
+    assert [p.name for p in c.complete()] == ["step_00000004"]  # what loads without a fallback: the newest readable
+    assert [p.name for p in c.unreadable()] == ["step_00000002"]  # never pruned
+    tried, fallback = resume_candidates("auto", c, restarted=False)
+    assert [p.name for p in tried] == ["step_00000002", "step_00000004"] and fallback  # tried first, then the rest
+    assert resume_candidates(str(tmp_path), c, restarted=False)[0] == [tmp_path / "checkpoints" / "step_00000004"]
 
 
 # -- finding the run to continue (item 5) -------------------------------------------------------------------
@@ -536,3 +542,27 @@ def test_a_checkpoint_from_before_the_data_identity_was_recorded_still_resumes(c
     r = run_here(*tiny_overrides(corpus, *BASE, "trainer.max_steps=12"), f"hydra.run.dir={run_dir}", "resume=auto")
     assert r.returncode == 0, r.stderr
     assert f"resumed from {ckpt} at step 8" in r.stdout
+
+
+def test_a_checkpoint_that_could_not_be_read_for_a_passing_reason_stays_for_the_next_run(corpus, stopped, tmp_path,
+                                                                                          monkeypatch):
+    """One skipped for its contents is set aside as step_N.unreadable; one that could not be read just now (an I/O
+    error, a file shrinking under the reader) stays where it is, for the next resume=auto to try again."""
+    from trainer.checkpoint import store
+    from trainer.errors import CheckpointError
+
+    run_dir = _copy(stopped, tmp_path / "run")
+    checked = store._map_all
+
+    def busy(path, files):
+        if path.name == "step_00000008":
+            raise CheckpointError(f"file {path / 'state.safetensors'} listed in the manifest cannot be read "
+                                  f"(Input/output error); {store.AGAIN}")
+        return checked(path, files)
+
+    monkeypatch.setattr(store, "_map_all", busy)
+    r = run_here(*tiny_overrides(corpus, *BASE, "trainer.max_steps=6", "checkpoint.every_n_steps=0"),
+                 f"hydra.run.dir={run_dir}", "resume=auto")
+    assert r.returncode == 0, r.stderr
+    assert "skipping checkpoint" in r.stdout and "is kept as" not in r.stdout
+    assert (run_dir / "checkpoints" / "step_00000008" / "manifest.json").is_file()

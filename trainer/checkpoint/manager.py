@@ -207,10 +207,12 @@ class CheckpointManager:
         like = {"trainer": self.run.state_dict(), "rng": [rng_state()],
                 **{n: c.state_dict() for n, c in self.components.items()},
                 **({"loggers": {}} if "loggers" in self.components else {})}  # (a rewound stream: any state)
-        saved_run = tree.get("trainer")
-        for key in getattr(self.run, "OPTIONAL_STATE", ()):  # run state newer than some checkpoints: may be absent
-            if isinstance(saved_run, dict) and key not in saved_run:
-                like["trainer"].pop(key, None)
+        # State newer than some checkpoints (a component's OPTIONAL_STATE): absent there, it is not checked.
+        for name, component in [("trainer", self.run), *self.components.items()]:
+            saved = tree.get(name)
+            for key in getattr(component, "OPTIONAL_STATE", ()):
+                if isinstance(saved, dict) and key not in saved and isinstance(like.get(name), dict):
+                    like[name].pop(key, None)
         absent: dict[str, Any] = {}
         if "ema" in like and "ema" not in tree:
             absent["ema"] = True
@@ -273,8 +275,8 @@ def resume_candidates(resume: str | None, checkpointer: ckpt.Checkpointer, resta
     An elastic restart always resumes from the newest good one."""
     if resume is None and not restarted:
         return [], False
-    if resume in (None, "auto"):
-        return list(reversed(checkpointer.complete())), True
+    if resume in (None, "auto"):  # (those whose manifest cannot be read first: tried, named, set aside)
+        return [*reversed(checkpointer.unreadable()), *reversed(checkpointer.complete())], True
     path = Path(resume).expanduser()
     if path.is_dir() and not (path / ckpt.MANIFEST).exists():  # a run dir or its checkpoints/ dir
         inner = ckpt.Checkpointer(path / "checkpoints" if (path / "checkpoints").is_dir() else path)
@@ -307,7 +309,10 @@ def resume(trainer, cfg: DictConfig, say) -> Path | None:
             continue
         # What was skipped is moved out of the checkpoints' namespace, so that no later run prunes it or tries it
         # again; where that fails it stays in place, and this run does not prune it.
-        moved = trainer.backend.broadcast_object(_set_aside(p for p, _ in skipped) if trainer.backend.is_main else None)
+        # (Not one that could not be read now, for a reason that may pass: the next run tries it again.)
+        lasting = [p for p, e in skipped if ckpt.AGAIN not in str(e)]
+        moved = trainer.backend.broadcast_object(_set_aside(lasting) if trainer.backend.is_main else None)
+        trainer.checkpointer.protected.update(p.name for p, e in skipped if ckpt.AGAIN in str(e))
         trainer.checkpointer.protected.update(name for name, to in moved if to is None)
         if trainer.backend.is_main:
             kept = [f"resume: the skipped {name} is kept as {to} (resume=auto and checkpoint.keep_last leave it alone)."

@@ -140,7 +140,9 @@ class Stored:
         try:
             return self.data.load()
         except OSError as e:  # a file that shrank since it was checked: an error, never SIGBUS
-            raise CheckpointError(f"{e.strerror or e}; read the checkpoint again once nothing writes to it.") from None
+            from trainer.checkpoint.store import AGAIN
+
+            raise CheckpointError(f"{e.strerror or e}; {AGAIN}") from None
 
 
 def stored_chunks(metadata: dict[str, str], views: dict[str, torch.Tensor], source) -> dict[str, Stored]:

@@ -48,6 +48,9 @@ from trainer.io import atomic_write_json, free_name, fsync_dir
 
 FORMAT_VERSION = 2  # 2: tensors may be chunks of a sharded tensor; optimizer state keyed by parameter name
 MANIFEST = "manifest.json"
+# How a verdict that may pass (a file that could not be read, or shrank while it was read: not its contents) ends.
+# A checkpoint skipped for it stays in place for the next run to try, where one skipped for its contents is set aside.
+AGAIN = "read the checkpoint again once nothing writes to it (or it can be read)."
 _STEP_DIR = re.compile(r"^step_([0-9]{8,})$")  # ASCII digits only: no sign, no other script's digits
 _FILE = re.compile(r"^(model|state)(\.rank[0-9]{5})?\.safetensors$|^state\.json$|^config\.yaml$")
 _REQUIRED = ("model.safetensors", "state.safetensors", "state.json", "config.yaml")  # every trainer checkpoint has them
@@ -228,7 +231,7 @@ class Checkpointer:
             files["config.yaml"] = _write(tmp / "config.yaml", self.config_yaml.encode())
             # `written` orders checkpoints by completion, not by step: after a rollback (resume=PATH to an
             # earlier step) the new branch's checkpoints are the newest, and resume=auto follows them.
-            written = 1 + max((_written(p) or 0 for p in self.complete()), default=0)
+            written = 1 + max((_written(p) for p in self.complete()), default=0)
             manifest = {"format": FORMAT_VERSION, "step": step, "written": written,
                         "world_size": self.backend.world_size, "files": dict(sorted(files.items()))}
             _write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: marks it complete
@@ -281,9 +284,9 @@ class Checkpointer:
     def _prune(self) -> None:
         """Delete all but the `keep_last` most recently written complete checkpoints, never the best one
         (in memory or named by best.json)."""
-        # Never one whose manifest cannot be read: nothing says when it was written (resume=auto tries it first,
-        # and sets it aside when another one loads instead).
-        done = [p for p in self.complete() if p.name not in self.protected and _written(p) is not None]
+        # (complete(): never one whose manifest cannot be read; resume=auto tries those first, and sets them aside
+        # when another one loads instead)
+        done = [p for p in self.complete() if p.name not in self.protected]
         keep = {p.name for p in done[-self.keep_last:]}
         if self.best:
             keep.add(self.best[1])
@@ -300,14 +303,21 @@ class Checkpointer:
 
     # -- reading -----------------------------------------------------------------------------
     def complete(self) -> list[Path]:
-        """Checkpoints with a manifest (the completion marker), in the order they were written (oldest first).
-        Only directories of this run count: a symbolic link (to another run's checkpoint, say) is not one."""
+        """Checkpoints with a manifest (the completion marker) that can be read, in the order they were written
+        (oldest first). Only directories of this run count: a symbolic link (to another run's checkpoint, say) is
+        not one."""
+        order = {p: _written(p) for p in self._with_manifest()}
+        return sorted((p for p, w in order.items() if w is not None), key=lambda p: (order[p], step_of(p)))
+
+    def unreadable(self) -> list[Path]:
+        """Checkpoints whose manifest is there but cannot be read (damaged, or copied half-way), by step: nothing
+        says when they were written. resume=auto tries them before the others (and names them); nothing prunes them."""
+        return sorted((p for p in self._with_manifest() if _written(p) is None), key=step_of)
+
+    def _with_manifest(self) -> list[Path]:
         if not self.dir.is_dir():
             return []
-        found = [p for p in self.dir.iterdir()
-                 if step_of(p) >= 0 and not p.is_symlink() and (p / MANIFEST).is_file()]
-        order = {p: _written(p) for p in found}  # an unreadable manifest: as if written last (tried first)
-        return sorted(found, key=lambda p: (order[p] is None, order[p] or 0, step_of(p)))
+        return [p for p in self.dir.iterdir() if step_of(p) >= 0 and not p.is_symlink() and (p / MANIFEST).is_file()]
 
 
 def set_aside(directory: Path) -> Path | None:
@@ -409,7 +419,7 @@ def _map_all(path: Path, files: dict[str, str]) -> tuple[dict[str, Any], dict[st
             raise CheckpointError(f"file {p} listed in the manifest is {e.strerror}: only regular files inside the "
                                   "checkpoint are read.") from None
         except OSError as e:  # no permission, an I/O error
-            raise CheckpointError(f"file {p} listed in the manifest cannot be read ({e.strerror or e}).") from None
+            raise CheckpointError(f"file {p} listed in the manifest cannot be read ({e.strerror or e}); {AGAIN}") from None
         except ValueError as e:
             raise CheckpointError(f"checkpoint {path} cannot be read ({e}); it is not a valid trainer checkpoint.") from None
     return data, headers
@@ -469,7 +479,7 @@ def read(path: Path, backend=None) -> Loaded:
         except CheckpointError as e:
             damaged = e
         except OSError as e:  # a file that shrank or failed while hashed: a verdict like any other, so no rank hangs
-            damaged = CheckpointError(f"{e.strerror or e}; read the checkpoint again once nothing writes to it.")
+            damaged = CheckpointError(f"{e.strerror or e}; {AGAIN}")
     except CheckpointError as e:
         error = e
     if backend.distributed:  # one verdict for all ranks: any rank's
@@ -585,4 +595,7 @@ class NullCheckpointer:
         pass
 
     def complete(self) -> list[Path]:
+        return []
+
+    def unreadable(self) -> list[Path]:
         return []

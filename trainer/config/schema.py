@@ -332,3 +332,23 @@ def _validate_world(world: DictConfig, batch_size: Any = None, precision: Any = 
                                   batch_size)
         _check(pp == 1 or not str(precision).endswith("FP16"), "world.pp", pp, "1 with precision=fp16",
                "The pipeline's stages would each decide alone to skip an overflowed step; use precision=bf16.")
+
+
+# The lm recipe's size keys (model.n_layer, ... which debug=smoke sets) and what a Hugging Face config calls them
+# (trainer/models/hf.py builds with them).
+HF_SIZE_ALIASES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "d_model": "hidden_size",
+                   "seq_len": "max_position_embeddings"}
+HF_CAUSAL_LM = "trainer.models.hf.causal_lm"
+
+
+def agree_hf_sizes(container: dict) -> None:
+    """A Hugging Face model's config given both a size key of its own and the lm recipe's name for it, differing
+    (`model.num_hidden_layers=4` beside debug=smoke's `n_layer: 1`): the model's own key is what the user asked
+    for, and the recipe's name is set to it, so that the saved config (model_config.json) builds that model. The
+    builder lets the recipe's name win, as the runs written before this rule recorded it."""
+    model = container.get("model")
+    if not isinstance(model, dict) or model.get("_target_") != HF_CAUSAL_LM:
+        return
+    for alias, own in HF_SIZE_ALIASES.items():
+        if alias in model and own in model and model[alias] != model[own]:
+            model[alias] = model[own]

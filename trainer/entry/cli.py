@@ -200,8 +200,9 @@ def run_job(cfg: DictConfig) -> float | None:
             # run, not the one its job number had (which would continue another point's checkpoints as its own).
             point = sweep_point_dir(run_dir, list(hc.overrides.task), sys.argv[1:])
             if point != run_dir:
-                print(f"resume=auto: {run_dir} holds another point of the sweep; this one "
-                      f"({' '.join(hc.overrides.task)}) continues in {point}.", flush=True)
+                secrets = secret_values(OmegaConf.to_container(resolved))
+                print(scrub(f"resume=auto: {run_dir} holds another point of the sweep; this one "
+                            f"({' '.join(hc.overrides.task)}) continues in {point}.", secrets), flush=True)
                 if not _earlier_job_in(run_dir):  # (a dir Hydra made for this job, empty: not left behind)
                     _remove_if_free(run_dir)
                 run_dir = point
@@ -297,7 +298,7 @@ def _after_resume(records, hydra_dir: Path, run_dir: Path, secrets: set[str]):
     before = identity()
 
     def write() -> None:
-        if identity() != before:
+        if identity() not in (before, None):  # (None: the run dir was removed, a run that failed before it trained)
             try:
                 write_hydra_records(records, hydra_dir, run_dir, secrets)
             except OSError as e:  # (never in place of what ended the job)

@@ -103,7 +103,7 @@ def check(argv: list[str]) -> int:
     from trainer.config.compose import load as compose
     from trainer.entry.launcher import WorkerFailed, one_forkserver
     from trainer.entry.launcher import run as launch
-    from trainer.entry.run import train
+    from trainer.entry.run import train_here
     from trainer.errors import TrainerExit
     from trainer.parallel.backend import available_cores
 
@@ -119,7 +119,7 @@ def check(argv: list[str]) -> int:
         def run_here(name: str, *extra: str) -> Path:
             run_dir = tmp / name
             with contextlib.redirect_stdout(io.StringIO()):  # the inner runs' own summary lines
-                train(compose([*base, *extra]), run_dir)
+                train_here(compose([*base, *extra]), run_dir)  # (this process: the 1-rank reference)
             return run_dir
 
         def run_procs(name: str, *extra: str) -> tuple[Path, str | None]:

@@ -399,13 +399,20 @@ def script(cfg: DictConfig, run_dir: str | Path) -> None:
 
 
 def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
-    """Train with a prepared config, writing outputs to `run_dir`. Returns the final metrics."""
+    """Train with a prepared config, writing outputs to `run_dir`: on the worker processes its world asks for
+    (started here, as the CLI starts them), or in this process. Returns the final metrics."""
     from trainer.entry import launcher
+
+    if launcher.starts_workers(cfg):  # trainer.train(cfg) of a world of several processes
+        return launcher.run(cfg, Path(run_dir)) or {}
+    return train_here(cfg, run_dir)
+
+
+def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
+    """`train` in this process, whatever world size the config asks for (a worker's, and `trainer check`'s runs)."""
     from trainer.loop.preemption import PreemptionFlag
 
     run_dir = Path(run_dir)
-    if launcher.starts_workers(cfg):  # trainer.train(cfg) of a world of several processes: start them, as the CLI does
-        return launcher.run(cfg, run_dir) or {}
     # From the very start: a SIGTERM while the model or the data are built stops the run with exit 75 too.
     preemption = PreemptionFlag().install()
     finished = False
@@ -420,6 +427,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     # From here to the end (teardown included), no progress for world.hang_timeout s stops the job (exit 70).
     watch = watchdog.start(trainer.launch.hang_timeout, run_dir, backend.info)
     try:
+        trainer.checkpointer.check_writable()  # (before the resume, which may set an earlier attempt's files aside)
         source = resume(trainer, cfg, say)
         watchdog.beat()
         if source is not None:
@@ -449,7 +457,6 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
                                        "give this run a dir of its own (hydra.run.dir=...).") from None
                 if aside is not None:
                     say(f"starting fresh: the earlier attempt's exported weights are kept in {aside}.")
-        trainer.checkpointer.check_writable()
         if backend.is_main:
             save_config(cfg, run_dir)  # (the CLI wrote it before the workers started; this is the API's path)
             loggers.log_config(OmegaConf.to_container(cfg, resolve=True))

@@ -118,6 +118,8 @@ class Loader:
             self.samples_seen += self.batch_size * st.dp_size
             yield batch
 
+    OPTIONAL_STATE = ("global_batch",)  # (not in the states of the first version: their run's batch is assumed)
+
     def state_dict(self) -> dict[str, Any]:
         if self._data is not None:
             sampler = self._sampler()

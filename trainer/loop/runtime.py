@@ -80,8 +80,8 @@ class Runtime:
     """
 
     def __init__(self, world: str | Strategy | None = None, precision: Any = None, *,
-                 grad_accum_steps: int | None = None, seed: int | None = None, device: str = "auto",
-                 threads: int | str = "auto", world_options: dict[str, Any] | None = None,
+                 grad_accum_steps: int | None = None, seed: int | None = None, device: str | None = None,
+                 threads: int | str | None = None, world_options: dict[str, Any] | None = None,
                  log_with: list[str] | str | None = None, run_dir: str | os.PathLike | None = None,
                  backend: Backend | None = None):
         # Under `launch`, what the script passes wins and the job's config gives the rest (it once gave all of it:
@@ -94,10 +94,12 @@ class Runtime:
         else:
             strategy = _strategy(world or "single", dict(world_options or {}))
         if launched is not None:
-            device, threads = launched.world.get("device", device), launched.world.get("threads", threads)
+            device = launched.world.get("device", "auto") if device is None else device
+            threads = launched.world.get("threads", "auto") if threads is None else threads
             grad_accum_steps = launched.trainer.get("grad_accum_steps", 1) if grad_accum_steps is None else grad_accum_steps
             seed = launched.trainer.get("seed", 0) if seed is None else seed
         grad_accum_steps = 1 if grad_accum_steps is None else grad_accum_steps
+        device, threads = device or "auto", "auto" if threads is None else threads
         if not isinstance(grad_accum_steps, int) or isinstance(grad_accum_steps, bool) or grad_accum_steps < 1:
             raise UserError(f"Runtime(grad_accum_steps={grad_accum_steps!r}) is invalid: expected an integer >= 1.")
         self.backend = backend or Backend(device=device, threads=threads)

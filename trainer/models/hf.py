@@ -27,15 +27,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+# (_ALIASES: the lm recipe's size keys, which debug=smoke sets, for configs that name them otherwise)
+from trainer.config.schema import HF_SIZE_ALIASES as _ALIASES
 from trainer.errors import ConfigError
 
 INSTALL = ("transformers is not installed: it is an optional extra. Install it with pip install 'trainer[hf]' (or "
            "pip install -e '.[hf]' in a checkout), or choose a model of the framework's own (model=gpt_small).")
-
-# The lm recipe's size keys (model.n_layer, ... which debug=smoke sets), for configs that name them otherwise.
-_ALIASES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "d_model": "hidden_size",
-            "seq_len": "max_position_embeddings"}
-
 
 def import_transformers():
     try:
@@ -56,12 +53,12 @@ def causal_lm(architecture: str, **config: Any) -> nn.Module:
                           f"{transformers.__version__}: give the name of one, e.g. model.architecture=LlamaForCausalLM.")
     defaults = config_cls()
     settings = {}
-    # The lm recipe's size keys come from debug=smoke, which shrinks a model that does not set its own: the config's
-    # own key wins (model.num_hidden_layers=4 beside smoke's n_layer: 1 builds 4 layers, as the user asked).
-    for key, value in config.items():
+    # An alias after the config's own keys, whatever their order (model_config.json sorts them): the lm recipe's
+    # size keys come from debug=smoke, which shrinks the model as it shrinks the recipe's own. Where the user gave
+    # the model's own key too, the config was made to agree when it was resolved (schema.agree_hf_sizes); runs
+    # saved before that recorded the two differing, and were built with the alias, as here.
+    for key, value in sorted(config.items(), key=lambda kv: kv[0] in _ALIASES and not hasattr(defaults, kv[0])):
         if not hasattr(defaults, key) and hasattr(defaults, _ALIASES.get(key, key)):
-            if _ALIASES[key] in config:
-                continue
             key = _ALIASES[key]
         if not hasattr(defaults, key):
             raise ConfigError(f"model.{key} is not a setting of {config_cls.__name__} (the config of {architecture}). "
