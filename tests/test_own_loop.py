@@ -388,3 +388,14 @@ def test_a_state_saved_before_the_loader_recorded_its_global_batch_still_loads(t
     rt2, loader2 = fresh()
     assert rt2.load_state(tmp_path) == 1
     assert loader2.samples_seen == loader.samples_seen
+
+
+def test_accelerate_launch_flags_before_the_script_are_named_with_the_launch_command_that_does_the_same(tmp_path):
+    """`launch --num_processes 2 ga.py` said "the script --num_processes is not a file"."""
+    from conftest import run_main
+    from test_errors import assert_clean_error
+
+    (tmp_path / "ga.py").write_text("print('ran')\n")
+    r = run_main("launch", "--num_processes", "2", "ga.py", "--lr", "1", cwd=tmp_path)
+    assert_clean_error(r, "--num_processes 2 is not a flag", "python -m trainer launch world=ddp "
+                       "world.nproc_per_node=2 ga.py --lr 1")

@@ -145,8 +145,9 @@ def _nested(name: str, value: str | None, rest: list[str]) -> list[str]:
     return [f"{k}={'true' if value is None else value}" for k in nearest_keys(name, cfg)[:1]]
 
 
-def refuse_foreign_flags(argv: list[str]) -> None:
-    """Raise FlagsNotTaken when `argv` has flags that are not Hydra's, naming the overrides that do the same."""
+def refuse_foreign_flags(argv: list[str], command: tuple[str, ...] = (), after: tuple[str, ...] = ()) -> None:
+    """Raise FlagsNotTaken when `argv` has flags that are not Hydra's, naming the overrides that do the same. The
+    command it proposes is `python -m trainer COMMAND... OVERRIDES... AFTER...` (`launch`, then its script)."""
     found, rest = foreign_flags(argv)
     if not found:
         return
@@ -187,5 +188,5 @@ def refuse_foreign_flags(argv: list[str]) -> None:
     text = (f"{flags} {what} of this command (accelerate launch's, torchrun's or the Hugging Face Trainer's?); "
             f"here every setting is a KEY=VALUE override: {'; '.join(said)}")
     if overrides or not unknown:
-        text += f". The same run: {shlex.join(['python', '-m', 'trainer', *overrides, *rest])}"
+        text += f". The same run: {shlex.join(['python', '-m', 'trainer', *command, *overrides, *rest, *after])}"
     raise FlagsNotTaken(text)

@@ -385,6 +385,11 @@ def launch_parts(argv: list[str]):
     from trainer.errors import ConfigError
 
     usage = "python -m trainer launch [KEY=VALUE ...] SCRIPT.py [ARGS ...]"
+    py = next((i for i, a in enumerate(argv) if a.endswith(".py") and not a.startswith("-")), None)
+    if py is not None and any(a.startswith("-") for a in argv[:py]):  # accelerate launch --num_processes 2 ...
+        from trainer.config.flags import refuse_foreign_flags
+
+        refuse_foreign_flags(argv[:py], command=("launch",), after=tuple(argv[py:]))
     at = next((i for i, a in enumerate(argv) if "=" not in a or a.startswith("-")), None)
     if at is None:
         raise ConfigError(f"usage: {usage} (no script given).")
