@@ -140,6 +140,9 @@ def test_the_failure_reported_is_the_cause_not_a_consequence(tmp_path):
                      {1: failure(1, 3, 300), 0: failure(0, -15, None)}):
         assert root_failure(failures)[0] == 1, failures
     assert root_failure({0: failure(0, -9, None), 1: failure(1, 1, 300)})[0] == 0
+    late = failure(0, -9, None)
+    late.timestamp = 51  # found dead only in the next second, after its peer's error on the closed connection
+    assert root_failure({0: late, 1: failure(1, 1, 300)})[0] == 0
 
 
 def test_the_cause_is_found_when_torch_reports_only_the_consequence(tmp_path):
@@ -273,3 +276,32 @@ def test_rendezvous_events_keep_the_names_torch_gives_them_without_reading_the_s
     assert [ours for _, ours in names] == [t for t, _ in names]
     launcher._name_rendezvous_events_cheaply()  # (what every launch does before the agent starts)
     assert dynamic_rendezvous.get_method_name is launcher._caller_name
+
+
+def test_a_worker_killed_without_a_record_is_named_when_torch_reports_the_peer_it_cut_off(tmp_path):
+    """kill -9 of rank 1 was reported as "worker rank 0 failed" with rank 0's gloo error: torch names the one
+    worker it found dead, which was the peer failing on the closed connection."""
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from trainer.entry.launcher import silent_peers
+
+    attempt = tmp_path / "attempt_0"
+    for local in (0, 1, 2):
+        (attempt / str(local)).mkdir(parents=True)
+    gloo = "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer."
+    record = {"message": {"message": gloo, "extraInfo": {"py_callstack": gloo, "timestamp": "1", "time_ns": 1}}}
+    (attempt / "0" / "error.json").write_text(json.dumps(record))
+    (attempt / "2" / "error.json").write_text(json.dumps(record))  # rank 2 recorded the same consequence
+    survivor = ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file=str(attempt / "0" / "error.json"))
+    assert silent_peers({0: survivor}, 0, survivor, nproc=3) == [1]
+    (attempt / "1" / "error.json").write_text(json.dumps({"message": {"message": "error: a user error",
+                                                                       "extraInfo": {"timestamp": "0", "time_ns": 0}}}))
+    assert silent_peers({0: survivor}, 0, survivor, nproc=3) == []  # rank 1 said why: every_failure finds it
+    crash = {"message": {"message": "ValueError: bad batch", "extraInfo": {"py_callstack": "ValueError", "timestamp": "1",
+                                                                            "time_ns": 1}}}
+    (attempt / "0" / "error.json").write_text(json.dumps(crash))
+    (attempt / "1" / "error.json").unlink()
+    crashed = ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file=str(attempt / "0" / "error.json"))
+    assert silent_peers({0: crashed}, 0, crashed, nproc=3) == []  # not a lost connection: its own error

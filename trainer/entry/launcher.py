@@ -246,7 +246,11 @@ def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
         hang = watchdog.report(hang_dir, failures, w.hang_timeout, run_dir)  # no progress: every rank's stack
         if hang is not None:
             raise WorkerFailed(rank, watchdog.HangDetected.exit_code, hang) from None
-        raise WorkerFailed(rank, failure.exitcode, _failure_text(failure)) from None
+        text, silent = _failure_text(failure), silent_peers(failures, rank, failure, nproc)
+        if silent:  # (torch names one dead worker: here the one that failed on the connection the killed one closed)
+            text = (f"error: worker rank {', '.join(map(str, silent))} ended without a word (killed: out of memory, "
+                    f"or kill -9?), and rank {rank} then failed on the connection it lost:\n{text}")
+        raise WorkerFailed(rank, failure.exitcode, text) from None
     except (RendezvousTimeoutError, RendezvousConnectionError) as e:  # a node never came, or node 0 unreachable
         raise rendezvous_failed(w, e) from None
     except SignalException as e:
@@ -371,17 +375,34 @@ def every_failure(failures: dict, nproc: int) -> dict:
     return found
 
 
+LOST_CONNECTION = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
+
+
+def silent_peers(failures: dict, rank: int, failure, nproc: int) -> list[int]:
+    """The ranks of this node that left no record, when the reported failure (`rank`'s) is a lost connection:
+    a worker killed outright (SIGKILL) records nothing, and torch then names the peer that failed on the closed
+    connection. Empty otherwise."""
+    if not any(s in _failure_text(failure) for s in LOST_CONNECTION):
+        return []
+    base, attempt = rank - failure.local_rank, Path(failure.error_file).parent.parent
+    return [base + local for local in range(nproc)
+            if base + local not in failures and not (attempt / str(local) / "error.json").is_file()]
+
+
 def root_failure(failures: dict) -> tuple:
     """The (rank, ProcessFailure) to report: the earliest failure that is not the agent's SIGTERM. Once one
     worker fails the agent SIGTERMs the others (possibly after they recorded the same error): consequences.
     Times: our workers record theirs to the nanosecond (torchelastic's `timestamp` is whole seconds, which
-    cannot tell a crash from the peer's 'connection closed' a millisecond later); a worker that died without
-    a record (killed, aborted) counts from the start of the second it was found dead in."""
+    cannot tell a crash from the peer's 'connection closed' a millisecond later); a worker killed by a signal
+    without a record (SIGKILL, SIGSEGV: not the agent's SIGTERM) comes before every recorded error."""
     def key(rank_failure: tuple) -> tuple:
         f = rank_failure[1]
         message = f.error_file_data.get("message") if isinstance(f.error_file_data, dict) else None
         info = message.get("extraInfo", {}) if isinstance(message, dict) else {}
-        return f.exitcode == -signal.SIGTERM, int(info.get("time_ns", f.timestamp * 10**9))
+        # A worker killed by another signal (SIGKILL: the OOM killer, someone's kill -9; SIGSEGV) is a cause,
+        # never a peer's consequence, whenever it was found dead: its peers then fail on the closed connection.
+        killed = f.exitcode < 0 and f.exitcode != -signal.SIGTERM and not info
+        return f.exitcode == -signal.SIGTERM, not killed, int(info.get("time_ns", f.timestamp * 10**9))
     return min(failures.items(), key=key)
 
 
