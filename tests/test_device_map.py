@@ -161,7 +161,7 @@ def _read_only_dir(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize(("args", "needles"), [
-    (["max_memory.cpu=1KB", "offload_dir={tmp}"], ["does not fit max_memory", "two units in flight"]),
+    (["max_memory.cpu=1KB", "offload_dir={tmp}"], ["does not fit max_memory", "two units in flight", "Raise max_memory.cpu"]),
     (["max_memory.cpu=10KB"], ["does not fit max_memory", "offload_dir=DIR"]),
     (["device_map.blocks.9=cpu"], ["'blocks.9'", "not a module of GPT", "Did you mean"]),
     (["device_map=everywhere"], ["device_map='everywhere'", "auto, balanced, sequential"]),

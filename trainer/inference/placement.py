@@ -193,11 +193,15 @@ def _does_not_fit(units, sizes, caps, reserve, unit) -> ConfigError:
     held = ", ".join(f"{d} {_mb(c) if c < UNLIMITED else 'unlimited'}" for d, c in caps.items())
     where = f"{unit!r} ({_mb(sizes[unit])}) is the first unit that fits nowhere" if unit is not None else \
         f"the CPU has less than the {_mb(reserve)} it needs for two disk units in flight"
-    return ConfigError(
-        f"the model ({_mb(total)} in {len(units)} units, the largest {_mb(largest)}) does not fit max_memory "
-        f"({held}): {where}. Raise max_memory for a device, or give offload_dir=DIR (a directory with room) for "
-        f"disk offload, which needs at least {_mb(2 * largest)} on the CPU (two units in flight) and max_memory.disk "
-        "unset or large enough.")
+    if caps.get(DISK, 0) > 0:  # offload_dir given: the disk is not what is short
+        advice = (f"Raise max_memory.cpu to at least {_mb(2 * largest)}: disk offload (offload_dir is given) keeps two "
+                  "units in flight on the CPU.")
+    else:
+        advice = (f"Raise max_memory for a device, or give offload_dir=DIR (a directory with room) for disk offload, "
+                  f"which needs at least {_mb(2 * largest)} on the CPU (two units in flight) and max_memory.disk unset "
+                  "or large enough.")
+    return ConfigError(f"the model ({_mb(total)} in {len(units)} units, the largest {_mb(largest)}) does not fit "
+                       f"max_memory ({held}): {where}. {advice}")
 
 
 def check_map(model: nn.Module, device_map: Mapping) -> dict[str, str]:
