@@ -65,6 +65,8 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
     (["+model.n_layr=2"], ["model.n_layr is not an option of model._target_=GPT", "Did you mean n_layer?"]),
     # Values that used to crash mid-run or pass silently (issues 16 and 18): one paragraph before anything runs.
     (["optim.betas=0.9"], ["optim.betas=0.9", "two numbers in [0, 1)"]),
+    (["finetune.lora.rank=4", "finetune.lora.targets=qkv"], ["finetune.lora.targets=qkv is not a list",
+                                                            "finetune.lora.targets=[qkv]"]),
     (["optim.betas=[0.9,1.5]"], ["optim.betas=[0.9, 1.5]"]),
     (["optim.eps=-1"], ["optim.eps=-1", ">= 0"]),
     (["optim.weight_decay=-1"], ["optim.weight_decay=-1"]),

@@ -250,6 +250,10 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
         )
     if full_key and cause is not exc:
         first = str(cause).splitlines()[0]
+        if "is not a ListConfig, list or tuple" in first:  # a list key given one value: say how to write a list
+            value = next((o.split("=", 1)[1] for o in overrides if o.split("=")[0].lstrip("+~") == full_key), "...")
+            return ConfigError(f"{full_key}={value} is not a list: write {full_key}=[{value}] (several: "
+                               f"{full_key}=[a,b]).")
         return ConfigError(f"{full_key}: {first}. See the expected types with: python -m trainer --cfg job")
     lines = [line.strip() for line in msg.strip().splitlines() if line.strip()] or [type(exc).__name__]
     first = lines[0]
