@@ -65,6 +65,7 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
     (["+model.n_layr=2"], ["model.n_layr is not an option of model._target_=GPT", "Did you mean n_layer?"]),
     # Values that used to crash mid-run or pass silently (issues 16 and 18): one paragraph before anything runs.
     (["optim.betas=0.9"], ["optim.betas=0.9", "two numbers in [0, 1)"]),
+    (["recipe=gan", "optim.discriminator._target_=torch.optim.SGD"], ["write +optim.discriminator._target_=VALUE"]),
     (["finetune.lora.rank=4", "finetune.lora.targets=qkv"], ["finetune.lora.targets=qkv is not a list",
                                                             "finetune.lora.targets=[qkv]"]),
     (["optim.betas=[0.9,1.5]"], ["optim.betas=[0.9, 1.5]"]),
@@ -267,3 +268,13 @@ def test_a_full_disk_while_the_run_dir_is_set_up_is_one_paragraph(tmp_path, monk
     monkeypatch.setattr(trainer.entry.run, "save_config", full)
     r = run_here("debug=smoke", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert_clean_error(r, "could not set up the run dir", "No space left on device", "nothing was trained", code=74)
+
+
+def test_a_target_key_is_not_offered_a_near_spelling_of_another_key():
+    """`optim.discriminator._target_` was asked "Did you mean finetune.lora.targets=...?"."""
+    from trainer import compose
+    from trainer.config.compose import did_you_mean
+
+    cfg = compose(["recipe=gan"])
+    assert did_you_mean("optim.discriminator._target_", "torch.optim.SGD", cfg) == ""
+    assert "optim.lr" in did_you_mean("optim.lrr", "1e-3", cfg)

@@ -308,7 +308,10 @@ def nearest_keys(key: str, cfg: DictConfig | None) -> list[str]:
 
 
 def did_you_mean(key: str, value: str | None, cfg: DictConfig | None) -> str:
-    """' Did you mean optim.lr=1e-3?' (with the value when it is known), or '' when no key is close."""
+    """' Did you mean optim.lr=1e-3?' (with the value when it is known), or '' when no key is close. Not for a
+    `_target_`-style key (`optim.discriminator._target_`): that is no misspelt setting but a node given a class."""
+    if key.rsplit(".", 1)[-1].startswith("_"):
+        return ""
     found = nearest_keys(key, cfg)
     shown = [f"{k}={value}" if value is not None else k for k in found]
     return f" Did you mean {' or '.join(shown)}?" if shown else ""
