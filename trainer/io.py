@@ -84,3 +84,16 @@ def free_name(path: Path, tag: str, before_suffix: bool = False) -> Path:
         n += 1
         candidate = path.with_name(f"{stem}{tag}-{n}{ext}")
     return candidate
+
+
+def unwritable(path: Path) -> str | None:
+    """Why `path` (a directory, made with its parents where missing) cannot be written by this process: its first
+    part that exists is not a directory, or not writable; None when it can. Creates nothing."""
+    path = Path(path).expanduser().absolute()
+    while not path.exists() and not path.is_symlink() and path != path.parent:
+        path = path.parent  # where the missing directories would be made
+    if not path.is_dir():
+        return f"{path} is not a directory"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{path} is not writable by this process"
+    return None

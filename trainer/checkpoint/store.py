@@ -44,7 +44,7 @@ import torch
 
 from trainer.checkpoint import snapshot, tensorfile
 from trainer.errors import CheckpointError, StorageError
-from trainer.io import atomic_write_json, free_name, fsync_dir
+from trainer.io import atomic_write_json, free_name, fsync_dir, unwritable
 
 FORMAT_VERSION = 2  # 2: tensors may be chunks of a sharded tensor; optimizer state keyed by parameter name
 MANIFEST = "manifest.json"
@@ -268,14 +268,7 @@ class Checkpointer:
         trained). Creates nothing."""
         if not self.writes or not (self.every_n_steps > 0 or self.save_final):
             return
-        path = self.dir.absolute()
-        while not path.exists() and not path.is_symlink() and path != path.parent:
-            path = path.parent  # the first part of the path that exists: where the directories would be made
-        why = None
-        if not path.is_dir():
-            why = f"{path} is not a directory"
-        elif not os.access(path, os.W_OK | os.X_OK):
-            why = f"{path} is not writable by this process"
+        why = unwritable(self.dir)
         if why:
             raise StorageError(f"checkpoints cannot be written to {self.dir} ({why}); nothing was trained. Move what is "
                                "in its place, fix its permissions or give the run another dir (hydra.run.dir=...), "

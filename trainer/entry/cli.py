@@ -78,11 +78,9 @@ def check_output_dir(cfg: DictConfig, multirun: bool) -> None:
         text = str(OmegaConf.select(cfg, key, throw_on_missing=True))
     except Exception:  # (an interpolation only Hydra's runtime resolves: left to it)
         return
-    path = Path(text).expanduser().absolute()
-    while not path.exists() and not path.is_symlink() and path != path.parent:
-        path = path.parent
-    why = (f"{path} is not a directory" if not path.is_dir() else
-           f"{path} is not writable by this process" if not os.access(path, os.W_OK | os.X_OK) else None)
+    from trainer.io import unwritable
+
+    why = unwritable(Path(text))
     if why:
         raise ConfigError(f"{key}={text} cannot be made: {why}. Choose another with {key}=DIR (or outputs=DIR for "
                           "the default run dirs).")

@@ -245,7 +245,6 @@ def sweep_point_dir(run_dir: Path, job_overrides: list[str], argv: list[str]) ->
         return max(matching, key=lambda d: d.stat().st_mtime)
     if here is None:
         return run_dir
-    n = 2
-    while (run_dir.parent / f"{run_dir.name}-{n}").exists():
-        n += 1
-    return run_dir.parent / f"{run_dir.name}-{n}"
+    from trainer.io import free_name
+
+    return free_name(run_dir, "")  # (run_dir itself is taken: <dir>-2, -3, ...)
