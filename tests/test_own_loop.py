@@ -198,6 +198,37 @@ def test_zero_grad_in_the_middle_of_an_accumulation_is_refused(rt):
         pass
 
 
+def test_optimizer_step_of_the_users_own_is_refused_where_it_would_be_wrong_and_changes_nothing(rt):
+    """A set-up optimizer's own step() (an Accelerate loop's habit) in the middle of an accumulation would apply half
+    the step's gradients as a step of its own; under fp16 it would apply gradients still multiplied by the loss
+    scale. Both are refused before the weights change; at the boundary in fp32 it is the same update as rt.step."""
+    import trainer
+
+    model = nn.Linear(2, 1)
+    model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = model.weight.detach().clone()
+    with rt.accumulate(model):
+        rt.backward(model(torch.ones(1, 2)).sum())
+    with pytest.raises(UserError, match=r"in the middle of an accumulation \(after micro-step 1 of 2\).*rt.step"):
+        opt.step()
+    assert torch.equal(model.weight, before)
+    with rt.accumulate(model):  # the boundary: a plain step is what rt.step would do
+        rt.backward(model(torch.ones(1, 2)).sum())
+    opt.step()
+    assert torch.equal(model.weight, before - 0.1 * torch.ones(1, 2))
+
+    fp16 = trainer.Runtime("single", "fp16")
+    model = nn.Linear(2, 1)
+    model, opt = fp16.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = model.weight.detach().clone()
+    fp16.backward(model(torch.ones(1, 2)).sum())
+    with pytest.raises(UserError, match="under precision=fp16: the gradients are still multiplied by the loss scale"):
+        opt.step()
+    assert torch.equal(model.weight, before)
+    assert fp16.step(opt) is True  # through the scaler: the true gradient
+    assert torch.equal(model.weight, before - 0.1 * torch.ones(1, 2))
+
+
 def test_a_micro_step_that_raises_leaves_the_strategys_no_sync_and_the_accumulation(rt, monkeypatch):
     """rt.accumulate enters the strategy's no_sync of each model (DDP's restores its sync flag on exit): a step that
     raises inside the block must still leave them, and leave the Runtime out of its accumulation."""

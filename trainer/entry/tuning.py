@@ -194,7 +194,7 @@ def _trial(trainer, size: int, budget_mb: float | None) -> tuple[bool, float, st
         with trainer.strategy.no_sync(model, enabled=True), trainer.precision.autocast():
             loss, _ = split_loss(trainer.task.loss(model, batch))
         trainer.precision.backward(loss / max(float(trainer.task.num_targets(batch)), 1.0))
-        trainer.precision.step(opt)
+        trainer.rt.step(opt, zero_grad=False)
         if be.device.type == "cuda":
             torch.cuda.synchronize(be.device)
         ok, why = True, ""

@@ -265,7 +265,30 @@ class Runtime:
         self._listed.pop(owner, None)  # (listed again from the engine, at the first step)
         self._set_up.add(id(self.models[owner]))
         self.optimizers[name] = (owner, optimizer)
+        if isinstance(optimizer, torch.optim.Optimizer):  # (not an engine's own optimizer: DeepSpeed checks its own)
+            optimizer.register_step_pre_hook(self._check_own_step)
         return optimizer
+
+    def _check_own_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        """A set-up optimizer's step() called by the user, not through rt.step: refused where its update would be
+        silently wrong. Accelerate's wrapped optimizer skips such a call mid-accumulation; an optimizer here stays the
+        user's own object, and a hook cannot skip a step, so it is refused before it changes anything."""
+        if self.strategy.stepping:
+            return
+        owner = next((m for m, o in self.optimizers.values() if o is optimizer), None)
+        if not self.sync_gradients:
+            why = (f"in the middle of an accumulation (after micro-step {self._micro} of {self.grad_accum_steps}): it would apply part of the step's gradients, unsynced between ranks, as a step of its own")
+        elif self.precision.scaler is not None:
+            why = ("under precision=fp16: the gradients are still multiplied by the loss scale, and the scaler would "
+                   "neither skip an overflowed step nor update its scale")
+        elif owner in self._pending_reduce:
+            why = ("before the gradients were averaged over the data-parallel ranks (tensor parallelism under DDP "
+                   "averages them in rt.step and rt.clip_grad_norm_)")
+        else:
+            return  # a plain step at the boundary: the same update rt.step would make
+        raise UserError(f"optimizer.step() of the optimizer of {owner!r} was called {why}. Call rt.step(optimizer, "
+                        "scheduler) instead of optimizer.step(), scheduler.step() and optimizer.zero_grad(): it steps "
+                        "only at the step boundary, through the loss scaler, and zeroes the gradients there.")
 
     @staticmethod
     def _free_name(base: str, taken: dict) -> str:

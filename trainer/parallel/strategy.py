@@ -246,9 +246,26 @@ class Strategy:
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         self.precision.unscale_(optimizer)
 
+    # True while the strategy itself steps an optimizer: its update, or torch's zero-gradient step that gives an
+    # empty state its shape. Any other step() of a set-up optimizer is the user's own (Runtime._check_own_step).
+    stepping = False
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """The update; False when it was skipped (fp16's loss scaler found an overflow)."""
-        return self.precision.step(optimizer)
+        self.stepping = True
+        try:
+            return self.precision.step(optimizer)
+        finally:
+            self.stepping = False
+
+    @contextlib.contextmanager
+    def _shaping(self):
+        """Around torch's state-dict helpers, which initialise an empty optimizer state with a zero-gradient step."""
+        self.stepping = True
+        try:
+            yield
+        finally:
+            self.stepping = False
 
     def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
         """Clip to `max_norm` (None: only measure). Returns the total norm before clipping, on the device."""
@@ -287,7 +304,8 @@ class Strategy:
         Initialises an empty state with torch's zero-gradient step; `reset_optimizer` undoes that."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.state_module(model), optimizer)
+        with self._shaping():
+            return get_optimizer_state_dict(self.state_module(model), optimizer)
 
     @staticmethod
     def reset_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -306,7 +324,8 @@ class Strategy:
         if not state.get("state"):  # saved before the first step: a fresh optimizer
             self.reset_optimizer(optimizer)
             return
-        set_optimizer_state_dict(self.state_module(model), optimizer, state)
+        with self._shaping():
+            set_optimizer_state_dict(self.state_module(model), optimizer, state)
 
     # -- checkpoints -------------------------------------------------------------------------------------------
     def checkpoint_writer(self):
