@@ -214,6 +214,30 @@ def test_a_sweep_rerun_with_its_values_in_another_order_continues_each_points_ow
     assert f"resumed from {sweep / '1' / 'checkpoints' / 'step_00000004'}" in r.stdout
 
 
+def test_a_sweep_point_is_found_by_its_config_where_hydra_kept_no_records(tmp_path):
+    """Under hydra.output_subdir=null a sweep's dirs have no .hydra/overrides.yaml: each point is then read from
+    its config.yaml (a swept key's value, or the settings a swept choice put under its group), so a rerun with the
+    values in another order still continues each point's own run instead of the one its job number had."""
+    import yaml
+
+    from trainer.entry.rundir import sweep_point_dir
+
+    def config(lr, model):
+        return {"optim": {"lr": lr, "betas": [0.9, 0.95]}, "model": {"n_layer": model, "d_model": 32}, "seed": 0}
+
+    for name, lr, model in (("0", 0.001, 2), ("1", 0.0003, 2), ("2", 0.001, 4)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.yaml").write_text(yaml.safe_dump(config(lr, model)))
+    argv = ["-m", "optim.lr=0.0003,0.001", "model=a,b", "resume=auto"]
+    # model=b is recorded by what it put under model: n_layer 4
+    assert sweep_point_dir(tmp_path / "0", ["optim.lr=0.0003", "model=a"], argv, config(0.0003, 2)) == tmp_path / "1"
+    assert sweep_point_dir(tmp_path / "1", ["optim.lr=1e-3", "model=b"], argv, config(0.001, 4)) == tmp_path / "2"
+    assert sweep_point_dir(tmp_path / "0", ["optim.lr=0.001", "model=a"], argv, config(0.001, 2)) == tmp_path / "0"
+    # a new point: not another point's dir (a new <N>-2), and a fresh numbered dir is its own
+    assert sweep_point_dir(tmp_path / "0", ["optim.lr=0.005", "model=a"], argv, config(0.005, 2)) == tmp_path / "0-2"
+    assert sweep_point_dir(tmp_path / "3", ["optim.lr=0.005", "model=a"], argv, config(0.005, 2)) == tmp_path / "3"
+
+
 def test_the_forkserver_guard_takes_the_process_that_imports_it_when_its_parent_dies(tmp_path):
     """The launcher's forkserver imports trainer.entry.forkserver_guard first, so that a SIGKILLed launcher takes it,
     and through it the workers, at once (they trained on for 2-4 s while the forkserver shut down by itself)."""

@@ -196,7 +196,8 @@ def run_job(cfg: DictConfig) -> float | None:
 
             # A sweep rerun with its values in another order (or new ones in front): each point continues its own
             # run, not the one its job number had (which would continue another point's checkpoints as its own).
-            point = sweep_point_dir(run_dir, list(hc.overrides.task), sys.argv[1:])
+            point = sweep_point_dir(run_dir, list(hc.overrides.task), sys.argv[1:],
+                                    redact(OmegaConf.to_container(resolved)))
             if point != run_dir:
                 secrets = secret_values(OmegaConf.to_container(resolved))
                 print(scrub(f"resume=auto: {run_dir} holds another point of the sweep; this one "

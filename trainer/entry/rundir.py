@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint.settings import comparable, read_config
+from trainer.checkpoint.settings import comparable, flat, read_config
 from trainer.errors import ConfigError
 
 LOCK = ".lock"
@@ -228,19 +228,44 @@ def _recorded_point(run_dir: Path, keys: set[str]) -> dict[str, str] | None:
         return None
 
 
-def sweep_point_dir(run_dir: Path, job_overrides: list[str], argv: list[str]) -> Path:
+def _config_point(config: Any, keys: set[str]) -> dict[str, Any] | None:
+    """{key: the settings under it} of a resolved config for `keys`: a swept key's value, or the group a swept
+    choice put there; None when a swept key has nothing in the config (a choice that only changes other keys)."""
+    if not isinstance(config, dict):
+        return None
+    settings = flat(config)
+    out = {k: {name: v for name, v in settings.items() if name == k or name.startswith(k + ".")} for k in keys}
+    return out if all(out.values()) else None
+
+
+def sweep_point_dir(run_dir: Path, job_overrides: list[str], argv: list[str], config: dict | None = None) -> Path:
     """Where a sweep's job continues with resume=auto: its numbered dir if that holds this point's run (the
     same values of the swept keys) or none; else the sibling that holds it (the sweep's values came in another
-    order); else, the numbered dir holding another point's run, a new `<dir>-2` (then -3, ...)."""
+    order); else, the numbered dir holding another point's run, a new `<dir>-2` (then -3, ...).
+
+    A run's point is read from its `.hydra/overrides.yaml`; under `hydra.output_subdir=null` there is none, and
+    then from its config.yaml, against `config` (this job's resolved config, as config.yaml records it)."""
     keys = swept_keys(argv)
     if not keys:
         return run_dir
     mine = _point(list(job_overrides), keys)
-    here = _recorded_point(run_dir, keys)
-    if here == mine:
+    mine_set = _config_point(config, keys)
+
+    def point_of(d: Path) -> tuple[str, Any] | None:
+        recorded = _recorded_point(d, keys)
+        if recorded is not None:
+            return "overrides", recorded
+        settings = _config_point(read_config(d / "config.yaml"), keys) if mine_set is not None else None
+        return ("config", settings) if settings is not None else None
+
+    def is_mine(found: tuple[str, Any] | None) -> bool:
+        return found is not None and found[1] == (mine if found[0] == "overrides" else mine_set)
+
+    here = point_of(run_dir)
+    if is_mine(here):
         return run_dir
     siblings = [d for d in run_dir.parent.iterdir() if d.is_dir() and d != run_dir] if run_dir.parent.is_dir() else []
-    matching = [d for d in siblings if _recorded_point(d, keys) == mine]
+    matching = [d for d in siblings if is_mine(point_of(d))]
     if matching:
         return max(matching, key=lambda d: d.stat().st_mtime)
     if here is None:
