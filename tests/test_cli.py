@@ -157,6 +157,16 @@ def test_a_recipe_whose_package_header_is_not_its_first_line(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
+def test_a_config_dir_of_ones_own_draws_no_warning_about_the_machine_defaults_dir(tmp_path):
+    """--config-dir puts this machine's defaults dir (TRAINER_CONFIG_HOME) on the search path again, and on a
+    machine without one Hydra warned about it at every start."""
+    (tmp_path / "conf").mkdir()
+    r = run_cli("--config-dir", "conf", "debug=smoke", "--cfg", "job", cwd=tmp_path,
+                env={"TRAINER_CONFIG_HOME": str(tmp_path / "none")})
+    assert r.returncode == 0 and "max_steps" in r.stdout, r.stderr
+    assert "Warning" not in r.stderr, r.stderr
+
+
 def test_the_smoke_config_is_a_run_of_seconds(corpus):
     cfg = compose_cfg(tiny_overrides(corpus))
     assert TINY == ["debug=smoke"]

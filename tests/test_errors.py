@@ -87,6 +87,7 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
     (["world.device=cuda"], ["world.device='cuda'", "no CUDA device"]),
     (["trainer.nonfinite_check=log", "trainer.nonfinite=skip"], ["trainer.nonfinite_check='log'", "nonfinite=skip"]),
     (["trainer.nonfinite_check=sometimes"], ["trainer.nonfinite_check='sometimes'", "auto, step or log"]),
+    (["--config-dir", "nosuch"], ["--config-dir nosuch: there is no such directory"]),  # (was Hydra's, and a warning)
 ])
 def test_config_mistakes(tmp_path, args, needles):
     # Most mistakes end before Hydra writes anything: checked in this process (`run_main`, the same

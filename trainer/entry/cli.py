@@ -47,6 +47,9 @@ def precheck(argv: list[str]):
     known = Precomposed()
     if args.help or args.hydra_help or args.info or args.shell_completion:
         return known
+    if args.config_dir is not None and not Path(args.config_dir).expanduser().is_dir():
+        raise ConfigError(f"--config-dir {args.config_dir}: there is no such directory. Give the directory that holds "
+                          "your own config files (model/NAME.yaml, recipe/NAME.yaml, ...), or leave --config-dir out.")
     jobs = sweep_jobs(args.overrides) if args.multirun else [args.overrides]
     try:
         for overrides in jobs:
