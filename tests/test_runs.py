@@ -280,3 +280,39 @@ def test_a_killed_runs_data_loader_workers_die_with_it_and_leave_its_resume_free
     r = run_here(*args, *faulty("sigkill", 5), once, "resume=auto", env=FAULTY_ENV)
     assert r.returncode == 0, r.stderr
     assert f"resumed from {tmp_path / 'checkpoints'}" in r.stdout
+
+
+class _DeathSignal(__import__("torch").utils.data.Dataset):
+    """Each sample: the signal the kernel sends the process reading it when that process's parent dies (0: none)."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        import ctypes
+
+        import torch
+
+        sig = ctypes.c_int(-1)
+        ctypes.CDLL(None, use_errno=True).prctl(2, ctypes.byref(sig))  # PR_GET_PDEATHSIG
+        return torch.tensor([sig.value, __import__("os").getpid()])
+
+
+def test_the_framework_s_data_loader_workers_are_set_to_die_with_their_rank():
+    """The deterministic half of the test above: every DataLoader the framework starts (training batches, eval
+    batches) has its workers ask the kernel for SIGKILL when the rank that started them dies, where torch's own
+    check notices a dead parent only within 5 s."""
+    import os
+    import signal
+
+    import torch
+
+    from trainer.data.sampling import eval_loader, train_loader
+
+    cpu = torch.device("cpu")
+    for loader in (train_loader(_DeathSignal(), [[0, 1], [2, 3]], 1, cpu, 0),
+                   eval_loader(_DeathSignal(), 2, 0, 1, None, 1, cpu)):
+        rows = torch.cat(list(loader))
+        assert rows[:, 0].tolist() == [int(signal.SIGKILL)] * 4  # read in a worker that dies with its rank
+        assert os.getpid() not in rows[:, 1].tolist()  # (in a worker, not this process)
+
