@@ -229,6 +229,36 @@ def test_optimizer_step_of_the_users_own_is_refused_where_it_would_be_wrong_and_
     assert torch.equal(model.weight, before - 0.1 * torch.ones(1, 2))
 
 
+def test_fp16_one_models_overflow_does_not_rescale_another_optimizers_update():
+    """Two models, two optimizers, one loss scaler: A's gradients overflow, so its step is skipped and the scale
+    backs off. B's gradients were scaled by the scale before that backoff, and must be unscaled by it too: B's
+    update is bit for bit B's update when trained alone (the scaler updated after every optimizer, so B's update
+    was twice its gradient's)."""
+    import trainer
+
+    def run(with_a: bool):
+        rt = trainer.Runtime("single", "fp16")
+        torch.manual_seed(0)
+        a, b = nn.Linear(4, 1), nn.Linear(4, 1)
+        a, b, opt_a, opt_b = rt.setup(a, b, torch.optim.SGD(a.parameters(), lr=0.1),
+                                      torch.optim.SGD(b.parameters(), lr=0.1))
+        x = torch.ones(2, 4)
+        with rt.accumulate(a, b):
+            with rt.autocast():  # (the linear layers' gradients in fp16)
+                loss_a = (a(x).float() * 1e4).pow(2).mean() if with_a else None
+                loss_b = 1e-3 * b(x).float().pow(2).mean()
+            if with_a:
+                rt.backward(loss_a)  # its scaled gradients overflow fp16's range
+            rt.backward(loss_b)
+        applied = [rt.step(opt_a), rt.step(opt_b)] if with_a else [rt.step(opt_b)]
+        return applied, b.weight.detach().clone()
+
+    (a_applied, b_applied), together = run(True)
+    [alone_applied], alone = run(False)
+    assert (a_applied, b_applied, alone_applied) == (False, True, True)
+    torch.testing.assert_close(together, alone, rtol=0, atol=0)
+
+
 def test_a_micro_step_that_raises_leaves_the_strategys_no_sync_and_the_accumulation(rt, monkeypatch):
     """rt.accumulate enters the strategy's no_sync of each model (DDP's restores its sync flag on exit): a step that
     raises inside the block must still leave them, and leave the Runtime out of its accumulation."""

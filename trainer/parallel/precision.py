@@ -123,18 +123,29 @@ class FP16(FP32):
         # ranks, so every rank skips the same steps.
         scaler = _ShardedGradScaler if sharded else torch.amp.GradScaler
         self.scaler = scaler(device_type, init_scale=init_scale, growth_interval=growth_interval)
+        # GradScaler's update() ends an iteration: once after every optimizer of the step has stepped, never
+        # between two (the second's gradients were scaled by the scale the first's overflow would halve). Which
+        # step is a step's last only the loop knows, so the update waits for what comes next: a backward (the
+        # next loss to scale) or a checkpoint's state_dict.
+        self._update_due = False
+
+    def _settle(self) -> None:
+        if self._update_due:
+            self._update_due = False
+            self.scaler.update()
 
     def close_skipped_step(self) -> None:
-        self.scaler.update()
+        self._update_due = True  # (unscale_ recorded the overflow the update backs off for)
 
     def skip_was_routine(self) -> bool:
-        # (the scaler already synced with the host to decide; reading its scale costs nothing)
-        return self.scaler.get_scale() >= 1.0
+        # The scale after the pending update (a backoff); the scaler synced with the host to decide already.
+        return self.scaler.get_scale() * self.scaler.get_backoff_factor() >= 1.0
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device_type, dtype=self.dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
+        self._settle()
         self.scaler.scale(loss).backward()
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -145,12 +156,20 @@ class FP16(FP32):
             self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        # The scaler only lowers its scale after a step it skipped; GradScaler.step already syncs
-        # with the host to decide, so reading the scale here costs nothing extra.
-        before = self.scaler.get_scale()
         self.scaler.step(optimizer)
-        self.scaler.update()
-        return self.scaler.get_scale() >= before
+        self._update_due = True
+        # Whether it was applied: this optimizer's own overflow flags, which GradScaler.step read on the host
+        # already to decide (so reading them costs no sync).
+        found = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+        return not any(f.item() for f in found)
+
+    def state_dict(self) -> dict:
+        self._settle()  # (a checkpoint holds the scale the next step uses)
+        return super().state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._update_due = False
+        super().load_state_dict(state)
 
 
 class _ShardedGradScaler(torch.amp.GradScaler):
