@@ -229,6 +229,25 @@ def test_optimizer_step_of_the_users_own_is_refused_where_it_would_be_wrong_and_
     assert torch.equal(model.weight, before - 0.1 * torch.ones(1, 2))
 
 
+def test_clipping_in_the_middle_of_an_accumulation_is_refused_and_at_the_boundary_clips_the_whole_step(rt):
+    """Clipping every micro-step clipped a part of the step's gradients (and under fp16 unscaled the first
+    micro-step's, then added scaled ones to them: NaN weights, without a word)."""
+    model = nn.Linear(2, 1, bias=False)
+    model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    before = model.weight.detach().clone()
+    with rt.accumulate(model):
+        rt.backward(model(torch.ones(1, 2)).sum() * 10)
+    with pytest.raises(UserError, match=r"rt.clip_grad_norm_ in the middle of an accumulation.*if rt.sync_gradients"):
+        rt.clip_grad_norm_(model, 1.0)
+    assert torch.equal(model.weight.grad, torch.full((1, 2), 5.0))  # untouched
+    with rt.accumulate(model):
+        rt.backward(model(torch.ones(1, 2)).sum() * 10)
+    norm = rt.clip_grad_norm_(model, 1.0)  # the whole step's: (10, 10)
+    torch.testing.assert_close(norm, torch.tensor(200.0).sqrt())
+    assert rt.step(opt) is True
+    torch.testing.assert_close(model.weight.detach(), before - 2 ** -0.5)
+
+
 def test_fp16_one_models_overflow_does_not_rescale_another_optimizers_update():
     """Two models, two optimizers, one loss scaler: A's gradients overflow, so its step is skipped and the scale
     backs off. B's gradients were scaled by the scale before that backoff, and must be unscaled by it too: B's

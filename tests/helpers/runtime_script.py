@@ -113,7 +113,8 @@ def pipeline(rt: trainer.Runtime, out: str, backward: bool = False) -> None:
                 rt.backward(loss_fn(model, batch))
                 continue
             loss, _ = rt.forward_backward(model, batch, loss_fn)
-        rt.clip_grad_norm_(model, 1.0)
+        if rt.sync_gradients:
+            rt.clip_grad_norm_(model, 1.0)
         rt.step(optimizer)
         losses.append(rt.reduce(loss).item())
     rt.print(json.dumps({"losses": losses}))

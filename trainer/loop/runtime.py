@@ -6,10 +6,12 @@ Coming from Accelerate or Lightning Fabric, a script keeps its loop and gains fi
     model, optimizer = rt.setup(model, optimizer)        # placed, wrapped (DDP) or sharded (FSDP, tp)
     loader = rt.loader(dataset, batch_size=8)           # this rank's part of one global sample stream
     for batch in loader:
-        with rt.accumulate(model), rt.autocast():
-            loss = model(batch)
-        rt.backward(loss)
-        rt.clip_grad_norm_(model, 1.0)
+        with rt.accumulate(model):                       # gradients synced in a step's last micro-step only
+            with rt.autocast():
+                loss = model(batch)
+            rt.backward(loss)
+        if rt.sync_gradients:                            # the step's gradients are all there
+            rt.clip_grad_norm_(model, 1.0)
         rt.step(optimizer, scheduler)                    # steps, schedules and zeroes at the boundary only
 
 The Runtime owns the process (device, process group, threads: `Backend`), the strategy (how models are placed,
@@ -420,8 +422,18 @@ class Runtime:
         opts = [opt for _, (m, opt) in self.optimizers.items() if m in models]
         return models, opts
 
+    def _check_at_boundary(self, call: str) -> None:
+        if not self.sync_gradients:
+            raise UserError(f"{call} in the middle of an accumulation (after micro-step {self._micro} of "
+                            f"{self.grad_accum_steps}): the step's gradients are not all there yet, so its norm "
+                            "would clip a part of them, and under fp16 the micro-steps still to come would add "
+                            "gradients carrying the loss scale to unscaled ones. Call it at the step boundary: "
+                            "`if rt.sync_gradients: rt.clip_grad_norm_(model, max_norm)`.")
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """fp16: divide `optimizer`'s gradients by the loss scale (once per step; clip_grad_norm_ does it)."""
+        if self.precision.scaler is not None:
+            self._check_at_boundary("rt.unscale_")
         model = next((m for m, o in self.optimizers.values() if o is optimizer), None)
         if model is not None:
             self._synced([model])
@@ -430,6 +442,7 @@ class Runtime:
     def clip_grad_norm_(self, target, max_norm: float | None) -> torch.Tensor:
         """Clip the true (unscaled, synced) gradients of a model or parameters to `max_norm` over every rank and
         mesh; None only measures. Returns the total norm before clipping, on the device."""
+        self._check_at_boundary("rt.clip_grad_norm_")
         name = self._name_of(target) if isinstance(target, nn.Module) else None
         params = self._trainable(name) if name is not None else self._params(target)
         if name is not None:  # a set-up model: its owner is known without looking at every parameter
