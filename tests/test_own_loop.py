@@ -361,6 +361,27 @@ def test_save_model_writes_safetensors_with_the_hugging_face_index_above_the_sha
         rt.save_model(model, tmp_path, max_shard_size="1 gigabyte")
 
 
+def test_an_export_leaves_no_earlier_exports_file_that_a_reader_would_prefer(rt, tmp_path):
+    """A whole-file export, then a sharded one into the same dir (a run continued with a smaller
+    checkpoint.max_shard_mb) left the old model.safetensors, which trainer.load and from_pretrained read first:
+    the old weights, without a word. And the other way round: no stale index over missing shards."""
+    from trainer.inference.finished import exported_weights
+
+    model = rt.setup(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)))
+    rt.save_model(model, tmp_path)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # trained on
+    rt.save_model(model, tmp_path, max_shard_size="20KB")
+    assert sorted(f.name for f in tmp_path.iterdir()) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    loaded = exported_weights(tmp_path)  # (what trainer.load reads)
+    assert loaded.keys() == model.state_dict().keys()
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+    rt.save_model(model, tmp_path)
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["model.safetensors"]
+
+
 def test_the_loader_is_one_global_stream_and_a_resumed_epoch_ends_where_it_would_have(rt, tmp_path):
     """rt.loader's micro-batches are the Trainer's sampler's (one stream, any split); an epoch of 10 samples in global
     batches of 4 (2 micro-batches of 2) is 3 steps; a loader restored in the middle of an epoch finishes that epoch."""

@@ -26,6 +26,12 @@ def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, mod
     names of the files written."""
     from trainer.models.lora import adapters_in, merge
 
+    # What an earlier export of this name left (a single file, or shards and their index): removed once this one is
+    # written, so that no reader (trainer.load, from_pretrained) prefers an older file to it.
+    stale = {*run_dir.glob(f"{name}-*-of-*.safetensors"), run_dir / f"{name}.safetensors",
+             run_dir / f"{name}.safetensors.index.json"}
+    if name == "model":
+        stale |= {run_dir / "adapter_model.safetensors", run_dir / "adapter_config.json"}
     adapter_files = []
     if adapters_in(tensors):
         tensors, adapter, adapter_config = merge(tensors)
@@ -43,8 +49,6 @@ def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, mod
             size = 0
         shards[-1][k] = v
         size += nbytes
-    for old in run_dir.glob(f"{name}-*-of-*.safetensors"):  # from an earlier export of this run
-        old.unlink()
     if len(shards) == 1:
         atomic_save_safetensors(run_dir / f"{name}.safetensors", tensors, metadata={"format": "pt"})
         written = [f"{name}.safetensors"]
@@ -58,6 +62,8 @@ def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, mod
         atomic_write_json(run_dir / f"{name}.safetensors.index.json",
                           {"metadata": {"total_size": total}, "weight_map": weight_map})
         written = [*sorted(set(weight_map.values())), f"{name}.safetensors.index.json"]
+    for old in stale - {run_dir / f for f in [*written, *adapter_files]}:
+        old.unlink(missing_ok=True)
     if model_config is None:
         return [*written, *adapter_files]
     atomic_write_json(run_dir / "model_config.json", json.loads(json.dumps(model_config)))
