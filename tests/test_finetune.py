@@ -71,8 +71,9 @@ def test_lora_trains_only_its_adapters_and_exports_them_merged_and_alone(corpus,
     assert names == {f"blocks.0.{layer}.lora_{ab}" for layer in ("attn.qkv", "attn.proj", "mlp.0") for ab in "AB"}
     # The export: the merged weights under the plain model's keys, and the adapter alone in peft's layout.
     base, merged = load_weights(pretrained / "model.safetensors"), load_weights(lora_single / "model.safetensors")
-    adapter = load_weights(lora_single / "adapter_model.safetensors")
-    config = json.loads((lora_single / "adapter_config.json").read_text())
+    adapter = load_weights(lora_single / "adapter" / "adapter_model.safetensors")
+    config = json.loads((lora_single / "adapter" / "adapter_config.json").read_text())
+    assert not (lora_single / "adapter_config.json").exists()  # (from_pretrained would apply it to the merge again)
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 16.0
     assert merged.keys() == base.keys()
     for k in base:
@@ -94,7 +95,7 @@ def test_the_adapter_loads_with_peft(pretrained, lora_single):
     peft = pytest.importorskip("peft")
     import trainer
 
-    adapted = peft.PeftModel.from_pretrained(trainer.load(pretrained), str(lora_single))
+    adapted = peft.PeftModel.from_pretrained(trainer.load(pretrained), str(lora_single / "adapter"))
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(adapted(ids), trainer.load(lora_single)(ids), rtol=1e-5, atol=1e-5)
@@ -128,7 +129,7 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_to_the_same_run(c
     # step 2 -> 4 equals 0 -> 4 (lora_single: the same run without checkpoints or EMA), bitwise.
     resumed = tmp_path / "resumed"
     train(compose(tiny_overrides(corpus, *run, "ema.enabled=true", f"resume={step2}")), resumed)
-    for name in ("model.safetensors", "adapter_model.safetensors"):
+    for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
         got, want = load_weights(resumed / name), load_weights(lora_single / name)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), name
     assert series(read_metrics(resumed), "train/loss") == series(read_metrics(lora_single), "train/loss")[2:]
@@ -144,7 +145,7 @@ def assert_same_run(run_dir: Path, ref: Path) -> None:
     """fp32 on several processes: one process's losses, merged weights and adapter, up to the order of the sums."""
     assert series(read_metrics(run_dir), "train/loss") == pytest.approx(series(read_metrics(ref), "train/loss"),
                                                                         rel=1e-5)
-    for name in ("model.safetensors", "adapter_model.safetensors"):
+    for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
         got, want = load_weights(run_dir / name), load_weights(ref / name)
         assert got.keys() == want.keys()
         for k in want:

@@ -196,8 +196,8 @@ def test_the_readme_fine_tuning_code_runs(transformers, corpus, tmp_path, llama_
     train(compose(tiny_overrides(corpus, "trainer.max_steps=2", f"finetune.weights={start}", "finetune.lora.rank=4",
                                  "finetune.lora.targets=[qkv]")), adapted)
     (_, code), = section_blocks("Fine-tuning: pretrained weights, LoRA, Hugging Face models", "python")
-    for name, path in {"outputs/ft/full": start, "outputs/ft/lora": adapted, "RUN_DIR": start,
-                       "outputs/ft/llama": llama_single}.items():
+    for name, path in {"outputs/ft/full": start, "outputs/ft/lora/adapter": adapted / "adapter",
+                       "outputs/ft/lora": adapted, "RUN_DIR": start, "outputs/ft/llama": llama_single}.items():
         code = code.replace(f'"{name}"', f'"{path}"')
     scope: dict = {}
     exec(code, scope)
@@ -206,6 +206,24 @@ def test_the_readme_fine_tuning_code_runs(transformers, corpus, tmp_path, llama_
     with torch.no_grad():
         torch.testing.assert_close(scope["adapted"](ids), scope["lora"](ids), rtol=1e-5, atol=1e-5)
         assert torch.equal(scope["llama"](ids).logits, __import__("trainer").load(llama_single)(ids))
+
+
+def test_a_lora_run_of_a_hugging_face_model_loads_with_from_pretrained_as_trained(transformers, corpus, tmp_path,
+                                                                                  llama_single):
+    """The run dir of a LoRA run holds the merged weights; with peft installed, transformers' from_pretrained read
+    an adapter_config.json beside them as an adapter to apply, on top of the merge: W + 2 scale B A."""
+    pytest.importorskip("peft")
+    import trainer
+    from trainer import compose, train
+
+    train(compose(tiny_overrides(corpus, "model=llama_tiny", "trainer.max_steps=2", "optim.lr=1e-2",
+                                 f"finetune.weights={llama_single}", "finetune.lora.rank=4",
+                                 "finetune.lora.targets=[q_proj,v_proj]")), tmp_path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, trainer.load(tmp_path)(ids), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(theirs(ids).logits, trainer.load(llama_single)(ids), atol=1e-4)  # (it trained)
 
 
 def test_the_models_own_size_keys_win_over_the_lm_recipes_names_for_them():

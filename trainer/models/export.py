@@ -5,18 +5,34 @@
 (`hydra.utils.instantiate(json.load(...))` rebuilds the model); `task_state.safetensors` when the task
 is stateful (a data normaliser: what sampling from the weights needs besides them). A model with LoRA adapters
 (trainer/models/lora.py) is exported merged (W + scale B A, keyed as the plain model: what `trainer.load` and
-`from_pretrained` read), with the adapter alone beside it in peft's layout (`adapter_model.safetensors`,
-`adapter_config.json`). Every file is written atomically.
+`from_pretrained` read), with the adapter alone in peft's layout in `adapter/` (`adapter_model.safetensors`,
+`adapter_config.json`: `PeftModel.from_pretrained(base, RUN_DIR/adapter)`). Not beside the merged weights: there
+transformers' `from_pretrained(RUN_DIR)` would find the adapter's config and apply it again on top of the merge.
+Every file is written atomically.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import torch
 
 from trainer.io import atomic_save_safetensors, atomic_write_json, free_name
+
+ADAPTER_DIR = "adapter"
+ADAPTER_FILES = (f"{ADAPTER_DIR}/adapter_model.safetensors", f"{ADAPTER_DIR}/adapter_config.json")
+
+
+def listed_name(name: object) -> bool:
+    """Whether `name` may be a file of an export, as export.json lists them: a plain name in the run dir, or one in
+    its adapter/ dir (never a path out of the run dir, a hidden file, or another dir)."""
+    if not isinstance(name, str):
+        return False
+    parts = name.split("/")
+    return (len(parts) == 1 or (len(parts) == 2 and parts[0] == ADAPTER_DIR)) and \
+        all(part and not part.startswith(".") and "\\" not in part for part in parts)
 
 
 def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, model_config: dict | None,
@@ -30,15 +46,16 @@ def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, mod
     # written, so that no reader (trainer.load, from_pretrained) prefers an older file to it.
     stale = {*run_dir.glob(f"{name}-*-of-*.safetensors"), run_dir / f"{name}.safetensors",
              run_dir / f"{name}.safetensors.index.json"}
-    if name == "model":
-        stale |= {run_dir / "adapter_model.safetensors", run_dir / "adapter_config.json"}
+    if name == "model":  # (and an adapter beside the weights, where exports before adapter/ put it)
+        stale |= {run_dir / f for f in ADAPTER_FILES} | {run_dir / Path(f).name for f in ADAPTER_FILES}
     adapter_files = []
     if adapters_in(tensors):
         tensors, adapter, adapter_config = merge(tensors)
         if name == "model":
-            atomic_save_safetensors(run_dir / "adapter_model.safetensors", adapter, metadata={"format": "pt"})
-            atomic_write_json(run_dir / "adapter_config.json", adapter_config)
-            adapter_files = ["adapter_model.safetensors", "adapter_config.json"]
+            (run_dir / ADAPTER_DIR).mkdir(exist_ok=True)
+            atomic_save_safetensors(run_dir / ADAPTER_FILES[0], adapter, metadata={"format": "pt"})
+            atomic_write_json(run_dir / ADAPTER_FILES[1], adapter_config)
+            adapter_files = list(ADAPTER_FILES)
     limit = int(max_shard_mb * 2**20)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -64,6 +81,8 @@ def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, mod
         written = [*sorted(set(weight_map.values())), f"{name}.safetensors.index.json"]
     for old in stale - {run_dir / f for f in [*written, *adapter_files]}:
         old.unlink(missing_ok=True)
+    if not adapter_files and (run_dir / ADAPTER_DIR).is_dir() and not any((run_dir / ADAPTER_DIR).iterdir()):
+        (run_dir / ADAPTER_DIR).rmdir()
     if model_config is None:
         return [*written, *adapter_files]
     atomic_write_json(run_dir / "model_config.json", json.loads(json.dumps(model_config)))
@@ -91,7 +110,7 @@ def export_intact(run_dir: Path, files: dict) -> bool:
     try:
         for name, want in files.items():
             path = run_dir / name
-            if "/" in name or name.startswith(".") or not path.is_file() or os.path.islink(path):
+            if not listed_name(name) or not path.is_file() or os.path.islink(path) or os.path.islink(path.parent):
                 return False
             if path.stat().st_size != want["bytes"]:
                 return False
@@ -112,7 +131,7 @@ def export_task_state(state: dict, run_dir: Path) -> str:
 
 _EXPORTED = ("model.safetensors", "model_ema.safetensors", "model.safetensors.index.json",
              "model_ema.safetensors.index.json", "model_config.json", "task_state.safetensors",
-             "adapter_model.safetensors", "adapter_config.json")
+             "adapter_model.safetensors", "adapter_config.json", *ADAPTER_FILES)
 
 
 def set_aside(run_dir: Path) -> Path | None:
@@ -125,16 +144,20 @@ def set_aside(run_dir: Path) -> Path | None:
     names |= {p.name for p in run_dir.glob("model*-of-*.safetensors")}
     try:
         listed = json.loads((run_dir / "export.json").read_text())["files"]
-        names |= {"export.json", *(n for n in listed if isinstance(n, str) and "/" not in n and not n.startswith("."))}
+        names |= {"export.json", *(n for n in listed if listed_name(n))}
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    present = sorted(n for n in names if (run_dir / n).is_file() and not (run_dir / n).is_symlink())
+    present = sorted(n for n in names if (run_dir / n).is_file() and not (run_dir / n).is_symlink()
+                     and not (run_dir / n).parent.is_symlink())
     if not present:
         return None
     target = free_name(run_dir / "export", ".prev")
     target.mkdir()
     for name in present:
+        (target / name).parent.mkdir(exist_ok=True)
         os.replace(run_dir / name, target / name)
+    with contextlib.suppress(OSError):  # (an adapter/ dir now empty; one holding files of the user's own stays)
+        (run_dir / ADAPTER_DIR).rmdir()
     return target
 
 

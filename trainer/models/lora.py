@@ -11,7 +11,7 @@ Built in rather than through peft (measured: README, Fine-tuning; the speed is t
 wrapper (`qkv.base_layer.weight`, `qkv.lora_A.default.weight`), which renames every adapted weight, so
 pretrained files, checkpoints and the model's tensor-parallel plan (which then names a wrapper that torch's
 styles cannot split) would all need translating. The export still speaks peft's format: `adapter_model.safetensors`
-and `adapter_config.json` load with `peft.PeftModel.from_pretrained(model, RUN_DIR)`.
+and `adapter_config.json` in `RUN_DIR/adapter/` load with `peft.PeftModel.from_pretrained(model, RUN_DIR/adapter)`.
 """
 
 from __future__ import annotations
