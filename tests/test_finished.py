@@ -127,6 +127,25 @@ def test_eval_mistakes_are_one_paragraph(reference, tmp_path):
         assert_clean_error(r, needle)
 
 
+def test_a_checkpoint_given_for_a_run_dir_is_named_as_one_and_never_written_over(reference, corpus, tmp_path):
+    """A checkpoint holds a config.yaml too: `sample CKPT` was told to rerun training with hydra.run.dir=CKPT
+    resume=auto, which trained a new run inside the checkpoint and broke it."""
+    from test_errors import assert_clean_error
+
+    import trainer
+    from trainer.errors import ConfigError
+
+    ckpt = sorted((reference / "checkpoints").glob("step_*"))[-1]
+    before = {f.name: f.read_bytes() for f in ckpt.iterdir()}
+    with pytest.raises(ConfigError, match=f"is a checkpoint of the run {reference}, not a run dir"):
+        trainer.load(ckpt)
+    assert_clean_error(run_main("sample", str(ckpt), cwd=tmp_path), f"eval {reference} checkpoint={ckpt}")
+    assert_clean_error(run_main(*tiny_overrides(corpus), f"hydra.run.dir={ckpt}", "resume=auto", cwd=tmp_path),
+                       f"hydra.run.dir={ckpt} is a checkpoint of the run {reference}",
+                       f"hydra.run.dir={reference} resume={ckpt}")
+    assert {f.name: f.read_bytes() for f in ckpt.iterdir()} == before
+
+
 def test_sample_writes_the_grid_from_the_ema_weights_and_needs_nothing_else(diffusion_reference, tmp_path):
     out = tmp_path / "grid.png"
     r = run_main("sample", str(diffusion_reference), f"out={out}", cwd=tmp_path)

@@ -88,6 +88,15 @@ def step_of(path: Path) -> int:
     return int(m.group(1)) if m else -1
 
 
+def run_of_checkpoint(path: Path) -> Path | None:
+    """The run dir whose checkpoint `path` is (`RUN/checkpoints/step_N` with its manifest), else None: a checkpoint
+    holds a config.yaml too, and what reads or writes a run dir must not take one for a run."""
+    path = Path(path).expanduser()
+    if step_of(path) >= 0 and path.parent.name == "checkpoints" and os.path.lexists(path / MANIFEST):
+        return path.parent.parent
+    return None
+
+
 class _Local:
     """The backend of a checkpointer used outside a run (tools, benchmarks): one process."""
 

@@ -81,8 +81,14 @@ def check_output_dir(cfg: DictConfig, multirun: bool) -> None:
         text = str(OmegaConf.select(cfg, key, throw_on_missing=True))
     except Exception:  # (an interpolation only Hydra's runtime resolves: left to it)
         return
+    from trainer.checkpoint.store import run_of_checkpoint
     from trainer.io import unwritable
 
+    run = run_of_checkpoint(Path(text))
+    if run is not None:
+        raise ConfigError(f"{key}={text} is a checkpoint of the run {run}: a run there would write over it. To "
+                          f"continue that run from it: hydra.run.dir={run} resume={text}; for a new run from its "
+                          "weights, another hydra.run.dir with resume=PATH or finetune.weights of a run dir.")
     why = unwritable(Path(text))
     if why:
         raise ConfigError(f"{key}={text} cannot be made: {why}. Choose another with {key}=DIR (or outputs=DIR for "

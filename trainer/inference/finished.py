@@ -35,7 +35,15 @@ MAX_INDEX_BYTES = 16 << 20  # a sharded index: ~100 KB for the largest models
 
 
 def _run_dir(run_dir: str | Path) -> Path:
+    from trainer.checkpoint.store import run_of_checkpoint
+
     path = Path(run_dir).expanduser()
+    run = run_of_checkpoint(path)
+    if run is not None:
+        raise ConfigError(f"{path} is a checkpoint of the run {run}, not a run dir. Pass the run dir: `python -m "
+                          f"trainer eval {run} checkpoint={path}` evaluates this checkpoint, `trainer.load({run})` "
+                          f"and `sample {run}` read the run's final export, and resume={path} continues training "
+                          "from it.")
     if not os.path.lexists(path / "config.yaml"):
         raise ConfigError(f"{path} is not a run dir (it has no config.yaml). Pass the directory a run wrote, e.g. "
                           "outputs/2026-01-01/12-00-00.")
