@@ -133,6 +133,16 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_to_the_same_run(c
         got, want = load_weights(resumed / name), load_weights(lora_single / name)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), name
     assert series(read_metrics(resumed), "train/loss") == series(read_metrics(lora_single), "train/loss")[2:]
+    # A resume with another finetune.lora.alpha trains at the new scale from there on, and exports at it too (the
+    # checkpoint's scale buffer, loaded, had the export merge at the old one).
+    alpha = tmp_path / "alpha"
+    train(compose(tiny_overrides(corpus, *run, f"resume={step2}", "finetune.lora.alpha=32")), alpha)
+    config = json.loads((alpha / "adapter" / "adapter_config.json").read_text())
+    adapter, merged = load_weights(alpha / "adapter" / "adapter_model.safetensors"), load_weights(alpha / "model.safetensors")
+    assert config["lora_alpha"] == 32.0
+    a, b = (adapter[f"base_model.model.blocks.0.attn.qkv.lora_{x}.weight"] for x in "AB")
+    torch.testing.assert_close(merged["blocks.0.attn.qkv.weight"],
+                               load_weights(base)["blocks.0.attn.qkv.weight"] + 8.0 * b @ a)
     # Another base under the same path: refused before anything is loaded.
     weights = load_weights(base)
     save_file({k: v + 1e-3 if k == "tok_emb.weight" else v for k, v in weights.items()}, str(base))

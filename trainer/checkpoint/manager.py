@@ -57,13 +57,17 @@ class Parts:
         return any(key == self._key(name, k) for name, keys in self.left_out.items() for k in keys)
 
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        from trainer.models.lora import keep_configured_scales
+
         if self.one_model:
             self.strategy.load_model_state_dict(self.models["model"], state, strict=not self.left_out["model"])
-            return
-        for name, m in self.models.items():
-            prefix = f"{name}."
-            self.strategy.load_model_state_dict(m, {k[len(prefix):]: v for k, v in state.items()
-                                                    if k.startswith(prefix)}, strict=not self.left_out[name])
+        else:
+            for name, m in self.models.items():
+                prefix = f"{name}."
+                self.strategy.load_model_state_dict(m, {k[len(prefix):]: v for k, v in state.items()
+                                                        if k.startswith(prefix)}, strict=not self.left_out[name])
+        for m in self.models.values():
+            keep_configured_scales(m)
 
     def _each(self, fn) -> Any:
         out = {name: fn(self.models[model], opt) for name, (model, opt) in self.optimizers.items()}

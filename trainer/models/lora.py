@@ -95,6 +95,16 @@ def init(model: nn.Module, names: list[str], seed: int, seed_everything) -> None
             scale.fill_(layer.lora_scale_value)
 
 
+@torch.no_grad()
+def keep_configured_scales(model: nn.Module) -> None:
+    """After a checkpoint is loaded: each adapter's scale buffer is this run's (finetune.lora.alpha / rank), the
+    one its forward uses. A checkpoint's (an earlier alpha: a setting a resume may change, and says so) would have
+    the export merge the adapters at another scale than they were trained at."""
+    for m in model.modules():
+        if hasattr(m, "lora_scale_value"):
+            m.get_buffer("lora_scale").fill_(m.lora_scale_value)
+
+
 def adapters_in(tensors: dict[str, torch.Tensor]) -> list[str]:
     """The layers with an adapter in a state dict (`<layer>.lora_A`), by name."""
     return [k[: -len(".lora_A")] for k in tensors if k.endswith(".lora_A")]
