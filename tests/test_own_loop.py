@@ -491,6 +491,43 @@ def test_a_state_saved_before_the_loader_recorded_its_global_batch_still_loads(t
     assert loader2.samples_seen == loader.samples_seen
 
 
+def test_load_state_before_the_loader_and_registered_objects_exist_is_refused(tmp_path):
+    """An Accelerate habit, load right after setup: the checkpoint's loader and scheduler states were skipped
+    without a word, and the run restarted its epoch and its learning rate. Refused, having changed nothing; loaded
+    once they exist."""
+    from torch.utils.data import TensorDataset
+
+    import trainer
+
+    def fresh():
+        rt = trainer.Runtime("single", "fp32")
+        torch.manual_seed(0)
+        model = nn.Linear(1, 1)
+        model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return rt, model, opt, torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+
+    def with_state(rt, sched):
+        rt.register("sched", sched)
+        return rt.loader(TensorDataset(torch.arange(10.0)[:, None]), batch_size=2)
+
+    rt, model, opt, sched = fresh()
+    loader = with_state(rt, sched)
+    for _, (x,) in zip(range(2), loader):
+        rt.backward(model(x).sum())
+        rt.step(opt, sched)
+    rt.save_state(tmp_path, step=2)
+    early, model2, _, _ = fresh()
+    before = model2.weight.detach().clone()
+    with pytest.raises(CheckpointError, match=r"holds the state of 'loader', 'sched', which nothing set up here takes"):
+        early.load_state(tmp_path)
+    assert torch.equal(model2.weight, before)
+    rt3, model3, _, sched3 = fresh()
+    loader3 = with_state(rt3, sched3)
+    assert rt3.load_state(tmp_path) == 2
+    assert sched3.get_last_lr() == sched.get_last_lr() and loader3.samples_seen == loader.samples_seen
+    assert torch.equal(model3.weight, model.weight)
+
+
 def test_accelerate_launch_flags_before_the_script_are_named_with_the_launch_command_that_does_the_same(tmp_path):
     """`launch --num_processes 2 ga.py` said "the script --num_processes is not a file"."""
     from conftest import run_main

@@ -116,10 +116,14 @@ class CheckpointManager:
     a hand-written loop's through trainer.Runtime); `parts` the models and optimizers (`Parts`); `components` the
     other stateful parts, saved under their names."""
 
-    def __init__(self, checkpointer, parts: Parts, run, components: dict[str, Any]):
+    def __init__(self, checkpointer, parts: Parts, run, components: dict[str, Any], every_component: bool = False):
         self.checkpointer, self.parts, self.strategy = checkpointer, parts, parts.strategy
         self.backend = parts.strategy.backend
         self.run, self.components = run, components
+        # A loop of one's own: a checkpoint's component that nothing here takes is refused (a loader or registered
+        # object made after load_state would start afresh). The Trainer's components follow its config, which a
+        # resume may change (ema off, a callback dropped): there they are left behind.
+        self.every_component = every_component
         checkpointer.writer = self.strategy.checkpoint_writer()
 
     def state(self) -> dict[str, Any]:
@@ -225,6 +229,12 @@ class CheckpointManager:
             absent["callbacks"] = [n for n in like["callbacks"] if n not in tree["callbacks"]]
             like["callbacks"] = {n: v for n, v in like["callbacks"].items() if n in tree["callbacks"]}
         missing = [k for k in ("optimizer", *like) if k not in tree]
+        untaken = sorted(k for k in tree if k not in like and k != "optimizer") if self.every_component else []
+        if untaken:
+            raise CheckpointError(f"{where} holds the state of {', '.join(map(repr, untaken))}, which nothing set up "
+                                  "here takes: it would start afresh instead of where it was saved. Make each loader "
+                                  "(rt.loader(..., name=...)) and register each object (rt.register(name, obj)) before "
+                                  "rt.load_state, under the names they were saved with.")
         if missing:
             raise CheckpointError(f"{where} has no {', '.join(missing)} state: it was saved by another configuration.")
         model_state = {k: snapshot.assemble(k, loaded.model[k], v, where) for k, v in live_model.items()}

@@ -516,7 +516,7 @@ class Runtime:
         self._checkpointer.keep_last = keep_last
         parts = Parts(self.strategy, self.models, self.optimizers,
                       {name: frozen_keys(m) for name, m in self.models.items()})
-        return CheckpointManager(self._checkpointer, parts, self.position, self.stateful)
+        return CheckpointManager(self._checkpointer, parts, self.position, self.stateful, every_component=True)
 
     def save_state(self, directory: str | os.PathLike, step: int, keep_last: int | None = None) -> Path:
         """Checkpoint every model, optimizer, loader and registered object, and each rank's RNG, as
