@@ -278,6 +278,28 @@ def test_fp16_one_models_overflow_does_not_rescale_another_optimizers_update():
     torch.testing.assert_close(together, alone, rtol=0, atol=0)
 
 
+def test_mistakes_that_would_step_or_save_in_the_middle_of_an_accumulation_are_refused(rt, tmp_path):
+    """On one process too: a backward outside rt.accumulate stepped every micro-batch (each loss halved), a
+    save_state after the first micro-step lost its gradients on resume, and load_state of a checkpoint that is
+    not there started afresh."""
+    model = nn.Linear(2, 1)
+    model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(UserError, match="rt.backward outside rt.accumulate.*grad_accum_steps=2"):
+        rt.backward(model(torch.ones(1, 2)).sum())
+    with rt.accumulate(model):
+        rt.backward(model(torch.ones(1, 2)).sum())
+    with pytest.raises(UserError, match=r"rt.save_state in the middle of an accumulation \(after micro-step 1 of 2\)"):
+        rt.save_state(tmp_path / "ckpt", step=1)
+    assert not (tmp_path / "ckpt").exists()
+    with rt.accumulate(model):
+        rt.backward(model(torch.ones(1, 2)).sum())
+    assert rt.step(opt) is True
+    rt.save_state(tmp_path / "ckpt", step=1)  # at the boundary
+    with pytest.raises(UserError, match="step_00000099'\\): there is no such checkpoint"):
+        rt.load_state(tmp_path / "ckpt" / "step_00000099")
+    assert rt.load_state(tmp_path / "ckpt") == 1 and rt.load_state(tmp_path / "none") is None
+
+
 def test_a_micro_step_that_raises_leaves_the_strategys_no_sync_and_the_accumulation(rt, monkeypatch):
     """rt.accumulate enters the strategy's no_sync of each model (DDP's restores its sync flag on exit): a step that
     raises inside the block must still leave them, and leave the Runtime out of its accumulation."""

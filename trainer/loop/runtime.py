@@ -354,11 +354,11 @@ class Runtime:
     def backward(self, loss: torch.Tensor, scale: float | torch.Tensor | None = None) -> None:
         """`loss` x `scale` backward, with fp16's loss scaling. `scale` defaults to 1 / grad_accum_steps (a mean
         loss per micro-batch becomes the mean over the step's micro-batches, as in Accelerate)."""
-        if self.grad_accum_steps > 1 and not self._in_accumulate and self.backend.distributed \
-                and self.strategy.distributed:
+        if self.grad_accum_steps > 1 and not self._in_accumulate:
             raise UserError(f"rt.backward outside rt.accumulate(model) with grad_accum_steps={self.grad_accum_steps}: "
-                            "every backward would sync gradients between ranks, and rt.step could not tell the step "
-                            "boundary. Put the forward and backward of each micro-batch in `with "
+                            "rt.step could not tell the step boundary (it would step every micro-batch, each loss "
+                            f"scaled by 1/{self.grad_accum_steps}), and on several processes every backward would "
+                            "sync gradients. Put the forward and backward of each micro-batch in `with "
                             "rt.accumulate(model):`.")
         if self.strategy.pipeline is not None:  # the model's forward there hands activations on, outside autograd
             raise UserError("rt.backward under pipeline parallelism (world.pp): each stage's backward must run in the "
@@ -521,7 +521,12 @@ class Runtime:
     def save_state(self, directory: str | os.PathLike, step: int, keep_last: int | None = None) -> Path:
         """Checkpoint every model, optimizer, loader and registered object, and each rank's RNG, as
         `directory/step_<step>` (atomic, pickle-free; the `keep_last` newest are kept: default checkpoint.keep_last
-        under launch, else 2). Every rank must call it."""
+        under launch, else 2). Every rank must call it, at a step boundary."""
+        if self._micro > 0:
+            raise UserError(f"rt.save_state in the middle of an accumulation (after micro-step {self._micro} of "
+                            f"{self.grad_accum_steps}): a checkpoint holds no gradients, so a resume from it would "
+                            "lose these micro-batches while its loader skips them. Save after rt.step, when "
+                            "rt.sync_gradients is true.")
         self._all_ranks_here("save_state")
         self.position.step = step
         path = self._manager(Path(directory), keep_last or self.keep_last).save(step, None, wait=True)
@@ -530,10 +535,13 @@ class Runtime:
     def load_state(self, path: str | os.PathLike) -> int | None:
         """Load a checkpoint of save_state (a `step_*` dir, or the newest complete one under `path`): under any
         strategy and world size. Returns its step, or None when `path` holds no checkpoint yet. Every rank."""
-        from trainer.checkpoint.store import MANIFEST, Checkpointer
+        from trainer.checkpoint.store import MANIFEST, Checkpointer, step_of
 
         self._all_ranks_here("load_state")
         path = Path(path)
+        if step_of(path) >= 0 and not path.is_dir():
+            raise UserError(f"rt.load_state({str(path)!r}): there is no such checkpoint. Pass one that exists, or "
+                            f"its directory ({path.parent}) for the newest there (None when there is none yet).")
         if not (path / MANIFEST).exists():
             found = Checkpointer(path).complete() if path.is_dir() else []
             if not found:
