@@ -458,6 +458,22 @@ def test_under_launch_what_the_script_passes_wins_and_the_jobs_config_gives_the_
         torch.set_num_threads(before)
 
 
+def test_under_launch_precision_auto_says_what_it_chose(monkeypatch, capsys):
+    """`launch` without precision= computed in bf16 on a CPU with bf16 units, without the line `python -m trainer`
+    prints (a plain script's Runtime() is fp32, as Accelerate's default)."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    import trainer
+    from trainer.loop.runtime import LAUNCH_ENV
+
+    cfg = trainer.compose(["debug=smoke", "precision=auto"])
+    monkeypatch.setenv(LAUNCH_ENV, json.dumps(OmegaConf.to_container(cfg)))
+    rt = trainer.Runtime()
+    assert f"precision=auto: {rt.precision.name} (" in capsys.readouterr().out  # (the mode it computes in)
+
+
 def test_a_loader_state_continues_the_same_sample_stream_with_another_batch_size(rt, tmp_path):
     """The state's check compared the next batches at this run's global batch, so a checkpoint of batch 2 was
     "another dataset, seed or shuffle" for batch 3: save_state is resumable under another world size or batch."""

@@ -260,6 +260,10 @@ def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
             raise KeyboardInterrupt from None
         from trainer.errors import Preempted
 
+        if entry is script:  # (a loop of one's own saves what it saves, where it says)
+            raise Preempted(f"stopped by {signal.Signals(e.sigval).name}: the script's processes were stopped. "
+                            "What it saved with rt.save_state is what there is; rerun it to continue from its "
+                            "rt.load_state.") from None
         raise Preempted(f"stopped by {signal.Signals(e.sigval).name}; {_what_was_saved(run_dir, before)} "
                         "Rerun the same command with resume=auto to continue.") from None
     finally:

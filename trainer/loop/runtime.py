@@ -113,7 +113,9 @@ class Runtime:
 
             cfg = launched
             if cfg.precision.get("_target_") == AUTO_TARGET:  # rank 0 chooses, every rank computes in its choice
-                cfg, _ = self.backend.broadcast_object(resolve_auto(cfg) if self.backend.is_main else None)
+                cfg, chosen = self.backend.broadcast_object(resolve_auto(cfg) if self.backend.is_main else None)
+                if chosen and self.backend.is_main:  # (what it chose, and why: as `python -m trainer` says it)
+                    print(chosen, flush=True)
             precision = build_node("precision", cfg.precision, device_type=self.backend.device.type,
                                    sharded=strategy.shards_parameters)
         self.precision = _precision(precision or "fp32", self.backend.device.type, strategy.shards_parameters)
