@@ -187,13 +187,30 @@ def test_one_optimizer_over_two_models_is_refused(rt):
 
 
 def test_zero_grad_in_the_middle_of_an_accumulation_is_refused(rt):
+    """In every form that throws away earlier micro-batches: the optimizer's zero_grad after a micro-step that is
+    not the last, inside the next micro-step before its backward, or with set_to_none=False (zeros, not None), each
+    refused before it zeroes; a module's zero_grad, which nothing intercepts, at the next micro-step. A step's first
+    micro-step may zero before its backward (a plain PyTorch loop's habit)."""
     model = nn.Linear(2, 1)
     model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with rt.accumulate(model):
+        opt.zero_grad()  # the step's first micro-step, before its backward: nothing to lose
         rt.backward(model(torch.ones(1, 2)).sum())
+        with pytest.raises(UserError, match=r"optimizer.zero_grad\(\) in the middle of an accumulation"):
+            opt.zero_grad()  # after its backward, in a micro-step that is not the last
     assert rt.step(opt) is False  # mid-accumulation: no step, gradients kept
-    assert model.weight.grad is not None
-    opt.zero_grad()
+    for zero in (opt.zero_grad, lambda: opt.zero_grad(set_to_none=False)):
+        with pytest.raises(UserError, match=r"micro-step 1 of 2\): it would throw away the gradients"):
+            zero()
+    with rt.accumulate(model):
+        with pytest.raises(UserError, match=r"in the middle of an accumulation \(micro-step 2 of 2"):
+            opt.zero_grad()
+        assert torch.equal(model.weight.grad, torch.full((1, 2), 0.5))  # the first micro-step's, kept throughout
+        rt.backward(model(torch.ones(1, 2)).sum())
+    assert rt.step(opt) is True
+    with rt.accumulate(model):  # the next step
+        rt.backward(model(torch.ones(1, 2)).sum())
+    model.zero_grad()
     with pytest.raises(UserError, match="zeroed in the middle of an accumulation"), rt.accumulate(model):
         pass
 

@@ -133,6 +133,8 @@ class Runtime:
         self._set_up: set[int] = set()  # ids of the modules set up (original and wrapped)
         self._micro = 0  # micro-steps taken in accumulate() (the step boundary is every grad_accum_steps-th)
         self._in_accumulate = False
+        self._continues_step = False  # the micro-step in accumulate() is not its step's first
+        self._backward_here = False  # a backward ran in that micro-step
         self.sync_gradients = True  # whether this micro-step ends an optimizer step (gradients are synced)
         self._pending_reduce: set[str] = set()  # models whose gradients the strategy must still average (ddp x tp)
         self._listed: dict[str, list[torch.Tensor]] = {}  # each set-up model's parameters, listed once (_trainable)
@@ -271,6 +273,7 @@ class Runtime:
         self.optimizers[name] = (owner, optimizer)
         if isinstance(optimizer, torch.optim.Optimizer):  # (not an engine's own optimizer: DeepSpeed checks its own)
             optimizer.register_step_pre_hook(self._check_own_step)
+            optimizer.zero_grad = _CheckedZeroGrad(self, optimizer.zero_grad)  # (torch has no zero_grad hook)
         return optimizer
 
     def _check_own_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
@@ -337,6 +340,7 @@ class Runtime:
         if self._micro > 0:  # not the step's first micro-step: the earlier ones' gradients must still be there
             self._check_not_zeroed(models)
         boundary = self._micro + 1 >= self.grad_accum_steps if last is None else last
+        self._continues_step, self._backward_here = self._micro > 0, False  # (what a zero_grad here would lose)
         self._micro = 0 if boundary else self._micro + 1
         self.sync_gradients = boundary
         return _MicroStep(self, [self.strategy.no_sync(m, enabled=not boundary) for m in models])
@@ -369,6 +373,7 @@ class Runtime:
                             "the model and rt.backward.")
         if scale is None:
             scale = 1.0 / self.grad_accum_steps
+        self._backward_here = True
         self.strategy.backward(loss * scale if not (isinstance(scale, float) and scale == 1.0) else loss)
         if self.sync_gradients and self.strategy.reduces_gradients:
             self._pending_reduce.update(self.models)
@@ -390,6 +395,7 @@ class Runtime:
             self.backward(loss, scale)
             return loss, sums
         scale = 1.0 / self.grad_accum_steps if scale is None else scale
+        self._backward_here = True
         loss, sums = self.strategy.pipeline.forward_backward(batch, loss_fn, scale, self.autocast, mean=mean)
         if self.sync_gradients and self.strategy.reduces_gradients:
             self._pending_reduce.update(self.models)
@@ -470,7 +476,7 @@ class Runtime:
         if applied and scheduler is not None:
             scheduler.step()
         if zero_grad:
-            optimizer.zero_grad(set_to_none=True)
+            type(optimizer).zero_grad(optimizer, set_to_none=True)  # (the class's: the user's is checked)
         return applied
 
     def no_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
@@ -649,6 +655,31 @@ def launched_config():
     from omegaconf import OmegaConf
 
     return OmegaConf.create(json.loads(text))
+
+
+class _CheckedZeroGrad:
+    """A set-up optimizer's zero_grad: refused where it would throw away the gradients of a step's earlier
+    micro-batches (in or after a micro-step that is not the step's last, past its first backward), which
+    rt.step keeps until the boundary and zeroes there. Elsewhere, the optimizer's own."""
+
+    __slots__ = ("rt", "own")
+
+    def __init__(self, rt: Runtime, own: Callable):
+        self.rt, self.own = rt, own
+
+    def __call__(self, set_to_none: bool = True) -> None:
+        rt = self.rt
+        if rt._in_accumulate:
+            lost = rt._continues_step or (rt._backward_here and not rt.sync_gradients)
+        else:
+            lost = rt._micro > 0
+        if lost:
+            raise UserError(f"optimizer.zero_grad() in the middle of an accumulation (micro-step "
+                            f"{rt._micro or rt.grad_accum_steps} of {rt.grad_accum_steps}): it would throw away the "
+                            "gradients of the step's earlier micro-batches. rt.step(optimizer) zeroes them at the step "
+                            "boundary: leave this call out (a step's first micro-step may still zero before its "
+                            "backward).")
+        return self.own(set_to_none=set_to_none)
 
 
 class _MicroStep:
