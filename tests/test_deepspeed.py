@@ -116,6 +116,29 @@ def test_a_one_process_checkpoint_resumes_on_zero3_with_accumulation(reference, 
 
 @pytest.mark.deepspeed
 @needs_deepspeed
+def test_a_lora_checkpoint_resumes_and_evaluates_on_zero3(corpus, tmp_path):
+    """ZeRO-3 partitions LoRA's frozen base too, which no optimizer holds: building the live model state to check a
+    checkpoint against read each rank's empty partition, and eval and resume failed with a reshape traceback. Now
+    a one-process LoRA checkpoint resumes on ZeRO-3 to the one-process run's merged weights, EMA and adapter (the
+    EMA's export read the empty partitions too), and eval on ZeRO-3 gives one process's val loss."""
+    base, single, zero3 = tmp_path / "base", tmp_path / "single", tmp_path / "zero3"
+    train_in_process(corpus, base, "trainer.max_steps=2")
+    lora = (f"finetune.weights={base}", "finetune.lora.rank=4", "finetune.lora.targets=[qkv]", "trainer.max_steps=4",
+            "checkpoint.every_n_steps=2", "data.batch_size=4")
+    train_in_process(corpus, single, *SHARED, *lora)  # (EMA on, as cli_run's runs: its export gathers the base too)
+    shutil.copytree(single, zero3)
+    cli_run(corpus, zero3, *lora, *DS2, "world.stage=3", "data.batch_size=2",
+            f"resume={single}/checkpoints/step_00000002")
+    for name in ("model.safetensors", "model_ema.safetensors", "adapter/adapter_model.safetensors"):
+        assert_same_weights(zero3, single, name)
+    r = run_cli("eval", str(zero3))  # (its config: ZeRO-3 on 2 processes)
+    assert r.returncode == 0, r.stderr
+    want = [e for e in read_metrics(single) if "val/loss" in e][-1]["val/loss"]
+    assert json.loads(r.stdout.strip().splitlines()[-1])["val/loss"] == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.deepspeed
+@needs_deepspeed
 def test_zero1_offloaded_with_accumulation_and_a_skipped_nan_step_equals_ddp(corpus, tmp_path):
     """ZeRO-1 with its optimizer state on the CPU, 2 micro-batches per step, and a NaN loss on rank 1 in step 5
     under trainer.nonfinite=skip: the same weights and losses as DDP with the same NaN (the step is skipped on

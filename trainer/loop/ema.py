@@ -102,7 +102,9 @@ class EMA:
             key = name
             src = by_name.get(key)
             if src is None:  # the second name of a tied weight, or a frozen weight (its own average)
-                src = next((s for n, q, s in zip(self.names, self.params, whole) if q is p), p.detach())
+                src = next((s for n, q, s in zip(self.names, self.params, whole) if q is p), None)
+            if src is None:  # frozen (LoRA's base): under ZeRO-3 a partition, gathered whole (every rank calls this)
+                src = self.parts.whole_frozen(p) if self.parts is not None else p.detach()
             out[key] = src.to(p.dtype)
         return out
 

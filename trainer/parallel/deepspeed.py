@@ -287,6 +287,11 @@ class DeepSpeed(Strategy):
         from deepspeed.utils import safe_get_full_fp32_param
 
         full = safe_get_full_fp32_param(param) if self.engine is not None else None
+        if full is None and hasattr(param, "ds_id"):
+            # Not trained by the engine (LoRA's frozen base) or no engine yet, and under ZeRO-3 partitioned all the
+            # same: gathered from every rank (a collective, as the master weights' gathering is).
+            with self.deepspeed.zero.GatheredParameters([param]):
+                return param.detach().to("cpu", torch.float32, copy=True).reshape(param.ds_shape)
         if full is None:  # not trained by the engine (frozen), or no engine yet
             full = param.detach()
         return full.to("cpu", torch.float32, copy=True).reshape(param.ds_shape if hasattr(param, "ds_shape")
@@ -515,6 +520,10 @@ class Partitions:
         flat = whole.detach().reshape(-1).to(self.backend.device, torch.float32)
         flat = torch.nn.functional.pad(flat, (0, n * self.backend.world_size - flat.numel()))
         return flat[n * self.backend.rank:n * (self.backend.rank + 1)].clone()
+
+    def whole_frozen(self, param: nn.Parameter) -> torch.Tensor:
+        """A parameter no optimizer holds (LoRA's frozen base), whole: it has no master partition to average."""
+        return self.strategy._full(param)
 
     def full(self, param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
         """The whole tensor from every rank's partition (a collective: every rank calls it, in the same order)."""
