@@ -88,6 +88,8 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
     (["trainer.nonfinite_check=log", "trainer.nonfinite=skip"], ["trainer.nonfinite_check='log'", "nonfinite=skip"]),
     (["trainer.nonfinite_check=sometimes"], ["trainer.nonfinite_check='sometimes'", "auto, step or log"]),
     (["--config-dir", "nosuch"], ["--config-dir nosuch: there is no such directory"]),  # (was Hydra's, and a warning)
+    (["finetune.weights=nosuch", "world=ddp", "world.nproc_per_node=2", "world.pp=2"],
+     ["world.pp=2 is invalid: expected 1 with finetune.weights=nosuch", "world=fsdp"]),  # (a worker's traceback)
 ])
 def test_config_mistakes(tmp_path, args, needles):
     # Most mistakes end before Hydra writes anything: checked in this process (`run_main`, the same

@@ -217,3 +217,17 @@ def test_finetune_mistakes_are_one_paragraph_before_any_worker(corpus, tmp_path,
                                  *extra), f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert_clean_error(r, *needles)
     assert not (tmp_path / "run").exists()
+
+
+def test_weights_from_the_runs_own_dir_are_refused_before_anything_there_changes(corpus, tmp_path, pretrained):
+    """A LoRA run started from the finished run in its own hydra.run.dir trained, then replaced the weights it
+    started from with its export: its checkpoints could no longer be resumed or evaluated."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(pretrained, run)
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for weights in (run, run / "model.safetensors"):
+        r = run_here(*tiny_overrides(corpus, f"finetune.weights={weights}", *LORA), f"hydra.run.dir={run}", cwd=tmp_path)
+        assert_clean_error(r, f"finetune.weights={weights} is in this run's own dir", "hydra.run.dir=DIR")
+    assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before

@@ -122,7 +122,11 @@ def test_eval_mistakes_are_one_paragraph(reference, tmp_path):
                          (["eval", str(reference), "checkpoint=/no/such/step"], "checkpoint=/no/such/step is not a "
                                                                                  "directory. Pass checkpoint=latest"),
                          (["sample", str(reference), "ema=maybe"], "ema=maybe is not true or false"),
-                         (["sample", str(reference), "show_map=perhaps"], "show_map=perhaps is not true or false")):
+                         (["sample", str(reference), "show_map=perhaps"], "show_map=perhaps is not true or false"),
+                         # (were a TypeError, an IndexError and an AttributeError from inside the sampling)
+                         (["sample", str(reference), "task.temperature=abc"], "task.temperature='abc' is not a number"),
+                         (["sample", str(reference), "task.top_k=0"], "task.top_k=0 is not an integer >= 1 or null"),
+                         (["sample", str(reference), "task.sample_prompt=123"], "task.sample_prompt=123 is not text")):
         r = run_main(*args, cwd=tmp_path)
         assert_clean_error(r, needle)
 

@@ -27,6 +27,7 @@ class LanguageModeling:
         if seq_len is not None and data_seq_len is not None and seq_len < data_seq_len:
             raise ConfigError(f"model.seq_len={seq_len} is shorter than data.seq_len={data_seq_len}: the model has no "
                               "positions for the later tokens. Set model.seq_len >= data.seq_len (the default follows it).")
+        _check_sampling(sample_prompt, sample_tokens, temperature, top_k)
         self.sample_prompt, self.sample_tokens = sample_prompt, sample_tokens
         self.temperature, self.top_k = temperature, top_k
 
@@ -50,3 +51,23 @@ class LanguageModeling:
         g = torch.Generator(device=device).manual_seed(0)
         out = model.generate(prompt, self.sample_tokens, temperature=self.temperature, top_k=self.top_k, generator=g)
         return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+
+
+def _check_sampling(prompt, tokens, temperature, top_k) -> None:
+    """The sampling settings (task.KEY=VALUE, also on `python -m trainer sample`), each one paragraph when wrong: a
+    text prompt, a count of tokens, a temperature > 0 (0: the likeliest token each time) and top_k >= 1 or null."""
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    problems = []
+    if not isinstance(prompt, str):
+        problems.append(f"task.sample_prompt={prompt!r} is not text (quote a number: task.sample_prompt=\"'123'\")")
+    if not (isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0):
+        problems.append(f"task.sample_tokens={tokens!r} is not an integer >= 0 (0: no sample)")
+    if not (number(temperature) and temperature >= 0):
+        problems.append(f"task.temperature={temperature!r} is not a number >= 0 (0: always the likeliest token)")
+    if not (top_k is None or (isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 1)):
+        problems.append(f"task.top_k={top_k!r} is not an integer >= 1 or null (null: every token)")
+    if problems:
+        raise ConfigError("; ".join(problems) + ".")
+

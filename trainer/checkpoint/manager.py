@@ -12,6 +12,7 @@ checkpoint-format code.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,12 @@ class Parts:
 
     def __init__(self, strategy, models: dict[str, torch.nn.Module],
                  optimizers: dict[str, tuple[str, torch.optim.Optimizer]],
-                 left_out: dict[str, frozenset[str]] | None = None):
+                 left_out: dict[str, frozenset[str]] | None = None,
+                 after_load: Callable[[torch.nn.Module], None] | None = None):
         self.strategy, self.models, self.optimizers = strategy, models, optimizers
+        # What a model needs after its tensors are loaded (LoRA: the scale this run configured, not the checkpoint's;
+        # trainer/models/finetune.py's after_load, which the loop passes).
+        self.after_load = after_load
         self.one_model = list(models) == ["model"]  # model tensors under the module's own keys
         self.single = self.one_model and len(optimizers) <= 1  # and the optimizer's state under "optimizer"
         # Each model's keys a checkpoint leaves out: a LoRA run's frozen base weights, which a resume rebuilds
@@ -57,8 +62,6 @@ class Parts:
         return any(key == self._key(name, k) for name, keys in self.left_out.items() for k in keys)
 
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        from trainer.models.lora import keep_configured_scales
-
         if self.one_model:
             self.strategy.load_model_state_dict(self.models["model"], state, strict=not self.left_out["model"])
         else:
@@ -66,8 +69,8 @@ class Parts:
                 prefix = f"{name}."
                 self.strategy.load_model_state_dict(m, {k[len(prefix):]: v for k, v in state.items()
                                                         if k.startswith(prefix)}, strict=not self.left_out[name])
-        for m in self.models.values():
-            keep_configured_scales(m)
+        for m in self.models.values() if self.after_load is not None else ():
+            self.after_load(m)
 
     def _each(self, fn) -> Any:
         out = {name: fn(self.models[model], opt) for name, (model, opt) in self.optimizers.items()}

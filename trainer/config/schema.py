@@ -219,6 +219,10 @@ def validate(cfg: DictConfig) -> None:
     for name, node in per_part(cfg.scheduler).items():
         _validate_scheduler(node, f"scheduler.{name}" if name else "scheduler")
     _validate_world(cfg.world, cfg.data.get("batch_size"), cfg.precision.get("_target_"))
+    pp, weights = _plain(cfg.world.get("pp", 1)), (cfg.get("finetune") or {}).get("weights")
+    _check(weights is None or pp == 1, "world.pp", pp, f"1 with finetune.weights={weights}",
+           "Pipeline stages cannot load pretrained weights yet (each stage would take its own part of the files), "
+           "nor evaluate a run that started from them: use world=ddp, world=fsdp or world.tp for it.")
 
 
 def _validate_finetune(f: DictConfig | None) -> None:

@@ -95,6 +95,19 @@ def check_output_dir(cfg: DictConfig, multirun: bool) -> None:
                           "the default run dirs).")
 
 
+def check_weights_outside(cfg: DictConfig, run_dir: Path) -> None:
+    """finetune.weights in the run's own dir: its export would replace the weights it starts from (and that its
+    checkpoints record), so neither eval nor a resume could rebuild what it trained on."""
+    weights = (cfg.get("finetune") or {}).get("weights")
+    if weights is None:
+        return
+    source, here = Path(str(weights)).expanduser().resolve(), run_dir.resolve()
+    if source == here or here in source.parents:
+        raise ConfigError(f"finetune.weights={weights} is in this run's own dir ({run_dir}): the run's export would "
+                          "replace the weights it starts from, and its checkpoints could then not be resumed or "
+                          "evaluated. Give the new run a dir of its own (hydra.run.dir=DIR).")
+
+
 def compose_with_hydra(overrides: list[str], config_dir: str | None, sources: bool = False):
     """`config.compose.load`'s config with the `hydra` node kept (callbacks, logging, env_set), so that the
     config trust model can check Hydra's hooks before Hydra runs them. Errors are explained as by `load`.
@@ -214,6 +227,7 @@ def run_job(cfg: DictConfig) -> float | None:
                 if not _earlier_job_in(run_dir):  # (a dir Hydra made for this job, empty: not left behind)
                     _remove_if_free(run_dir)
                 run_dir = point
+        check_weights_outside(resolved, run_dir)
         from trainer.entry.launcher import launch_topology
 
         topology = launch_topology(resolved.world, say=print)  # world's launch keys, typed once for this job

@@ -387,7 +387,10 @@ def checkpoint_of(run_dir: str | Path, which: str = "latest") -> Path:
                   "skipped (pass checkpoint=PATH to evaluate the checkpoint it points to).", file=sys.stderr)
         found = [p for p in Checkpointer(checkpoints).complete() if not p.is_symlink()]
         if not found:
-            raise CheckpointError(f"{path} has no complete checkpoint (checkpoints/step_*/manifest.json) to evaluate.")
+            export = (f" Its final export is there: `python -m trainer eval {path} device_map=auto` evaluates it "
+                      "(checkpoint.save_final=false keeps no checkpoint)." if (path / "export.json").is_file() else "")
+            raise CheckpointError(f"{path} has no complete checkpoint (checkpoints/step_*/manifest.json) to "
+                                  f"evaluate.{export}")
         return found[-1]
     if which == "best":
         best = checkpoints / "best.json"

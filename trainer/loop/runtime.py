@@ -496,6 +496,13 @@ class Runtime:
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor` (same shape on all), concatenated along dim 0 in rank order, on every rank."""
+        if self.backend.distributed:  # (gloo aborts the process on unequal shapes: say which, in one paragraph)
+            shapes = self.backend.gather_object((tuple(tensor.shape), str(tensor.dtype)))
+            if len(set(shapes)) > 1:
+                listed = ", ".join(f"rank {r}: {list(s)} {d}" for r, (s, d) in enumerate(shapes))
+                raise UserError(f"rt.gather needs the same shape and dtype on every rank, and got {listed}. Pad to "
+                                "one shape first, or gather per-sample rows of an eval set with "
+                                "rt.gather_for_metrics(outputs, eval_loader), which takes each rank's own count.")
         return self.backend.all_gather_cat(tensor)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -516,14 +523,14 @@ class Runtime:
     def _manager(self, directory: Path, keep_last: int):
         from trainer.checkpoint.manager import CheckpointManager, Parts
         from trainer.checkpoint.store import Checkpointer
-        from trainer.models.finetune import frozen_keys
+        from trainer.models.finetune import after_load, frozen_keys
 
         if self._checkpointer is None or self._checkpointer.dir != directory:
             self._checkpointer = Checkpointer(directory, keep_last=keep_last, backend=self.backend,
                                               sharded=self.strategy.sharded)
         self._checkpointer.keep_last = keep_last
         parts = Parts(self.strategy, self.models, self.optimizers,
-                      {name: frozen_keys(m) for name, m in self.models.items()})
+                      {name: frozen_keys(m) for name, m in self.models.items()}, after_load=after_load)
         return CheckpointManager(self._checkpointer, parts, self.position, self.stateful, every_component=True)
 
     def save_state(self, directory: str | os.PathLike, step: int, keep_last: int | None = None) -> Path:

@@ -26,7 +26,7 @@ from trainer.loop.metrics import Cost, Throughput
 from trainer.loop.nonfinite import FIX, NonFiniteGuard
 from trainer.loop.preemption import PreemptionFlag
 from trainer.loop.runtime import Runtime
-from trainer.models.finetune import frozen_keys
+from trainer.models.finetune import after_load, frozen_keys
 from trainer.parallel import unwrap
 from trainer.redaction import redact_text
 from trainer.task import EvalSums, Task, split_loss
@@ -75,7 +75,7 @@ class Trainer:
                            "loggers": self.loggers, "checkpointer": self.checkpointer, "callbacks": self.callbacks,
                            **({"ema": ema} if ema is not None else {}), **(components or {})}
         parts = Parts(strategy, {"model": model}, {name: ("model", opt) for name, opt in self.optimizers.items()},
-                      {"model": frozen_keys(model)})
+                      {"model": frozen_keys(model)}, after_load=after_load)
         self.checkpoints = CheckpointManager(self.checkpointer, parts, self, self.components)
         # Run state (in checkpoints).
         self.step = 0  # optimizer steps done (skipped fp16/nonfinite steps included)

@@ -110,6 +110,14 @@ def frozen_keys(model: nn.Module) -> frozenset[str]:
     return frozenset(n for n, p in raw.named_parameters(remove_duplicate=False) if not p.requires_grad)
 
 
+def after_load(model: nn.Module) -> None:
+    """After a checkpoint's tensors are loaded into `model`: LoRA adapters keep this run's scale (finetune.lora.alpha
+    / rank, which their forward uses), not the checkpoint's buffer, which the export would otherwise merge with."""
+    from trainer.models.lora import keep_configured_scales
+
+    keep_configured_scales(model)
+
+
 class Source:
     """The pretrained files a LoRA run's checkpoints rest on (their sha256), a stateful part of the checkpoint: a
     resume that would rebuild the frozen weights from other bytes stops, naming the files, instead of training
