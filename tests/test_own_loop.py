@@ -115,6 +115,7 @@ def test_eval_outputs_are_gathered_with_every_sample_once(tmp_path):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["indices"] == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert out["median"] == pytest.approx((torch.linspace(-1, 1, 5) ** 3).median().item(), abs=0)
+    assert "rt.gather needs the same shape and dtype on every rank, and got rank 0: [3, 2]" in out["gather_refused"]
 
 
 def test_save_state_on_one_rank_only_is_an_error_not_a_hang(tmp_path):

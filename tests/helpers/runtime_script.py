@@ -67,10 +67,15 @@ def gather(rt: trainer.Runtime, n: int, batch: int) -> None:
     dataset = TensorDataset(torch.arange(n, dtype=torch.float32), values)
     loader = rt.eval_loader(dataset, batch_size=batch)
     rows = torch.cat([torch.stack(b, dim=1) for b in loader])
+    try:  # the ranks' row counts differ: plain rt.gather refuses them (gloo aborted the process)
+        rt.gather(rows)
+        refused = None
+    except trainer.UserError as e:
+        refused = str(e)
     everything = rt.gather_for_metrics(rows, loader)
     # A metric that is not a sum over ranks: the median of all values (and the count, to see none repeats).
     rt.print(json.dumps({"indices": everything[:, 0].tolist(), "median": everything[:, 1].median().item(),
-                         "local_rows": rows.shape[0]}))
+                         "local_rows": rows.shape[0], "gather_refused": refused}))
     rt.end()
 
 
