@@ -547,6 +547,28 @@ def test_a_state_saved_before_the_loader_recorded_its_global_batch_still_loads(t
     assert loader2.samples_seen == loader.samples_seen
 
 
+def test_a_resume_at_another_global_batch_says_where_it_continues(tmp_path, capsys):
+    """The Trainer says so when the global batch changed on resume; a loop of one's own said nothing."""
+    from torch.utils.data import TensorDataset
+
+    import trainer
+
+    def fresh(accum: int):
+        rt = trainer.Runtime("single", "fp32", grad_accum_steps=accum)
+        model = nn.Linear(1, 1)
+        rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return rt, rt.loader(TensorDataset(torch.arange(10.0)[:, None]), batch_size=2)
+
+    rt, loader = fresh(1)
+    next(iter(loader))
+    rt.save_state(tmp_path, step=1)
+    rt, loader = fresh(2)
+    capsys.readouterr()
+    assert rt.load_state(tmp_path) == 1
+    assert ("global batch of 2 samples and this loop's is 4 (processes x batch_size x grad_accum_steps): it continues "
+            "at sample 2") in capsys.readouterr().out
+
+
 def test_load_state_before_the_loader_and_registered_objects_exist_is_refused(tmp_path):
     """An Accelerate habit, load right after setup: the checkpoint's loader and scheduler states were skipped
     without a word, and the run restarted its epoch and its learning rate. Refused, having changed nothing; loaded

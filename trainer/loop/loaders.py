@@ -153,6 +153,11 @@ class Loader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.samples_seen = state["samples_seen"]
+        saved = state.get("global_batch")  # (absent from checkpoints written before it was recorded)
+        if self._data is None and saved is not None and saved != self.global_batch and self.rt.backend.is_main:
+            print(f"resume: the checkpoint was written at a global batch of {saved} samples and this loop's is "
+                  f"{self.global_batch} (processes x batch_size x grad_accum_steps): it continues at sample "
+                  f"{self.samples_seen} of the same sample order, {self.global_batch} samples a step.", flush=True)
         if self._data is not None:
             note = self._data.load_position({"stream": state["stream"]})
             self._batches = None  # the next `for` reads on from the loaded position
