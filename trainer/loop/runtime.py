@@ -284,7 +284,8 @@ class Runtime:
             return
         owner = next((m for m, o in self.optimizers.values() if o is optimizer), None)
         if not self.sync_gradients:
-            why = (f"in the middle of an accumulation (after micro-step {self._micro} of {self.grad_accum_steps}): it would apply part of the step's gradients, unsynced between ranks, as a step of its own")
+            why = (f"in the middle of an accumulation (after micro-step {self._micro} of {self.grad_accum_steps}): it "
+                   "would apply part of the step's gradients, unsynced between ranks, as a step of its own")
         elif self.precision.scaler is not None:
             why = ("under precision=fp16: the gradients are still multiplied by the loss scale, and the scaler would "
                    "neither skip an overflowed step nor update its scale")

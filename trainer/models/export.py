@@ -110,7 +110,8 @@ def export_intact(run_dir: Path, files: dict) -> bool:
     try:
         for name, want in files.items():
             path = run_dir / name
-            if not listed_name(name) or not path.is_file() or os.path.islink(path) or os.path.islink(path.parent):
+            if not listed_name(name) or not path.is_file() or os.path.islink(path) or \
+                    ("/" in name and os.path.islink(path.parent)):  # (an adapter/ dir that is a link)
                 return False
             if path.stat().st_size != want["bytes"]:
                 return False
@@ -148,7 +149,7 @@ def set_aside(run_dir: Path) -> Path | None:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     present = sorted(n for n in names if (run_dir / n).is_file() and not (run_dir / n).is_symlink()
-                     and not (run_dir / n).parent.is_symlink())
+                     and not ("/" in n and (run_dir / n).parent.is_symlink()))
     if not present:
         return None
     target = free_name(run_dir / "export", ".prev")
