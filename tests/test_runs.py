@@ -183,6 +183,20 @@ def test_every_earlier_attempt_keeps_its_events_and_its_only_copy_of_the_weights
                                                                             "model_config.json"]
 
 
+def test_a_resume_with_ema_turned_off_leaves_no_earlier_ema_export_to_load(corpus, tmp_path):
+    """The step-4 export's model_ema.safetensors stayed beside the step-6 export, and trainer.load(ema=True) and
+    `sample` (EMA weights by default) read it as the run's."""
+    import trainer
+    from trainer.errors import ConfigError
+
+    train_in_process(corpus, tmp_path, "trainer.max_steps=4", "ema.enabled=true")
+    assert (tmp_path / "model_ema.safetensors").is_file()
+    train_in_process(corpus, tmp_path, "trainer.max_steps=6", "ema.enabled=false", "resume=auto")
+    assert not list(tmp_path.glob("model_ema*"))
+    with pytest.raises(ConfigError, match="has no EMA weights in its final export"):
+        trainer.load(tmp_path, ema=True)
+
+
 def test_a_checkpoint_dir_that_cannot_be_written_stops_the_run_before_it_trains(corpus, tmp_path):
     """A file where checkpoints/ goes was found at the first save, after every step before it had been trained,
     and the message said to free disk space."""

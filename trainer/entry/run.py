@@ -287,7 +287,7 @@ def export(trainer: Trainer, cfg: DictConfig, run_dir: Path) -> None:
     missing or older one, or a listed file missing or changed, means the export must be (re)done. Every rank
     takes part under a sharded strategy (each tensor is gathered in turn)."""
     from trainer.io import atomic_write_json
-    from trainer.models.export import export_model, export_task_state, file_digests
+    from trainer.models.export import export_model, export_task_state, file_digests, remove_export
 
     ccfg: CheckpointConfig = typed(CheckpointConfig, cfg.get("checkpoint"))
     model_config = redact(OmegaConf.to_container(cfg.model, resolve=True))
@@ -303,6 +303,8 @@ def export(trainer: Trainer, cfg: DictConfig, run_dir: Path) -> None:
             if trainer.backend.is_main:
                 files += export_model(tensors, run_dir, name, model_config, ccfg.max_shard_mb)
         if trainer.backend.is_main:
+            if trainer.ema is None:  # an earlier export's EMA weights (ema.enabled turned off on a resume): not these
+                remove_export(run_dir, "model_ema")
             if hasattr(trainer.task, "state_dict"):
                 files.append(export_task_state(trainer.task.state_dict(), run_dir))
             config = getattr(trainer.raw_model, "config", None)

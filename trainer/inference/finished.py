@@ -15,6 +15,7 @@ damaged or hostile file is one paragraph naming it and what to do.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -202,8 +203,14 @@ def exported_weights(run_dir: Path, name: str = "model") -> dict[str, torch.Tens
 
 
 def has_ema(run_dir: str | Path) -> bool:
-    """Whether the run exported EMA weights."""
+    """Whether the run's export has EMA weights: export.json's names, or for a run without one, the files."""
     run = Path(run_dir)
+    try:
+        names = json.loads(_read(run / "export.json", MAX_CONFIG_BYTES, ""))["names"]
+        if isinstance(names, list):
+            return "model_ema" in names
+    except (CheckpointError, ValueError, KeyError, TypeError):
+        pass
     return any(os.path.lexists(run / f) for f in ("model_ema.safetensors", "model_ema.safetensors.index.json"))
 
 
@@ -240,7 +247,8 @@ def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "c
     source, fix = path / "model_config.json", _reexport(path)
     model = model_of(path)
     if ema and not has_ema(path):
-        raise ConfigError(f"{path} has no EMA weights (it was trained without ema.enabled); load it with ema=False.")
+        raise ConfigError(f"{path} has no EMA weights in its final export (ema.enabled was off when it finished); "
+                          "load it with ema=False.")
     name = "model_ema" if ema else "model"
     weights = exported_weights(path, name)
     problems = _mismatches(model.state_dict(), weights, f"{name}.safetensors")

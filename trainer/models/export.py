@@ -89,6 +89,13 @@ def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, mod
     return [*written, "model_config.json", *adapter_files]
 
 
+def remove_export(run_dir: Path, name: str) -> None:
+    """An earlier export of `name` (whole or sharded), where this export has none: no reader may take it for this one."""
+    for old in {*run_dir.glob(f"{name}-*-of-*.safetensors"), run_dir / f"{name}.safetensors",
+                run_dir / f"{name}.safetensors.index.json"}:
+        old.unlink(missing_ok=True)
+
+
 def file_digests(run_dir: Path, names: list[str]) -> dict[str, dict]:
     """{name: {"bytes": size, "sha256": digest}} of files in `run_dir`: what export.json says the export is."""
     import hashlib
