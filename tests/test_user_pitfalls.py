@@ -476,6 +476,8 @@ def test_the_lr_range_test_is_the_same_on_two_ranks(corpus, tmp_path):
     (["lr", "debug=smoke", "tune.max_lr=1e-9"], "must be above tune.min_lr"),
     (["lr", "debug=smoke", "tune.stepz=5"], "Did you mean steps?"),
     (["lr", "debug=smoke", "optim.lrr=1"], "optim.lr=1"),
+    # A task that steps its own optimizers: the sweep never reached them, and its suggestion changed nothing.
+    (["lr", "recipe=gan", "debug=smoke"], "steps optimizers of its own (optim.generator, optim.discriminator)"),
 ])
 def test_a_finder_mistake_is_one_paragraph(tmp_path, args, says):
     from conftest import run_here

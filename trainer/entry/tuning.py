@@ -119,7 +119,16 @@ def _check_world(what: str, cfg: DictConfig, s: dict[str, Any]) -> None:
     from trainer.config.schema import launch_config
     from trainer.parallel.backend import resolve_device
 
-    if what != "batch_size":
+    if what == "lr":
+        from trainer.config.schema import per_part
+
+        parts = [name for name in per_part(cfg.optim) if name is not None]
+        if parts:  # (a task's own training_step steps them, each on its own schedule: the sweep cannot drive them)
+            raise ConfigError(f"tune lr sweeps one learning rate, optim.lr, through the Trainer's one-loss step; "
+                              f"this run's task steps optimizers of its own ({', '.join(f'optim.{p}' for p in parts)}) "
+                              "in its training_step, on their own schedules, which the sweep does not reach (their "
+                              f"losses would stay flat whatever it tried). Try each part's rate by hand "
+                              f"({' '.join(f'optim.{p}.lr=...' for p in parts)}) with a short trainer.max_steps.")
         return
     if build_strategy(cfg.world).collective_forward:
         raise ConfigError("tune batch_size runs under world=single and world=ddp, not yet where the forward itself "
