@@ -142,15 +142,32 @@ def test_export_shards_above_the_size_limit(corpus, tmp_path):
     assert not (tmp_path / "model.safetensors").exists()
 
 
-def test_best_checkpoint_by_metric_survives_pruning(corpus, tmp_path):
-    events = train_in_process(corpus, tmp_path, "trainer.max_steps=8", "trainer.eval_every=2", "optim.lr=3e-2",
-                              "checkpoint.every_n_steps=2", "checkpoint.keep_last=1", "checkpoint.best_metric=val/loss")
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_best_checkpoint_by_metric_is_the_best_eval_and_survives_pruning(corpus, tmp_path, mode):
+    """Every eval is compared, and one that beats the best is saved whether or not a checkpoint was due (evals at
+    3 and 6, checkpoints every 2 steps: best.json named only evals that fell on a checkpoint step, the worst under
+    max). The best survives pruning to keep_last=1."""
+    events = train_in_process(corpus, tmp_path, "trainer.max_steps=8", "trainer.eval_every=3", "optim.lr=3e-2",
+                              "checkpoint.every_n_steps=2", "checkpoint.keep_last=1", "checkpoint.best_metric=val/loss",
+                              f"checkpoint.best_mode={mode}")
     best = json.loads((tmp_path / "checkpoints" / "best.json").read_text())
     val = {e["step"]: e["val/loss"] for e in events if "val/loss" in e}
-    best_step = min(val, key=val.get)
+    assert sorted(val) == [3, 6, 8]
+    best_step = (min if mode == "min" else max)(val, key=val.get)
     assert best == {"metric": "val/loss", "value": val[best_step], "checkpoint": f"step_{best_step:08d}"}
     kept = checkpoints(tmp_path)
     assert f"step_{best_step:08d}" in kept and "step_00000008" in kept and len(kept) <= 2
+
+
+def test_a_best_metric_the_evals_lack_keeps_the_training_in_a_checkpoint(corpus, tmp_path):
+    """Found at the first eval (with eval_every=0, the run's end), the mistake stopped the run with nothing saved."""
+    from test_errors import assert_clean_error
+
+    r = run_here(*tiny_overrides(corpus, "trainer.max_steps=4", "checkpoint.best_metric=val/nosuch"),
+                 f"hydra.run.dir={tmp_path}")
+    assert_clean_error(r, "checkpoint.best_metric='val/nosuch' is not among the metrics", "The checkpoint of step 4 is "
+                       "saved", "resume=auto")
+    assert checkpoints(tmp_path) == ["step_00000004"]
 
 
 def test_sigusr1_to_the_launcher_stops_every_worker_with_a_checkpoint_that_resumes_on_one_process(

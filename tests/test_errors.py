@@ -84,6 +84,7 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
     (["logger=wandb", "logger.wandb.tags=baseline"], ["logger.wandb.tags='baseline'", "a list"]),
     (["trainer.compile=true", "trainer.compile_backend=nosuch"], ["trainer.compile_backend='nosuch'", "inductor"]),
     (["checkpoint.best_metric=loss"], ["checkpoint.best_metric='loss'", "val/"]),
+    (["checkpoint.best_metric=val_ema/loss"], ["checkpoint.best_metric='val_ema/loss'", "ema.enabled=true"]),
     (["world.device=cuda"], ["world.device='cuda'", "no CUDA device"]),
     (["trainer.nonfinite_check=log", "trainer.nonfinite=skip"], ["trainer.nonfinite_check='log'", "nonfinite=skip"]),
     (["trainer.nonfinite_check=sometimes"], ["trainer.nonfinite_check='sometimes'", "auto, step or log"]),

@@ -136,19 +136,25 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.every_n_steps > 0 and step % self.every_n_steps == 0
 
-    def consider(self, metrics: dict[str, float] | None, step: int) -> None:
-        """Before saving step `step` with `metrics`: remember it as the best if it is (so the state it saves
-        knows; best.json follows once the checkpoint is complete)."""
+    def improves(self, metrics: dict[str, float] | None) -> bool:
+        """Whether an eval's `metrics` beat the best checkpoint's by checkpoint.best_metric (the loop then saves
+        this step, as Lightning's ModelCheckpoint does, whether or not a checkpoint was due). A ConfigError when the
+        evals have no such metric."""
         if not self.best_metric or not metrics:
-            return
+            return False
         if self.best_metric not in metrics:
             from trainer.errors import ConfigError
 
             raise ConfigError(f"checkpoint.best_metric={self.best_metric!r} is not among the metrics of this run's "
                               f"evals ({', '.join(sorted(metrics))}). Pick one of them, or null.")
         value = metrics[self.best_metric]
-        if self.best is None or (value < self.best[0] if self.best_mode == "min" else value > self.best[0]):
-            self.best = (value, f"step_{step:08d}")
+        return self.best is None or (value < self.best[0] if self.best_mode == "min" else value > self.best[0])
+
+    def consider(self, metrics: dict[str, float] | None, step: int) -> None:
+        """Before saving step `step` with `metrics`: remember it as the best if it is (so the state it saves
+        knows; best.json follows once the checkpoint is complete)."""
+        if self.improves(metrics):
+            self.best = (metrics[self.best_metric], f"step_{step:08d}")
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": list(self.best) if self.best else None}
@@ -570,9 +576,12 @@ def model_mismatches(loaded: Loaded, live: dict[str, torch.Tensor]) -> list[str]
 class NullCheckpointer:
     """No checkpoints (a Trainer built by hand without a checkpointer)."""
 
-    dir, save_final, best = None, False, None
+    dir, save_final, every_n_steps, best = None, False, 0, None
 
     def due(self, step: int) -> bool:
+        return False
+
+    def improves(self, metrics) -> bool:
         return False
 
     def consider(self, metrics, step: int) -> None:

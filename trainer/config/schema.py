@@ -197,6 +197,8 @@ def validate(cfg: DictConfig) -> None:
     _check(c.best_mode in ("min", "max"), "checkpoint.best_mode", c.best_mode, "'min' or 'max'")
     _check(c.best_metric is None or c.best_metric.startswith(("val/", "val_ema/")), "checkpoint.best_metric",
            c.best_metric, "a metric logged at eval, e.g. val/loss or val_ema/loss", "Or null.")
+    _check(not (c.best_metric or "").startswith("val_ema/") or e.enabled, "checkpoint.best_metric", c.best_metric,
+           "a val/ metric without ema.enabled=true (only an EMA's evals log val_ema/)", "Or turn the EMA on.")
     _check(c.max_shard_mb > 0, "checkpoint.max_shard_mb", c.max_shard_mb, "a number > 0")
     _check(0.0 <= e.decay < 1.0, "ema.decay", e.decay, "a number in [0, 1), e.g. 0.999")
     _check(e.update_every >= 1, "ema.update_every", e.update_every, "an integer >= 1")

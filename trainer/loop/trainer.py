@@ -17,7 +17,7 @@ from trainer.checkpoint.manager import CheckpointManager, Parts
 from trainer.config.schema import TrainerConfig
 from trainer.data.sampling import Data, GlobalBatchSampler, eval_batches
 from trainer.data.streaming import StreamLayout
-from trainer.errors import CheckpointError, NonFiniteError, Preempted
+from trainer.errors import CheckpointError, ConfigError, NonFiniteError, Preempted
 from trainer.loop import watchdog
 from trainer.loop.callbacks import Callbacks
 from trainer.loop.custom_step import Schedules, TrainingStep
@@ -256,7 +256,10 @@ class Trainer:
         if metrics:
             self.loggers.log_metrics(metrics, self.step)
             progress.write(f"step {self.step}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
-            self.callbacks.on_eval_end(self, metrics)
+            try:
+                self.callbacks.on_eval_end(self, metrics)
+            except ConfigError as e:  # (a monitor the evals lack)
+                raise self._saved_before(e) from None
         return metrics
 
     # -- the loop ------------------------------------------------------------------------------
@@ -346,7 +349,8 @@ class Trainer:
                 evaluated = self._eval_and_log(progress) if self._eval_due() else None
                 if evaluated is not None:
                     evaluated_at, final = self.step, evaluated
-                saving = self.checkpointer.due(self.step) and not self.finished
+                # A checkpoint when one is due, and at every eval that beats the best (checkpoint.best_metric).
+                saving = (self.checkpointer.due(self.step) or self._improves(evaluated)) and not self.finished
                 if saving:
                     self.save_checkpoint(evaluated)
                 if evaluated is not None or saving:
@@ -358,6 +362,7 @@ class Trainer:
                 final = self._eval_and_log(progress)
             self.callbacks.on_fit_end(self, final)
             if self.checkpointer.save_final:
+                self._improves(final)  # (a best_metric the evals lack: said once the final checkpoint is saved)
                 self.save_checkpoint(final, wait=True)
             self.checkpointer.close()  # surfaces a failed background save
         except BaseException:
@@ -425,6 +430,23 @@ class Trainer:
         return [f"resume: the global batch changes from {state['global_batch']} to {self.global_batch} samples "
                 f"(data.batch_size x trainer.grad_accum_steps x data-parallel ranks); the sample stream continues at "
                 f"sample {state['samples_seen']}, with batches of the new size."]
+
+    def _improves(self, evaluated: dict[str, float] | None) -> bool:
+        """Whether this eval beats the best checkpoint. A best_metric that the evals do not have is a ConfigError,
+        raised once this step's checkpoint is saved (without a best): the training so far is kept for a resume."""
+        try:
+            return self.checkpointer.improves(evaluated)
+        except ConfigError as e:
+            raise self._saved_before(e) from None
+
+    def _saved_before(self, error: ConfigError) -> ConfigError:
+        """A setting found wrong only at an eval (a metric the evals lack): the training so far is saved first, and
+        the error says so, where stopping at once lost every step (with eval_every=0, the whole run)."""
+        if self.checkpointer.save_final or self.checkpointer.every_n_steps:
+            self.save_checkpoint(None, wait=True)
+            return ConfigError(f"{error} The checkpoint of step {self.step} is saved: fix the setting and rerun with "
+                               "resume=auto to continue.")
+        return error
 
     def save_checkpoint(self, metrics: dict[str, float] | None = None, wait: bool = False) -> Path | None:
         """Save (in the background with checkpoint.async_save); `wait` before exiting the process."""
