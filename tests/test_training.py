@@ -52,8 +52,8 @@ def test_schedule_steps_once_per_optimizer_step(corpus, tmp_path):
     from trainer.loop.schedule import WarmupCosine
 
     f = WarmupCosine(total_steps=10, warmup_steps=4, min_lr_ratio=0.1)
-    # After s optimizer steps the scheduler has stepped s times: the next LR is f(s).
-    assert lrs == pytest.approx([1e-3 * f(s) for s in range(1, 11)])
+    # Optimizer step s (1-based) uses the rate after s - 1 scheduler steps, f(s - 1): what train/lr logs.
+    assert lrs == pytest.approx([1e-3 * f(s) for s in range(0, 10)])
 
 
 def test_fp16_skipped_steps_are_counted_and_do_not_advance_the_schedule(corpus, tmp_path):
@@ -63,9 +63,10 @@ def test_fp16_skipped_steps_are_counted_and_do_not_advance_the_schedule(corpus, 
                               "optim.lr=1e-3")
     skipped = int(series(events, "train/skipped_steps")[-1])
     assert skipped >= 3
-    lrs = series(events, "train/lr")
-    # The warmup advanced only on real updates: LR after 30 steps is that of 30 - skipped updates.
-    assert lrs[-1] == pytest.approx(1e-3 * min(1.0, (30 - skipped + 1) / 10))
+    lrs, skips = series(events, "train/lr"), [0, *series(events, "train/skipped_steps")]
+    # The warmup advanced only on real updates: step s used the rate after the updates applied before it.
+    updates_before = [(s - 1) - skips[s - 1] for s in range(1, 31)]
+    assert lrs == pytest.approx([1e-3 * min(1.0, (u + 1) / 10) for u in updates_before])
     assert lrs[skipped - 1] == pytest.approx(1e-3 * 1 / 10)  # still at the first warmup value
 
 

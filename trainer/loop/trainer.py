@@ -145,6 +145,7 @@ class Trainer:
                 sums[name] = sums.get(name, 0) + torch.as_tensor(value).detach().double()
         # The true gradients (averaged where the wrapper did not, fp16's unscaled), clipped over every mesh.
         grad_norm = rt.clip_grad_norm_(model, self.cfg.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses (logged as train/lr)
         # The update, unless the norm is NaN/inf (trainer.nonfinite; see trainer/loop/nonfinite.py).
         applied = False
         if self.guard.allows(grad_norm, self.step + 1, loss_sum):
@@ -159,11 +160,12 @@ class Trainer:
                 self.ema.update(self.step + 1)
         else:
             self.skipped_steps += 1
-        return {"loss_sum": loss_sum, "grad_norm": grad_norm, "sums": sums}
+        return {"loss_sum": loss_sum, "grad_norm": grad_norm, "sums": sums, "lr": lr}
 
     def _task_step(self, batches: list[Any], n_global) -> dict[str, Any]:
         """The task's own step (trainer/loop/custom_step.py): it steps its optimizers; the rest is the Trainer's."""
         step = TrainingStep(self, batches, n_global)
+        lr = self.scheduler.get_last_lr()[0]  # (the first optimizer's, before its schedule steps)
         loss, sums = split_loss(self.task.training_step(step))
         applied = bool(step.applied) and all(step.applied.values())
         self.guard.record(applied, self.step + 1)
@@ -174,7 +176,7 @@ class Trainer:
         else:
             self.skipped_steps += 1
         return {"loss_sum": loss.detach(), "grad_norm": step.grad_norm(),
-                "sums": {k: torch.as_tensor(v).detach().double() for k, v in sums.items()}}
+                "sums": {k: torch.as_tensor(v).detach().double() for k, v in sums.items()}, "lr": lr}
 
     # -- eval ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -280,7 +282,7 @@ class Trainer:
         return {
             "train/loss": loss,
             **{f"train/{n}": v for n, v in zip(names, others)},
-            "train/lr": self.scheduler.get_last_lr()[0],
+            "train/lr": out["lr"],  # the rate the step used (Lightning's LearningRateMonitor's), not the next one
             "train/grad_norm": float(out["grad_norm"]),
             **({} if unit == "samples" else {f"train/{unit}_per_s": rates["targets_per_s"]}),
             "train/samples_per_s": rates["samples_per_s"],
