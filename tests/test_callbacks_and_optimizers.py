@@ -115,6 +115,14 @@ def test_a_max_steps_beside_max_epochs_is_named_as_unused_not_dropped_silently()
         epochs_to_steps(t, CheckpointConfig(), samples=90, global_batch=9, say=said.append)
         assert t.max_steps == 10 and len(said) == 1
         assert (note in said[0]) if note else "not used" not in said[0]
+    # The same for the eval and checkpoint periods (every_n_epochs replaced every_n_steps without a word).
+    said = []
+    t, c = TrainerConfig(max_epochs=2, eval_every=7, eval_every_epochs=1), CheckpointConfig(every_n_steps=5,
+                                                                                           every_n_epochs=1)
+    epochs_to_steps(t, c, samples=90, global_batch=9, say=said.append)
+    assert (t.eval_every, c.every_n_steps) == (10, 10)
+    assert "trainer.eval_every=7 is not used: trainer.eval_every_epochs=1 decides (every 10 steps)" in said[1]
+    assert "checkpoint.every_n_steps=5 is not used: checkpoint.every_n_epochs=1 decides" in said[2]
 
 
 def test_a_part_that_names_its_own_optimizer_inherits_only_the_settings_that_class_takes():

@@ -106,9 +106,17 @@ def epochs_to_steps(tcfg: TrainerConfig, ccfg: CheckpointConfig, samples: int, g
             + (f" trainer.max_steps={unused} is not used: max_epochs decides the run's length (drop trainer.max_epochs "
                f"to train {unused} steps)." if unused is not None else ""))
     if tcfg.eval_every_epochs is not None:
-        tcfg.eval_every = tcfg.eval_every_epochs * per_epoch
+        steps = tcfg.eval_every_epochs * per_epoch
+        if tcfg.eval_every not in (0, steps):
+            say(f"trainer.eval_every={tcfg.eval_every} is not used: trainer.eval_every_epochs="
+                f"{tcfg.eval_every_epochs} decides (every {steps} steps).")
+        tcfg.eval_every = steps
     if ccfg.every_n_epochs is not None:
-        ccfg.every_n_steps = ccfg.every_n_epochs * per_epoch
+        steps = ccfg.every_n_epochs * per_epoch
+        if ccfg.every_n_steps not in (0, steps):
+            say(f"checkpoint.every_n_steps={ccfg.every_n_steps} is not used: checkpoint.every_n_epochs="
+                f"{ccfg.every_n_epochs} decides (every {steps} steps).")
+        ccfg.every_n_steps = steps
 
 
 def warn_long_warmup(scheduler: DictConfig, max_steps: int, say) -> None:
