@@ -15,7 +15,8 @@ def test_early_stopping_stops_with_a_final_checkpoint_and_the_run_stays_finished
     # mode=max on a falling loss: the first eval is the best, so the run stops `patience` evals later.
     stop = ("callbacks=early_stopping", "callbacks.early_stopping.mode=max", "callbacks.early_stopping.patience=2",
             "trainer.eval_every=2", "trainer.max_steps=40")
-    events = train_in_process(corpus, tmp_path, *stop)
+    events = train_in_process(corpus, tmp_path, *stop, "trainer.progress=off")
+    assert "stopping at step 6: early stopping" in capsys.readouterr().out  # (said with no progress display too)
     assert [e["step"] for e in events if "val/loss" in e] == [2, 4, 6]
     assert events[-1]["step"] == 6 and checkpoints(tmp_path)[-1] == "step_00000006"
     assert json.loads((tmp_path / "export.json").read_text())["step"] == 6
@@ -30,9 +31,11 @@ def test_early_stopping_stops_with_a_final_checkpoint_and_the_run_stays_finished
 def test_a_monitor_that_no_eval_logs_is_one_paragraph(corpus, tmp_path):
     from trainer.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="callbacks.early_stopping.monitor='val/acc' is not among"):
+    with pytest.raises(ConfigError, match=r"callbacks.early_stopping.monitor='val/acc' is not among.*The checkpoint "
+                                          "of step 2 is saved"):
         train_in_process(corpus, tmp_path, "callbacks=early_stopping", "callbacks.early_stopping.monitor=val/acc",
                          "trainer.eval_every=2", "trainer.max_steps=4")
+    assert checkpoints(tmp_path) == ["step_00000002"]  # (the training before the mistake showed, kept)
 
 
 @pytest.mark.parametrize("optim", ["sgd", "adam", "adamw", "muon"])

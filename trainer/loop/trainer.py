@@ -359,7 +359,7 @@ class Trainer:
                     meter.restart()  # eval and saving are not training throughput
 
             if self.stop_reason and be.is_main:
-                progress.write(f"stopping at step {self.step}: {self.stop_reason}")
+                progress.write(f"stopping at step {self.step}: {self.stop_reason}", always=True)
             if evaluated_at != self.step:  # (a stop requested at an eval: that eval is the final one)
                 final = self._eval_and_log(progress)
             self.callbacks.on_fit_end(self, final)

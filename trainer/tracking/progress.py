@@ -36,8 +36,10 @@ class Progress:
         elif self.mode == "lines" and metrics:
             print(f"step {step}/{self.total} {_fmt(metrics, self.unit)}", flush=True)
 
-    def write(self, text: str) -> None:
-        if self.mode == "off":
+    def write(self, text: str, always: bool = False) -> None:
+        """A line beside the progress (metrics of an eval, a sample); `always`: also with trainer.progress=off
+        (why a run stopped early)."""
+        if self.mode == "off" and not always:
             return
         if self.bar is not None:
             self.bar.write(text)
