@@ -468,6 +468,16 @@ def test_the_lr_range_test_is_the_same_on_two_ranks(corpus, tmp_path):
     assert pick.search(two.stdout).group(1) == pick.search(one.stdout).group(1)
 
 
+def test_the_finders_take_your_own_config_dir_and_say_it_in_the_command_they_suggest(tmp_path):
+    """`tune lr --config-dir DIR recipe=mine` was refused ('--config-dir' is not an override), and the command
+    `python -m trainer --config-dir DIR tune ...` too: a recipe of one's own could not be tuned."""
+    from conftest import run_here
+
+    r = run_here("tune", "lr", "--config-dir", str(CONF), "recipe=classify", "tune.steps=10", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"Run with: python -m trainer --config-dir {CONF} recipe=classify optim.lr=" in r.stdout
+
+
 @pytest.mark.parametrize("args, says", [
     ([], "say what to find: batch_size or lr"),
     (["batch", "debug=smoke"], "Did you mean batch_size?"),

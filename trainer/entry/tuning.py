@@ -27,8 +27,10 @@ SETTINGS = {
     "batch_size": {"memory_mb": None, "max_batch_size": 4096},
     "lr": {"min_lr": 1e-7, "max_lr": 1.0, "steps": 100},
 }
-USAGE = ("python -m trainer tune batch_size [OVERRIDES] [tune.memory_mb=MB] [tune.max_batch_size=N] [save=PATH]\n"
-         "       python -m trainer tune lr [OVERRIDES] [tune.min_lr=1e-7] [tune.max_lr=1] [tune.steps=100] [save=PATH]")
+USAGE = ("python -m trainer tune batch_size [--config-dir DIR] [OVERRIDES] [tune.memory_mb=MB] "
+         "[tune.max_batch_size=N] [save=PATH]\n"
+         "       python -m trainer tune lr [--config-dir DIR] [OVERRIDES] [tune.min_lr=1e-7] [tune.max_lr=1] "
+         "[tune.steps=100] [save=PATH]")
 
 
 # -- the command (the parent) ------------------------------------------------------------------------------
@@ -59,10 +61,16 @@ def prepare(argv: list[str]) -> DictConfig:
     if not argv or argv[0] not in SETTINGS:
         raise ConfigError(f"say what to find: batch_size or lr.{suggest(argv[0], SETTINGS) if argv else ''} "
                           f"Usage: {USAGE}")
-    what, settings, save, overrides = argv[0], dict(SETTINGS[argv[0]]), None, []
-    for arg in argv[1:]:
+    what, settings, save, overrides, config_dir = argv[0], dict(SETTINGS[argv[0]]), None, [], None
+    args = iter(argv[1:])
+    for arg in args:
         key, sep, value = arg.partition("=")
-        if key.startswith("tune."):
+        if key == "--config-dir":  # your own config files, as `python -m trainer --config-dir DIR` takes them
+            config_dir = value if sep else next(args, None)
+            if not config_dir or not Path(config_dir).expanduser().is_dir():
+                raise ConfigError(f"--config-dir {config_dir or ''}: there is no such directory. Give the directory "
+                                  "that holds your own config files, or leave --config-dir out.")
+        elif key.startswith("tune."):
             name = key[len("tune."):]
             if name not in settings:
                 raise ConfigError(f"{key} is not a setting of `tune {what}`.{suggest(name, settings)} It takes: "
@@ -73,11 +81,11 @@ def prepare(argv: list[str]) -> DictConfig:
         else:
             overrides.append(arg)
     _check_settings(what, settings)
-    cfg = load(overrides)
+    cfg = load(overrides, config_dir=config_dir)
     _check_world(what, cfg, settings)
     with open_dict(cfg):
         cfg.logger = {}  # a finder logs nothing anywhere
-        cfg.tune = {**settings, "what": what, "save": save, "overrides": overrides}
+        cfg.tune = {**settings, "what": what, "save": save, "overrides": overrides, "config_dir": config_dir}
     return cfg
 
 
@@ -296,7 +304,9 @@ def _report(opts: DictConfig, override: str, why: str) -> None:
     from trainer.io import atomic_write_text
 
     kept = [o for o in opts.overrides if not o.startswith(override.split("=", 1)[0] + "=")]
-    print(f"{override}: {why}. Run with: {shlex.join(['python', '-m', 'trainer', *kept, override])}", flush=True)
+    config_dir = ["--config-dir", opts.config_dir] if opts.get("config_dir") else []
+    print(f"{override}: {why}. Run with: {shlex.join(['python', '-m', 'trainer', *config_dir, *kept, override])}",
+          flush=True)
     if opts.save:
         atomic_write_text(Path(opts.save), override + "\n")
         print(f"written to {opts.save} (python -m trainer $(cat {opts.save}) ...)", flush=True)
