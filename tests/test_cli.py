@@ -167,6 +167,17 @@ def test_a_config_dir_of_ones_own_draws_no_warning_about_the_machine_defaults_di
     assert "Warning" not in r.stderr, r.stderr
 
 
+def test_a_config_file_of_ones_own_named_as_a_shipped_one_is_refused_not_passed_over(tmp_path):
+    """Hydra searches the shipped configs first: --config-dir's model/gpt_tiny.yaml (2 x 32) was passed over for the
+    shipped one without a word, and the run trained the shipped model."""
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "gpt_tiny.yaml").write_text("# mine\n_target_: trainer.recipes.lm.model.GPT\n")
+    r = run_main("--config-dir", "conf", "model=gpt_tiny", "--cfg", "job", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--config-dir conf has model/gpt_tiny.yaml, which the framework ships under the same name" in r.stderr
+    assert "model/my_gpt_tiny.yaml" in r.stderr
+
+
 def test_the_smoke_config_is_a_run_of_seconds(corpus):
     cfg = compose_cfg(tiny_overrides(corpus))
     assert TINY == ["debug=smoke"]

@@ -47,9 +47,8 @@ def precheck(argv: list[str]):
     known = Precomposed()
     if args.help or args.hydra_help or args.info or args.shell_completion:
         return known
-    if args.config_dir is not None and not Path(args.config_dir).expanduser().is_dir():
-        raise ConfigError(f"--config-dir {args.config_dir}: there is no such directory. Give the directory that holds "
-                          "your own config files (model/NAME.yaml, recipe/NAME.yaml, ...), or leave --config-dir out.")
+    if args.config_dir is not None:
+        check_config_dir(Path(args.config_dir).expanduser(), args.config_dir)
     jobs = sweep_jobs(args.overrides) if args.multirun else [args.overrides]
     try:
         for overrides in jobs:
@@ -71,6 +70,26 @@ def precheck(argv: list[str]):
         err.args = (scrub(str(err), secret_values()),)
         raise
     return known
+
+
+def check_config_dir(path: Path, given: str) -> None:
+    """`--config-dir` exists, and none of its files has the name of one the framework ships: Hydra's search path
+    has the shipped configs first, so `model/gpt_tiny.yaml` of yours would be passed over without a word."""
+    import importlib.resources
+
+    if not path.is_dir():
+        raise ConfigError(f"--config-dir {given}: there is no such directory. Give the directory that holds "
+                          "your own config files (model/NAME.yaml, recipe/NAME.yaml, ...), or leave --config-dir out.")
+    shipped = Path(str(importlib.resources.files(CONFIG_MODULE)))
+    if path.resolve() == shipped.resolve():
+        return  # (the shipped dir itself, named from the repository)
+    shadowed = sorted(str(f.relative_to(path)) for f in path.rglob("*.yaml")
+                      if f.relative_to(path).parts[0] != "machine" and (shipped / f.relative_to(path)).is_file())
+    if shadowed:
+        listed = ", ".join(shadowed[:5]) + (f" and {len(shadowed) - 5} more" if len(shadowed) > 5 else "")
+        raise ConfigError(f"--config-dir {given} has {listed}, which the framework ships under the same name: the "
+                          "shipped file would be used and yours passed over. Give yours a name of its own (e.g. "
+                          f"{Path(shadowed[0]).parent}/my_{Path(shadowed[0]).name}) and select it with that name.")
 
 
 def check_output_dir(cfg: DictConfig, multirun: bool) -> None:

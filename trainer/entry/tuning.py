@@ -66,10 +66,10 @@ def prepare(argv: list[str]) -> DictConfig:
     for arg in args:
         key, sep, value = arg.partition("=")
         if key == "--config-dir":  # your own config files, as `python -m trainer --config-dir DIR` takes them
+            from trainer.entry.cli import check_config_dir
+
             config_dir = value if sep else next(args, None)
-            if not config_dir or not Path(config_dir).expanduser().is_dir():
-                raise ConfigError(f"--config-dir {config_dir or ''}: there is no such directory. Give the directory "
-                                  "that holds your own config files, or leave --config-dir out.")
+            check_config_dir(Path(config_dir or "").expanduser(), config_dir or "")
         elif key.startswith("tune."):
             name = key[len("tune."):]
             if name not in settings:
