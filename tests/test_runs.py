@@ -228,6 +228,27 @@ def test_a_sweep_rerun_with_its_values_in_another_order_continues_each_points_ow
     assert f"resumed from {sweep / '1' / 'checkpoints' / 'step_00000004'}" in r.stdout
 
 
+def test_a_sweep_point_is_all_its_overrides_not_only_the_swept_ones(tmp_path):
+    """A rerun sweeping lr at a weight decay the first sweep swept too continued the wd=0.0 run at wd=0.1 (only the
+    swept lr was compared), and a sweep defined in a config file (no swept key on the command line) continued by
+    job number. Its length (trainer.max_steps) and resume are not the point: a rerun may change them."""
+    import yaml
+
+    from trainer.entry.rundir import sweep_point_dir
+
+    for name, lr, wd in (("0", "1e-3", "0.0"), ("1", "1e-3", "0.1"), ("2", "3e-4", "0.0"), ("3", "3e-4", "0.1")):
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        (tmp_path / name / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(
+            [f"optim.lr={lr}", f"optim.weight_decay={wd}", "resume=auto", "trainer.max_steps=4"]))
+    argv = ["-m", "optim.lr=1e-3,3e-4", "optim.weight_decay=0.1", "resume=auto", "trainer.max_steps=25"]
+    for job, (lr, want) in enumerate((("1e-3", "1"), ("3e-4", "3"))):
+        overrides = [f"optim.lr={lr}", "optim.weight_decay=0.1", "resume=auto", "trainer.max_steps=25"]
+        assert sweep_point_dir(tmp_path / str(job), overrides, argv) == tmp_path / want
+    # The sweep in a config file: its values are in the job's overrides, not on the command line.
+    in_file = ["optim.lr=3e-4", "optim.weight_decay=0.0", "resume=auto"]
+    assert sweep_point_dir(tmp_path / "0", in_file, ["-m", "resume=auto"]) == tmp_path / "2"
+
+
 def test_a_sweep_point_is_found_by_its_config_where_hydra_kept_no_records(tmp_path):
     """Under hydra.output_subdir=null a sweep's dirs have no .hydra/overrides.yaml: each point is then read from
     its config.yaml (a swept key's value, or the settings a swept choice put under its group), so a rerun with the

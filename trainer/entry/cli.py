@@ -241,9 +241,12 @@ def run_job(cfg: DictConfig) -> float | None:
                                     redact(OmegaConf.to_container(resolved)))
             if point != run_dir:
                 secrets = secret_values(OmegaConf.to_container(resolved))
-                print(scrub(f"resume=auto: {run_dir} holds another point of the sweep; this one "
-                            f"({' '.join(hc.overrides.task)}) continues in {point}.", secrets), flush=True)
-                if not _earlier_job_in(run_dir):  # (a dir Hydra made for this job, empty: not left behind)
+                this = f"this point ({' '.join(hc.overrides.task)})"
+                if _earlier_job_in(run_dir):
+                    print(scrub(f"resume=auto: {run_dir} holds another point of the sweep; {this} continues in "
+                                f"{point}.", secrets), flush=True)
+                else:  # (a dir Hydra made for this job, empty: not left behind)
+                    print(scrub(f"resume=auto: {this} continues its run in {point}.", secrets), flush=True)
                     _remove_if_free(run_dir)
                 run_dir = point
         check_weights_outside(resolved, run_dir)

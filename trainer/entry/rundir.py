@@ -207,23 +207,31 @@ def swept_keys(argv: list[str]) -> set[str]:
     return {o.key_or_group for o in parsed if o.is_sweep_override()}
 
 
-def _point(overrides: Any, keys: set[str]) -> dict[str, str] | None:
-    """{key: value} of `overrides` (a job's override strings) for `keys`; None if it is not a list of strings."""
+# Overrides a rerun of a sweep may change without making its points other runs: the run's length and periods,
+# checkpoints, loggers, the world it runs on, and what is not a setting.
+NOT_THE_POINT = ("resume", "hydra.", "trainer.max_steps", "trainer.max_epochs", "trainer.eval_every", "trainer.log_every",
+                 "trainer.progress", "checkpoint.", "logger.", "world.")
+
+
+def _point(overrides: Any) -> dict[str, str] | None:
+    """{key: value} of `overrides` (a job's override strings) but for NOT_THE_POINT's: the values that make it this
+    point of its sweep (the swept keys, and the fixed ones beside them); None if it is not a list of strings."""
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         return None
     out = {}
     for o in overrides:
         key, _, value = o.partition("=")
-        if key.lstrip("+~") in keys:
-            out[key.lstrip("+~")] = value
+        key = key.lstrip("+~")
+        if not key.startswith(NOT_THE_POINT):
+            out[key] = value
     return out
 
 
-def _recorded_point(run_dir: Path, keys: set[str]) -> dict[str, str] | None:
+def _recorded_point(run_dir: Path) -> dict[str, str] | None:
     import yaml
 
     try:
-        return _point(yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()), keys)
+        return _point(yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()))
     except (OSError, yaml.YAMLError):
         return None
 
@@ -239,20 +247,20 @@ def _config_point(config: Any, keys: set[str]) -> dict[str, Any] | None:
 
 
 def sweep_point_dir(run_dir: Path, job_overrides: list[str], argv: list[str], config: dict | None = None) -> Path:
-    """Where a sweep's job continues with resume=auto: its numbered dir if that holds this point's run (the
-    same values of the swept keys) or none; else the sibling that holds it (the sweep's values came in another
-    order); else, the numbered dir holding another point's run, a new `<dir>-2` (then -3, ...).
+    """Where a sweep's job continues with resume=auto: its numbered dir if that holds this point's run (the same
+    values of its overrides, swept or fixed, but for NOT_THE_POINT's) or none; else the sibling that holds it (the
+    sweep's values came in another order, or from a sweep in a config file); else, the numbered dir holding another
+    point's run, a new `<dir>-2` (then -3, ...).
 
     A run's point is read from its `.hydra/overrides.yaml`; under `hydra.output_subdir=null` there is none, and
-    then from its config.yaml, against `config` (this job's resolved config, as config.yaml records it)."""
+    then from the settings its config.yaml holds under the command line's swept keys, against `config` (this job's
+    resolved config, as config.yaml records it)."""
     keys = swept_keys(argv)
-    if not keys:
-        return run_dir
-    mine = _point(list(job_overrides), keys)
-    mine_set = _config_point(config, keys)
+    mine = _point(list(job_overrides))
+    mine_set = _config_point(config, keys) if keys else None
 
     def point_of(d: Path) -> tuple[str, Any] | None:
-        recorded = _recorded_point(d, keys)
+        recorded = _recorded_point(d)
         if recorded is not None:
             return "overrides", recorded
         settings = _config_point(read_config(d / "config.yaml"), keys) if mine_set is not None else None
