@@ -282,6 +282,20 @@ def test_secret_values_reach_no_sink(corpus, tmp_path, secrets):
     assert "<redacted>" in (run_dir / "config.yaml").read_text()
 
 
+def test_a_secret_on_a_sweeps_command_line_reaches_neither_its_files_nor_the_console(corpus, tmp_path):
+    """Hydra writes a sweep's multirun.yaml (its overrides and config) and logs each job's overrides (`#0 : ...`)
+    itself, and prints --cfg hydra: the value of +hydra.job.env_set.WANDB_API_KEY=... reached all three."""
+    key = f"k{uuid.uuid4().hex}"
+    sweep = tmp_path / "sweep"
+    r = run_here("-m", *tiny_overrides(corpus, "trainer.max_steps=1"), f"+hydra.job.env_set.WANDB_API_KEY={key}",
+                 "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (sweep / "multirun.yaml").is_file() and "#1 : " in r.stdout + r.stderr
+    shown = run_here("--cfg", "hydra", f"+hydra.job.env_set.WANDB_API_KEY={key}", cwd=tmp_path)
+    assert "WANDB_API_KEY: <redacted>" in shown.stdout
+    assert_nowhere({"key": key}, run_files(sweep), r.stdout, r.stderr, shown.stdout, shown.stderr)
+
+
 def test_a_job_that_moves_out_of_a_shared_default_run_dir_leaves_the_other_jobs_records_and_no_secret(corpus,
                                                                                                     tmp_path):
     """Two jobs of the same second share the default run dir. Hydra would write the later job's command line into

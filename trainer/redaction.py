@@ -61,6 +61,35 @@ def secret_values(container: Any = None) -> set[str]:
     return found
 
 
+def override_secrets(argv: list[str]) -> set[str]:
+    """The values a command line gives secret-looking keys (`model.hf_token=...`, `+hydra.job.env_set.WANDB_API_KEY=
+    ...`; each value of a sweep's list), before any config holds them."""
+    found = set()
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and not key.startswith("-") and is_secret_key(key):
+            for part in (value, *value.split(",")):
+                part = part.strip().strip("'\"")
+                if len(part) >= MIN_SECRET_LENGTH:
+                    found.add(part)
+    return found
+
+
+class ScrubbedStream:
+    """A text stream that writes through to `stream` with every secret value replaced: the console of a command
+    whose own output (Hydra's job lines, --cfg, --info, a "to continue" command) may quote them."""
+
+    def __init__(self, stream: Any, secrets: set[str]):
+        self.stream, self.secrets = stream, secrets
+
+    def write(self, text: str) -> int:
+        self.stream.write(scrub(text, self.secrets))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, fileno, isatty, encoding, ...: the stream's own
+        return getattr(self.stream, name)
+
+
 def redact(container: Any, secrets: set[str] | None = None) -> Any:
     """A copy of a plain dict/list tree fit to write: the values of secret-looking keys replaced, and every
     secret value (`secret_values(container)` unless given) replaced wherever it appears."""

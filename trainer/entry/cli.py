@@ -28,7 +28,7 @@ from trainer.config.compose import (
 )
 from trainer.config.targets import check_hydra_hooks
 from trainer.errors import ConfigError, NonFiniteError, TrainerExit, UserError, debug_enabled, report
-from trainer.redaction import redact, scrub, secret_values
+from trainer.redaction import override_secrets, redact, scrub, secret_values
 
 COMMANDS = ("env", "check", "eval", "sample", "config", "tune", "launch")  # trainer/entry/commands.py
 
@@ -147,11 +147,14 @@ def compose_with_hydra(overrides: list[str], config_dir: str | None, sources: bo
 
 
 # -- recording the config ------------------------------------------------------------------------
-def scrub_hydra_files(run_dir: Path, secrets: set[str]) -> None:
-    """Hydra records the command line in .hydra/; take secrets given there back out."""
+def scrub_hydra_files(run_dir: Path, secrets: set[str], files: list[Path] | None = None) -> None:
+    """Hydra records the command line in .hydra/ (and a sweep's in its dir's multirun.yaml, `files`); take secrets
+    given there back out."""
     from trainer.io import atomic_write_text
 
-    for f in (run_dir / ".hydra").glob("*.yaml") if secrets else ():
+    for f in (files if files is not None else (run_dir / ".hydra").glob("*.yaml")) if secrets else ():
+        if not f.is_file():
+            continue
         text = f.read_text()
         clean = scrub(text, secrets)
         if clean != text:
@@ -256,6 +259,9 @@ def run_job(cfg: DictConfig) -> float | None:
         records = take_hydra_records()
         run_dir, lock = _own_run_dir(run_dir, topology, chosen=chosen, hydra_wrote=records is None)
         secrets, hydra_dir = secret_values(OmegaConf.to_container(resolved)), Path(hc.runtime.output_dir)
+        secrets |= override_secrets(sys.argv[1:])  # (+hydra.job.env_set.WANDB_API_KEY=... is in no job config)
+        if str(hc.mode) == "RunMode.MULTIRUN":  # the sweep's own record of its command line and config
+            scrub_hydra_files(run_dir, secrets, files=[Path(hc.sweep.dir) / "multirun.yaml"])
         if records is None and hydra_dir != run_dir:
             # Hydra recorded this job's command line in .hydra/ of the dir it started in, which this job left
             # (another job's of the same second, or a run resume=auto continues elsewhere): no secret stays there.
@@ -451,6 +457,19 @@ def main(argv: list[str] | None = None) -> None:
     # Hydra's parser wants -m before the overrides; accept it anywhere.
     flags = [a for a in argv if a in ("-m", "--multirun")]
     argv = flags[:1] + [a for a in argv if a not in ("-m", "--multirun")]
+    from trainer.redaction import ScrubbedStream, override_secrets
+
+    secrets = override_secrets(argv) | secret_values()
+    streams = sys.stdout, sys.stderr
+    if secrets:  # (Hydra prints a sweep's job lines, --cfg and --info itself, secrets and all)
+        sys.stdout, sys.stderr = ScrubbedStream(sys.stdout, secrets), ScrubbedStream(sys.stderr, secrets)
+    try:
+        _compose_and_run(argv)
+    finally:
+        sys.stdout, sys.stderr = streams
+
+
+def _compose_and_run(argv: list[str]) -> None:
     from trainer.config.shortcuts import composing, precomposed_reused
 
     with composing():  # (the command composes several times: each file read once)
