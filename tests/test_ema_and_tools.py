@@ -69,6 +69,12 @@ def test_env_prints_versions_devices_and_the_default_config(tmp_path):
     for needle in ("torch", torch.__version__.split("+")[0], "hydra-core", "omegaconf", "wandb", "safetensors", "CUDA available",
                    "gloo / nccl", "torch threads", "max_steps:"):
         assert needle in r.stdout, needle
+    # Its mistakes, and check's, are one paragraph (were an OverrideParseException or ConfigError traceback).
+    from test_errors import assert_clean_error
+
+    assert_clean_error(run_here("env", "foo=1", cwd=tmp_path), "unknown config key 'foo'")
+    assert_clean_error(run_here("check", "trainer.max_stepz=3", cwd=tmp_path), "Did you mean trainer.max_steps=3?")
+    assert run_here("env", "--help", cwd=tmp_path).stdout.startswith("usage: python -m trainer env")
 
 
 def test_check_reports_each_equivalence(capsys):

@@ -449,7 +449,14 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] and argv[0] in COMMANDS:
         from trainer.entry import commands
 
-        sys.exit(commands.COMMANDS[argv[0]](argv[1:]))
+        try:
+            code = commands.COMMANDS[argv[0]](argv[1:])
+        except UserError as err:  # (a command's own mistakes are one paragraph as the training command's are)
+            if debug_enabled():
+                raise
+            report(err)
+            code = err.exit_code
+        sys.exit(code)
     from trainer.entry.launcher import follow_torchrun_rank0, is_torchrun_follower
 
     if is_torchrun_follower():

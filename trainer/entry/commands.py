@@ -23,6 +23,13 @@ def _version(pkg: str) -> str:
 
 def env(argv: list[str]) -> int:
     """Print versions, devices and backends, then the default config (like `accelerate env`)."""
+    if any(a in ("-h", "--help") for a in argv):
+        print("usage: python -m trainer env [OVERRIDES]: versions, devices, backends, what precision=auto would "
+              "choose, and the config (with OVERRIDES)")
+        return 0
+    from trainer.config.compose import load
+
+    cfg = load(argv, targets=False)  # (a mistake is one paragraph before anything is printed)
     import torch
     import torch.distributed as dist
 
@@ -64,9 +71,9 @@ def env(argv: list[str]) -> int:
     print("\nDefault config (python -m trainer --cfg job):\n")
     from omegaconf import OmegaConf
 
-    from trainer.config.compose import compose
+    from trainer.redaction import redact
 
-    print(OmegaConf.to_yaml(compose(argv)))
+    print(OmegaConf.to_yaml(OmegaConf.create(redact(OmegaConf.to_container(cfg)))))
     return 0
 
 
@@ -93,6 +100,14 @@ def _compare(name: str, got: list[float], want: list[float], tol: float) -> bool
 
 def check(argv: list[str]) -> int:
     """Train a tiny model several ways that must agree, and say which agree. Exit 0 if all do."""
+    if any(a in ("-h", "--help") for a in argv):
+        print("usage: python -m trainer check [OVERRIDES]: trains a tiny model several ways that must agree (1 "
+              "process, accumulation, a resume, and on more processes where there are cores) and says which agree; "
+              "exit 0 if all do")
+        return 0
+    from trainer.config.compose import load as compose
+
+    compose([*CHECK_SETTINGS, "data.path=check", *argv], targets=False)  # (a mistake: one paragraph, before any run)
     import contextlib
     import io
     import logging
