@@ -45,7 +45,9 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
 
 
 @pytest.mark.parametrize(("args", "needles"), [
-    (["trainer.max_stps=3"], ["unknown config key 'trainer.max_stps'", "Did you mean trainer.max_steps=3?", "+trainer.max_stps"]),
+    (["trainer.max_stps=3"], ["unknown config key 'trainer.max_stps'", "Did you mean trainer.max_steps=3?"]),
+    (["+trainer.foo=1"], ["trainer.foo is not a setting of `trainer`", "Remove +trainer.foo"]),  # (a traceback, run dir)
+    (["data.nosuch=1"], ["unknown config key 'data.nosuch'", "write +data.nosuch=VALUE"]),  # (a section of one's own)
     (["model.n_layr=3"], ["'model.n_layr'", "Did you mean model.n_layer=3?"]),
     (["model.d_model=0"], ["model.d_model=0", "positive integers"]),  # (was a reshape traceback in the first step)
     (["model.n_layer=-1"], ["model.n_layer=-1", "n_layer may be 0"]),

@@ -245,9 +245,12 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
         # A key another strategy has (pipeline stages are world=ddp's): say which, before the generic list.
         elsewhere = (" Pipeline stages (world.pp, world.pp_schedule, world.microbatches) are an option of world=ddp."
                      if key in ("world.pp", "world.pp_schedule", "world.microbatches") else "")
+        # The sections the framework reads itself take no key of one's own (schema._known_keys refuses it).
+        own = ("" if parent in ("trainer", "checkpoint", "ema") else
+               f" To add a new key on purpose, write +{key}=VALUE.")
         return ConfigError(
             f"unknown config key '{key}'.{elsewhere}{did_you_mean(key, value, composed)} Valid keys {where}: "
-            f"{', '.join(sorted(valid))}. To add a new key on purpose, write +{key}=VALUE."
+            f"{', '.join(sorted(valid))}.{own}"
         )
     if full_key and cause is not exc:
         first = str(cause).splitlines()[0]

@@ -164,9 +164,28 @@ def _plain(node: Any) -> Any:
     return OmegaConf.to_container(node) if isinstance(node, (DictConfig, ListConfig)) else node
 
 
+def _known_keys(cfg: DictConfig) -> None:
+    """A key added to a typed section (`+trainer.foo=1`, as the unknown-key message's advice reads) that the section
+    does not have: one paragraph here, where it was a ConfigKeyError traceback once the run dir was made."""
+    import dataclasses
+
+    from trainer.errors import suggest
+
+    for section, schema in (("trainer", TrainerConfig), ("checkpoint", CheckpointConfig), ("ema", EMAConfig)):
+        node = cfg.get(section)
+        fields = [f.name for f in dataclasses.fields(schema)]
+        unknown = [k for k in (node or {}) if k not in fields]
+        if unknown:
+            raise ConfigError(f"{section}.{unknown[0]} is not a setting of `{section}`, which the framework reads "
+                              f"itself.{suggest(unknown[0], fields)} Its settings: {', '.join(fields)}. Remove "
+                              f"+{section}.{unknown[0]}=... (a key of your own goes under task, model or data, or at "
+                              "the top level with +KEY=VALUE).")
+
+
 def validate(cfg: DictConfig) -> None:
     """Check the types and ranges of what the framework reads, before any process group starts or any
     file is written. Torch-free, so `--cfg job` runs it too."""
+    _known_keys(cfg)
     t = cfg.trainer
     _check(t.max_steps >= 1 if t.max_steps is not None else t.max_epochs is not None, "trainer.max_steps", t.max_steps,
            "an integer >= 1, or null with trainer.max_epochs set", "The run needs a length: trainer.max_epochs=N.")
