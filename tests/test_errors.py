@@ -259,6 +259,9 @@ def test_a_run_dir_that_cannot_be_made_is_one_paragraph_before_hydra_makes_it(tm
     r = run_main("-m", "debug=smoke", f"hydra.sweep.dir={tmp_path / 'afile' / 'sw'}", "optim.lr=1e-3,1e-4", cwd=tmp_path)
     assert_clean_error(r, "hydra.sweep.dir=", "is not a directory")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+    # Where the permission bits allow it but the place does not (/proc takes no new directory, even from root).
+    r = run_main("debug=smoke", "hydra.run.dir=/proc/trainer-test/run", cwd=tmp_path)
+    assert_clean_error(r, "hydra.run.dir=/proc/trainer-test/run cannot be made: no directory can be made in /proc")
 
 
 def test_a_full_disk_while_the_run_dir_is_set_up_is_one_paragraph(tmp_path, monkeypatch):

@@ -88,12 +88,20 @@ def free_name(path: Path, tag: str, before_suffix: bool = False) -> Path:
 
 def unwritable(path: Path) -> str | None:
     """Why `path` (a directory, made with its parents where missing) cannot be written by this process: its first
-    part that exists is not a directory, or not writable; None when it can. Creates nothing."""
+    part that exists is not a directory, or not writable; None when it can. Leaves nothing behind."""
     path = Path(path).expanduser().absolute()
+    missing = False
     while not path.exists() and not path.is_symlink() and path != path.parent:
-        path = path.parent  # where the missing directories would be made
+        path, missing = path.parent, True  # where the missing directories would be made
     if not path.is_dir():
         return f"{path} is not a directory"
     if not os.access(path, os.W_OK | os.X_OK):
         return f"{path} is not writable by this process"
+    if missing:  # permission bits are not the whole story (root in /sys or /proc, a read-only mount): try it
+        import tempfile
+
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".trainer-probe-", dir=path))
+        except OSError as e:
+            return f"no directory can be made in {path} ({e.strerror or e})"
     return None

@@ -105,8 +105,14 @@ def config(argv: list[str]) -> int:
         return 0
     text = render(argv)
     check(text)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, text)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, text)
+    except OSError as e:
+        from trainer.errors import StorageError
+
+        raise StorageError(f"could not write {path} ({e.strerror or e}): nothing was saved. Set {HOME_ENV} to a "
+                           "directory this user can write, or fix the permissions of that one.") from None
     print(f"saved {path} (replacing any earlier defaults). Every run now starts from: {' '.join(argv)}; "
           "debug=smoke and the command line still override them; python -m trainer config --reset removes them.")
     return 0
