@@ -93,6 +93,16 @@ def test_a_fresh_restart_sets_the_earlier_events_aside_instead_of_appending(corp
     assert [e["step"] for e in read_metrics(tmp_path) if "train/loss" in e] == list(range(1, 21))
     prev = [json.loads(line)["step"] for line in (tmp_path / "metrics.prev.jsonl").read_text().splitlines()]
     assert prev == [1, 2, 3, 4]
+    assert (tmp_path / "config.prev.yaml").is_file()  # (the earlier attempt's record too)
+
+
+def test_a_fresh_start_in_a_dir_with_a_config_yaml_of_the_users_keeps_it(corpus, tmp_path):
+    """hydra.run.dir at a project dir of one's own: its metrics and weights were set aside, its config.yaml
+    overwritten."""
+    (tmp_path / "config.yaml").write_text("my: important\n")
+    train_in_process(corpus, tmp_path, "trainer.max_steps=1")
+    assert (tmp_path / "config.prev.yaml").read_text() == "my: important\n"
+    assert "trainer:" in (tmp_path / "config.yaml").read_text()
 
 
 def test_resume_auto_follows_a_rollback_not_the_highest_step(corpus, tmp_path, reference):

@@ -461,6 +461,11 @@ def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
 
                 try:
                     aside = set_aside(run_dir)
+                    earlier = run_dir / "config.yaml"  # (an earlier attempt's, or a file of the user's own)
+                    if earlier.is_file() and not earlier.is_symlink():
+                        from trainer.io import free_name
+
+                        earlier.replace(free_name(earlier, ".prev", before_suffix=True))
                 except OSError as e:
                     raise StorageError(f"could not move the earlier attempt's exported weights in {run_dir} aside "
                                        f"({e.strerror or e}); nothing was overwritten. Make the run dir writable, or "
