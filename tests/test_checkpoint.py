@@ -159,6 +159,13 @@ def test_best_checkpoint_by_metric_is_the_best_eval_and_survives_pruning(corpus,
     assert f"step_{best_step:08d}" in kept and "step_00000008" in kept and len(kept) <= 2
 
 
+def test_without_a_final_save_the_periodic_checkpoint_of_the_last_step_is_still_written(corpus, tmp_path):
+    """The last step's periodic save was left to the final one, which checkpoint.save_final=false does not make."""
+    train_in_process(corpus, tmp_path, "trainer.max_steps=4", "checkpoint.every_n_steps=2",
+                     "checkpoint.save_final=false", "checkpoint.keep_last=5")
+    assert checkpoints(tmp_path) == ["step_00000002", "step_00000004"]
+
+
 def test_a_best_metric_the_evals_lack_keeps_the_training_in_a_checkpoint(corpus, tmp_path):
     """Found at the first eval (with eval_every=0, the run's end), the mistake stopped the run with nothing saved."""
     from test_errors import assert_clean_error

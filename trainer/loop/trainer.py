@@ -352,7 +352,9 @@ class Trainer:
                 if evaluated is not None:
                     evaluated_at, final = self.step, evaluated
                 # A checkpoint when one is due, and at every eval that beats the best (checkpoint.best_metric).
-                saving = (self.checkpointer.due(self.step) or self._improves(evaluated)) and not self.finished
+                # (at the last step the final save is this one, unless checkpoint.save_final=false)
+                saving = (self.checkpointer.due(self.step) or self._improves(evaluated)) and not (
+                    self.finished and self.checkpointer.save_final)
                 if saving:
                     self.save_checkpoint(evaluated)
                 if evaluated is not None or saving:
