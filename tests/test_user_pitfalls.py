@@ -395,6 +395,27 @@ def test_machine_defaults_hold_beside_a_config_dir(tmp_path, monkeypatch):
     assert r.returncode == 0 and "keep_last: 1" in r.stdout, r.stdout + r.stderr
 
 
+def test_a_group_the_command_line_chooses_takes_none_of_the_machines_settings_for_another_option(tmp_path,
+                                                                                                 monkeypatch):
+    """The machine's logger=wandb logger.wandb.project=... under a command line's logger=none left logger.wandb
+    half there (a traceback, and a run dir), and its world=ddp world.nproc_per_node=2 under world=single refused
+    a key the command line never gave. The command line wins, keys and all; the machine's other settings stay."""
+    from conftest import run_here
+
+    from trainer.config.compose import load
+
+    monkeypatch.setenv("TRAINER_CONFIG_HOME", str(tmp_path / "home"))
+    assert run_here("config", "logger=wandb", "logger.wandb.project=myproj", "world=ddp", "world.nproc_per_node=2",
+                    "checkpoint.keep_last=1", cwd=tmp_path).returncode == 0
+    machine = load(["debug=smoke"])
+    assert machine.logger.wandb.project == "myproj" and machine.world.nproc_per_node == 2
+    mine = load(["debug=smoke", "logger=none", "world=single"])
+    assert dict(mine.logger) == {} and mine.world.nproc_per_node == 1 and mine.checkpoint.keep_last == 1
+    r = run_here("debug=smoke", "logger=tensorboard", "world=single", "--cfg", "job", cwd=tmp_path)
+    assert r.returncode == 0 and "myproj" not in r.stdout and "tensorboard" in r.stdout, r.stderr
+    assert "settings for logger, world are left out" in r.stderr
+
+
 # -- 32.6: finders that agree across ranks ----------------------------------------------------------------------
 def _finder_lines(stdout: str, key: str) -> dict[int, str]:
     """{size: 'fits (peak ...)' or 'does not fit (...)'} of each trial the finder printed."""

@@ -67,6 +67,62 @@ def render(overrides: list[str]) -> str:
             f"# python -m trainer config {' '.join(overrides)}\n" + text)
 
 
+def replaced_groups(overrides: list[str]) -> tuple[list[str], str | None]:
+    """The groups this machine's defaults choose that `overrides` choose otherwise (`logger=none` over the machine's
+    `logger=wandb`), and the machine's defaults without them, their choices and the keys under them: the command
+    line wins, and the machine's `logger.wandb.project` is not left over under another logger (a traceback) or
+    another world (an error about a key the command line never gave)."""
+    import yaml
+
+    path = defaults_file()
+    if not path.is_file():
+        return [], None
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return [], None  # (composing it says what is wrong with it)
+    if not isinstance(data, dict) or not isinstance(data.get("defaults", []), list):
+        return [], None
+    machine = {next(iter(e))[len("override /"):]: next(iter(e.values())) for e in data.get("defaults", [])
+               if isinstance(e, dict) and len(e) == 1 and str(next(iter(e))).startswith("override /")}
+    chosen = {}
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if sep and key in machine and not key.startswith(("+", "~", "-")):
+            chosen[key] = value
+    replaced = [g for g, value in chosen.items() if str(value) != str(machine[g])]
+    if not replaced:
+        return [], None
+    kept = {k: v for k, v in data.items() if k not in replaced}
+    kept["defaults"] = [e for e in data.get("defaults", [])
+                        if not (isinstance(e, dict) and any(str(k) in {f"override /{g}" for g in replaced} for k in e))]
+    if not kept["defaults"]:
+        del kept["defaults"]
+    text = "# @package _global_\n# (this machine's defaults without the groups the command line chose)\n"
+    return replaced, text + (yaml.safe_dump(kept, sort_keys=False) if kept else "{}\n")
+
+
+_FILTERED: dict[str, str] = {}  # the text of a filtered machine-defaults file -> the scratch dir holding it
+
+
+def home_for(overrides: list[str]) -> tuple[list[str], str | None]:
+    """(the replaced groups, a config home holding the machine's defaults without them), or ([], None)."""
+    replaced, text = replaced_groups(overrides)
+    if text is None:
+        return [], None
+    if text not in _FILTERED:
+        import atexit
+        import shutil
+        import tempfile
+
+        scratch = tempfile.mkdtemp(prefix="trainer-machine-")
+        (Path(scratch) / "machine").mkdir()
+        (Path(scratch) / "machine" / "default.yaml").write_text(text)
+        atexit.register(shutil.rmtree, scratch, True)
+        _FILTERED[text] = scratch
+    return replaced, _FILTERED[text]
+
+
 def check(text: str) -> None:
     """Compose a run with `text` as the machine's defaults, in a scratch config dir: a mistake is a ConfigError
     before anything is written."""

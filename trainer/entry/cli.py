@@ -477,7 +477,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _compose_and_run(argv: list[str]) -> None:
+    from trainer.config.machine import HOME_ENV, defaults_file, home_for
     from trainer.config.shortcuts import composing, precomposed_reused
+
+    replaced, filtered = home_for([a for a in argv if not a.startswith("-")])
+    if filtered is not None:  # the command line's group choices win over the machine's, keys and all
+        print(f"machine defaults: {defaults_file()}'s settings for {', '.join(replaced)} are left out: the command "
+              f"line chooses {', '.join(replaced)} itself.", file=sys.stderr, flush=True)  # (--cfg job: YAML alone)
+        os.environ[HOME_ENV] = filtered  # (for every composition of this command: Hydra's sweeps too)
 
     with composing():  # (the command composes several times: each file read once)
         try:
