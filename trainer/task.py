@@ -30,6 +30,9 @@ class Task(Protocol):
 #   setup(train, val, run_dir) -> None     once per process after the datasets are built, e.g. to fit a data
 #                                          normaliser on the main process (trainer.main_process_first) and
 #                                          share it with the others through a file in run_dir
+#   write_records(run_dir) -> None         files of its own in the run dir (diffusion's normaliser), written by
+#                                          the main process once the run is under way: a refused resume
+#                                          leaves the run dir as it was
 #   state_dict() / load_state_dict(state)  the task's own state (tensors by name): saved in checkpoints as
 #                                          "task", exported beside the weights as task_state.safetensors
 #   eval_metrics(mean_loss: float) -> dict[str, float]   extra val metrics, e.g. {"bpb": ...}

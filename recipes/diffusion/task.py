@@ -129,12 +129,17 @@ def image_grid(images: torch.Tensor, ncols: int, upscale: int = 4, border: int =
     return grid
 
 
-def save_normalizer(path: Path, stats: dict[str, torch.Tensor]) -> None:
-    """Write the normaliser's statistics to `path` (atomically), or say what to do if a directory is there."""
+def check_normalizer_path(path: Path) -> None:
+    """Say what to do if a directory is where the normaliser's statistics go, before the run starts."""
     if path.is_dir():  # (os.replace would fail with IsADirectoryError, and so would every rerun)
         raise UserError(f"{path} is a directory, where the diffusion recipe writes its normaliser's statistics. "
                         "Remove it (they are fitted again at every start, so nothing is lost) and run the same "
                         "command again.")
+
+
+def save_normalizer(path: Path, stats: dict[str, torch.Tensor]) -> None:
+    """Write the normaliser's statistics to `path` (atomically)."""
+    check_normalizer_path(path)
     atomic_save_safetensors(path, stats, metadata={"format": "pt"})
 
 
@@ -176,10 +181,14 @@ class Diffusion:
         self.reference = math.nan   # mean nn distance of real held-out digits
         self.threshold = math.nan   # their 95th percentile: the "looks like a digit" cut-off
 
+    def write_records(self, run_dir: str | os.PathLike) -> None:
+        """`run_dir/normalizer.safetensors`, the main process's fit, once the run is under way (its resume
+        accepted): a refused resume (other data) leaves the run dir's record as it was."""
+        save_normalizer(Path(run_dir) / NORMALIZER_FILE, self.normalizer.state_dict())
+
     def setup(self, train, val, run_dir: str | os.PathLike | None = None) -> None:
-        """Fit the normaliser on the training split on the main process, write it to
-        `run_dir/normalizer.safetensors` (a record beside the run's weights) and send it to every other
-        rank, so all ranks share one normaliser, computed once. Then the reference distances of the
+        """Fit the normaliser on the training split on the main process and send it to every other rank, so
+        all ranks share one normaliser, computed once (`write_records` keeps it beside the run's weights). Then the reference distances of the
         sample metrics (every rank: cheap, deterministic)."""
         self.train_images, self.train_labels = _all_samples(train)
         if run_dir is None:
@@ -188,7 +197,7 @@ class Diffusion:
             stats = None
             if is_main_process():
                 stats = self.normalizer.fit(self.train_images).state_dict()
-                save_normalizer(Path(run_dir) / NORMALIZER_FILE, stats)
+                check_normalizer_path(Path(run_dir) / NORMALIZER_FILE)  # (written once the run is under way)
             # From rank 0 itself, not from the file: whatever happens to the file between rank 0's write
             # and another rank's read (replaced, edited, a stale copy on another node) cannot reach it.
             self.normalizer.load_state_dict(broadcast_from_main(stats))

@@ -474,6 +474,8 @@ def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
                     say(f"starting fresh: the earlier attempt's exported weights are kept in {aside}.")
         if backend.is_main:
             save_config(cfg, run_dir)  # (the CLI wrote it before the workers started; this is the API's path)
+            if hasattr(trainer.task, "write_records"):  # a task's own records (diffusion's normaliser), now too
+                trainer.task.write_records(run_dir)
             loggers.log_config(OmegaConf.to_container(cfg, resolve=True))
             write_run_info(run_dir, cfg, trainer)
         try:
