@@ -209,13 +209,15 @@ def _share_normaliser(rank: int, world: int, store: str, run_dirs: list[str], ou
         train = DigitImages(torch.rand(40, 1, 8, 8, generator=g), torch.arange(40) % 10)
         task = Diffusion()
         task.setup(train, None, run_dirs[rank])
+        if rank == 0:
+            task.write_records(run_dirs[rank])  # (the main process, once the run is under way: trainer/entry/run.py)
         save_file(task.normalizer.state_dict(), f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
 def test_every_rank_gets_rank_0s_normaliser_not_whatever_file_it_finds(tmp_path):
-    """Rank 0 fits the normaliser and writes it to the run dir; the other ranks must end with exactly rank 0's
+    """Rank 0 fits the normaliser (and records it in the run dir); the other ranks must end with exactly rank 0's
     statistics, whatever they find at that path: here rank 1's run dir holds another normaliser (what a file
     replaced between rank 0's write and rank 1's read would leave)."""
     from safetensors.torch import load_file, save_file

@@ -238,8 +238,12 @@ def save_config(cfg: DictConfig, run_dir: Path) -> Path:
     from trainer.io import atomic_write_text
 
     path = Path(run_dir) / "config.yaml"
-    atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.create(redact(OmegaConf.to_container(cfg)))))
+    atomic_write_text(path, config_text(cfg))
     return path
+
+
+def config_text(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.create(redact(OmegaConf.to_container(cfg))))
 
 
 def write_run_info(run_dir: Path, cfg: DictConfig, trainer: Trainer) -> None:
@@ -461,8 +465,10 @@ def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
 
                 try:
                     aside = set_aside(run_dir)
-                    earlier = run_dir / "config.yaml"  # (an earlier attempt's, or a file of the user's own)
-                    if earlier.is_file() and not earlier.is_symlink():
+                    # An earlier attempt's config.yaml, or a file of the user's own; not the one the CLI wrote for
+                    # this very job before its workers started (the same text).
+                    earlier = run_dir / "config.yaml"
+                    if earlier.is_file() and not earlier.is_symlink() and earlier.read_text() != config_text(cfg):
                         from trainer.io import free_name
 
                         earlier.replace(free_name(earlier, ".prev", before_suffix=True))
