@@ -83,8 +83,9 @@ def check_config_dir(path: Path, given: str) -> None:
     shipped = Path(str(importlib.resources.files(CONFIG_MODULE)))
     if path.resolve() == shipped.resolve():
         return  # (the shipped dir itself, named from the repository)
-    shadowed = sorted(str(f.relative_to(path)) for f in path.rglob("*.yaml")
-                      if f.relative_to(path).parts[0] != "machine" and (shipped / f.relative_to(path)).is_file())
+    # (the shipped files looked up in the user's dir, not the user's dir walked: it may be a whole project)
+    shadowed = sorted(str(rel) for rel in (f.relative_to(shipped) for f in shipped.rglob("*.yaml"))
+                      if (path / rel).is_file())
     if shadowed:
         listed = ", ".join(shadowed[:5]) + (f" and {len(shadowed) - 5} more" if len(shadowed) > 5 else "")
         raise ConfigError(f"--config-dir {given} has {listed}, which the framework ships under the same name: the "
