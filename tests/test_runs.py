@@ -257,6 +257,12 @@ def test_a_sweep_point_is_all_its_overrides_not_only_the_swept_ones(tmp_path):
     # The sweep in a config file: its values are in the job's overrides, not on the command line.
     in_file = ["optim.lr=3e-4", "optim.weight_decay=0.0", "resume=auto"]
     assert sweep_point_dir(tmp_path / "0", in_file, ["-m", "resume=auto"]) == tmp_path / "2"
+    # A swept key is the point even where a rerun may change it otherwise (a sweep of the run's length).
+    for name, steps in (("a/0", "4"), ("a/1", "8")):
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        (tmp_path / name / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"trainer.max_steps={steps}"]))
+    lengths = ["-m", "trainer.max_steps=8,4"]
+    assert sweep_point_dir(tmp_path / "a" / "0", ["trainer.max_steps=8"], lengths) == tmp_path / "a" / "1"
 
 
 def test_a_sweep_point_is_found_by_its_config_where_hydra_kept_no_records(tmp_path):

@@ -213,25 +213,26 @@ NOT_THE_POINT = ("resume", "hydra.", "trainer.max_steps", "trainer.max_epochs", 
                  "trainer.progress", "checkpoint.", "logger.", "world.")
 
 
-def _point(overrides: Any) -> dict[str, str] | None:
-    """{key: value} of `overrides` (a job's override strings) but for NOT_THE_POINT's: the values that make it this
-    point of its sweep (the swept keys, and the fixed ones beside them); None if it is not a list of strings."""
+def _point(overrides: Any, swept: set[str]) -> dict[str, str] | None:
+    """{key: value} of `overrides` (a job's override strings) but for NOT_THE_POINT's, unless swept: the values
+    that make it this point of its sweep (the swept keys, and the fixed ones beside them); None if it is not a list
+    of strings."""
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         return None
     out = {}
     for o in overrides:
         key, _, value = o.partition("=")
         key = key.lstrip("+~")
-        if not key.startswith(NOT_THE_POINT):
+        if key in swept or not key.startswith(NOT_THE_POINT):
             out[key] = value
     return out
 
 
-def _recorded_point(run_dir: Path) -> dict[str, str] | None:
+def _recorded_point(run_dir: Path, swept: set[str]) -> dict[str, str] | None:
     import yaml
 
     try:
-        return _point(yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()))
+        return _point(yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()), swept)
     except (OSError, yaml.YAMLError):
         return None
 
@@ -256,11 +257,11 @@ def sweep_point_dir(run_dir: Path, job_overrides: list[str], argv: list[str], co
     then from the settings its config.yaml holds under the command line's swept keys, against `config` (this job's
     resolved config, as config.yaml records it)."""
     keys = swept_keys(argv)
-    mine = _point(list(job_overrides))
+    mine = _point(list(job_overrides), keys)
     mine_set = _config_point(config, keys) if keys else None
 
     def point_of(d: Path) -> tuple[str, Any] | None:
-        recorded = _recorded_point(d)
+        recorded = _recorded_point(d, keys)
         if recorded is not None:
             return "overrides", recorded
         settings = _config_point(read_config(d / "config.yaml"), keys) if mine_set is not None else None
