@@ -46,8 +46,9 @@ def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, mod
     # written, so that no reader (trainer.load, from_pretrained) prefers an older file to it.
     stale = {*run_dir.glob(f"{name}-*-of-*.safetensors"), run_dir / f"{name}.safetensors",
              run_dir / f"{name}.safetensors.index.json"}
-    if name == "model":  # (and an adapter beside the weights, where exports before adapter/ put it)
-        stale |= {run_dir / f for f in ADAPTER_FILES} | {run_dir / Path(f).name for f in ADAPTER_FILES}
+    if name == "model":  # (and an adapter beside the weights, where exports before adapter/ put it: if theirs)
+        stale |= {run_dir / f for f in ADAPTER_FILES} | {run_dir / n for n in _listed(run_dir)
+                                                          if n in {Path(f).name for f in ADAPTER_FILES}}
     adapter_files = []
     if adapters_in(tensors):
         tensors, adapter, adapter_config = merge(tensors)
@@ -87,6 +88,15 @@ def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, mod
         return [*written, *adapter_files]
     atomic_write_json(run_dir / "model_config.json", json.loads(json.dumps(model_config)))
     return [*written, "model_config.json", *adapter_files]
+
+
+def _listed(run_dir: Path) -> set[str]:
+    """The files the run dir's export.json lists (none without one: a directory of the user's own)."""
+    try:
+        files = json.loads((run_dir / "export.json").read_text())["files"]
+        return {n for n in files if listed_name(n)}
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
 
 
 def remove_export(run_dir: Path, name: str) -> None:
