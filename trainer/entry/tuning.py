@@ -69,7 +69,9 @@ def prepare(argv: list[str]) -> DictConfig:
             from trainer.entry.cli import check_config_dir
 
             config_dir = value if sep else next(args, None)
-            check_config_dir(Path(config_dir or "").expanduser(), config_dir or "")
+            if not config_dir:
+                raise ConfigError(f"--config-dir needs a directory: --config-dir DIR. Usage: {USAGE}")
+            check_config_dir(Path(config_dir).expanduser(), config_dir)
         elif key.startswith("tune."):
             name = key[len("tune."):]
             if name not in settings:
