@@ -175,6 +175,12 @@ def test_a_best_metric_the_evals_lack_keeps_the_training_in_a_checkpoint(corpus,
     assert_clean_error(r, "checkpoint.best_metric='val/nosuch' is not among the metrics", "The checkpoint of step 4 is "
                        "saved", "resume=auto")
     assert checkpoints(tmp_path) == ["step_00000004"]
+    # An eval on a checkpoint step (the usual eval_every == every_n_steps): its save raised before it wrote.
+    again = tmp_path / "again"
+    r = run_here(*tiny_overrides(corpus, "trainer.max_steps=4", "trainer.eval_every=2", "checkpoint.every_n_steps=2",
+                                 "checkpoint.best_metric=val/nosuch"), f"hydra.run.dir={again}")
+    assert_clean_error(r, "The checkpoint of step 2 is saved")
+    assert checkpoints(again) == ["step_00000002"]
 
 
 def test_sigusr1_to_the_launcher_stops_every_worker_with_a_checkpoint_that_resumes_on_one_process(

@@ -176,6 +176,11 @@ def test_a_config_file_of_ones_own_named_as_a_shipped_one_is_refused_not_passed_
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "--config-dir conf has model/gpt_tiny.yaml, which the framework ships under the same name" in r.stderr
     assert "model/my_gpt_tiny.yaml" in r.stderr
+    # A config.yaml at the dir's root (a project's own) is no option of a group: not refused.
+    (tmp_path / "conf" / "model" / "gpt_tiny.yaml").rename(tmp_path / "conf" / "model" / "mine.yaml")
+    (tmp_path / "conf" / "config.yaml").write_text("something: else\n")
+    r = run_here("--config-dir", "conf", "debug=smoke", "--cfg", "job", cwd=tmp_path)
+    assert r.returncode == 0 and "framework ships under the same name" not in r.stderr, r.stderr
 
 
 def test_the_smoke_config_is_a_run_of_seconds(corpus):

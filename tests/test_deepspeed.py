@@ -183,12 +183,15 @@ def test_zero2_preempted_exits_75_with_a_checkpoint_and_resume_auto_ends_bit_ide
 
 @pytest.mark.deepspeed
 @needs_deepspeed
-def test_your_own_loop_on_zero3_with_accumulation_trains_what_the_trainer_trains(reference, corpus, tmp_path):
+@pytest.mark.parametrize("zero", [("world.stage=3",), ("world.stage=2", "world.offload_optimizer=true")],
+                         ids=["zero3", "zero2_offload"])
+def test_your_own_loop_on_zero3_with_accumulation_trains_what_the_trainer_trains(reference, corpus, tmp_path, zero):
     """trainer.Runtime under `python -m trainer launch world=deepspeed`: setup returns the engine, rt.backward /
-    clip_grad_norm_ / step drive it, save_model gathers the whole model."""
+    clip_grad_norm_ / step drive it, save_model gathers the whole model. With the optimizer offloaded, rt.step must
+    zero through DeepSpeed's own zero_grad (its CPU gradient buffers stay): the class's failed at step 2."""
     # precision=fp32 as the reference's (debug=smoke): a launched job otherwise takes the lm recipe's `auto`, bf16
     # where the CPU computes it natively.
-    r = run_cli("launch", "precision=fp32", *DS2, "world.stage=3", "trainer.grad_accum_steps=2", str(ROOT / "recipes" / "lm" /
+    r = run_cli("launch", "precision=fp32", *DS2, *zero, "trainer.grad_accum_steps=2", str(ROOT / "recipes" / "lm" /
                 "own_loop.py"), "--data", str(corpus), "--out", str(tmp_path), "--steps", "12", "--lr", "5e-3",
                 "--warmup", "2", "--seq-len", "32", "--batch-size", "2")
     assert r.returncode == 0, r.stderr

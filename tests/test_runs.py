@@ -263,6 +263,10 @@ def test_a_sweep_point_is_all_its_overrides_not_only_the_swept_ones(tmp_path):
         (tmp_path / name / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"trainer.max_steps={steps}"]))
     lengths = ["-m", "trainer.max_steps=8,4"]
     assert sweep_point_dir(tmp_path / "a" / "0", ["trainer.max_steps=8"], lengths) == tmp_path / "a" / "1"
+    # A logger or world chosen on a rerun, and a secret (.hydra/ holds it redacted), leave the point as it was.
+    rerun = ["optim.lr=3e-4", "optim.weight_decay=0.1", "logger=wandb", "world=fsdp", "hydra/launcher=basic",
+             "+model.hf_token=abcdefgh"]
+    assert sweep_point_dir(tmp_path / "0", rerun, argv) == tmp_path / "3"
 
 
 def test_a_sweep_point_is_found_by_its_config_where_hydra_kept_no_records(tmp_path):

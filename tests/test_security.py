@@ -222,6 +222,15 @@ def test_a_logging_config_file_with_a_factory_is_checked(corpus, tmp_path):
 
 
 # -- 3. Secrets by value ----------------------------------------------------------------------------------
+def test_a_tokenizers_special_tokens_are_not_secrets():
+    """data.eos_token='<|endoftext|>' was written as <redacted> into config.yaml (and eval rebuilt the data with that
+    text as its end-of-text token), and matched no sweep point."""
+    from trainer.redaction import is_secret_key, redact
+
+    assert not is_secret_key("data.eos_token") and not is_secret_key("pad_token") and is_secret_key("model.hf_token")
+    assert redact({"data": {"eos_token": "<|endoftext|>"}}) == {"data": {"eos_token": "<|endoftext|>"}}
+
+
 def test_is_secret_env():
     from trainer.redaction import is_secret_env
 

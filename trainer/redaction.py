@@ -26,7 +26,14 @@ MIN_SECRET_LENGTH = 6
 REDACTED = "<redacted>"
 
 
+# A tokenizer's special tokens are text, not credentials: data.eos_token='<|endoftext|>' must reach config.yaml.
+SPECIAL_TOKENS = frozenset({"eos_token", "bos_token", "pad_token", "unk_token", "sep_token", "cls_token",
+                            "mask_token"})
+
+
 def is_secret_key(key: Any) -> bool:
+    if str(key).rsplit(".", 1)[-1].lower() in SPECIAL_TOKENS:
+        return False
     words = re.split(r"[^a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", str(key)).lower())
     return any(w in SECRET_WORDS for w in words) or any(a + b in SECRET_WORDS for a, b in zip(words, words[1:]))
 
@@ -85,6 +92,10 @@ class ScrubbedStream:
     def write(self, text: str) -> int:
         self.stream.write(scrub(text, self.secrets))
         return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
 
     def __getattr__(self, name: str) -> Any:  # flush, fileno, isatty, encoding, ...: the stream's own
         return getattr(self.stream, name)

@@ -21,12 +21,20 @@ USAGE = ("python -m trainer config [world=NAME] [world.nproc_per_node=N] [precis
          "[outputs=DIR] [KEY=VALUE ...]  (no arguments: show them; --reset: remove them)")
 
 
+SHOWN_ENV = "TRAINER_MACHINE_DEFAULTS"  # the user's file, while a command composes a filtered copy (home_for)
+
+
 def home() -> Path:
     return Path(os.environ.get(HOME_ENV) or Path.home() / ".config" / "trainer")
 
 
 def defaults_file() -> Path:
     return home() / "machine" / "default.yaml"
+
+
+def shown_file() -> Path:
+    """The machine's defaults file as the user knows it (not the filtered copy a command may compose)."""
+    return Path(os.environ.get(SHOWN_ENV) or defaults_file())
 
 
 def describe() -> str:
@@ -89,8 +97,11 @@ def replaced_groups(overrides: list[str]) -> tuple[list[str], str | None]:
     for override in overrides:
         key, sep, value = override.partition("=")
         if sep and key in machine and not key.startswith(("+", "~", "-")):
-            chosen[key] = value
-    replaced = [g for g, value in chosen.items() if str(value) != str(machine[g])]
+            try:
+                chosen[key] = yaml.safe_load(value)  # (a list of callbacks, [a,b], as the file holds it)
+            except yaml.YAMLError:
+                chosen[key] = value
+    replaced = [g for g, value in chosen.items() if value != machine[g]]
     if not replaced:
         return [], None
     kept = {k: v for k, v in data.items() if k not in replaced}

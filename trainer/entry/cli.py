@@ -85,7 +85,7 @@ def check_config_dir(path: Path, given: str) -> None:
         return  # (the shipped dir itself, named from the repository)
     # (the shipped files looked up in the user's dir, not the user's dir walked: it may be a whole project)
     shadowed = sorted(str(rel) for rel in (f.relative_to(shipped) for f in shipped.rglob("*.yaml"))
-                      if (path / rel).is_file())
+                      if len(rel.parts) > 1 and (path / rel).is_file())  # (a group's option, not a root file)
     if shadowed:
         listed = ", ".join(shadowed[:5]) + (f" and {len(shadowed) - 5} more" if len(shadowed) > 5 else "")
         raise ConfigError(f"--config-dir {given} has {listed}, which the framework ships under the same name: the "
@@ -281,10 +281,10 @@ def run_job(cfg: DictConfig) -> float | None:
                 from trainer.entry.run import save_config
 
                 save_config(resolved, run_dir)
-        from trainer.config.machine import defaults_file
+        from trainer.config.machine import defaults_file, shown_file
 
         if defaults_file().is_file():  # (composed into this config by conf/config.yaml's defaults list)
-            print(f"machine defaults: {defaults_file()} (python -m trainer config shows them; the command line "
+            print(f"machine defaults: {shown_file()} (python -m trainer config shows them; the command line "
                   "overrides them)", flush=True)
         print(f"run dir: {run_dir}", flush=True)
         from trainer.entry.launcher import WorkerFailed, run
@@ -478,11 +478,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _compose_and_run(argv: list[str]) -> None:
-    from trainer.config.machine import HOME_ENV, defaults_file, home_for
+    from trainer.config.machine import HOME_ENV, SHOWN_ENV, defaults_file, home_for
     from trainer.config.shortcuts import composing, precomposed_reused
 
     replaced, filtered = home_for([a for a in argv if not a.startswith("-")])
     if filtered is not None:  # the command line's group choices win over the machine's, keys and all
+        os.environ[SHOWN_ENV] = str(defaults_file())
         print(f"machine defaults: {defaults_file()}'s settings for {', '.join(replaced)} are left out: the command "
               f"line chooses {', '.join(replaced)} itself.", file=sys.stderr, flush=True)  # (--cfg job: YAML alone)
         os.environ[HOME_ENV] = filtered  # (for every composition of this command: Hydra's sweeps too)

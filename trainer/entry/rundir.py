@@ -209,8 +209,8 @@ def swept_keys(argv: list[str]) -> set[str]:
 
 # Overrides a rerun of a sweep may change without making its points other runs: the run's length and periods,
 # checkpoints, loggers, the world it runs on, and what is not a setting.
-NOT_THE_POINT = ("resume", "hydra.", "trainer.max_steps", "trainer.max_epochs", "trainer.eval_every", "trainer.log_every",
-                 "trainer.progress", "checkpoint.", "logger.", "world.")
+NOT_THE_POINT = ("resume", "hydra.", "hydra/", "trainer.max_steps", "trainer.max_epochs", "trainer.eval_every",
+                 "trainer.log_every", "trainer.progress", "checkpoint.", "logger", "world")
 
 
 def _point(overrides: Any, swept: set[str]) -> dict[str, str] | None:
@@ -219,10 +219,14 @@ def _point(overrides: Any, swept: set[str]) -> dict[str, str] | None:
     of strings."""
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         return None
+    from trainer.redaction import REDACTED, is_secret_key
+
     out = {}
     for o in overrides:
         key, _, value = o.partition("=")
         key = key.lstrip("+~")
+        if is_secret_key(key) or REDACTED in value:  # (.hydra/ keeps these redacted: they cannot be compared)
+            continue
         if key in swept or not key.startswith(NOT_THE_POINT):
             out[key] = value
     return out

@@ -271,7 +271,8 @@ class Runtime:
         self._listed.pop(owner, None)  # (listed again from the engine, at the first step)
         self._set_up.add(id(self.models[owner]))
         self.optimizers[name] = (owner, optimizer)
-        if isinstance(optimizer, torch.optim.Optimizer):  # (not an engine's own optimizer: DeepSpeed checks its own)
+        # (not under an engine that steps and zeroes the optimizer itself: DeepSpeed's)
+        if isinstance(optimizer, torch.optim.Optimizer) and not self.strategy.engine_steps:
             optimizer.register_step_pre_hook(self._check_own_step)
             optimizer.zero_grad = _CheckedZeroGrad(self, optimizer.zero_grad)  # (torch has no zero_grad hook)
         return optimizer
@@ -476,8 +477,9 @@ class Runtime:
         applied = self.strategy.optimizer_step(optimizer)
         if applied and scheduler is not None:
             scheduler.step()
-        if zero_grad:
-            type(optimizer).zero_grad(optimizer, set_to_none=True)  # (the class's: the user's is checked)
+        if zero_grad:  # (the optimizer's own zero_grad, or DeepSpeed's no-op: not the check on the user's calls)
+            zero = optimizer.zero_grad
+            (zero.own if isinstance(zero, _CheckedZeroGrad) else zero)(set_to_none=True)
         return applied
 
     def no_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:

@@ -353,7 +353,8 @@ class Trainer:
                     evaluated_at, final = self.step, evaluated
                 # A checkpoint when one is due, and at every eval that beats the best (checkpoint.best_metric).
                 # (at the last step the final save is this one, unless checkpoint.save_final=false)
-                saving = (self.checkpointer.due(self.step) or self._improves(evaluated)) and not (
+                better = self._improves(evaluated)  # (first: a best_metric the evals lack is said, the step saved)
+                saving = (self.checkpointer.due(self.step) or better) and not (
                     self.finished and self.checkpointer.save_final)
                 if saving:
                     self.save_checkpoint(evaluated)

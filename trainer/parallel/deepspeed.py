@@ -75,6 +75,7 @@ class DeepSpeed(Strategy):
     """
 
     distributed = True
+    engine_steps = True  # engine.step steps (and zeroes) the client optimizer itself
     shards_data_parallel = True  # ZeRO partitions optimizer state (and gradients, and parameters) over the ranks
 
     def __init__(self, stage: int | None = None, offload_optimizer: bool | None = None,
