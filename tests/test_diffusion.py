@@ -133,24 +133,18 @@ def test_a_missing_or_malformed_data_file_is_one_paragraph(tmp_path, path, needl
     assert not (tmp_path / "run").exists()
 
 
-def test_a_refused_resume_leaves_the_normalisers_record_as_it_was(tmp_path):
-    """The normaliser, fitted on other data (another data.val_fraction), was written over the run's record before
-    the resume was refused with "Nothing in the run dir was changed"."""
+def test_a_directory_where_the_normaliser_goes_is_one_paragraph(tmp_path):
+    """normalizer.safetensors replaced by a directory: one paragraph naming it and what to do, exit 2, and no
+    "to continue this run" command (it would fail the same way). Removed as told, the same command runs. And a
+    refused resume leaves the record as it was."""
     run_dir = tmp_path / "run"
     args = (*DIFFUSION[:2], "checkpoint.every_n_steps=2", "trainer.eval_every=0", f"hydra.run.dir={run_dir}")
     assert run_here(*args, "trainer.max_steps=2").returncode == 0
+    # A resume refused for other data (another val_fraction) leaves the record as it was (it was rewritten before).
     before = (run_dir / "normalizer.safetensors").read_bytes()
     r = run_here(*args, "trainer.max_steps=4", "data.val_fraction=0.3", "resume=auto")
     assert r.returncode == 2 and "Nothing in the run dir was changed" in r.stderr, r.stderr
     assert (run_dir / "normalizer.safetensors").read_bytes() == before
-
-
-def test_a_directory_where_the_normaliser_goes_is_one_paragraph(tmp_path):
-    """normalizer.safetensors replaced by a directory: one paragraph naming it and what to do, exit 2, and no
-    "to continue this run" command (it would fail the same way). Removed as told, the same command runs."""
-    run_dir = tmp_path / "run"
-    args = (*DIFFUSION[:2], "checkpoint.every_n_steps=2", "trainer.eval_every=0", f"hydra.run.dir={run_dir}")
-    assert run_here(*args, "trainer.max_steps=2").returncode == 0
     (run_dir / "normalizer.safetensors").unlink()
     (run_dir / "normalizer.safetensors").mkdir()
     r = run_here(*args, "trainer.max_steps=4", "resume=auto")
