@@ -27,7 +27,8 @@ CONFIG_MODULE = "trainer.conf"
 # conf/config.yaml puts the user's config dir on the search path for this machine's defaults (trainer/config/machine.py),
 # and Hydra warns at every composition about a search path that does not exist: on most machines, this one. (With
 # --config-dir the list comes from the command line, `search_path`; a --config-dir that is missing is Hydra's error.)
-warnings.filterwarnings("ignore", message=r"provider=hydra\.searchpath in (main|command-line), path=.* is not available")
+SEARCHPATH_WARNING = r"provider=hydra\.searchpath in (main|command-line), path=.* is not available"
+warnings.filterwarnings("ignore", message=SEARCHPATH_WARNING)
 
 
 def compose(overrides: list[str], config_dir: str | None = None) -> DictConfig:
