@@ -8,7 +8,6 @@ unknown group options, wrong types) become one paragraph with the nearest valid 
 
 from __future__ import annotations
 
-import os
 import re
 import warnings
 from itertools import product
@@ -36,21 +35,11 @@ def compose(overrides: list[str], config_dir: str | None = None) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
 
-    from trainer.config.machine import HOME_ENV, home_for
+    from trainer.config.machine import config_home, home_for
 
     _, filtered = home_for(overrides)  # (the machine's defaults without the groups these overrides choose)
-    before = os.environ.get(HOME_ENV)
-    if filtered is not None:
-        os.environ[HOME_ENV] = filtered
-    try:
-        with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-            return hydra_compose("config", overrides=[*overrides, *search_path(config_dir)])
-    finally:
-        if filtered is not None:
-            if before is None:
-                os.environ.pop(HOME_ENV, None)
-            else:
-                os.environ[HOME_ENV] = before
+    with config_home(filtered), initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+        return hydra_compose("config", overrides=[*overrides, *search_path(config_dir)])
 
 
 def search_path(config_dir: str | None) -> list[str]:

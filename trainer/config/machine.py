@@ -10,7 +10,9 @@ and `outputs=DIR` is the root of the timestamped run and sweep dirs. `python -m 
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from trainer.errors import ConfigError
@@ -144,15 +146,25 @@ def check(text: str) -> None:
     with tempfile.TemporaryDirectory(prefix="trainer-config-") as scratch:
         (Path(scratch) / "machine").mkdir()
         (Path(scratch) / "machine" / "default.yaml").write_text(text)
-        before = os.environ.get(HOME_ENV)
-        os.environ[HOME_ENV] = scratch
-        try:
+        with config_home(scratch):
             load([])
-        finally:
-            if before is None:
-                os.environ.pop(HOME_ENV, None)
-            else:
-                os.environ[HOME_ENV] = before
+
+
+@contextlib.contextmanager
+def config_home(path: str | None) -> Iterator[None]:
+    """$TRAINER_CONFIG_HOME set to `path` for what composes inside (None: as it is), then put back."""
+    if path is None:
+        yield
+        return
+    before = os.environ.get(HOME_ENV)
+    os.environ[HOME_ENV] = path
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(HOME_ENV, None)
+        else:
+            os.environ[HOME_ENV] = before
 
 
 def config(argv: list[str]) -> int:

@@ -44,10 +44,9 @@ def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, mod
 
     # What an earlier export of this name left (a single file, or shards and their index): removed once this one is
     # written, so that no reader (trainer.load, from_pretrained) prefers an older file to it.
-    stale = {*run_dir.glob(f"{name}-*-of-*.safetensors"), run_dir / f"{name}.safetensors",
-             run_dir / f"{name}.safetensors.index.json"}
+    stale = _weight_files(run_dir, name)
     if name == "model":  # (and an adapter beside the weights, where exports before adapter/ put it: if theirs)
-        stale |= {run_dir / f for f in ADAPTER_FILES} | {run_dir / n for n in _listed(run_dir)
+        stale |= {run_dir / f for f in ADAPTER_FILES} | {run_dir / n for n in _listed(run_dir) or ()
                                                           if n in {Path(f).name for f in ADAPTER_FILES}}
     adapter_files = []
     if adapters_in(tensors):
@@ -90,19 +89,24 @@ def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, mod
     return [*written, "model_config.json", *adapter_files]
 
 
-def _listed(run_dir: Path) -> set[str]:
-    """The files the run dir's export.json lists (none without one: a directory of the user's own)."""
+def _listed(run_dir: Path) -> set[str] | None:
+    """The files the run dir's export.json lists; None without a readable one (a directory of the user's own)."""
     try:
         files = json.loads((run_dir / "export.json").read_text())["files"]
         return {n for n in files if listed_name(n)}
     except (OSError, ValueError, KeyError, TypeError):
-        return set()
+        return None
+
+
+def _weight_files(run_dir: Path, name: str) -> set[Path]:
+    """Where an export of `name` puts its weights: the whole file, or the shards and their index."""
+    return {*run_dir.glob(f"{name}-*-of-*.safetensors"), run_dir / f"{name}.safetensors",
+            run_dir / f"{name}.safetensors.index.json"}
 
 
 def remove_export(run_dir: Path, name: str) -> None:
     """An earlier export of `name` (whole or sharded), where this export has none: no reader may take it for this one."""
-    for old in {*run_dir.glob(f"{name}-*-of-*.safetensors"), run_dir / f"{name}.safetensors",
-                run_dir / f"{name}.safetensors.index.json"}:
+    for old in _weight_files(run_dir, name):
         old.unlink(missing_ok=True)
 
 
@@ -160,11 +164,9 @@ def set_aside(run_dir: Path) -> Path | None:
 
     names = {n for n in _EXPORTED if (run_dir / n).is_file()}
     names |= {p.name for p in run_dir.glob("model*-of-*.safetensors")}
-    try:
-        listed = json.loads((run_dir / "export.json").read_text())["files"]
-        names |= {"export.json", *(n for n in listed if listed_name(n))}
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    listed = _listed(run_dir)
+    if listed is not None:
+        names |= {"export.json", *listed}
     present = sorted(n for n in names if (run_dir / n).is_file() and not (run_dir / n).is_symlink()
                      and not ("/" in n and (run_dir / n).parent.is_symlink()))
     if not present:

@@ -158,8 +158,8 @@ class FP16(FP32):
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         self.scaler.step(optimizer)
         self._update_due = True
-        # Whether it was applied: this optimizer's own overflow flags, which GradScaler.step read on the host
-        # already to decide (so reading them costs no sync).
+        # Whether it was applied: this optimizer's own overflow flags, which GradScaler.step already waited for
+        # on the host to decide (reading them again waits for nothing new).
         found = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
         return not any(f.item() for f in found)
 

@@ -249,7 +249,7 @@ class Strategy:
     # True while the strategy itself steps an optimizer: its update, or torch's zero-gradient step that gives an
     # empty state its shape. Any other step() of a set-up optimizer is the user's own (Runtime._check_own_step).
     stepping = False
-    engine_steps = False  # an engine (DeepSpeed's) calls the optimizer's step itself, and checks the loop's calls
+    engine_steps = False  # an engine (DeepSpeed's) steps and zeroes the optimizer itself: no own-step checks
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """The update; False when it was skipped (fp16's loss scaler found an overflow)."""
