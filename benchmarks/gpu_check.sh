@@ -5,13 +5,18 @@
 # tp) on 8 cores that nothing else uses. Everything lands in $OUT (a summary, and the logs and run dirs' metrics
 # as one tarball); each step has a deadline so that a failing one leaves time to the rest. From the project
 # root, after `bash ../shared/gpu/prepare.sh` (device tool: carry [".gpu"]):
-#   source .gpu/setup.sh && bash benchmarks/gpu_check.sh 540
-# First run (H100, torch 2.11, 2026-11-27): BENCHMARKS.md's GPU section.
+#   source .gpu/setup.sh && bash benchmarks/gpu_check.sh 540 [STEP ...]
+# With STEPs named (tests, gpt2, profile_tiny, ..., bench_cpu for the background CPU benches), only those run, in
+# the script's order: a lease too short for everything is split over calls. The runs so far: BENCHMARKS.md's GPU
+# section.
 set -u
 PY=${PYTHON:-python3}                       # the interpreter with (CUDA) torch
 budget=${1:-560}                           # seconds for the whole script
+shift; only=" $* "
+want() { [[ "$only" == "  " || "$only" == *" $1 "* ]]; }
 start=$SECONDS
 G=/tmp/gpu_check; mkdir -p "$G"
+find "$G" -mindepth 1 -maxdepth 1 ! -name cache -exec rm -rf {} +   # an earlier call's on a warm machine
 OUT=${OUT:-$G/out}; mkdir -p "$OUT"
 export TRAINER_CACHE_DIR=$G/cache WANDB_MODE=offline PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=8
 GPU_CORES=0-7                              # the GPU runs; the CPU benches get 8-15: no core shared
@@ -19,6 +24,7 @@ save() { tar czf "$OUT/results.tgz" -C "$G" --exclude=cache --exclude='*.safeten
 left() { echo $((budget - (SECONDS - start))); }
 step() {  # step NAME MAX_SECONDS CMD...: runs on the GPU cores, logs to $G/NAME.log, never past the budget
   local name=$1 max=$2; shift 2
+  want "$name" || return 0
   local t=$(( $(left) - 15 )); (( t > max )) && t=$max
   if (( t < 10 )); then echo "SKIP $name (no time left)" | tee -a "$G/summary.txt"; return; fi
   local t0=$SECONDS
@@ -33,6 +39,7 @@ lm() {  # lm NAME MAX_SECONDS OVERRIDES...: a training run whose run dir is $G/N
     checkpoint.save_final=false task.sample_tokens=0 trainer.progress=lines logger=none "$@" "hydra.run.dir=$G/$name"
 }
 rates() {  # rates NAME: the median tokens/s and MFU over the log windows after the first two (compilation)
+  want "$1" || return 0
   "$PY" - "$G/$1" <<'EOF' | tee -a "$G/summary.txt"
 import json, statistics, sys
 from pathlib import Path
@@ -65,9 +72,9 @@ fi
 # The CPU benches in the background, on cores of their own: pp (issue 29) on four, fsdp and tp (issue 33) on four
 # others. Each writes its own report (the bench writes one only at the end of all its items); on this machine's
 # cores pp's full item took 473 s.
-( taskset -c 8-11 timeout $(( budget - 40 )) "$PY" -m benchmarks --only pp --out "$G/bench_pp.md" > "$G/bench_pp.log" 2>&1
+want bench_cpu && ( taskset -c 8-11 timeout $(( budget - 40 )) "$PY" -m benchmarks --only pp --out "$G/bench_pp.md" > "$G/bench_pp.log" 2>&1
   echo "bench_pp rc=$? at $((SECONDS - start))s" >> "$G/summary.txt" ) &
-( taskset -c 12-15 timeout $(( budget - 40 )) "$PY" -m benchmarks --only fsdp,tp --out "$G/bench_fsdp_tp.md" \
+want bench_cpu && ( taskset -c 12-15 timeout $(( budget - 40 )) "$PY" -m benchmarks --only fsdp,tp --out "$G/bench_fsdp_tp.md" \
     > "$G/bench_fsdp_tp.log" 2>&1
   echo "bench_fsdp_tp rc=$? at $((SECONDS - start))s" >> "$G/summary.txt" ) &
 
@@ -80,16 +87,20 @@ GPT2=(model=gpt_medium model.vocab_size=50304 precision=bf16 data.seq_len=1024 d
 # step spends the GPU's time (MFU 32.7% on the first run: its costliest kernels, compiled); then the loop bench
 # on CUDA, and the first run's measurements again as time allows.
 step tests 170 "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_nonfinite.py -n 3 -p no:cacheprovider -rfEs
-tail -n 25 "$G/tests.log" >> "$G/summary.txt"
+[ -f "$G/tests.log" ] && tail -n 25 "$G/tests.log" >> "$G/summary.txt"
+# Where torch.compile's boundary goes on GPT-2 124M (the model alone, or with its cross-entropy over 50,304
+# logits), hand-written, beside the Trainer's compiled step: in turns in one process.
+step gpt2 170 "$PY" -m benchmarks.gpt2
+[ -f "$G/gpt2.log" ] && grep -A5 ' medians:' "$G/gpt2.log" >> "$G/summary.txt"
 step profile_tiny 40 "$PY" -m benchmarks.profile_steps
 step parts_tiny 45 "$PY" -m benchmarks.step_parts --rounds 10 --steps 30
 step profile_gpt2 120 "$PY" -m benchmarks.profile_steps --steps 10 --top 10 --kernels 25 "${GPT2[@]}" trainer.compile=true
-for f in profile_tiny parts_tiny profile_gpt2; do grep -v USDT "$G/$f.log" | head -60 >> "$G/summary.txt"; done
+for f in profile_tiny parts_tiny profile_gpt2; do [ -f "$G/$f.log" ] && grep -v USDT "$G/$f.log" | head -60 >> "$G/summary.txt"; done
 step bench_cuda 90 "$PY" -m benchmarks --only loop_tiny,loop_default,checkpoint --out "$G/bench_cuda.md"
 lm gpt2_compiled 170 "${GPT2[@]}" trainer.compile=true trainer.max_steps=100; rates gpt2_compiled
 lm gpt2_eager 60 "${GPT2[@]}" trainer.max_steps=50; rates gpt2_eager
 step profile_default 40 "$PY" -m benchmarks.profile_steps model=gpt_small data.batch_size=8 data.seq_len=256
-grep -v USDT "$G/profile_default.log" 2>/dev/null | head -60 >> "$G/summary.txt"
+[ -f "$G/profile_default.log" ] && grep -v USDT "$G/profile_default.log" | head -60 >> "$G/summary.txt"
 # The lm recipe's default run (make train: gpt_small, precision=auto), 300 steps: does compile pay on a GPU?
 lm default_eager 45 trainer.max_steps=300; rates default_eager
 lm default_compiled 80 trainer.compile=true trainer.max_steps=300; rates default_compiled

@@ -41,8 +41,11 @@ class PlainLoop:
     from the same dataset, autocast, grad clipping, LR schedule, and `loss.item()` every log_every.
     """
 
-    def __init__(self, cfg, dataset, device, bf16: bool):
+    def __init__(self, cfg, dataset, device, bf16: bool, compile: str | None = None):
+        """`compile`: None (eager), "model" (`torch.compile(model)`, the cross-entropy eager) or "loss" (the model
+        and the cross-entropy compiled as one function, as nanoGPT's model computes its own loss)."""
         import torch
+        import torch.nn.functional as F
 
         from trainer.recipes.lm.model import GPT
 
@@ -60,6 +63,14 @@ class PlainLoop:
         self.clip, self.log_every, self.batch_size = cfg.trainer.grad_clip, cfg.trainer.log_every, cfg.data.batch_size
         self.perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.trainer.seed))
         self.pos, self.step, self.losses = 0, 0, []
+        backend = cfg.trainer.get("compile_backend", "inductor")
+        forward = torch.compile(self.model, backend=backend) if compile == "model" else self.model
+
+        def loss(x, y):
+            logits = forward(x)
+            return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+
+        self.loss = torch.compile(loss, backend=backend) if compile == "loss" else loss
 
     def batch(self):
         if self.pos + self.batch_size > len(self.perm):
@@ -72,15 +83,13 @@ class PlainLoop:
     def run(self, n: int) -> Lap:
         """Time per step over `n` steps."""
         import torch
-        import torch.nn.functional as F
 
         model, opt = self.model, self.opt
         watch = Stopwatch(self.device)
         for _ in range(n):
             x, y = self.batch()
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-                logits = model(x)
-                loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+                loss = self.loss(x, y)
             loss.backward()
             if self.clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip)

@@ -93,12 +93,28 @@ def test_final_weights_load_into_the_model(corpus, tmp_path):
 
 
 def test_compile_trains_and_saves_the_plain_module(corpus, tmp_path):
+    """The model and the task's loss compiled as one graph (so inductor can fuse the loss into the model's last
+    layer), training as eager does; the checkpoint holds the plain module."""
     # aot_eager traces and runs the graph as torch.compile does, without inductor's C++ build (40 s on
-    # 2 cores); the Trainer's part, compiling the wrapped model and saving the plain one, is the same.
+    # 2 cores); the Trainer's part, compiling the wrapped model and saving the plain one, is the same. The backend
+    # registered here is aot_eager, recording the graphs dynamo hands it.
+    from torch._dynamo import register_backend
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append({str(node.target) for node in gm.graph.nodes})
+        return aot_autograd(fw_compiler=boxed_nop)(gm, example_inputs)
+
+    register_backend(recording, name="test_recording")
     eager = train_in_process(corpus, tmp_path / "eager", "trainer.max_steps=3")
     compiled = train_in_process(corpus, tmp_path / "compiled", "trainer.max_steps=3", "trainer.compile=true",
-                                "trainer.compile_backend=aot_eager")
+                                "trainer.compile_backend=test_recording")
     assert series(compiled, "train/loss") == pytest.approx(series(eager, "train/loss"), rel=1e-4)
+    # One graph holds both the attention and the cross-entropy (a graph break between them would split it).
+    assert any("cross_entropy" in " ".join(g) and "scaled_dot_product_attention" in " ".join(g) for g in graphs), graphs
     weights = load_weights(tmp_path / "compiled" / "model.safetensors")
     assert not any(k.startswith("_orig_mod") for k in weights)
     assert weights.keys() == load_weights(tmp_path / "eager" / "model.safetensors").keys()

@@ -57,6 +57,13 @@ class Trainer:
         self.rt, self.model, self.task = runtime, model, task
         self.precision, self.strategy, self.backend, self.cfg = runtime.precision, runtime.strategy, runtime.backend, config
         precision, strategy = self.precision, self.strategy
+        # trainer.compile: the task's loss is compiled too, with the compiled model inside it (dynamo inlines it), as
+        # nanoGPT's model computes its own loss: one graph from the batch to the loss, so inductor fuses the loss into
+        # the model's last layer. With the model alone compiled, the lm recipe's fp32 cross-entropy ran eagerly over
+        # the whole [tokens, vocab] logits, cast, written and read back in both directions (BENCHMARKS.md, GPU).
+        self.loss_fn = task.loss if hasattr(task, "loss") else None
+        if config.compile and self.loss_fn is not None and strategy.pipeline is None:
+            self.loss_fn = torch.compile(self.loss_fn, backend=config.compile_backend)
         # One optimizer, or one per model part (a task's own training_step; trainer/loop/custom_step.py), by name.
         self.optimizers = optimizer if isinstance(optimizer, dict) else {"optimizer": optimizer}
         self.schedulers = scheduler if isinstance(scheduler, dict) else {"optimizer": scheduler}
@@ -139,7 +146,7 @@ class Trainer:
             # Gradients are synced only in the last micro-step's backward; earlier ones accumulate.
             with rt.accumulate(model, last=i == len(batches) - 1), \
                     noise.for_samples(torch.arange(first, first + b), self.cfg.seed):
-                loss, extra = rt.forward_backward(model, batch, self.task.loss, scale=scale, mean=False)
+                loss, extra = rt.forward_backward(model, batch, self.loss_fn, scale=scale, mean=False)
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             for name, value in extra.items():  # additive sums (accuracy counts, ...): summed like the loss
                 sums[name] = sums.get(name, 0) + torch.as_tensor(value).detach().double()
