@@ -96,7 +96,7 @@ step profile_tiny 40 "$PY" -m benchmarks.profile_steps
 step parts_tiny 45 "$PY" -m benchmarks.step_parts --rounds 10 --steps 30
 step profile_gpt2 120 "$PY" -m benchmarks.profile_steps --steps 10 --top 10 --kernels 25 "${GPT2[@]}" trainer.compile=true
 for f in profile_tiny parts_tiny profile_gpt2; do [ -f "$G/$f.log" ] && grep -v USDT "$G/$f.log" | head -60 >> "$G/summary.txt"; done
-step bench_cuda 90 "$PY" -m benchmarks --only loop_tiny,loop_default,checkpoint --out "$G/bench_cuda.md"
+step bench_cuda 90 "$PY" -m benchmarks --only loop_tiny,loop_default --out "$G/bench_cuda.md"
 lm gpt2_compiled 170 "${GPT2[@]}" trainer.compile=true trainer.max_steps=100; rates gpt2_compiled
 lm gpt2_eager 60 "${GPT2[@]}" trainer.max_steps=50; rates gpt2_eager
 step profile_default 40 "$PY" -m benchmarks.profile_steps model=gpt_small data.batch_size=8 data.seq_len=256
