@@ -81,11 +81,10 @@ want bench_cpu && ( taskset -c 12-15 timeout $(( budget - 40 )) "$PY" -m benchma
 # GPT-2 124M's shape (12 x 768, GPT-2's vocabulary padded to 50304) on the byte corpus, bf16, flash SDPA.
 GPT2=(model=gpt_medium model.vocab_size=50304 precision=bf16 data.seq_len=1024 data.batch_size=32 optim.lr=6e-4
       trainer.log_every=10)
-# What is open comes first (the first run's figures are in BENCHMARKS.md): the CUDA tests, among them the FSDP
-# init fix not yet run on a GPU; then where the Trainer's +0.65 ms a step on CUDA goes (operator calls and kernel
-# launches of both loops, then each part of the step swapped for the hand-written loop's); then where GPT-2's
-# step spends the GPU's time (MFU 32.7% on the first run: its costliest kernels, compiled); then the loop bench
-# on CUDA, and the first run's measurements again as time allows.
+# The order (both runs' figures are in BENCHMARKS.md): the CUDA tests; GPT-2's compile boundary; where the
+# Trainer's +0.37 ms a step on CUDA goes (operator calls and kernel launches of both loops, then each part of the
+# step swapped for the hand-written loop's); where GPT-2's compiled step spends the GPU's time (its costliest
+# kernels); the loop bench on CUDA; then GPT-2 and the default model through the CLI, compiled and not.
 step tests 170 "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_nonfinite.py -n 3 -p no:cacheprovider -rfEs
 [ -f "$G/tests.log" ] && tail -n 25 "$G/tests.log" >> "$G/summary.txt"
 # Where torch.compile's boundary goes on GPT-2 124M (the model alone, or with its cross-entropy over 50,304
