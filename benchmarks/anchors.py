@@ -41,6 +41,7 @@ def available(side: str) -> bool:
 
 
 def measure(ctx: Context, sizes: dict) -> dict:
+    import torch
     from omegaconf import OmegaConf
 
     cfg = compose([*COMMON, *ctx.data, *sizes["anchors_model"], "precision=fp32"])
@@ -48,9 +49,17 @@ def measure(ctx: Context, sizes: dict) -> dict:
     out: dict = {"model": sizes["anchors_model"][0].split("=")[1],
                  "batch_per_process": f"{cfg.data.batch_size}x{cfg.data.seq_len}", "rounds": sizes["anchors_rounds"],
                  "steps": sizes["anchors_steps"], "missing": [s for s in SIDES if not available(s)], "worlds": {}}
+    # With a GPU, the one-process row runs on it, with ten times the steps (a step takes milliseconds there); the
+    # multi-process rows are the CPU machine's (NCCL cannot put two ranks on one GPU, and gloo on a GPU host's CPUs
+    # says nothing new), so they are left out.
+    cuda = torch.cuda.is_available()
+    out["device"] = torch.cuda.get_device_name(0) if cuda else "cpu"
+    warmup, steps = (10 * sizes["anchors_warmup"], 10 * sizes["anchors_steps"]) if cuda else \
+        (sizes["anchors_warmup"], sizes["anchors_steps"])
     for world, nprocs in WORLDS.items():
-        cases = {side: _case(side, world, nprocs, plain_cfg, sizes["anchors_warmup"], sizes["anchors_steps"])
-                 for side in SIDES if available(side)}
+        if cuda and nprocs > 1:
+            continue
+        cases = {side: _case(side, world, nprocs, plain_cfg, warmup, steps) for side in SIDES if available(side)}
         t = alternate(cases, sizes["anchors_rounds"])
         rates = {side: [r for r in runs if isinstance(r, float)] for side, runs in t.items()}
         r: dict = {"tokens_per_s": {s: median(v) for s, v in rates.items() if v},
@@ -89,6 +98,9 @@ def _worker(rank: int, nprocs: int, port: int, out_dir: str, side: str, world: s
     from .loop import _cosine
 
     torch.set_num_threads(1)
+    cuda = nprocs == 1 and torch.cuda.is_available()  # (measure() runs only this row on a GPU machine)
+    device = torch.device("cuda" if cuda else "cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     # Accelerate's state sets torch's threads to the cores per process when OMP_NUM_THREADS is unset (2 here): every
     # side runs 1 thread, so say so to it as well.
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -112,7 +124,7 @@ def _worker(rank: int, nprocs: int, port: int, out_dir: str, side: str, world: s
     def schedule(opt):
         return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _cosine(s, 2, warmup + steps))
 
-    step, barrier = _side(side, world, nprocs, model, optimizer, schedule, clip, F)
+    step, barrier = _side(side, world, nprocs, model, optimizer, schedule, clip, F, device)
     b = cfg.data.batch_size
     perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(cfg.trainer.seed)).tolist()
     pos = rank * b
@@ -122,24 +134,30 @@ def _worker(rank: int, nprocs: int, port: int, out_dir: str, side: str, world: s
         for _ in range(n):
             if pos + b > len(perm):
                 pos = rank * b
-            yield data.__getitems__(perm[pos : pos + b])
+            x, y = data.__getitems__(perm[pos : pos + b])
+            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             pos += nprocs * b
 
     for x, y in batches(warmup):
         step(x, y)
+    sync()
     barrier()
     t = time.perf_counter()
     for x, y in batches(steps):
         step(x, y)
+    sync()
     barrier()
     if rank == 0:
         rate = nprocs * steps * b * cfg.data.seq_len / (time.perf_counter() - t)
         Path(out_dir, "0.json").write_text(json.dumps(rate))
 
 
-def _side(side, world, nprocs, model, optimizer, schedule, clip, F):
-    """(step(x, y), barrier()) of one side: the loop as a user of it writes it."""
+def _side(side, world, nprocs, model, optimizer, schedule, clip, F, device):
+    """(step(x, y), barrier()) of one side: the loop as a user of it writes it (on `device`: the CPU, or one GPU
+    for the one-process row)."""
     import torch
+
+    cuda = device.type == "cuda"
 
     def loss_of(m, x, y):
         logits = m(x)
@@ -158,6 +176,7 @@ def _side(side, world, nprocs, model, optimizer, schedule, clip, F):
                 fully_shard(model)
             else:
                 model = torch.nn.parallel.DistributedDataParallel(model)
+        model = model.to(device)
         opt = optimizer(model)
         sched = schedule(opt)
 
@@ -172,7 +191,7 @@ def _side(side, world, nprocs, model, optimizer, schedule, clip, F):
     if side == "runtime":
         import trainer
 
-        rt = trainer.Runtime(world, "fp32", threads=1)
+        rt = trainer.Runtime(world, "fp32", threads=1, device=device.type)
         model, opt = rt.setup(model, optimizer(model))
         sched = schedule(opt)
 
@@ -191,7 +210,7 @@ def _side(side, world, nprocs, model, optimizer, schedule, clip, F):
 
             kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
                 fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"])
-        acc = Accelerator(cpu=True, mixed_precision="no", **kwargs)
+        acc = Accelerator(cpu=not cuda, mixed_precision="no", **kwargs)
         if world == "fsdp" and nprocs > 1 and acc.state.distributed_type.name != "FSDP":
             # (with cpu=True Accelerate 1.15 prepares DistributedDataParallel and ignores the plugin: no FSDP row)
             raise RuntimeError(f"Accelerate's FSDP plugin does not run on the CPU (it prepared "
@@ -223,7 +242,7 @@ def _side(side, world, nprocs, model, optimizer, schedule, clip, F):
             from trainer.recipes.lm.model import Block
 
             strategy = FSDPStrategy(auto_wrap_policy={Block})
-        fabric = L.Fabric(accelerator="cpu", devices=nprocs, strategy=strategy, precision="32-true")
+        fabric = L.Fabric(accelerator=device.type, devices=nprocs, strategy=strategy, precision="32-true")
         fabric.launch()
         if world == "fsdp":
             model = fabric.setup_module(model)
@@ -244,7 +263,8 @@ def _side(side, world, nprocs, model, optimizer, schedule, clip, F):
 
 def rows(r: dict) -> list[str]:
     out = []
-    labels = {"single": "1 process", "ddp": "DDP 2 proc x 1 thread", "fsdp": "FSDP 2 proc x 1 thread"}
+    labels = {"single": "1 process" + (f" on {r['device']}" if r.get("device", "cpu") != "cpu" else ""),
+              "ddp": "DDP 2 proc x 1 thread", "fsdp": "FSDP 2 proc x 1 thread"}
     for world, w in r["worlds"].items():
         rates = w["tokens_per_s"]
         cells = ", ".join(f"{s} {rates[s]:,.0f}" for s in SIDES if s in rates)
