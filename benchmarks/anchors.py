@@ -56,6 +56,7 @@ def measure(ctx: Context, sizes: dict) -> dict:
     out["device"] = torch.cuda.get_device_name(0) if cuda else "cpu"
     warmup, steps = (10 * sizes["anchors_warmup"], 10 * sizes["anchors_steps"]) if cuda else \
         (sizes["anchors_warmup"], sizes["anchors_steps"])
+    out["warmup"], out["steps"] = warmup, steps
     for world, nprocs in WORLDS.items():
         if cuda and nprocs > 1:
             continue
