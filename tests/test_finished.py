@@ -59,6 +59,35 @@ def test_load_refuses_a_model_config_that_runs_code(reference, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_a_secret_the_run_recorded_redacted_is_named_not_rebuilt_as_the_mark(reference, tmp_path):
+    """A value the run wrote as <redacted> (a secret is never written down) is refused where eval, sample and load
+    would build something with it, naming the key and how to give it again; given again, it is built."""
+    import shutil
+
+    import yaml
+
+    import trainer
+    from trainer.errors import ConfigError
+    from trainer.inference.finished import config_of, load_task
+    from trainer.redaction import REDACTED
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["task"]["sample_prompt"] = REDACTED  # what a prompt equal to a secret's value is recorded as
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError, match=r"records task\.sample_prompt as <redacted>.*command line \(KEY=VALUE"):
+        config_of(run, [])
+    assert config_of(run, ["task.sample_prompt=abc"]).task.sample_prompt == "abc"
+    with pytest.raises(ConfigError, match=r"records task\.sample_prompt as <redacted>.*task\.KEY=VALUE"):
+        load_task(run)
+    assert load_task(run, {"sample_prompt": "abc"}).sample_prompt == "abc"
+    model_config = json.loads((run / "model_config.json").read_text())
+    (run / "model_config.json").write_text(json.dumps({**model_config, "dropout": f"x{REDACTED}"}))
+    with pytest.raises(ConfigError, match=r"records model\.dropout as <redacted>.*load the run's weights"):
+        trainer.load(run)
+
+
 def test_eval_reports_the_final_checkpoints_metrics(reference, capsys):
     from trainer.entry.commands import evaluate
 

@@ -248,3 +248,21 @@ def test_the_sample_order_is_each_epochs_permutation_and_holds_no_python_list_of
     finally:
         tracemalloc.stop()
     assert len(batch) == 8 and held < 1_000_000, f"{held} bytes of Python objects for an 8-sample batch"
+
+
+@pytest.mark.parametrize("run_dir", ["/tmp/runs/plain-dir_1.x", "/tmp/it's mine", "/tmp/a,b", '/tmp/a"b', "/tmp/a=b[1]",
+                                     "/tmp/back\\'slash", "/tmp/ends\\"])
+def test_the_command_that_continues_a_run_names_its_run_dir_as_the_shell_and_hydra_read_it_back(run_dir):
+    """The printed "to continue this run" command, split as a shell splits it, then parsed as Hydra parses the
+    override, gives the run dir itself: a quote, space or comma in the path once made it fail or sweep."""
+    import shlex
+    from pathlib import Path
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from trainer.entry.rundir import continue_command
+
+    words = shlex.split(continue_command(Path(run_dir), ["recipe=lm", "optim.lr=1e-3"]))
+    assert words[:5] == ["python", "-m", "trainer", "recipe=lm", "optim.lr=1e-3"] and words[-1] == "resume=auto"
+    override = OverridesParser.create().parse_override(next(w for w in words if w.startswith("hydra.run.dir=")))
+    assert not override.is_sweep_override() and override.value() == run_dir

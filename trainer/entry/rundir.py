@@ -24,6 +24,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shlex
 import socket
 import sys
@@ -191,7 +192,17 @@ def continue_command(run_dir: Path, argv: list[str] | None = None) -> str:
     """The command line that continues the run in `run_dir`: this one, pinned to the run dir, resume=auto."""
     argv = sys.argv[1:] if argv is None else argv
     kept = [a for a in argv if not a.lstrip("+~").startswith(("resume=", "hydra.run.dir="))]
-    return shlex.join(["python", "-m", "trainer", *kept, f"hydra.run.dir={run_dir}", "resume=auto"])
+    return shlex.join(["python", "-m", "trainer", *kept, f"hydra.run.dir={hydra_quoted(str(run_dir))}", "resume=auto"])
+
+
+def hydra_quoted(value: str) -> str:
+    """`value` as an override's value Hydra reads back unchanged: as it is when it holds only characters Hydra's
+    grammar takes bare, else single-quoted (a path with a space, quote or comma would not parse, or would sweep).
+    Inside quotes Hydra unescapes only the backslashes before a quote or at the end."""
+    if re.fullmatch(r"[\w/.:@~+%-]+", value):
+        return value
+    escaped = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+    return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, escaped) + "'"
 
 
 # -- a sweep continued with resume=auto: each point finds its own run ---------------------------------------------

@@ -146,14 +146,42 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def redacted_keys(node: Any, prefix: str = "") -> list[str]:
+    """The keys (dotted) of `node` whose recorded value is, or holds, the redaction mark: a secret the run never
+    wrote down, so nothing read back from its files can rebuild what used it."""
+    from trainer.redaction import REDACTED
+
+    if isinstance(node, dict):
+        return [k for key, v in node.items() for k in redacted_keys(v, f"{prefix}{key}.")]
+    if isinstance(node, list):
+        return [k for i, v in enumerate(node) for k in redacted_keys(v, f"{prefix}{i}.")]
+    return [prefix[:-1]] if isinstance(node, str) and REDACTED in node else []
+
+
+def refuse_redacted(node: Any, where: str, source: Path, how: str) -> None:
+    """A ConfigError naming the keys of `node` (the `where` section of `source`) that hold a redacted secret,
+    before anything is built with `<redacted>` in their place; `how` says how to give the value again."""
+    from trainer.redaction import REDACTED
+
+    keys = redacted_keys(node, f"{where}." if where else "")
+    if keys:
+        raise ConfigError(f"{source} records {', '.join(keys[:4])}{' and more' if len(keys) > 4 else ''} as "
+                          f"{REDACTED}: the run never writes a secret down, so it cannot be rebuilt from the run dir "
+                          f"alone. {how}")
+
+
 def _instantiate_checked(node: dict, where: str, source: Path, fix: str) -> Any:
     """`node` built by Hydra once every `_target_` in it passed the trust model; a failure is one paragraph
-    naming `source` (the file it came from)."""
+    naming `source` (the file it came from). A secret the file holds redacted is refused, not passed on."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     from trainer.config.targets import iter_targets, locate
 
+    refuse_redacted(node, where, source, "Give the class its secret another way (an environment variable it reads "
+                    "itself), or build the model yourself and load the run's weights into it "
+                    f"(safetensors.torch.load_file({source.parent / 'model.safetensors'}))."
+                    if where == "model" else "Pass it again (task.KEY=VALUE).")
     try:
         cfg = OmegaConf.create(node)
         for key, target in iter_targets(cfg, where):
@@ -376,6 +404,9 @@ def config_of(run_dir: str | Path, overrides: list[str]) -> DictConfig:
                               "has; `python -m trainer --cfg job` lists them.") from None
     with open_dict(cfg):
         cfg.logger = {}
+    refuse_redacted(OmegaConf.to_container(cfg, resolve=False), "", path / "config.yaml",
+                    "Pass each again on the command line (KEY=VALUE after the run dir), e.g. from an environment "
+                    "variable: KEY=\"$MY_TOKEN\".")
     return cfg
 
 
