@@ -107,6 +107,29 @@ def test_max_epochs_derives_the_steps_and_evals_every_epoch(small_corpus, tmp_pa
     assert torch.tensor(series(events, "train/loss")).isfinite().all()
 
 
+def test_max_epochs_resumed_at_a_larger_global_batch_reads_the_samples_its_epochs_planned(small_corpus, tmp_path,
+                                                                                           capsys):
+    """One epoch at batch 4 (29 steps, 116 samples), then max_epochs=2 resumed at batch 16. The steps were counted
+    at the new batch alone (2 x 8 = 16 < 29), so the resume called the run already finished and the second epoch
+    was never trained. Now the 232 samples two epochs planned at batch 4 are read: 116 left, 8 steps of 16; and
+    the cosine schedule spans the 37 steps."""
+    from trainer.loop.schedule import WarmupCosine
+
+    common = ("trainer.log_every=1", "trainer.eval_every=0", "checkpoint.every_n_steps=0", "scheduler.warmup_steps=5",
+              "optim.lr=2e-3")
+    train_in_process(small_corpus, tmp_path, "trainer.max_epochs=1", "data.batch_size=4", *common)
+    capsys.readouterr()
+    events = train_in_process(small_corpus, tmp_path, "trainer.max_epochs=2", "data.batch_size=16", *common,
+                              "resume=auto")
+    said = capsys.readouterr().out
+    assert "resumed from" in said and "already finished" not in said
+    assert "run ends at step 37 (not 16)" in said, said
+    steps = [e["step"] for e in events if "train/loss" in e]
+    assert steps == list(range(1, 38))  # 29 at batch 4, then 8 at batch 16: 116 + 128 >= 2 x 115 samples
+    lr = next(e for e in events if e.get("step") == 37 and "train/lr" in e)["train/lr"]
+    assert lr == pytest.approx(2e-3 * WarmupCosine(37, 5, 0.1)(36), rel=1e-6)  # the rate the last step used
+
+
 def test_a_max_steps_beside_max_epochs_is_named_as_unused_not_dropped_silently():
     """`trainer.max_epochs=1 trainer.max_steps=100` ran the epoch's 90,468 steps without a word about the 100."""
     from trainer.config.schema import CheckpointConfig, TrainerConfig

@@ -119,6 +119,35 @@ def epochs_to_steps(tcfg: TrainerConfig, ccfg: CheckpointConfig, samples: int, g
         ccfg.every_n_steps = steps
 
 
+def epochs_after_resume(trainer, say) -> None:
+    """trainer.max_epochs, resumed at another global batch: the run ends when the samples its epochs set out to
+    read at the checkpoint's batch are read at the new one, and its schedule spans that many steps.
+    (`epochs_to_steps` counts every step at the new batch: a larger one ended the run early, or called it already
+    finished at the resume, and a smaller one trained past its epochs.)"""
+    import math
+
+    from trainer.loop.schedule import Schedule
+
+    tcfg, before, now = trainer.cfg, trainer.resumed_global_batch, trainer.global_batch
+    if tcfg.max_epochs is None or before in (None, now) or trainer.stop_reason is not None:
+        return
+    planned = tcfg.max_epochs * math.ceil(epoch_length(trainer.data.train) / before) * before
+    left = max(0, planned - trainer.samples_seen)
+    steps = trainer.step + math.ceil(left / now)
+    if steps == tcfg.max_steps:
+        return
+    counted, tcfg.max_steps = tcfg.max_steps, steps
+    fixed = [name for name, sched in trainer.schedulers.items() if not isinstance(sched, Schedule)]
+    for sched in trainer.schedulers.values():
+        if isinstance(sched, Schedule):
+            sched.retotal(steps)
+    say(f"resume: trainer.max_epochs={tcfg.max_epochs} planned {planned} samples at the checkpoint's global batch of "
+        f"{before}; {left} are left after sample {trainer.samples_seen}, so at the new batch of {now} the run ends at "
+        f"step {steps} (not {counted}), and the learning-rate schedule spans {steps} steps"
+        + (f" (but for {', '.join(fixed)}: a scheduler of your own keeps the length it was built with)" if fixed else "")
+        + ".")
+
+
 def warn_long_warmup(scheduler: DictConfig, max_steps: int, say) -> None:
     """One line when the warmup does not end before the run does: the learning rate never reaches optim.lr."""
     warmup = scheduler.get("warmup_steps") or 0
@@ -445,6 +474,7 @@ def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
         source = resume(trainer, cfg, say)
         watchdog.beat()
         if source is not None:
+            epochs_after_resume(trainer, say)
             loggers.rewind(trainer.step)  # drop events logged after the checkpoint
             say(f"resumed from {source} at step {trainer.step}")
             if trainer.finished:

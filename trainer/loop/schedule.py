@@ -47,6 +47,17 @@ class Schedule(LambdaLR):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.last_epoch, self._step_count = state_dict["last_epoch"], state_dict["_step_count"]
+        self._set_position_lr()
+
+    def retotal(self, total_steps: int) -> None:
+        """The schedule's length set to `total_steps` (a multiplier without one, constant, is left as it is), its
+        position kept: the learning rate from here on is the new shape's at this step."""
+        for fn in self.lr_lambdas:
+            if hasattr(fn, "total_steps"):
+                fn.total_steps = total_steps
+        self._set_position_lr()
+
+    def _set_position_lr(self) -> None:
         lrs = [base * fn(self.last_epoch) for base, fn in zip(self.base_lrs, self.lr_lambdas)]
         for group, lr in zip(self.optimizer.param_groups, lrs):
             group["lr"] = lr

@@ -90,6 +90,7 @@ class Trainer:
         self.skipped_steps = 0
         self.stop_reason: str | None = None  # set by request_stop (early stopping): the run ends at this step
         self.saved_step: int | None = None  # the step of the last save_checkpoint (in flight or complete)
+        self.resumed_global_batch: int | None = None  # the global batch of the checkpoint a resume loaded
 
     def request_stop(self, reason: str) -> None:
         """End the run after the current step, as if it were the last (a callback's way to stop training)."""
@@ -419,6 +420,7 @@ class Trainer:
         self.check_state(state)
         self.step, self.samples_seen, self.skipped_steps = state["step"], state["samples_seen"], state["skipped_steps"]
         self.stop_reason = state.get("stop_reason")
+        self.resumed_global_batch = state["global_batch"]
         note = self.data.load_position(state)  # a stream's readers continue where they stopped
         if note and self.backend.is_main:
             print(note, flush=True)
