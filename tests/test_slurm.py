@@ -302,6 +302,19 @@ def test_a_node_that_never_comes_ends_the_run_with_one_paragraph(corpus, tmp_pat
     assert endpoint in error[0] and "2 nodes" in error[0] and "world.rdzv_timeout=3" in error[0], error[0]
 
 
+def test_node_0_with_a_rendezvous_host_it_cannot_resolve_says_so_at_once(corpus, tmp_path):
+    """torch's store tried to reach such a host for about two minutes (world.rdzv_timeout aside), a c10d warning
+    a try; node 0 now checks its own host first. (The subprocess's 60 s limit is under torch's two minutes.)"""
+    env = {k: "" for k in os.environ if k.startswith(("SLURM_", "MASTER_"))}
+    r = run_cli(*tiny_overrides(corpus, "world=ddp", "world.nproc_per_node=1", "world.nnodes=2", "world.node_rank=0",
+                                "world.rdzv_endpoint=nosuchhost.invalid:29500"), f"hydra.run.dir={tmp_path / 'run'}",
+                env=env, timeout=60)
+    assert r.returncode == RendezvousFailed.exit_code, r.stdout + r.stderr
+    error = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "c10d" not in r.stderr, r.stderr
+    assert "'nosuchhost.invalid'" in error[0] and "cannot be resolved on node 0" in error[0], error[0]
+
+
 def test_rendezvous_failures_are_explained():
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 

@@ -145,6 +145,22 @@ def wait_for_node0(w) -> None:
         time.sleep(0.5)
 
 
+def resolve_on_node0(w) -> None:
+    """On node 0: its rendezvous host must resolve (it is node 0's own address). torch's store would otherwise
+    try to reach it as a client for about two minutes, whatever world.rdzv_timeout says, logging a line per try."""
+    import socket
+
+    from trainer.config.slurm import split_endpoint
+
+    host, port = split_endpoint(w.rdzv_endpoint)
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise RendezvousFailed(f"the rendezvous host {host!r} (world.rdzv_endpoint={w.rdzv_endpoint}) cannot be "
+                               f"resolved on node 0 ({_first_line(e)}); it must be this node's own host name or "
+                               f"address. {_rendezvous_checklist(w)}") from None
+
+
 def rendezvous_failed(w, error: Exception) -> RendezvousFailed:
     """The one paragraph for torch's rendezvous giving up: RendezvousTimeoutError (not every node joined within
     the join timeout) or RendezvousConnectionError (node 0's store could not be opened, e.g. its port is taken,
@@ -211,6 +227,8 @@ def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
         rdzv_configs = {"is_host": w.node_rank == 0, "join_timeout": w.rdzv_timeout}
         if w.node_rank:
             wait_for_node0(w)
+        else:
+            resolve_on_node0(w)
     else:
         # Port 0: the rendezvous picks a free port, so concurrent jobs (multirun) never collide.
         endpoint, run_id, rdzv_configs = "127.0.0.1:0", f"trainer-{uuid.uuid4().hex[:8]}", {}
