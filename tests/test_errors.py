@@ -264,6 +264,13 @@ def test_a_run_dir_that_cannot_be_made_is_one_paragraph_before_hydra_makes_it(tm
     assert_clean_error(r, "hydra.run.dir=/proc/trainer-test/run cannot be made: no directory can be made in /proc")
 
 
+def test_a_run_dir_given_to_a_sweep_is_refused_naming_the_sweep_dir(tmp_path):
+    """Hydra passes hydra.run.dir over in silence under -m, and the sweep went to multirun/DATE/TIME."""
+    r = run_main("-m", "debug=smoke", f"hydra.run.dir={tmp_path / 'runs'}", "optim.lr=1e-3,1e-4", cwd=tmp_path)
+    assert_clean_error(r, f"hydra.run.dir={tmp_path / 'runs'} is not used by a sweep (-m)", "hydra.sweep.dir=DIR")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_full_disk_while_the_run_dir_is_set_up_is_one_paragraph(tmp_path, monkeypatch):
     """A failed write of config.yaml or Hydra's records (ENOSPC, a read-only place) before training was a
     traceback."""

@@ -266,3 +266,18 @@ def test_the_command_that_continues_a_run_names_its_run_dir_as_the_shell_and_hyd
     assert words[:5] == ["python", "-m", "trainer", "recipe=lm", "optim.lr=1e-3"] and words[-1] == "resume=auto"
     override = OverridesParser.create().parse_override(next(w for w in words if w.startswith("hydra.run.dir=")))
     assert not override.is_sweep_override() and override.value() == run_dir
+
+
+def test_the_command_that_continues_a_sweeps_point_is_that_point_alone(monkeypatch):
+    """A sweep's command (-m) ignores hydra.run.dir and would run every point again: a point is continued as one
+    job of its own overrides (Hydra's hydra.overrides.task), keeping the command's options."""
+    import shlex
+    from pathlib import Path
+
+    from trainer.entry import rundir
+
+    monkeypatch.setattr(rundir, "sweep_point_overrides", lambda: ["recipe=lm", "optim.lr=3e-4"])
+    argv = ["--config-dir", "my conf", "-m", "recipe=lm", "optim.lr=1e-3,3e-4", "resume=auto"]
+    words = shlex.split(rundir.continue_command(Path("/tmp/multirun/x/1"), argv))
+    assert words == ["python", "-m", "trainer", "--config-dir", "my conf", "recipe=lm", "optim.lr=3e-4",
+                     "hydra.run.dir=/tmp/multirun/x/1", "resume=auto"]

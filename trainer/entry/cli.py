@@ -49,6 +49,12 @@ def precheck(argv: list[str]):
         return known
     if args.config_dir is not None:
         check_config_dir(Path(args.config_dir).expanduser(), args.config_dir)
+    if args.multirun:
+        given = next((o for o in args.overrides if o.lstrip("+~").startswith("hydra.run.dir=")), None)
+        if given is not None:  # (Hydra would pass over it in silence and write under multirun/DATE/TIME)
+            raise ConfigError(f"{given} is not used by a sweep (-m): each point runs in hydra.sweep.dir/"
+                              "hydra.sweep.subdir (multirun/DATE/TIME/N by default). Pass hydra.sweep.dir=DIR instead "
+                              "(its points go to DIR/0, DIR/1, ...).")
     jobs = sweep_jobs(args.overrides) if args.multirun else [args.overrides]
     try:
         for overrides in jobs:

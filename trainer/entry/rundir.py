@@ -189,10 +189,34 @@ def find_run_to_continue(run_dir: Path, config: dict[str, Any], depth: int = 2) 
 
 
 def continue_command(run_dir: Path, argv: list[str] | None = None) -> str:
-    """The command line that continues the run in `run_dir`: this one, pinned to the run dir, resume=auto."""
+    """The command line that continues the run in `run_dir`: this one, pinned to the run dir, resume=auto. A
+    sweep's point (`-m`) is continued as one job: its own overrides, the swept keys at its values (a sweep's
+    command ignores hydra.run.dir, and would run every point again)."""
     argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-m", "--multirun") for a in argv):
+        argv = [*_hydra_options(argv), *sweep_point_overrides()]
     kept = [a for a in argv if not a.lstrip("+~").startswith(("resume=", "hydra.run.dir="))]
     return shlex.join(["python", "-m", "trainer", *kept, f"hydra.run.dir={hydra_quoted(str(run_dir))}", "resume=auto"])
+
+
+def _hydra_options(argv: list[str]) -> list[str]:
+    """The options of a command line (--config-dir DIR, -cd DIR, ...) without -m and the overrides."""
+    out, value_next = [], False
+    for a in argv:
+        if value_next:
+            out.append(a)
+            value_next = False
+        elif a.startswith("-") and a not in ("-m", "--multirun"):
+            out.append(a)
+            value_next = a in ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
+    return out
+
+
+def sweep_point_overrides() -> list[str]:
+    """This sweep job's own overrides (Hydra's `hydra.overrides.task`: each swept key at this point's value)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def hydra_quoted(value: str) -> str:
