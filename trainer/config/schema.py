@@ -341,17 +341,19 @@ def _validate_world(world: DictConfig, batch_size: Any = None, precision: Any = 
         except ValueError as e:
             _check(False, "world.rdzv_endpoint", w.rdzv_endpoint, f"HOST:PORT of node 0 ({e})",
                    "Pass node 0's address, e.g. world.rdzv_endpoint=node0:29500.")
-    from trainer.config.targets import locate
+    def one_process() -> bool:  # (the strategy's class imports torch: looked up only for a run of several nodes)
+        from trainer.config.targets import locate
 
-    distributed = getattr(locate("world._target_", world._target_), "distributed", True)
+        return not getattr(locate("world._target_", world._target_), "distributed", True)
+
     if slurm.leaves_topology_to_slurm(w.nnodes, w.node_rank, w.rdzv_endpoint):
         found = slurm.topology(os.environ)  # under SLURM the launcher reads the job's variables: refuse bad ones now
-        if found is not None and not distributed:
+        if found is not None and one_process():
             raise ConfigError(f"world._target_={world._target_} trains in one process, but SLURM job "
                               f"{os.environ.get('SLURM_JOB_ID')} runs it on {found[0]} nodes: each node would train "
                               "its own copy of this run. Train across the nodes with world=ddp (or world=fsdp), or "
                               "ask SLURM for one node (sbatch --nodes=1).")
-    elif w.nnodes > 1 and not distributed:
+    elif w.nnodes > 1 and one_process():
         _check(False, "world.nnodes", w.nnodes, f"1 for world._target_={world._target_}, which trains in one "
                "process", "Use world=ddp (or world=fsdp) to train across nodes.")
     _check(w.device == "auto" or w.device.split(":")[0] in ("cpu", "cuda", "mps"), "world.device", w.device,
