@@ -120,7 +120,7 @@ def test_max_epochs_resumed_at_a_larger_global_batch_reads_the_samples_its_epoch
     train_in_process(small_corpus, tmp_path, "trainer.max_epochs=1", "data.batch_size=4", *common)
     capsys.readouterr()
     events = train_in_process(small_corpus, tmp_path, "trainer.max_epochs=2", "data.batch_size=16", *common,
-                              "resume=auto")
+                              "checkpoint.every_n_steps=3", "checkpoint.keep_last=10", "resume=auto")
     said = capsys.readouterr().out
     assert "resumed from" in said and "already finished" not in said
     assert "run ends at step 37 (not 16)" in said, said
@@ -128,6 +128,22 @@ def test_max_epochs_resumed_at_a_larger_global_batch_reads_the_samples_its_epoch
     assert steps == list(range(1, 38))  # 29 at batch 4, then 8 at batch 16: 116 + 128 >= 2 x 115 samples
     lr = next(e for e in events if e.get("step") == 37 and "train/lr" in e)["train/lr"]
     assert lr == pytest.approx(2e-3 * WarmupCosine(37, 5, 0.1)(36), rel=1e-6)  # the rate the last step used
+
+    # Interrupted after step 33 and resumed again at batch 16: the plan is still the first batch's (the checkpoint's
+    # own batch is 16 now), so the run ends at step 37 again, not at 16 ("already finished").
+    import shutil
+
+    from trainer.checkpoint.store import step_of
+
+    for ckpt in (tmp_path / "checkpoints").iterdir():
+        if step_of(ckpt) > 33:
+            shutil.rmtree(ckpt)
+    capsys.readouterr()
+    events = train_in_process(small_corpus, tmp_path, "trainer.max_epochs=2", "data.batch_size=16", *common,
+                              "resume=auto")
+    said = capsys.readouterr().out
+    assert "at step 33" in said and "run ends at step 37 (not 16)" in said, said
+    assert [e["step"] for e in events if "train/loss" in e] == list(range(1, 38))
 
 
 def test_a_max_steps_beside_max_epochs_is_named_as_unused_not_dropped_silently():

@@ -266,8 +266,8 @@ def test_a_bad_port_or_node_list_ends_before_the_run_dir_exists(corpus, tmp_path
 
 def test_a_one_process_world_on_several_nodes_is_refused_before_the_run_dir_exists(corpus, tmp_path):
     """world=single in a two-node SLURM job trained a copy of the run on each node (and printed the nodes' topology
-    as if it used it); world.nnodes=2 beside it did the same."""
-    from trainer.config.schema import _validate_world
+    as if it used it); world.nnodes=2 beside it did the same. What trains nothing there (--cfg job) still runs."""
+    from trainer.config.schema import refuse_one_process_on_nodes
 
     run_dir = tmp_path / "x"
     r = run_main(*tiny_overrides(corpus, "world=single"), f"hydra.run.dir={run_dir}", cwd=tmp_path, env=SLURM_2)
@@ -275,8 +275,12 @@ def test_a_one_process_world_on_several_nodes_is_refused_before_the_run_dir_exis
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "SLURM job 4242 runs it on 2 nodes: each node would train its own copy" in r.stderr
     assert "world=ddp" in r.stderr and not run_dir.exists()
-    with pytest.raises(ConfigError, match=r"world\.nnodes=2 is invalid: expected 1 for .*SingleDevice"):
-        _validate_world(_world(_target_="trainer.parallel.SingleDevice", nnodes=2, rdzv_endpoint="node0:29500"))
+    r = run_here(*tiny_overrides(corpus, "world=single"), "--cfg", "job", cwd=tmp_path, env=SLURM_2)
+    assert r.returncode == 0 and "_target_: trainer.parallel.SingleDevice" in r.stdout, r.stderr
+    with pytest.raises(ConfigError, match=r"world.nnodes=2: each node would train its own copy"):
+        refuse_one_process_on_nodes(_world(_target_="trainer.parallel.SingleDevice", nnodes=2,
+                                           rdzv_endpoint="node0:29500"))
+    refuse_one_process_on_nodes(_world(nnodes=2, rdzv_endpoint="node0:29500"))  # DDP: across the nodes
 
 
 # -- a node that never comes ----------------------------------------------------------------------------

@@ -251,7 +251,8 @@ def test_the_sample_order_is_each_epochs_permutation_and_holds_no_python_list_of
 
 
 @pytest.mark.parametrize("run_dir", ["/tmp/runs/plain-dir_1.x", "/tmp/it's mine", "/tmp/a,b", '/tmp/a"b', "/tmp/a=b[1]",
-                                     "/tmp/back\\'slash", "/tmp/ends\\"])
+                                     "/tmp/back\\'slash", "/tmp/ends\\", "/tmp/a~b", "/home/josé/run", "/tmp/$HOME",
+                                     "/tmp/${oc.env:HOME}"])
 def test_the_command_that_continues_a_run_names_its_run_dir_as_the_shell_and_hydra_read_it_back(run_dir):
     """The printed "to continue this run" command, split as a shell splits it, then parsed as Hydra parses the
     override, gives the run dir itself: a quote, space or comma in the path once made it fail or sweep."""
@@ -259,25 +260,43 @@ def test_the_command_that_continues_a_run_names_its_run_dir_as_the_shell_and_hyd
     from pathlib import Path
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
 
     from trainer.entry.rundir import continue_command
 
     words = shlex.split(continue_command(Path(run_dir), ["recipe=lm", "optim.lr=1e-3"]))
     assert words[:5] == ["python", "-m", "trainer", "recipe=lm", "optim.lr=1e-3"] and words[-1] == "resume=auto"
     override = OverridesParser.create().parse_override(next(w for w in words if w.startswith("hydra.run.dir=")))
-    assert not override.is_sweep_override() and override.value() == run_dir
+    assert not override.is_sweep_override()
+    assert OmegaConf.create({"dir": override.value()}).dir == run_dir  # (as the config then resolves it)
 
 
-def test_the_command_that_continues_a_sweeps_point_is_that_point_alone(monkeypatch):
-    """A sweep's command (-m) ignores hydra.run.dir and would run every point again: a point is continued as one
-    job of its own overrides (Hydra's hydra.overrides.task), keeping the command's options."""
+def test_the_command_that_continues_a_sweeps_point_is_that_point_alone(tmp_path):
+    """A sweep's command (-m) ignores hydra.run.dir and would run every point again, and a launcher's job (submitit)
+    has another command line altogether: a point is continued as one job of its own overrides, from Hydra's record
+    of the job (its hydra.job.* overrides and --config-dir kept, the sweep's own settings left out)."""
     import shlex
     from pathlib import Path
 
-    from trainer.entry import rundir
+    from hydra.conf import ConfigSourceInfo
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import open_dict
 
-    monkeypatch.setattr(rundir, "sweep_point_overrides", lambda: ["recipe=lm", "optim.lr=3e-4"])
-    argv = ["--config-dir", "my conf", "-m", "recipe=lm", "optim.lr=1e-3,3e-4", "resume=auto"]
-    words = shlex.split(rundir.continue_command(Path("/tmp/multirun/x/1"), argv))
-    assert words == ["python", "-m", "trainer", "--config-dir", "my conf", "recipe=lm", "optim.lr=3e-4",
-                     "hydra.run.dir=/tmp/multirun/x/1", "resume=auto"]
+    from trainer.entry.cli import compose_with_hydra
+    from trainer.entry.rundir import continue_command
+
+    cfg = compose_with_hydra(["debug=smoke", "optim.lr=3e-4", "+hydra.job.env_set.FOO=1", "hydra.sweep.dir=/tmp/sw"],
+                             None)
+    with open_dict(cfg):
+        cfg.hydra.mode = RunMode.MULTIRUN
+        cfg.hydra.runtime.config_sources.append(ConfigSourceInfo(path=str(tmp_path), schema="file",
+                                                                 provider="command-line"))  # (--config-dir's)
+    submitit_argv = ["-u", "-m", "submitit.core._submit", "/tmp/submitit/1"]
+    HydraConfig.instance().set_config(cfg)
+    try:
+        words = shlex.split(continue_command(Path("/tmp/sw/1"), submitit_argv))
+    finally:
+        HydraConfig.instance().cfg = None
+    assert words == ["python", "-m", "trainer", "--config-dir", str(tmp_path), "+hydra.job.env_set.FOO=1",
+                     "debug=smoke", "optim.lr=3e-4", "hydra.run.dir=/tmp/sw/1", "resume=auto"]

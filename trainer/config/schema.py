@@ -320,6 +320,23 @@ def _validate_scheduler(s: DictConfig, where: str = "scheduler") -> None:
     _check(_is_number(r) and 0 <= r <= 1, f"{where}.min_lr_ratio", _plain(r), "a number in [0, 1]")
 
 
+def refuse_one_process_on_nodes(world: DictConfig) -> None:
+    """A training run of a one-process strategy (world=single) on several nodes, SLURM's or world.nnodes's: each
+    node would train its own copy of the run. (Not part of validate: eval, tune, launch and --cfg may run there.)"""
+    from trainer.config.targets import locate
+
+    w = launch_config(world)
+    found = slurm.topology(os.environ) if slurm.leaves_topology_to_slurm(w.nnodes, w.node_rank, w.rdzv_endpoint) \
+        else None
+    nodes = found[0] if found is not None else w.nnodes
+    if nodes > 1 and not getattr(locate("world._target_", world._target_), "distributed", True):
+        where = (f"SLURM job {os.environ.get('SLURM_JOB_ID')} runs it on {nodes} nodes" if found is not None
+                 else f"world.nnodes={nodes}")
+        raise ConfigError(f"world._target_={world._target_} trains in one process, but {where}: each node would "
+                          "train its own copy of this run. Train across the nodes with world=ddp (or world=fsdp), or "
+                          "run it on one node" + (" (sbatch --nodes=1)." if found is not None else "."))
+
+
 def _validate_world(world: DictConfig, batch_size: Any = None, precision: Any = None) -> None:
     w = launch_config(world)
     n = w.nproc_per_node
@@ -341,21 +358,8 @@ def _validate_world(world: DictConfig, batch_size: Any = None, precision: Any = 
         except ValueError as e:
             _check(False, "world.rdzv_endpoint", w.rdzv_endpoint, f"HOST:PORT of node 0 ({e})",
                    "Pass node 0's address, e.g. world.rdzv_endpoint=node0:29500.")
-    def one_process() -> bool:  # (the strategy's class imports torch: looked up only for a run of several nodes)
-        from trainer.config.targets import locate
-
-        return not getattr(locate("world._target_", world._target_), "distributed", True)
-
     if slurm.leaves_topology_to_slurm(w.nnodes, w.node_rank, w.rdzv_endpoint):
-        found = slurm.topology(os.environ)  # under SLURM the launcher reads the job's variables: refuse bad ones now
-        if found is not None and one_process():
-            raise ConfigError(f"world._target_={world._target_} trains in one process, but SLURM job "
-                              f"{os.environ.get('SLURM_JOB_ID')} runs it on {found[0]} nodes: each node would train "
-                              "its own copy of this run. Train across the nodes with world=ddp (or world=fsdp), or "
-                              "ask SLURM for one node (sbatch --nodes=1).")
-    elif w.nnodes > 1 and one_process():
-        _check(False, "world.nnodes", w.nnodes, f"1 for world._target_={world._target_}, which trains in one "
-               "process", "Use world=ddp (or world=fsdp) to train across nodes.")
+        slurm.topology(os.environ)  # under SLURM the launcher reads the job's variables: refuse bad ones now
     _check(w.device == "auto" or w.device.split(":")[0] in ("cpu", "cuda", "mps"), "world.device", w.device,
            "auto, cpu or cuda")
     from trainer.parallel.layout import (  # the layout's own checks, before workers start

@@ -71,6 +71,10 @@ def precheck(argv: list[str]):
                 del cfg["hydra"]  # now the config `compose` gives
             # `--cfg job` prints without running: check values, but import nothing (no torch).
             prepare(cfg, targets=not args.cfg)
+            if not args.cfg:
+                from trainer.config.schema import refuse_one_process_on_nodes
+
+                refuse_one_process_on_nodes(cfg.world)
     except UserError as err:
         # A message quotes config values, and those may come from the environment's secrets.
         err.args = (scrub(str(err), secret_values()),)

@@ -120,15 +120,16 @@ def epochs_to_steps(tcfg: TrainerConfig, ccfg: CheckpointConfig, samples: int, g
 
 
 def epochs_after_resume(trainer, say) -> None:
-    """trainer.max_epochs, resumed at another global batch: the run ends when the samples its epochs set out to
-    read at the checkpoint's batch are read at the new one, and its schedule spans that many steps.
-    (`epochs_to_steps` counts every step at the new batch: a larger one ended the run early, or called it already
-    finished at the resume, and a smaller one trained past its epochs.)"""
+    """trainer.max_epochs, resumed at another global batch than the one its steps were first counted at (the
+    run state's `epoch_batch`, kept through every later resume): the run ends when the samples its epochs planned
+    at that batch are read at this one, and its schedule spans that many steps. (`epochs_to_steps` counts every
+    step at this batch: a larger one ended the run early, or called it already finished at the resume, and a
+    smaller one trained past its epochs.)"""
     import math
 
     from trainer.loop.schedule import Schedule
 
-    tcfg, before, now = trainer.cfg, trainer.resumed_global_batch, trainer.global_batch
+    tcfg, before, now = trainer.cfg, trainer.epoch_batch, trainer.global_batch
     if tcfg.max_epochs is None or before in (None, now) or trainer.stop_reason is not None:
         return
     planned = tcfg.max_epochs * math.ceil(epoch_length(trainer.data.train) / before) * before
@@ -141,7 +142,7 @@ def epochs_after_resume(trainer, say) -> None:
     for sched in trainer.schedulers.values():
         if isinstance(sched, Schedule):
             sched.retotal(steps)
-    say(f"resume: trainer.max_epochs={tcfg.max_epochs} planned {planned} samples at the checkpoint's global batch of "
+    say(f"resume: trainer.max_epochs={tcfg.max_epochs} planned {planned} samples at the run's first global batch of "
         f"{before}; {left} are left after sample {trainer.samples_seen}, so at the new batch of {now} the run ends at "
         f"step {steps} (not {counted}), and the learning-rate schedule spans {steps} steps"
         + (f" (but for {', '.join(fixed)}: a scheduler of your own keeps the length it was built with)" if fixed else "")

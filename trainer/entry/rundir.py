@@ -192,40 +192,35 @@ def continue_command(run_dir: Path, argv: list[str] | None = None) -> str:
     """The command line that continues the run in `run_dir`: this one, pinned to the run dir, resume=auto. A
     sweep's point (`-m`) is continued as one job: its own overrides, the swept keys at its values (a sweep's
     command ignores hydra.run.dir, and would run every point again)."""
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-m", "--multirun") for a in argv):
-        argv = [*_hydra_options(argv), *sweep_point_overrides()]
+    point = sweep_point()
+    argv = point if point is not None else sys.argv[1:] if argv is None else argv
     kept = [a for a in argv if not a.lstrip("+~").startswith(("resume=", "hydra.run.dir="))]
     return shlex.join(["python", "-m", "trainer", *kept, f"hydra.run.dir={hydra_quoted(str(run_dir))}", "resume=auto"])
 
 
-def _hydra_options(argv: list[str]) -> list[str]:
-    """The options of a command line (--config-dir DIR, -cd DIR, ...) without -m and the overrides."""
-    out, value_next = [], False
-    for a in argv:
-        if value_next:
-            out.append(a)
-            value_next = False
-        elif a.startswith("-") and a not in ("-m", "--multirun"):
-            out.append(a)
-            value_next = a in ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
-    return out
-
-
-def sweep_point_overrides() -> list[str]:
-    """This sweep job's own overrides (Hydra's `hydra.overrides.task`: each swept key at this point's value)."""
+def sweep_point() -> list[str] | None:
+    """A sweep job's own command line, None outside one: its --config-dir, its hydra.job.* overrides (env_set, ...)
+    and its overrides, each swept key at this point's value. Read from Hydra's record of the job, not sys.argv: a
+    sweep through a launcher (submitit) runs its jobs under the launcher's own command line."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    hc = HydraConfig.get()
+    dirs = [s.path for s in hc.runtime.config_sources if s.provider == "command-line" and s.schema == "file"]
+    job = [o for o in hc.overrides.hydra if o.lstrip("+~").startswith("hydra.job.")]
+    return [*(a for d in dirs for a in ("--config-dir", d)), *job, *hc.overrides.task]
 
 
 def hydra_quoted(value: str) -> str:
     """`value` as an override's value Hydra reads back unchanged: as it is when it holds only characters Hydra's
-    grammar takes bare, else single-quoted (a path with a space, quote or comma would not parse, or would sweep).
-    Inside quotes Hydra unescapes only the backslashes before a quote or at the end."""
-    if re.fullmatch(r"[\w/.:@~+%-]+", value):
+    grammar takes bare, else single-quoted (a path with a space, quote, comma, `~` or a non-ASCII letter would not
+    parse, or would sweep). Inside quotes Hydra unescapes only the backslashes before a quote or at the end; a
+    `${` is escaped for OmegaConf, which would read it as an interpolation."""
+    if re.fullmatch(r"[A-Za-z0-9_/.:@+%-]+", value):
         return value
-    escaped = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+    escaped = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value).replace("${", "\\${")
     return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, escaped) + "'"
 
 

@@ -59,8 +59,9 @@ class Trainer:
         precision, strategy = self.precision, self.strategy
         # trainer.compile: the task's loss is compiled too, with the compiled model inside it (dynamo inlines it), as
         # nanoGPT's model computes its own loss: one graph from the batch to the loss, so inductor fuses the loss into
-        # the model's last layer. With the model alone compiled, the lm recipe's fp32 cross-entropy ran eagerly over
-        # the whole [tokens, vocab] logits, cast, written and read back in both directions (BENCHMARKS.md, GPU).
+        # the model's last layer (under DDP dynamo breaks the graph at DDP's forward: the loss is a graph of its own,
+        # fused still). With the model alone compiled, the lm recipe's fp32 cross-entropy ran eagerly over the whole
+        # [tokens, vocab] logits, cast, written and read back in both directions (BENCHMARKS.md, GPU).
         self.loss_fn = task.loss if hasattr(task, "loss") else None
         if config.compile and self.loss_fn is not None and strategy.pipeline is None:
             self.loss_fn = torch.compile(self.loss_fn, backend=config.compile_backend)
@@ -90,7 +91,9 @@ class Trainer:
         self.skipped_steps = 0
         self.stop_reason: str | None = None  # set by request_stop (early stopping): the run ends at this step
         self.saved_step: int | None = None  # the step of the last save_checkpoint (in flight or complete)
-        self.resumed_global_batch: int | None = None  # the global batch of the checkpoint a resume loaded
+        # The global batch trainer.max_epochs counted its steps at: this run's, or the first attempt's (a resume at
+        # another batch reads the samples those epochs planned: trainer/entry/run.py's epochs_after_resume).
+        self.epoch_batch: int | None = None
 
     def request_stop(self, reason: str) -> None:
         """End the run after the current step, as if it were the last (a callback's way to stop training)."""
@@ -406,12 +409,13 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
     # Keys of the run state a checkpoint written before them lacks (then they are not checked).
-    OPTIONAL_STATE = ("data_identity",)
+    OPTIONAL_STATE = ("data_identity", "epoch_batch")
 
     def state_dict(self) -> dict[str, Any]:
         """The run state: where the loop is, and what the data order depends on."""
         return {"step": self.step, "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
-                "global_batch": self.global_batch, "world_size": self.backend.world_size,
+                "global_batch": self.global_batch, "epoch_batch": self.epoch_batch or self.global_batch,
+                "world_size": self.backend.world_size,
                 "data_fingerprint": self.data.fingerprint(self.sampler()), "data_identity": self.data.identity(),
                 "stop_reason": self.stop_reason,
                 **self.data.position_state(self.sampler(), self.backend.gather_object)}  # a stream's readers
@@ -420,7 +424,7 @@ class Trainer:
         self.check_state(state)
         self.step, self.samples_seen, self.skipped_steps = state["step"], state["samples_seen"], state["skipped_steps"]
         self.stop_reason = state.get("stop_reason")
-        self.resumed_global_batch = state["global_batch"]
+        self.epoch_batch = state.get("epoch_batch", state["global_batch"])  # (written before it: the checkpoint's)
         note = self.data.load_position(state)  # a stream's readers continue where they stopped
         if note and self.backend.is_main:
             print(note, flush=True)
@@ -429,12 +433,14 @@ class Trainer:
         """Counts that are counts, and the same sample stream from the checkpoint's position on. The stream is
         the same whatever the global batch (data.batch_size x accumulation x data-parallel ranks): a resume with
         another global batch continues it at the same sample, with batches of the new size."""
-        for key in ("step", "samples_seen", "skipped_steps", "global_batch"):
+        for key in ("step", "samples_seen", "skipped_steps", "global_batch", *(("epoch_batch",) if "epoch_batch" in state
+                                                                            else ())):
             value = state.get(key)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**62:
                 raise CheckpointError(f"{where}: trainer.{key}={value!r} is not a count.")
-        if state["global_batch"] < 1:
-            raise CheckpointError(f"{where}: trainer.global_batch={state['global_batch']!r} is not a batch size.")
+        for key in ("global_batch", "epoch_batch"):
+            if state.get(key, 1) < 1:
+                raise CheckpointError(f"{where}: trainer.{key}={state[key]!r} is not a batch size.")
         self.data.check_position(state, self.sampler(), where)  # the same data, continued where it stopped
 
     def resize_notes(self, state: dict[str, Any]) -> list[str]:
