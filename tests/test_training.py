@@ -113,6 +113,11 @@ def test_compile_trains_and_saves_the_plain_module(corpus, tmp_path):
     compiled = train_in_process(corpus, tmp_path / "compiled", "trainer.max_steps=3", "trainer.compile=true",
                                 "trainer.compile_backend=test_recording")
     assert series(compiled, "train/loss") == pytest.approx(series(eager, "train/loss"), rel=1e-4)
+    # With activation checkpointing too (torch's composable checkpoint failed under compile: its recomputation did
+    # not match the compiled forward).
+    recomputed = train_in_process(corpus, tmp_path / "recomputed", "trainer.max_steps=3", "trainer.compile=true",
+                                  "trainer.compile_backend=aot_eager", "trainer.activation_checkpointing=true")
+    assert series(recomputed, "train/loss") == pytest.approx(series(eager, "train/loss"), rel=1e-4)
     # One graph holds both the attention and the cross-entropy (a graph break between them would split it).
     assert any("cross_entropy" in " ".join(g) and "scaled_dot_product_attention" in " ".join(g) for g in graphs), graphs
     weights = load_weights(tmp_path / "compiled" / "model.safetensors")

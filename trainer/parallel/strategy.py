@@ -44,6 +44,25 @@ def _is_engine(model: nn.Module) -> bool:
     return type(model).__module__.startswith("deepspeed.") and isinstance(getattr(model, "module", None), nn.Module)
 
 
+def recompute_in_backward(unit: nn.Module) -> None:
+    """Activation checkpointing of `unit`: its forward runs under `torch.utils.checkpoint` (non-reentrant), so its
+    activations are recomputed in backward instead of kept. The instance's own `forward` is replaced, not the module
+    wrapped: parameter names (checkpoints, plans, LoRA targets) stay as they are, and the unit's hooks (FSDP's) still
+    fire around each call. torch.compile traces it as one checkpointed region; torch's composable `checkpoint` (module
+    hooks around saved-tensor hooks) failed under compile, its recomputation not matching the compiled forward."""
+    import types
+
+    # Bound methods, not closures: a deepcopy of the model (an EMA of your own) rebinds them to the copy.
+    unit._forward_recomputed = unit.forward
+    unit.forward = types.MethodType(_checkpointed_forward, unit)
+
+
+def _checkpointed_forward(self: nn.Module, *args, **kwargs):
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(self._forward_recomputed, *args, use_reentrant=False, **kwargs)
+
+
 class Strategy:
     """One process, one device: every method is the plain PyTorch call. The base of the others.
 
@@ -183,12 +202,8 @@ class Strategy:
                 with torch.no_grad():
                     model.init_weights()
         if activation_checkpointing:
-            # Each block's activations are recomputed in backward instead of kept: torch's composable API
-            # (hooks; the parameter names stay as they are, so checkpoints do not change).
-            from torch.distributed._composable import checkpoint
-
             for unit in self.units(model):
-                checkpoint(unit)
+                recompute_in_backward(unit)
         self.parallelize(model)
         if on_meta:
             from trainer.parallel.materialize import materialize
