@@ -145,6 +145,10 @@ def test_max_epochs_resumed_at_a_larger_global_batch_reads_the_samples_its_epoch
     said = capsys.readouterr().out
     assert "at step 33" in said and "run ends at step 37 (not 16)" in said, said
     assert [e["step"] for e in events if "train/loss" in e] == list(range(1, 38))
+    # Once more: finished, and the advice is about the setting that decides the length.
+    train_in_process(small_corpus, tmp_path, "trainer.max_epochs=2", "data.batch_size=16", *common, "resume=auto")
+    assert "already finished: step 37 >= trainer.max_steps=37 (trainer.max_epochs=2). Raise trainer.max_epochs to " \
+           "train further." in capsys.readouterr().out
 
 
 def test_a_max_steps_beside_max_epochs_is_named_as_unused_not_dropped_silently():

@@ -482,9 +482,11 @@ def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
                 if not backend.broadcast_object(exported(run_dir, trainer.step)):
                     say(f"the run finished at step {trainer.step} but its export is missing or incomplete: writing it.")
                     export(trainer, cfg, run_dir)
+                epochs = trainer.cfg.max_epochs
                 say(f"the run is already finished: {trainer.stop_reason or 'step'}"
-                    + ("" if trainer.stop_reason else f" {trainer.step} >= trainer.max_steps={trainer.cfg.max_steps}. "
-                       "Raise trainer.max_steps to train further."))
+                    + ("" if trainer.stop_reason else f" {trainer.step} >= trainer.max_steps={trainer.cfg.max_steps}"
+                       + (f" (trainer.max_epochs={epochs}). Raise trainer.max_epochs" if epochs is not None
+                          else ". Raise trainer.max_steps") + " to train further."))
                 loggers.finish({})
                 finished = True
                 return {}
