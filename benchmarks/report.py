@@ -1,8 +1,9 @@
 """The report: a markdown page for people (BENCHMARKS.md) and the raw data beside it (BENCHMARKS.json).
 
-The markdown holds the header (machine, commit, date), the results table, the notes a reader needs and
-the quality-per-second section kept from the previous report; the JSON holds every figure, per-round
-ones included. `--out /tmp/B.md` writes `/tmp/B.json`.
+The markdown holds the header (machine, commit, date), the results table and the notes a reader needs, then
+every section (`## ` heading) of the previous report, kept as it was: the quality-per-second curves, the GPU runs,
+the notes on runs of single items. The JSON holds every figure, per-round ones included. `--out /tmp/B.md`
+writes `/tmp/B.json`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from .harness import Item
-from .quality import kept_curve
 
 HEADER = ["| item | framework | plain PyTorch baseline | ratio / difference | target | met |",
           "|---|---|---|---|---|---|"]
@@ -101,11 +101,22 @@ def markdown(res: dict, items: dict[str, Item], json_name: str, kept: list[str])
 
 
 def write_report(path: Path, res: dict, items: dict[str, Item]) -> Path:
-    """Write the markdown report to `path` (keeping its quality section) and the JSON beside it; return the latter."""
+    """Write the markdown report to `path` (keeping its sections) and the JSON beside it; return the latter."""
     path, raw = Path(path), json_path(path)
     raw.write_text(compact_json(res) + "\n")
-    path.write_text(markdown(res, items, raw.name, kept_curve(path)))
+    path.write_text(markdown(res, items, raw.name, kept_sections(path)))
     return raw
+
+
+def kept_sections(path: Path) -> list[str]:
+    """Everything of an existing report from its first `## ` heading on: the quality curves, the GPU runs and the
+    notes written by hand about runs of single items. The generated part (the header, the table and its notes)
+    has no such heading, so `make bench` replaces that part alone and loses no record it cannot regenerate."""
+    if not path.exists():
+        return []
+    lines = path.read_text().split("\n")
+    first = next((i for i, line in enumerate(lines) if line.startswith("## ")), None)
+    return [] if first is None else [*lines[first:], ""]
 
 
 def compact_json(obj: Any) -> str:
