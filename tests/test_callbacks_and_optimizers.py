@@ -151,6 +151,20 @@ def test_max_epochs_resumed_at_a_larger_global_batch_reads_the_samples_its_epoch
            "train further." in capsys.readouterr().out
 
 
+def test_epoch_periods_resumed_at_another_global_batch_fall_at_the_ends_of_epochs(small_corpus, tmp_path):
+    """One epoch at batch 4 (29 steps, 116 samples an epoch), then three in all at batch 16, an eval and a
+    checkpoint every epoch. Counted in steps of the new batch (8 an epoch), they fell mid-epoch at steps 32 and 40;
+    the second epoch ends at sample 232, which step 37 reaches (116 + 8 x 16 = 244)."""
+    common = ("trainer.log_every=50", "trainer.eval_every_epochs=1", "checkpoint.every_n_epochs=1",
+              "checkpoint.keep_last=10")
+    train_in_process(small_corpus, tmp_path, "trainer.max_epochs=1", "data.batch_size=4", *common)
+    events = train_in_process(small_corpus, tmp_path, "trainer.max_epochs=3", "data.batch_size=16", *common,
+                              "resume=auto")
+    assert [e["step"] for e in events if "val/loss" in e] == [29, 37, 44]  # the last: the run's end (348 samples)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == \
+        ["step_00000029", "step_00000037", "step_00000044"]
+
+
 def test_a_max_steps_beside_max_epochs_is_named_as_unused_not_dropped_silently():
     """`trainer.max_epochs=1 trainer.max_steps=100` ran the epoch's 90,468 steps without a word about the 100."""
     from trainer.config.schema import CheckpointConfig, TrainerConfig

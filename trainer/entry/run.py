@@ -119,20 +119,32 @@ def epochs_to_steps(tcfg: TrainerConfig, ccfg: CheckpointConfig, samples: int, g
         ccfg.every_n_steps = steps
 
 
-def epochs_after_resume(trainer, say) -> None:
-    """trainer.max_epochs, resumed at another global batch than the one its steps were first counted at (the
-    run state's `epoch_batch`, kept through every later resume): the run ends when the samples its epochs planned
-    at that batch are read at this one, and its schedule spans that many steps. (`epochs_to_steps` counts every
-    step at this batch: a larger one ended the run early, or called it already finished at the resume, and a
-    smaller one trained past its epochs.)"""
+def epochs_after_resume(trainer, every_n_epochs: int | None, say) -> None:
+    """Settings in epochs, resumed at another global batch than the one the epochs were first counted at (the run
+    state's `epoch_batch`, kept through every later resume). trainer.max_epochs: the run ends when the samples its
+    epochs planned at that batch are read at this one, and its schedule spans that many steps. (`epochs_to_steps`
+    counts every step at this batch: a larger one ended the run early, or called it already finished at the
+    resume, and a smaller one trained past its epochs.) trainer.eval_every_epochs and checkpoint.every_n_epochs
+    (`every_n_epochs`): due where the samples reach the end of an epoch, not every so many steps of this batch."""
     import math
 
     from trainer.loop.schedule import Schedule
 
     tcfg, before, now = trainer.cfg, trainer.epoch_batch, trainer.global_batch
-    if tcfg.max_epochs is None or before in (None, now) or trainer.stop_reason is not None:
+    samples = epoch_length(trainer.data.train)
+    if before in (None, now) or trainer.stop_reason is not None or not samples:
         return
-    planned = tcfg.max_epochs * math.ceil(epoch_length(trainer.data.train) / before) * before
+    epoch = math.ceil(samples / before) * before  # one epoch's samples, as the steps were first counted
+    trainer.sample_periods = {name: n * epoch for name, n in (("eval", tcfg.eval_every_epochs),
+                                                              ("checkpoint", every_n_epochs)) if n}
+    if trainer.sample_periods:
+        say("resume: " + " and ".join(f"{'an eval' if name == 'eval' else 'a checkpoint'} every {n // epoch} epoch(s)"
+                                      for name, n in trainer.sample_periods.items())
+            + f" now fall where the samples reach the end of an epoch ({epoch} samples), at the new global batch of "
+              f"{now}, rather than every so many of its steps.")
+    if tcfg.max_epochs is None:
+        return
+    planned = tcfg.max_epochs * epoch
     left = max(0, planned - trainer.samples_seen)
     steps = trainer.step + math.ceil(left / now)
     if steps == tcfg.max_steps:
@@ -475,7 +487,7 @@ def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
         source = resume(trainer, cfg, say)
         watchdog.beat()
         if source is not None:
-            epochs_after_resume(trainer, say)
+            epochs_after_resume(trainer, (cfg.get("checkpoint") or {}).get("every_n_epochs"), say)
             loggers.rewind(trainer.step)  # drop events logged after the checkpoint
             say(f"resumed from {source} at step {trainer.step}")
             if trainer.finished:

@@ -94,6 +94,10 @@ class Trainer:
         # The global batch trainer.max_epochs counted its steps at: this run's, or the first attempt's (a resume at
         # another batch reads the samples those epochs planned: trainer/entry/run.py's epochs_after_resume).
         self.epoch_batch: int | None = None
+        # trainer.eval_every_epochs / checkpoint.every_n_epochs in samples, after such a resume: {"eval": n,
+        # "checkpoint": n}. Each is due at the step whose samples reach the next multiple (without a resume at
+        # another batch, the step count's multiples are the same steps).
+        self.sample_periods: dict[str, int] = {}
 
     def request_stop(self, reason: str) -> None:
         """End the run after the current step, as if it were the last (a callback's way to stop training)."""
@@ -280,7 +284,18 @@ class Trainer:
         return self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps
 
     def _eval_due(self) -> bool:
+        if "eval" in self.sample_periods:
+            return self._reached(self.sample_periods["eval"]) and self.step < self.cfg.max_steps
         return self.cfg.eval_every > 0 and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.max_steps
+
+    def _checkpoint_due(self) -> bool:
+        if "checkpoint" in self.sample_periods:
+            return self._reached(self.sample_periods["checkpoint"])
+        return self.checkpointer.due(self.step)
+
+    def _reached(self, period: int) -> bool:
+        """Whether this step's samples reached the next multiple of `period` samples."""
+        return self.samples_seen // period > (self.samples_seen - self.global_batch) // period
 
     def _train_metrics(self, out: dict[str, Any], n_global, meter: Throughput) -> dict[str, float]:
         """The log step's metrics: the loop's host syncs happen here, every log_every steps."""
@@ -365,7 +380,7 @@ class Trainer:
                 # A checkpoint when one is due, and at every eval that beats the best (checkpoint.best_metric).
                 # (at the last step the final save is this one, unless checkpoint.save_final=false)
                 better = self._improves(evaluated)  # (first: a best_metric the evals lack is said, the step saved)
-                saving = (self.checkpointer.due(self.step) or better) and not (
+                saving = (self._checkpoint_due() or better) and not (
                     self.finished and self.checkpointer.save_final)
                 if saving:
                     self.save_checkpoint(evaluated)
