@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from trainer.parallel.layout import Layout
 
@@ -58,8 +59,6 @@ def recompute_in_backward(unit: nn.Module) -> None:
 
 
 def _checkpointed_forward(self: nn.Module, *args, **kwargs):
-    from torch.utils.checkpoint import checkpoint
-
     return checkpoint(self._forward_recomputed, *args, use_reentrant=False, **kwargs)
 
 
