@@ -242,3 +242,21 @@ def test_the_models_own_size_keys_win_over_the_lm_recipes_names_for_them():
              "num_key_value_heads": 2}
     saved_before = causal_lm("LlamaForCausalLM", **sizes, num_hidden_layers=2, n_layer=1)  # an older model_config.json
     assert saved_before.config.num_hidden_layers == 1
+
+
+def test_an_eval_override_of_a_size_key_reaches_the_model_by_either_name(tmp_path):
+    """`eval RUN model.d_model=32` on a Hugging Face model: the run's config.yaml records both d_model and
+    hidden_size, and the recorded hidden_size used to win when the config was resolved, so the eval ran the
+    trained size without a word. Either name now sets both (the checkpoint then refuses the shapes, naming them)."""
+    from omegaconf import OmegaConf
+
+    import trainer
+    from trainer.config.compose import resolve
+    from trainer.inference.finished import config_of
+
+    OmegaConf.save(trainer.compose(["model=llama_tiny", "debug=smoke"]), tmp_path / "config.yaml")
+    for given, twin in (("d_model", "hidden_size"), ("hidden_size", "d_model"), ("n_layer", "num_hidden_layers"),
+                        ("num_attention_heads", "n_head")):
+        model = resolve(config_of(tmp_path, [f"model.{given}=8"])).model
+        assert (model[given], model[twin]) == (8, 8), given
+    assert resolve(config_of(tmp_path, ["model.intermediate_size=8"])).model.hidden_size == 64  # no twin: its own

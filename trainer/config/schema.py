@@ -394,3 +394,14 @@ def agree_hf_sizes(container: dict) -> None:
     for alias, own in HF_SIZE_ALIASES.items():
         if alias in model and own in model and model[alias] != model[own]:
             model[alias] = model[own]
+
+
+def hf_size_twin(model: Any, key: str) -> str | None:
+    """The other name of a Hugging Face model's size key `key` (`d_model` <-> `hidden_size`) where its config
+    has both, else None. An override of a saved run's config (eval, sample) sets both, or the value the file
+    recorded for the other would win (agree_hf_sizes) and the override be dropped without a word."""
+    if not hasattr(model, "get") or model.get("_target_") != HF_CAUSAL_LM:
+        return None
+    names = {**HF_SIZE_ALIASES, **{own: alias for alias, own in HF_SIZE_ALIASES.items()}}
+    twin = names.get(key)
+    return twin if twin is not None and key in model and twin in model else None

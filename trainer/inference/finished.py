@@ -372,7 +372,7 @@ def config_of(run_dir: str | Path, overrides: list[str]) -> DictConfig:
     from omegaconf.errors import OmegaConfBaseException
 
     from trainer.config.compose import did_you_mean, yaml_value
-    from trainer.config.schema import LaunchConfig
+    from trainer.config.schema import LaunchConfig, hf_size_twin
     from trainer.errors import suggest
 
     path = _run_dir(run_dir)
@@ -397,6 +397,8 @@ def config_of(run_dir: str | Path, overrides: list[str]) -> DictConfig:
                               f"Available: {', '.join(options)}.{suggest(value, options)}")
         try:
             OmegaConf.update(cfg, key, yaml_value(override))
+            if key.startswith("model.") and (twin := hf_size_twin(cfg.model, key[len("model."):])):
+                OmegaConf.update(cfg, f"model.{twin}", yaml_value(override))
         except OmegaConfBaseException:
             # The mistake is the override's, not the run's: name it, and the key it probably means.
             raise ConfigError(f"the override {override} names no key of this run's config ({path / 'config.yaml'}, "
