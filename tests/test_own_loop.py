@@ -615,3 +615,45 @@ def test_accelerate_launch_flags_before_the_script_are_named_with_the_launch_com
     r = run_main("launch", "--num_processes", "2", "ga.py", "--lr", "1", cwd=tmp_path)
     assert_clean_error(r, "--num_processes 2 is not a flag", "python -m trainer launch world=ddp "
                        "world.nproc_per_node=2 ga.py --lr 1")
+
+
+def _line_of(text: str) -> int:
+    lines = Path(SCRIPT).read_text().splitlines()
+    return next(n for n, line in enumerate(lines, 1) if text in line)
+
+
+def test_a_launched_loop_that_hangs_is_stopped_naming_the_rank_and_its_line():
+    """A loop of your own under `launch` is watched as the Trainer is (world.hang_timeout): rank 1 stops in the
+    user's code at its third step while rank 0 waits in the gradient all-reduce; after 3 s without progress the
+    job stops with one paragraph naming both, every rank's stack kept on disk, exit 70. One process alone names
+    its own line; neither says to resume with resume=auto, which a script of one's own does not take."""
+    import re
+
+    from trainer.errors import HangDetected
+    from trainer.loop.watchdog import STACKS_FILE
+
+    line = _line_of("time.sleep(3600)")
+    for world, rank, says in [(("world=ddp", "world.nproc_per_node=2"), "1", "rank 1 is stuck in"),
+                              ((), "0", "the process is stuck in")]:
+        r = launch(*world, "world.hang_timeout=3", SCRIPT, "hang", rank)
+        assert r.returncode == HangDetected.exit_code, r.stdout + r.stderr
+        assert "Traceback" not in r.stderr + r.stdout and "finished" not in r.stdout, r.stderr
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1, r.stderr
+        assert f"{says} tests/helpers/runtime_script.py:{line} in hang" in errors[0], errors
+        assert "world.hang_timeout=3" in errors[0] and "resume=auto" not in errors[0], errors[0]
+        if world:
+            assert "rank 0 waits in " in errors[0], errors[0]
+        named = re.search(r"(Every rank's|Its) stack: (\S+)\. ", errors[0])
+        assert named and Path(named[2]).name == STACKS_FILE, errors[0]
+        stacks = Path(named[2]).read_text()  # (kept: a launch's scratch dir otherwise goes at its end)
+        shutil.rmtree(Path(named[2]).parent)
+        assert "runtime_script.py" in stacks and (not world or "rank 1" in stacks), stacks
+
+
+def test_a_launched_loop_is_watched_from_its_first_progress_and_its_forwards_count(tmp_path):
+    """Neither a set-up phase before the loop's first forward nor an eval of forwards only is a hang, however long:
+    both last longer than world.hang_timeout here (1.5x and 2x), and the job finishes."""
+    r = launch("world.hang_timeout=1", SCRIPT, "slow_phases", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "finished" in r.stdout

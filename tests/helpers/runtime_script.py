@@ -6,12 +6,17 @@
     runtime_script.py backward_outside OUT           rt.backward outside rt.accumulate with accumulation (a mistake)
     runtime_script.py pipeline OUT                   a GPT's step through rt.forward_backward (world.pp or not)
     runtime_script.py pipeline_backward OUT          rt.backward under world.pp (a mistake)
+    runtime_script.py hang RANK                      two steps, then RANK stops while the others go on (a hang)
+    runtime_script.py slow_phases SECONDS            a pause before the first step, a step, an eval of forwards
+                                                     only, then a step: the pause and the eval each last longer
+                                                     than SECONDS
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -127,6 +132,49 @@ def pipeline(rt: trainer.Runtime, out: str, backward: bool = False) -> None:
     rt.end()
 
 
+def hang(rt: trainer.Runtime, rank: int) -> None:
+    torch.manual_seed(rt.seed)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = rt.setup(model, opt)
+    for step in range(3):
+        if step == 2 and rt.rank == rank:
+            time.sleep(3600)  # stuck in the user's own code: the other ranks wait for it in the gradient all-reduce
+        rt.backward(model(torch.ones(2, 4)).sum())
+        rt.step(opt)
+    rt.print("finished")
+
+
+class Slow(nn.Module):
+    """A model whose forward takes `seconds` of (simulated) compute."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.linear, self.seconds = nn.Linear(4, 4), seconds
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return self.linear(x)
+
+
+def slow_phases(rt: trainer.Runtime, seconds: float) -> None:
+    """Longer than world.hang_timeout=`seconds` without an optimizer step, twice, and never stuck: set-up before the
+    loop's first progress (not watched yet), and an eval of forwards only (each forward is progress)."""
+    model = Slow(seconds / 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = rt.setup(model, opt)
+    time.sleep(1.5 * seconds)  # building data, say: before the loop's first progress, so not watched
+    for phase in ("train", "eval", "train"):
+        if phase == "eval":
+            with torch.no_grad():
+                for _ in range(8):  # 2 x seconds in all, without a backward or a step
+                    model(torch.ones(2, 4))
+        else:
+            rt.backward(model(torch.ones(2, 4)).sum())
+            rt.step(opt)
+    rt.print("finished")
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     runtime = trainer.Runtime()
@@ -135,4 +183,6 @@ if __name__ == "__main__":
      "save_on_main_only": lambda: save_on_main_only(runtime, args[0]),
      "backward_outside": lambda: backward_outside(runtime, args[0]),
      "pipeline": lambda: pipeline(runtime, args[0]),
-     "pipeline_backward": lambda: pipeline(runtime, args[0], backward=True)}[mode]()
+     "pipeline_backward": lambda: pipeline(runtime, args[0], backward=True),
+     "hang": lambda: hang(runtime, int(args[0])),
+     "slow_phases": lambda: slow_phases(runtime, float(args[0]))}[mode]()

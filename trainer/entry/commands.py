@@ -379,18 +379,24 @@ def launch(argv: list[str]) -> int:
     trainer.seed from these overrides."""
     import shutil
 
-    from trainer.entry.launcher import run
+    from trainer.entry.launcher import WorkerFailed, run
+    from trainer.errors import HangDetected
 
     cfg, script, args = launch_parts(argv)
     scratch = Path(tempfile.mkdtemp(prefix="trainer-launch-"))  # the launcher's bookkeeping (hang reports)
     os.environ[SCRIPT_ENV] = json.dumps([str(script.resolve()), *args])
+    keep = False
     try:
         from trainer.entry.run import script as script_entry
 
         run(cfg, scratch, entry=script_entry)
+    except WorkerFailed as e:
+        keep = e.exitcode == HangDetected.exit_code  # (its paragraph names the ranks' stacks file in `scratch`)
+        raise
     finally:
         os.environ.pop(SCRIPT_ENV, None)
-        shutil.rmtree(scratch, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 

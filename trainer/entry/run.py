@@ -445,9 +445,12 @@ def script(cfg: DictConfig, run_dir: str | Path) -> None:
         os.environ[LAUNCH_ENV] = json.dumps(OmegaConf.to_container(cfg))
     argv, sys.argv = sys.argv, [path, *args]
     sys.path.insert(0, str(Path(path).parent))
+    # The script's trainer.Runtime starts the watch at its loop's first forward or step (world.hang_timeout).
+    watchdog.arm(launch_config(cfg.world).hang_timeout, run_dir)
     try:
         runpy.run_path(path, run_name="__main__")
     finally:
+        watchdog.disarm()
         sys.argv = argv
         sys.path.remove(str(Path(path).parent))
         if ours:

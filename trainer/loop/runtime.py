@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from trainer.errors import UserError
+from trainer.loop import watchdog
 from trainer.loop.loaders import EvalLoader, Loader, RunPosition
 from trainer.parallel import Strategy, unwrap
 from trainer.parallel.backend import Backend
@@ -124,6 +125,9 @@ class Runtime:
         # How many checkpoints save_state keeps: the job's checkpoint.keep_last under launch.
         self.keep_last = launched.checkpoint.get("keep_last", 2) if launched is not None else 2
         self.run_dir = Path(run_dir) if run_dir is not None else None
+        # Under `launch`, the job's hang watch (world.hang_timeout) follows this loop's progress: a forward of a set-up
+        # model, a backward, an optimizer step, a save or a load (trainer/loop/watchdog.py; the Trainer beats itself).
+        self._watched = launched is not None
         self.loggers = self._loggers(launched, log_with)
         # What save_state checkpoints: models and optimizers by name, and every other stateful object.
         self.models: dict[str, nn.Module] = {}
@@ -227,6 +231,8 @@ class Runtime:
         if name in self.models:
             raise UserError(f"Runtime.setup: a model named {name!r} is set up already; pass names=[...].")
         self.models[name] = wrapped
+        if self._watched:
+            wrapped.register_forward_pre_hook(_forward_progress)
         self._set_up.update({id(wrapped), id(unwrap(wrapped)), *([id(original)] if original is not None else [])})
         self._originals.update({pid: (name, pname) for pid, pname in originals.items()})
         return wrapped
@@ -281,6 +287,8 @@ class Runtime:
         """A set-up optimizer's step() called by the user, not through rt.step: refused where its update would be
         silently wrong. Accelerate's wrapped optimizer skips such a call mid-accumulation; an optimizer here stays the
         user's own object, and a hook cannot skip a step, so it is refused before it changes anything."""
+        if self._watched:
+            watchdog.progress()
         if self.strategy.stepping:
             return
         owner = next((m for m, o in self.optimizers.values() if o is optimizer), None)
@@ -379,6 +387,8 @@ class Runtime:
         self.strategy.backward(loss * scale if not (isinstance(scale, float) and scale == 1.0) else loss)
         if self.sync_gradients and self.strategy.reduces_gradients:
             self._pending_reduce.update(self.models)
+        if self._watched:
+            watchdog.progress()
 
     def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any],
                          scale: float | torch.Tensor | None = None,
@@ -401,6 +411,8 @@ class Runtime:
         loss, sums = self.strategy.pipeline.forward_backward(batch, loss_fn, scale, self.autocast, mean=mean)
         if self.sync_gradients and self.strategy.reduces_gradients:
             self._pending_reduce.update(self.models)
+        if self._watched:
+            watchdog.progress()
         return loss, sums
 
     def _params(self, target) -> list[torch.Tensor]:
@@ -477,6 +489,8 @@ class Runtime:
         applied = self.strategy.optimizer_step(optimizer)
         if applied and scheduler is not None:
             scheduler.step()
+        if self._watched:  # (DeepSpeed's engine steps without the optimizer hook that beats)
+            watchdog.progress()
         if zero_grad:  # (the optimizer's own zero_grad, or DeepSpeed's no-op: not the check on the user's calls)
             zero = optimizer.zero_grad
             (zero.own if isinstance(zero, _CheckedZeroGrad) else zero)(set_to_none=True)
@@ -548,6 +562,8 @@ class Runtime:
         self._all_ranks_here("save_state")
         self.position.step = step
         path = self._manager(Path(directory), keep_last or self.keep_last).save(step, None, wait=True)
+        if self._watched:
+            watchdog.progress()
         return path
 
     def load_state(self, path: str | os.PathLike) -> int | None:
@@ -566,6 +582,8 @@ class Runtime:
                 return None
             path = found[-1]
         self._manager(path.parent, 2).load(path)
+        if self._watched:
+            watchdog.progress()
         return self.position.step
 
     def _all_ranks_here(self, what: str) -> None:
@@ -588,11 +606,16 @@ class Runtime:
 
         self._all_ranks_here("save_model")
         tensors = self.strategy.full_state_dict(self.strategy.model_state_dict(model))
+        if self._watched:
+            watchdog.progress()
         if not self.backend.is_main:
             return None
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        return export_model(tensors, directory, name, None, _megabytes(max_shard_size))  # (no empty model_config.json)
+        written = export_model(tensors, directory, name, None, _megabytes(max_shard_size))  # (no empty model_config.json)
+        if self._watched:
+            watchdog.progress()
+        return written
 
     # -- logging -------------------------------------------------------------------------------------------
     def _loggers(self, launched, log_with):
@@ -665,6 +688,13 @@ def launched_config():
     from omegaconf import OmegaConf
 
     return OmegaConf.create(json.loads(text))
+
+
+def _forward_progress(module: nn.Module, args: Any) -> None:
+    """A set-up model's forward under `launch`: progress for the hang watch. Not inside a compiled graph, where the
+    count would be traced once rather than kept (the loop's backward and step still count there)."""
+    if not torch.compiler.is_compiling():
+        watchdog.progress()
 
 
 class _CheckedZeroGrad:

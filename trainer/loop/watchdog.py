@@ -35,12 +35,40 @@ FIX = ("If a phase legitimately takes that long (torch.compile's first steps, sa
        "raise world.hang_timeout; 0 or null switches the watch off.")
 
 _beats = 0
+# A loop of the user's own under `launch` (trainer.Runtime): a watch armed by the launch and started at the loop's
+# first progress, so what the script does before its first step (building data, downloading) is never timed.
+_armed: tuple[float, str | os.PathLike | None] | None = None
 
 
 def beat() -> None:
     """This process made progress. Cheap enough for every step: the watch thread reads the count."""
     global _beats
     _beats += 1
+
+
+def progress() -> None:
+    """A beat from trainer.Runtime (a forward of a set-up model, an optimizer step, a save or load); the first
+    starts the watch `arm` left for it, on the calling thread: the loop's."""
+    global _beats, _armed
+    _beats += 1
+    if _armed is not None:
+        timeout, run_dir = _armed
+        _armed = None
+        start(timeout, run_dir).resumes = False
+
+
+def arm(timeout: float | None, run_dir: str | os.PathLike | None) -> None:
+    """Watch a launched script of the user's own from its loop's first `progress()` on (0 or None: never)."""
+    global _armed
+    _armed = (timeout, run_dir) if timeout else None
+
+
+def disarm() -> None:
+    """The script ended: stop its watch, or forget the one armed for it."""
+    global _armed
+    _armed = None
+    if _current is not None and _current.running:
+        _current.stop()
 
 
 class Frame(NamedTuple):
@@ -135,7 +163,8 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
-def paragraph(records: list[dict], ranks: list[int], timeout: float, stacks: str | None, alone: bool = False) -> str:
+def paragraph(records: list[dict], ranks: list[int], timeout: float, stacks: str | None, alone: bool = False,
+              resumes: bool = True) -> str:
     """The one paragraph ("error: ...") for the stacks in `records` (one per rank that wrote one; `ranks` are
     all the ranks that were watched together). `alone`: a process that watched only itself."""
     by_rank = {r["rank"]: r for r in records}
@@ -150,7 +179,8 @@ def paragraph(records: list[dict], ranks: list[int], timeout: float, stacks: str
                 + (f" (called from {place.caller})" if place.caller else ""))
         if stacks:
             text += f". Its stack: {stacks}"
-        return f"error: {text}. {FIX} To continue from the newest checkpoint, rerun the same command with resume=auto."
+        resume = " To continue from the newest checkpoint, rerun the same command with resume=auto." if resumes else ""
+        return f"error: {text}. {FIX}{resume}"
     stuck = [f"rank {r} is stuck in {p.what} (not in a collective{'; called from ' + p.caller if p.caller else ''})"
              for r, p in places.items() if not p.collective]
     groups: dict[tuple[str, str], list[int]] = {}
@@ -196,6 +226,7 @@ class Watchdog:
         self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size
         self.prefix = f"A{attempt}."  # an elastic restart's watches do not see the failed attempt's files
         self._exit, self._err = exit, err
+        self.resumes = True  # the paragraph says how to resume (not for a script of the user's own: it knows how)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._watched: int | None = None
@@ -269,7 +300,8 @@ class Watchdog:
             if self.directory is None:
                 stacks = write_stacks(self.run_dir, [record], self.timeout) if self.run_dir is not None else None
                 err = self._err or sys.stderr
-                print(paragraph([record], [self.rank], self.timeout, stacks, alone=True), file=err, flush=True)
+                print(paragraph([record], [self.rank], self.timeout, stacks, alone=True, resumes=self.resumes),
+                      file=err, flush=True)
             else:
                 from trainer.io import atomic_write_text
 
