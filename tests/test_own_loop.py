@@ -657,3 +657,33 @@ def test_a_launched_loop_is_watched_from_its_first_progress_and_its_forwards_cou
     r = launch("world.hang_timeout=1", SCRIPT, "slow_phases", "1")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "finished" in r.stdout
+
+
+def test_under_launch_a_logger_without_a_run_dir_is_said_once_not_dropped_silently(monkeypatch, capsys, tmp_path):
+    """`launch logger=wandb` with a script's trainer.Runtime() and no run_dir: rt.log wrote nowhere without a word.
+    The first rt.log says so, naming the logger and run_dir=; with a run_dir the metrics are written."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    import trainer
+    from trainer.loop.runtime import LAUNCH_ENV
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = trainer.compose(["debug=smoke", "precision=fp32", "logger=tensorboard"])
+    monkeypatch.setenv(LAUNCH_ENV, json.dumps(OmegaConf.to_container(cfg)))
+    rt = trainer.Runtime()
+    rt.log({"a": 1.0}, step=1)
+    rt.log({"a": 2.0}, step=2)
+    err = capsys.readouterr().err
+    assert err.count("note: rt.log: the job's logger=tensorboard has no directory") == 1, err
+    assert "trainer.Runtime(run_dir=DIR)" in err
+    rt = trainer.Runtime(run_dir=tmp_path)
+    rt.log({"a": 3.0}, step=3)
+    rt.end()
+    assert "note: rt.log" not in capsys.readouterr().err
+    assert [json.loads(line)["a"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [3.0]
+    cfg = trainer.compose(["debug=smoke", "precision=fp32"])  # logger=none: nothing to say
+    monkeypatch.setenv(LAUNCH_ENV, json.dumps(OmegaConf.to_container(cfg)))
+    trainer.Runtime().log({"a": 1.0}, step=1)
+    assert "note: rt.log" not in capsys.readouterr().err

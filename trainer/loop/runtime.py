@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,8 @@ class Runtime:
         # model, a backward, an optimizer step, a save or a load (trainer/loop/watchdog.py; the Trainer beats itself).
         self._watched = launched is not None
         self.loggers = self._loggers(launched, log_with)
+        # The job's logger=... has nowhere to write without a run_dir: said once, at the first rt.log.
+        self._unlogged = sorted(launched.get("logger") or {}) if launched is not None and run_dir is None else []
         # What save_state checkpoints: models and optimizers by name, and every other stateful object.
         self.models: dict[str, nn.Module] = {}
         self.optimizers: dict[str, tuple[str, torch.optim.Optimizer]] = {}  # name -> (its model's name, optimizer)
@@ -653,6 +656,11 @@ class Runtime:
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Metrics to the trackers, from the main process (the others' calls do nothing)."""
         if self.backend.is_main:
+            if self._unlogged:
+                print(f"note: rt.log: the job's logger={','.join(self._unlogged)} has no directory to write in, so "
+                      "these metrics go nowhere: pass one to the script's trainer.Runtime(run_dir=DIR) (metrics.jsonl "
+                      "and the trackers' files go there).", file=sys.stderr, flush=True)
+                self._unlogged = []
             self.loggers.log_metrics({k: float(v) for k, v in metrics.items()}, step)
 
     def end(self) -> None:
