@@ -606,8 +606,9 @@ def test_load_state_before_the_loader_and_registered_objects_exist_is_refused(tm
     assert torch.equal(model3.weight, model.weight)
 
 
-def test_accelerate_launch_flags_before_the_script_are_named_with_the_launch_command_that_does_the_same(tmp_path):
-    """`launch --num_processes 2 ga.py` said "the script --num_processes is not a file"."""
+def test_accelerate_launch_flags_and_hydra_settings_before_the_script_are_named(tmp_path):
+    """`launch --num_processes 2 ga.py` said "the script --num_processes is not a file"; the error names the launch
+    command that does the same. `launch hydra.run.dir=DIR ga.py` ran the script and ignored the setting."""
     from conftest import run_main
     from test_errors import assert_clean_error
 
@@ -615,6 +616,10 @@ def test_accelerate_launch_flags_before_the_script_are_named_with_the_launch_com
     r = run_main("launch", "--num_processes", "2", "ga.py", "--lr", "1", cwd=tmp_path)
     assert_clean_error(r, "--num_processes 2 is not a flag", "python -m trainer launch world=ddp "
                        "world.nproc_per_node=2 ga.py --lr 1")
+
+    r = run_main("launch", f"hydra.run.dir={tmp_path / 'run'}", "ga.py", cwd=tmp_path)  # (it was ignored silently)
+    assert_clean_error(r, "launch hydra.run.dir=", "trainer.Runtime(run_dir=DIR)")
+    assert "ran" not in r.stdout and not (tmp_path / "run").exists()
 
 
 def _line_of(text: str) -> int:

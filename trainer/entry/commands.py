@@ -415,6 +415,11 @@ def launch_parts(argv: list[str]):
     if at is None:
         raise ConfigError(f"usage: {usage} (no script given).")
     overrides, script, args = argv[:at], Path(argv[at]), argv[at + 1:]
+    hydra = [o for o in overrides if o.lstrip("+~").startswith("hydra.")]
+    if hydra:  # (it was ignored without a word)
+        raise ConfigError(f"python -m trainer launch {hydra[0]}: a launched script has no Hydra run dir of its own, so "
+                          "hydra.* settings do nothing there. Give your script the directory it writes to (e.g. "
+                          "trainer.Runtime(run_dir=DIR) for metrics, rt.save_state(DIR, step) for checkpoints).")
     if not script.is_file():
         raise ConfigError(f"python -m trainer launch: the script {script} is not a file. usage: {usage}")
     return prepare(load(overrides)), script, args
