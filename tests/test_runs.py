@@ -371,3 +371,63 @@ def test_the_framework_s_data_loader_workers_are_set_to_die_with_their_rank():
         assert rows[:, 0].tolist() == [int(signal.SIGKILL)] * 4  # read in a worker that dies with its rank
         assert os.getpid() not in rows[:, 1].tolist()  # (in a worker, not this process)
 
+
+
+def test_a_finished_run_without_a_final_checkpoint_is_not_retrained_over_its_export(corpus, tmp_path):
+    """checkpoint.save_final=false: the newest checkpoint (step 4) is older than the export (step 6). resume=auto
+    retrained steps 5-6 from it and replaced the export, the only copy of those weights; with trainer.max_steps
+    raised, it retrained them on the stretched schedule. Now the run is finished, the raise is refused with
+    nothing changed, and a rollback named on purpose keeps the export in export.prev/."""
+    args = [*tiny_overrides(corpus, "checkpoint.save_final=false", "checkpoint.every_n_steps=4"),
+            f"hydra.run.dir={tmp_path}"]
+    assert run_here(*args, "trainer.max_steps=6").returncode == 0
+    before = {n: (tmp_path / n).read_bytes() for n in ("model.safetensors", "metrics.jsonl", "export.json")}
+
+    def unchanged() -> bool:
+        return all((tmp_path / n).read_bytes() == b for n, b in before.items())
+
+    r = run_here(*args, "trainer.max_steps=6", "resume=auto")
+    assert r.returncode == 0, r.stderr
+    assert "the run is already finished: its export is of step 6" in r.stdout and unchanged()
+    r = run_here(*args, "trainer.max_steps=8", "resume=auto")
+    assert_clean_error(r, "exported weights", "are of step 6", "step_00000004", "train steps 5-6 again",
+                       "Nothing was changed", code=2)
+    assert unchanged() and not (tmp_path / "export.prev").exists()
+    r = run_here(*args, "trainer.max_steps=8", f"resume={tmp_path}/checkpoints/step_00000004")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "export.prev" / "model.safetensors").read_bytes() == before["model.safetensors"]
+    assert json.loads((tmp_path / "export.json").read_text())["step"] == 8
+    assert [e["step"] for e in read_metrics(tmp_path) if "train/loss" in e] == list(range(1, 9))
+
+
+def test_a_resume_from_another_runs_checkpoint_keeps_this_run_dirs_own_attempt(corpus, tmp_path):
+    """resume=<run A's checkpoint> with hydra.run.dir at run B: B's metrics.jsonl went on with A's steps after its
+    own, its export and config.yaml were replaced without a copy, and its checkpoints were pruned among A's."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    train_in_process(corpus, a, "trainer.max_steps=8", "checkpoint.every_n_steps=4")
+    train_in_process(corpus, b, "trainer.max_steps=4", "trainer.seed=5")
+    own = {n: (b / n).read_bytes() for n in ("metrics.jsonl", "model.safetensors", "config.yaml")}
+    train_in_process(corpus, b, "trainer.max_steps=8", f"resume={a}/checkpoints/step_00000004")
+    assert (b / "metrics.prev.jsonl").read_bytes() == own["metrics.jsonl"]
+    assert (b / "export.prev" / "model.safetensors").read_bytes() == own["model.safetensors"]
+    assert (b / "config.prev.yaml").read_bytes() == own["config.yaml"]
+    assert sorted(p.name for p in (b / "checkpoints.prev").glob("step_*")) == ["step_00000004"]  # B's own final checkpoint
+    assert [e["step"] for e in read_metrics(b) if "train/loss" in e] == [5, 6, 7, 8]
+    theirs, ours = load_weights(a / "model.safetensors"), load_weights(b / "model.safetensors")
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)  # A's run, continued exactly
+
+
+def test_a_rollback_holds_when_the_job_stops_before_its_first_checkpoint(corpus, tmp_path, capsys):
+    """A rollback to step 4 killed before the new branch wrote a checkpoint: resume=auto went back to the abandoned
+    step 8 (the most recently written), though the rollback had said resume=auto now follows the new branch."""
+    args = ("trainer.max_steps=8", "checkpoint.every_n_steps=4", "checkpoint.keep_last=3")
+    train_in_process(corpus, tmp_path, *args)
+    first = load_weights(tmp_path / "model.safetensors")
+    r = run_cli(*tiny_overrides(corpus, *args), f"hydra.run.dir={tmp_path}",
+                f"resume={tmp_path}/checkpoints/step_00000004", *faulty("sigkill", 2), env=FAULTY_ENV)
+    assert r.returncode == -9 and "resume=auto now follows this run" in r.stdout, r.stdout + r.stderr
+    capsys.readouterr()
+    train_in_process(corpus, tmp_path, *args, "resume=auto")
+    assert f"resumed from {tmp_path}/checkpoints/step_00000004 at step 4" in capsys.readouterr().out
+    again = load_weights(tmp_path / "model.safetensors")
+    assert all(torch.equal(again[k], first[k]) for k in first)  # steps 5-8 once more, as the first time

@@ -327,6 +327,7 @@ def resume(trainer, cfg: DictConfig, say) -> Path | None:
         # What was skipped is moved out of the checkpoints' namespace, so that no later run prunes it or tries it
         # again; where that fails it stays in place, and this run does not prune it.
         # (Not one that could not be read now, for a reason that may pass: the next run tries it again.)
+        trainer.checkpointer.fell_back = bool(skipped)
         lasting = [p for p, e in skipped if ckpt.AGAIN not in str(e)]
         moved = trainer.backend.broadcast_object(_set_aside(lasting) if trainer.backend.is_main else None)
         trainer.checkpointer.protected.update(p.name for p, e in skipped if ckpt.AGAIN in str(e))
@@ -336,6 +337,10 @@ def resume(trainer, cfg: DictConfig, say) -> Path | None:
                     for name, to in moved if to is not None]
             for line in [*kept, *notes, *resume_notes(path, cfg, trainer.checkpointer)]:
                 say(line)
+            # A rollback holds from now on, not from the new branch's first checkpoint (a job stopped before it
+            # went back to the abandoned branch).
+            if trainer.checkpointer.dir is not None and path.parent.resolve() == trainer.checkpointer.dir.resolve():
+                trainer.checkpointer.follow(trainer.checkpointer.dir / path.name)
         return path
     if skipped:
         newest, why = skipped[0]

@@ -44,7 +44,7 @@ import torch
 
 from trainer.checkpoint import snapshot, tensorfile
 from trainer.errors import CheckpointError, StorageError
-from trainer.io import atomic_write_json, free_name, fsync_dir, unwritable
+from trainer.io import atomic_write_bytes, atomic_write_json, free_name, fsync_dir, unwritable
 
 FORMAT_VERSION = 2  # 2: tensors may be chunks of a sharded tensor; optimizer state keyed by parameter name
 MANIFEST = "manifest.json"
@@ -121,6 +121,7 @@ class Checkpointer:
         self.sharded = sharded and self.backend.distributed
         self.writes = self.sharded or self.backend.is_main
         self.protected: set[str] = set()  # checkpoints this run could not read: never pruned or overwritten
+        self.fell_back = False  # this run's resume skipped a newer checkpoint it could not load
         # Which tensors this rank writes (snapshot.Writer; None: the main rank's plain tensors and every rank's
         # DTensor shards). Set by the checkpoint manager from the strategy (pipeline stages each write theirs).
         self.writer: snapshot.Writer | None = None
@@ -316,6 +317,22 @@ class Checkpointer:
         not one."""
         order = {p: _written(p) for p in self._with_manifest()}
         return sorted((p for p, w in order.items() if w is not None), key=lambda p: (order[p], step_of(p)))
+
+    def follow(self, path: Path) -> bool:
+        """A rollback (a resume from `path`, one of this dir's checkpoints, while later-written ones exist): make
+        `path` the most recently written at once, so that resume=auto follows the new branch even when the job
+        stops before that branch writes a checkpoint of its own (it went back to the abandoned one). Rewrites
+        the manifest's `written` alone, atomically. False when there was nothing to do or it could not be written."""
+        done = self.complete() if self.dir is not None else []
+        if path not in done or path == done[-1]:
+            return False
+        try:
+            manifest = _read_json(path / MANIFEST)
+            manifest["written"] = 1 + max(_written(p) or 0 for p in done)
+            atomic_write_bytes(path / MANIFEST, json.dumps(manifest, indent=1).encode())
+        except (OSError, ValueError, TypeError, AttributeError):
+            return False
+        return True
 
     def unreadable(self) -> list[Path]:
         """Checkpoints whose manifest is there but cannot be read (damaged, or copied half-way), by step: nothing
@@ -576,7 +593,7 @@ def model_mismatches(loaded: Loaded, live: dict[str, torch.Tensor]) -> list[str]
 class NullCheckpointer:
     """No checkpoints (a Trainer built by hand without a checkpointer)."""
 
-    dir, save_final, every_n_steps, best = None, False, 0, None
+    dir, save_final, every_n_steps, best, fell_back = None, False, 0, None, False
 
     def due(self, step: int) -> bool:
         return False
@@ -607,6 +624,22 @@ class NullCheckpointer:
 
     def complete(self) -> list[Path]:
         return []
+
+    def follow(self, path: Path) -> bool:
+        """A rollback (a resume from `path`, one of this dir's checkpoints, while later-written ones exist): make
+        `path` the most recently written at once, so that resume=auto follows the new branch even when the job
+        stops before that branch writes a checkpoint of its own (it went back to the abandoned one). Rewrites
+        the manifest's `written` alone, atomically. False when there was nothing to do or it could not be written."""
+        done = self.complete() if self.dir is not None else []
+        if path not in done or path == done[-1]:
+            return False
+        try:
+            manifest = _read_json(path / MANIFEST)
+            manifest["written"] = 1 + max(_written(p) or 0 for p in done)
+            atomic_write_bytes(path / MANIFEST, json.dumps(manifest, indent=1).encode())
+        except (OSError, ValueError, TypeError, AttributeError):
+            return False
+        return True
 
     def unreadable(self) -> list[Path]:
         return []

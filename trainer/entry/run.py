@@ -375,17 +375,90 @@ def export(trainer: Trainer, cfg: DictConfig, run_dir: Path) -> None:
                            "resume=auto, which writes the export.") from None
 
 
-def exported(run_dir: Path, step: int) -> bool:
-    """Whether export.json says the export of step `step` is complete, and every file it lists is as written."""
+def set_earlier_attempt_aside(run_dir: Path, cfg: DictConfig, loggers, is_main: bool, say, why: str,
+                              checkpoints: Path | None = None) -> None:
+    """A run dir's run starting over (no checkpoint found, or another run's checkpoint): what its earlier attempt
+    wrote is kept beside, never overwritten, spliced into or pruned: its events (metrics.prev.jsonl), exported
+    weights (export.prev/: with checkpoint.save_final=false their only copy), config.yaml (config.prev.yaml) and,
+    given `checkpoints`, its checkpoints (checkpoints.prev/)."""
+    from trainer.errors import StorageError
+    from trainer.models.export import set_aside
+
+    loggers.start_fresh()
+    if not is_main:
+        return
+    try:
+        aside = set_aside(run_dir)
+        # An earlier attempt's config.yaml, or a file of the user's own; not the one the CLI wrote for this very job
+        # before its workers started (the same text).
+        earlier = run_dir / "config.yaml"
+        if earlier.is_file() and not earlier.is_symlink() and earlier.read_text() != config_text(cfg):
+            from trainer.io import free_name
+
+            earlier.replace(free_name(earlier, ".prev", before_suffix=True))
+        moved = ckpt.set_aside(checkpoints) if checkpoints is not None and ckpt.Checkpointer(checkpoints).complete() else None
+    except OSError as e:
+        raise StorageError(f"could not move the earlier attempt's files in {run_dir} aside ({e.strerror or e}); "
+                           "nothing was overwritten. Make the run dir writable, or give this run a dir of its own "
+                           "(hydra.run.dir=...).") from None
+    if aside is not None:
+        say(f"{why}: the earlier attempt's exported weights are kept in {aside}.")
+    if moved is not None:
+        say(f"{why}: the earlier attempt's checkpoints are kept in {moved}.")
+
+
+def export_step(run_dir: Path) -> int | None:
+    """The step of the run dir's complete export (export.json, every file it lists as written), or None."""
     import json
 
     from trainer.models.export import export_intact
 
     try:
         marker = json.loads((run_dir / EXPORT_MARKER).read_text())
-        return marker["step"] == step and export_intact(run_dir, marker["files"])
+        return int(marker["step"]) if export_intact(run_dir, marker["files"]) else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
+        return None
+
+
+def later_export_kept(trainer, cfg: DictConfig, run_dir: Path, source: Path, say) -> bool:
+    """Whether the run goes on from `source` with the run dir's export safe. An export of a later step than the
+    checkpoint (checkpoint.save_final=false keeps no checkpoint of the final step) means the run got further than
+    `source`: resume=auto then either finds the run finished there (False: nothing to do) or stops, since going
+    on would retrain those steps over that export. A checkpoint named on purpose (a rollback), or the one
+    resume=auto fell back to past a damaged newer one, goes on, the export kept in export.prev/."""
+    from trainer.errors import CheckpointError, StorageError
+    from trainer.models.export import set_aside
+
+    backend = trainer.backend
+    later = backend.broadcast_object(export_step(run_dir) if backend.is_main else None)
+    if later is None or later <= trainer.step:
+        return True
+    if cfg.get("resume") in (None, "auto") and not trainer.checkpointer.fell_back:
+        if later >= trainer.cfg.max_steps:
+            say(f"the run is already finished: its export is of step {later} >= trainer.max_steps="
+                f"{trainer.cfg.max_steps} (its newest checkpoint, {source.name}, is of step {trainer.step}: "
+                "checkpoint.save_final=false keeps none of the final step). Nothing was changed.")
+            return False
+        raise CheckpointError(
+            f"resume=auto: the run's exported weights ({run_dir / EXPORT_MARKER}) are of step {later}, later than its "
+            f"newest checkpoint ({source}, step {trainer.step}; checkpoint.save_final=false keeps none of the final "
+            f"step), so going on from there would train steps {trainer.step + 1}-{later} again and replace that "
+            f"export. Nothing was changed. To do so anyway, pass resume={source} (the export is then kept in "
+            f"export.prev/); to train on from step {later}'s weights, start a new run from them "
+            f"(finetune.weights={run_dir} in a run dir of its own).")
+    if backend.is_main:
+        try:
+            aside = set_aside(run_dir)
+        except OSError as e:
+            raise StorageError(f"could not move the export of step {later} in {run_dir} aside ({e.strerror or e}); "
+                               "nothing was overwritten. Make the run dir writable.") from None
+        say(f"resume={cfg.get('resume')}: the exported weights of step {later} are kept in {aside}.")
+    return True
+
+
+def exported(run_dir: Path, step: int) -> bool:
+    """Whether export.json says the export of step `step` is complete, and every file it lists is as written."""
+    return export_step(run_dir) == step
 
 
 def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
@@ -491,7 +564,16 @@ def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
         watchdog.beat()
         if source is not None:
             epochs_after_resume(trainer, (cfg.get("checkpoint") or {}).get("every_n_epochs"), say)
-            loggers.rewind(trainer.step)  # drop events logged after the checkpoint
+            own = trainer.checkpointer.dir
+            elsewhere = own is not None and source.resolve().parent != own.resolve()
+            if elsewhere:  # another run's checkpoint: this run dir's own attempt is kept, not spliced into
+                set_earlier_attempt_aside(run_dir, cfg, loggers, backend.is_main, say, f"starting from {source}", own)
+            else:
+                if not later_export_kept(trainer, cfg, run_dir, source, say):
+                    loggers.finish({})
+                    finished = True
+                    return {}
+                loggers.rewind(trainer.step)  # drop events logged after the checkpoint
             say(f"resumed from {source} at step {trainer.step}")
             if trainer.finished:
                 if not backend.broadcast_object(exported(run_dir, trainer.step)):
@@ -506,26 +588,7 @@ def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
                 finished = True
                 return {}
         else:
-            loggers.start_fresh()  # a rerun that found no checkpoint: set the earlier run's events aside
-            if backend.is_main:  # and its exported weights (with checkpoint.save_final=false, their only copy)
-                from trainer.errors import StorageError
-                from trainer.models.export import set_aside
-
-                try:
-                    aside = set_aside(run_dir)
-                    # An earlier attempt's config.yaml, or a file of the user's own; not the one the CLI wrote for
-                    # this very job before its workers started (the same text).
-                    earlier = run_dir / "config.yaml"
-                    if earlier.is_file() and not earlier.is_symlink() and earlier.read_text() != config_text(cfg):
-                        from trainer.io import free_name
-
-                        earlier.replace(free_name(earlier, ".prev", before_suffix=True))
-                except OSError as e:
-                    raise StorageError(f"could not move the earlier attempt's exported weights in {run_dir} aside "
-                                       f"({e.strerror or e}); nothing was overwritten. Make the run dir writable, or "
-                                       "give this run a dir of its own (hydra.run.dir=...).") from None
-                if aside is not None:
-                    say(f"starting fresh: the earlier attempt's exported weights are kept in {aside}.")
+            set_earlier_attempt_aside(run_dir, cfg, loggers, backend.is_main, say, "starting fresh")
         if backend.is_main:
             save_config(cfg, run_dir)  # (the CLI wrote it before the workers started; this is the API's path)
             if hasattr(trainer.task, "write_records"):  # a task's own records (diffusion's normaliser), now too
