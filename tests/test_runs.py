@@ -431,3 +431,26 @@ def test_a_rollback_holds_when_the_job_stops_before_its_first_checkpoint(corpus,
     assert f"resumed from {tmp_path}/checkpoints/step_00000004 at step 4" in capsys.readouterr().out
     again = load_weights(tmp_path / "model.safetensors")
     assert all(torch.equal(again[k], first[k]) for k in first)  # steps 5-8 once more, as the first time
+
+
+def test_a_full_disk_under_metrics_jsonl_stops_with_exit_74_and_the_command_that_continues(corpus, tmp_path):
+    """A metrics line that cannot be written (a full disk: /dev/full answers every write with ENOSPC) stopped the
+    run with exit 1 and two chained tracebacks, and no continue command. Now it is one paragraph, exit 74, the
+    command; once there is room again the run continues from its checkpoint as if it had never stopped."""
+    args = [*tiny_overrides(corpus, "trainer.max_steps=8", "trainer.log_every=4", "checkpoint.every_n_steps=2",
+                            "checkpoint.async_save=false"), f"hydra.run.dir={tmp_path}"]
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    r = run_here(*args)
+    assert_clean_error(r, f"could not write {tmp_path / 'metrics.jsonl'} at step 4 (No space left on device)",
+                       "resume=auto", code=74)
+    assert "to continue this run: python -m trainer " in r.stderr and checkpoints(tmp_path) == ["step_00000002"]
+    (tmp_path / "metrics.jsonl").unlink()
+    assert run_here(*args, "resume=auto").returncode == 0
+    assert [e["step"] for e in read_metrics(tmp_path) if "train/loss" in e] == [4, 8]
+    ref = tmp_path.parent / "uninterrupted"
+    assert run_here(*[a for a in args if not a.startswith("hydra.run.dir")], f"hydra.run.dir={ref}").returncode == 0
+    for key in ("train/loss", "train/grad_norm", "val/loss"):  # (not the timings)
+        assert series(read_metrics(tmp_path), key) == series(read_metrics(ref), key), key
+    ours, theirs = load_weights(tmp_path / "model.safetensors"), load_weights(ref / "model.safetensors")
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)

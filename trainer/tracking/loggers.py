@@ -55,8 +55,11 @@ class JsonlLogger(NullLogger):
         self._file = open(self.path, "a")
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+            self._file.flush()
+        except OSError as e:
+            raise _unwritable(self.path, e, step) from None
 
     def log_text(self, key: str, text: str, step: int) -> None:
         self._sample({"step": step, "key": key, "text": text})
@@ -67,12 +70,18 @@ class JsonlLogger(NullLogger):
 
         name = key.rsplit("/", 1)[-1]
         path = self.path.parent / "samples" / (f"step_{step}.png" if name == "image" else f"{name}_step_{step}.png")
-        atomic_write_bytes(path, png_bytes(image))
+        try:
+            atomic_write_bytes(path, png_bytes(image))
+        except OSError as e:
+            raise _unwritable(path, e, step) from None
         self._sample({"step": step, "key": key, "image": str(path.relative_to(self.path.parent))})
 
     def _sample(self, event: dict) -> None:
-        with open(self.samples_path, "a") as f:
-            f.write(json.dumps(event) + "\n")
+        try:
+            with open(self.samples_path, "a") as f:
+                f.write(json.dumps(event) + "\n")
+        except OSError as e:
+            raise _unwritable(self.samples_path, e, event["step"]) from None
 
     def rewind(self, step: int) -> None:
         """On resume: drop events after `step`, so the file reads as if the run had never stopped."""
@@ -98,7 +107,19 @@ class JsonlLogger(NullLogger):
         self._file = open(self.path, "a")
 
     def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:  # (its buffered line could not be written either: the write that failed said so)
+            pass
+
+
+def _unwritable(path: Path, e: OSError, step: int):
+    """A metrics file that cannot be written (a full disk): the run stops there (exit 74), as at a checkpoint."""
+    from trainer.errors import StorageError
+
+    return StorageError(f"could not write {path} at step {step} ({e.strerror or e}), so the run stopped; its "
+                        "checkpoints are as they were. Free disk space (or make the run dir writable) and continue "
+                        "with resume=auto: from the newest checkpoint, writing the events after it again.")
 
 
 def _step_of(line: str) -> int | None:
