@@ -28,8 +28,8 @@ TWO_PROCS = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'helpers'}"}
 FP32 = "precision=fp32"
 
 
-def launch(*args: str, env: dict | None = None):
-    return run_cli("launch", FP32, *args, env={**TWO_PROCS, **(env or {})})
+def launch(*args: str, env: dict | None = None, timeout: float = 180):
+    return run_cli("launch", FP32, *args, env={**TWO_PROCS, **(env or {})}, timeout=timeout)
 
 
 def assert_close_weights(got: Path, want: Path, exact: bool = False, atol: float = 1e-5) -> None:
@@ -125,6 +125,41 @@ def test_save_state_on_one_rank_only_is_an_error_not_a_hang(tmp_path):
     assert "rt.save_state was called on rank 0 but not on every rank" in r.stderr
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
+
+
+def test_ranks_in_different_save_and_load_calls_are_an_error_not_a_hang(tmp_path):
+    """Rank 0 in rt.save_state, rank 1 in rt.save_model: both passed the same barrier, then waited forever in each
+    other's collectives. Now each names what every rank called."""
+    r = launch("world=ddp", "world.nproc_per_node=2", SCRIPT, "diverge", str(tmp_path), timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "the ranks called different Runtime methods at the same point (rank 0: rt.save_state, rank 1: " \
+           "rt.save_model)" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not list(tmp_path.glob("*.safetensors")) and not list(tmp_path.glob("checkpoints/step_*"))
+
+
+def test_load_state_drops_the_events_logged_after_the_checkpoint(tmp_path):
+    """A loop resumed from step 2 after logging steps 3-4 logged them again: metrics.jsonl held steps 3 and 4 twice."""
+    import json
+
+    import trainer
+
+    def run(steps: range) -> None:
+        rt = trainer.Runtime(run_dir=tmp_path)
+        model = rt.setup(nn.Linear(2, 2))
+        del model
+        start = rt.load_state(tmp_path / "checkpoints") or 0
+        for step in steps:
+            if step > start:
+                rt.log({"loss": float(step)}, step)
+                if step == 2:
+                    rt.save_state(tmp_path / "checkpoints", step)
+        rt.end()
+
+    run(range(1, 5))  # killed after step 4's log, say
+    run(range(1, 7))
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
+        [1, 2, 3, 4, 5, 6]
 
 
 def test_backward_outside_accumulate_with_accumulation_on_ranks_is_an_error(tmp_path):

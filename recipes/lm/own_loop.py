@@ -54,6 +54,10 @@ def main() -> None:
     loader = rt.loader(train, batch_size=args.batch_size)
     rt.register("scheduler", scheduler)
     step = rt.load_state(f"{args.out}/checkpoints") or 0  # resume where a killed run stopped
+    if step:
+        rt.print(f"resumed from {args.out}/checkpoints at step {step}" + (
+            f" (already at --steps {args.steps}: nothing to train; another --out starts a new run)"
+            if step >= args.steps else ""))
 
     step_loss = 0.0
     while step < args.steps:

@@ -6,6 +6,7 @@
     runtime_script.py backward_outside OUT           rt.backward outside rt.accumulate with accumulation (a mistake)
     runtime_script.py pipeline OUT                   a GPT's step through rt.forward_backward (world.pp or not)
     runtime_script.py pipeline_backward OUT          rt.backward under world.pp (a mistake)
+    runtime_script.py diverge OUT                    rank 0 saves its state while rank 1 exports (a mistake)
     runtime_script.py hang RANK                      two steps, then RANK stops while the others go on (a hang)
     runtime_script.py slow_phases SECONDS            a pause before the first step, a step, an eval of forwards
                                                      only, then a step: the pause and the eval each last longer
@@ -132,6 +133,14 @@ def pipeline(rt: trainer.Runtime, out: str, backward: bool = False) -> None:
     rt.end()
 
 
+def diverge(rt: trainer.Runtime, out: str) -> None:
+    model = rt.setup(nn.Linear(2, 2))
+    if rt.rank == 0:
+        rt.save_state(f"{out}/checkpoints", 1)
+    else:  # left its loop early, say, and went on to the export
+        rt.save_model(model, out)
+
+
 def hang(rt: trainer.Runtime, rank: int) -> None:
     torch.manual_seed(rt.seed)
     model = nn.Linear(4, 4)
@@ -184,5 +193,6 @@ if __name__ == "__main__":
      "backward_outside": lambda: backward_outside(runtime, args[0]),
      "pipeline": lambda: pipeline(runtime, args[0]),
      "pipeline_backward": lambda: pipeline(runtime, args[0], backward=True),
+     "diverge": lambda: diverge(runtime, args[0]),
      "hang": lambda: hang(runtime, int(args[0])),
      "slow_phases": lambda: slow_phases(runtime, float(args[0]))}[mode]()

@@ -585,6 +585,8 @@ class Runtime:
                 return None
             path = found[-1]
         self._manager(path.parent, 2).load(path)
+        if self.backend.is_main:  # events logged after the checkpoint go: the loop logs them again from here
+            self.loggers.rewind(self.position.step)
         if self._watched:
             watchdog.progress()
         return self.position.step
@@ -599,7 +601,17 @@ class Runtime:
                 raise UserError(f"rt.{what} was called on rank {self.rank} but not on every rank within {timeout:g} s "
                                 f"({missing}): "
                                 f"every rank must call it (do not put rt.{what} under `if rt.is_main_process`; it "
-                                "writes from the main rank, or from every rank holding a shard, by itself).")
+                                "writes from the main rank, or from every rank holding a shard, by itself). A rank "
+                                "that left its loop early (a `break`, a return or sys.exit on one rank only) never "
+                                "comes either.")
+            # The barrier is the same for every such call: ranks in different ones would pass it together, then
+            # wait forever in each other's collectives.
+            calls = self.backend.gather_object(what, group=self._monitor)
+            if len(set(calls)) > 1:
+                listed = ", ".join(f"rank {r}: rt.{c}" for r, c in enumerate(calls))
+                raise UserError(f"the ranks called different Runtime methods at the same point ({listed}): every rank "
+                                "must call rt.save_state, rt.load_state and rt.save_model, in the same order (a rank "
+                                "that left its loop early, with a `break` on one rank only, went on to the next).")
 
     def save_model(self, model: nn.Module, directory: str | os.PathLike, max_shard_size: str | int = "1GB",
                    name: str = "model") -> list[str] | None:
