@@ -454,3 +454,26 @@ def test_a_full_disk_under_metrics_jsonl_stops_with_exit_74_and_the_command_that
         assert series(read_metrics(tmp_path), key) == series(read_metrics(ref), key), key
     ours, theirs = load_weights(tmp_path / "model.safetensors"), load_weights(ref / "model.safetensors")
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_a_preempted_sweep_says_the_command_that_continues_the_whole_sweep(corpus, tmp_path):
+    """A sweep (-m) without hydra.sweep.dir preempted in its first point: its message said to rerun the same
+    command with resume=auto, which starts every point anew in a new timestamped sweep dir (and the command for the
+    point alone never runs the points after it). Now it prints the sweep's command pinned to its sweep dir."""
+    import shlex
+
+    args = [*tiny_overrides(corpus, "checkpoint.every_n_steps=2", "trainer.max_steps=8"), "trainer.seed=0,1",
+            *faulty("sigterm", 5), f"+task.once={tmp_path / 'fired'}"]
+    r = run_cli("-m", *args, cwd=tmp_path, env=FAULTY_ENV)
+    assert r.returncode == 75, r.stderr
+    line = next(ln for ln in r.stderr.splitlines() if ln.startswith("to continue this sweep"))
+    words = shlex.split(line.split("): ", 1)[1])
+    (sweep,) = [w.split("=", 1)[1] for w in words if w.startswith("hydra.sweep.dir=")]
+    assert words[:4] == ["python", "-m", "trainer", "-m"] and "trainer.seed=0,1" in words and words[-1] == "resume=auto"
+    assert Path(sweep).parent.parent == tmp_path / "multirun" and not (Path(sweep) / "1").exists()
+    r = run_here(*words[3:], cwd=tmp_path, env=FAULTY_ENV)
+    assert r.returncode == 0, r.stderr
+    assert f"resumed from {sweep}/0/checkpoints/step_00000005 at step 5" in r.stdout
+    for point in ("0", "1"):
+        assert [e["step"] for e in read_metrics(Path(sweep) / point) if "train/loss" in e] == list(range(1, 9)), point
+    assert len(list((tmp_path / "multirun").glob("*/*"))) == 1  # no second sweep dir

@@ -437,7 +437,15 @@ def _say_how_to_continue(run_dir: Path, command: str) -> None:
     from trainer.checkpoint.store import has_complete
 
     if has_complete(run_dir / "checkpoints"):
-        print(f"to continue this run: {scrub(command, secret_values())}", file=sys.stderr, flush=True)
+        from trainer.entry.rundir import sweep_command
+
+        sweep = sweep_command()
+        if sweep is not None:  # (a sweep's points after this one never ran: the sweep goes on, in its own dir)
+            print("to continue this sweep (this point, then the points after it; the same command without "
+                  f"hydra.sweep.dir would start every point anew): {scrub(sweep, secret_values())}",
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"to continue this run: {scrub(command, secret_values())}", file=sys.stderr, flush=True)
 
 
 def remove_if_unused(run_dir: Path) -> None:

@@ -213,6 +213,34 @@ def sweep_point() -> list[str] | None:
     return [*(a for d in dirs for a in ("--config-dir", d)), *job, *hc.overrides.task]
 
 
+def sweep_command() -> str | None:
+    """The command that continues a whole sweep (`-m`) from one of its jobs, None outside one or when the sweep's
+    record cannot be read: the sweep's own overrides (its lists) as `multirun.yaml` in its sweep dir records them,
+    pinned to that sweep dir, with resume=auto. Its finished points then say so, the stopped one continues and
+    the points after it run; the same command without the sweep dir would start every point anew in a new one."""
+    import yaml
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    hc = HydraConfig.get()
+    sweep_dir = Path(hc.runtime.cwd) / hc.sweep.dir
+    try:
+        recorded = yaml.safe_load((sweep_dir / "multirun.yaml").read_text())["hydra"]["overrides"]
+        task, hydra = list(recorded["task"] or []), list(recorded["hydra"] or [])
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return None
+    if not all(isinstance(o, str) for o in [*task, *hydra]):
+        return None
+    dirs = [s.path for s in hc.runtime.config_sources if s.provider == "command-line" and s.schema == "file"]
+    mine = ("hydra.mode=", "hydra.sweep.dir=", "hydra.run.dir=")
+    return shlex.join(["python", "-m", "trainer", "-m", *(a for d in dirs for a in ("--config-dir", d)),
+                       *(o for o in hydra if not o.lstrip("+~").startswith(mine)),
+                       *(o for o in task if not o.lstrip("+~").startswith("resume=")),
+                       f"hydra.sweep.dir={hydra_quoted(str(sweep_dir.resolve()))}", "resume=auto"])
+
+
 def hydra_quoted(value: str) -> str:
     """`value` as an override's value Hydra reads back unchanged: as it is when it holds only characters Hydra's
     grammar takes bare, else single-quoted (a path with a space, quote, comma, `~` or a non-ASCII letter would not
