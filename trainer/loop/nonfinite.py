@@ -27,9 +27,9 @@ import torch
 
 from trainer.errors import ConfigError, NonFiniteError
 
-FIX = "Lower optim.lr, enable trainer.grad_clip, use precision=bf16/fp32, or set trainer.nonfinite=skip."
+FIX = "Lower optim.lr, clip gradients (trainer.grad_clip, or a lower value of it), use precision=bf16/fp32, or set trainer.nonfinite=skip."
 # Under trainer.nonfinite=skip already (the run stopped after max_nonfinite_skips in a row): what is left to try.
-FIX_SKIPPING = ("Lower optim.lr, enable trainer.grad_clip, use precision=bf16/fp32, or raise "
+FIX_SKIPPING = ("Lower optim.lr, clip gradients (trainer.grad_clip, or a lower value of it), use precision=bf16/fp32, or raise "
                 "trainer.max_nonfinite_skips.")
 
 
@@ -105,7 +105,7 @@ class NonFiniteGuard:
                 return True
             if self.policy == "stop":
                 raise NonFiniteError(f"non-finite loss ({loss.item()}) at step {step} on rank {self.backend.rank} (or "
-                                     f"another rank); the update was not applied and earlier checkpoints are intact. {FIX}")
+                                     f"another rank); the update was not applied and any earlier checkpoint is intact. {FIX}")
             self.precision.close_skipped_step()  # (unscale_ ran) without stepping
             self._loss_skip = True  # not an overflow of the scaling: it counts toward max_skips
             return False
@@ -117,7 +117,7 @@ class NonFiniteGuard:
             return True
         if self.policy == "stop":
             raise NonFiniteError(f"non-finite gradient norm ({norm}) at step {step} on rank {self.backend.rank}; "
-                                 f"the update was not applied and earlier checkpoints are intact. {FIX}")
+                                 f"the update was not applied and any earlier checkpoint is intact. {FIX}")
         return False
 
     def skip_on_device(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
@@ -178,7 +178,7 @@ class NonFiniteGuard:
         if not local:
             raise NonFiniteError(f"another rank hit a non-finite gradient norm by step {step} (rank "
                                  f"{self.backend.rank}'s gradients were finite); its updates were skipped on the "
-                                 f"device and earlier checkpoints are intact. {FIX}")
+                                 f"device and any earlier checkpoint is intact. {FIX}")
         norms = torch.stack([n for _, n in latched]).tolist() if latched else []
         bad_step, norm = next(((s, v) for (s, _), v in zip(latched, norms) if not math.isfinite(v)),
                               (step, float("nan")))
@@ -186,5 +186,5 @@ class NonFiniteGuard:
         raise NonFiniteError(
             f"non-finite gradient norm ({norm}) at step {bad_step} on rank {self.backend.rank}; that update and "
             f"the {step - bad_step} after it (up to this check at step {step}) were skipped on the device, so "
-            f"the weights are those before step {bad_step}, and earlier checkpoints are intact. {FIX}"
+            f"the weights are those before step {bad_step}, and any earlier checkpoint is intact. {FIX}"
         )
