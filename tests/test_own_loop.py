@@ -727,3 +727,35 @@ def test_under_launch_a_logger_without_a_run_dir_is_said_once_not_dropped_silent
     monkeypatch.setenv(LAUNCH_ENV, json.dumps(OmegaConf.to_container(cfg)))
     trainer.Runtime().log({"a": 1.0}, step=1)
     assert "note: rt.log" not in capsys.readouterr().err
+
+
+def test_two_accumulate_blocks_a_micro_batch_are_refused_one_block_of_both_steps_each_model():
+    """A GAN loop with `rt.accumulate(disc)` then `rt.accumulate(gen)` each micro-batch, at grad_accum_steps=2: every
+    call was a micro-step, so the generator stepped every micro-batch on half its gradient and the discriminator
+    never stepped, without a word. Refused at the second block; one block of both steps each model every 2."""
+    import trainer
+
+    def setup():
+        rt = trainer.Runtime(grad_accum_steps=2)
+        torch.manual_seed(0)
+        gen, disc = nn.Linear(4, 4), nn.Linear(4, 1)
+        og, od = torch.optim.SGD(gen.parameters(), lr=0.1), torch.optim.SGD(disc.parameters(), lr=0.1)
+        return rt, *rt.setup(gen, disc, og, od, names=["gen", "disc", "og", "od"])
+
+    rt, gen, disc, og, od = setup()
+    steps = [0, 0]
+    for _ in range(8):
+        x = torch.randn(4, 4)
+        with rt.accumulate(gen, disc):
+            rt.backward(disc(x).mean() - disc(gen(x).detach()).mean())
+            steps[0] += rt.step(od)
+            rt.backward(-disc(gen(x)).mean())
+            steps[1] += rt.step(og)
+    assert steps == [4, 4]
+    rt, gen, disc, og, od = setup()
+    with rt.accumulate(disc):
+        rt.backward(disc(torch.ones(1, 4)).sum())
+    with pytest.raises(UserError, match=r"^rt\.accumulate\(gen\) in the middle of an accumulation of disc .*"
+                                        r"`with rt\.accumulate\(gen, disc\):`"):
+        with rt.accumulate(gen):
+            pass
