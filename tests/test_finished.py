@@ -255,3 +255,27 @@ def test_a_config_naming_a_moved_path_is_told_the_new_one(tmp_path):
     assert r.stderr.startswith("error: precision._target_='trainer.precision.BF16' moved to "
                                "'trainer.parallel.precision.BF16'"), r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_eval_from_another_directory_does_not_read_another_file_at_the_runs_relative_data_path(corpus, tmp_path):
+    """A run trained on data.path=corpus.txt (relative), evaluated from a directory holding another corpus.txt:
+    eval read that file and printed its numbers as the run's. Now it is refused, naming why and what to pass; from
+    the run's directory, or given the path absolutely, it evaluates the run's data."""
+    from conftest import run_here
+    from test_errors import assert_clean_error
+
+    here, elsewhere, run = tmp_path / "here", tmp_path / "elsewhere", tmp_path / "run"
+    here.mkdir()
+    elsewhere.mkdir()
+    (here / "corpus.txt").write_bytes(corpus.read_bytes())
+    (elsewhere / "corpus.txt").write_bytes(corpus.read_bytes()[::-1])
+    overrides = [a for a in tiny_overrides(corpus) if not a.startswith("data.path=")]
+    assert run_here(*overrides, "data.path=corpus.txt", f"hydra.run.dir={run}", cwd=here).returncode == 0
+    ours = run_here("eval", str(run), cwd=here)
+    assert ours.returncode == 0, ours.stderr
+    r = run_here("eval", str(run), cwd=elsewhere)
+    assert_clean_error(r, "is not what", "a relative data path is read from the current directory", str(elsewhere),
+                       "data.path=/ABSOLUTE/PATH")
+    given = run_here("eval", str(run), f"data.path={here / 'corpus.txt'}", cwd=elsewhere)
+    assert given.returncode == 0, given.stderr
+    assert json.loads(given.stdout.splitlines()[-1]) == json.loads(ours.stdout.splitlines()[-1])

@@ -198,6 +198,7 @@ class CheckpointManager:
             self.run.load_state_dict(state["trainer"])
         else:
             self.run.step = state["trainer"]["step"]
+            self.run.trained_on = state["trainer"].get("data_identity")  # (what an eval compares its data with)
         rngs = state["rng"]
         if self.backend.rank < len(rngs):  # same world size: continue each rank's own stream
             set_rng_state(rngs[self.backend.rank])

@@ -461,6 +461,28 @@ def exported(run_dir: Path, step: int) -> bool:
     return export_step(run_dir) == step
 
 
+def check_eval_data(trainer, cfg: DictConfig) -> None:
+    """An eval with the run's own data settings must read the run's data: a relative data.path is read from the
+    current directory, so an eval started elsewhere read another file (or none) and reported its numbers as the
+    run's. The training set's fingerprint (the lm recipe's sha256 of its tokens) the checkpoint recorded tells.
+    Data settings of the user's own (data.path=... on purpose) evaluate what they name."""
+    from trainer.checkpoint.settings import read_config
+    from trainer.errors import CheckpointError
+
+    saved, now = getattr(trainer, "trained_on", None), trainer.data.identity()
+    if not (isinstance(saved, str) and now is not None and saved != now):
+        return
+    recorded = read_config(Path(cfg.resume) / "config.yaml")
+    if not isinstance(recorded, dict) or recorded.get("data") != OmegaConf.to_container(cfg.data, resolve=True):
+        return
+    raise CheckpointError(
+        f"eval: the data read with the run's own data settings is not what {cfg.resume} was trained on (its training "
+        f"set's fingerprint {now[:16]} vs {saved[:16]}): a relative data path is read from the current directory "
+        f"({Path.cwd()}), not the one the run trained in, or the file changed since. Pass the run's data by absolute "
+        "path (data.path=/ABSOLUTE/PATH, and the like), or run the eval from the directory the run trained in; to "
+        "evaluate on other data on purpose, the same override names it.")
+
+
 def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     """The val metrics of the checkpoint `cfg.resume` names (its weights, and its EMA's when the run kept one),
     on this config's world; `run_dir` is scratch space. The main rank prints them as one JSON line."""
@@ -472,6 +494,7 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     try:
         trainer.load_checkpoint(Path(cfg.resume), resume=False)
         watchdog.beat()
+        check_eval_data(trainer, cfg)
         metrics = trainer.evaluate()
         if trainer.ema is not None:
             with trainer.ema.swapped_in():

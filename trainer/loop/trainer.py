@@ -87,6 +87,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.checkpointer, parts, self, self.components)
         # Run state (in checkpoints).
         self.step = 0  # optimizer steps done (skipped fp16/nonfinite steps included)
+        self.trained_on: str | None = None  # an eval's checkpoint's training-set fingerprint (checkpoint/manager.py)
         self.samples_seen = 0  # position in the global sample stream
         self.skipped_steps = 0
         self.stop_reason: str | None = None  # set by request_stop (early stopping): the run ends at this step
