@@ -279,3 +279,23 @@ def test_eval_from_another_directory_does_not_read_another_file_at_the_runs_rela
     given = run_here("eval", str(run), f"data.path={here / 'corpus.txt'}", cwd=elsewhere)
     assert given.returncode == 0, given.stderr
     assert json.loads(given.stdout.splitlines()[-1]) == json.loads(ours.stdout.splitlines()[-1])
+
+
+def test_sample_refuses_a_run_trained_on_a_tokenizers_ids_as_training_does(reference, tmp_path):
+    """A run of data=hf_text with data.tokenizer: the lm task samples bytes, so `sample` printed garbage (its ids
+    decoded as bytes, its prompt encoded as bytes) with exit 0; training refuses task.sample_tokens>0 there."""
+    import shutil
+
+    import yaml
+    from conftest import run_here
+    from test_errors import assert_clean_error
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["data"]["tokenizer"] = "tokenizer.json"  # (what an hf_text run records; its tensors are the same shapes)
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    r = run_here("sample", str(run), "task.sample_tokens=20")
+    assert_clean_error(r, "was trained on token ids of data.tokenizer='tokenizer.json'", "decodes its samples",
+                       "python -m trainer eval")
+    assert not (run / "samples").exists()

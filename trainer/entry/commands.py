@@ -328,6 +328,14 @@ def sample(argv: list[str]) -> int:
         task = load_task(run, task_keys)
         if not hasattr(task, "sample"):
             raise ConfigError(f"the task of {run} ({type(task).__name__}) has no sample().")
+        from omegaconf import OmegaConf
+
+        tokenizer = OmegaConf.select(config_yaml(run), "data.tokenizer", default=None)
+        if tokenizer and getattr(task, "sample_tokens", 0):  # (training refuses the same: trainer/recipes/lm/data.py)
+            raise ConfigError(f"{run} was trained on token ids of data.tokenizer={tokenizer!r}, but the lm task decodes "
+                              "its samples (and encodes its prompt) as bytes, so its text would be garbage. Evaluate "
+                              f"the run with `python -m trainer eval {run}`, or load it (trainer.load) and generate "
+                              "with the tokenizer yourself.")
         with torch.no_grad():
             out = task.sample(model, torch.device(device))
     except UserError as err:
