@@ -759,3 +759,21 @@ def test_two_accumulate_blocks_a_micro_batch_are_refused_one_block_of_both_steps
                                         r"`with rt\.accumulate\(gen, disc\):`"):
         with rt.accumulate(gen):
             pass
+
+
+def test_a_dataloader_given_to_rt_loader_and_a_tensor_to_rt_log_are_one_paragraph_each(rt):
+    """rt.loader(DataLoader(ds)), as Accelerate's prepare takes it: read as a dataset of 16 batches, len() said 4 and
+    the first batch raised a TypeError traceback. rt.log of a vector or a string raised a bare ValueError."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    ds = TensorDataset(torch.randn(64, 4))
+    with pytest.raises(UserError, match=r"rt\.loader got a DataLoader.*rt\.loader\(loader\.dataset, batch_size"):
+        rt.loader(DataLoader(ds, batch_size=4), batch_size=4)
+    with pytest.raises(UserError, match=r"rt\.eval_loader got a DataLoader"):
+        rt.eval_loader(DataLoader(ds, batch_size=4), batch_size=4)
+    with pytest.raises(UserError, match=r"rt\.log: 'v' is a tensor of shape \[2\], not a number"):
+        rt.log({"v": torch.ones(2)}, 1)
+    with pytest.raises(UserError, match=r"rt\.log: 's' is 'hello', not a number"):
+        rt.log({"s": "hello"}, 1)
+    rt.log({"ok": torch.ones(1), "n": 2}, 1)
+    assert len(rt.loader(ds, batch_size=4)) == 16

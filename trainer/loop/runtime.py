@@ -334,12 +334,14 @@ class Runtime:
                name: str | None = None) -> Loader:
         """This rank's micro-batches of `dataset` (`batch_size` per process and micro-step), on the device: the
         same global batches on any number of processes. Checkpointed by save_state."""
+        _not_a_loader(dataset, "loader")
         loader = Loader(self, dataset, batch_size, shuffle, num_workers, self.seed)
         self.stateful[name or self._free_name("loader", self.stateful)] = loader
         return loader
 
     def eval_loader(self, dataset, batch_size: int, limit: int | None = None) -> EvalLoader:
         """This rank's share of an eval set, each sample once (see EvalLoader; rt.gather_for_metrics)."""
+        _not_a_loader(dataset, "eval_loader")
         return EvalLoader(self, dataset, batch_size, limit)
 
     # -- the step ------------------------------------------------------------------------------------------
@@ -678,6 +680,11 @@ class Runtime:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Metrics to the trackers, from the main process (the others' calls do nothing)."""
+        for key, value in metrics.items():  # (float() of these raised a bare ValueError on the main rank alone)
+            if isinstance(value, str) or (isinstance(value, torch.Tensor) and value.numel() != 1):
+                shown = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+                raise UserError(f"rt.log: {key!r} is {shown}, not a number: log one number a key (`.mean()` of a "
+                                "tensor, `.item()` of a one-element one).")
         if self.backend.is_main:
             if self._unlogged:
                 print(f"note: rt.log: the job's logger={','.join(self._unlogged)} has no directory to write in, so "
@@ -719,6 +726,16 @@ def launched_config():
     from omegaconf import OmegaConf
 
     return OmegaConf.create(json.loads(text))
+
+
+def _not_a_loader(dataset: Any, what: str) -> None:
+    """rt.loader takes a dataset and makes the batches; Accelerate's prepare takes a DataLoader (it was read as a
+    dataset of batches, and failed at the first batch with a traceback)."""
+    if isinstance(dataset, torch.utils.data.DataLoader):
+        raise UserError(f"rt.{what} got a DataLoader: it takes the dataset and makes this rank's batches itself (the "
+                        "same global batches on any number of processes, resumable). Pass the DataLoader's dataset: "
+                        f"rt.{what}(loader.dataset, batch_size=..., ...), where Accelerate has "
+                        "accelerator.prepare(DataLoader(...)).")
 
 
 def _forward_progress(module: nn.Module, args: Any) -> None:
