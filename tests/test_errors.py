@@ -271,6 +271,14 @@ def test_a_run_dir_given_to_a_sweep_is_refused_naming_the_sweep_dir(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_sweep_with_cfg_is_one_paragraph_naming_the_command_for_one_point(tmp_path):
+    """`-m ... --cfg hydra` (checking a SLURM sweep's launcher without SLURM) was Hydra's ValueError traceback."""
+    r = run_main("-m", "--cfg", "job", "debug=smoke", "optim.lr=1e-3,1e-4", cwd=tmp_path)
+    assert_clean_error(r, "--cfg job shows one job's config, so it does not go with -m",
+                       "python -m trainer --cfg job debug=smoke optim.lr=1e-3)")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_full_disk_while_the_run_dir_is_set_up_is_one_paragraph(tmp_path, monkeypatch):
     """A failed write of config.yaml or Hydra's records (ENOSPC, a read-only place) before training was a
     traceback."""

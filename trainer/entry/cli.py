@@ -49,6 +49,11 @@ def precheck(argv: list[str]):
         return known
     if args.config_dir is not None:
         check_config_dir(Path(args.config_dir).expanduser(), args.config_dir)
+    if args.multirun and args.cfg:  # (Hydra's own refusal was a traceback)
+        first = [o.split(",")[0] if "=" in o and "," in o and not o.rstrip().endswith("]") else o for o in args.overrides]
+        raise ConfigError(f"--cfg {args.cfg} shows one job's config, so it does not go with -m (a sweep). Drop -m to "
+                          "see a point's config, with each swept key at one of its values (python -m trainer --cfg "
+                          f"{args.cfg} {' '.join(first)}).")
     if args.multirun:
         given = next((o for o in args.overrides if o.lstrip("+~").startswith("hydra.run.dir=")), None)
         if given is not None:  # (Hydra would pass over it in silence and write under multirun/DATE/TIME)
