@@ -6,7 +6,7 @@ In one process, in turns (K steps each, N rounds): the hand-written loop (benchm
 `torch.compile(model)` and the cross-entropy eager, the same loop with the model and the cross-entropy compiled as
 one function (nanoGPT's model computes its own loss), and `Trainer.fit()` with `trainer.compile=true`. Prints
 each one's median ms a step, tokens/s and MFU (against `trainer.peak_tflops`, else the GPU's dense bf16 peak that
-trainer/loop/cost.py knows). For the MFU rows of BENCHMARKS.md's GPU section (gpu_check.sh runs it); not a `make
+trainer/loop/metrics.py knows). For the MFU rows of BENCHMARKS.md's GPU section (gpu_check.sh runs it); not a `make
 bench` item, since a CPU compiles this model for minutes.
 """
 
