@@ -299,3 +299,16 @@ def test_sample_refuses_a_run_trained_on_a_tokenizers_ids_as_training_does(refer
     assert_clean_error(r, "was trained on token ids of data.tokenizer='tokenizer.json'", "decodes its samples",
                        "python -m trainer eval")
     assert not (run / "samples").exists()
+
+
+def test_eval_of_a_run_without_a_val_split_says_so(corpus, tmp_path):
+    """A stream without data.val_path printed {"checkpoint": ..., "step": 20} and nothing else: no metric, no why."""
+    from conftest import run_here
+
+    overrides = [a for a in tiny_overrides(corpus) if not a.startswith("data=")]
+    assert run_here(*overrides, "data=text_stream", f"hydra.run.dir={tmp_path}").returncode == 0
+    r = run_here("eval", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "note: the run's data has no val split" in r.stderr and "data.val_path=FILE" in r.stderr
+    given = run_here("eval", str(tmp_path), f"data.val_path={corpus}")
+    assert "val/loss" in json.loads(given.stdout.splitlines()[-1]) and "no val split" not in given.stderr

@@ -8,6 +8,7 @@ workers, `check`, the tests and the benchmarks all go through them; Hydra never 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -500,6 +501,9 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
             with trainer.ema.swapped_in():
                 metrics.update(trainer.evaluate(prefix="val_ema"))
         if trainer.backend.is_main:
+            if not metrics:  # (the line alone, with no metric in it, said nothing of why)
+                print("note: the run's data has no val split, so there is nothing to evaluate: name one, e.g. "
+                      "data.val_path=FILE (data=text: data.val_fraction), after the run dir.", file=sys.stderr, flush=True)
             print(json.dumps({"checkpoint": str(cfg.resume), "step": trainer.step, **metrics}), flush=True)
         done = True
         return metrics
