@@ -643,7 +643,8 @@ def test_load_state_before_the_loader_and_registered_objects_exist_is_refused(tm
 
 def test_accelerate_launch_flags_and_hydra_settings_before_the_script_are_named(tmp_path):
     """`launch --num_processes 2 ga.py` said "the script --num_processes is not a file"; the error names the launch
-    command that does the same. `launch hydra.run.dir=DIR ga.py` ran the script and ignored the setting."""
+    command that does the same. `launch hydra.run.dir=DIR ga.py` and `launch optim.lr=0.5 ga.py` ran the script
+    and ignored the settings, which trainer.Runtime() never reads."""
     from conftest import run_main
     from test_errors import assert_clean_error
 
@@ -655,6 +656,10 @@ def test_accelerate_launch_flags_and_hydra_settings_before_the_script_are_named(
     r = run_main("launch", f"hydra.run.dir={tmp_path / 'run'}", "ga.py", cwd=tmp_path)  # (it was ignored silently)
     assert_clean_error(r, "launch hydra.run.dir=", "trainer.Runtime(run_dir=DIR)")
     assert "ran" not in r.stdout and not (tmp_path / "run").exists()
+    r = run_main("launch", "optim.lr=0.5", "world.hang_timeout=5", "data.batch_size=64", "ga.py", cwd=tmp_path)
+    assert_clean_error(r, "launch optim.lr=0.5 data.batch_size=64: a launched script's trainer.Runtime() reads world,",
+                       "as its arguments, after it")
+    assert "ran" not in r.stdout
 
 
 def _line_of(text: str) -> int:

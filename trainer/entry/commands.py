@@ -430,7 +430,22 @@ def launch_parts(argv: list[str]):
                           "trainer.Runtime(run_dir=DIR) for metrics, rt.save_state(DIR, step) for checkpoints).")
     if not script.is_file():
         raise ConfigError(f"python -m trainer launch: the script {script} is not a file. usage: {usage}")
+    ignored = [o for o in overrides if not _read_by_launch(o.split("=", 1)[0].lstrip("+~"))]
+    if ignored:  # (they were accepted, and did nothing)
+        raise ConfigError(f"python -m trainer launch {' '.join(ignored)}: a launched script's trainer.Runtime() reads "
+                          f"{', '.join(READ_BY_LAUNCH[:-1])} from these overrides, and nothing else, so "
+                          f"{'these' if len(ignored) > 1 else 'this'} would do nothing. Give your script its own settings "
+                          f"as its arguments, after it: {usage}.")
     return prepare(load(overrides)), script, args
+
+
+# What trainer.Runtime() takes from `launch`'s overrides (trainer/loop/runtime.py), and debug=, which sets some of them.
+READ_BY_LAUNCH = ("world", "precision", "trainer.grad_accum_steps", "trainer.seed", "checkpoint.keep_last", "logger",
+                  "debug")
+
+
+def _read_by_launch(key: str) -> bool:
+    return any(key == k or key.startswith((k + ".", k + "/")) for k in READ_BY_LAUNCH)
 
 
 SCRIPT_ENV = "TRAINER_SCRIPT"  # the script and its arguments, for trainer.entry.run.script on every rank
