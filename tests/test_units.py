@@ -300,3 +300,19 @@ def test_the_command_that_continues_a_sweeps_point_is_that_point_alone(tmp_path)
         HydraConfig.instance().cfg = None
     assert words == ["python", "-m", "trainer", "--config-dir", str(tmp_path), "+hydra.job.env_set.FOO=1",
                      "debug=smoke", "optim.lr=3e-4", "hydra.run.dir=/tmp/sw/1", "resume=auto"]
+
+
+def test_a_refused_resumes_advice_gives_a_changed_group_back_as_its_option(tmp_path):
+    """A checkpoint of world=single refused under world=ddp: the advice listed world._target_ and every world.* key
+    (`world.pp=null ...`, cut off after 8, and `world.pp=None` does not even parse back). Now: world=single."""
+    from omegaconf import OmegaConf
+
+    import trainer
+    from trainer.checkpoint.manager import _differences
+
+    OmegaConf.save(trainer.compose(["debug=smoke"]), tmp_path / "config.yaml")
+    said = _differences(tmp_path, trainer.compose(["debug=smoke", "world=ddp", "optim.weight_decay=0.5",
+                                                   "model.n_layer=3"]))
+    assert "world: trainer.parallel.SingleDevice -> trainer.parallel.DDP (it ran with world=single)" in said, said
+    assert "(rerun with world=single model.n_layer=1, or without the overrides" in said, said
+    assert "world.pp" not in said and "world._target_" not in said, said

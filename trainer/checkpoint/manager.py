@@ -381,13 +381,42 @@ def _differences(path: Path, cfg: DictConfig) -> str:
     changed = [c for c in changed_settings(path, cfg) if not resumable(c[0])]  # (those a resume may change)
     if not changed:
         return ""
-    back = " ".join(f"{k}={_shown(v)}" for k, v, _ in changed[:8])
-    listed = "; ".join(f"{k}: {_shown(a)} -> {_shown(b)}" for k, a, b in changed[:8])
+    # A config group whose _target_ changed (world=single -> world=ddp) is one choice, not a list of its keys
+    # (whose null values would not even parse back): said, and given back, as the option that has that _target_.
+    groups = {k.partition(".")[0]: (_option_of(k.partition(".")[0], a), a, b) for k, a, b in changed
+              if k.partition(".")[2] == "_target_"}
+    groups = {g: found for g, found in groups.items() if found[0] is not None}
+    rest = [c for c in changed if c[0].partition(".")[0] not in groups]
+    back_items = [f"{g}={option}" for g, (option, _, _) in groups.items()] + [f"{k}={_shown(v)}" for k, v, _ in rest]
+    listed_items = [f"{g}: {_shown(a)} -> {_shown(b)} (it ran with {g}={option})" for g, (option, a, b) in groups.items()]
+    listed_items += [f"{k}: {_shown(a)} -> {_shown(b)}" for k, a, b in rest]
+    back, listed = " ".join(back_items[:8]), "; ".join(listed_items[:8])
+    changed = listed_items
     more = f" (and {len(changed) - 8} more)" if len(changed) > 8 else ""
     return (f" Settings that differ from its config.yaml: {listed}{more}. Either continue the run with the "
             f"checkpoint's settings (rerun with {back}{' ...' if more else ''}, or without the overrides that changed "
             "them), or start a new run in a directory of its own (another hydra.run.dir, or none for a new "
             "timestamped one).")
+
+
+def _option_of(group: str, target: Any) -> str | None:
+    """The option of config group `group` (conf/GROUP/NAME.yaml) whose `_target_` is `target`, or None."""
+    from importlib.resources import files
+
+    import yaml
+
+    folder = files("trainer.conf") / group
+    if not isinstance(target, str) or not folder.is_dir():
+        return None
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".yaml"):
+            try:
+                option = yaml.safe_load(entry.read_text())
+            except yaml.YAMLError:
+                continue
+            if isinstance(option, dict) and option.get("_target_") == target:
+                return entry.name[: -len(".yaml")]
+    return None
 
 
 def _shown(value: Any) -> str:
