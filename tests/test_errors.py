@@ -271,6 +271,15 @@ def test_a_run_dir_given_to_a_sweep_is_refused_naming_the_sweep_dir(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_comma_without_m_names_the_three_ways_out(tmp_path):
+    """`optim.lr=1e-3,3e-4` without -m kept only Hydra's first line, "Ambiguous value for argument ...", and dropped
+    the lines after it that say what to do."""
+    r = run_main("debug=smoke", "optim.lr=1e-3,3e-4", cwd=tmp_path)
+    assert_clean_error(r, "optim.lr=1e-3,3e-4: a comma makes several values", "add -m", "optim.lr=[1e-3,3e-4]",
+                       "\"optim.lr='1e-3,3e-4'\"")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_sweep_with_cfg_is_one_paragraph_naming_the_command_for_one_point(tmp_path):
     """`-m ... --cfg hydra` (checking a SLURM sweep's launcher without SLURM) was Hydra's ValueError traceback."""
     r = run_main("-m", "--cfg", "job", "debug=smoke", "optim.lr=1e-3,1e-4", cwd=tmp_path)

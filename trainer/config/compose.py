@@ -273,6 +273,12 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
     if detail and detail not in first:
         first = f"{first.rstrip(':')}: {detail}"
     hint = "see python -m trainer --help for the config groups and their options"
+    ambiguous = re.match(r"Ambiguous value for argument '([^=']+)=(.*)'$", first)
+    if ambiguous:  # (Hydra's ways out come on its next lines, which the first line alone dropped)
+        key, value = ambiguous.groups()
+        return ConfigError(f"{key}={value}: a comma makes several values. To sweep over them add -m (python -m "
+                           f"trainer -m ... {key}={value}); for a list write {key}=[{value}]; for one string quote it: "
+                           f"\"{key}='{value}'\".")
     m = re.match(r"In '([^'/]+)/([^']+)'", first)
     if m and re.search(r"Key '[^']+' not in '", first):
         # A group option that sets keys outside its group (a recipe) is read into the group's node unless its
