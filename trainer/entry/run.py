@@ -408,6 +408,16 @@ def set_earlier_attempt_aside(run_dir: Path, cfg: DictConfig, loggers, is_main: 
         say(f"{why}: the earlier attempt's checkpoints are kept in {moved}.")
 
 
+def same_run(run_dir: Path, checkpoint: Path) -> bool:
+    """Whether the run dir's earlier attempt (its config.yaml) is the run `checkpoint` (of another dir: a copy of
+    this run, say) belongs to: the same settings but for those a resume may change. Then the resume continues it
+    there, events and all; else that attempt is another run, and is kept aside rather than spliced into."""
+    from trainer.checkpoint.settings import comparable, read_config
+
+    ours, theirs = read_config(run_dir / "config.yaml"), read_config(checkpoint / "config.yaml")
+    return isinstance(ours, dict) and isinstance(theirs, dict) and comparable(ours) == comparable(theirs)
+
+
 def export_step(run_dir: Path) -> int | None:
     """The step of the run dir's complete export (export.json, every file it lists as written), or None."""
     import json
@@ -593,7 +603,8 @@ def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
             epochs_after_resume(trainer, (cfg.get("checkpoint") or {}).get("every_n_epochs"), say)
             own = trainer.checkpointer.dir
             elsewhere = own is not None and source.resolve().parent != own.resolve()
-            if elsewhere:  # another run's checkpoint: this run dir's own attempt is kept, not spliced into
+            elsewhere = backend.broadcast_object(elsewhere and not same_run(run_dir, source) if backend.is_main else None)
+            if elsewhere:  # another run's checkpoint: this run dir's own attempt is kept aside, not spliced into
                 set_earlier_attempt_aside(run_dir, cfg, loggers, backend.is_main, say, f"starting from {source}", own)
             else:
                 if not later_export_kept(trainer, cfg, run_dir, source, say):
