@@ -353,16 +353,17 @@ class Runtime:
         (DDP's no_sync, FSDP's set_requires_gradient_sync); `rt.step` steps only then. `last` says whether this
         micro-step ends the step, where the loop knows (the Trainer does); by default every grad_accum_steps-th."""
         models = models or tuple(self.models.values())
-        named = frozenset(map(id, models))
-        if self._micro > 0 and named != self._cycle:  # (a GAN's two blocks a micro-batch: one model never steps)
-            listed = [", ".join(str(self._name_of(m)) for m in ms) for ms in (models, self._cycle_models)]
-            raise UserError(f"rt.accumulate({listed[0]}) in the middle of an accumulation of {listed[1]} (before its "
-                            f"micro-step {self._micro + 1} of {self.grad_accum_steps}): each rt.accumulate call is one "
-                            "micro-step of the models it names, so two blocks a micro-batch would bring one model to "
-                            "its step boundary every micro-batch and the other never. Put both in one block a "
-                            "micro-batch, `with rt.accumulate(gen, disc):`, or give each model all its micro-batches "
-                            "in turn (as recipe=gan does).")
-        self._cycle, self._cycle_models = named, models
+        if last is None:  # (a loop of one's own; the Trainer says where its steps end)
+            named = frozenset(map(id, models))
+            if self._micro > 0 and named != self._cycle:  # (a GAN's two blocks a micro-batch: one model never steps)
+                listed = [", ".join(str(self._name_of(m)) for m in ms) for ms in (models, self._cycle_models)]
+                raise UserError(f"rt.accumulate({listed[0]}) in the middle of an accumulation of {listed[1]} (before "
+                                f"its micro-step {self._micro + 1} of {self.grad_accum_steps}): each rt.accumulate "
+                                "call is one micro-step of the models it names, so two blocks a micro-batch would "
+                                "bring one model to its step boundary every micro-batch and the other never. Put "
+                                "both in one block a micro-batch, `with rt.accumulate(gen, disc):`, or give each "
+                                "model all its micro-batches in turn (as recipe=gan does).")
+            self._cycle, self._cycle_models = named, models
         if self._micro > 0:  # not the step's first micro-step: the earlier ones' gradients must still be there
             self._check_not_zeroed(models)
         boundary = self._micro + 1 >= self.grad_accum_steps if last is None else last
