@@ -282,9 +282,9 @@ def test_a_comma_without_m_names_the_three_ways_out(tmp_path):
 
 def test_a_sweep_with_cfg_is_one_paragraph_naming_the_command_for_one_point(tmp_path):
     """`-m ... --cfg hydra` (checking a SLURM sweep's launcher without SLURM) was Hydra's ValueError traceback."""
-    r = run_main("-m", "--cfg", "job", "debug=smoke", "optim.lr=1e-3,1e-4", cwd=tmp_path)
+    r = run_main("-m", "--cfg", "job", "debug=smoke", "optim.lr=1e-3,1e-4", "trainer.seed=range(1,3)", cwd=tmp_path)
     assert_clean_error(r, "--cfg job shows one job's config, so it does not go with -m",
-                       "python -m trainer --cfg job debug=smoke optim.lr=1e-3)")
+                       "python -m trainer --cfg job debug=smoke optim.lr=0.001 trainer.seed=1)")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -279,6 +279,10 @@ def test_eval_from_another_directory_does_not_read_another_file_at_the_runs_rela
     given = run_here("eval", str(run), f"data.path={here / 'corpus.txt'}", cwd=elsewhere)
     assert given.returncode == 0, given.stderr
     assert json.loads(given.stdout.splitlines()[-1]) == json.loads(ours.stdout.splitlines()[-1])
+    # The same path given on purpose (a file changed since, say) is evaluated as named, not refused again.
+    other = run_here("eval", str(run), "data.path=corpus.txt", cwd=elsewhere)
+    assert other.returncode == 0, other.stderr
+    assert json.loads(other.stdout.splitlines()[-1])["val/loss"] != json.loads(ours.stdout.splitlines()[-1])["val/loss"]
 
 
 def test_sample_refuses_a_run_trained_on_a_tokenizers_ids_as_training_does(reference, tmp_path):

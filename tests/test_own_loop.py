@@ -139,7 +139,8 @@ def test_ranks_in_different_save_and_load_calls_are_an_error_not_a_hang(tmp_path
 
 
 def test_load_state_drops_the_events_logged_after_the_checkpoint(tmp_path):
-    """A loop resumed from step 2 after logging steps 3-4 logged them again: metrics.jsonl held steps 3 and 4 twice."""
+    """A loop resumed from step 2 after logging steps 3-4 logged them again: metrics.jsonl held steps 3 and 4 twice.
+    Only a load before this process logged anything rewinds: a later one keeps the events."""
     import json
 
     import trainer
@@ -160,6 +161,14 @@ def test_load_state_drops_the_events_logged_after_the_checkpoint(tmp_path):
     run(range(1, 7))
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
         [1, 2, 3, 4, 5, 6]
+    # A load later in a run (the best checkpoint, for a last eval) keeps what this process logged.
+    rt = trainer.Runtime(run_dir=tmp_path)
+    rt.setup(nn.Linear(2, 2))
+    rt.log({"loss": 7.0}, 7)
+    assert rt.load_state(tmp_path / "checkpoints" / "step_00000002") == 2
+    rt.end()
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
+        [1, 2, 3, 4, 5, 6, 7]
 
 
 def test_backward_outside_accumulate_with_accumulation_on_ranks_is_an_error(tmp_path):
@@ -697,8 +706,8 @@ def test_a_launched_loop_that_hangs_is_stopped_naming_the_rank_and_its_line():
 
 
 def test_a_launched_loop_is_watched_from_its_first_progress_and_its_forwards_count(tmp_path):
-    """Neither a set-up phase before the loop's first forward nor an eval of forwards only is a hang, however long:
-    both last longer than world.hang_timeout here (1.5x and 2x), and the job finishes."""
+    """Neither a set-up phase before the loop's first forward, nor an eval of forwards only, nor what the script does
+    after rt.end() is a hang, however long: each lasts longer than world.hang_timeout here, and the job finishes."""
     r = launch("world.hang_timeout=1", SCRIPT, "slow_phases", "1")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "finished" in r.stdout

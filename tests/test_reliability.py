@@ -566,3 +566,7 @@ def test_a_checkpoint_that_could_not_be_read_for_a_passing_reason_stays_for_the_
     assert r.returncode == 0, r.stderr
     assert "skipping checkpoint" in r.stdout and "is kept as" not in r.stdout
     assert (run_dir / "checkpoints" / "step_00000008" / "manifest.json").is_file()
+    # And it stays ahead of the one this run fell back to (which is not made the newest, as a rollback is).
+    order = [p.name for p in store.Checkpointer(run_dir / "checkpoints").complete()]
+    used = r.stdout.split("resumed from ")[1].split(" at step")[0].rsplit("/", 1)[1]
+    assert order.index(used) < order.index("step_00000008"), (used, order)

@@ -400,6 +400,21 @@ def test_a_finished_run_without_a_final_checkpoint_is_not_retrained_over_its_exp
     assert [e["step"] for e in read_metrics(tmp_path) if "train/loss" in e] == list(range(1, 9))
 
 
+def test_an_early_stopped_run_without_a_final_checkpoint_is_finished_on_resume(corpus, tmp_path):
+    """Early stopping at step 4 with checkpoint.save_final=false: the export (step 4) is later than the newest
+    checkpoint (step 3) but below trainer.max_steps; the run stopped itself, so resume=auto says it is finished."""
+    args = [*tiny_overrides(corpus, "trainer.max_steps=40", "trainer.eval_every=2", "callbacks=early_stopping",
+                            "callbacks.early_stopping.patience=1", "callbacks.early_stopping.min_delta=100",
+                            "checkpoint.save_final=false", "checkpoint.every_n_steps=3"), f"hydra.run.dir={tmp_path}"]
+    assert run_here(*args).returncode == 0
+    assert json.loads((tmp_path / "export.json").read_text())["step"] == 4 and checkpoints(tmp_path) == ["step_00000003"]
+    export = (tmp_path / "model.safetensors").read_bytes()
+    r = run_here(*args, "resume=auto")
+    assert r.returncode == 0, r.stderr
+    assert "the run is already finished: " in r.stdout and ", at step 4 (" in r.stdout, r.stdout
+    assert (tmp_path / "model.safetensors").read_bytes() == export
+
+
 def test_a_resume_from_another_runs_checkpoint_keeps_this_run_dirs_own_attempt(corpus, tmp_path):
     """resume=<run A's checkpoint> with hydra.run.dir at run B: B's metrics.jsonl went on with A's steps after its
     own, its export and config.yaml were replaced without a copy, and its checkpoints were pruned among A's."""

@@ -316,3 +316,7 @@ def test_a_refused_resumes_advice_gives_a_changed_group_back_as_its_option(tmp_p
     assert "world: trainer.parallel.SingleDevice -> trainer.parallel.DDP (it ran with world=single)" in said, said
     assert "(rerun with world=single model.n_layer=1, or without the overrides" in said, said
     assert "world.pp" not in said and "world._target_" not in said, said
+    # Options that share a _target_ (gpt_tiny, gpt_small, gpt_medium) and sizes neither has: listed key by key.
+    OmegaConf.save(trainer.compose(["model=gpt_small"]), tmp_path / "config.yaml")
+    said = _differences(tmp_path, trainer.compose(["model=gpt_tiny"]))
+    assert "model=gpt" not in said and "model.n_layer" in said, said

@@ -181,7 +181,9 @@ def slow_phases(rt: trainer.Runtime, seconds: float) -> None:
         else:
             rt.backward(model(torch.ones(2, 4)).sum())
             rt.step(opt)
-    rt.print("finished")
+    rt.end()
+    time.sleep(1.5 * seconds)  # an upload, say: after the loop, no longer watched
+    print("finished")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from trainer.checkpoint import snapshot
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.rng import rng_state, set_rng_state
-from trainer.checkpoint.settings import changed_settings, resumable
+from trainer.checkpoint.settings import changed_settings, flat, read_config, resumable
 from trainer.errors import CheckpointError
 from trainer.io import free_name
 
@@ -339,8 +339,10 @@ def resume(trainer, cfg: DictConfig, say) -> Path | None:
             for line in [*kept, *notes, *resume_notes(path, cfg, trainer.checkpointer)]:
                 say(line)
             # A rollback holds from now on, not from the new branch's first checkpoint (a job stopped before it
-            # went back to the abandoned branch).
-            if trainer.checkpointer.dir is not None and path.parent.resolve() == trainer.checkpointer.dir.resolve():
+            # went back to the abandoned branch). Only one named on purpose: resume=auto's fallback past a newer
+            # checkpoint that may load next time (an I/O error) leaves that one first in line.
+            if not fallback and trainer.checkpointer.dir is not None and \
+                    path.parent.resolve() == trainer.checkpointer.dir.resolve():
                 trainer.checkpointer.follow(trainer.checkpointer.dir / path.name)
         return path
     if skipped:
@@ -383,7 +385,8 @@ def _differences(path: Path, cfg: DictConfig) -> str:
         return ""
     # A config group whose _target_ changed (world=single -> world=ddp) is one choice, not a list of its keys
     # (whose null values would not even parse back): said, and given back, as the option that has that _target_.
-    groups = {k.partition(".")[0]: (_option_of(k.partition(".")[0], a), a, b) for k, a, b in changed
+    before = flat(read_config(path / "config.yaml") or {})
+    groups = {k.partition(".")[0]: (_option_of(k.partition(".")[0], before), a, b) for k, a, b in changed
               if k.partition(".")[2] == "_target_"}
     groups = {g: found for g, found in groups.items() if found[0] is not None}
     rest = [c for c in changed if c[0].partition(".")[0] not in groups]
@@ -399,24 +402,31 @@ def _differences(path: Path, cfg: DictConfig) -> str:
             "timestamped one).")
 
 
-def _option_of(group: str, target: Any) -> str | None:
-    """The option of config group `group` (conf/GROUP/NAME.yaml) whose `_target_` is `target`, or None."""
+def _option_of(group: str, before: dict[str, Any]) -> str | None:
+    """The one option of config group `group` (conf/GROUP/NAME.yaml) that the checkpoint's settings (`before`,
+    flattened) ran with: its `_target_` and each key it sets are theirs. None when none or several are (gpt_tiny and
+    gpt_small share a `_target_`, and debug=smoke's sizes are neither's): then the keys are listed one by one."""
     from importlib.resources import files
 
     import yaml
 
     folder = files("trainer.conf") / group
-    if not isinstance(target, str) or not folder.is_dir():
+    if not folder.is_dir():
         return None
+    found = []
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".yaml"):
             try:
                 option = yaml.safe_load(entry.read_text())
             except yaml.YAMLError:
                 continue
-            if isinstance(option, dict) and option.get("_target_") == target:
-                return entry.name[: -len(".yaml")]
-    return None
+            if isinstance(option, dict) and "_target_" in option and all(
+                    before.get(f"{group}.{k}", _ABSENT) == v for k, v in flat(option).items()):
+                found.append(entry.name[: -len(".yaml")])
+    return found[0] if len(found) == 1 else None
+
+
+_ABSENT = object()
 
 
 def _shown(value: Any) -> str:

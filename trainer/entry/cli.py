@@ -50,7 +50,7 @@ def precheck(argv: list[str]):
     if args.config_dir is not None:
         check_config_dir(Path(args.config_dir).expanduser(), args.config_dir)
     if args.multirun and args.cfg:  # (Hydra's own refusal was a traceback)
-        first = [o.split(",")[0] if "=" in o and "," in o and not o.rstrip().endswith("]") else o for o in args.overrides]
+        first = sweep_jobs(args.overrides)[0]  # (each swept key at its first value, as Hydra parses them)
         raise ConfigError(f"--cfg {args.cfg} shows one job's config, so it does not go with -m (a sweep). Drop -m to "
                           "see a point's config, with each swept key at one of its values (python -m trainer --cfg "
                           f"{args.cfg} {' '.join(first)}).")

@@ -275,11 +275,16 @@ def evaluate(argv: list[str]) -> int:
             cfg.resume = str(checkpoint_of(run_dir, opts.get("checkpoint", "latest")))
         cfg = prepare(cfg)
         scratch = Path(tempfile.mkdtemp(prefix="trainer-eval-"))
-        try:
-            from trainer.entry.run import evaluate as evaluate_entry
+        from trainer.entry.run import EVAL_DATA_GIVEN_ENV
+        from trainer.entry.run import evaluate as evaluate_entry
 
+        # Data of the user's choosing is evaluated as named; the run's own is checked against its checkpoint.
+        given = any(o.split("=", 1)[0].lstrip("+~").split(".")[0] == "data" for o in overrides)
+        os.environ[EVAL_DATA_GIVEN_ENV] = "1" if given else ""
+        try:
             run(cfg, scratch, entry=evaluate_entry)
         finally:
+            os.environ.pop(EVAL_DATA_GIVEN_ENV, None)
             shutil.rmtree(scratch, ignore_errors=True)
     except UserError as err:
         _scrub_error(err, secrets)

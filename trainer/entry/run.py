@@ -367,7 +367,8 @@ def export(trainer: Trainer, cfg: DictConfig, run_dir: Path) -> None:
                 config.save_pretrained(str(run_dir))
                 files.append("config.json")
             atomic_write_json(run_dir / EXPORT_MARKER, {"step": trainer.step, "names": [n for n, _ in parts],
-                                                        "files": file_digests(run_dir, sorted(set(files)))})
+                                                        "files": file_digests(run_dir, sorted(set(files))),
+                                                        "stopped": trainer.stop_reason or None})
     except OSError as e:
         from trainer.errors import StorageError
 
@@ -420,13 +421,22 @@ def same_run(run_dir: Path, checkpoint: Path) -> bool:
 
 def export_step(run_dir: Path) -> int | None:
     """The step of the run dir's complete export (export.json, every file it lists as written), or None."""
+    return (export_record(run_dir) or {}).get("step")
+
+
+def export_record(run_dir: Path) -> dict | None:
+    """{"step": the step of the run dir's complete export, "stopped": why the run stopped before its length (early
+    stopping), or None}; None when there is no complete export (export.json, every file it lists as written)."""
     import json
 
     from trainer.models.export import export_intact
 
     try:
         marker = json.loads((run_dir / EXPORT_MARKER).read_text())
-        return int(marker["step"]) if export_intact(run_dir, marker["files"]) else None
+        if not export_intact(run_dir, marker["files"]):
+            return None
+        stopped = marker.get("stopped")
+        return {"step": int(marker["step"]), "stopped": stopped if isinstance(stopped, str) else None}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -437,18 +447,22 @@ def later_export_kept(trainer, cfg: DictConfig, run_dir: Path, source: Path, say
     `source`: resume=auto then either finds the run finished there (False: nothing to do) or stops, since going
     on would retrain those steps over that export. A checkpoint named on purpose (a rollback), or the one
     resume=auto fell back to past a damaged newer one, goes on, the export kept in export.prev/."""
+    from trainer.checkpoint.store import step_of
     from trainer.errors import CheckpointError, StorageError
     from trainer.models.export import set_aside
 
     backend = trainer.backend
-    later = backend.broadcast_object(export_step(run_dir) if backend.is_main else None)
+    record = backend.broadcast_object(export_record(run_dir) if backend.is_main else None)
+    later = record["step"] if record is not None else None
     if later is None or later <= trainer.step:
         return True
-    if cfg.get("resume") in (None, "auto") and not trainer.checkpointer.fell_back:
-        if later >= trainer.cfg.max_steps:
-            say(f"the run is already finished: its export is of step {later} >= trainer.max_steps="
-                f"{trainer.cfg.max_steps} (its newest checkpoint, {source.name}, is of step {trainer.step}: "
-                "checkpoint.save_final=false keeps none of the final step). Nothing was changed.")
+    named = cfg.get("resume") not in (None, "auto") and step_of(Path(cfg.resume)) >= 0  # (not resume=RUN_DIR)
+    if not named and not trainer.checkpointer.fell_back:
+        if later >= trainer.cfg.max_steps or record["stopped"]:
+            why = (f"{record['stopped']}, at step {later}" if record["stopped"] else
+                   f"its export is of step {later} >= trainer.max_steps={trainer.cfg.max_steps}")
+            say(f"the run is already finished: {why} (its newest checkpoint, {source.name}, is of step "
+                f"{trainer.step}: checkpoint.save_final=false keeps none of the final step). Nothing was changed.")
             return False
         raise CheckpointError(
             f"resume=auto: the run's exported weights ({run_dir / EXPORT_MARKER}) are of step {later}, later than its "
@@ -472,26 +486,27 @@ def exported(run_dir: Path, step: int) -> bool:
     return export_step(run_dir) == step
 
 
+EVAL_DATA_GIVEN_ENV = "TRAINER_EVAL_DATA_GIVEN"  # set by `eval` for its processes: data=/data.* given on its command line
+
+
 def check_eval_data(trainer, cfg: DictConfig) -> None:
     """An eval with the run's own data settings must read the run's data: a relative data.path is read from the
     current directory, so an eval started elsewhere read another file (or none) and reported its numbers as the
     run's. The training set's fingerprint (the lm recipe's sha256 of its tokens) the checkpoint recorded tells.
     Data settings of the user's own (data.path=... on purpose) evaluate what they name."""
-    from trainer.checkpoint.settings import read_config
+    import os
+
     from trainer.errors import CheckpointError
 
     saved, now = getattr(trainer, "trained_on", None), trainer.data.identity()
-    if not (isinstance(saved, str) and now is not None and saved != now):
-        return
-    recorded = read_config(Path(cfg.resume) / "config.yaml")
-    if not isinstance(recorded, dict) or recorded.get("data") != OmegaConf.to_container(cfg.data, resolve=True):
+    if os.environ.get(EVAL_DATA_GIVEN_ENV) or not (isinstance(saved, str) and now is not None and saved != now):
         return
     raise CheckpointError(
         f"eval: the data read with the run's own data settings is not what {cfg.resume} was trained on (its training "
         f"set's fingerprint {now[:16]} vs {saved[:16]}): a relative data path is read from the current directory "
         f"({Path.cwd()}), not the one the run trained in, or the file changed since. Pass the run's data by absolute "
-        "path (data.path=/ABSOLUTE/PATH, and the like), or run the eval from the directory the run trained in; to "
-        "evaluate on other data on purpose, the same override names it.")
+        "path (data.path=/ABSOLUTE/PATH, and the like), or run the eval from the directory the run trained in; any "
+        "data=/data.* override of yours evaluates what it names (a changed file at the same path: data.path=PATH).")
 
 
 def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:

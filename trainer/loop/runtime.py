@@ -130,6 +130,7 @@ class Runtime:
         # model, a backward, an optimizer step, a save or a load (trainer/loop/watchdog.py; the Trainer beats itself).
         self._watched = launched is not None
         self.loggers = self._loggers(launched, log_with)
+        self._logged = False  # whether this process has logged (rt.load_state rewinds the loggers only before)
         # The job's logger=... has nowhere to write without a run_dir: said once, at the first rt.log.
         self._unlogged = sorted(launched.get("logger") or {}) if launched is not None and run_dir is None else []
         # What save_state checkpoints: models and optimizers by name, and every other stateful object.
@@ -551,7 +552,10 @@ class Runtime:
         if outputs.shape[0] < len(loader.indices):
             raise UserError(f"rt.gather_for_metrics: {outputs.shape[0]} rows for the {len(loader.indices)} samples "
                             "this rank's loader yielded: give one row per sample, for every batch.")
-        return self.backend.gather_samples(loader.indices, outputs[: len(loader.indices)])
+        gathered = self.backend.gather_samples(loader.indices, outputs[: len(loader.indices)])
+        if self._watched:
+            watchdog.progress()
+        return gathered
 
     # -- checkpoints and exports ----------------------------------------------------------------------------
     def _manager(self, directory: Path, keep_last: int):
@@ -599,8 +603,8 @@ class Runtime:
                 return None
             path = found[-1]
         self._manager(path.parent, 2).load(path)
-        if self.backend.is_main:  # events logged after the checkpoint go: the loop logs them again from here
-            self.loggers.rewind(self.position.step)
+        if self.backend.is_main and not self._logged:  # a restart: the events logged after the checkpoint go,
+            self.loggers.rewind(self.position.step)       # the loop logs them again (not a load late in a run)
         if self._watched:
             watchdog.progress()
         return self.position.step
@@ -686,6 +690,7 @@ class Runtime:
                 shown = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
                 raise UserError(f"rt.log: {key!r} is {shown}, not a number: log one number a key (`.mean()` of a "
                                 "tensor, `.item()` of a one-element one).")
+        self._logged = True
         if self.backend.is_main:
             if self._unlogged:
                 print(f"note: rt.log: the job's logger={','.join(self._unlogged)} has no directory to write in, so "
@@ -696,6 +701,8 @@ class Runtime:
 
     def end(self) -> None:
         """Finish the trackers and leave the process group (every rank, at the end of the script)."""
+        if self._watched:  # (what the script does after its loop is its own: no longer watched for hangs)
+            watchdog.disarm()
         if self.backend.is_main:
             self.loggers.finish({})
         if self._checkpointer is not None:
