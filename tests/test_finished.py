@@ -259,30 +259,40 @@ def test_a_config_naming_a_moved_path_is_told_the_new_one(tmp_path):
 
 def test_eval_from_another_directory_does_not_read_another_file_at_the_runs_relative_data_path(corpus, tmp_path):
     """A run trained on data.path=corpus.txt (relative), evaluated from a directory holding another corpus.txt:
-    eval read that file and printed its numbers as the run's. Now it is refused, naming why and what to pass; from
-    the run's directory, or given the path absolutely, it evaluates the run's data."""
+    eval read that file and printed its numbers as the run's. Now it is refused naming the file the run read; from
+    the run's directory, or given the path absolutely, it evaluates the run's data. The same for data.val_path (the
+    file an eval reads), and for a file changed in place at the run's own absolute path (by its fingerprint)."""
     from conftest import run_here
     from test_errors import assert_clean_error
 
     here, elsewhere, run = tmp_path / "here", tmp_path / "elsewhere", tmp_path / "run"
     here.mkdir()
     elsewhere.mkdir()
-    (here / "corpus.txt").write_bytes(corpus.read_bytes())
-    (elsewhere / "corpus.txt").write_bytes(corpus.read_bytes()[::-1])
+    for d, text in ((here, corpus.read_bytes()), (elsewhere, corpus.read_bytes()[::-1])):
+        (d / "corpus.txt").write_bytes(text)
+        (d / "val.txt").write_bytes(text[:3000])
     overrides = [a for a in tiny_overrides(corpus) if not a.startswith("data.path=")]
     assert run_here(*overrides, "data.path=corpus.txt", f"hydra.run.dir={run}", cwd=here).returncode == 0
     ours = run_here("eval", str(run), cwd=here)
     assert ours.returncode == 0, ours.stderr
     r = run_here("eval", str(run), cwd=elsewhere)
-    assert_clean_error(r, "is not what", "a relative data path is read from the current directory", str(elsewhere),
-                       "data.path=/ABSOLUTE/PATH")
+    assert_clean_error(r, f"data.path=corpus.txt is a relative path: the run read {here / 'corpus.txt'}",
+                       f"would read {elsewhere / 'corpus.txt'} instead", f"Pass data.path={here / 'corpus.txt'}")
     given = run_here("eval", str(run), f"data.path={here / 'corpus.txt'}", cwd=elsewhere)
     assert given.returncode == 0, given.stderr
     assert json.loads(given.stdout.splitlines()[-1]) == json.loads(ours.stdout.splitlines()[-1])
-    # The same path given on purpose (a file changed since, say) is evaluated as named, not refused again.
+    # The same path given on purpose is evaluated as named, not refused again.
     other = run_here("eval", str(run), "data.path=corpus.txt", cwd=elsewhere)
     assert other.returncode == 0, other.stderr
     assert json.loads(other.stdout.splitlines()[-1])["val/loss"] != json.loads(ours.stdout.splitlines()[-1])["val/loss"]
+
+    (here / "corpus.txt").write_bytes(corpus.read_bytes()[:-1000])  # changed in place, where the run read it
+    assert_clean_error(run_here("eval", str(run), cwd=here), "is not what", "or the file changed since")
+    val_run = tmp_path / "val_run"
+    stream = [a for a in overrides if not a.startswith("data=")] + ["data=text_stream"]
+    assert run_here(*stream, f"data.path={here / 'corpus.txt'}", "data.val_path=val.txt", f"hydra.run.dir={val_run}",
+                    cwd=here).returncode == 0
+    assert_clean_error(run_here("eval", str(val_run), cwd=elsewhere), "data.val_path=val.txt is a relative path")
 
 
 def test_sample_refuses_a_run_trained_on_a_tokenizers_ids_as_training_does(reference, tmp_path):

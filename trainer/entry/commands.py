@@ -251,7 +251,7 @@ def evaluate(argv: list[str]) -> int:
     from trainer.entry.launcher import run
     from trainer.errors import UserError
     from trainer.inference.device_map import cli_options
-    from trainer.inference.finished import checkpoint_of, config_of
+    from trainer.inference.finished import checkpoint_of, config_of, refuse_relative_data_elsewhere
 
     usage = ("python -m trainer eval RUN_DIR [checkpoint=latest|best|PATH] [device_map=auto max_memory.cpu=SIZE "
              "offload_dir=DIR] [KEY=VALUE ...]")
@@ -280,6 +280,8 @@ def evaluate(argv: list[str]) -> int:
 
         # Data of the user's choosing is evaluated as named; the run's own is checked against its checkpoint.
         given = any(o.split("=", 1)[0].lstrip("+~").split(".")[0] == "data" for o in overrides)
+        if not given:
+            refuse_relative_data_elsewhere(run_dir, cfg)
         os.environ[EVAL_DATA_GIVEN_ENV] = "1" if given else ""
         try:
             run(cfg, scratch, entry=evaluate_entry)

@@ -291,6 +291,7 @@ def config_text(cfg: DictConfig) -> str:
 
 def write_run_info(run_dir: Path, cfg: DictConfig, trainer: Trainer) -> None:
     """`run_info.json`: what it takes to reproduce the run, beside config.yaml and .hydra/overrides.yaml."""
+    import os
     import platform
     import subprocess
     import sys
@@ -328,6 +329,7 @@ def write_run_info(run_dir: Path, cfg: DictConfig, trainer: Trainer) -> None:
         "platform": platform.platform(),
         "packages": packages,
         "finetune_weights": getattr(trainer, "weights_source", None),  # the pretrained weights it started from
+        "cwd": os.getcwd(),  # where its relative paths (data.path=corpus.txt) were read from (`eval` checks)
     }
     # Secrets out of every value (the command line, and anything else here): the config's and the environment's.
     atomic_write_json(run_dir / "run_info.json", redact(info, secret_values(OmegaConf.to_container(cfg))))

@@ -412,6 +412,31 @@ def config_of(run_dir: str | Path, overrides: list[str]) -> DictConfig:
     return cfg
 
 
+def refuse_relative_data_elsewhere(run_dir: str | Path, cfg: DictConfig) -> None:
+    """An eval of the run's own data settings started in another directory than the run: a relative path among
+    them (data.path=corpus.txt, data.val_path=...) would be read from here, another file or none. Refused, naming
+    the file the run read (its run_info.json records where it ran)."""
+    import glob
+    import json
+
+    from trainer.checkpoint.settings import flat
+
+    try:
+        trained_in = json.loads((Path(run_dir) / "run_info.json").read_text()).get("cwd")
+    except (OSError, ValueError, AttributeError):
+        return
+    if not isinstance(trained_in, str) or Path(trained_in).resolve() == Path.cwd().resolve():
+        return
+    for key, value in flat(OmegaConf.to_container(cfg.get("data") or {}, resolve=True)).items():
+        if not isinstance(value, str) or not value or os.path.isabs(value) or "://" in value:
+            continue
+        there = Path(trained_in) / value
+        if there.exists() or (any(c in value for c in "*?[") and glob.glob(str(there))):
+            raise ConfigError(f"data.{key}={value} is a relative path: the run read {there}, and this eval, started "
+                              f"in {Path.cwd()}, would read {Path.cwd() / value} instead. Pass data.{key}={there}, "
+                              f"or run the eval from {trained_in}.")
+
+
 def checkpoint_of(run_dir: str | Path, which: str = "latest") -> Path:
     """`latest` (the most recently written complete checkpoint: the final one for a finished run), `best`
     (what checkpoints/best.json names), or a checkpoint's path. `latest` and `best` are the run's own
