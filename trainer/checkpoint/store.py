@@ -626,20 +626,7 @@ class NullCheckpointer:
         return []
 
     def follow(self, path: Path) -> bool:
-        """A rollback (a resume from `path`, one of this dir's checkpoints, while later-written ones exist): make
-        `path` the most recently written at once, so that resume=auto follows the new branch even when the job
-        stops before that branch writes a checkpoint of its own (it went back to the abandoned one). Rewrites
-        the manifest's `written` alone, atomically. False when there was nothing to do or it could not be written."""
-        done = self.complete() if self.dir is not None else []
-        if path not in done or path == done[-1]:
-            return False
-        try:
-            manifest = _read_json(path / MANIFEST)
-            manifest["written"] = 1 + max(_written(p) or 0 for p in done)
-            atomic_write_bytes(path / MANIFEST, json.dumps(manifest, indent=1).encode())
-        except (OSError, ValueError, TypeError, AttributeError):
-            return False
-        return True
+        return False
 
     def unreadable(self) -> list[Path]:
         return []
