@@ -394,8 +394,7 @@ def _differences(path: Path, cfg: DictConfig) -> str:
     listed_items = [f"{g}: {_shown(a)} -> {_shown(b)} (it ran with {g}={option})" for g, (option, a, b) in groups.items()]
     listed_items += [f"{k}: {_shown(a)} -> {_shown(b)}" for k, a, b in rest]
     back, listed = " ".join(back_items[:8]), "; ".join(listed_items[:8])
-    changed = listed_items
-    more = f" (and {len(changed) - 8} more)" if len(changed) > 8 else ""
+    more = f" (and {len(listed_items) - 8} more)" if len(listed_items) > 8 else ""
     return (f" Settings that differ from its config.yaml: {listed}{more}. Either continue the run with the "
             f"checkpoint's settings (rerun with {back}{' ...' if more else ''}, or without the overrides that changed "
             "them), or start a new run in a directory of its own (another hydra.run.dir, or none for a new "

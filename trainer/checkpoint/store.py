@@ -247,8 +247,7 @@ class Checkpointer:
             files["config.yaml"] = _write(tmp / "config.yaml", self.config_yaml.encode())
             # `written` orders checkpoints by completion, not by step: after a rollback (resume=PATH to an
             # earlier step) the new branch's checkpoints are the newest, and resume=auto follows them.
-            written = 1 + max((_written(p) for p in self.complete()), default=0)
-            manifest = {"format": FORMAT_VERSION, "step": step, "written": written,
+            manifest = {"format": FORMAT_VERSION, "step": step, "written": self._next_written(),
                         "world_size": self.backend.world_size, "files": dict(sorted(files.items()))}
             _write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: marks it complete
             fsync_dir(tmp)
@@ -328,11 +327,15 @@ class Checkpointer:
             return False
         try:
             manifest = _read_json(path / MANIFEST)
-            manifest["written"] = 1 + max(_written(p) or 0 for p in done)
+            manifest["written"] = self._next_written()
             atomic_write_bytes(path / MANIFEST, json.dumps(manifest, indent=1).encode())
         except (OSError, ValueError, TypeError, AttributeError):
             return False
         return True
+
+    def _next_written(self) -> int:
+        """The `written` of the checkpoint completed next: after every complete one's."""
+        return 1 + max((_written(p) for p in self.complete()), default=0)
 
     def unreadable(self) -> list[Path]:
         """Checkpoints whose manifest is there but cannot be read (damaged, or copied half-way), by step: nothing

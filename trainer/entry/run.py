@@ -421,11 +421,6 @@ def same_run(run_dir: Path, checkpoint: Path) -> bool:
     return isinstance(ours, dict) and isinstance(theirs, dict) and comparable(ours) == comparable(theirs)
 
 
-def export_step(run_dir: Path) -> int | None:
-    """The step of the run dir's complete export (export.json, every file it lists as written), or None."""
-    return (export_record(run_dir) or {}).get("step")
-
-
 def export_record(run_dir: Path) -> dict | None:
     """{"step": the step of the run dir's complete export, "stopped": why the run stopped before its length (early
     stopping), or None}; None when there is no complete export (export.json, every file it lists as written)."""
@@ -485,7 +480,7 @@ def later_export_kept(trainer, cfg: DictConfig, run_dir: Path, source: Path, say
 
 def exported(run_dir: Path, step: int) -> bool:
     """Whether export.json says the export of step `step` is complete, and every file it lists is as written."""
-    return export_step(run_dir) == step
+    return (export_record(run_dir) or {}).get("step") == step
 
 
 EVAL_DATA_GIVEN_ENV = "TRAINER_EVAL_DATA_GIVEN"  # set by `eval` for its processes: data=/data.* given on its command line
