@@ -89,9 +89,9 @@ GPT2=(model=gpt_medium model.vocab_size=50304 precision=bf16 data.seq_len=1024 d
 # its Triton kernels (the elementwise and reduction kernels are ~25 ms of the step); max-autotune comes last.
 B64=("${GPT2[@]}" data.batch_size=64 trainer.compile=true trainer.max_steps=60)
 lm gpt2_b64 100 "${B64[@]}"; rates gpt2_b64
-LM_ENV=TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 lm gpt2_b64_cdt 150 "${B64[@]}"; rates gpt2_b64_cdt
+LM_ENV=TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 lm gpt2_b64_cdt 255 "${B64[@]}"; rates gpt2_b64_cdt
 # The batch's way to the GPU: host time per way, and the loop bench's gpt_tiny row with each (benchmarks/h2d.py).
-step h2d 110 "$PY" -m benchmarks.h2d
+step h2d 110 "$PY" -m benchmarks.h2d ${H2D_ARGS:-}
 [ -f "$G/h2d.log" ] && grep -v Warning "$G/h2d.log" | tail -n 12 >> "$G/summary.txt"
 step tests 170 "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_nonfinite.py -n 3 -p no:cacheprovider -rfEs
 [ -f "$G/tests.log" ] && tail -n 25 "$G/tests.log" >> "$G/summary.txt"

@@ -82,6 +82,8 @@ def loader_way(way: str):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.h2d", description=__doc__.split("\n\n")[0])
     p.add_argument("--windows", type=int, default=250, help="the loop bench's windows of 5 steps (default: 250)")
+    p.add_argument("--ways", default="0,1,2", help="which of the loader's ways part 2 runs, by index (default: all)")
+    p.add_argument("--no-copies", action="store_true", help="leave part 1 (the copies' host time) out")
     args = p.parse_args(argv)
 
     import torch
@@ -92,10 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.h2d measures copies to a GPU: no CUDA device here")
     torch.set_num_threads(1)
-    print("\n".join(copy_costs()), flush=True)
+    if not args.no_copies:
+        print("\n".join(copy_costs()), flush=True)
     ctx = Context(quick=False, data=(), threads=1, default_model=())
     print(f"the loop bench's gpt_tiny row ({args.windows} windows of 5 steps), per way of the Trainer's loader:")
-    for way in ("DataLoader, pinned (as is)", "in-process, pinned", "in-process, pageable"):
+    ways = ("DataLoader, pinned (as is)", "in-process, pinned", "in-process, pageable")
+    for way in (ways[int(i)] for i in args.ways.split(",")):
         with loader_way(way):
             r = bench_loop(ctx, list(TINY), (args.windows, 5, 100), {"key": "overhead_ms_per_step", "max": 0.1,
                                                                    "text": "<= 0.1 ms/step"})
