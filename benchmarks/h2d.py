@@ -3,15 +3,16 @@
     python -m benchmarks.h2d [--windows N]          (CUDA only; gpu_check.sh runs it)
 
 On CUDA a model as small as gpt_tiny is launch-bound: a step takes as long as the host takes to issue it, so any
-host work the hand-written loop does not do shows up whole in the loop bench (BENCHMARKS.md, GPU: +0.37 ms a step,
-where the same bench on a CPU shows +0.06). The one part of the Trainer's step that only CUDA runs is the batch's
-way to the GPU: a DataLoader that pins every batch in the main process, then a non-blocking copy.
+host work the hand-written loop does not do shows up whole in the loop bench (BENCHMARKS.md, GPU: +0.4 to +0.5 ms
+a step, where the same bench on a CPU shows +0.06). The one part of the Trainer's step that only CUDA runs is the
+batch's way to the GPU: pinned in the main process, then a non-blocking copy.
 
 1. Host time of one batch's copy, per way and size (median of 200): pinned then copied without blocking; pageable
    copied without blocking; pageable copied blocking (the hand-written loop's `x.to(device)`). Each with the GPU
    idle, and behind ~5 ms of queued work: a way that waits for the stream takes those milliseconds.
-2. The loop bench's gpt_tiny row (benchmarks/loop.py) three times in one process, the Trainer's loader as it is
-   (a DataLoader, pinned) and with each other way patched in (batches cut in the process, pinned or not).
+2. The loop bench's gpt_tiny row (benchmarks/loop.py) once per way of the Trainer's loader (no workers), in one
+   process: a DataLoader with pin_memory=True (the loader until the third GPU run), batches cut in the process and
+   pinned (trainer/data/sampling.py's, as it is), and cut in the process and left pageable.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ def copy_costs(reps: int = 200) -> list[str]:
     import torch
 
     dev = torch.device("cuda")
-    sizes = {"gpt_tiny 4x32 (2 KiB)": (4, 33), "gpt_small 8x256 (16 KiB)": (8, 257),
-             "GPT-2 32x1024 (256 KiB)": (32, 1025), "images 64x3x224x224 fp32 (37 MiB)": (64, 3, 224, 224)}
+    sizes = {"gpt_tiny 4x33 (1 KiB)": (4, 33), "gpt_small 8x257 (16 KiB)": (8, 257),
+             "GPT-2 32x1025 (256 KiB)": (32, 1025), "images 64x3x224x224 fp32 (37 MiB)": (64, 3, 224, 224)}
     ways = {"pinned, non_blocking": lambda t: t.pin_memory().to(dev, non_blocking=True),
             "pageable, non_blocking": lambda t: t.to(dev, non_blocking=True),
             "pageable, blocking": lambda t: t.to(dev)}
@@ -57,6 +58,9 @@ def copy_costs(reps: int = 200) -> list[str]:
     return lines
 
 
+WAYS = ("a DataLoader, pinned", "in-process, pinned (as is)", "in-process, pageable")
+
+
 @contextlib.contextmanager
 def loader_way(way: str):
     """The Trainer's training loader replaced for the block (the loop bench builds it inside fit())."""
@@ -65,13 +69,13 @@ def loader_way(way: str):
     original = sampling.train_loader
 
     def patched(dataset, sampler, num_workers, device, seed, resume=None):
-        batches = sampling.in_process_batches(dataset, sampler)
-        if way == "in-process, pinned":
-            return (tuple(t.pin_memory() for t in b) if isinstance(b, (tuple, list)) else b.pin_memory()
-                    for b in batches)
-        return batches
+        if way == WAYS[0]:
+            from torch.utils.data import DataLoader
 
-    if way != "DataLoader, pinned (as is)":
+            return DataLoader(dataset, batch_sampler=sampler, collate_fn=sampling._collate_fn(dataset), pin_memory=True)
+        return sampling.in_process_batches(dataset, sampler)
+
+    if way != WAYS[1]:
         sampling.train_loader = patched
     try:
         yield
@@ -98,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(copy_costs()), flush=True)
     ctx = Context(quick=False, data=(), threads=1, default_model=())
     print(f"the loop bench's gpt_tiny row ({args.windows} windows of 5 steps), per way of the Trainer's loader:")
-    ways = ("DataLoader, pinned (as is)", "in-process, pinned", "in-process, pageable")
-    for way in (ways[int(i)] for i in args.ways.split(",")):
+    for way in (WAYS[int(i)] for i in args.ways.split(",")):
         with loader_way(way):
             r = bench_loop(ctx, list(TINY), (args.windows, 5, 100), {"key": "overhead_ms_per_step", "max": 0.1,
                                                                    "text": "<= 0.1 ms/step"})

@@ -45,3 +45,20 @@ def test_a_cpu_run_on_a_gpu_machine_joins_a_gloo_only_group(monkeypatch):
     assert default_pg_backend(torch.device("cpu")) == "gloo"
     assert default_pg_backend(torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
     assert default_pg_backend() == "cpu:gloo,cuda:nccl"  # before the device is known: whatever the machine has
+
+
+def test_map_tensors_keeps_a_batch_s_structure_and_leaves_what_is_not_a_tensor():
+    """What the loader's pinning and Backend.to_device walk: dicts, lists, tuples and named tuples (which take their
+    fields as arguments, so rebuilding one from a generator would fail), each tensor mapped, the rest as it was."""
+    from collections import namedtuple
+
+    import torch
+
+    from trainer.data.sampling import map_tensors
+
+    Pair = namedtuple("Pair", "x y")
+    batch = {"pair": Pair(torch.ones(2), [torch.zeros(1), "text"]), "ids": (torch.tensor([3]), 7)}
+    out = map_tensors(lambda t: t + 1, batch)
+    assert type(out["pair"]) is Pair and type(out["pair"].y) is list and type(out["ids"]) is tuple
+    assert out["pair"].x.tolist() == [2.0, 2.0] and out["pair"].y[0].tolist() == [1.0]
+    assert out["pair"].y[1] == "text" and out["ids"][0].tolist() == [4] and out["ids"][1] == 7

@@ -145,3 +145,18 @@ def test_a_device_map_over_the_gpu_and_the_cpu_computes_what_the_cpu_alone_does(
     assert got_logits.device == x.device
     torch.testing.assert_close(got_logits, logits, rtol=FP32_REL, atol=1e-5)
     assert torch.equal(got_generated, generated)
+
+
+def test_the_training_loader_hands_cuda_pinned_batches_equal_to_the_cpus():
+    """With data.num_workers=0 the batches are cut in the process (no DataLoader's bookkeeping) and pinned, as a
+    DataLoader's pin_memory=True left them: the same values as the CPU's, in page-locked memory."""
+    from trainer.data.sampling import train_loader
+
+    data = [(torch.full((3,), i), {"y": torch.tensor(i)}) for i in range(8)]
+    sampler = [[0, 1], [2, 3], [4, 5]]
+    on_cpu = list(train_loader(data, sampler, 0, torch.device("cpu"), 0))
+    on_cuda = list(train_loader(data, sampler, 0, torch.device("cuda"), 0))
+    assert len(on_cuda) == len(on_cpu) == 3
+    for a, b in zip(on_cpu, on_cuda):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1]["y"], b[1]["y"])
+        assert b[0].is_pinned() and b[1]["y"].is_pinned() and not a[0].is_pinned()

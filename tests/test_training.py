@@ -92,6 +92,29 @@ def test_final_weights_load_into_the_model(corpus, tmp_path):
     assert read_metrics(tmp_path)[-1]["step"] == 20
 
 
+def test_compile_mode_and_options_reach_both_torch_compile_calls(corpus, tmp_path, monkeypatch):
+    """trainer.compile_options (nested keys flattened, as inductor names them) and trainer.compile_mode are what
+    torch.compile gets, for the model and for the task's loss alike."""
+    import torch
+
+    calls = []
+
+    def recording(fn, **kwargs):  # (eager: what is compiled is not this test's concern)
+        calls.append(kwargs)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", recording)
+    train_in_process(corpus, tmp_path / "options", "trainer.max_steps=1", "trainer.compile=true",
+                     "+trainer.compile_options.coordinate_descent_tuning=true",
+                     "+trainer.compile_options.triton.cudagraphs=false")
+    options = {"coordinate_descent_tuning": True, "triton.cudagraphs": False}
+    assert calls == [{"backend": "inductor", "mode": None, "options": options}] * 2
+    calls.clear()
+    train_in_process(corpus, tmp_path / "mode", "trainer.max_steps=1", "trainer.compile=true",
+                     "trainer.compile_mode=max-autotune-no-cudagraphs")
+    assert calls == [{"backend": "inductor", "mode": "max-autotune-no-cudagraphs", "options": None}] * 2
+
+
 def test_compile_trains_and_saves_the_plain_module(corpus, tmp_path):
     """The model and the task's loss compiled as one graph (so inductor can fuse the loss into the model's last
     layer), training as eager does; the checkpoint holds the plain module."""

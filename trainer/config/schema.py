@@ -33,6 +33,9 @@ class TrainerConfig:
     seed: int = 0
     compile: bool = False  # torch.compile the model (checkpoints still save the plain module)
     compile_backend: str = "inductor"  # torch.compile backend (inductor generates fused kernels)
+    compile_mode: str | None = None  # torch.compile's mode (max-autotune, reduce-overhead, ...); null = its default
+    # inductor's options instead of a mode (torch._inductor.list_options()), e.g. coordinate_descent_tuning: true
+    compile_options: dict[str, Any] = field(default_factory=dict)
     nonfinite: str = "stop"  # on a NaN/inf loss or grad norm: stop | skip
     max_nonfinite_skips: int = 10  # with nonfinite=skip: stop after this many consecutive skips
     nonfinite_check: str = "auto"  # step (host reads the grad norm every step) | log (no per-step host sync) | auto
@@ -121,6 +124,15 @@ ConfigStore.instance().store(name="trainer_schema", node=Config)
 LOADER_KEYS = ("batch_size", "shuffle", "num_workers")
 
 
+def compile_args(t: TrainerConfig) -> dict[str, Any]:
+    """torch.compile's keyword arguments from `trainer.compile_*` (options flattened: triton: {cudagraphs: true} is
+    inductor's triton.cudagraphs)."""
+    from trainer.checkpoint.settings import flat
+
+    options = flat(OmegaConf.to_container(OmegaConf.create(dict(t.compile_options)))) if t.compile_options else None
+    return {"backend": t.compile_backend, "mode": t.compile_mode, "options": options}
+
+
 def typed(schema, node: DictConfig | dict | None):
     """A config section as its dataclass (values type-checked against the schema)."""
     return OmegaConf.to_object(OmegaConf.merge(_structured(schema), node or {}))  # (merge copies, never writes it)
@@ -204,6 +216,15 @@ def validate(cfg: DictConfig) -> None:
     _check(t.eval_samples is None or t.eval_samples >= 1, "trainer.eval_samples", t.eval_samples, "an integer >= 1, or null")
     _check(t.eval_batch_size is None or t.eval_batch_size >= 1, "trainer.eval_batch_size", t.eval_batch_size,
            "an integer >= 1, or null (= data.batch_size)")
+    if t.compile_mode is not None or t.compile_options:  # (the names themselves are checked against torch's lists)
+        key = "trainer.compile_mode" if t.compile_mode is not None else "trainer.compile_options"
+        value = t.compile_mode if t.compile_mode is not None else _plain(t.compile_options)
+        _check(t.compile, key, value, "unset while trainer.compile=false", "Add trainer.compile=true to compile with it.")
+        _check(t.compile_backend == "inductor", key, value, f"unset with trainer.compile_backend={t.compile_backend}",
+               "Modes and options are inductor's.")
+        _check(t.compile_mode is None or not t.compile_options, key, value,
+               "either trainer.compile_mode or trainer.compile_options, not both (torch.compile takes one)",
+               "A mode is a set of options: write its options out with yours.")
     _check(t.peak_tflops is None or t.peak_tflops > 0, "trainer.peak_tflops", t.peak_tflops, "a number > 0, or null")
     for key in ("max_epochs", "eval_every_epochs"):
         _check(t[key] is None or t[key] >= 1, f"trainer.{key}", t[key], "an integer >= 1, or null")

@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from trainer.config.schema import LAUNCH_KEYS, LOADER_KEYS, _check, launch_config
+from trainer.config.schema import LAUNCH_KEYS, LOADER_KEYS, _check, compile_args, launch_config
 from trainer.errors import ConfigError, suggest
 
 
@@ -100,6 +100,18 @@ def check_targets(cfg: DictConfig) -> None:
         backends = torch._dynamo.list_backends(exclude_tags=())
         _check(cfg.trainer.compile_backend in backends, "trainer.compile_backend", cfg.trainer.compile_backend,
                f"one of torch.compile's backends: {', '.join(backends)}", "inductor is the usual one.")
+        if cfg.trainer.compile_mode is not None or cfg.trainer.compile_options:
+            import torch._inductor
+
+            modes = list(torch._inductor.list_mode_options())
+            _check(cfg.trainer.compile_mode in (None, *modes), "trainer.compile_mode", cfg.trainer.compile_mode,
+                   f"one of torch.compile's modes: {', '.join(modes)}")
+            names = torch._inductor.list_options()
+            for name in compile_args(cfg.trainer)["options"] or {}:
+                if name not in names:
+                    raise ConfigError(f"trainer.compile_options.{name} is not an option of inductor.{suggest(name, names)} "
+                                      "torch._inductor.list_options() lists them (a dotted one, triton.cudagraphs, is "
+                                      "written trainer.compile_options.triton.cudagraphs=...).")
     procs = launch_config(cfg.world)
     if procs.device.startswith("cuda"):
         from trainer.parallel.backend import usable_device

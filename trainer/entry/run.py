@@ -21,6 +21,7 @@ from trainer.config.schema import (
     CheckpointConfig,
     EMAConfig,
     TrainerConfig,
+    compile_args,
     launch_config,
     per_part,
     typed,
@@ -237,7 +238,7 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
         frozen = finetune.frozen_keys(raw_model)  # a LoRA run's base: rebuilt on resume, never in checkpoints
         ema = EMA(raw_model, ecfg.decay, ecfg.warmup, ecfg.update_every, frozen) if ecfg.enabled else None
         if tcfg.compile:
-            model = torch.compile(model, backend=tcfg.compile_backend)
+            model = torch.compile(model, **compile_args(tcfg))
         say = print if backend.is_main else (lambda *a, **k: None)
         registered = rt.models["model"]
         optimizer = build_optimizers(cfg.optim, model, rt, say)

@@ -14,7 +14,7 @@ import torch.nn as nn
 from trainer import noise
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.manager import CheckpointManager, Parts
-from trainer.config.schema import TrainerConfig
+from trainer.config.schema import TrainerConfig, compile_args
 from trainer.data.sampling import Data, GlobalBatchSampler, eval_batches
 from trainer.data.streaming import StreamLayout
 from trainer.errors import CheckpointError, ConfigError, NonFiniteError, Preempted
@@ -64,7 +64,7 @@ class Trainer:
         # [tokens, vocab] logits, cast, written and read back in both directions (BENCHMARKS.md, GPU).
         self.loss_fn = task.loss if hasattr(task, "loss") else None
         if config.compile and self.loss_fn is not None and strategy.pipeline is None:
-            self.loss_fn = torch.compile(self.loss_fn, backend=config.compile_backend)
+            self.loss_fn = torch.compile(self.loss_fn, **compile_args(config))
         # One optimizer, or one per model part (a task's own training_step; trainer/loop/custom_step.py), by name.
         self.optimizers = optimizer if isinstance(optimizer, dict) else {"optimizer": optimizer}
         self.schedulers = scheduler if isinstance(scheduler, dict) else {"optimizer": scheduler}
@@ -355,8 +355,9 @@ class Trainer:
         self.model.train()
         meter, metrics, first_step = Throughput(), {}, self.step
         if self.cfg.compile and be.is_main:
-            progress.write(f"compiling the model (trainer.compile_backend={self.cfg.compile_backend}): the first "
-                           "steps take longer.")
+            how = {k: v for k, v in compile_args(self.cfg).items() if v is not None}
+            progress.write(f"compiling the model ({', '.join(f'{k}={v}' for k, v in how.items())}): the first steps "
+                           "take longer.")
         try:
             evaluated_at, final = None, {}
             while not self.finished:

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.data.sampling import map_tensors
+
 
 @dataclass(frozen=True)
 class WorldInfo:
@@ -141,14 +143,8 @@ class Backend:
     def to_device(self, batch: Any) -> Any:
         if self.device.type == "cpu":  # batches are built on the CPU
             return batch
-        non_blocking = self.device.type == "cuda"
-        if isinstance(batch, torch.Tensor):
-            return batch.to(self.device, non_blocking=non_blocking)
-        if isinstance(batch, dict):
-            return {k: self.to_device(v) for k, v in batch.items()}
-        if isinstance(batch, (list, tuple)):
-            return type(batch)(self.to_device(v) for v in batch)
-        return batch
+        non_blocking = self.device.type == "cuda"  # (from the loader's pinned memory: trainer/data/sampling.py)
+        return map_tensors(lambda t: t.to(self.device, non_blocking=non_blocking), batch)
 
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, value: torch.Tensor | float | int, op: str = "sum", on_host: bool = False,
