@@ -54,7 +54,7 @@ def test_map_tensors_keeps_a_batch_s_structure_and_leaves_what_is_not_a_tensor()
 
     import torch
 
-    from trainer.data.sampling import map_tensors
+    from trainer.parallel.backend import map_tensors
 
     Pair = namedtuple("Pair", "x y")
     batch = {"pair": Pair(torch.ones(2), [torch.zeros(1), "text"]), "ids": (torch.tensor([3]), 7)}

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from trainer.data import streaming
 from trainer.data.streaming import StreamLayout, is_stream
 from trainer.errors import CheckpointError
+from trainer.parallel.backend import map_tensors
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -96,19 +97,6 @@ def in_process_batches(dataset: Dataset, batch_sampler) -> Iterator[Any]:
     getitems = getattr(dataset, "__getitems__", None)
     for indices in batch_sampler:
         yield collate(getitems(indices) if getitems else [dataset[i] for i in indices])
-
-
-def map_tensors(fn, batch: Any) -> Any:
-    """`batch` with `fn` applied to each of its tensors, through dicts, lists, tuples and named tuples."""
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, dict):
-        return {k: map_tensors(fn, v) for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple takes its fields as arguments
-        return type(batch)(*(map_tensors(fn, v) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(map_tensors(fn, v) for v in batch)
-    return batch
 
 
 def train_loader(dataset: Dataset, sampler: GlobalBatchSampler | StreamLayout, num_workers: int,

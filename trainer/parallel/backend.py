@@ -18,7 +18,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.data.sampling import map_tensors
+
+def map_tensors(fn, batch: Any) -> Any:
+    """`batch` with `fn` applied to each of its tensors, through dicts, lists, tuples and named tuples."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: map_tensors(fn, v) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple takes its fields as arguments
+        return type(batch)(*(map_tensors(fn, v) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(map_tensors(fn, v) for v in batch)
+    return batch
 
 
 @dataclass(frozen=True)
