@@ -114,6 +114,8 @@ def _suggested_command(stderr: str) -> list[str]:
     (["--mixed_precision=no"], "precision=fp32"),
     (["--use_fsdp", "--num_processes", "2"], "world=fsdp world.nproc_per_node=2"),
     (["--gradient_accumulation_steps", "4"], "trainer.grad_accum_steps=4"),
+    (["--dynamo_backend", "inductor", "--dynamo_mode", "max-autotune"],
+     "trainer.compile=true trainer.compile_backend=inductor trainer.compile_mode=max-autotune"),
 ])
 def test_accelerate_and_torchrun_flags_name_the_override(tmp_path, flags, says):
     from trainer.entry.cli import precheck

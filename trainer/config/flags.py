@@ -72,6 +72,7 @@ FLAGS: dict[str, tuple[bool, Callable[..., list[str]] | str | None]] = {
     "num_cpu_threads_per_process": (True, lambda n: [f"world.threads={n}"]),
     "dynamo_backend": (True, lambda b: ["trainer.compile=false"] if b.lower() == "no" else
                        ["trainer.compile=true", f"trainer.compile_backend={b.lower()}"]),
+    "dynamo_mode": (True, lambda m: ["trainer.compile=true", f"trainer.compile_mode={m}"]),
     "main_training_function": (True, None),
     # torchrun
     "nproc_per_node": (True, _processes),
