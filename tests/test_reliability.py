@@ -228,6 +228,36 @@ def test_resume_auto_with_a_changed_setting_continues_and_says_so(change, note, 
         assert "val_ema/loss" in read_metrics(run_dir)[-1]
 
 
+def test_resume_auto_finds_a_run_saved_before_a_setting_was_added_and_names_no_change(corpus, stopped, tmp_path):
+    """A config.yaml written before trainer.compile_mode/compile_options existed lacks them: compared key by key,
+    resume=auto never matched that run and started a new one beside it. Read, it holds their old-behaviour values."""
+    import json
+
+    import yaml
+
+    from trainer.checkpoint.settings import ADDED
+    from trainer.checkpoint.store import sha256
+
+    run_dir = _copy(stopped, tmp_path / "outputs" / "2000-01-01" / "00-00-00")
+    for name in ("export.json", "model.safetensors", "model_config.json"):  # stopped before its end, not finished
+        (run_dir / name).unlink()
+    for path in [run_dir / "config.yaml", *(run_dir / "checkpoints").glob("step_*/config.yaml")]:
+        saved = yaml.safe_load(path.read_text())
+        for section, keys in ADDED.items():
+            for key in keys:
+                del saved[section][key]
+        path.write_text(yaml.safe_dump(saved))
+        if path.parent.name.startswith("step_"):  # (a checkpoint's manifest holds each file's sha256)
+            manifest = json.loads((path.parent / "manifest.json").read_text())
+            manifest["files"]["config.yaml"] = sha256(path)
+            (path.parent / "manifest.json").write_text(json.dumps(manifest))
+    r = run_here(*tiny_overrides(corpus, *BASE, "trainer.max_steps=12"), "resume=auto", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000008'} at step 8" in r.stdout
+    assert "compile" not in r.stdout.replace("compiling", "")  # no setting named as changed
+    assert [e["step"] for e in read_metrics(run_dir) if "train/loss" in e] == list(range(1, 13))
+
+
 def test_resume_auto_refuses_a_change_it_cannot_continue_and_changes_nothing(corpus, stopped, tmp_path):
     """A new seed changes the sample stream: the run stops (exit 2) naming the setting and the two ways out, and
     leaves every checkpoint as it was."""

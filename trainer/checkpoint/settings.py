@@ -6,6 +6,7 @@ a resume says which settings changed and refuses those it may not change (traine
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,7 @@ def read_config(path: Path) -> Any:
     try:
         data = bytes(map_file(path, follow_links=False, max_size=CONFIG_MAX_BYTES))
         check_config_yaml(data, path)
-        return upgrade(yaml.safe_load(data))  # a run dir from before trainer's modules moved
+        return with_added(upgrade(yaml.safe_load(data)))  # a run dir from before trainer's modules moved
     except (OSError, ValueError, CheckpointError, yaml.YAMLError):
         return None
 
@@ -67,6 +68,23 @@ def changed_settings(path: Path, cfg: DictConfig) -> list[tuple[str, Any, Any]]:
     return [(k, before.get(k), now.get(k)) for k in sorted(set(before) | set(now))
             if k != "resume" and not k.startswith(("logger.", "world.auto.")) and k != "precision.reason"
             and before.get(k) != now.get(k)]
+
+
+# -- run dirs written before a setting was added ------------------------------------------------------------------
+# A saved config without one of these reads as holding the value that does what the run did then, so resume=auto
+# still finds that run and a resume names no change. A new setting of trainer/checkpoint/ema goes here, with that
+# value (its schema default, when the default keeps the old behaviour).
+ADDED = {"trainer": {"compile_mode": None, "compile_options": {}}}
+
+
+def with_added(tree: Any) -> Any:
+    """`tree` (a saved config as plain containers) with every setting of ADDED it lacks, in place."""
+    if isinstance(tree, dict):
+        for section, keys in ADDED.items():
+            if isinstance(tree.get(section), dict):
+                for key, value in keys.items():
+                    tree[section].setdefault(key, copy.deepcopy(value))
+    return tree
 
 
 # -- run dirs written before trainer's flat modules became packages (trainer/parallel, trainer/loop, ...) ----
