@@ -95,6 +95,8 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
      ["not both"]),
     (["trainer.compile=true", "trainer.compile_backend=eager", "trainer.compile_mode=max-autotune"],
      ["unset with trainer.compile_backend=eager"]),
+    (["trainer.compile=true", "+trainer.compile_options.max_autotune=notabool"],
+     ["trainer.compile_options.max_autotune='notabool' is invalid: expected a bool"]),
     (["trainer.compile=true", "trainer.compile_options.max_autotune=true"],
      ["'trainer.compile_options' has no keys yet", "+trainer.compile_options.max_autotune=VALUE"]),
     (["checkpoint.best_metric=loss"], ["checkpoint.best_metric='loss'", "val/"]),

@@ -106,8 +106,11 @@ def test_compile_mode_and_options_reach_both_torch_compile_calls(corpus, tmp_pat
     monkeypatch.setattr(torch, "compile", recording)
     train_in_process(corpus, tmp_path / "options", "trainer.max_steps=1", "trainer.compile=true",
                      "+trainer.compile_options.coordinate_descent_tuning=true",
-                     "+trainer.compile_options.triton.cudagraphs=false")
-    options = {"coordinate_descent_tuning": True, "triton.cudagraphs": False}
+                     "+trainer.compile_options.triton.cudagraphs=false", "+trainer.compile_options.cpu_gpu_bw=50",
+                     "+trainer.compile_options.post_grad_fusion_options={batch_linear_post_grad:{}}")
+    # (an int given to a float option is a float; an option whose value is a dict keeps it whole)
+    options = {"coordinate_descent_tuning": True, "triton.cudagraphs": False, "cpu_gpu_bw": 50.0,
+               "post_grad_fusion_options": {"batch_linear_post_grad": {}}}
     assert calls == [{"backend": "inductor", "mode": None, "options": options}] * 2
     calls.clear()
     train_in_process(corpus, tmp_path / "mode", "trainer.max_steps=1", "trainer.compile=true",

@@ -114,8 +114,9 @@ def _suggested_command(stderr: str) -> list[str]:
     (["--mixed_precision=no"], "precision=fp32"),
     (["--use_fsdp", "--num_processes", "2"], "world=fsdp world.nproc_per_node=2"),
     (["--gradient_accumulation_steps", "4"], "trainer.grad_accum_steps=4"),
-    (["--dynamo_backend", "inductor", "--dynamo_mode", "max-autotune"],
+    (["--dynamo_backend", "inductor", "--dynamo_mode", "Max-Autotune"],
      "trainer.compile=true trainer.compile_backend=inductor trainer.compile_mode=max-autotune"),
+    (["--dynamo_backend", "no", "--dynamo_mode", "max-autotune"], "trainer.compile=false"),
 ])
 def test_accelerate_and_torchrun_flags_name_the_override(tmp_path, flags, says):
     from trainer.entry.cli import precheck
@@ -127,6 +128,14 @@ def test_accelerate_and_torchrun_flags_name_the_override(tmp_path, flags, says):
     proposed = _suggested_command(r.stderr)
     assert "debug=smoke" in proposed and says in " ".join(proposed)
     precheck(proposed)  # the command it proposes is one the CLI takes
+
+
+def test_a_dynamo_mode_without_inductor_is_said_to_do_nothing_and_left_out(tmp_path):
+    r = run_main("--dynamo_backend", "no", "--dynamo_mode", "max-autotune", "debug=smoke", cwd=tmp_path)
+    assert r.returncode == 2 and "--dynamo_mode max-autotune does nothing with --dynamo_backend no" in r.stderr
+    proposed = _suggested_command(r.stderr)
+    assert "trainer.compile=false" in proposed and not any(o.startswith("trainer.compile_mode") for o in proposed)
+    assert "trainer.compile=true" not in proposed
 
 
 def test_a_flag_no_launcher_has_is_answered_with_the_nested_key(tmp_path):

@@ -72,7 +72,7 @@ FLAGS: dict[str, tuple[bool, Callable[..., list[str]] | str | None]] = {
     "num_cpu_threads_per_process": (True, lambda n: [f"world.threads={n}"]),
     "dynamo_backend": (True, lambda b: ["trainer.compile=false"] if b.lower() == "no" else
                        ["trainer.compile=true", f"trainer.compile_backend={b.lower()}"]),
-    "dynamo_mode": (True, lambda m: ["trainer.compile=true", f"trainer.compile_mode={m}"]),
+    "dynamo_mode": (True, lambda m: ["trainer.compile=true", f"trainer.compile_mode={m.lower()}"]),
     "main_training_function": (True, None),
     # torchrun
     "nproc_per_node": (True, _processes),
@@ -158,9 +158,14 @@ def refuse_foreign_flags(argv: list[str], command: tuple[str, ...] = (), after: 
     fsdp = ("use_fsdp", "use_deepspeed", "zero_stage", "fsdp_offload_params", "fsdp_transformer_layer_cls_to_wrap")  # (chosen)
     strategy_chosen = any(o.startswith("world=") for o in rest) or any(_name(f) in fsdp for f, _ in found)
     meant: dict[str, list[str]] = {}  # the overrides (as one string) -> the flags that mean them
-    not_needed, unknown = [], []
+    not_needed, unknown, inert = [], [], []
+    # accelerate's --dynamo_mode does something only with inductor (its --dynamo_backend's default is `no`).
+    backend = next(((v or "").lower() for f, v in found if _name(f) == "dynamo_backend"), None)
     for flag, value in found:
         shown = flag if value is None else f"{flag} {value}"
+        if _name(flag) == "dynamo_mode" and backend not in (None, "inductor"):
+            inert.append(f"{shown} does nothing with --dynamo_backend {backend} (a mode is inductor's)")
+            continue
         takes, meaning = FLAGS.get(_name(flag), (None, None))
         if takes is None:
             proposed = _nested(_name(flag), value, rest)
@@ -186,6 +191,7 @@ def refuse_foreign_flags(argv: list[str], command: tuple[str, ...] = (), after: 
     said = [f"{group} for {' '.join(shown)}" for group, shown in meant.items()]
     said += [f"{shown} is not needed (the launcher here sets it up)" for shown in not_needed]
     said += [f"{shown} matches no setting (--cfg job lists them all)" for shown in unknown]
+    said += inert
     text = (f"{flags} {what} of this command (accelerate launch's, torchrun's or the Hugging Face Trainer's?); "
             f"here every setting is a KEY=VALUE override: {'; '.join(said)}")
     if overrides or not unknown:

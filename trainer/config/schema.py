@@ -124,15 +124,6 @@ ConfigStore.instance().store(name="trainer_schema", node=Config)
 LOADER_KEYS = ("batch_size", "shuffle", "num_workers")
 
 
-def compile_args(t: TrainerConfig) -> dict[str, Any]:
-    """torch.compile's keyword arguments from `trainer.compile_*` (options flattened: triton: {cudagraphs: true} is
-    inductor's triton.cudagraphs)."""
-    from trainer.checkpoint.settings import flat
-
-    options = flat(OmegaConf.to_container(OmegaConf.create(dict(t.compile_options)))) if t.compile_options else None
-    return {"backend": t.compile_backend, "mode": t.compile_mode, "options": options}
-
-
 def typed(schema, node: DictConfig | dict | None):
     """A config section as its dataclass (values type-checked against the schema)."""
     return OmegaConf.to_object(OmegaConf.merge(_structured(schema), node or {}))  # (merge copies, never writes it)
@@ -224,7 +215,8 @@ def validate(cfg: DictConfig) -> None:
                "Modes and options are inductor's.")
         _check(t.compile_mode is None or not t.compile_options, key, value,
                "either trainer.compile_mode or trainer.compile_options, not both (torch.compile takes one)",
-               "A mode is a set of options: write its options out with yours.")
+               "A mode is a set of options (torch._inductor.list_mode_options(MODE) lists them): write them out "
+               "with yours.")
     _check(t.peak_tflops is None or t.peak_tflops > 0, "trainer.peak_tflops", t.peak_tflops, "a number > 0, or null")
     for key in ("max_epochs", "eval_every_epochs"):
         _check(t[key] is None or t[key] >= 1, f"trainer.{key}", t[key], "an integer >= 1, or null")

@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from trainer.config.schema import LAUNCH_KEYS, LOADER_KEYS, _check, compile_args, launch_config
+from trainer.config.schema import LAUNCH_KEYS, LOADER_KEYS, _check, launch_config
 from trainer.errors import ConfigError, suggest
 
 
@@ -101,17 +101,23 @@ def check_targets(cfg: DictConfig) -> None:
         _check(cfg.trainer.compile_backend in backends, "trainer.compile_backend", cfg.trainer.compile_backend,
                f"one of torch.compile's backends: {', '.join(backends)}", "inductor is the usual one.")
         if cfg.trainer.compile_mode is not None or cfg.trainer.compile_options:
+            import typing
+
             import torch._inductor
+            import torch._inductor.config as inductor
 
             modes = list(torch._inductor.list_mode_options())
             _check(cfg.trainer.compile_mode in (None, *modes), "trainer.compile_mode", cfg.trainer.compile_mode,
                    f"one of torch.compile's modes: {', '.join(modes)}")
             names = torch._inductor.list_options()
-            for name in compile_args(cfg.trainer)["options"] or {}:
+            for name, value in (compile_args(cfg.trainer)["options"] or {}).items():
                 if name not in names:
                     raise ConfigError(f"trainer.compile_options.{name} is not an option of inductor.{suggest(name, names)} "
                                       "torch._inductor.list_options() lists them (a dotted one, triton.cudagraphs, is "
                                       "written trainer.compile_options.triton.cudagraphs=...).")
+                kind = inductor.get_type(name)
+                if typing.get_origin(kind) is None and isinstance(kind, type) and not isinstance(value, kind):
+                    _check(False, f"trainer.compile_options.{name}", value, f"a {kind.__name__} (inductor's type for it)")
     procs = launch_config(cfg.world)
     if procs.device.startswith("cuda"):
         from trainer.parallel.backend import usable_device
@@ -121,6 +127,34 @@ def check_targets(cfg: DictConfig) -> None:
         _check(procs.nproc_per_node in (1, "auto") and procs.nnodes == 1, "world.nproc_per_node",
                procs.nproc_per_node, f"1 with world._target_={cfg.world._target_}",
                "Use world=ddp (or world=fsdp) to run several processes.")
+
+
+def compile_args(t: Any) -> dict[str, Any]:
+    """torch.compile's keyword arguments from `trainer.compile_*` (a TrainerConfig or its DictConfig). Options are
+    inductor's dotted names: a nested key is one of them (triton: {cudagraphs: true} is triton.cudagraphs) unless
+    the path so far already names one whose value is a dict (post_grad_fusion_options: {...}); an int given to a
+    float option is a float (Hydra reads 50 as an int, inductor checks the type). Torch is loaded where it is called."""
+    if not t.compile_options:
+        return {"backend": t.compile_backend, "mode": t.compile_mode, "options": None}
+    import torch._inductor.config as inductor
+
+    names = inductor.get_config_copy()
+    options: dict[str, Any] = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict) and name not in names:
+                walk(value, f"{name}.")
+                continue
+            if name in options:
+                raise ConfigError(f"trainer.compile_options sets {name} twice (nested and dotted): keep one.")
+            if name in names and inductor.get_type(name) is float and type(value) is int:
+                value = float(value)
+            options[name] = value
+
+    walk(OmegaConf.to_container(OmegaConf.create(dict(t.compile_options))), "")
+    return {"backend": t.compile_backend, "mode": t.compile_mode, "options": options}
 
 
 def unused_nulls(target: Any, node: dict) -> set[str]:

@@ -21,11 +21,11 @@ from trainer.config.schema import (
     CheckpointConfig,
     EMAConfig,
     TrainerConfig,
-    compile_args,
     launch_config,
     per_part,
     typed,
 )
+from trainer.config.targets import compile_args
 from trainer.data.sampling import Data, epoch_length
 from trainer.errors import ConfigError, Preempted
 from trainer.loop import watchdog

@@ -14,7 +14,8 @@ import torch.nn as nn
 from trainer import noise
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.manager import CheckpointManager, Parts
-from trainer.config.schema import TrainerConfig, compile_args
+from trainer.config.schema import TrainerConfig
+from trainer.config.targets import compile_args
 from trainer.data.sampling import Data, GlobalBatchSampler, eval_batches
 from trainer.data.streaming import StreamLayout
 from trainer.errors import CheckpointError, ConfigError, NonFiniteError, Preempted
