@@ -87,7 +87,8 @@ GPT2=(model=gpt_medium model.vocab_size=50304 precision=bf16 data.seq_len=1024 d
 # way to the GPU; the CUDA tests; GPT-2's compile boundary; where the Trainer's extra host time a step on CUDA goes
 # (operator calls and kernel launches of both loops, then each part of the step swapped for the hand-written
 # loop's); where GPT-2's compiled step spends the GPU's time (its costliest kernels); the loop bench on CUDA; GPT-2
-# and the default model through the CLI, compiled and not; last, max-autotune (it failed on torch 2.11).
+# and the default model through the CLI, compiled and not; last, max_autotune without CUDA graphs (it failed on
+# torch 2.11).
 B64=("${GPT2[@]}" data.batch_size=64 trainer.compile=true trainer.max_steps=60)
 lm gpt2_b64 100 "${B64[@]}"; rates gpt2_b64
 lm gpt2_b64_cdt 255 "${B64[@]}" +trainer.compile_options.coordinate_descent_tuning=true; rates gpt2_b64_cdt

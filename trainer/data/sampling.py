@@ -112,10 +112,11 @@ def train_loader(dataset: Dataset, sampler: GlobalBatchSampler | StreamLayout, n
         batches = in_process_batches(dataset, sampler)
         if device.type != "cuda":
             return batches
-        # Page-locked, as a DataLoader's pin_memory=True leaves them: a non-blocking copy from there never waits for
-        # the GPU's queue of work, where one from pageable memory does once the batch is large (37 MiB waited, 256 KiB
-        # did not: benchmarks/h2d.py on an H100). Cut here, not by a DataLoader: its bookkeeping was 0.1 ms of the
-        # host's time a step (the loop bench's gpt_tiny row on CUDA, +0.53 -> +0.42 ms over the hand-written loop).
+        # Page-locked, as a DataLoader's pin_memory=True leaves them: a non-blocking copy from there did not wait for
+        # the GPU's queue of work, where one from pageable memory did once the batch was large (37 MiB waited, 256 KiB
+        # did not, and small ones cost the host less pageable: benchmarks/h2d.py on an H100). Cut here, not by a
+        # DataLoader: its bookkeeping was about 0.1 ms of the host's time a step (the loop bench's gpt_tiny row on
+        # CUDA, +0.53 -> +0.42 ms over the hand-written loop, one run of each).
         return (map_tensors(torch.Tensor.pin_memory, batch) for batch in batches)
     return DataLoader(
         dataset,
