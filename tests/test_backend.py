@@ -62,3 +62,12 @@ def test_map_tensors_keeps_a_batch_s_structure_and_leaves_what_is_not_a_tensor()
     assert type(out["pair"]) is Pair and type(out["pair"].y) is list and type(out["ids"]) is tuple
     assert out["pair"].x.tolist() == [2.0, 2.0] and out["pair"].y[0].tolist() == [1.0]
     assert out["pair"].y[1] == "text" and out["ids"][0].tolist() == [4] and out["ids"][1] == 7
+    # A mapping keeps its type (a Hugging Face BatchEncoding is a UserDict: it stayed on the CPU before).
+    from collections import OrderedDict, UserDict
+
+    class Encoding(UserDict):
+        pass
+
+    out = map_tensors(lambda t: t * 2, Encoding(input_ids=torch.ones(2), rest=OrderedDict(a=torch.ones(1))))
+    assert type(out) is Encoding and type(out["rest"]) is OrderedDict
+    assert out["input_ids"].tolist() == [2.0, 2.0] and out["rest"]["a"].tolist() == [2.0]

@@ -38,7 +38,7 @@ def resumable(key: str) -> bool:
 
 def comparable(config: dict[str, Any]) -> dict[str, Any]:
     """What must be equal for two configs to be one run: all but resume, Hydra's settings and `RESUMABLE`."""
-    return {k: v for k, v in flat({k: v for k, v in config.items() if k not in ("resume", "hydra")}).items()
+    return {k: v for k, v in flat(with_added({k: v for k, v in config.items() if k not in ("resume", "hydra")})).items()
             if not resumable(k)}
 
 
@@ -52,7 +52,7 @@ def read_config(path: Path) -> Any:
     try:
         data = bytes(map_file(path, follow_links=False, max_size=CONFIG_MAX_BYTES))
         check_config_yaml(data, path)
-        return with_added(upgrade(yaml.safe_load(data)))  # a run dir from before trainer's modules moved
+        return upgrade(yaml.safe_load(data))  # a run dir from before trainer's modules moved
     except (OSError, ValueError, CheckpointError, yaml.YAMLError):
         return None
 
@@ -64,27 +64,28 @@ def changed_settings(path: Path, cfg: DictConfig) -> list[tuple[str, Any, Any]]:
     before = read_config(path / "config.yaml")
     if not isinstance(before, dict):
         return []
-    before, now = flat(before), flat(redact(OmegaConf.to_container(cfg, resolve=True)))
+    before, now = flat(with_added(before)), flat(with_added(redact(OmegaConf.to_container(cfg, resolve=True))))
     return [(k, before.get(k), now.get(k)) for k in sorted(set(before) | set(now))
             if k != "resume" and not k.startswith(("logger.", "world.auto.")) and k != "precision.reason"
             and before.get(k) != now.get(k)]
 
 
 # -- run dirs written before a setting was added ------------------------------------------------------------------
-# A saved config without one of these reads as holding the value that does what the run did then, so resume=auto
-# still finds that run and a resume names no change. A new setting of trainer/checkpoint/ema goes here, with that
+# A config without one of these compares as holding the value that does what the run did then (comparable,
+# changed_settings: both sides), so resume=auto still finds that run and a resume names no change. A new setting of trainer/checkpoint/ema goes here, with that
 # value (its schema default, when the default keeps the old behaviour).
 ADDED = {"trainer": {"compile_mode": None, "compile_options": {}}}
 
 
 def with_added(tree: Any) -> Any:
-    """`tree` (a saved config as plain containers) with every setting of ADDED it lacks, in place."""
-    if isinstance(tree, dict):
-        for section, keys in ADDED.items():
-            if isinstance(tree.get(section), dict):
-                for key, value in keys.items():
-                    tree[section].setdefault(key, copy.deepcopy(value))
-    return tree
+    """`tree` (a config as plain containers) with every setting of ADDED it lacks; `tree` itself is left as it is."""
+    if not isinstance(tree, dict):
+        return tree
+    out = dict(tree)
+    for section, keys in ADDED.items():
+        if isinstance(tree.get(section), dict):
+            out[section] = {**copy.deepcopy(keys), **tree[section]}
+    return out
 
 
 # -- run dirs written before trainer's flat modules became packages (trainer/parallel, trainer/loop, ...) ----

@@ -8,10 +8,11 @@ This is the only module that reads RANK / WORLD_SIZE / LOCAL_RANK. Everything el
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,11 +21,20 @@ import torch.distributed as dist
 
 
 def map_tensors(fn, batch: Any) -> Any:
-    """`batch` with `fn` applied to each of its tensors, through dicts, lists, tuples and named tuples."""
+    """`batch` with `fn` applied to each of its tensors, through mappings, lists, tuples and named tuples. A mapping
+    keeps its type where it can (a Hugging Face BatchEncoding is a UserDict), as the DataLoader's pinning keeps it."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
-    if isinstance(batch, dict):
-        return {k: map_tensors(fn, v) for k, v in batch.items()}
+    if isinstance(batch, Mapping):
+        mapped = {k: map_tensors(fn, v) for k, v in batch.items()}
+        try:
+            if isinstance(batch, MutableMapping):
+                clone = copy.copy(batch)
+                clone.update(mapped)
+                return clone
+            return type(batch)(mapped)
+        except TypeError:  # a mapping that cannot be copied or built from a dict
+            return mapped
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple takes its fields as arguments
         return type(batch)(*(map_tensors(fn, v) for v in batch))
     if isinstance(batch, (list, tuple)):
