@@ -320,3 +320,37 @@ def test_a_refused_resumes_advice_gives_a_changed_group_back_as_its_option(tmp_p
     OmegaConf.save(trainer.compose(["model=gpt_small"]), tmp_path / "config.yaml")
     said = _differences(tmp_path, trainer.compose(["model=gpt_tiny"]))
     assert "model=gpt" not in said and "model.n_layer" in said, said
+
+
+# The settings of trainer/checkpoint/ema as run dirs have saved them since resume=auto compared configs key by key.
+SAVED_SETTINGS = {
+    "trainer": {"max_steps", "grad_accum_steps", "grad_clip", "log_every", "eval_every", "eval_samples",
+                "eval_batch_size", "seed", "compile", "compile_backend", "nonfinite", "max_nonfinite_skips",
+                "nonfinite_check", "progress", "peak_tflops", "max_epochs", "eval_every_epochs",
+                "activation_checkpointing"},
+    "checkpoint": {"every_n_steps", "keep_last", "best_metric", "best_mode", "every_n_epochs", "save_final",
+                   "async_save", "max_shard_mb"},
+    "ema": {"enabled", "decay", "warmup", "update_every"},
+}
+
+
+def test_a_setting_added_to_the_framework_s_sections_says_what_older_runs_did():
+    """A config.yaml saved before a setting existed lacks it, and resume=auto, comparing key by key, never matched
+    such a run again: it started a new one beside it. Every setting since SAVED_SETTINGS is in settings.ADDED,
+    with the value that does what those runs did, and that value is the schema's default."""
+    import dataclasses
+
+    from trainer.checkpoint.settings import ADDED
+    from trainer.config.schema import CheckpointConfig, EMAConfig, TrainerConfig
+
+    for section, schema in (("trainer", TrainerConfig), ("checkpoint", CheckpointConfig), ("ema", EMAConfig)):
+        fields = {f.name: f for f in dataclasses.fields(schema)}
+        saved = SAVED_SETTINGS[section]
+        added = ADDED.get(section, {})
+        assert set(fields) == saved | set(added), (
+            f"{section}: {sorted(set(fields) - saved - set(added))} need an entry in trainer/checkpoint/settings.py's "
+            "ADDED (the value that does what a run saved before them did)")
+        for key, value in added.items():
+            f = fields[key]
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            assert value == default, (section, key, value, default)
