@@ -72,8 +72,8 @@ def changed_settings(path: Path, cfg: DictConfig) -> list[tuple[str, Any, Any]]:
 
 # -- run dirs written before a setting was added ------------------------------------------------------------------
 # A config without one of these compares as holding the value that does what the run did then (comparable,
-# changed_settings: both sides), so resume=auto still finds that run and a resume names no change. A new setting of trainer/checkpoint/ema goes here, with that
-# value (its schema default, when the default keeps the old behaviour).
+# changed_settings: both sides), so resume=auto still finds that run and a resume names no change. A new setting
+# of trainer/checkpoint/ema goes here, with that value (tests/test_units.py checks it is the schema's default).
 ADDED = {"trainer": {"compile_mode": None, "compile_options": {}}}
 
 

@@ -202,15 +202,27 @@ def sweep_point() -> list[str] | None:
     """A sweep job's own command line, None outside one: its --config-dir, its hydra.job.* overrides (env_set, ...)
     and its overrides, each swept key at this point's value. Read from Hydra's record of the job, not sys.argv: a
     sweep through a launcher (submitit) runs its jobs under the launcher's own command line."""
+    hc = _sweep_job()
+    if hc is None:
+        return None
+    job = [o for o in hc.overrides.hydra if o.lstrip("+~").startswith("hydra.job.")]
+    return [*_config_dirs(hc), *job, *hc.overrides.task]
+
+
+def _sweep_job():
+    """Hydra's record of this job when it is a sweep's point (`-m`), else None."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return None
-    hc = HydraConfig.get()
+    return HydraConfig.get()
+
+
+def _config_dirs(hc) -> list[str]:
+    """The job's --config-dir flags, as its command line gave them."""
     dirs = [s.path for s in hc.runtime.config_sources if s.provider == "command-line" and s.schema == "file"]
-    job = [o for o in hc.overrides.hydra if o.lstrip("+~").startswith("hydra.job.")]
-    return [*(a for d in dirs for a in ("--config-dir", d)), *job, *hc.overrides.task]
+    return [a for d in dirs for a in ("--config-dir", d)]
 
 
 def sweep_command() -> str | None:
@@ -219,12 +231,10 @@ def sweep_command() -> str | None:
     pinned to that sweep dir, with resume=auto. Its finished points then say so, the stopped one continues and
     the points after it run; the same command without the sweep dir would start every point anew in a new one."""
     import yaml
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
 
-    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+    hc = _sweep_job()
+    if hc is None:
         return None
-    hc = HydraConfig.get()
     sweep_dir = Path(hc.runtime.cwd) / hc.sweep.dir
     try:
         recorded = yaml.safe_load((sweep_dir / "multirun.yaml").read_text())["hydra"]["overrides"]
@@ -233,9 +243,8 @@ def sweep_command() -> str | None:
         return None
     if not all(isinstance(o, str) for o in [*task, *hydra]):
         return None
-    dirs = [s.path for s in hc.runtime.config_sources if s.provider == "command-line" and s.schema == "file"]
     mine = ("hydra.mode=", "hydra.sweep.dir=", "hydra.run.dir=")
-    return shlex.join(["python", "-m", "trainer", "-m", *(a for d in dirs for a in ("--config-dir", d)),
+    return shlex.join(["python", "-m", "trainer", "-m", *_config_dirs(hc),
                        *(o for o in hydra if not o.lstrip("+~").startswith(mine)),
                        *(o for o in task if not o.lstrip("+~").startswith("resume=")),
                        f"hydra.sweep.dir={hydra_quoted(str(sweep_dir.resolve()))}", "resume=auto"])
