@@ -90,6 +90,11 @@ GPT2=(model=gpt_medium model.vocab_size=50304 precision=bf16 data.seq_len=1024 d
 # and the default model through the CLI, compiled and not; last, max_autotune without CUDA graphs (it failed on
 # torch 2.11).
 B64=("${GPT2[@]}" data.batch_size=64 trainer.compile=true trainer.max_steps=60)
+# llm.c's GPT-2 124M batch on one GPU: 8 micro-batches of 64 x 1024 accumulated into one 524,288-token step (its 8
+# GPUs take one micro-batch each), so the optimizer step, clipping and zeroing are paid once per 8 micro-batches.
+ACC8=("${B64[@]}" trainer.grad_accum_steps=8 trainer.max_steps=16 trainer.log_every=2)
+lm gpt2_b64_acc8 100 "${ACC8[@]}"; rates gpt2_b64_acc8
+lm gpt2_b64_acc8_cdt 270 "${ACC8[@]}" +trainer.compile_options.coordinate_descent_tuning=true; rates gpt2_b64_acc8_cdt
 lm gpt2_b64 100 "${B64[@]}"; rates gpt2_b64
 lm gpt2_b64_cdt 255 "${B64[@]}" +trainer.compile_options.coordinate_descent_tuning=true; rates gpt2_b64_cdt
 # The batch's way to the GPU: host time per way, and the loop bench's gpt_tiny row with each (benchmarks/h2d.py).
