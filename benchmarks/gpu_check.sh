@@ -94,7 +94,7 @@ B64=("${GPT2[@]}" data.batch_size=64 trainer.compile=true trainer.max_steps=60)
 # GPUs take one micro-batch each), so the optimizer step, clipping and zeroing are paid once per 8 micro-batches.
 ACC8=("${B64[@]}" trainer.grad_accum_steps=8 trainer.max_steps=16 trainer.log_every=2)
 lm gpt2_b64_acc8 100 "${ACC8[@]}"; rates gpt2_b64_acc8
-lm gpt2_b64_acc8_cdt 270 "${ACC8[@]}" +trainer.compile_options.coordinate_descent_tuning=true; rates gpt2_b64_acc8_cdt
+lm gpt2_b64_acc8_cdt 400 "${ACC8[@]}" +trainer.compile_options.coordinate_descent_tuning=true; rates gpt2_b64_acc8_cdt
 lm gpt2_b64 100 "${B64[@]}"; rates gpt2_b64
 lm gpt2_b64_cdt 255 "${B64[@]}" +trainer.compile_options.coordinate_descent_tuning=true; rates gpt2_b64_cdt
 # The batch's way to the GPU: host time per way, and the loop bench's gpt_tiny row with each (benchmarks/h2d.py).

@@ -87,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     for key, d in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:args.top]:
         (tc, tt), (pc, pt) = t_ops.get(key, (0, 0)), p_ops.get(key, (0, 0))
         print(f"  {key[:48]:48s} {tc:6.1f}/{pc:<6.1f} {tt:8.1f}/{pt:<8.1f} {d:+8.1f}")
+    calls = {k: t_ops.get(k, (0, 0))[0] - p_ops.get(k, (0, 0))[0] for k in set(t_ops) | set(p_ops)}
+    calls = {k: d for k, d in calls.items() if abs(d) >= 0.05}  # each one's extra operator calls (launches on CUDA)
+    print(f"\nthe operators called a different number of times a step ({sum(calls.values()):+.1f} calls in all):")
+    for key, d in sorted(calls.items(), key=lambda kv: (-abs(kv[1]), kv[0])):
+        print(f"  {key[:48]:48s} {t_ops.get(key, (0, 0))[0]:6.1f}/{p_ops.get(key, (0, 0))[0]:<6.1f} {d:+6.1f}")
     if args.kernels and t_device:
         total = sum(t_device.values())
         print(f"\nthe Trainer's {args.kernels} costliest operators and kernels on the device, per step "
