@@ -48,7 +48,7 @@ def test_a_cpu_run_on_a_gpu_machine_joins_a_gloo_only_group(monkeypatch):
 
 
 def test_map_tensors_keeps_a_batch_s_structure_and_leaves_what_is_not_a_tensor():
-    """What the loader's pinning and Backend.to_device walk: dicts, lists, tuples and named tuples (which take their
+    """What Backend.to_device walks: dicts, lists, tuples and named tuples (which take their
     fields as arguments, so rebuilding one from a generator would fail), each tensor mapped, the rest as it was."""
     from collections import namedtuple
 
@@ -71,3 +71,40 @@ def test_map_tensors_keeps_a_batch_s_structure_and_leaves_what_is_not_a_tensor()
     out = map_tensors(lambda t: t * 2, Encoding(input_ids=torch.ones(2), rest=OrderedDict(a=torch.ones(1))))
     assert type(out) is Encoding and type(out["rest"]) is OrderedDict
     assert out["input_ids"].tolist() == [2.0, 2.0] and out["rest"]["a"].tolist() == [2.0]
+
+
+def test_the_cuda_loader_pins_a_batch_type_of_the_user_s_by_its_own_pin_memory(monkeypatch):
+    """With data.num_workers=0 on CUDA the training loader cuts batches in the process and pins them as a
+    DataLoader's pin_memory=True does: tensors at any depth, and a batch object of the user's through its own
+    pin_memory() (which the DataLoader calls; a tensor walk alone left such a batch pageable). The pinning is faked
+    here (no CUDA needed: the loader only asks the device's type), so the test runs on every machine."""
+    import torch
+
+    from trainer.data.sampling import train_loader
+
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinned.append(t) or t.clone())
+
+    class Batch:  # e.g. a dataclass-like batch with tensors inside and its own pinning
+        def __init__(self, x):
+            self.x = x
+
+        def pin_memory(self):
+            return Batch(self.x.pin_memory())
+
+    data = [i for i in range(6)]
+    collate = {"custom": lambda rows: Batch(torch.tensor(rows)),
+               "nested": lambda rows: {"ids": (torch.tensor(rows), "text")}}
+    for name, fn in collate.items():
+        dataset = type("Rows", (list,), {"collate_fn": staticmethod(fn)})(data)
+        pinned.clear()
+        batches = list(train_loader(dataset, [[0, 1], [2, 3]], 0, torch.device("cuda"), 0))
+        assert len(pinned) == 2, name  # one tensor per batch, each pinned once
+        got = [b.x for b in batches] if name == "custom" else [b["ids"][0] for b in batches]
+        assert [t.tolist() for t in got] == [[0, 1], [2, 3]] and all(t is not p for t, p in zip(got, pinned))
+        if name == "nested":
+            assert all(b["ids"][1] == "text" for b in batches)
+    # On the CPU nothing is pinned.
+    pinned.clear()
+    list(train_loader(dataset, [[0, 1]], 0, torch.device("cpu"), 0))
+    assert pinned == []

@@ -21,7 +21,6 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from trainer.data import streaming
 from trainer.data.streaming import StreamLayout, is_stream
 from trainer.errors import CheckpointError
-from trainer.parallel.backend import map_tensors
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -116,8 +115,11 @@ def train_loader(dataset: Dataset, sampler: GlobalBatchSampler | StreamLayout, n
         # the GPU's queue of work, where one from pageable memory did once the batch was large (37 MiB waited, 256 KiB
         # did not, and small ones cost the host less pageable: benchmarks/h2d.py on an H100). Cut here, not by a
         # DataLoader: its bookkeeping was about 0.1 ms of the host's time a step (the loop bench's gpt_tiny row on
-        # CUDA, +0.53 -> +0.42 ms over the hand-written loop, one run of each).
-        return (map_tensors(torch.Tensor.pin_memory, batch) for batch in batches)
+        # CUDA, +0.53 -> +0.42 ms over the hand-written loop, one run of each). The pinning is the DataLoader's own, so
+        # a batch type of the user's with a pin_memory() method is pinned by it, as it was under a DataLoader.
+        from torch.utils.data._utils.pin_memory import pin_memory
+
+        return (pin_memory(batch) for batch in batches)
     return DataLoader(
         dataset,
         batch_sampler=sampler,

@@ -21,8 +21,9 @@ import torch.distributed as dist
 
 
 def map_tensors(fn, batch: Any) -> Any:
-    """`batch` with `fn` applied to each of its tensors, through mappings, lists, tuples and named tuples. A mapping
-    keeps its type where it can (a Hugging Face BatchEncoding is a UserDict), as the DataLoader's pinning keeps it."""
+    """`batch` with `fn` applied to each of its tensors, through mappings, lists, tuples and named tuples (what
+    `Backend.to_device` moves). A mapping keeps its type where it can (a Hugging Face BatchEncoding is a UserDict),
+    as the DataLoader's pinning keeps it."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, Mapping):
