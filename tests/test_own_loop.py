@@ -179,6 +179,15 @@ def test_backward_outside_accumulate_with_accumulation_on_ranks_is_an_error(tmp_
     assert "Traceback" not in r.stderr
 
 
+def test_a_loop_that_runs_the_module_under_ddp_s_wrapper_is_refused(tmp_path):
+    """rt.setup returns DDP's wrapper; a loop that kept running the module it passed in trained each rank on its own
+    gradients (the ranks' weights drifted apart, and save_model kept rank 0's), with no error."""
+    r = launch("world=ddp", "world.nproc_per_node=2", SCRIPT, "bare_model")
+    assert r.returncode == 2, r.stderr
+    assert "rt.accumulate got the module passed to rt.setup for 'model', not the DistributedDataParallel" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_your_own_loop_on_two_pipeline_stages_equals_one_process(tmp_path):
     """rt.forward_backward with a mean loss: under world.pp each microbatch's mean is averaged, so two stages
     (2 microbatches of 4) give one process's losses and weights."""
@@ -209,6 +218,56 @@ def rt():
     import trainer
 
     return trainer.Runtime("single", "fp32", grad_accum_steps=2)
+
+
+def test_what_is_not_a_set_up_model_or_parameters_is_refused_by_accumulate_and_clipping(rt):
+    model = rt.setup(nn.Linear(2, 2))
+    for wrong, says in (("model", "got a str, not a model"), (nn.Linear(2, 2), "got a Linear that was not set up")):
+        with pytest.raises(UserError, match=says):
+            rt.accumulate(wrong)
+    with pytest.raises(UserError, match="rt.clip_grad_norm_ got a str: pass a set-up model or its parameters"):
+        rt.clip_grad_norm_("model", 1.0)
+    with rt.accumulate(torch.compile(model)):  # a compiled set-up model is that model (compiled on first call only)
+        pass
+    # What it takes: the model, its parameters as a list or a generator, a tensor.
+    model(torch.ones(1, 2)).sum().backward()
+    norms = [rt.clip_grad_norm_(t, None) for t in (model, list(model.parameters()), model.parameters())]
+    assert norms[0] == norms[1] == norms[2] > 0
+    assert rt.clip_grad_norm_(model.weight, None) == model.weight.grad.norm()
+
+
+def test_rt_loader_refuses_bad_counts_an_empty_dataset_and_a_taken_name(rt):
+    data = torch.utils.data.TensorDataset(torch.arange(8.0))
+    for kwargs, says in (({"batch_size": 0}, r"batch_size=0\): batch_size must be an integer >= 1"),
+                         ({"batch_size": "4"}, r"batch_size='4'\)"), ({"batch_size": 2.5}, r"batch_size=2.5\)"),
+                         ({"batch_size": 2, "num_workers": -1}, r"num_workers=-1\): num_workers must be an integer >= 0")):
+        with pytest.raises(UserError, match=says):
+            rt.loader(data, **kwargs)
+    with pytest.raises(UserError, match="got an empty TensorDataset"):
+        rt.loader(torch.utils.data.TensorDataset(torch.zeros(0)), batch_size=2)
+    with pytest.raises(UserError, match=r"rt.eval_loader\(limit=-1\)"):
+        rt.eval_loader(data, batch_size=2, limit=-1)
+    first = rt.loader(data, batch_size=2, name="train")
+    with pytest.raises(UserError, match=r"rt.loader\(name='train'\): the name is taken"):
+        rt.loader(data, batch_size=2, name="train")
+    assert rt.stateful["train"] is first  # (a second one replaced it: the first's position was no longer saved)
+
+
+def test_load_state_of_a_step_name_save_state_did_not_write_or_of_a_file_is_refused(rt, tmp_path):
+    """save_state names checkpoints step_00000005; "step_5" was taken for a directory of checkpoints holding none,
+    so `rt.load_state(...) or 0` restarted from step 0 without a word. Now it names the checkpoint meant."""
+    model = rt.setup(nn.Linear(2, 2))
+    saved = rt.save_state(tmp_path / "ck", 5)
+    assert saved.name == "step_00000005"
+    with pytest.raises(UserError, match=r"there is no such checkpoint. The checkpoint of step 5 is .*step_00000005"):
+        rt.load_state(tmp_path / "ck" / "step_5")
+    with pytest.raises(UserError, match="there is no such checkpoint. Pass one that exists"):
+        rt.load_state(tmp_path / "ck" / "step_7")
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(UserError, match="is a file: pass a checkpoint save_state wrote"):
+        rt.load_state(tmp_path / "notes.txt")
+    assert rt.load_state(tmp_path / "ck") == 5 and rt.load_state(saved) == 5
+    del model
 
 
 def test_a_model_set_up_twice_is_refused(rt):

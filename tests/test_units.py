@@ -354,3 +354,26 @@ def test_a_setting_added_to_the_framework_s_sections_says_what_older_runs_did():
             f = fields[key]
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             assert value == default, (section, key, value, default)
+
+
+class PickyConfig:
+    """A model config that refuses its sizes as transformers' validation does: the reason on the second line."""
+
+    def __init__(self, hidden_size: int, heads: int):
+        raise ValueError("Class validation error for validator 'validate_architecture':\n"
+                         f"    ValueError: The hidden size ({hidden_size}) is not a multiple of the number of "
+                         f"attention heads ({heads}).")
+
+
+def test_a_section_that_cannot_be_built_names_the_whole_reason_in_one_paragraph():
+    from omegaconf import OmegaConf
+
+    from trainer.config.instantiate import build_node
+
+    node = OmegaConf.create({"_target_": f"{__name__}.PickyConfig", "hidden_size": 65, "heads": 4})
+    with pytest.raises(ConfigError) as e:
+        build_node("model", node)
+    text = str(e.value)
+    assert "validate_architecture': ValueError: The hidden size (65) is not a multiple of the number of attention " \
+           "heads (4). Check the keys under model" in text
+    assert "\n" not in text

@@ -98,6 +98,15 @@ def backward_outside(rt: trainer.Runtime, out: str) -> None:
     rt.backward(loss)
 
 
+def bare_model(rt: trainer.Runtime) -> None:
+    """The mistake: the module passed to setup run instead of what setup returned (under DDP, its wrapper)."""
+    bare = nn.Linear(2, 2)
+    model, opt = rt.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.1))
+    assert model is not bare  # (DDP wraps it)
+    with rt.accumulate(bare):
+        rt.backward(bare(torch.ones(1, 2)).sum())
+
+
 def pipeline(rt: trainer.Runtime, out: str, backward: bool = False) -> None:
     """Four steps of a two-block GPT on a mean cross-entropy, each through rt.forward_backward (or, a mistake under
     world.pp, the model and rt.backward); the losses are printed as JSON and the weights saved to OUT."""
@@ -193,6 +202,7 @@ if __name__ == "__main__":
      "gather": lambda: gather(runtime, int(args[0]), int(args[1])),
      "save_on_main_only": lambda: save_on_main_only(runtime, args[0]),
      "backward_outside": lambda: backward_outside(runtime, args[0]),
+     "bare_model": lambda: bare_model(runtime),
      "pipeline": lambda: pipeline(runtime, args[0]),
      "pipeline_backward": lambda: pipeline(runtime, args[0], backward=True),
      "diverge": lambda: diverge(runtime, args[0]),

@@ -23,7 +23,12 @@ def build_node(section: str, node: Any, *args, **kwargs) -> Any:
         return instantiate(node, *args, **kwargs)
     except InstantiationException as e:
         cause = e.__cause__ or e
-        detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        # Every line of the reason, as one paragraph: transformers' config validation puts it on the second line
+        # ("Class validation error for validator ...:" then "ValueError: The hidden size (65) is not a multiple...").
+        lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+        detail = " ".join(lines).rstrip(".") if lines else type(cause).__name__
+        if len(detail) > 1000:  # (a repr of a whole config, say: the start says what failed)
+            detail = detail[:1000] + " ..."
         if isinstance(cause, DataError | ConfigError | CheckpointError):
             raise cause from None
         raise ConfigError(f"could not build '{section}' ({node.get('_target_', '?')}): {detail}. "

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -316,6 +317,29 @@ class Runtime:
     def _free_name(base: str, taken: dict) -> str:
         return next(n for n in (base, *(f"{base}_{i}" for i in range(1, len(taken) + 2))) if n not in taken)
 
+    def _check_set_up(self, models, what: str) -> None:
+        """Each of `models` must be what rt.setup returned: under DDP the module passed to setup is not the one that
+        syncs gradients, so a loop that ran it trained every rank on its own gradients, and nothing said so."""
+        set_up = self.models.values()
+        for m in models:
+            inner = m  # (torch.compile of a set-up model is that model: `torch.compile(rt.setup(model))`, the Trainer's)
+            while not any(inner is s for s in set_up) and hasattr(inner, "_orig_mod"):
+                inner = inner._orig_mod
+            if any(inner is s for s in set_up):
+                continue
+            if not isinstance(m, nn.Module):
+                raise UserError(f"{what} got a {type(m).__name__}, not a model: pass the model(s) rt.setup returned "
+                                "(`model, optimizer = rt.setup(model, optimizer)`).")
+            name = self._name_of(m)
+            if name is None:
+                raise UserError(f"{what} got a {type(m).__name__} that was not set up: pass it through rt.setup(model, "
+                                "optimizer) first and use the model setup returns.")
+            raise UserError(f"{what} got the module passed to rt.setup for {name!r}, not the "
+                            f"{type(self.models[name]).__name__} setup returned for it: that one syncs the gradients "
+                            "between processes (DDP, FSDP), and a forward through the module underneath trains every "
+                            "rank on its own gradients. Keep what setup returned, `model, optimizer = "
+                            "rt.setup(model, optimizer)`, and run its forward.")
+
     def _name_of(self, model: nn.Module) -> str | None:
         return next((n for n, m in self.models.items() if m is model), None) or next(
             (n for n, m in self.models.items() if unwrap(m) is unwrap(model)), None)
@@ -336,6 +360,16 @@ class Runtime:
         """This rank's micro-batches of `dataset` (`batch_size` per process and micro-step), on the device: the
         same global batches on any number of processes. Checkpointed by save_state."""
         _not_a_loader(dataset, "loader")
+        _loader_args("loader", batch_size=batch_size, num_workers=num_workers)
+        from trainer.data.streaming import sized
+
+        if sized(dataset) == 0:
+            raise UserError(f"rt.loader got an empty {type(dataset).__name__} (len 0): there is nothing to train on. "
+                            "Check how the dataset was built (a path, a filter, a split that left nothing).")
+        if name is not None and (name in self.stateful or name in ("trainer", "optimizer", "rng")):
+            # (a second loader under the same name replaced the first in save_state: its position was lost)
+            raise UserError(f"rt.loader(name={name!r}): the name is taken (each loader's position is saved under its "
+                            "name). Give each loader a name of its own, or leave name out for a free one.")
         loader = Loader(self, dataset, batch_size, shuffle, num_workers, self.seed)
         self.stateful[name or self._free_name("loader", self.stateful)] = loader
         return loader
@@ -343,6 +377,7 @@ class Runtime:
     def eval_loader(self, dataset, batch_size: int, limit: int | None = None) -> EvalLoader:
         """This rank's share of an eval set, each sample once (see EvalLoader; rt.gather_for_metrics)."""
         _not_a_loader(dataset, "eval_loader")
+        _loader_args("eval_loader", batch_size=batch_size, **({} if limit is None else {"limit": limit}))
         return EvalLoader(self, dataset, batch_size, limit)
 
     # -- the step ------------------------------------------------------------------------------------------
@@ -353,6 +388,8 @@ class Runtime:
         """One micro-step: gradients are synced between ranks only in the last of every `grad_accum_steps`
         (DDP's no_sync, FSDP's set_requires_gradient_sync); `rt.step` steps only then. `last` says whether this
         micro-step ends the step, where the loop knows (the Trainer does); by default every grad_accum_steps-th."""
+        if models:
+            self._check_set_up(models, "rt.accumulate")
         models = models or tuple(self.models.values())
         if last is None:  # (a loop of one's own; the Trainer says where its steps end)
             named = frozenset(map(id, models))
@@ -483,6 +520,14 @@ class Runtime:
         """Clip the true (unscaled, synced) gradients of a model or parameters to `max_norm` over every rank and
         mesh; None only measures. Returns the total norm before clipping, on the device."""
         self._check_at_boundary("rt.clip_grad_norm_")
+        if isinstance(target, torch.Tensor):
+            target = [target]
+        elif not isinstance(target, nn.Module):
+            given = type(target).__name__
+            target = list(target) if isinstance(target, Iterable) and not isinstance(target, (str, bytes)) else None
+            if target is None or not all(isinstance(p, torch.Tensor) for p in target):
+                raise UserError(f"rt.clip_grad_norm_ got a {given}: pass a set-up model or its parameters "
+                                "(`rt.clip_grad_norm_(model, 1.0)` or `rt.clip_grad_norm_(model.parameters(), 1.0)`).")
         name = self._name_of(target) if isinstance(target, nn.Module) else None
         params = self._trainable(name) if name is not None else self._params(target)
         if name is not None:  # a set-up model: its owner is known without looking at every parameter
@@ -594,9 +639,16 @@ class Runtime:
 
         self._all_ranks_here("load_state")
         path = Path(path)
-        if step_of(path) >= 0 and not path.is_dir():
-            raise UserError(f"rt.load_state({str(path)!r}): there is no such checkpoint. Pass one that exists, or "
-                            f"its directory ({path.parent}) for the newest there (None when there is none yet).")
+        numbered = re.fullmatch(r"step_([0-9]+)", path.name)  # (save_state names them step_00000005: 8 digits)
+        if (step_of(path) >= 0 or numbered) and not path.is_dir():
+            padded = path.parent / f"step_{int(numbered.group(1)):08d}" if numbered else None
+            hint = (f" The checkpoint of step {int(numbered.group(1))} is {padded}." if padded and padded.is_dir()
+                    else "")
+            raise UserError(f"rt.load_state({str(path)!r}): there is no such checkpoint.{hint} Pass one that exists, "
+                            f"or its directory ({path.parent}) for the newest there (None when there is none yet).")
+        if path.exists() and not path.is_dir():
+            raise UserError(f"rt.load_state({str(path)!r}) is a file: pass a checkpoint save_state wrote (a step_* "
+                            "directory) or the directory save_state wrote them into.")
         if not (path / MANIFEST).exists():
             found = Checkpointer(path).complete() if path.is_dir() else []
             if not found:
@@ -744,6 +796,14 @@ def _not_a_loader(dataset: Any, what: str) -> None:
                         "same global batches on any number of processes, resumable). Pass the DataLoader's dataset: "
                         f"rt.{what}(loader.dataset, batch_size=..., ...), where Accelerate has "
                         "accelerator.prepare(DataLoader(...)).")
+
+
+def _loader_args(what: str, **counts: Any) -> None:
+    """rt.loader's and rt.eval_loader's counts: integers (batch_size >= 1, the others >= 0), each named when not."""
+    for key, value in counts.items():
+        low = 1 if key == "batch_size" else 0
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise UserError(f"rt.{what}({key}={value!r}): {key} must be an integer >= {low}.")
 
 
 def _forward_progress(module: nn.Module, args: Any) -> None:
