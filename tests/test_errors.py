@@ -176,6 +176,18 @@ def test_data_mistakes(tmp_path, case, needle):
     assert not run_dir.exists() and not (tmp_path / "cache").exists()
 
 
+@pytest.mark.parametrize("case", ["missing", "directory"])
+def test_a_val_path_mistake_names_data_val_path(corpus, tmp_path, case):
+    """data.val_path is read like data.path; its mistakes name it (they named data.path, which was fine)."""
+    path = _data_case(tmp_path, case)
+    run_dir = tmp_path / "run"
+    r = run_here(*tiny_overrides(corpus, "data=text_stream", f"data.val_path={path}"), f"hydra.run.dir={run_dir}",
+                 cwd=tmp_path, env={"TRAINER_CACHE_DIR": str(tmp_path / "cache")})
+    assert_clean_error(r, f"data.val_path='{path}'", "Point data.val_path at")
+    assert "data.path=" not in r.stderr
+    assert not run_dir.exists()
+
+
 def test_resume_from_a_path_that_does_not_exist(corpus, tmp_path):
     r = run_here(*tiny_overrides(corpus), f"hydra.run.dir={tmp_path / 'run'}", f"resume={tmp_path / 'nope'}")
     assert_clean_error(r, str(tmp_path / "nope"), "does not exist")

@@ -126,35 +126,40 @@ def stdlib_corpus(seq_len: int = 256, cache_dir: str | None = None, val_every: i
     return _splits(cache, seq_len)
 
 
-def text_files(path: str) -> list[Path]:
-    """The files `data.path` names: a file, every regular file under a directory (hidden ones skipped), or the
-    files a glob pattern matches (`~/books/*.txt`, `corpus/**/*.md`), in sorted order."""
+def text_files(path: str, key: str = "data.path") -> list[Path]:
+    """The files `data.path` (or the setting `key`) names: a file, every regular file under a directory (hidden
+    ones skipped), or the files a glob pattern matches (`~/books/*.txt`, `corpus/**/*.md`), in sorted order."""
     from trainer.data.files import local_files
 
-    return local_files(path, "Point data.path at a readable text file, a directory of them or a glob pattern, e.g. "
-                             "data=text data.path=/path/to/book.txt.")
+    return local_files(path, f"Point {key} at a readable text file, a directory of them or a glob pattern, e.g. "
+                             f"data=text {key}=/path/to/book.txt.", key=key)
 
 
 def text_file(path: str, seq_len: int = 256, cache_dir: str | None = None, val_fraction: float = 0.1):
     """Text as bytes from `text_files(path)`, concatenated (a newline between files): the last `val_fraction`
     of it is the validation split."""
+    return _text_splits(path, seq_len, cache_dir, val_fraction, "data.path")
+
+
+def _text_splits(path: str, seq_len: int, cache_dir: str | None, val_fraction: float, key: str):
+    """text_file's work; `key` is the setting that named `path`, for the errors (data.path, data.val_path)."""
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"data.val_fraction={val_fraction} must be in [0, 1).")
-    files = text_files(path)
-    hint = "Point data.path at a readable text file, e.g. data=text data.path=/path/to/book.txt."
+    files = text_files(path, key)
+    hint = f"Point {key} at a readable text file, e.g. data=text {key}=/path/to/book.txt."
     try:
         stats = [f.stat() for f in files]
         for f in files:
             with open(f, "rb"):
                 pass
     except OSError as e:
-        raise DataError(f"data.path={str(path)!r} cannot be read ({e.strerror}: {e.filename}). {hint}") from None
+        raise DataError(f"{key}={str(path)!r} cannot be read ({e.strerror}: {e.filename}). {hint}") from None
     size = sum(st.st_size for st in stats) + len(files) - 1
     if size <= 0:
-        raise DataError(f"data.path={str(path)!r} is empty. {hint}")
+        raise DataError(f"{key}={str(path)!r} is empty. {hint}")
     if size < seq_len + 1:
         raise DataError(
-            f"data.path={str(path)!r} has {size} bytes, fewer than data.seq_len + 1 = {seq_len + 1}. "
+            f"{key}={str(path)!r} has {size} bytes, fewer than data.seq_len + 1 = {seq_len + 1}. "
             f"Use a longer file or a smaller data.seq_len."
         )
     key = hashlib.sha256(repr((FORMAT, [(str(f.resolve()), st.st_size, st.st_mtime_ns) for f, st in zip(files, stats)],
@@ -252,7 +257,7 @@ def text_stream(path: str, seq_len: int = 256, by_file: bool = False, val_path: 
         short = next(f for f, w in zip(files, train.windows) if w == 0)
         raise DataError(f"data.by_file=true, but {short} has fewer than data.seq_len + 1 = {seq_len + 1} bytes: a "
                         "reader given only such files would get no sample. Remove it or set data.by_file=false.")
-    val = text_file(val_path, seq_len, cache_dir, val_fraction=0.0)[0] if val_path else None
+    val = _text_splits(val_path, seq_len, cache_dir, 0.0, "data.val_path")[0] if val_path else None
     return train, val
 
 
