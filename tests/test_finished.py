@@ -155,7 +155,10 @@ def test_eval_mistakes_are_one_paragraph(reference, tmp_path):
                          # (were a TypeError, an IndexError and an AttributeError from inside the sampling)
                          (["sample", str(reference), "task.temperature=abc"], "task.temperature='abc' is not a number"),
                          (["sample", str(reference), "task.top_k=0"], "task.top_k=0 is not an integer >= 1 or null"),
-                         (["sample", str(reference), "task.sample_prompt=123"], "task.sample_prompt=123 is not text")):
+                         (["sample", str(reference), "task.sample_prompt=123"], "task.sample_prompt=123 is not text"),
+                         # (only the wrong one is named: the valid task.sample_tokens=5 was listed with it)
+                         (["sample", str(reference), "task.sample_tokens=5", "world.threads=1"],
+                          "task.KEY=VALUE, not world.threads=1. Usage")):
         r = run_main(*args, cwd=tmp_path)
         assert_clean_error(r, needle)
 

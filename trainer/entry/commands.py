@@ -315,9 +315,10 @@ def sample(argv: list[str]) -> int:
              "offload_dir=DIR show_map=true] [task.KEY=VALUE ...]")
     run_dir, opts, rest = _run_and_options(argv, usage, ("ema", "out"))
     placement, rest = cli_options(rest)
-    if any(not a.startswith("task.") or "=" not in a for a in rest):
+    wrong = [a for a in rest if not a.startswith("task.") or "=" not in a]  # (only those: the rest are fine)
+    if wrong:
         raise ConfigError(f"python -m trainer sample takes ema=, out=, device_map=, max_memory.DEVICE=, offload_dir=, "
-                          f"show_map= and task.KEY=VALUE, not {' '.join(rest)}. "
+                          f"show_map= and task.KEY=VALUE, not {' '.join(wrong)}. "
                           f"Usage: {usage}")
     task_keys = {a.split("=", 1)[0][len("task."):]: yaml_value(a) for a in rest}
     run = Path(run_dir)
