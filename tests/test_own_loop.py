@@ -145,7 +145,7 @@ def test_load_state_drops_the_events_logged_after_the_checkpoint(tmp_path):
 
     import trainer
 
-    def run(steps: range) -> None:
+    def run(steps: range, late_load: bool = False) -> None:
         rt = trainer.Runtime(run_dir=tmp_path)
         model = rt.setup(nn.Linear(2, 2))
         del model
@@ -155,20 +155,36 @@ def test_load_state_drops_the_events_logged_after_the_checkpoint(tmp_path):
                 rt.log({"loss": float(step)}, step)
                 if step == 2:
                     rt.save_state(tmp_path / "checkpoints", step)
+        if late_load:  # a load later in a run (the best checkpoint, for a last eval) keeps what this process logged
+            assert rt.load_state(tmp_path / "checkpoints" / "step_00000002") == 2
         rt.end()
 
     run(range(1, 5))  # killed after step 4's log, say
-    run(range(1, 7))
+    run(range(1, 7), late_load=True)
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
         [1, 2, 3, 4, 5, 6]
-    # A load later in a run (the best checkpoint, for a last eval) keeps what this process logged.
-    rt = trainer.Runtime(run_dir=tmp_path)
-    rt.setup(nn.Linear(2, 2))
-    rt.log({"loss": 7.0}, 7)
-    assert rt.load_state(tmp_path / "checkpoints" / "step_00000002") == 2
-    rt.end()
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
-        [1, 2, 3, 4, 5, 6, 7]
+    assert not (tmp_path / "metrics.prev.jsonl").exists()
+
+
+def test_a_run_that_loads_no_checkpoint_keeps_an_earlier_run_s_events_beside_its_own(tmp_path, capfd):
+    """Two runs of a script without checkpoints into one run_dir appended to one metrics.jsonl (steps 1, 2, 1, 2).
+    The second run's first rt.log keeps the first's events as metrics.prev.jsonl, as the CLI's fresh start does."""
+    import json
+
+    import trainer
+
+    def steps(path):
+        return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+    for loss in (1.0, 2.0):
+        rt = trainer.Runtime(run_dir=tmp_path)
+        rt.setup(nn.Linear(2, 2))
+        for step in (1, 2):
+            rt.log({"loss": loss}, step)
+        rt.end()
+    assert steps(tmp_path / "metrics.jsonl") == [1, 2] and steps(tmp_path / "metrics.prev.jsonl") == [1, 2]
+    assert [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [2.0, 2.0]
+    assert "held the events of an earlier run" in capfd.readouterr().err
 
 
 def test_backward_outside_accumulate_with_accumulation_on_ranks_is_an_error(tmp_path):
@@ -227,13 +243,13 @@ def test_what_is_not_a_set_up_model_or_parameters_is_refused_by_accumulate_and_c
             rt.accumulate(wrong)
     with pytest.raises(UserError, match="rt.clip_grad_norm_ got a str: pass a set-up model or its parameters"):
         rt.clip_grad_norm_("model", 1.0)
-    with rt.accumulate(torch.compile(model)):  # a compiled set-up model is that model (compiled on first call only)
-        pass
     # What it takes: the model, its parameters as a list or a generator, a tensor.
     model(torch.ones(1, 2)).sum().backward()
     norms = [rt.clip_grad_norm_(t, None) for t in (model, list(model.parameters()), model.parameters())]
     assert norms[0] == norms[1] == norms[2] > 0
     assert rt.clip_grad_norm_(model.weight, None) == model.weight.grad.norm()
+    with rt.accumulate(torch.compile(model)):  # a compiled set-up model is that model (compiled on first call only)
+        pass
 
 
 def test_rt_loader_refuses_bad_counts_an_empty_dataset_and_a_taken_name(rt):

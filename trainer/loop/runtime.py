@@ -132,6 +132,7 @@ class Runtime:
         self._watched = launched is not None
         self.loggers = self._loggers(launched, log_with)
         self._logged = False  # whether this process has logged (rt.load_state rewinds the loggers only before)
+        self._loaded = False  # whether rt.load_state loaded a checkpoint (else the first log starts metrics anew)
         # The job's logger=... has nowhere to write without a run_dir: said once, at the first rt.log.
         self._unlogged = sorted(launched.get("logger") or {}) if launched is not None and run_dir is None else []
         # What save_state checkpoints: models and optimizers by name, and every other stateful object.
@@ -655,6 +656,7 @@ class Runtime:
                 return None
             path = found[-1]
         self._manager(path.parent, 2).load(path)
+        self._loaded = True
         if self.backend.is_main and not self._logged:  # a restart: the events logged after the checkpoint go,
             self.loggers.rewind(self.position.step)       # the loop logs them again (not a load late in a run)
         if self._watched:
@@ -742,14 +744,26 @@ class Runtime:
                 shown = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
                 raise UserError(f"rt.log: {key!r} is {shown}, not a number: log one number a key (`.mean()` of a "
                                 "tensor, `.item()` of a one-element one).")
-        self._logged = True
+        first, self._logged = not self._logged, True
         if self.backend.is_main:
+            if first and not self._loaded and self.run_dir is not None:
+                self._start_fresh()
             if self._unlogged:
                 print(f"note: rt.log: the job's logger={','.join(self._unlogged)} has no directory to write in, so "
                       "these metrics go nowhere: pass one to the script's trainer.Runtime(run_dir=DIR) (metrics.jsonl "
                       "and the trackers' files go there).", file=sys.stderr, flush=True)
                 self._unlogged = []
             self.loggers.log_metrics({k: float(v) for k, v in metrics.items()}, step)
+
+    def _start_fresh(self) -> None:
+        """A run that loaded no checkpoint and logs into a run dir holding events: those are an earlier run's (a
+        resumed one rewinds them in rt.load_state). Kept beside as metrics.prev.jsonl, as the CLI keeps them, where
+        they were appended to: one file then held both runs' steps 1, 2, ... ."""
+        old = self.run_dir / "metrics.jsonl"
+        if old.exists() and old.stat().st_size:
+            self.loggers.start_fresh()
+            print(f"note: {old} held the events of an earlier run, and this one loaded no checkpoint (rt.load_state): "
+                  "they are kept as metrics.prev.jsonl beside it.", file=sys.stderr, flush=True)
 
     def end(self) -> None:
         """Finish the trackers and leave the process group (every rank, at the end of the script)."""
