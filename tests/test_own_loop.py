@@ -286,6 +286,21 @@ def test_load_state_of_a_step_name_save_state_did_not_write_or_of_a_file_is_refu
     del model
 
 
+def test_a_checkpoint_of_another_model_shape_names_the_tensors_and_the_script_not_a_config(tmp_path):
+    """An own loop has no config.yaml to point at: the advice is the script's model."""
+    import trainer
+
+    rt = trainer.Runtime("single", "fp32")
+    rt.setup(nn.Linear(2, 2))
+    rt.save_state(tmp_path, 1)
+    other = trainer.Runtime("single", "fp32")
+    other.setup(nn.Linear(3, 2))
+    with pytest.raises(CheckpointError, match=r"does not match the model \(1 tensors\): .*weight.*Build the model as "
+                                              r"the script that saved it did") as e:
+        other.load_state(tmp_path)
+    assert "config.yaml" not in str(e.value)
+
+
 def test_a_model_set_up_twice_is_refused(rt):
     model = nn.Linear(2, 2)
     rt.setup(model)

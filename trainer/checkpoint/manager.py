@@ -213,8 +213,10 @@ class CheckpointManager:
             del loaded.model[key]  # this run rebuilds it (an older checkpoint of a LoRA run kept its base)
         problems = ckpt.model_mismatches(loaded, live_model)
         if problems:
+            fix = ("Build the model as the script that saved it did (the same layers and sizes)" if self.every_component
+                   else "Use the model config it was trained with (see its config.yaml)")  # (a loop of one's own: no config)
             raise CheckpointError(f"{where} does not match the model ({len(problems)} tensors): " + "; ".join(problems)
-                                  + ". Use the model config it was trained with (see its config.yaml).")
+                                  + f". {fix}.")
         tree = loaded.tree if isinstance(loaded.tree, dict) else {}
         like = {"trainer": self.run.state_dict(), "rng": [rng_state()],
                 **{n: c.state_dict() for n, c in self.components.items()},
