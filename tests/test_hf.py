@@ -260,3 +260,21 @@ def test_an_eval_override_of_a_size_key_reaches_the_model_by_either_name(tmp_pat
         model = resolve(config_of(tmp_path, [f"model.{given}=8"])).model
         assert (model[given], model[twin]) == (8, 8), given
     assert resolve(config_of(tmp_path, ["model.intermediate_size=8"])).model.hidden_size == 64  # no twin: its own
+
+
+def test_rt_save_model_of_a_hugging_face_model_loads_with_from_pretrained(transformers, tmp_path):
+    """A loop of one's own: rt.save_model writes config.json beside the weights (it wrote the weights alone, so
+    from_pretrained could not read the directory), and from_pretrained gives the same logits."""
+    import trainer
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    rt = trainer.Runtime("single", "fp32")
+    model = rt.setup(model)
+    written = rt.save_model(model, tmp_path)
+    assert "config.json" in written and (tmp_path / "config.json").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".config-")]  # (the scratch dir is gone)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)

@@ -345,7 +345,13 @@ def export(trainer: Trainer, cfg: DictConfig, run_dir: Path) -> None:
     missing or older one, or a listed file missing or changed, means the export must be (re)done. Every rank
     takes part under a sharded strategy (each tensor is gathered in turn)."""
     from trainer.io import atomic_write_json
-    from trainer.models.export import export_model, export_task_state, file_digests, remove_export
+    from trainer.models.export import (
+        export_model,
+        export_task_state,
+        file_digests,
+        remove_export,
+        write_hf_config,
+    )
 
     ccfg: CheckpointConfig = typed(CheckpointConfig, cfg.get("checkpoint"))
     model_config = redact(OmegaConf.to_container(cfg.model, resolve=True))
@@ -365,10 +371,7 @@ def export(trainer: Trainer, cfg: DictConfig, run_dir: Path) -> None:
                 remove_export(run_dir, "model_ema")
             if hasattr(trainer.task, "state_dict"):
                 files.append(export_task_state(trainer.task.state_dict(), run_dir))
-            config = getattr(trainer.raw_model, "config", None)
-            if hasattr(config, "save_pretrained"):  # a Hugging Face model: config.json, so from_pretrained(RUN_DIR) works
-                config.save_pretrained(str(run_dir))
-                files.append("config.json")
+            files += write_hf_config(trainer.raw_model, run_dir)  # a Hugging Face model's: from_pretrained(RUN_DIR)
             atomic_write_json(run_dir / EXPORT_MARKER, {"step": trainer.step, "names": [n for n, _ in parts],
                                                         "files": file_digests(run_dir, sorted(set(files))),
                                                         "stopped": trainer.stop_reason or None})

@@ -89,6 +89,22 @@ def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, mod
     return [*written, "model_config.json", *adapter_files]
 
 
+def write_hf_config(model, directory: Path) -> list[str]:
+    """A Hugging Face model's config.json beside its weights, so that `from_pretrained(directory)` loads them:
+    written by transformers' own `save_pretrained` (which validates the config) into a scratch dir, then renamed into
+    place. [] for a model without such a config."""
+    import os
+    import tempfile
+
+    config = getattr(model, "config", None)
+    if not hasattr(config, "save_pretrained"):
+        return []
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".config-") as tmp:
+        config.save_pretrained(tmp)
+        os.replace(Path(tmp) / "config.json", Path(directory) / "config.json")
+    return ["config.json"]
+
+
 def _listed(run_dir: Path) -> set[str] | None:
     """The files the run dir's export.json lists; None without a readable one (a directory of the user's own)."""
     try:
