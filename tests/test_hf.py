@@ -278,3 +278,6 @@ def test_rt_save_model_of_a_hugging_face_model_loads_with_from_pretrained(transf
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+        # trainer.load reads such a directory too (it said "not a run dir" without a device_map)
+        ours = trainer.load(tmp_path)
+        assert not ours.training and torch.equal(ours(ids).logits, model(ids).logits)

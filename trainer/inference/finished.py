@@ -264,13 +264,21 @@ def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "c
 
     With `device_map` ("auto", "balanced", "sequential" or {module: device}), `max_memory` ({"cpu": "2GB", 0:
     "10GiB", "disk": ...}) or `offload_dir`, the model is placed block by block on the GPUs, the CPU and disk
-    and never held whole (trainer/inference/device_map.py; `run_dir` may then also be a Hugging Face model directory);
-    `max_memory` or `offload_dir` alone mean device_map="auto"."""
+    and never held whole (trainer/inference/device_map.py); `max_memory` or `offload_dir` alone mean
+    device_map="auto". `run_dir` may also be a Hugging Face model directory (config.json and safetensors weights)."""
     if device_map is not None or max_memory is not None or offload_dir is not None:
         from trainer.inference.device_map import load as load_dispatched
 
         return load_dispatched(run_dir, device_map="auto" if device_map is None else device_map,
                                max_memory=max_memory, offload_dir=offload_dir, ema=ema)
+    given = Path(run_dir).expanduser()
+    if not (given / "config.yaml").exists() and (given / "config.json").is_file():
+        # A Hugging Face model directory (save_pretrained's, or rt.save_model's): the device-map loader reads those;
+        # everything on `device` is the whole model there, as from_pretrained would give it.
+        from trainer.inference.device_map import load as load_dispatched
+
+        return load_dispatched(given, device_map={"": str(torch.device(device))}, max_memory=None, offload_dir=None,
+                               ema=ema)
     path = _run_dir(run_dir)
     source, fix = path / "model_config.json", _reexport(path)
     model = model_of(path)
