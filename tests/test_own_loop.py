@@ -301,6 +301,24 @@ def test_a_checkpoint_of_another_model_shape_names_the_tensors_and_the_script_no
     assert "config.yaml" not in str(e.value)
 
 
+def test_a_checkpoint_of_another_optimizer_class_says_so(tmp_path):
+    import trainer
+
+    def set_up(rt, optimizer_class, **kwargs):
+        model = nn.Linear(2, 2)
+        model, opt = rt.setup(model, optimizer_class(model.parameters(), **kwargs))
+        with rt.accumulate(model):
+            rt.backward(model(torch.ones(1, 2)).sum())
+        rt.step(opt)
+
+    set_up(rt := trainer.Runtime("single", "fp32"), torch.optim.Adam)
+    rt.save_state(tmp_path, 1)
+    set_up(other := trainer.Runtime("single", "fp32"), torch.optim.SGD, lr=0.1, momentum=0.9)
+    with pytest.raises(CheckpointError, match=r"'/optimizer/state/weight' lacks momentum_buffer. The optimizer it was saved with kept other "
+                                              r"state or settings: another optimizer class"):
+        other.load_state(tmp_path)
+
+
 def test_a_model_set_up_twice_is_refused(rt):
     model = nn.Linear(2, 2)
     rt.setup(model)

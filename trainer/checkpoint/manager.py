@@ -245,7 +245,15 @@ class CheckpointManager:
             raise CheckpointError(f"{where} has no {', '.join(missing)} state: it was saved by another configuration.")
         model_state = {k: snapshot.assemble(k, loaded.model[k], v, where) for k, v in live_model.items()}
         like["optimizer"] = self.parts.optimizer_template(tree["optimizer"])
-        state = snapshot.conform({k: tree[k] for k in like}, like, loaded.state, where)
+        try:
+            state = snapshot.conform({k: tree[k] for k in like}, like, loaded.state, where)
+        except CheckpointError as e:
+            if "'/optimizer/" in str(e) and "' lacks " in str(e):  # (its state's or settings' keys: another class's)
+                raise CheckpointError(f"{e} The optimizer it was saved with kept other state or settings: another "
+                                      "optimizer class (Adam's moments, SGD's momentum buffer), or the same one with "
+                                      "other options (SGD without momentum keeps no buffer). Build the optimizer it was "
+                                      "saved with, or load the model's weights alone.") from None
+            raise
         self.parts.check_optimizer(state["optimizer"], like["optimizer"], where)
         for name, c in self.components.items():
             if name in state and hasattr(c, "check_state"):  # values of the right kind but out of range
