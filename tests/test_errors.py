@@ -61,6 +61,12 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
     (["optim.lr=0"], ["optim.lr=0", "> 0"]),
     (["optim.lr=-1e-3"], ["optim.lr=-0.001"]),
     (["world.nproc_per_node=2"], ["world=ddp"]),  # an incompatible combination: several processes, world=single
+    # The strategies' own flags (a string was truthy: cpu_offload=maybe offloaded; others were a traceback per rank).
+    (["world=fsdp", "world.cpu_offload=maybe"], ["world.cpu_offload='maybe' is invalid: expected a bool (true or false)"]),
+    (["world=ddp", "world.static_graph=maybe"], ["world.static_graph='maybe' is invalid: expected a bool"]),
+    (["world=ddp", "world.bucket_cap_mb=-1"], ["world.bucket_cap_mb=-1 is invalid: expected a number of megabytes > 0"]),
+    (["world=deepspeed", "world.offload_param=yes"], ["world.offload_param='yes' is invalid: expected a bool (true or false) "
+                                                      "or null"]),
     (["data=text"], ["data.path is required"]),
     (["model._target_=os.system"], ["model._target_='os.system' is refused", "blocklist"]),
     (["model._target_=trainer.recipes.lm.model.GTP"], ["cannot be imported"]),

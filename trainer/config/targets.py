@@ -90,6 +90,8 @@ def check_targets(cfg: DictConfig) -> None:
             if key == "data":  # (build_data leaves these out of the call)
                 keys = {k: v for k, v in keys.items() if k not in unused_nulls(obj, keys)}
             check_keywords(key, obj, keys, extra_ok=extra)
+            if key == "world":  # (the strategy's own flags reach DDP, fully_shard, ... only inside the workers)
+                check_scalar_types(key, obj, keys)
             for part in parts:  # optim.generator: {lr: ...}: the base target's keys, for one part (per_part)
                 if "_target_" not in node[part]:
                     check_keywords(f"{key}.{part}", obj, {k: node[part][k] for k in node[part] if k not in special})
@@ -170,6 +172,37 @@ def unused_nulls(target: Any, node: dict) -> set[str]:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return set()
     return {k for k, v in node.items() if v is None and not str(k).startswith("_") and k not in params}
+
+
+_SCALARS = {"bool": ("a bool (true or false)", lambda v: isinstance(v, bool)),
+            "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+            "float": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))}
+
+
+def check_scalar_types(section: str, target: Any, node: dict) -> None:
+    """Each key whose parameter `target` annotates as bool, int or float (or one of them | None) must hold one: a
+    string there ("maybe") was truthy (world.cpu_offload=maybe trained with offloading on) or reached torch inside
+    every worker as a traceback."""
+    import inspect
+
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return
+    for k, value in node.items():
+        if k not in params:
+            continue
+        annotation = params[k].annotation
+        kinds = [t.strip() for t in (annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+                                     ).split("|")]
+        scalars = [t for t in kinds if t in _SCALARS]
+        if not scalars or not set(kinds) <= {*_SCALARS, "None"}:  # (a list, a str, a mix: not judged here)
+            continue
+        if value is None and "None" in kinds:
+            continue
+        if not any(_SCALARS[t][1](value) for t in scalars):
+            expected = " or ".join([_SCALARS[t][0] for t in scalars] + (["null"] if "None" in kinds else []))
+            raise ConfigError(f"{section}.{k}={value!r} is invalid: expected {expected}.")
 
 
 def check_keywords(section: str, target: Any, node: dict, extra_ok: tuple[str, ...] = ()) -> None:
