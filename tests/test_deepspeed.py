@@ -308,6 +308,10 @@ def test_the_run_values_come_from_the_config_as_the_world_yaml_wires_them(corpus
     (["world.config=ds.json", "world.stage=2"], ["world.config=ds.json contradicts this run's config",
                                                  "zero_optimization.stage is 3 there but world.stage=2",
                                                  "gradient_clipping is 0.25 there but trainer.grad_clip=1.0"]),
+    # train_batch_size needs the number of ranks: named with the rest, before any process (it came from the
+    # workers, alone, after the others were fixed, and left the run dir behind)
+    (["world.config=batch.json"], ["train_batch_size is 16 there but data.batch_size x trainer.grad_accum_steps x "
+                                   "data-parallel ranks", "gradient_clipping is 0.25 there"]),
     (["world.offload_param=true"], ["world.offload_param needs ZeRO stage 3"]),
     (["world.stage=4"], ["world.stage=4 is invalid", "1, 2 or 3"]),
     (["world.config=missing.json"], ["world.config='missing.json' cannot be read"]),
@@ -317,9 +321,10 @@ def test_deepspeed_config_mistakes_are_one_paragraph_before_any_process(tmp_path
     from test_errors import assert_clean_error
 
     (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}, "gradient_clipping": 0.25}))
+    (tmp_path / "batch.json").write_text(json.dumps({"train_batch_size": 16, "gradient_clipping": 0.25}))
     r = run_here(*tiny_overrides(corpus, *DS2), *args, "hydra.run.dir=run", cwd=tmp_path)
     assert_clean_error(r, *needles)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["batch.json", "ds.json"]
 
 
 def test_without_deepspeed_world_deepspeed_is_the_install_paragraph(tmp_path, corpus, monkeypatch):

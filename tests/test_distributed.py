@@ -100,6 +100,16 @@ def test_a_crashing_rank_fails_the_job_once_and_leaves_no_process(corpus, tmp_pa
     assert not (tmp_path / "model.safetensors").exists()
 
 
+def test_a_mistake_only_the_workers_find_exits_2_and_leaves_no_run_dir(corpus, tmp_path):
+    """A ConfigError raised in the launched workers (after the run dir was made, before any step) is a user mistake
+    like one the launcher finds: exit 2, its paragraph, and the run dir, holding only this job's records, removed."""
+    r = run_cli(*tiny_overrides(corpus, *DDP2, "task._target_=faulty.Faulty"), "+task.action=refuse_in_workers",
+                f"hydra.run.dir={tmp_path / 'run'}", env=FAULTY_ENV)
+    assert r.returncode == 2, r.stderr
+    assert "task.action=refuse_in_workers: a mistake that only the workers find" in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_nan_on_one_rank_stops_every_rank_at_the_next_read_with_nonfinite_check_log(corpus, tmp_path):
     """Gradients are averaged before the norm, so rank 1's NaN latches the skip on both ranks alike; both
     read the latch at the checkpoint due at step 8 and stop there, with nothing saved after step 4."""

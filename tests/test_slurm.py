@@ -317,6 +317,7 @@ def test_node_0_with_a_rendezvous_host_it_cannot_resolve_says_so_at_once(corpus,
     error = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(error) == 1 and "c10d" not in r.stderr, r.stderr
     assert "'nosuchhost.invalid'" in error[0] and "cannot be resolved on node 0" in error[0], error[0]
+    assert not (tmp_path / "run").exists()  # (nothing was trained: the new run's dir held only its records)
 
 
 def test_rendezvous_failures_are_explained():

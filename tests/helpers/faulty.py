@@ -6,7 +6,8 @@ launcher), return a NaN loss once ("nan_once") or from then on ("nan_always"), o
 it is being built ("sigterm_at_build": before any training step, in every process that builds it), or
 "block": write this process's PID into the FIFO `hold` (the test reads it: the job is now running), then
 block forever on `hold + ".release"` (a FIFO nobody writes): a job that is busy until the test acts on it; or
-"hang": sleep forever, outside any collective (the rank the others wait for, tests/test_watchdog.py).
+"hang": sleep forever, outside any collective (the rank the others wait for, tests/test_watchdog.py); or
+"refuse_in_workers": a ConfigError while the launched workers build it (the launcher's checks pass).
 Only training calls count (the model is in train mode), so call N is training micro-batch N.
 """
 
@@ -31,6 +32,10 @@ class Faulty:
         # very same command (same config) runs clean
         if action == "sigterm_at_build":
             os.kill(os.getpid(), signal.SIGTERM)
+        if action == "refuse_in_workers" and os.environ.get(LAUNCHER_ENV):  # (the launcher's own check passes it)
+            from trainer.errors import ConfigError
+
+            raise ConfigError("task.action=refuse_in_workers: a mistake that only the workers find.")
 
     def __getattr__(self, name):  # num_targets, sample, setup, state_dict, ... of the wrapped task
         if name == "inner":

@@ -311,6 +311,8 @@ def run_job(cfg: DictConfig) -> float | None:
             code = wf.report()
             if wf.exitcode not in (UserError.exit_code, NonFiniteError.exit_code):  # rerunning would not help
                 _say_how_to_continue(run_dir, continue_command(run_dir))
+            elif wf.exitcode == UserError.exit_code and lock is not None and lock.held:
+                remove_if_unused(run_dir)  # a mistake the workers found before training (DeepSpeed's batch sizes)
             sys.exit(code)
         except KeyboardInterrupt:
             print("interrupted: stopped all processes.", file=sys.stderr, flush=True)
@@ -321,10 +323,14 @@ def run_job(cfg: DictConfig) -> float | None:
         if debug_enabled():
             raise
         report(err)
+        from trainer.entry.launcher import RendezvousFailed
+
         if isinstance(err, UserError):
             if lock is not None and lock.held:  # never a run dir another job holds (or shares, on other nodes)
                 remove_if_unused(run_dir)
         elif started and not isinstance(err, NonFiniteError):  # preempted, disk full (a NaN would come back)
+            if isinstance(err, RendezvousFailed) and lock is not None and lock.held:  # the nodes never met: a new
+                remove_if_unused(run_dir)                                              # run's dir holds only records
             _say_how_to_continue(run_dir, continue_command(run_dir))
         sys.exit(err.exit_code)
     except OSError as e:

@@ -175,8 +175,13 @@ def preflight(cfg: DictConfig, run_dir: Path, device: str = "auto") -> None:
     """Build what can fail from a config mistake, cheaply, before any worker process starts:
     the strategy, the model on the meta device (no memory), the task, the precision and the datasets
     (whose cache is then built once, here, for all workers)."""
+    from trainer.entry.launcher import nproc_per_node
+
     device = usable_device(device)  # (world.device, which the launcher has typed)
     strategy = build_strategy(cfg.world)
+    precision = build_node("precision", cfg.precision, device_type=device.type, sharded=strategy.shards_parameters)
+    launch = launch_config(cfg.world)
+    strategy.check_world(nproc_per_node(launch.nproc_per_node) * launch.nnodes, precision)  # (the config's own first)
     from trainer.models.finetune import check, factory
     from trainer.parallel.materialize import SkipMetaInit
 
@@ -185,7 +190,6 @@ def preflight(cfg: DictConfig, run_dir: Path, device: str = "auto") -> None:
         strategy.check_model(model)
     check(model, cfg.get("finetune"))  # pretrained weights that do not fit the model: before any worker starts
     build_node("task", cfg.task)
-    build_node("precision", cfg.precision, device_type=device.type, sharded=strategy.shards_parameters)
     build_data(cfg.data)
     for node in (cfg.logger or {}).values():  # trackers' constructors validate and start nothing
         if node is not None:

@@ -31,6 +31,7 @@ import io
 import logging
 import os
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -90,8 +91,12 @@ class DeepSpeed(Strategy):
         self.source = f"world.config={config}" if config else "world.stage and its options"
         auto = dict(auto or {})
         self.run = ds_config.RunValues.from_auto(auto)
-        # Everything the config alone can contradict, refused now (before any worker starts).
-        zero = ds_config.resolve(self.file, self.run, **self.options, source=self.source)["zero_optimization"]
+        # The stage and offloads, for the checks below. Contradictions with the run's settings are refused once the
+        # number of ranks is known too (check_world, before any worker starts; attach_optimizer in a loop of one's
+        # own), all in one paragraph: refused here, those the config alone shows came first, and train_batch_size
+        # in a second refusal after the user had fixed them.
+        zero = ds_config.resolve(self.file, self.run, **self.options, source=self.source,
+                                 refuse=False)["zero_optimization"]
         self.stage = zero["stage"]
         if self.stage not in (1, 2, 3):
             raise ConfigError(f"zero_optimization.stage is {self.stage!r} in {self.source}: world=deepspeed runs ZeRO "
@@ -113,6 +118,22 @@ class DeepSpeed(Strategy):
         if importlib.util.find_spec("deepspeed") is None:
             raise ConfigError(INSTALL)
         super().check_model(model)
+
+    def check_world(self, world_size: int, precision) -> None:
+        """The file's batch sizes against this many ranks (train_batch_size), with every other contradiction in the
+        same paragraph, and fp16 where DeepSpeed cannot compute it: before any worker starts."""
+        ds_config.resolve(self.file, replace(self.run, dp_size=world_size), **self.options, source=self.source)
+        if precision.name == "fp16" and importlib.util.find_spec("deepspeed") is not None:  # (else check_model says)
+            import_deepspeed(precision.device_type)
+            self._check_fp16()
+
+    @staticmethod
+    def _check_fp16() -> None:
+        from deepspeed.accelerator import get_accelerator
+
+        if not get_accelerator().is_fp16_supported():
+            raise ConfigError(f"precision=fp16 with world=deepspeed: DeepSpeed does not compute fp16 on this device "
+                              f"({get_accelerator().device_name()}). Use precision=bf16 or fp32 here.")
 
     # -- what the framework must do for this strategy ---------------------------------------------------
     @property
@@ -138,11 +159,7 @@ class DeepSpeed(Strategy):
             os.environ.setdefault(key, str(value))
         self.deepspeed = import_deepspeed(backend.device.type)
         if precision.name == "fp16":
-            from deepspeed.accelerator import get_accelerator
-
-            if not get_accelerator().is_fp16_supported():
-                raise ConfigError(f"precision=fp16 with world=deepspeed: DeepSpeed does not compute fp16 on this "
-                                  f"device ({backend.device.type}). Use precision=bf16 or fp32 here.")
+            self._check_fp16()
             precision.scaler = _EngineLossScale(self, precision.scaler)
 
     # -- the engine --------------------------------------------------------------------------------------

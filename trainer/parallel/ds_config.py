@@ -148,9 +148,10 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def resolve(file: dict[str, Any], run: RunValues, *, stage: int | None, offload_optimizer: bool | None,
-            offload_param: bool | None, source: str = "world.config") -> dict[str, Any]:
+            offload_param: bool | None, source: str = "world.config", refuse: bool = True) -> dict[str, Any]:
     """The engine's config: `file` with its "auto" entries filled from `run` and the world options, checked against
-    them (a ConfigError names every contradiction), then set up for the framework (see the module docstring)."""
+    them (a ConfigError names every contradiction; `refuse=False`: the file's entries stand, for a look at its shape
+    before the run's values are all known), then set up for the framework (see the module docstring)."""
     check = _Check(copy.deepcopy(file))
     cfg = check.cfg
     if "bfloat16" in cfg and "bf16" not in cfg:  # DeepSpeed's other name for the section
@@ -168,7 +169,7 @@ def resolve(file: dict[str, Any], run: RunValues, *, stage: int | None, offload_
     _precision(check, run)
     _optimizer(check, run)
     _schedule(check, run)
-    if check.conflicts:
+    if check.conflicts and refuse:
         raise ConfigError(
             f"{source} contradicts this run's config: " + "; ".join(check.conflicts) + ". The run's config decides "
             'these: write "auto" for them in the file (they are then taken from the config), or change the config '

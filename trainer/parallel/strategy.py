@@ -151,6 +151,10 @@ class Strategy:
 
             check_model(model, self.pp, self.pp_schedule)
 
+    def check_world(self, world_size: int, precision) -> None:
+        """Config mistakes visible once the number of processes and the precision are known (called before workers
+        start, so that no worker finds them after the run dir is made)."""
+
     def units(self, model: nn.Module) -> list[nn.Module]:
         """The model's repeated blocks, children before parents: FSDP's units, and what activation
         checkpointing wraps. `unit_classes` (world.wrap), else the model's `_no_split_modules` (the lm GPT says
