@@ -238,6 +238,22 @@ def test_a_sweep_rerun_with_its_values_in_another_order_continues_each_points_ow
     assert f"resumed from {sweep / '1' / 'checkpoints' / 'step_00000004'}" in r.stdout
 
 
+def test_a_failed_sweep_point_names_the_points_after_it_that_never_ran(corpus, tmp_path):
+    """Hydra's launcher ends a sweep at a failed point (here a NaN at lr 1e9); the point after it never ran, and
+    nothing said so."""
+    r = run_here("-m", *tiny_overrides(corpus, "trainer.max_steps=3"), f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                 "optim.lr=0.001,1e9,0.003", "optim.weight_decay=0.0,0.1")
+    assert r.returncode == 3, r.stderr  # (NonFiniteError's)
+    note = next(line for line in r.stderr.splitlines() if line.startswith("note: the sweep ends at this point"))
+    # Points in Hydra's order: lr x wd, so the failed one is (1e9, 0.0), then (1e9, 0.1), (0.003, 0.0), (0.003, 0.1).
+    assert "the 3 after it did not run" in note
+    after = note.split("did not run: ", 1)[1].rstrip(".").split("; ")
+    assert [[o for o in p.split() if o.startswith("optim.")] for p in after] == [
+        ["optim.lr=1000000000.0", "optim.weight_decay=0.1"], ["optim.lr=0.003", "optim.weight_decay=0.0"],
+        ["optim.lr=0.003", "optim.weight_decay=0.1"]]
+    assert sorted(d.name for d in (tmp_path / "sweep").iterdir() if d.is_dir()) == ["0", "1", "2"]
+
+
 def test_a_sweep_point_is_all_its_overrides_not_only_the_swept_ones(tmp_path):
     """A rerun sweeping lr at a weight decay the first sweep swept too continued the wd=0.0 run at wd=0.1 (only the
     swept lr was compared), and a sweep defined in a config file (no swept key on the command line) continued by

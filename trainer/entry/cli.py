@@ -309,6 +309,7 @@ def run_job(cfg: DictConfig) -> float | None:
             final = run(resolved, run_dir, topology=topology)
         except WorkerFailed as wf:
             code = wf.report()
+            _say_what_the_sweep_skips()
             if wf.exitcode not in (UserError.exit_code, NonFiniteError.exit_code):  # rerunning would not help
                 _say_how_to_continue(run_dir, continue_command(run_dir))
             elif wf.exitcode == UserError.exit_code and lock is not None and lock.held:
@@ -316,6 +317,7 @@ def run_job(cfg: DictConfig) -> float | None:
             sys.exit(code)
         except KeyboardInterrupt:
             print("interrupted: stopped all processes.", file=sys.stderr, flush=True)
+            _say_what_the_sweep_skips()
             _say_how_to_continue(run_dir, continue_command(run_dir))
             sys.exit(130)
         print(f"done: {run_dir}", flush=True)
@@ -323,6 +325,8 @@ def run_job(cfg: DictConfig) -> float | None:
         if debug_enabled():
             raise
         report(err)
+        if started:
+            _say_what_the_sweep_skips()
         from trainer.entry.launcher import RendezvousFailed
 
         if isinstance(err, UserError):
@@ -347,6 +351,7 @@ def run_job(cfg: DictConfig) -> float | None:
         sys.exit(StorageError.exit_code)
     except Exception:
         if started:  # a crash: say how to continue from the newest checkpoint, then the traceback
+            _say_what_the_sweep_skips()
             _say_how_to_continue(run_dir, continue_command(run_dir))
         raise
     finally:
@@ -441,6 +446,17 @@ def _chose_run_dir(hc) -> bool:
     """Whether the user named the run dir (hydra.run.dir=..., or a sweep's dir) rather than the default's timestamp."""
     chosen = [o.split("=", 1)[0].lstrip("+~") for o in hc.overrides.hydra]
     return "hydra.run.dir" in chosen or str(hc.mode) == "RunMode.MULTIRUN"
+
+
+def _say_what_the_sweep_skips() -> None:
+    """A sweep point that fails ends the sweep (Hydra's basic launcher runs the points in turn, in this process): the
+    points after it never run, and nothing said so."""
+    from trainer.entry.rundir import sweep_points_after
+
+    after = sweep_points_after()
+    if after:
+        print(f"note: the sweep ends at this point, as Hydra's launcher ends a sweep at a failed point; the "
+              f"{len(after)} after it did not run: {'; '.join(after)}.", file=sys.stderr, flush=True)
 
 
 def _say_how_to_continue(run_dir: Path, command: str) -> None:
