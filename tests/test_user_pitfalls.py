@@ -515,6 +515,9 @@ def test_the_finders_take_your_own_config_dir_and_say_it_in_the_command_they_sug
     (["batch", "debug=smoke"], "Did you mean batch_size?"),
     (["batch_size", "debug=smoke"], "tune.memory_mb=4000"),
     (["batch_size", "debug=smoke", "world=fsdp", "world.nproc_per_node=2", "tune.memory_mb=1000"], "world=fsdp"),
+    # (the run's own setting named: under world=ddp with world.pp=2 it read as if world=ddp were refused)
+    (["batch_size", "debug=smoke", "world=ddp", "world.nproc_per_node=2", "world.pp=2", "tune.memory_mb=1000"],
+     "as under world._target_=trainer.parallel.DDP with world.pp=2 (world=fsdp, world.tp > 1, world.pp > 1"),
     (["lr", "debug=smoke", "tune.max_lr=1e-9"], "must be above tune.min_lr"),
     (["lr", "debug=smoke", "tune.stepz=5"], "Did you mean steps?"),
     (["lr", "debug=smoke", "optim.lrr=1"], "optim.lr=1"),

@@ -141,10 +141,15 @@ def _check_world(what: str, cfg: DictConfig, s: dict[str, Any]) -> None:
                               f"({' '.join(f'optim.{p}.lr=...' for p in parts)}) with a short trainer.max_steps.")
         return
     if build_strategy(cfg.world).collective_forward:
-        raise ConfigError("tune batch_size runs under world=single and world=ddp, not yet where the forward itself "
-                          "is a collective (world=fsdp, world.tp > 1): a rank that runs out of memory there leaves "
-                          "the others waiting inside the forward. Find the micro-batch under world=ddp (an upper "
-                          "bound: FSDP holds less per rank) or try sizes by hand.")
+        w = cfg.world
+        which = [f"{k}={w.get(k)}" for k in ("tp", "pp") if (w.get(k) or 1) != 1]
+        which += [f"stage={w.stage}"] if str(w.get("_target_", "")).endswith("DeepSpeed") else []
+        this = f"world._target_={w.get('_target_')}" + (f" with world.{', world.'.join(which)}" if which else "")
+        raise ConfigError(f"tune batch_size runs where each rank's forward is its own (world=single, world=ddp, "
+                          f"DeepSpeed stages 1 and 2), not yet where the forward itself is a collective, as under "
+                          f"{this} (world=fsdp, world.tp > 1, world.pp > 1, DeepSpeed stage 3): a rank that runs out "
+                          "of memory there leaves the others waiting inside the forward. Find the micro-batch "
+                          "without those (an upper bound: sharding holds less per rank) or try sizes by hand.")
     if resolve_device(launch_config(cfg.world).device).type == "cpu" and s["memory_mb"] is None:
         raise ConfigError("on a CPU nothing runs out of memory before the machine does: give the budget each process "
                           "may use, e.g. tune.memory_mb=4000 (its peak resident memory, torch itself included).")
