@@ -312,6 +312,12 @@ def test_the_run_values_come_from_the_config_as_the_world_yaml_wires_them(corpus
     # workers, alone, after the others were fixed, and left the run dir behind)
     (["world.config=batch.json"], ["train_batch_size is 16 there but data.batch_size x trainer.grad_accum_steps x "
                                    "data-parallel ranks", "gradient_clipping is 0.25 there"]),
+    # ... and in a run of one process, which has no preflight: before the model is built
+    (["world.nproc_per_node=1", "world.config=batch.json"], ["data-parallel ranks = 4 x 1 x 1 = 4",
+                                                             "gradient_clipping is 0.25 there"]),
+    # the world options' stage where given: the contradiction is named, not "needs stage 3" after world.stage=3
+    (["world.config=stage2.json", "world.stage=3", "world.offload_param=true"],
+     ["zero_optimization.stage is 2 there but world.stage=3"]),
     (["world.offload_param=true"], ["world.offload_param needs ZeRO stage 3"]),
     (["world.stage=4"], ["world.stage=4 is invalid", "1, 2 or 3"]),
     (["world.config=missing.json"], ["world.config='missing.json' cannot be read"]),
@@ -322,9 +328,10 @@ def test_deepspeed_config_mistakes_are_one_paragraph_before_any_process(tmp_path
 
     (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}, "gradient_clipping": 0.25}))
     (tmp_path / "batch.json").write_text(json.dumps({"train_batch_size": 16, "gradient_clipping": 0.25}))
+    (tmp_path / "stage2.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     r = run_here(*tiny_overrides(corpus, *DS2), *args, "hydra.run.dir=run", cwd=tmp_path)
     assert_clean_error(r, *needles)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["batch.json", "ds.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["batch.json", "ds.json", "stage2.json"]
 
 
 def test_without_deepspeed_world_deepspeed_is_the_install_paragraph(tmp_path, corpus, monkeypatch):

@@ -17,6 +17,7 @@ from conftest import (
     ROOT,
     SHARED,
     assert_same_run,
+    faulty,
     read_metrics,
     run_cli,
     series,
@@ -108,6 +109,12 @@ def test_a_mistake_only_the_workers_find_exits_2_and_leaves_no_run_dir(corpus, t
     assert r.returncode == 2, r.stderr
     assert "task.action=refuse_in_workers: a mistake that only the workers find" in r.stderr
     assert not (tmp_path / "run").exists()
+    # One found after a checkpoint: the run dir and what it holds stay (only a dir of records goes).
+    r = run_cli(*tiny_overrides(corpus, *DDP2, "checkpoint.every_n_steps=2", *faulty("refuse", at_call=5)),
+                f"hydra.run.dir={tmp_path / 'trained'}", env=FAULTY_ENV)
+    assert r.returncode == 2 and "a mistake found at training call 5" in r.stderr, r.stderr
+    assert (tmp_path / "trained" / "checkpoints" / "step_00000004" / "manifest.json").exists()
+    assert (tmp_path / "trained" / "config.yaml").exists()
 
 
 def test_a_nan_on_one_rank_stops_every_rank_at_the_next_read_with_nonfinite_check_log(corpus, tmp_path):

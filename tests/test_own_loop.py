@@ -145,7 +145,7 @@ def test_load_state_drops_the_events_logged_after_the_checkpoint(tmp_path):
 
     import trainer
 
-    def run(steps: range, late_load: bool = False) -> None:
+    def run(steps: range) -> None:
         rt = trainer.Runtime(run_dir=tmp_path)
         model = rt.setup(nn.Linear(2, 2))
         del model
@@ -155,37 +155,20 @@ def test_load_state_drops_the_events_logged_after_the_checkpoint(tmp_path):
                 rt.log({"loss": float(step)}, step)
                 if step == 2:
                     rt.save_state(tmp_path / "checkpoints", step)
-        if late_load:  # a load later in a run (the best checkpoint, for a last eval) keeps what this process logged
-            assert rt.load_state(tmp_path / "checkpoints" / "step_00000002") == 2
         rt.end()
 
     run(range(1, 5))  # killed after step 4's log, say
-    run(range(1, 7), late_load=True)
+    run(range(1, 7))
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
         [1, 2, 3, 4, 5, 6]
-    assert not (tmp_path / "metrics.prev.jsonl").exists()
-
-
-def test_a_run_that_loads_no_checkpoint_keeps_an_earlier_run_s_events_beside_its_own(tmp_path, capfd):
-    """Two runs of a script without checkpoints into one run_dir appended to one metrics.jsonl (steps 1, 2, 1, 2).
-    The second run's first rt.log keeps the first's events as metrics.prev.jsonl, as the CLI's fresh start does."""
-    import json
-
-    import trainer
-
-    def steps(path):
-        return [json.loads(line)["step"] for line in path.read_text().splitlines()]
-
-    for loss in (1.0, 2.0):
-        rt = trainer.Runtime(run_dir=tmp_path)
-        rt.setup(nn.Linear(2, 2))
-        for step in (1, 2):
-            rt.log({"loss": loss}, step)
-        rt.end()
-    assert steps(tmp_path / "metrics.jsonl") == [1, 2] and steps(tmp_path / "metrics.prev.jsonl") == [1, 2]
-    assert [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [2.0, 2.0]
-    assert "held the events of an earlier run" in capfd.readouterr().err
-
+    # A load later in a run (the best checkpoint, for a last eval) keeps what this process logged.
+    rt = trainer.Runtime(run_dir=tmp_path)
+    rt.setup(nn.Linear(2, 2))
+    rt.log({"loss": 7.0}, 7)
+    assert rt.load_state(tmp_path / "checkpoints" / "step_00000002") == 2
+    rt.end()
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
+        [1, 2, 3, 4, 5, 6, 7]
 
 def test_backward_outside_accumulate_with_accumulation_on_ranks_is_an_error(tmp_path):
     r = launch("world=ddp", "world.nproc_per_node=2", "trainer.grad_accum_steps=2", SCRIPT, "backward_outside",
@@ -250,9 +233,17 @@ def test_what_is_not_a_set_up_model_or_parameters_is_refused_by_accumulate_and_c
     assert rt.clip_grad_norm_(model.weight, None) == model.weight.grad.norm()
     with rt.accumulate(torch.compile(model)):  # a compiled set-up model is that model (compiled on first call only)
         pass
+    import trainer
+
+    one = trainer.Runtime("single", "fp32")
+    parts = one.setup(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    with one.accumulate(parts[0]):  # a part of a set-up model that no wrapper stands in for (one process)
+        pass
 
 
-def test_rt_loader_refuses_bad_counts_an_empty_dataset_and_a_taken_name(rt):
+def test_rt_loader_refuses_bad_counts_an_empty_dataset_and_a_name_it_cannot_take(rt):
+    import numpy as np
+
     data = torch.utils.data.TensorDataset(torch.arange(8.0))
     for kwargs, says in (({"batch_size": 0}, r"batch_size=0\): batch_size must be an integer >= 1"),
                          ({"batch_size": "4"}, r"batch_size='4'\)"), ({"batch_size": 2.5}, r"batch_size=2.5\)"),
@@ -263,10 +254,15 @@ def test_rt_loader_refuses_bad_counts_an_empty_dataset_and_a_taken_name(rt):
         rt.loader(torch.utils.data.TensorDataset(torch.zeros(0)), batch_size=2)
     with pytest.raises(UserError, match=r"rt.eval_loader\(limit=-1\)"):
         rt.eval_loader(data, batch_size=2, limit=-1)
-    first = rt.loader(data, batch_size=2, name="train")
-    with pytest.raises(UserError, match=r"rt.loader\(name='train'\): the name is taken"):
-        rt.loader(data, batch_size=2, name="train")
-    assert rt.stateful["train"] is first  # (a second one replaced it: the first's position was no longer saved)
+    rt.register("schedule", torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1)], lr=1.0), lambda s: 1))
+    for taken, by in (("schedule", "rt.register"), ("rng", "the run itself")):
+        with pytest.raises(UserError, match=rf"rt.loader\(name='{taken}'\): the name is taken by {by}"):
+            rt.loader(data, batch_size=2, name=taken)
+    # A loader made again under its name (a new phase) replaces the old one in save_state.
+    rt.loader(data, batch_size=2, name="train")
+    again = rt.loader(data, batch_size=4, name="train")
+    assert rt.stateful["train"] is again
+    assert rt.loader(data, batch_size=2) is rt.stateful["loader"] and rt.loader(data, np.int64(2)).batch_size == 2
 
 
 def test_load_state_of_a_step_name_save_state_did_not_write_or_of_a_file_is_refused(rt, tmp_path):

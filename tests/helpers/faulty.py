@@ -7,7 +7,8 @@ it is being built ("sigterm_at_build": before any training step, in every proces
 "block": write this process's PID into the FIFO `hold` (the test reads it: the job is now running), then
 block forever on `hold + ".release"` (a FIFO nobody writes): a job that is busy until the test acts on it; or
 "hang": sleep forever, outside any collective (the rank the others wait for, tests/test_watchdog.py); or
-"refuse_in_workers": a ConfigError while the launched workers build it (the launcher's checks pass).
+"refuse_in_workers": a ConfigError while the launched workers build it (the launcher's checks pass); or "refuse":
+a ConfigError at the chosen call.
 Only training calls count (the model is in train mode), so call N is training micro-batch N.
 """
 
@@ -78,6 +79,10 @@ class Faulty:
                 time.sleep(3600)
             if self.action == "raise":
                 raise RuntimeError(f"boom from the faulty task on rank {self.rank}")
+            if self.action == "refuse":  # a user mistake found in the middle of training (exit 2)
+                from trainer.errors import ConfigError
+
+                raise ConfigError(f"task.action=refuse: a mistake found at training call {self.calls}.")
             # "_parent": the launcher, as a user or a scheduler signals it (a worker's parent is its forkserver).
             target = int(os.environ[LAUNCHER_ENV]) if self.action.endswith("_parent") else os.getpid()
             os.kill(target, {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1,

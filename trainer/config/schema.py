@@ -382,7 +382,8 @@ def _validate_world(world: DictConfig, batch_size: Any = None, precision: Any = 
 
     if "bucket_cap_mb" in world:  # (DDP took a negative size without a word)
         cap = _plain(world.bucket_cap_mb)
-        _check(_is_number(cap) and cap > 0, "world.bucket_cap_mb", cap, "a number of megabytes > 0 (DDP's default: 25)")
+        _check(cap is None or (_is_number(cap) and cap > 0), "world.bucket_cap_mb", cap,
+               "a number of megabytes > 0, or null for DDP's default (25)")
     tp = check_degree(_plain(world.get("tp", 1)), n * w.nnodes if _is_int(n) else None)
     if "pp" in world:
         pp, _, _ = check_pipeline(_plain(world.pp), _plain(world.get("pp_schedule", "1F1B")),

@@ -313,7 +313,7 @@ def run_job(cfg: DictConfig) -> float | None:
             if wf.exitcode not in (UserError.exit_code, NonFiniteError.exit_code):  # rerunning would not help
                 _say_how_to_continue(run_dir, continue_command(run_dir))
             elif wf.exitcode == UserError.exit_code and lock is not None and lock.held:
-                remove_if_unused(run_dir)  # a mistake the workers found before training (DeepSpeed's batch sizes)
+                remove_if_unused(run_dir)  # a mistake the workers found: the dir goes if it holds only its records
             sys.exit(code)
         except KeyboardInterrupt:
             print("interrupted: stopped all processes.", file=sys.stderr, flush=True)

@@ -221,6 +221,7 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
         ecfg: EMAConfig = typed(EMAConfig, cfg.get("ema"))
         precision = build_node("precision", cfg.precision, device_type=backend.device.type,
                                sharded=strategy.shards_parameters)  # built for the strategy it serves
+        strategy.check_world(backend.world_size, precision)  # (a run of one process has no preflight)
         # The runtime sets the strategy up and takes the step's calls: the Trainer is a loop on trainer.Runtime.
         rt = Runtime(strategy, precision, grad_accum_steps=tcfg.grad_accum_steps, seed=tcfg.seed, backend=backend)
         # The same seed on every rank for what the task and the data draw while they are built (a dataset made with

@@ -254,15 +254,15 @@ def sweep_points_after() -> list[str] | None:
     """The overrides of the sweep's points after this job's, each as one string, where Hydra's basic sweeper and
     launcher run them in turn in this process (a failed point ends the sweep there, so they never run); None outside
     such a sweep or when its record cannot be read. Split as the basic sweeper splits them, from `multirun.yaml`."""
-    import yaml
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     hc = _sweep_job()
     if hc is None or not str(hc.launcher._target_).endswith("BasicLauncher") \
             or not str(hc.sweeper._target_).endswith("BasicSweeper"):
         return None
     try:
+        import yaml
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
         recorded = yaml.safe_load((Path(hc.runtime.cwd) / hc.sweep.dir / "multirun.yaml").read_text())["hydra"]
         params = [f"{k}={v}" for k, v in (recorded["sweeper"].get("params") or {}).items()]
         overrides = OverridesParser.create().parse_overrides([*params, *(recorded["overrides"]["task"] or [])])

@@ -143,7 +143,7 @@ def _check_world(what: str, cfg: DictConfig, s: dict[str, Any]) -> None:
     if build_strategy(cfg.world).collective_forward:
         w = cfg.world
         which = [f"{k}={w.get(k)}" for k in ("tp", "pp") if (w.get(k) or 1) != 1]
-        which += [f"stage={w.stage}"] if str(w.get("_target_", "")).endswith("DeepSpeed") else []
+        which += [f"stage={w.stage}"] if str(w.get("_target_", "")).endswith("DeepSpeed") and w.get("stage") else []
         this = f"world._target_={w.get('_target_')}" + (f" with world.{', world.'.join(which)}" if which else "")
         raise ConfigError(f"tune batch_size runs where each rank's forward is its own (world=single, world=ddp, "
                           f"DeepSpeed stages 1 and 2), not yet where the forward itself is a collective, as under "

@@ -25,6 +25,7 @@ steps through the same calls: there is one code path.
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import re
 import sys
@@ -132,7 +133,6 @@ class Runtime:
         self._watched = launched is not None
         self.loggers = self._loggers(launched, log_with)
         self._logged = False  # whether this process has logged (rt.load_state rewinds the loggers only before)
-        self._loaded = False  # whether rt.load_state loaded a checkpoint (else the first log starts metrics anew)
         # The job's logger=... has nowhere to write without a run_dir: said once, at the first rt.log.
         self._unlogged = sorted(launched.get("logger") or {}) if launched is not None and run_dir is None else []
         # What save_state checkpoints: models and optimizers by name, and every other stateful object.
@@ -331,6 +331,10 @@ class Runtime:
             if not isinstance(m, nn.Module):
                 raise UserError(f"{what} got a {type(m).__name__}, not a model: pass the model(s) rt.setup returned "
                                 "(`model, optimizer = rt.setup(model, optimizer)`).")
+            # A part of a set-up model that no wrapper stands in for (one process, FSDP2's in-place sharding): its
+            # forward is the model's own (`rt.accumulate(gan.generator)`).
+            if any(unwrap(s) is s and any(m is sub for sub in s.modules()) for s in set_up):
+                continue
             name = self._name_of(m)
             if name is None:
                 raise UserError(f"{what} got a {type(m).__name__} that was not set up: pass it through rt.setup(model, "
@@ -367,10 +371,12 @@ class Runtime:
         if sized(dataset) == 0:
             raise UserError(f"rt.loader got an empty {type(dataset).__name__} (len 0): there is nothing to train on. "
                             "Check how the dataset was built (a path, a filter, a split that left nothing).")
-        if name is not None and (name in self.stateful or name in ("trainer", "optimizer", "rng")):
-            # (a second loader under the same name replaced the first in save_state: its position was lost)
-            raise UserError(f"rt.loader(name={name!r}): the name is taken (each loader's position is saved under its "
-                            "name). Give each loader a name of its own, or leave name out for a free one.")
+        taken = self.stateful.get(name)
+        if name in ("trainer", "optimizer", "rng") or (taken is not None and not isinstance(taken, Loader)):
+            raise UserError(f"rt.loader(name={name!r}): the name is taken by "
+                            f"{'the run itself' if taken is None else 'rt.register'} (each loader's position is saved "
+                            "under its name). Give the loader a name of its own, or leave name out for a free one.")
+        # (a loader made again under its name, for a new phase, replaces the old one in save_state)
         loader = Loader(self, dataset, batch_size, shuffle, num_workers, self.seed)
         self.stateful[name or self._free_name("loader", self.stateful)] = loader
         return loader
@@ -389,7 +395,7 @@ class Runtime:
         """One micro-step: gradients are synced between ranks only in the last of every `grad_accum_steps`
         (DDP's no_sync, FSDP's set_requires_gradient_sync); `rt.step` steps only then. `last` says whether this
         micro-step ends the step, where the loop knows (the Trainer does); by default every grad_accum_steps-th."""
-        if models:
+        if models and last is None:  # (a loop of one's own: the Trainer passes its set-up model, with last=)
             self._check_set_up(models, "rt.accumulate")
         models = models or tuple(self.models.values())
         if last is None:  # (a loop of one's own; the Trainer says where its steps end)
@@ -656,7 +662,6 @@ class Runtime:
                 return None
             path = found[-1]
         self._manager(path.parent, 2).load(path)
-        self._loaded = True
         if self.backend.is_main and not self._logged:  # a restart: the events logged after the checkpoint go,
             self.loggers.rewind(self.position.step)       # the loop logs them again (not a load late in a run)
         if self._watched:
@@ -747,26 +752,14 @@ class Runtime:
                 shown = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
                 raise UserError(f"rt.log: {key!r} is {shown}, not a number: log one number a key (`.mean()` of a "
                                 "tensor, `.item()` of a one-element one).")
-        first, self._logged = not self._logged, True
+        self._logged = True
         if self.backend.is_main:
-            if first and not self._loaded and self.run_dir is not None:
-                self._start_fresh()
             if self._unlogged:
                 print(f"note: rt.log: the job's logger={','.join(self._unlogged)} has no directory to write in, so "
                       "these metrics go nowhere: pass one to the script's trainer.Runtime(run_dir=DIR) (metrics.jsonl "
                       "and the trackers' files go there).", file=sys.stderr, flush=True)
                 self._unlogged = []
             self.loggers.log_metrics({k: float(v) for k, v in metrics.items()}, step)
-
-    def _start_fresh(self) -> None:
-        """A run that loaded no checkpoint and logs into a run dir holding events: those are an earlier run's (a
-        resumed one rewinds them in rt.load_state). Kept beside as metrics.prev.jsonl, as the CLI keeps them, where
-        they were appended to: one file then held both runs' steps 1, 2, ... ."""
-        old = self.run_dir / "metrics.jsonl"
-        if old.exists() and old.stat().st_size:
-            self.loggers.start_fresh()
-            print(f"note: {old} held the events of an earlier run, and this one loaded no checkpoint (rt.load_state): "
-                  "they are kept as metrics.prev.jsonl beside it.", file=sys.stderr, flush=True)
 
     def end(self) -> None:
         """Finish the trackers and leave the process group (every rank, at the end of the script)."""
@@ -819,7 +812,11 @@ def _loader_args(what: str, **counts: Any) -> None:
     """rt.loader's and rt.eval_loader's counts: integers (batch_size >= 1, the others >= 0), each named when not."""
     for key, value in counts.items():
         low = 1 if key == "batch_size" else 0
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        try:
+            count = operator.index(value)  # an int or a numpy integer, not a float or a str (bool: refused below)
+        except TypeError:
+            count = None
+        if count is None or isinstance(value, bool) or count < low:
             raise UserError(f"rt.{what}({key}={value!r}): {key} must be an integer >= {low}.")
 
 

@@ -25,7 +25,7 @@ class DDP(Strategy):
 
     distributed = True
 
-    def __init__(self, bucket_cap_mb: float = 25, gradient_as_bucket_view: bool = True,
+    def __init__(self, bucket_cap_mb: float | None = 25, gradient_as_bucket_view: bool = True,
                  find_unused_parameters: bool = False, static_graph: bool = False, tp: int = 1, pp: int = 1,
                  pp_schedule: str = "1F1B", microbatches: int | None = None):
         self.ddp_kwargs = {"bucket_cap_mb": bucket_cap_mb, "gradient_as_bucket_view": gradient_as_bucket_view,

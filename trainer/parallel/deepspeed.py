@@ -91,17 +91,19 @@ class DeepSpeed(Strategy):
         self.source = f"world.config={config}" if config else "world.stage and its options"
         auto = dict(auto or {})
         self.run = ds_config.RunValues.from_auto(auto)
-        # The stage and offloads, for the checks below. Contradictions with the run's settings are refused once the
-        # number of ranks is known too (check_world, before any worker starts; attach_optimizer in a loop of one's
-        # own), all in one paragraph: refused here, those the config alone shows came first, and train_batch_size
-        # in a second refusal after the user had fixed them.
+        # The stage and offloads, for the checks below: the world options where given, else the file's. Contradictions
+        # between the two, and with the run's settings, are refused once the number of ranks is known too
+        # (check_world: before any worker starts, or before the model is built in a run of one process;
+        # attach_optimizer in a loop of one's own), all in one paragraph: refused here, those the config alone shows
+        # came first, and train_batch_size in a second refusal after the user had fixed them.
         zero = ds_config.resolve(self.file, self.run, **self.options, source=self.source,
                                  refuse=False)["zero_optimization"]
-        self.stage = zero["stage"]
+        self.stage = stage if stage is not None else zero["stage"]
         if self.stage not in (1, 2, 3):
             raise ConfigError(f"zero_optimization.stage is {self.stage!r} in {self.source}: world=deepspeed runs ZeRO "
                               "stages 1, 2 and 3 (world=ddp is stage 0).")
-        offloads = {k: isinstance(zero.get(k), dict) and zero[k].get("device", "none") != "none"
+        offloads = {k: self.options[k] if self.options[k] is not None else
+                    isinstance(zero.get(k), dict) and zero[k].get("device", "none") != "none"
                     for k in ("offload_optimizer", "offload_param")}
         if offloads["offload_param"] and self.stage != 3:
             raise ConfigError(f"world.offload_param needs ZeRO stage 3 (the parameters are partitioned only there); "
@@ -123,7 +125,9 @@ class DeepSpeed(Strategy):
         """The file's batch sizes against this many ranks (train_batch_size), with every other contradiction in the
         same paragraph, and fp16 where DeepSpeed cannot compute it: before any worker starts."""
         ds_config.resolve(self.file, replace(self.run, dp_size=world_size), **self.options, source=self.source)
-        if precision.name == "fp16" and importlib.util.find_spec("deepspeed") is not None:  # (else check_model says)
+        # fp16 where DeepSpeed cannot compute it (a CPU). Not asked on a GPU here: its answer initialises CUDA, in the
+        # launcher that waits for the whole run (the workers ask in setup).
+        if precision.name == "fp16" and precision.device_type == "cpu" and importlib.util.find_spec("deepspeed"):
             import_deepspeed(precision.device_type)
             self._check_fp16()
 

@@ -38,7 +38,7 @@ class FSDP(Strategy):
     distributed = True
     shards_data_parallel = True
 
-    def __init__(self, reshard_after_forward: bool = True, cpu_offload: bool = False, wrap: list[str] | None = None,
+    def __init__(self, reshard_after_forward: bool | int = True, cpu_offload: bool = False, wrap: list[str] | None = None,
                  tp: int = 1):
         if wrap is not None and (isinstance(wrap, str) or not all(isinstance(w, str) for w in wrap)):
             example = wrap if isinstance(wrap, str) else "ClassName"
