@@ -62,6 +62,10 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
     (["optim.lr=-1e-3"], ["optim.lr=-0.001"]),
     (["world.nproc_per_node=2"], ["world=ddp"]),  # an incompatible combination: several processes, world=single
     # The strategies' own flags (a string was truthy: cpu_offload=maybe offloaded; others were a traceback per rank).
+    # A task's, model's or data function's own typed keys: task.num_samples=abc trained the whole run, then crashed
+    # at the first eval with a traceback and a run dir left behind.
+    (["recipe=diffusion", "debug=smoke", "task.num_samples=abc"], ["task.num_samples='abc' is invalid: expected an "
+                                                                   "integer"]),
     (["world=fsdp", "world.cpu_offload=maybe"], ["world.cpu_offload='maybe' is invalid: expected a bool (true or false)"]),
     (["world=ddp", "world.static_graph=maybe"], ["world.static_graph='maybe' is invalid: expected a bool"]),
     (["world=ddp", "world.bucket_cap_mb=-1"], ["world.bucket_cap_mb=-1 is invalid: expected a number of megabytes > 0"]),

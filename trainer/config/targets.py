@@ -90,8 +90,8 @@ def check_targets(cfg: DictConfig) -> None:
             if key == "data":  # (build_data leaves these out of the call)
                 keys = {k: v for k, v in keys.items() if k not in unused_nulls(obj, keys)}
             check_keywords(key, obj, keys, extra_ok=extra)
-            if key == "world":  # (the strategy's own flags reach DDP, fully_shard, ... only inside the workers)
-                check_scalar_types(key, obj, keys)
+            if key in ("world", "task", "model", "data"):  # (else first used inside the workers, or at the first
+                check_scalar_types(key, obj, keys)           # eval after the whole run has trained)
             for part in parts:  # optim.generator: {lr: ...}: the base target's keys, for one part (per_part)
                 if "_target_" not in node[part]:
                     check_keywords(f"{key}.{part}", obj, {k: node[part][k] for k in node[part] if k not in special})
@@ -181,8 +181,8 @@ _SCALARS = {"bool": ("a bool (true or false)", lambda v: isinstance(v, bool)),
 
 def check_scalar_types(section: str, target: Any, node: dict) -> None:
     """Each key whose parameter `target` annotates as bool, int or float (or one of them | None) must hold one: a
-    string there ("maybe") was truthy (world.cpu_offload=maybe trained with offloading on) or reached torch inside
-    every worker as a traceback."""
+    string there ("maybe") was truthy (world.cpu_offload=maybe trained with offloading on), reached torch inside
+    every worker as a traceback, or (task.num_samples=abc) failed at the first eval, after the run had trained."""
     import inspect
 
     try:
