@@ -89,6 +89,28 @@ def test_activation_checkpointing_recomputes_each_block_and_changes_nothing_else
     assert calls[1] > calls[0]  # ...by running each block's forward again in backward
 
 
+def test_activation_checkpointing_on_the_diffusion_unet_recomputes_its_blocks_and_a_model_without_any_is_refused(
+        tmp_path):
+    """The UNet declared no blocks, so activation checkpointing recomputed nothing and said nothing (the same
+    memory): it now names ResBlock. A model that declares none is refused, naming how to declare them."""
+    import torch.nn as nn
+
+    import trainer
+    from trainer.errors import ConfigError
+    from trainer.recipes.diffusion.model import ResBlock, UNet
+
+    calls = []
+    model = trainer.Runtime("single", "fp32").build_model(lambda: UNet(channels=8, image_size=8), True)
+    for m in model.modules():
+        if isinstance(m, ResBlock):
+            m.norm1.register_forward_pre_hook(lambda *a: calls.append(1))
+    x, t, y = torch.randn(2, 1, 8, 8), torch.tensor([3, 7]), torch.tensor([1, 2])
+    model(x, t, y).sum().backward()
+    assert len(calls) == 2 * 5  # each of the 5 blocks' forward, then again in backward
+    with pytest.raises(ConfigError, match=r"Sequential declares none: .*Add `_no_split_modules"):
+        trainer.Runtime("single", "fp32").build_model(lambda: nn.Sequential(nn.Linear(2, 2)), True)
+
+
 def _tiny(corpus):
     from conftest import tiny_overrides
 

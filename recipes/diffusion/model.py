@@ -60,6 +60,9 @@ class ResBlock(nn.Module):
 class UNet(nn.Module):
     """The denoiser. `forward(x, t, y)`: y in 0..num_classes-1, or num_classes for "no label"."""
 
+    # Its repeated blocks: what trainer.activation_checkpointing recomputes and world=fsdp shards unit by unit.
+    _no_split_modules = ["ResBlock"]
+
     def __init__(self, channels: int = 32, num_classes: int = 10, time_dim: int = 64, emb_dim: int = 128,
                  in_channels: int = 1, image_size: int = 8):
         super().__init__()

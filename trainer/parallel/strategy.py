@@ -205,7 +205,18 @@ class Strategy:
                 with torch.no_grad():
                     model.init_weights()
         if activation_checkpointing:
-            for unit in self.units(model):
+            units = self.units(model)
+            if not units:  # (it recomputed nothing, and said nothing: no memory saved)
+                from trainer.errors import ConfigError
+
+                raise ConfigError(
+                    f"trainer.activation_checkpointing=true recomputes the activations of each of the model's repeated "
+                    f"blocks, and {type(model).__name__} declares none: it has no `_no_split_modules` (the class names "
+                    "of its blocks, as Hugging Face models have) and no nn.ModuleList of them, so nothing would be "
+                    f"recomputed and no memory saved. Add `_no_split_modules = [\"BlockClass\"]` to "
+                    f"{type(model).__name__} (or world=fsdp world.wrap=[BlockClass]), or set "
+                    "trainer.activation_checkpointing=false.")
+            for unit in units:
                 recompute_in_backward(unit)
         self.parallelize(model)
         if on_meta:
