@@ -150,6 +150,10 @@ def test_eval_mistakes_are_one_paragraph(reference, tmp_path):
                          (["eval", str(reference), "trainer.nosuch=1"], "nosuch"),
                          (["eval", str(reference), "checkpoint=/no/such/step"], "checkpoint=/no/such/step is not a "
                                                                                  "directory. Pass checkpoint=latest"),
+                         # (a run's saved config takes overrides without the schema's types: tracebacks before)
+                         (["eval", str(reference), "ema=false"], "ema=False is invalid: expected the `ema` settings"),
+                         (["eval", str(reference), "trainer.eval_batch_size=abc"],
+                          "trainer.eval_batch_size: Value 'abc' of type 'str' could not be converted to Integer"),
                          (["sample", str(reference), "ema=maybe"], "ema=maybe is not true or false"),
                          (["sample", str(reference), "show_map=perhaps"], "show_map=perhaps is not true or false"),
                          # (were a TypeError, an IndexError and an AttributeError from inside the sampling)

@@ -185,10 +185,30 @@ def _known_keys(cfg: DictConfig) -> None:
                               "the top level with +KEY=VALUE).")
 
 
+def _typed_sections(cfg: DictConfig) -> None:
+    """The framework's own sections against their schema, as composing a run checks them: a run's saved config with
+    overrides applied (eval, sample) is plain YAML, where `ema=false` or `trainer.eval_batch_size=abc` reached the
+    checks below, or the code, as a traceback."""
+    sections = (("trainer", TrainerConfig), ("checkpoint", CheckpointConfig), ("ema", EMAConfig))
+    for section, _ in sections:
+        node = cfg.get(section)
+        if node is not None and not isinstance(node, DictConfig):
+            raise ConfigError(f"{section}={_plain(node)!r} is invalid: expected the `{section}` settings, each set as "
+                              f"{section}.KEY=VALUE. See them with: python -m trainer --cfg job")
+    _known_keys(cfg)  # (a key a section lacks: named with the keys it has)
+    for section, schema in sections:
+        try:
+            typed(schema, cfg.get(section))
+        except Exception as e:  # noqa: BLE001 - OmegaConf's ValidationError
+            key = getattr(e, "full_key", "") or "?"
+            raise ConfigError(f"{section}.{key}: {str(e).splitlines()[0]}. See the expected types with: python -m "
+                              "trainer --cfg job") from None
+
+
 def validate(cfg: DictConfig) -> None:
     """Check the types and ranges of what the framework reads, before any process group starts or any
     file is written. Torch-free, so `--cfg job` runs it too."""
-    _known_keys(cfg)
+    _typed_sections(cfg)
     t = cfg.trainer
     _check(t.max_steps >= 1 if t.max_steps is not None else t.max_epochs is not None, "trainer.max_steps", t.max_steps,
            "an integer >= 1, or null with trainer.max_epochs set", "The run needs a length: trainer.max_epochs=N.")
