@@ -167,6 +167,22 @@ def test_eval_mistakes_are_one_paragraph(reference, tmp_path):
         assert_clean_error(r, needle)
 
 
+def test_a_missing_task_state_that_the_export_lists_is_one_paragraph(diffusion_reference, tmp_path):
+    """The diffusion task's normaliser is exported as task_state.safetensors; without it `sample` ended in the
+    task's own RuntimeError (a traceback, exit 1)."""
+    import shutil
+
+    from test_errors import assert_clean_error
+
+    run = tmp_path / "run"
+    shutil.copytree(diffusion_reference, run)
+    (run / "task_state.safetensors").unlink()
+    assert_clean_error(run_main("sample", str(run), cwd=tmp_path), f"{run / 'task_state.safetensors'} is missing, "
+                       "and the run's export lists it")
+    # (eval reads a checkpoint, which holds the task's state itself)
+    assert run_main("eval", str(run), cwd=tmp_path).returncode == 0
+
+
 def test_a_checkpoint_given_for_a_run_dir_is_named_as_one_and_never_written_over(reference, corpus, tmp_path):
     """A checkpoint holds a config.yaml too: `sample CKPT` was told to rerun training with hydra.run.dir=CKPT
     resume=auto, which trained a new run inside the checkpoint and broke it."""
