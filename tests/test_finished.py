@@ -183,6 +183,28 @@ def test_a_missing_task_state_that_the_export_lists_is_one_paragraph(diffusion_r
     assert run_main("eval", str(run), cwd=tmp_path).returncode == 0
 
 
+def test_a_run_without_an_export_yet_says_so_not_to_delete_an_export_json_it_lacks(corpus, tmp_path):
+    """A run stopped before it finished has checkpoints and no export: the advice was to delete its export.json
+    (there is none) and rerun, which trains the rest of the run."""
+    from conftest import run_here
+    from test_errors import assert_clean_error
+
+    import trainer
+    from trainer.errors import CheckpointError
+
+    run = tmp_path / "run"
+    r = run_here(*tiny_overrides(corpus, "trainer.max_steps=2", "checkpoint.every_n_steps=1",
+                                 "checkpoint.save_final=false"), f"hydra.run.dir={run}")
+    assert r.returncode == 0, r.stderr
+    for name in ("export.json", "model_config.json", "model.safetensors"):  # (as a run stopped at step 2 of many)
+        (run / name).unlink()
+    says = (f"{run} has no export yet", f"its newest checkpoint is {run / 'checkpoints' / 'step_00000002'}",
+            f"python -m trainer eval {run}")
+    assert_clean_error(run_main("sample", str(run), cwd=tmp_path), *says)
+    with pytest.raises(CheckpointError, match="has no export yet"):
+        trainer.load(run)
+
+
 def test_a_checkpoint_given_for_a_run_dir_is_named_as_one_and_never_written_over(reference, corpus, tmp_path):
     """A checkpoint holds a config.yaml too: `sample CKPT` was told to rerun training with hydra.run.dir=CKPT
     resume=auto, which trained a new run inside the checkpoint and broke it."""

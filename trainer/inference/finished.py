@@ -254,6 +254,16 @@ def has_ema(run_dir: str | Path) -> bool:
 def model_of(path: Path) -> nn.Module:
     """The model `path/model_config.json` builds (its `_target_` through the trust model), without weights."""
     source, fix = path / "model_config.json", _reexport(path)
+    if not os.path.lexists(source) and not os.path.lexists(path / "export.json"):
+        # (not a damaged export, which the advice below is for: none was written yet)
+        from trainer.checkpoint.store import Checkpointer
+
+        done = Checkpointer(path / "checkpoints").complete() if (path / "checkpoints").is_dir() else []
+        where = f"; its newest checkpoint is {done[-1]}" if done else ""
+        raise CheckpointError(f"{path} has no export yet: a run writes its final weights when it finishes, and this "
+                              f"one stopped before that (or is still running){where}. Evaluate a checkpoint with "
+                              f"python -m trainer eval {path}, or continue the run with its command and resume=auto "
+                              "(the run's run_info.json holds it).")
     node = _json_object(source, MAX_CONFIG_BYTES, fix)
     if node.get("_partial_"):
         raise CheckpointError(f"{source} has _partial_: {snapshot.shown(node['_partial_'])}, so it builds a function "
