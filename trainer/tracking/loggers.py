@@ -96,8 +96,8 @@ class JsonlLogger(NullLogger):
         self._file = open(self.path, "a")
 
     def start_fresh(self) -> None:
-        """Keep an earlier attempt's events as `metrics.prev.jsonl` (and `samples.prev.jsonl`; an attempt before that
-        one's as `metrics.prev-2.jsonl`, ...), start empty."""
+        """Keep an earlier attempt's events as `metrics.prev.jsonl` (and `samples.prev.jsonl`; where those exist, as
+        `metrics.prev-2.jsonl`, then -3, ...: the highest number is the newest), start empty."""
         from trainer.io import free_name
 
         self._file.close()
