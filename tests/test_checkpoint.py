@@ -212,3 +212,21 @@ def test_a_stop_signal_before_the_first_step_exits_75(corpus, tmp_path, world):
     assert r.returncode == 75, r.stderr
     assert "SIGTERM" in r.stderr and "nothing" in r.stderr and "resume=auto" in r.stderr
     assert not checkpoints(tmp_path) if (tmp_path / "checkpoints").exists() else True
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_a_nan_eval_is_never_the_best_and_any_number_beats_a_nan_best(tmp_path, mode):
+    """A metric that is NaN at the first eval (val_ema/diversity with too few samples) became the best, and every
+    later comparison with it was false: the first checkpoint stayed "best" for the rest of the run."""
+    from trainer.checkpoint.store import Checkpointer
+
+    ckpt = Checkpointer(tmp_path, best_metric="val/x", best_mode=mode)
+    nan = float("nan")
+    assert not ckpt.improves({"val/x": nan})
+    ckpt.consider({"val/x": nan}, 1)
+    assert ckpt.best is None
+    ckpt.consider({"val/x": 2.0}, 2)
+    assert ckpt.best == (2.0, "step_00000002")
+    assert not ckpt.improves({"val/x": nan})
+    ckpt.best = (nan, "step_00000001")  # (recorded by a run before this rule)
+    assert ckpt.improves({"val/x": 5.0})

@@ -31,6 +31,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -149,7 +150,13 @@ class Checkpointer:
             raise ConfigError(f"checkpoint.best_metric={self.best_metric!r} is not among the metrics of this run's "
                               f"evals ({', '.join(sorted(metrics))}). Pick one of them, or null.")
         value = metrics[self.best_metric]
-        return self.best is None or (value < self.best[0] if self.best_mode == "min" else value > self.best[0])
+        # A NaN is never the best, and any number beats a NaN best (one recorded before this rule): every comparison
+        # with a NaN is false, so a NaN first eval stayed "best" for the rest of the run.
+        if math.isnan(value):
+            return False
+        if self.best is None or math.isnan(self.best[0]):
+            return True
+        return value < self.best[0] if self.best_mode == "min" else value > self.best[0]
 
     def consider(self, metrics: dict[str, float] | None, step: int) -> None:
         """Before saving step `step` with `metrics`: remember it as the best if it is (so the state it saves
