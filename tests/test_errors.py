@@ -61,6 +61,8 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
     (["optim.lr=0"], ["optim.lr=0", "> 0"]),
     (["optim.lr=-1e-3"], ["optim.lr=-0.001"]),
     (["world.nproc_per_node=2"], ["world=ddp"]),  # an incompatible combination: several processes, world=single
+    (["logger=[wandb,tensorbord]"], ["logger=tensorbord is not an option", "Available: none, tensorboard, wandb",
+                                     "Did you mean tensorboard?"]),  # (a list's typo listed "(none)")
     # The strategies' own flags (a string was truthy: cpu_offload=maybe offloaded; others were a traceback per rank).
     # A task's, model's or data function's own typed keys: task.num_samples=abc trained the whole run, then crashed
     # at the first eval with a traceback and a run dir left behind.

@@ -212,6 +212,20 @@ def missing_configs() -> str:
             "(`pip install --force-reinstall` of the same source), or install from a checkout with `pip install -e .`.")
 
 
+def _group_options(group: str) -> list[str]:
+    """The shipped options of config group `group` ([] if they cannot be listed: this is for a message)."""
+    try:
+        from hydra import initialize_config_module
+        from hydra.core.global_hydra import GlobalHydra
+
+        if GlobalHydra.instance().is_initialized():
+            return list(GlobalHydra.instance().config_loader().get_group_options(group))
+        with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+            return list(GlobalHydra.instance().config_loader().get_group_options(group))
+    except Exception:  # noqa: BLE001
+        return []
+
+
 def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> ConfigError:
     """Turn a Hydra/OmegaConf composition error into a ConfigError naming the key and the fix."""
     from hydra.errors import MissingConfigException
@@ -227,6 +241,8 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
             options = list(exc.options or []) if isinstance(exc, MissingConfigException) else []
             if not options:
                 options = re.findall(r"^\t(\S+)$", msg, flags=re.M)
+            if not options:  # (a list of options, logger=[wandb,tensorbord]: Hydra's message lists none)
+                options = _group_options(group)
             return ConfigError(
                 f"{group}={option} is not an option of config group '{group}'. "
                 f"Available: {', '.join(options) or '(none)'}.{suggest(option, options)}"

@@ -45,6 +45,8 @@ def _run_dir(run_dir: str | Path) -> Path:
                           f"trainer eval {run} checkpoint={path}` evaluates this checkpoint, `trainer.load({run})` "
                           f"and `sample {run}` read the run's final export, and resume={path} continues training "
                           "from it.")
+    if not os.path.lexists(path):
+        raise ConfigError(f"{path} does not exist. Pass the directory a run wrote, e.g. outputs/2026-01-01/12-00-00.")
     if not os.path.lexists(path / "config.yaml"):
         raise ConfigError(f"{path} is not a run dir (it has no config.yaml). Pass the directory a run wrote, e.g. "
                           "outputs/2026-01-01/12-00-00.")
@@ -303,7 +305,7 @@ def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "c
     model = model_of(path)
     if ema and not has_ema(path):
         raise ConfigError(f"{path} has no EMA weights in its final export (ema.enabled was off when it finished); "
-                          "load it with ema=False.")
+                          "load it with ema=False (sample: ema=false).")
     name = "model_ema" if ema else "model"
     weights = exported_weights(path, name)
     problems = _mismatches(model.state_dict(), weights, f"{name}.safetensors")
