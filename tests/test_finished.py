@@ -160,6 +160,9 @@ def test_eval_mistakes_are_one_paragraph(reference, tmp_path):
                          (["sample", str(reference), "task.temperature=abc"], "task.temperature='abc' is not a number"),
                          (["sample", str(reference), "task.top_k=0"], "task.top_k=0 is not an integer >= 1 or null"),
                          (["sample", str(reference), "task.sample_prompt=123"], "task.sample_prompt=123 is not text"),
+                         # an output path that cannot be a file, refused before the sampling (an IsADirectoryError
+                         # traceback after it)
+                         (["sample", str(reference), f"out={tmp_path}"], f"out={tmp_path}: {tmp_path} is a directory"),
                          # (only the wrong one is named: the valid task.sample_tokens=5 was listed with it)
                          (["sample", str(reference), "task.sample_tokens=5", "world.threads=1"],
                           "task.KEY=VALUE, not world.threads=1. Usage")):

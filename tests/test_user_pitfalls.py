@@ -519,6 +519,7 @@ def test_the_finders_take_your_own_config_dir_and_say_it_in_the_command_they_sug
     (["batch_size", "debug=smoke", "world=ddp", "world.nproc_per_node=2", "world.pp=2", "tune.memory_mb=1000"],
      "as under world._target_=trainer.parallel.DDP with world.pp=2 (world=fsdp, world.tp > 1, world.pp > 1"),
     (["lr", "debug=smoke", "tune.max_lr=1e-9"], "must be above tune.min_lr"),
+    (["lr", "debug=smoke", "save=."], "is a directory; give a file name in it"),  # (before the sweep, not after)
     (["lr", "debug=smoke", "tune.stepz=5"], "Did you mean steps?"),
     (["lr", "debug=smoke", "optim.lrr=1"], "optim.lr=1"),
     # A task that steps its own optimizers: the sweep never reached them, and its suggestion changed nothing.

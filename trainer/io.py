@@ -86,6 +86,15 @@ def free_name(path: Path, tag: str, before_suffix: bool = False) -> Path:
     return candidate
 
 
+def output_file_problem(path: str | os.PathLike) -> str | None:
+    """Why a file cannot be written at `path` (checked before the work that makes it, not after): it is a directory,
+    or its directory cannot be made or written; None when it can."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        return f"{path} is a directory; give a file name in it"
+    return unwritable(path.absolute().parent)
+
+
 def unwritable(path: Path) -> str | None:
     """Why `path` (a directory, made with its parents where missing) cannot be written by this process: its first
     part that exists is not a directory, or not writable; None when it can. Leaves nothing behind."""

@@ -322,6 +322,12 @@ def sample(argv: list[str]) -> int:
                           f"Usage: {usage}")
     task_keys = {a.split("=", 1)[0][len("task."):]: yaml_value(a) for a in rest}
     run = Path(run_dir)
+    if "out" in opts:  # (before the sampling, not after it)
+        from trainer.io import output_file_problem
+
+        problem = output_file_problem(opts["out"])
+        if problem:
+            raise ConfigError(f"out={opts['out']}: {problem}.")
     secrets = _secrets_of(config_yaml(run)) | secret_values(task_keys)
     try:
         from trainer.config.compose import flag_value

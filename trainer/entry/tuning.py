@@ -21,6 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, open_dict
 
 from trainer.errors import ConfigError
+from trainer.io import output_file_problem
 
 # Each finder's settings (tune.KEY=VALUE) and their defaults.
 SETTINGS = {
@@ -80,6 +81,9 @@ def prepare(argv: list[str]) -> DictConfig:
             settings[name] = _value(arg)
         elif key == "save" and sep:
             save = str(Path(value).expanduser().resolve())
+            problem = output_file_problem(save)  # (before the sweep, not after it)
+            if problem:
+                raise ConfigError(f"save={value}: {problem}.")
         else:
             overrides.append(arg)
     _check_settings(what, settings)
