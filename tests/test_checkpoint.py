@@ -230,3 +230,24 @@ def test_a_nan_eval_is_never_the_best_and_any_number_beats_a_nan_best(tmp_path, 
     assert not ckpt.improves({"val/x": nan})
     ckpt.best = (nan, "step_00000001")  # (recorded by a run before this rule)
     assert ckpt.improves({"val/x": 5.0})
+
+
+def test_repair_best_file_rewrites_a_damaged_best_json_from_the_state_and_leaves_a_readable_one(tmp_path):
+    """best.json (eval checkpoint=best's pointer) was rewritten only at the next new best: damaged, it stayed so for
+    the rest of a resumed run. (The checkpoint manager calls this on a resume.)"""
+    import json
+
+    from trainer.checkpoint.store import Checkpointer
+
+    ckpt = Checkpointer(tmp_path, best_metric="val/loss")
+    (tmp_path / "step_00000004").mkdir()
+    (tmp_path / "step_00000004" / "manifest.json").write_text("{}")
+    ckpt.load_state_dict({"best": [1.5, "step_00000004"]})
+    (tmp_path / "best.json").write_text("{")
+    ckpt.repair_best_file()
+    assert json.loads((tmp_path / "best.json").read_text()) == {"metric": "val/loss", "value": 1.5,
+                                                                 "checkpoint": "step_00000004"}
+    mine = json.dumps({"metric": "val/loss", "value": 1.2, "checkpoint": "step_00000004"})
+    (tmp_path / "best.json").write_text(mine)  # one that reads: left as it is
+    ckpt.repair_best_file()
+    assert (tmp_path / "best.json").read_text() == mine

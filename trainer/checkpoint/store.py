@@ -180,6 +180,23 @@ class Checkpointer:
         best = state.get("best")
         self.best = (float(best[0]), str(best[1])) if best else None
 
+    def repair_best_file(self) -> None:
+        """best.json (what `eval checkpoint=best` reads), where it cannot be read, as the resumed state says, if the
+        best checkpoint is there: it was rewritten only at the next new best, so a damaged one stayed damaged for
+        the rest of the run. (One that reads is left as it is.) On a resume only: an eval writes nothing."""
+        if self.best is None or not self.writes or not self.backend.is_main \
+                or not (self.dir / self.best[1] / MANIFEST).is_file():
+            return
+        try:
+            if isinstance(_read_json(self.dir / "best.json"), dict):
+                return
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, TypeError, RecursionError):
+            pass
+        atomic_write_json(self.dir / "best.json", {"metric": self.best_metric, "value": self.best[0],
+                                                  "checkpoint": self.best[1]})
+
     # -- writing -----------------------------------------------------------------------------
     def save(self, step: int, model_state: dict[str, torch.Tensor], state: dict[str, Any],
              metrics: dict[str, float] | None = None) -> Path:
