@@ -251,3 +251,21 @@ def test_repair_best_file_rewrites_a_damaged_best_json_from_the_state_and_leaves
     (tmp_path / "best.json").write_text(mine)  # one that reads: left as it is
     ckpt.repair_best_file()
     assert (tmp_path / "best.json").read_text() == mine
+
+
+def test_a_resume_rewrites_a_damaged_best_json(corpus, tmp_path):
+    """best_mode=max on val/loss keeps step 1's (the loss falls), so the resumed run finds no new best: only the
+    resume's repair makes best.json readable again."""
+    import json
+
+    from conftest import run_here, tiny_overrides
+
+    args = (*tiny_overrides(corpus, "trainer.eval_every=1", "checkpoint.every_n_steps=1", "checkpoint.keep_last=1",
+                            "checkpoint.best_metric=val/loss", "checkpoint.best_mode=max"), f"hydra.run.dir={tmp_path}")
+    assert run_here(*args, "trainer.max_steps=2").returncode == 0
+    best = tmp_path / "checkpoints" / "best.json"
+    assert json.loads(best.read_text())["checkpoint"] == "step_00000001"
+    best.write_text("{")
+    r = run_here(*args, "trainer.max_steps=3", "resume=auto")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(best.read_text())["checkpoint"] == "step_00000001"
