@@ -141,25 +141,25 @@ def text_file(path: str, seq_len: int = 256, cache_dir: str | None = None, val_f
     return _text_splits(path, seq_len, cache_dir, val_fraction, "data.path")
 
 
-def _text_splits(path: str, seq_len: int, cache_dir: str | None, val_fraction: float, key: str):
-    """text_file's work; `key` is the setting that named `path`, for the errors (data.path, data.val_path)."""
+def _text_splits(path: str, seq_len: int, cache_dir: str | None, val_fraction: float, setting: str):
+    """text_file's work; `setting` is the key that named `path`, for the errors (data.path, data.val_path)."""
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"data.val_fraction={val_fraction} must be in [0, 1).")
-    files = text_files(path, key)
-    hint = f"Point {key} at a readable text file, e.g. data=text {key}=/path/to/book.txt."
+    files = text_files(path, setting)
+    hint = f"Point {setting} at a readable text file, e.g. data=text {setting}=/path/to/book.txt."
     try:
         stats = [f.stat() for f in files]
         for f in files:
             with open(f, "rb"):
                 pass
     except OSError as e:
-        raise DataError(f"{key}={str(path)!r} cannot be read ({e.strerror}: {e.filename}). {hint}") from None
+        raise DataError(f"{setting}={str(path)!r} cannot be read ({e.strerror}: {e.filename}). {hint}") from None
     size = sum(st.st_size for st in stats) + len(files) - 1
     if size <= 0:
-        raise DataError(f"{key}={str(path)!r} is empty. {hint}")
+        raise DataError(f"{setting}={str(path)!r} is empty. {hint}")
     if size < seq_len + 1:
         raise DataError(
-            f"{key}={str(path)!r} has {size} bytes, fewer than data.seq_len + 1 = {seq_len + 1}. "
+            f"{setting}={str(path)!r} has {size} bytes, fewer than data.seq_len + 1 = {seq_len + 1}. "
             f"Use a longer file or a smaller data.seq_len."
         )
     key = hashlib.sha256(repr((FORMAT, [(str(f.resolve()), st.st_size, st.st_mtime_ns) for f, st in zip(files, stats)],

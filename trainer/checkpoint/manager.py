@@ -196,9 +196,7 @@ class CheckpointManager:
         if resume:
             notes += self.run.resize_notes(state["trainer"])
             self.run.load_state_dict(state["trainer"])
-            repair = getattr(self.checkpointer, "repair_best_file", None)  # (a damaged best.json, eval's pointer)
-            if repair is not None:
-                repair()
+            self.checkpointer.repair_best_file()  # (a damaged best.json, eval checkpoint=best's pointer)
         else:
             self.run.step = state["trainer"]["step"]
             self.run.trained_on = state["trainer"].get("data_identity")  # (what an eval compares its data with)

@@ -628,6 +628,9 @@ class NullCheckpointer:
     def improves(self, metrics) -> bool:
         return False
 
+    def repair_best_file(self) -> None:
+        pass
+
     def consider(self, metrics, step: int) -> None:
         pass
 

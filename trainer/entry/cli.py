@@ -327,12 +327,12 @@ def run_job(cfg: DictConfig) -> float | None:
         report(err)
         if started:
             _say_what_the_sweep_skips()
-        from trainer.entry.launcher import RendezvousFailed
-
         if isinstance(err, UserError):
             if lock is not None and lock.held:  # never a run dir another job holds (or shares, on other nodes)
                 remove_if_unused(run_dir)
         elif started and not isinstance(err, NonFiniteError):  # preempted, disk full (a NaN would come back)
+            from trainer.entry.launcher import RendezvousFailed
+
             if isinstance(err, RendezvousFailed) and lock is not None and lock.held:  # the nodes never met: a new
                 remove_if_unused(run_dir)                                              # run's dir holds only records
             _say_how_to_continue(run_dir, continue_command(run_dir))

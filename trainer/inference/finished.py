@@ -53,15 +53,6 @@ def _run_dir(run_dir: str | Path) -> Path:
     return path
 
 
-def _exported(run: Path, name: str) -> bool:
-    """Whether the run's export record (export.json) lists file `name`."""
-    try:
-        files = json.loads((run / "export.json").read_text()).get("files")
-    except (OSError, ValueError, AttributeError):
-        return False
-    return isinstance(files, dict) and name in files
-
-
 def _reexport(run: Path) -> str:
     return (f"Rewrite the export: delete {run / 'export.json'} and rerun the run's training command (in its "
             f"run_info.json) with hydra.run.dir={run} resume=auto: a finished run writes a missing export from its "
@@ -335,8 +326,11 @@ def load_task(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> A
         task_node.update(overrides)
     task = _instantiate_checked(task_node, "task", source, "Check the values of its keys (and of the task.KEY=VALUE "
                                 "you passed) against the task's class.")
+    from trainer.models.export import listed_files
+
     state_file, fix = path / "task_state.safetensors", _reexport(path)
-    if hasattr(task, "load_state_dict") and not os.path.lexists(state_file) and _exported(path, state_file.name):
+    if hasattr(task, "load_state_dict") and not os.path.lexists(state_file) and \
+            state_file.name in (listed_files(path) or ()):
         # (the task's state, a data normaliser, is part of the export: without it the task refused to work, as a
         # RuntimeError from inside its sampling)
         raise CheckpointError(f"{state_file} is missing, and the run's export lists it (its task's state, e.g. a data "

@@ -46,7 +46,7 @@ def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, mod
     # written, so that no reader (trainer.load, from_pretrained) prefers an older file to it.
     stale = _weight_files(run_dir, name)
     if name == "model":  # (and an adapter beside the weights, where exports before adapter/ put it: if theirs)
-        stale |= {run_dir / f for f in ADAPTER_FILES} | {run_dir / n for n in _listed(run_dir) or ()
+        stale |= {run_dir / f for f in ADAPTER_FILES} | {run_dir / n for n in listed_files(run_dir) or ()
                                                           if n in {Path(f).name for f in ADAPTER_FILES}}
     adapter_files = []
     if adapters_in(tensors):
@@ -105,7 +105,7 @@ def write_hf_config(model, directory: Path) -> list[str]:
     return ["config.json"]
 
 
-def _listed(run_dir: Path) -> set[str] | None:
+def listed_files(run_dir: Path) -> set[str] | None:
     """The files the run dir's export.json lists; None without a readable one (a directory of the user's own)."""
     try:
         files = json.loads((run_dir / "export.json").read_text())["files"]
@@ -180,7 +180,7 @@ def set_aside(run_dir: Path) -> Path | None:
 
     names = {n for n in _EXPORTED if (run_dir / n).is_file()}
     names |= {p.name for p in run_dir.glob("model*-of-*.safetensors")}
-    listed = _listed(run_dir)
+    listed = listed_files(run_dir)
     if listed is not None:
         names |= {"export.json", *listed}
     present = sorted(n for n in names if (run_dir / n).is_file() and not (run_dir / n).is_symlink()
