@@ -183,6 +183,27 @@ def test_eval_skips_a_checkpoint_that_is_a_symbolic_link(runs, tmp_path, capsys)
     assert_clean_error(r, "checkpoints/step_00000009", "symbolic link")
 
 
+def test_eval_names_a_later_checkpoint_it_passes_over(runs, tmp_path, capsys):
+    """checkpoint=latest evaluates the newest complete checkpoint, and says which later step it could not read
+    (no manifest: a save cut off; a damaged one), so that its numbers are never taken for the later step's."""
+    from trainer.inference.finished import checkpoint_of
+
+    run = copy_of(runs, "lm", tmp_path)
+    checkpoints = run / "checkpoints"
+    shutil.copytree(checkpoints / "step_00000002", checkpoints / "step_00000007")
+    (checkpoints / "step_00000007" / "manifest.json").unlink()
+    shutil.copytree(checkpoints / "step_00000002", checkpoints / "step_00000009")
+    (checkpoints / "step_00000009" / "manifest.json").write_text("{not json")
+    assert checkpoint_of(run, "latest") == checkpoints / "step_00000002"
+    err = capsys.readouterr().err
+    assert all(f"checkpoints/step_0000000{n} has no readable manifest.json" in err for n in (7, 9)), err
+    assert "evaluating step_00000002" in err
+
+    shutil.rmtree(checkpoints / "step_00000007"), shutil.rmtree(checkpoints / "step_00000009")
+    assert checkpoint_of(run, "latest") == checkpoints / "step_00000002"
+    assert "note" not in capsys.readouterr().err
+
+
 def test_sample_redacts_a_secret_from_the_command_line_or_config_yaml(runs, tmp_path):
     run = copy_of(runs, "lm", tmp_path)
     r = run_here("sample", str(run), "task.sample_prompt=${oc.env:MY_API_TOKEN}", cwd=tmp_path,

@@ -485,6 +485,13 @@ def checkpoint_of(run_dir: str | Path, which: str = "latest") -> Path:
                       "(checkpoint.save_final=false keeps no checkpoint)." if (path / "export.json").is_file() else "")
             raise CheckpointError(f"{path} has no complete checkpoint (checkpoints/step_*/manifest.json) to "
                                   f"evaluate.{export}")
+        # A later step without a readable manifest (a save cut off, a copy made half-way) is passed over, as
+        # resume=auto passes over it; said, so that a number is never read as the later step's.
+        passed = sorted((p for p in checkpoints.iterdir() if step_of(p) > step_of(found[-1]) and not p.is_symlink()
+                         and p not in found), key=step_of)
+        for p in passed:
+            print(f"note: {p} has no readable manifest.json (a save cut off, or a copy made half-way): skipped; "
+                  f"evaluating {found[-1].name}.", file=sys.stderr)
         return found[-1]
     if which == "best":
         best = checkpoints / "best.json"
