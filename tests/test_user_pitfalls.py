@@ -384,11 +384,17 @@ def test_a_run_uses_the_machine_defaults(tmp_path, monkeypatch):
     ("precision=bf61", "precision=bf61 is not an option"),
     ("recipe=diffusion", "recipe is the recipe's to choose"),
     ("world.nproc_per_nod=2", "Did you mean nproc_per_node?"),
+    ("hydra.run.dir=one_dir", "hydra.* settings are not saved"),  # (every later run would share one dir)
+    ("outputs=FILE", "FILE is not a directory"),
+    ("outputs=FILE/runs", "FILE is not a directory"),
+    ("outputs=/proc/runs", "runs cannot be written there"),
 ])
 def test_a_machine_default_mistake_writes_nothing(tmp_path, monkeypatch, setting, says):
     from conftest import run_here
 
     monkeypatch.setenv("TRAINER_CONFIG_HOME", str(tmp_path / "home"))
+    (tmp_path / "FILE").write_text("")
+    setting, says = setting.replace("FILE", str(tmp_path / "FILE")), says.replace("FILE", str(tmp_path / "FILE"))
     r = run_here("config", setting, cwd=tmp_path)
     assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert not (tmp_path / "home" / "machine" / "default.yaml").exists()

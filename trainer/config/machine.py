@@ -59,8 +59,18 @@ def render(overrides: list[str]) -> str:
         key, sep, value = override.partition("=")
         if not sep or not key or key.startswith(("+", "~", "-")):
             raise ConfigError(f"{override!r} is not a setting: {USAGE}")
+        if key.startswith("hydra."):  # (hydra.run.dir=X would put every later run into the one dir X)
+            raise ConfigError(f"{override}: a machine's defaults say where runs go with outputs=DIR (each run then "
+                              "gets DIR/DATE/TIME, each sweep DIR/multirun/DATE/TIME); hydra.* settings are not saved. "
+                              f"Give {key} on the command line of the run that needs it.")
         if key == "outputs":
+            from trainer.io import unwritable
+
             root = str(Path(value).expanduser().resolve())
+            problem = unwritable(Path(root)) if value else "it is empty"
+            if problem:  # (saved, it would stop every later run)
+                raise ConfigError(f"outputs={value}: runs cannot be written there ({problem}). Give a directory "
+                                  "this user can write (it is made when the first run starts): nothing was saved.")
             for kind, folder in (("run", root), ("sweep", f"{root}/multirun")):
                 OmegaConf.update(values, f"hydra.{kind}.dir", f"{folder}/${{now:%Y-%m-%d}}/${{now:%H-%M-%S}}")
         elif "." not in key:
