@@ -117,6 +117,13 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
     (["trainer.nonfinite_check=log", "trainer.nonfinite=skip"], ["trainer.nonfinite_check='log'", "nonfinite=skip"]),
     (["trainer.nonfinite_check=sometimes"], ["trainer.nonfinite_check='sometimes'", "auto, step or log"]),
     (["--config-dir", "nosuch"], ["--config-dir nosuch: there is no such directory"]),  # (was Hydra's, and a warning)
+    # A logger's or callback's setting without choosing it: the generic "+KEY" advice led to a traceback.
+    (["logger.wandb.project=p"], ["logger.wandb.project is a setting of logger=wandb", "add logger=wandb"]),
+    (["+logger.wandb.project=p"], ["logger.wandb={'project': 'p'} is invalid", "Choose it: logger=wandb"]),
+    (["+logger.tensorboard.dir=tb"], ["logger.tensorboard=", "Choose it: logger=tensorboard"]),
+    (["callbacks.early_stopping.patience=3"], ["add callbacks=early_stopping"]),
+    (["+callbacks.early_stopping.patience=3"], ["Choose it: callbacks=early_stopping"]),
+    (["+logger.mine.x=1"], ["logger.mine=", "The options of logger are none, tensorboard, wandb"]),
     (["finetune.weights=nosuch", "world=ddp", "world.nproc_per_node=2", "world.pp=2"],
      ["world.pp=2 is invalid: expected 1 with finetune.weights=nosuch", "world=fsdp"]),  # (a worker's traceback)
 ])

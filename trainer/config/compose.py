@@ -226,6 +226,21 @@ def _group_options(group: str) -> list[str]:
         return []
 
 
+# Groups whose options each add a node of their own under the group's key (logger.wandb, callbacks.early_stopping),
+# several at once: a key under an option that is not chosen is a missing choice, not a new key.
+LIST_GROUPS = ("logger", "callbacks")
+
+
+def _unchosen_option(key: str) -> str | None:
+    """The message for `logger.wandb.project=...` without logger=wandb (None for any other key)."""
+    group, _, rest = key.partition(".")
+    option = rest.split(".", 1)[0]
+    if group not in LIST_GROUPS or not option or option not in _group_options(group):
+        return None
+    return (f"{key} is a setting of {group}={option}, which this run does not choose: add {group}={option} (several: "
+            f"{group}=[{option},...]) and keep {key}=... as it is.")
+
+
 def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> ConfigError:
     """Turn a Hydra/OmegaConf composition error into a ConfigError naming the key and the fix."""
     from hydra.errors import MissingConfigException
@@ -265,6 +280,9 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
         # A key another strategy has (pipeline stages are world=ddp's): say which, before the generic list.
         elsewhere = (" Pipeline stages (world.pp, world.pp_schedule, world.microbatches) are an option of world=ddp."
                      if key in ("world.pp", "world.pp_schedule", "world.microbatches") else "")
+        unchosen = _unchosen_option(key)
+        if unchosen:  # (the `+` the generic message proposes would add a settings node with no logger behind it)
+            return ConfigError(unchosen)
         # The sections the framework reads itself take no key of one's own (schema._known_keys refuses it).
         own = ("" if parent in ("trainer", "checkpoint", "ema") else
                f" To add a new key on purpose, write +{key}=VALUE.")

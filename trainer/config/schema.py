@@ -255,6 +255,15 @@ def validate(cfg: DictConfig) -> None:
     _check(0.0 <= e.decay < 1.0, "ema.decay", e.decay, "a number in [0, 1), e.g. 0.999")
     _check(e.update_every >= 1, "ema.update_every", e.update_every, "an integer >= 1")
 
+    for group in ("logger", "callbacks"):  # (`+logger.wandb.project=x` alone makes a node that builds nothing)
+        for name, node in (cfg.get(group) or {}).items():
+            if not (isinstance(node, DictConfig) and "_target_" in node):
+                from trainer.config.compose import _group_options
+
+                choose = (f"Choose it: {group}={name} (several: {group}=[{name},...])" if name in _group_options(group)
+                          else f"The options of {group} are {', '.join(_group_options(group))}")
+                _check(False, f"{group}.{name}", _plain(node), f"the settings of a chosen option of {group}, with a "
+                       f"_target_", f"{choose}; or point {group}.{name}._target_ at a class of your own.")
     for key in ("model", "data", "task", "optim", "scheduler", "precision", "world"):
         node = cfg.get(key)
         _check(isinstance(node, DictConfig) and "_target_" in node, key, _plain(node), "a config node with a _target_",
