@@ -388,6 +388,9 @@ def test_a_run_uses_the_machine_defaults(tmp_path, monkeypatch):
     ("outputs=FILE", "FILE is not a directory"),
     ("outputs=FILE/runs", "FILE is not a directory"),
     ("outputs=/proc/runs", "runs cannot be written there"),
+    # What a run checks later, once it counts its processes and builds its trackers (every run would stop there).
+    ("world=ddp world.tp=3", "save world.nproc_per_node=N with it"),
+    ("logger=wandb logger.wandb.mode=ofline", "logger.wandb.mode='ofline' is invalid"),
 ])
 def test_a_machine_default_mistake_writes_nothing(tmp_path, monkeypatch, setting, says):
     from conftest import run_here
@@ -395,7 +398,7 @@ def test_a_machine_default_mistake_writes_nothing(tmp_path, monkeypatch, setting
     monkeypatch.setenv("TRAINER_CONFIG_HOME", str(tmp_path / "home"))
     (tmp_path / "FILE").write_text("")
     setting, says = setting.replace("FILE", str(tmp_path / "FILE")), says.replace("FILE", str(tmp_path / "FILE"))
-    r = run_here("config", setting, cwd=tmp_path)
+    r = run_here("config", *setting.split(), cwd=tmp_path)
     assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert not (tmp_path / "home" / "machine" / "default.yaml").exists()
 

@@ -157,7 +157,30 @@ def check(text: str) -> None:
         (Path(scratch) / "machine").mkdir()
         (Path(scratch) / "machine" / "default.yaml").write_text(text)
         with config_home(scratch):
-            load([])
+            _as_a_run_here(load([]), scratch)
+
+
+def _as_a_run_here(cfg, scratch: str) -> None:
+    """What a run from these defaults alone checks later, once it counts its processes (`auto`: this machine's
+    GPUs, or 1) and builds its trackers (whose constructors check their settings and start nothing): saved, a
+    mistake there (world.tp=3 on 1 process, logger.wandb.mode=ofline) would stop every run."""
+    from omegaconf import OmegaConf
+
+    from trainer.config import schema
+    from trainer.config.instantiate import build_node
+    from trainer.entry.launcher import nproc_per_node
+
+    if schema.launch_config(cfg.world).nproc_per_node == "auto":
+        counted = cfg.copy()
+        OmegaConf.update(counted, "world.nproc_per_node", nproc_per_node("auto"))
+        try:
+            schema.validate(counted)
+        except ConfigError as e:
+            raise ConfigError(f"{e} On this machine world.nproc_per_node=auto starts {nproc_per_node('auto')} "
+                              "process(es): save world.nproc_per_node=N with it. Nothing was saved.") from None
+    for node in (cfg.get("logger") or {}).values():
+        if node is not None:
+            build_node("logger", node, run_dir=scratch)
 
 
 @contextlib.contextmanager
