@@ -124,6 +124,7 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
     (["callbacks.early_stopping.patience=3"], ["add callbacks=early_stopping"]),
     (["+callbacks.early_stopping.patience=3"], ["Choose it: callbacks=early_stopping"]),
     (["+logger.mine.x=1"], ["logger.mine=", "The options of logger are none, tensorboard, wandb"]),
+    (["ema.decay=0.99", "ema.warmup=true"], ["ema.decay, ema.warmup: the EMA is off", "Add ema.enabled=true"]),
     (["finetune.weights=nosuch", "world=ddp", "world.nproc_per_node=2", "world.pp=2"],
      ["world.pp=2 is invalid: expected 1 with finetune.weights=nosuch", "world=fsdp"]),  # (a worker's traceback)
 ])
@@ -323,6 +324,18 @@ def test_a_comma_without_m_names_the_three_ways_out(tmp_path):
     assert_clean_error(r, "optim.lr=1e-3,3e-4: a comma makes several values", "add -m", "optim.lr=[1e-3,3e-4]",
                        "\"optim.lr='1e-3,3e-4'\"")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_ema_setting_with_the_ema_off_is_a_note_in_a_sweep_comparing_both(capsys):
+    """`ema.enabled=true,false ema.decay=0.9` compares a run with and without an EMA: its points without one are
+    told, not refused (a single run is refused: test_config_mistakes)."""
+    from trainer.config.compose import check_read, load
+
+    off, on = load(["debug=smoke"], targets=False), load(["debug=smoke", "ema.enabled=true"], targets=False)
+    check_read(off, ["ema.enabled=false", "ema.decay=0.9"], sweep=True)
+    assert "note: ema.decay: the EMA is off" in capsys.readouterr().err
+    check_read(on, ["ema.enabled=true", "ema.decay=0.9"])
+    assert capsys.readouterr().err == ""
 
 
 def test_a_sweep_with_cfg_is_one_paragraph_naming_the_command_for_one_point(tmp_path):

@@ -9,6 +9,7 @@ unknown group options, wrong types) become one paragraph with the nearest valid 
 from __future__ import annotations
 
 import re
+import sys
 import warnings
 from itertools import product
 from pathlib import Path
@@ -112,7 +113,25 @@ def load(overrides: list[str], config_dir: str | None = None, targets: bool = Tr
         except (Exception, OmegaConfBaseException) as exc:  # hydra raises several unrelated types
             raise explain(exc, overrides, config_dir) from exc
         check_choices(cfg, overrides, config_dir)
+        check_read(cfg, overrides)
     return prepare(cfg, targets)
+
+
+def check_read(cfg: DictConfig, overrides: list[str], sweep: bool = False) -> None:
+    """Refuse a setting given on the command line that the run would never read: `ema.decay=0.99` while the EMA is
+    off (its defaults are numbers, so only the command line tells a choice from a default). In a sweep, a note:
+    `ema.enabled=true,false ema.decay=0.99` compares a run with and without it."""
+    keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
+    given = [k for k in keys if k.startswith("ema.") and k != "ema.enabled"]
+    if not given or (cfg.get("ema") or {}).get("enabled", False):
+        return
+    why = (f"{', '.join(given)}: the EMA is off (ema.enabled=false), so {'these do' if len(given) > 1 else 'this does'} "
+           "nothing")
+    if sweep:
+        print(f"note: {why} in the sweep's points with ema.enabled=false.", file=sys.stderr, flush=True)
+        return
+    raise ConfigError(f"{why}. Add ema.enabled=true to keep an EMA of the weights (evaluated as val_ema/ and exported "
+                      "as model_ema.safetensors), or leave them out.")
 
 
 def check_choices(cfg: DictConfig, overrides: list[str], config_dir: str | None) -> None:

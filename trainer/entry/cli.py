@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from trainer.config.compose import (
     CONFIG_MODULE,
     check_choices,
+    check_read,
     explain,
     prepare,
     resolve,
@@ -70,6 +71,7 @@ def precheck(argv: list[str]):
                 known.sources, known.cwd = sources, os.getcwd()
             check_hydra_hooks(cfg)  # what Hydra itself builds before the job: callbacks, logging, env_set
             check_choices(cfg, overrides, args.config_dir)  # precision=bf16 that a recipe's inline node hides
+            check_read(cfg, overrides, sweep=args.multirun)  # ema.decay=0.99 with the EMA off
             if not args.cfg:
                 check_output_dir(cfg, args.multirun)  # Hydra makes it before the job: a traceback there
             with open_dict(cfg):
