@@ -234,6 +234,32 @@ def test_logger_dir_moves_the_event_files(corpus, tmp_path):
     assert [s for s, _ in scalars(tmp_path / "tb")["train/loss"]] == [1, 2]
 
 
+def test_a_logger_dir_holding_another_runs_events_is_refused_before_anything_moves(corpus, tmp_path):
+    """Two runs in one logger.tensorboard.dir would show as one run in TensorBoard, the second's START purging the
+    first's curves, its rerun moving them to .prev: the second is refused, its own rerun is not."""
+    from trainer import train
+    from trainer.tracking.tensorboard_logger import OWNER
+
+    tb = tmp_path / "tb"
+    overrides = ("logger=tensorboard", f"logger.tensorboard.dir={tb}", "trainer.max_steps=2")
+    train(compose_cfg(tiny_overrides(corpus, *overrides)), tmp_path / "a")
+    events = sorted(tb.glob("events.out.tfevents.*"))
+    assert (tb / OWNER).read_text().strip() == str((tmp_path / "a").resolve())
+
+    with pytest.raises(ConfigError, match=f"logger.tensorboard.dir={tb} holds the run {tmp_path / 'a'}"):
+        TensorBoardLogger(run_dir=tmp_path / "b", dir=str(tb))
+    r = run_cli(*tiny_overrides(corpus, *overrides), f"hydra.run.dir={tmp_path / 'b'}")
+    assert r.returncode == 2 and f"logger.tensorboard.dir={tb}/NAME" in r.stderr, r.stderr
+    assert sorted(tb.glob("events.out.tfevents.*")) == events and not (tmp_path / "tb.prev").exists()
+    assert not (tmp_path / "b").exists()
+
+    (tb / OWNER).unlink()  # events nobody claims (another tool's, or written before the owner file) are refused too
+    with pytest.raises(ConfigError, match="holds events this run did not write"):
+        TensorBoardLogger(run_dir=tmp_path / "a", dir=str(tb))
+    (tb / OWNER).write_text(str((tmp_path / "a").resolve()))
+    TensorBoardLogger(run_dir=tmp_path / "a", dir=str(tb))  # its own run: a rerun or resume goes on
+
+
 def test_without_tensorboard_the_error_says_how_to_install_it(corpus, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` now raises ImportError
     with pytest.raises(ConfigError) as e:

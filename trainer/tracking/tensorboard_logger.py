@@ -30,6 +30,8 @@ from trainer.io import atomic_write_bytes, free_name
 from trainer.redaction import redact
 from trainer.tracking.loggers import NullLogger
 
+OWNER = "trainer_run.txt"  # in a logger.tensorboard.dir of the user's choosing: the run dir whose events it holds
+
 
 class TensorBoardLogger(NullLogger):
     """Logs metrics, the resolved config and eval samples (text and images) as TensorBoard events.
@@ -49,9 +51,28 @@ class TensorBoardLogger(NullLogger):
                 "tensorboard from logger=."
             ) from None
         self.dir = Path(dir).expanduser() if dir is not None else Path(run_dir) / "tensorboard"
+        # A dir of the user's choosing may hold another run's events: TensorBoard shows one dir as one run, so
+        # this run's curves would merge with those, its START purge them, a resume cut them and a rerun move them.
+        self._owner = str(Path(run_dir).expanduser().resolve()) if dir is not None else None
+        if self._owner is not None:
+            self._check_owner(dir)
         self._writer = None  # opened at the first event: building the logger writes nothing
         self._first_step = 0  # the step a run (or a resumed run) starts from: where its config text goes
         self._session_start: int | None = 1  # the START marker of this attempt's first writer
+
+    def _check_owner(self, given: str) -> None:
+        if not (self.dir.is_dir() and any(self.dir.glob("events.out.tfevents.*"))):
+            return
+        try:
+            owner = (self.dir / OWNER).read_text().strip()
+        except OSError:
+            owner = None
+        if owner != self._owner:
+            whose = f"the run {owner}" if owner else "events this run did not write"
+            raise ConfigError(f"logger.tensorboard.dir={given} holds {whose}: TensorBoard shows one dir as one run, so "
+                              "this run's curves would be merged with those there (and its restart would purge or "
+                              "move them). Give each run a dir of its own, e.g. logger.tensorboard.dir="
+                              f"{given.rstrip('/')}/NAME; `tensorboard --logdir {given}` shows them side by side.")
 
     def _events(self):
         if self._writer is None:
@@ -60,6 +81,8 @@ class TensorBoardLogger(NullLogger):
             # purge_step writes SessionLog.START at that step: readers drop earlier events at or after it.
             self._writer = SummaryWriter(log_dir=str(self.dir), purge_step=self._session_start)
             self._session_start = None  # a writer reopened within this attempt must not purge its own events
+            if self._owner is not None and not (self.dir / OWNER).is_file():
+                atomic_write_bytes(self.dir / OWNER, f"{self._owner}\n".encode())
         return self._writer
 
     # -- the logger interface ----------------------------------------------------------------------
