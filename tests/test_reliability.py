@@ -601,3 +601,40 @@ def test_a_checkpoint_that_could_not_be_read_for_a_passing_reason_stays_for_the_
     order = [p.name for p in store.Checkpointer(run_dir / "checkpoints").complete()]
     used = r.stdout.split("resumed from ")[1].split(" at step")[0].rsplit("/", 1)[1]
     assert order.index(used) < order.index("step_00000008"), (used, order)
+
+
+def test_a_fresh_start_sets_checkpoints_aside_in_the_same_collectives_on_every_rank(tmp_path, monkeypatch):
+    """A fresh start in a run dir with checkpoints: rank 0 moves them to checkpoints.prev. A rank that looked for
+    them after that move took no part in rank 0's broadcast, and the run hung until world.hang_timeout (found under
+    world.tp=2, whose other rank comes later). Every rank now makes the same calls, whatever it sees on disk."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from trainer.checkpoint import manager, store
+
+    monkeypatch.setattr(store, "set_aside", lambda directory: tmp_path / "checkpoints.prev")
+
+    sent = []  # what rank 0 broadcast, in order: what rank 1 receives
+
+    def calls(rank: int, sees: list[Path]) -> tuple[list, list[str]]:
+        made, said = [], []
+
+        def broadcast_object(obj):
+            made.append("broadcast_object")
+            if rank == 0:
+                sent.append(obj)
+                return obj
+            return sent[len(made) - 1] if len(made) <= len(sent) else None  # (a call rank 0 never made)
+
+        backend = SimpleNamespace(info=SimpleNamespace(restart_count=0), is_main=rank == 0,
+                                  broadcast_object=broadcast_object)
+        checkpointer = SimpleNamespace(complete=lambda: sees, unreadable=lambda: [], dir=tmp_path / "checkpoints")
+        trainer = SimpleNamespace(backend=backend, checkpointer=checkpointer)
+        assert manager.resume(trainer, OmegaConf.create({"resume": None}), said.append) is None
+        return made, said
+
+    rank0, rank1 = calls(0, [tmp_path / "checkpoints" / "step_00000003"]), calls(1, [])  # (rank 1: after the move)
+    assert rank0[0] == rank1[0], (rank0, rank1)
+    assert rank0[1] == [f"starting fresh (resume=None): the earlier checkpoints of this run dir are kept in "
+                        f"{tmp_path / 'checkpoints.prev'}."]

@@ -364,10 +364,12 @@ def resume(trainer, cfg: DictConfig, say) -> Path | None:
             f"run. The newest, {newest.name}: {why}{differences} Nothing in the run dir was changed."
             + ("" if differences else " To start over anyway, pass resume=null (the checkpoints are then kept in "
                "checkpoints.prev/), or give this job a run dir of its own."))
-    if trainer.checkpointer.complete():
-        # resume=null in a run dir that has checkpoints: start fresh, and keep the earlier attempt's.
-        aside = trainer.backend.broadcast_object(
-            ckpt.set_aside(trainer.checkpointer.dir) if trainer.backend.is_main else None)
+    # resume=null in a run dir that has checkpoints: start fresh, and keep the earlier attempt's. Rank 0 decides for
+    # all: a rank that looked after rank 0 had moved them would skip the broadcast and leave rank 0 waiting in it.
+    aside = trainer.backend.broadcast_object(
+        (ckpt.set_aside(trainer.checkpointer.dir) if trainer.checkpointer.complete() else None)
+        if trainer.backend.is_main else None)
+    if aside is not None:
         say(f"starting fresh (resume={cfg.get('resume')}): the earlier checkpoints of this run dir are kept in "
             f"{aside}.")
     elif cfg.get("resume") == "auto":
