@@ -316,10 +316,16 @@ def test_a_refused_resumes_advice_gives_a_changed_group_back_as_its_option(tmp_p
     assert "world: trainer.parallel.SingleDevice -> trainer.parallel.DDP (it ran with world=single)" in said, said
     assert "(rerun with world=single model.n_layer=1, or without the overrides" in said, said
     assert "world.pp" not in said and "world._target_" not in said, said
-    # Options that share a _target_ (gpt_tiny, gpt_small, gpt_medium) and sizes neither has: listed key by key.
+    # Options that share a _target_ (gpt_tiny, gpt_small, gpt_medium): the keys that differ, one by one.
     OmegaConf.save(trainer.compose(["model=gpt_small"]), tmp_path / "config.yaml")
     said = _differences(tmp_path, trainer.compose(["model=gpt_tiny"]))
-    assert "model=gpt" not in said and "model.n_layer" in said, said
+    assert "model=gpt" not in said and "(rerun with model.d_model=128 model.n_head=4 model.n_layer=4," in said, said
+    # A world option run with other launch keys: the option and those keys, each of which the rerun can take (the
+    # keys every world has are never `+`-added, and those this run sets alike, debug=smoke's threads, are left out).
+    OmegaConf.save(trainer.compose(["debug=smoke", "world=ddp", "world.nproc_per_node=2"]), tmp_path / "config.yaml")
+    said = _differences(tmp_path, trainer.compose(["debug=smoke", "model.n_layer=2"]))
+    assert "(rerun with world=ddp world.nproc_per_node=2 model.n_layer=1, or without" in said, said
+    trainer.compose(["debug=smoke", "world=ddp", "world.nproc_per_node=2", "model.n_layer=1"])  # (it composes)
 
 
 # The settings of trainer/checkpoint/ema as run dirs have saved them since resume=auto compared configs key by key.
@@ -377,3 +383,12 @@ def test_a_section_that_cannot_be_built_names_the_whole_reason_in_one_paragraph(
     assert "validate_architecture': ValueError: The hidden size (65) is not a multiple of the number of attention " \
            "heads (4). Check the keys under model" in text
     assert "\n" not in text
+
+
+def test_the_checkpoint_advice_knows_every_launch_key_of_world():
+    """The refused-resume advice (`rerun with world=ddp world.nproc_per_node=2`) gives a launch key only where it
+    differs from this run's: it must know them all, or it proposes `+world.device=auto`, which Hydra refuses."""
+    from trainer.checkpoint.manager import _SHARED
+    from trainer.config.schema import LAUNCH_KEYS
+
+    assert _SHARED["world"] == LAUNCH_KEYS

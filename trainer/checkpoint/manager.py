@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from trainer.checkpoint import snapshot
 from trainer.checkpoint import store as ckpt
@@ -399,12 +399,15 @@ def _differences(path: Path, cfg: DictConfig) -> str:
     # A config group whose _target_ changed (world=single -> world=ddp) is one choice, not a list of its keys
     # (whose null values would not even parse back): said, and given back, as the option that has that _target_.
     before = flat(read_config(path / "config.yaml") or {})
-    groups = {k.partition(".")[0]: (_option_of(k.partition(".")[0], before), a, b) for k, a, b in changed
+    now = flat(OmegaConf.to_container(cfg, resolve=True))
+    groups = {k.partition(".")[0]: (_option_of(k.partition(".")[0], before, now), a, b) for k, a, b in changed
               if k.partition(".")[2] == "_target_"}
     groups = {g: found for g, found in groups.items() if found[0] is not None}
     rest = [c for c in changed if c[0].partition(".")[0] not in groups]
-    back_items = [f"{g}={option}" for g, (option, _, _) in groups.items()] + [f"{k}={_shown(v)}" for k, v, _ in rest]
-    listed_items = [f"{g}: {_shown(a)} -> {_shown(b)} (it ran with {g}={option})" for g, (option, a, b) in groups.items()]
+    back_items = [" ".join([f"{g}={option}", *keys]) for g, ((option, keys), _, _) in groups.items()]
+    back_items += [f"{k}={_shown(v)}" for k, v, _ in rest]
+    listed_items = [f"{g}: {_shown(a)} -> {_shown(b)} (it ran with {' '.join([f'{g}={option}', *keys])})"
+                    for g, ((option, keys), a, b) in groups.items()]
     listed_items += [f"{k}: {_shown(a)} -> {_shown(b)}" for k, a, b in rest]
     back, listed = " ".join(back_items[:8]), "; ".join(listed_items[:8])
     more = f" (and {len(listed_items) - 8} more)" if len(listed_items) > 8 else ""
@@ -414,10 +417,12 @@ def _differences(path: Path, cfg: DictConfig) -> str:
             "timestamped one).")
 
 
-def _option_of(group: str, before: dict[str, Any]) -> str | None:
-    """The one option of config group `group` (conf/GROUP/NAME.yaml) that the checkpoint's settings (`before`,
-    flattened) ran with: its `_target_` and each key it sets are theirs. None when none or several are (gpt_tiny and
-    gpt_small share a `_target_`, and debug=smoke's sizes are neither's): then the keys are listed one by one."""
+def _option_of(group: str, before: dict[str, Any], now: dict[str, Any]) -> tuple[str, list[str]] | None:
+    """The option of config group `group` (conf/GROUP/NAME.yaml) that the checkpoint's settings (`before`,
+    flattened) ran with, and the `GROUP.KEY=VALUE` overrides that take it to them: of the options with their
+    `_target_`, the one that needs the fewest (world=ddp world.nproc_per_node=2). A key every option of the group
+    has (world's launch keys) and the option leaves unset keeps this run's value (`now`, flattened: debug=smoke's
+    world.threads=1). None when no option has the `_target_`: then the keys are listed one by one."""
     from importlib.resources import files
 
     import yaml
@@ -425,6 +430,7 @@ def _option_of(group: str, before: dict[str, Any]) -> str | None:
     folder = files("trainer.conf") / group
     if not folder.is_dir():
         return None
+    ran = {k.partition(".")[2]: v for k, v in before.items() if k.partition(".")[0] == group}
     found = []
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".yaml"):
@@ -432,13 +438,26 @@ def _option_of(group: str, before: dict[str, Any]) -> str | None:
                 option = yaml.safe_load(entry.read_text())
             except yaml.YAMLError:
                 continue
-            if isinstance(option, dict) and "_target_" in option and all(
-                    before.get(f"{group}.{k}", _ABSENT) == v for k, v in flat(option).items()):
-                found.append(entry.name[: -len(".yaml")])
-    return found[0] if len(found) == 1 else None
+            if not (isinstance(option, dict) and option.get("_target_") == ran.get("_target_")):
+                continue
+            defaults = flat(option)
+            shared = {k: now[f"{group}.{k}"] for k in _SHARED.get(group, ()) if f"{group}.{k}" in now}
+            defaults = {**shared, **defaults}
+            keys = [f"{'' if k in defaults else '+'}{group}.{k}={_shown(v)}" for k, v in ran.items()
+                    if defaults.get(k, _ABSENT) != v]
+            keys += [f"~{group}.{k}" for k in defaults if k not in ran and "." not in k]
+            found.append((len(keys), entry.name[: -len(".yaml")], keys))
+    if not found:
+        return None
+    _, name, keys = min(found)
+    return name, keys
 
 
 _ABSENT = object()
+# The keys every option of a group has, set or not in its file: world's launch keys (config.schema.LAUNCH_KEYS, a
+# package above this one; tests/test_units.py holds the two equal).
+_SHARED = {"world": ("nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "max_restarts", "rdzv_timeout",
+                     "hang_timeout", "device", "threads")}
 
 
 def _shown(value: Any) -> str:
