@@ -90,11 +90,13 @@ def check_targets(cfg: DictConfig) -> None:
             if key == "data":  # (build_data leaves these out of the call)
                 keys = {k: v for k, v in keys.items() if k not in unused_nulls(obj, keys)}
             check_keywords(key, obj, keys, extra_ok=extra)
-            if key in ("world", "task", "model", "data"):  # (else first used inside the workers, or at the first
-                check_scalar_types(key, obj, keys)           # eval after the whole run has trained)
+            if key in ("world", "task", "model", "data", "optim", "scheduler"):  # (else first used inside the
+                check_scalar_types(key, obj, keys)  # workers, or at the first eval after the whole run has trained)
             for part in parts:  # optim.generator: {lr: ...}: the base target's keys, for one part (per_part)
                 if "_target_" not in node[part]:
-                    check_keywords(f"{key}.{part}", obj, {k: node[part][k] for k in node[part] if k not in special})
+                    own = {k: node[part][k] for k in node[part] if k not in special}
+                    check_keywords(f"{key}.{part}", obj, own)
+                    check_scalar_types(f"{key}.{part}", obj, own)
     strategy = locate("world", cfg.world._target_)
     if cfg.trainer.compile:
         import torch._dynamo
