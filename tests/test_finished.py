@@ -157,7 +157,7 @@ def test_eval_mistakes_are_one_paragraph(reference, tmp_path):
                          (["sample", str(reference), "ema=maybe"], "ema=maybe is not true or false"),
                          (["sample", str(reference), "show_map=perhaps"], "show_map=perhaps is not true or false"),
                          # (were a TypeError, an IndexError and an AttributeError from inside the sampling)
-                         (["sample", str(reference), "task.temperature=abc"], "task.temperature='abc' is not a number"),
+                         (["sample", str(reference), "task.temperature=abc"], "task.temperature='abc' is invalid: expected a number"),
                          (["sample", str(reference), "task.top_k=0"], "task.top_k=0 is not an integer >= 1 or null"),
                          (["sample", str(reference), "task.sample_prompt=123"], "task.sample_prompt=123 is not text"),
                          # an output path that cannot be a file, refused before the sampling (an IsADirectoryError
@@ -182,6 +182,9 @@ def test_a_missing_task_state_that_the_export_lists_is_one_paragraph(diffusion_r
     (run / "task_state.safetensors").unlink()
     assert_clean_error(run_main("sample", str(run), cwd=tmp_path), f"{run / 'task_state.safetensors'} is missing, "
                        "and the run's export lists it")
+    # (a TypeError from inside the sampling; training checks the same key's type before it starts)
+    assert_clean_error(run_main("sample", str(diffusion_reference), "task.num_samples=abc", cwd=tmp_path),
+                       "task.num_samples='abc' is invalid: expected an integer")
     # (eval reads a checkpoint, which holds the task's state itself)
     assert run_main("eval", str(run), cwd=tmp_path).returncode == 0
 

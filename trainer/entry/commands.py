@@ -357,8 +357,11 @@ def sample(argv: list[str]) -> int:
         raise
     out = out if isinstance(out, dict) else {"sample": out}
     if not any(v != "" for v in out.values()):  # e.g. the lm task with sample_tokens=0 (debug=smoke)
-        print(scrub(f"the task sampled nothing: its settings in {run / 'config.yaml'} ask for no output "
-                    "(for lm: add task.sample_tokens=200).", secrets), file=sys.stderr)
+        given = " ".join(f"task.{k}={v}" for k, v in task_keys.items())
+        where = f"{given} with its settings in {run / 'config.yaml'}" if given else \
+            f"its settings in {run / 'config.yaml'}"
+        print(scrub(f"the task sampled nothing: {where} ask for no output (for lm: add task.sample_tokens=200; "
+                    "for diffusion and gan: task.num_samples=16).", secrets), file=sys.stderr)
         return 0
     for name, value in out.items():
         if isinstance(value, str):

@@ -320,9 +320,11 @@ def load_task(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> A
     if not isinstance(task_node, dict) or "_target_" not in task_node:
         raise ConfigError(f"{source} has no task with a _target_. {_restore_config(path)}")
     if overrides:
-        from trainer.config.targets import check_keywords, locate
+        from trainer.config.targets import check_keywords, check_scalar_types, locate
 
-        check_keywords("task", locate("task._target_", task_node["_target_"]), overrides)  # a typo is named
+        target = locate("task._target_", task_node["_target_"])
+        check_keywords("task", target, overrides)  # a typo is named
+        check_scalar_types("task", target, overrides)  # (task.num_samples=abc reached the sampling loop)
         task_node.update(overrides)
     task = _instantiate_checked(task_node, "task", source, "Check the values of its keys (and of the task.KEY=VALUE "
                                 "you passed) against the task's class.")
