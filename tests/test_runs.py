@@ -84,6 +84,23 @@ def test_resume_auto_without_a_run_dir_continues_the_newest_unfinished_run_with_
     assert_identical(killed, reference)
 
 
+def test_resume_auto_that_finds_no_run_of_this_config_names_the_newest_unfinished_one_and_what_differs(corpus,
+                                                                                                        tmp_path):
+    """resume=auto with a changed seed started a new timestamped run with only "no complete checkpoint in <new
+    dir>": the run it passed over, and why, went unsaid."""
+    args = tiny_overrides(corpus, "trainer.max_steps=4", "checkpoint.every_n_steps=2")
+    unfinished = tmp_path / "outputs" / "2026-01-01" / "00-00-00"
+    assert run_here(*args, f"hydra.run.dir={unfinished}", cwd=tmp_path).returncode == 0
+    (unfinished / "export.json").unlink()  # (as a run stopped after its step-2 checkpoint leaves it)
+    r = run_here(*args, "resume=auto", "trainer.seed=1", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (f"resume=auto: the newest unfinished run under {tmp_path / 'outputs'}, {unfinished}, has other settings "
+            "(trainer.seed: 0 -> 1), so this starts a new run.") in r.stdout, r.stdout
+    assert f"hydra.run.dir={unfinished}" in r.stdout
+    r = run_here(*args, "resume=auto", cwd=tmp_path)  # its own config: continued, no such note
+    assert f"resume=auto: continuing {unfinished}" in r.stdout and "other settings" not in r.stdout, r.stdout
+
+
 def test_a_fresh_restart_sets_the_earlier_events_aside_instead_of_appending(corpus, tmp_path):
     args = [*tiny_overrides(corpus, "checkpoint.every_n_steps=8"), f"hydra.run.dir={tmp_path}"]
     assert run_cli(*args, *faulty("sigkill", 5), f"+task.once={tmp_path / 'fired'}", env=FAULTY_ENV).returncode == -9

@@ -232,7 +232,7 @@ def run_job(cfg: DictConfig) -> float | None:
     """Hydra's task function: record the (already checked) config, then train here or launch workers."""
     from hydra.core.hydra_config import HydraConfig
 
-    from trainer.entry.rundir import continue_command, find_run_to_continue
+    from trainer.entry.rundir import continue_command, find_run_to_continue, nearest_other_run
 
     hc = HydraConfig.get()
     run_dir, lock, started, records_after = Path(hc.runtime.output_dir), None, False, None
@@ -253,6 +253,10 @@ def run_job(cfg: DictConfig) -> float | None:
                 if found != run_dir:  # (the same dir: an earlier job of the same second stopped in it)
                     _remove_if_free(run_dir)  # this job's fresh timestamped dir (another job's of the same second stays)
                 run_dir, chosen = found, True  # (resume=auto chose it: continue it, never a sibling)
+            elif str(hc.mode) != "RunMode.MULTIRUN":  # (a sweep's points are found by sweep_point_dir, below)
+                other = nearest_other_run(run_dir, redact(OmegaConf.to_container(resolved)))
+                if other:
+                    print(scrub(other, secret_values(OmegaConf.to_container(resolved))), flush=True)
         if resolved.get("resume") == "auto" and str(hc.mode) == "RunMode.MULTIRUN":
             from trainer.entry.rundir import sweep_point_dir
 

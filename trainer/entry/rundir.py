@@ -170,22 +170,43 @@ def find_run_to_continue(run_dir: Path, config: dict[str, Any], depth: int = 2) 
     checkpoint, not finished, whose config.yaml equals `config` (as saved: resolved, redacted) but for the
     settings a resume may change. `run_dir` itself is one of them when it qualifies: this job has written nothing
     there yet, so a checkpoint in it is an earlier job's, one that started in the same second and was stopped."""
+    want = comparable(config)
+    found = [cand for cand, saved in _unfinished_runs(run_dir, depth) if comparable(saved) == want]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def _unfinished_runs(run_dir: Path, depth: int) -> list[tuple[Path, dict]]:
+    """(dir, its config) of each run `depth` levels under the outputs root of `run_dir` with a complete checkpoint,
+    not finished."""
     from trainer.checkpoint.store import has_complete  # (torch: not at import, which `--help` pays)
 
     root = run_dir
     for _ in range(depth):
         root = root.parent
-    want = comparable(config)
-    found = []
+    runs = []
     for cand in root.glob("/".join("*" * depth)):
-        if not (cand / "checkpoints").is_dir() or is_finished(cand):
-            continue
-        if not has_complete(cand / "checkpoints"):
+        if not (cand / "checkpoints").is_dir() or is_finished(cand) or not has_complete(cand / "checkpoints"):
             continue
         saved = read_config(cand / "config.yaml")
-        if isinstance(saved, dict) and comparable(saved) == want:
-            found.append(cand)
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+        if isinstance(saved, dict):
+            runs.append((cand, saved))
+    return runs
+
+
+def nearest_other_run(run_dir: Path, config: dict[str, Any], depth: int = 2) -> str | None:
+    """When resume=auto found no run to continue: the newest unfinished run under the same outputs root, and the
+    settings by which it is another run's (a changed seed or model makes a new run, silently but for this)."""
+    runs = _unfinished_runs(run_dir, depth)
+    if not runs:
+        return None
+    cand, saved = max(runs, key=lambda r: r[0].stat().st_mtime)
+    before, now = comparable(saved), comparable(config)
+    differ = [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(before) | set(now))
+              if before.get(k) != now.get(k)]
+    listed = "; ".join(differ[:4]) + (f" (and {len(differ) - 4} more)" if len(differ) > 4 else "")
+    return (f"resume=auto: the newest unfinished run under {cand.parent.parent}, {cand}, has other settings ({listed}), "
+            "so this starts a new run. To continue that one instead, rerun with its settings (or with "
+            f"hydra.run.dir={cand}, which says which of these a resume may change).")
 
 
 def continue_command(run_dir: Path, argv: list[str] | None = None) -> str:
