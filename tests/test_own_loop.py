@@ -162,13 +162,52 @@ def test_load_state_drops_the_events_logged_after_the_checkpoint(tmp_path):
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
         [1, 2, 3, 4, 5, 6]
     # A load later in a run (the best checkpoint, for a last eval) keeps what this process logged.
-    rt = trainer.Runtime(run_dir=tmp_path)
+    rt = trainer.Runtime(run_dir=tmp_path / "late")
     rt.setup(nn.Linear(2, 2))
-    rt.log({"loss": 7.0}, 7)
-    assert rt.load_state(tmp_path / "checkpoints" / "step_00000002") == 2
+    for step in (1, 2, 3):
+        rt.log({"loss": float(step)}, step)
+        if step == 2:
+            rt.save_state(tmp_path / "late" / "checkpoints", step)
+    assert rt.load_state(tmp_path / "late" / "checkpoints" / "step_00000002") == 2
     rt.end()
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
-        [1, 2, 3, 4, 5, 6, 7]
+    assert [json.loads(line)["step"] for line in (tmp_path / "late" / "metrics.jsonl").read_text().splitlines()] == \
+        [1, 2, 3]
+
+
+def test_a_new_run_in_a_used_run_dir_sets_the_earlier_metrics_aside_instead_of_appending(tmp_path, capsys):
+    """The same script run twice appended a second copy of every step to metrics.jsonl (the Trainer sets an
+    earlier attempt aside). A run that logs without having loaded a checkpoint is a new one: the earlier metrics
+    become metrics.prev.jsonl. One that logs first and loads after is told where its history went."""
+    import json
+
+    import trainer
+
+    def steps(name: str) -> list[int]:
+        return [json.loads(line)["step"] for line in (tmp_path / name).read_text().splitlines()]
+
+    def run(first: int, last: int, load_first: bool = True, load_after: bool = False) -> None:
+        rt = trainer.Runtime(run_dir=tmp_path)
+        rt.setup(nn.Linear(2, 2))
+        start = (rt.load_state(tmp_path / "checkpoints") or 0) if load_first else 0
+        for step in range(max(first, start + 1), last + 1):
+            rt.log({"loss": float(step)}, step)
+            if load_after and step == first:
+                assert rt.load_state(tmp_path / "checkpoints") == 2
+        rt.save_state(tmp_path / "checkpoints", last) if last == 2 else None
+        rt.end()
+
+    run(1, 3, load_first=False)
+    run(1, 2, load_first=False)  # the same script again, from scratch
+    assert steps("metrics.prev.jsonl") == [1, 2, 3] and steps("metrics.jsonl") == [1, 2]
+    assert "kept as metrics.prev.jsonl" in capsys.readouterr().err
+    run(1, 4)  # a resume from step 2: the history goes on in one file
+    assert steps("metrics.jsonl") == [1, 2, 3, 4] and not (tmp_path / "metrics.prev-2.jsonl").exists()
+    assert capsys.readouterr().err == ""
+    run(5, 6, load_first=False, load_after=True)  # logs first, loads after: set aside, and said so at the load
+    err = capsys.readouterr().err
+    assert steps("metrics.prev-2.jsonl") == [1, 2, 3, 4] and steps("metrics.jsonl") == [5, 6]
+    assert "rt.load_state after rt.log: the run's metrics up to this checkpoint are in" in err and \
+        "metrics.prev-2.jsonl" in err, err
 
 def test_backward_outside_accumulate_with_accumulation_on_ranks_is_an_error(tmp_path):
     r = launch("world=ddp", "world.nproc_per_node=2", "trainer.grad_accum_steps=2", SCRIPT, "backward_outside",

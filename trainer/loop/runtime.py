@@ -133,6 +133,8 @@ class Runtime:
         self._watched = launched is not None
         self.loggers = self._loggers(launched, log_with)
         self._logged = False  # whether this process has logged (rt.load_state rewinds the loggers only before)
+        self._loaded = False  # whether rt.load_state loaded a checkpoint (a resume: the run's history continues)
+        self._set_aside: Path | None = None  # an earlier run's metrics.jsonl, moved at this run's first rt.log
         # The job's logger=... has nowhere to write without a run_dir: said once, at the first rt.log.
         self._unlogged = sorted(launched.get("logger") or {}) if launched is not None and run_dir is None else []
         # What save_state checkpoints: models and optimizers by name, and every other stateful object.
@@ -662,8 +664,15 @@ class Runtime:
                 return None
             path = found[-1]
         self._manager(path.parent, 2).load(path)
+        self._loaded = True
         if self.backend.is_main and not self._logged:  # a restart: the events logged after the checkpoint go,
             self.loggers.rewind(self.position.step)       # the loop logs them again (not a load late in a run)
+        elif self.backend.is_main and self._set_aside is not None:
+            print(f"note: rt.load_state after rt.log: the run's metrics up to this checkpoint are in "
+                  f"{self._set_aside}, set aside at the first rt.log as an earlier run's; this run's go on in "
+                  f"{self.run_dir / 'metrics.jsonl'}. Call rt.load_state before rt.log to keep them in one file.",
+                  file=sys.stderr, flush=True)
+            self._set_aside = None
         if self._watched:
             watchdog.progress()
         return self.position.step
@@ -752,14 +761,33 @@ class Runtime:
                 shown = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
                 raise UserError(f"rt.log: {key!r} is {shown}, not a number: log one number a key (`.mean()` of a "
                                 "tensor, `.item()` of a one-element one).")
-        self._logged = True
+        first, self._logged = not self._logged, True
         if self.backend.is_main:
+            if first and not self._loaded:
+                self._start_fresh()
             if self._unlogged:
                 print(f"note: rt.log: the job's logger={','.join(self._unlogged)} has no directory to write in, so "
                       "these metrics go nowhere: pass one to the script's trainer.Runtime(run_dir=DIR) (metrics.jsonl "
                       "and the trackers' files go there).", file=sys.stderr, flush=True)
                 self._unlogged = []
             self.loggers.log_metrics({k: float(v) for k, v in metrics.items()}, step)
+
+    def _start_fresh(self) -> None:
+        """A run logging without having loaded a checkpoint is a new run: an earlier one's metrics.jsonl (and its
+        trackers' files) in the same run_dir are set aside, as the Trainer's fresh start sets them aside, so the
+        two histories never mix in one file."""
+        from trainer.io import free_name
+
+        metrics = self.run_dir / "metrics.jsonl" if self.run_dir is not None else None
+        if metrics is None or not metrics.is_file() or not metrics.stat().st_size:
+            return
+        aside = free_name(metrics, ".prev", before_suffix=True)  # (the name start_fresh gives it)
+        self.loggers.start_fresh()
+        if not metrics.stat().st_size and aside.is_file():
+            self._set_aside = aside
+            print(f"note: rt.log: {self.run_dir} held an earlier run's metrics, and this run loaded no checkpoint "
+                  f"before logging: they are kept as {aside.name}, and this run's start in metrics.jsonl (rt.load_state "
+                  "before the first rt.log continues a run's history instead).", file=sys.stderr, flush=True)
 
     def end(self) -> None:
         """Finish the trackers and leave the process group (every rank, at the end of the script)."""
