@@ -154,6 +154,25 @@ def test_a_sweep_through_submitit_local_runs_real_jobs(corpus, tmp_path):
 
 
 @needs_submitit
+def test_a_submitit_sweep_rerun_with_its_values_in_another_order_continues_each_points_own_run(corpus, tmp_path):
+    """Under submitit each job's .hydra/ records are written into its numbered dir before the job runs, so the dir's
+    records named the job's point whatever run the dir held: a rerun with the values reordered continued dir 0 (lr
+    1e-3) at lr 2e-3 and dir 1 the other way round, said only in submitit's log. A run's config.yaml decides now."""
+    sweep = tmp_path / "sweep"
+    args = (*tiny_overrides(corpus, "checkpoint.every_n_steps=2"), f"hydra.sweep.dir={sweep}", "resume=auto")
+    assert run_here("-m", *args, "trainer.max_steps=2", "optim.lr=1e-3,2e-3", cwd=tmp_path).returncode == 0
+    r = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", *args, "trainer.max_steps=3",
+                "optim.lr=2e-3,1e-3", cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for job, lr in ((0, 1e-3), (1, 2e-3)):  # each dir continued its own point: the lr it was trained at
+        assert yaml.safe_load((sweep / str(job) / "config.yaml").read_text())["optim"]["lr"] == lr
+        assert [e["step"] for e in read_metrics(sweep / str(job)) if "train/loss" in e] == [1, 2, 3]
+    assert sorted(d.name for d in sweep.iterdir() if d.is_dir() and not d.name.startswith(".")) == ["0", "1"]
+    logs = "".join(p.read_text() for p in (sweep / ".submitit").glob("*/*_log.out"))
+    assert "optim.lr: 0.001 -> 0.002" not in logs and "optim.lr: 0.002 -> 0.001" not in logs
+
+
+@needs_submitit
 def test_the_submitit_slurm_command_composes():
     """The options of the README's submitit_slurm command exist (nothing is submitted: --cfg hydra only prints)."""
     r = run_here("--cfg", "hydra", "hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu",

@@ -381,14 +381,31 @@ def sweep_point_dir(run_dir: Path, job_overrides: list[str], argv: list[str], co
         settings = _config_point(read_config(d / "config.yaml"), keys) if mine_set is not None else None
         return ("config", settings) if settings is not None else None
 
-    def is_mine(found: tuple[str, Any] | None) -> bool:
+    # A launcher that starts each job in a process of its own (submitit) has Hydra write each job's .hydra/ records
+    # into its numbered dir before the job runs: a dir's records may then be another job's of this very sweep,
+    # whatever run the dir holds. A run's config.yaml (which only the run writes) says what it is: where there is
+    # one, the settings under the point's keys (swept or fixed, a choice's group included) decide.
+    point_keys = set(mine or {}) | keys
+
+    def settings(config: Any) -> dict[str, Any] | None:
+        if not isinstance(config, dict):
+            return None
+        flat_config = flat(config)
+        return {k: {n: v for n, v in flat_config.items() if n == k or n.startswith(k + ".")} for k in point_keys}
+
+    mine_settings = settings(config) if config is not None else None
+
+    def is_mine(d: Path, found: tuple[str, Any] | None) -> bool:
+        saved = settings(read_config(d / "config.yaml")) if mine_settings is not None else None
+        if saved is not None:
+            return saved == mine_settings
         return found is not None and found[1] == (mine if found[0] == "overrides" else mine_set)
 
     here = point_of(run_dir)
-    if is_mine(here):
+    if is_mine(run_dir, here):
         return run_dir
     siblings = [d for d in run_dir.parent.iterdir() if d.is_dir() and d != run_dir] if run_dir.parent.is_dir() else []
-    matching = [d for d in siblings if is_mine(point_of(d))]
+    matching = [d for d in siblings if is_mine(d, point_of(d))]
     if matching:
         return max(matching, key=lambda d: d.stat().st_mtime)
     if here is None:
