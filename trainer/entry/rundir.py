@@ -367,9 +367,9 @@ def sweep_point_dir(run_dir: Path, job_overrides: list[str], argv: list[str], co
     sweep's values came in another order, or from a sweep in a config file); else, the numbered dir holding another
     point's run, a new `<dir>-2` (then -3, ...).
 
-    A run's point is read from its `.hydra/overrides.yaml`; under `hydra.output_subdir=null` there is none, and
-    then from the settings its config.yaml holds under the command line's swept keys, against `config` (this job's
-    resolved config, as config.yaml records it)."""
+    A run's point is the settings its config.yaml holds under the point's keys, against `config` (this job's
+    resolved config, as config.yaml records it); in a dir without one, its `.hydra/overrides.yaml` (under
+    `hydra.output_subdir=null` there is none: then the settings under the command line's swept keys)."""
     keys = swept_keys(argv)
     mine = _point(list(job_overrides), keys)
     mine_set = _config_point(config, keys) if keys else None
