@@ -23,7 +23,8 @@ class LanguageModeling:
         # mismatches are one paragraph at start instead of an IndexError in the middle of a step.
         if vocab_size is not None and vocab_size < 256:
             raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the data's 256 byte values. "
-                              "Use model.vocab_size=256 (the lm recipe's tokens are bytes).")
+                              "Use model.vocab_size=256 (the lm recipe's tokens are bytes; with data.tokenizer, at "
+                              "least the tokenizer's vocabulary size).")
         if seq_len is not None and data_seq_len is not None and seq_len < data_seq_len:
             raise ConfigError(f"model.seq_len={seq_len} is shorter than data.seq_len={data_seq_len}: the model has no "
                               "positions for the later tokens. Set model.seq_len >= data.seq_len (the default follows it).")
