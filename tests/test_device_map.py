@@ -237,3 +237,11 @@ def test_the_prefetch_learns_the_order_blocks_run_in(tmp_path):
     # the second the way from the last block back to the first; from then on each block is read once.
     assert read_by_one_forward() > per_forward and read_by_one_forward() > per_forward
     assert read_by_one_forward() == read_by_one_forward() == per_forward
+
+
+def test_the_memory_a_placement_asks_for_is_rounded_up_never_to_what_was_given():
+    """1.04 MiB needed under max_memory.cpu=1MiB read "raise it to at least 1.0 MiB": the amount already given."""
+    from trainer.inference.placement import _mb
+
+    assert _mb(int(1.04 * 2**20), up=True) == "1.1 MiB" and _mb(int(1.04 * 2**20)) == "1.0 MiB"
+    assert _mb(2**20, up=True) == "1.0 MiB" and _mb(3 * 2**30 + 1, up=True) == "3.01 GiB"

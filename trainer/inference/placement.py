@@ -89,8 +89,14 @@ def budgets(max_memory: Mapping | None, offload_dir: str | os.PathLike | None) -
     return dict(sorted(out.items(), key=lambda kv: _fill_order(kv[0])))
 
 
-def _mb(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+def _mb(n: int, up: bool = False) -> str:
+    """`n` bytes in MiB (GiB from 1 GiB); `up`: rounded up, for an amount asked for (1.04 MiB needed is "1.1 MiB",
+    never the "1.0 MiB" the user may have given already)."""
+    import math
+
+    unit, digits = (2**20, 1) if n < 2**30 else (2**30, 2)
+    value = math.ceil(n / unit * 10**digits) / 10**digits if up else n / unit
+    return f"{value:,.{digits}f} {'MiB' if unit == 2**20 else 'GiB'}"
 
 
 # -- placement units ---------------------------------------------------------------------------------------------
@@ -192,13 +198,13 @@ def _does_not_fit(units, sizes, caps, reserve, unit) -> ConfigError:
     total, largest = sum(sizes.values()), max(sizes.values(), default=0)
     held = ", ".join(f"{d} {_mb(c) if c < UNLIMITED else 'unlimited'}" for d, c in caps.items())
     where = f"{unit!r} ({_mb(sizes[unit])}) is the first unit that fits nowhere" if unit is not None else \
-        f"the CPU has less than the {_mb(reserve)} it needs for two disk units in flight"
+        f"the CPU has less than the {_mb(reserve, up=True)} it needs for two disk units in flight"
     if caps.get(DISK, 0) > 0:  # offload_dir given: the disk is not what is short
-        advice = (f"Raise max_memory.cpu to at least {_mb(2 * largest)}: disk offload (offload_dir is given) keeps two "
+        advice = (f"Raise max_memory.cpu to at least {_mb(2 * largest, up=True)}: disk offload (offload_dir is given) keeps two "
                   "units in flight on the CPU.")
     else:
         advice = (f"Raise max_memory for a device, or give offload_dir=DIR (a directory with room) for disk offload, "
-                  f"which needs at least {_mb(2 * largest)} on the CPU (two units in flight) and max_memory.disk unset "
+                  f"which needs at least {_mb(2 * largest, up=True)} on the CPU (two units in flight) and max_memory.disk unset "
                   "or large enough.")
     return ConfigError(f"the model ({_mb(total)} in {len(units)} units, the largest {_mb(largest)}) does not fit "
                        f"max_memory ({held}): {where}. {advice}")
