@@ -190,6 +190,23 @@ def test_raising_max_steps_on_resume_stretches_the_schedule_and_says_so(corpus, 
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["trainer"]["max_steps"] == 12  # truthful
 
 
+def test_what_one_fresh_start_sets_aside_takes_one_number(corpus, tmp_path):
+    """Each kind of file was numbered on its own: an attempt whose config.yaml was not set aside (the same as the
+    next one's) shifted every later config.prev-N.yaml by one against metrics.prev-N.jsonl and export.prev-N/."""
+    import yaml
+
+    args = [*tiny_overrides(corpus, "checkpoint.save_final=false", "trainer.max_steps=2"), f"hydra.run.dir={tmp_path}"]
+    events = []
+    for seed in (0, 0, 1, 2):  # (the second attempt's config.yaml is the first's: replaced, not set aside)
+        assert run_here(*args, f"trainer.seed={seed}", "resume=null").returncode == 0
+        events.append((tmp_path / "metrics.jsonl").read_text())
+    for n, seed in ((2, 0), (3, 1)):
+        assert (tmp_path / f"metrics.prev-{n}.jsonl").read_text() == events[n - 1]
+        assert yaml.safe_load((tmp_path / f"config.prev-{n}.yaml").read_text())["trainer"]["seed"] == seed
+        assert (tmp_path / f"export.prev-{n}" / "export.json").is_file()
+    assert not (tmp_path / "config.prev.yaml").exists() and not (tmp_path / "config.prev-4.yaml").exists()
+
+
 def test_every_earlier_attempt_keeps_its_events_and_its_only_copy_of_the_weights(corpus, tmp_path):
     """Three fresh starts in one run dir without final checkpoints: the first attempt's events were overwritten by
     the second's in metrics.prev.jsonl, and each rerun replaced model.safetensors, the only copy of the weights."""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,15 +78,35 @@ def atomic_save_safetensors(path: str | os.PathLike, tensors: dict, metadata: di
     fsync_dir(path.parent)
 
 
+_ATTEMPT: dict[Path, int] = {}  # run dir -> the number the files set aside there take (inside `one_attempt`)
+
+
 def free_name(path: Path, tag: str, before_suffix: bool = False) -> Path:
     """`path` with `tag` added (`checkpoints.prev`; `metrics.prev.jsonl` with `before_suffix`), or the tag and -2, -3,
-    ...: a name nothing has yet. What an earlier attempt's files move to, so that no later attempt overwrites them."""
+    ...: a name nothing has yet. What an earlier attempt's files move to, so that no later attempt overwrites them.
+    Inside `one_attempt(dir)`, a `.prev` of that dir's files starts at the attempt's number."""
     stem, ext = (path.stem, path.suffix) if before_suffix else (path.name, "")
-    n, candidate = 1, path.with_name(f"{stem}{tag}{ext}")
+    n = _ATTEMPT.get(Path(path).absolute().parent, 1) if tag == ".prev" else 1
+    candidate = path.with_name(f"{stem}{tag}{'' if n == 1 else f'-{n}'}{ext}")
     while candidate.exists() or candidate.is_symlink():
         n += 1
         candidate = path.with_name(f"{stem}{tag}-{n}{ext}")
     return candidate
+
+
+@contextlib.contextmanager
+def one_attempt(run_dir: str | os.PathLike) -> Iterator[None]:
+    """Within the block, what a fresh start sets aside in `run_dir` (config.yaml, metrics.jsonl, export/,
+    checkpoints/, ...) takes one number, the one after every `.prev` there: config.prev-3.yaml goes with
+    metrics.prev-3.jsonl, whichever of the earlier attempts left which files."""
+    run_dir = Path(run_dir).absolute()
+    numbers = [int(m.group(1) or 1) for p in (run_dir.iterdir() if run_dir.is_dir() else ())
+               if (m := re.search(r"\.prev(?:-([0-9]+))?(?:\.|$)", p.name))]
+    _ATTEMPT[run_dir] = max(numbers, default=0) + 1
+    try:
+        yield
+    finally:
+        _ATTEMPT.pop(run_dir, None)
 
 
 def output_file_problem(path: str | os.PathLike) -> str | None:

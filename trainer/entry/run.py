@@ -28,6 +28,7 @@ from trainer.config.schema import (
 from trainer.config.targets import compile_args
 from trainer.data.sampling import Data, epoch_length
 from trainer.errors import ConfigError, Preempted
+from trainer.io import one_attempt
 from trainer.loop import watchdog
 from trainer.loop.callbacks import Callbacks
 from trainer.loop.ema import EMA
@@ -618,36 +619,37 @@ def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     watch = watchdog.start(trainer.launch.hang_timeout, run_dir, backend.info)
     try:
         trainer.checkpointer.check_writable()  # (before the resume, which may set an earlier attempt's files aside)
-        source = resume(trainer, cfg, say)
-        watchdog.beat()
-        if source is not None:
-            epochs_after_resume(trainer, (cfg.get("checkpoint") or {}).get("every_n_epochs"), say)
-            own = trainer.checkpointer.dir
-            elsewhere = own is not None and source.resolve().parent != own.resolve()
-            elsewhere = backend.broadcast_object(elsewhere and not same_run(run_dir, source) if backend.is_main else None)
-            if elsewhere:  # another run's checkpoint: this run dir's own attempt is kept aside, not spliced into
-                set_earlier_attempt_aside(run_dir, cfg, loggers, backend.is_main, say, f"starting from {source}", own)
-            else:
-                if not later_export_kept(trainer, cfg, run_dir, source, say):
+        with one_attempt(run_dir):  # (one number for all this start sets aside: checkpoints.prev-3 with metrics.prev-3)
+            source = resume(trainer, cfg, say)
+            watchdog.beat()
+            if source is not None:
+                epochs_after_resume(trainer, (cfg.get("checkpoint") or {}).get("every_n_epochs"), say)
+                own = trainer.checkpointer.dir
+                elsewhere = own is not None and source.resolve().parent != own.resolve()
+                elsewhere = backend.broadcast_object(elsewhere and not same_run(run_dir, source) if backend.is_main else None)
+                if elsewhere:  # another run's checkpoint: this run dir's own attempt is kept aside, not spliced into
+                    set_earlier_attempt_aside(run_dir, cfg, loggers, backend.is_main, say, f"starting from {source}", own)
+                else:
+                    if not later_export_kept(trainer, cfg, run_dir, source, say):
+                        loggers.finish({})
+                        finished = True
+                        return {}
+                    loggers.rewind(trainer.step)  # drop events logged after the checkpoint
+                say(f"resumed from {source} at step {trainer.step}")
+                if trainer.finished:
+                    if not backend.broadcast_object(exported(run_dir, trainer.step)):
+                        say(f"the run finished at step {trainer.step} but its export is missing or incomplete: writing it.")
+                        export(trainer, cfg, run_dir)
+                    epochs = trainer.cfg.max_epochs
+                    say(f"the run is already finished: {trainer.stop_reason or 'step'}"
+                        + ("" if trainer.stop_reason else f" {trainer.step} >= trainer.max_steps={trainer.cfg.max_steps}"
+                           + (f" (trainer.max_epochs={epochs}). Raise trainer.max_epochs" if epochs is not None
+                              else ". Raise trainer.max_steps") + " to train further."))
                     loggers.finish({})
                     finished = True
                     return {}
-                loggers.rewind(trainer.step)  # drop events logged after the checkpoint
-            say(f"resumed from {source} at step {trainer.step}")
-            if trainer.finished:
-                if not backend.broadcast_object(exported(run_dir, trainer.step)):
-                    say(f"the run finished at step {trainer.step} but its export is missing or incomplete: writing it.")
-                    export(trainer, cfg, run_dir)
-                epochs = trainer.cfg.max_epochs
-                say(f"the run is already finished: {trainer.stop_reason or 'step'}"
-                    + ("" if trainer.stop_reason else f" {trainer.step} >= trainer.max_steps={trainer.cfg.max_steps}"
-                       + (f" (trainer.max_epochs={epochs}). Raise trainer.max_epochs" if epochs is not None
-                          else ". Raise trainer.max_steps") + " to train further."))
-                loggers.finish({})
-                finished = True
-                return {}
-        else:
-            set_earlier_attempt_aside(run_dir, cfg, loggers, backend.is_main, say, "starting fresh")
+            else:
+                set_earlier_attempt_aside(run_dir, cfg, loggers, backend.is_main, say, "starting fresh")
         if backend.is_main:
             save_config(cfg, run_dir)  # (the CLI wrote it before the workers started; this is the API's path)
             if hasattr(trainer.task, "write_records"):  # a task's own records (diffusion's normaliser), now too
