@@ -168,7 +168,7 @@ def _as_a_run_here(cfg, scratch: str) -> None:
 
     from trainer.config import schema
     from trainer.config.instantiate import build_node
-    from trainer.entry.launcher import nproc_per_node
+    from trainer.config.schema import nproc_per_node
 
     if schema.launch_config(cfg.world).nproc_per_node == "auto":
         counted = cfg.copy()

@@ -64,6 +64,15 @@ class LaunchConfig:
 LAUNCH_KEYS = tuple(f.name for f in fields(LaunchConfig))
 
 
+def nproc_per_node(value) -> int:
+    """world.nproc_per_node as a count: `auto` is one process per GPU (1 without one)."""
+    if value == "auto":
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    return int(value)
+
+
 @dataclass
 class CheckpointConfig:
     every_n_steps: int = 0  # save every N optimizer steps; 0 = only at the end

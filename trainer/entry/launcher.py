@@ -57,14 +57,6 @@ def follow_torchrun_rank0() -> int:
     return run_worker(OmegaConf.create(container), Path(run_dir), ENTRY_POINTS[entry])
 
 
-def nproc_per_node(value) -> int:
-    if value == "auto":
-        import torch
-
-        return max(1, torch.cuda.device_count())
-    return int(value)
-
-
 def run(cfg: DictConfig, run_dir: Path, entry: Callable | None = None, topology=None) -> dict | None:
     """Run the entry point `entry` (one of trainer.entry.run.ENTRY_POINTS: train, the default, evaluate, ...) according
     to `cfg.world`: here, or on every rank of workers started by the elastic launcher (which get its name).
@@ -84,6 +76,7 @@ def run(cfg: DictConfig, run_dir: Path, entry: Callable | None = None, topology=
 def starts_workers(cfg: DictConfig, w=None) -> bool:
     """Whether `cfg.world` asks for worker processes (several, of a distributed strategy) that this process, not
     itself a worker, must start."""
+    from trainer.config.schema import nproc_per_node
     from trainer.config.targets import locate
 
     if in_torchrun():
@@ -220,6 +213,8 @@ def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
 
         raise Preempted(f"stopped by {signal.Signals(early.signum).name} before training started; nothing to save. "
                         "Rerun the same command with resume=auto to continue.")
+    from trainer.config.schema import nproc_per_node
+
     nproc = nproc_per_node(w.nproc_per_node)
     if w.nnodes > 1:
         endpoint, run_id = w.rdzv_endpoint, f"trainer-{w.rdzv_endpoint}"

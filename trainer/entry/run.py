@@ -176,7 +176,7 @@ def preflight(cfg: DictConfig, run_dir: Path, device: str = "auto") -> None:
     """Build what can fail from a config mistake, cheaply, before any worker process starts:
     the strategy, the model on the meta device (no memory), the task, the precision and the datasets
     (whose cache is then built once, here, for all workers)."""
-    from trainer.entry.launcher import nproc_per_node
+    from trainer.config.schema import nproc_per_node
 
     device = usable_device(device)  # (world.device, which the launcher has typed)
     strategy = build_strategy(cfg.world)
