@@ -433,7 +433,12 @@ def test_a_group_the_command_line_chooses_takes_none_of_the_machines_settings_fo
     assert dict(mine.logger) == {} and mine.world.nproc_per_node == 1 and mine.checkpoint.keep_last == 1
     r = run_here("debug=smoke", "logger=tensorboard", "world=single", "--cfg", "job", cwd=tmp_path)
     assert r.returncode == 0 and "myproj" not in r.stdout and "tensorboard" in r.stdout, r.stderr
-    assert "settings for logger, world are left out" in r.stderr
+    assert "choice of logger, world is left out" in r.stderr
+    # Several loggers, the machine's among them (logger=[wandb,tensorboard]): its settings for wandb stay, as with
+    # logger=wandb (they fell back to the option's project=trainer).
+    for choice in ("logger=[wandb]", "logger=[wandb,tensorboard]"):
+        assert load(["debug=smoke", choice]).logger.wandb.project == "myproj", choice
+    assert "tensorboard" in load(["debug=smoke", "logger=[wandb,tensorboard]"]).logger
 
 
 # -- 32.6: finders that agree across ranks ----------------------------------------------------------------------

@@ -19,6 +19,7 @@ from trainer.errors import ConfigError
 
 HOME_ENV = "TRAINER_CONFIG_HOME"  # conf/config.yaml's hydra.searchpath reads the same variable
 GROUPS = ("world", "precision", "logger", "callbacks")  # what a machine decides; recipes choose the rest
+LIST_GROUPS = ("logger", "callbacks")  # (several options at once, each with its own node: logger.wandb, ...)
 USAGE = ("python -m trainer config [world=NAME] [world.nproc_per_node=N] [precision=NAME] [logger=NAME] "
          "[outputs=DIR] [KEY=VALUE ...]  (no arguments: show them; --reset: remove them)")
 
@@ -117,6 +118,12 @@ def replaced_groups(overrides: list[str]) -> tuple[list[str], str | None]:
     if not replaced:
         return [], None
     kept = {k: v for k, v in data.items() if k not in replaced}
+    for g in replaced:  # several loggers (logger=[wandb,tensorboard]): the machine's settings of those chosen stay
+        options = chosen[g] if isinstance(chosen[g], list) else [chosen[g]]
+        if g in LIST_GROUPS and isinstance(data.get(g), dict):
+            mine = {o: v for o, v in data[g].items() if o in options}
+            if mine:
+                kept[g] = mine
     kept["defaults"] = [e for e in data.get("defaults", [])
                         if not (isinstance(e, dict) and any(str(k) in {f"override /{g}" for g in replaced} for k in e))]
     if not kept["defaults"]:

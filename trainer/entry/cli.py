@@ -535,8 +535,9 @@ def _compose_and_run(argv: list[str]) -> None:
     replaced, filtered = home_for([a for a in argv if not a.startswith("-")])
     if filtered is not None:  # the command line's group choices win over the machine's, keys and all
         os.environ[SHOWN_ENV] = str(defaults_file())
-        print(f"machine defaults: {defaults_file()}'s settings for {', '.join(replaced)} are left out: the command "
-              f"line chooses {', '.join(replaced)} itself.", file=sys.stderr, flush=True)  # (--cfg job: YAML alone)
+        print(f"machine defaults: {defaults_file()}'s choice of {', '.join(replaced)} is left out, with its settings "
+              f"for options the command line does not choose: the command line chooses {', '.join(replaced)} itself.",
+              file=sys.stderr, flush=True)  # (--cfg job: YAML alone)
         os.environ[HOME_ENV] = filtered  # (for every composition of this command: Hydra's sweeps too)
 
     with composing():  # (the command composes several times: each file read once)
