@@ -173,6 +173,19 @@ def test_a_submitit_sweep_rerun_with_its_values_in_another_order_continues_each_
 
 
 @needs_submitit
+def test_a_slurm_sweep_where_there_is_no_slurm_is_one_paragraph_and_makes_no_sweep_dir(tmp_path, monkeypatch):
+    """The README's submitit_slurm sweep on a machine without SLURM was submitit's `Could not detect "srun"`
+    traceback, with the sweep dir made."""
+    from test_errors import assert_clean_error
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # (no sbatch on it, whatever this machine has)
+    r = run_main("-m", "hydra/launcher=submitit_slurm", f"hydra.sweep.dir={tmp_path / 'sweep'}", "debug=smoke",
+                 "optim.lr=1e-3,3e-4", cwd=tmp_path)
+    assert_clean_error(r, "hydra/launcher=submitit_slurm submits each point with sbatch", "hydra/launcher=submitit_local")
+    assert not (tmp_path / "sweep").exists()
+
+
+@needs_submitit
 def test_the_submitit_slurm_command_composes():
     """The options of the README's submitit_slurm command exist (nothing is submitted: --cfg hydra only prints)."""
     r = run_here("--cfg", "hydra", "hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu",

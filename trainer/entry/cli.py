@@ -74,6 +74,7 @@ def precheck(argv: list[str]):
             check_read(cfg, overrides, sweep=args.multirun)  # ema.decay=0.99 with the EMA off
             if not args.cfg:
                 check_output_dir(cfg, args.multirun)  # Hydra makes it before the job: a traceback there
+                check_launcher(cfg, args.multirun)
             with open_dict(cfg):
                 del cfg["hydra"]  # now the config `compose` gives
             # `--cfg job` prints without running: check values, but import nothing (no torch).
@@ -108,6 +109,18 @@ def check_config_dir(path: Path, given: str) -> None:
         raise ConfigError(f"--config-dir {given} has {listed}, which the framework ships under the same name: the "
                           "shipped file would be used and yours passed over. Give yours a name of its own (e.g. "
                           f"{Path(shadowed[0]).parent}/my_{Path(shadowed[0]).name}) and select it with that name.")
+
+
+def check_launcher(cfg: DictConfig, multirun: bool) -> None:
+    """A SLURM launcher where there is no SLURM: submitit's `Could not detect "srun"` traceback, after the sweep
+    dir was made."""
+    import shutil
+
+    target = str(OmegaConf.select(cfg, "hydra.launcher._target_", default="") or "")
+    if multirun and target.endswith(".SlurmLauncher") and shutil.which("sbatch") is None:
+        raise ConfigError("hydra/launcher=submitit_slurm submits each point with sbatch, which this machine does not "
+                          "have (no SLURM here): run the sweep on the cluster's login node, or try it on this machine "
+                          "with hydra/launcher=submitit_local (the same jobs, run here).")
 
 
 def check_output_dir(cfg: DictConfig, multirun: bool) -> None:
