@@ -213,6 +213,14 @@ def test_a_val_path_mistake_names_data_val_path(corpus, tmp_path, case):
 def test_resume_from_a_path_that_does_not_exist(corpus, tmp_path):
     r = run_here(*tiny_overrides(corpus), f"hydra.run.dir={tmp_path / 'run'}", f"resume={tmp_path / 'nope'}")
     assert_clean_error(r, str(tmp_path / "nope"), "does not exist")
+    # A step written without its 8 digits names the checkpoint it meant; another step, those that are there.
+    checkpoints = tmp_path / "checkpoints"
+    for name in ("step_00000005", "step_00000010"):
+        (checkpoints / name).mkdir(parents=True)
+    r = run_main("debug=smoke", f"resume={checkpoints / 'step_10'}", cwd=tmp_path)
+    assert_clean_error(r, f"The checkpoint of step 10 is {checkpoints / 'step_00000010'}.")
+    r = run_main("debug=smoke", f"resume={checkpoints / 'step_15'}", cwd=tmp_path)
+    assert_clean_error(r, f"{checkpoints} holds step_00000005, step_00000010.")
 
 
 def test_checkpoint_from_a_newer_format(corpus, tmp_path, reference):

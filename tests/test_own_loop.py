@@ -811,7 +811,9 @@ def test_accelerate_launch_flags_and_hydra_settings_before_the_script_are_named(
     r = run_main("launch", "optim.lr=0.5", "world.hang_timeout=5", "data.batch_size=64", "ga.py", cwd=tmp_path)
     assert_clean_error(r, "launch optim.lr=0.5 data.batch_size=64: a launched script's trainer.Runtime() reads world,",
                        "as its arguments, after it")
-    assert "ran" not in r.stdout
+    assert "ran" not in r.stdout and "Did you mean" not in r.stderr
+    r = run_main("launch", "trainer.grad_acum_steps=2", "ga.py", cwd=tmp_path)  # a typo of a key it reads
+    assert_clean_error(r, "would do nothing. Did you mean trainer.grad_accum_steps?")
 
 
 def _line_of(text: str) -> int:

@@ -283,7 +283,8 @@ def validate(cfg: DictConfig) -> None:
 
         if not (isinstance(resume, str) and Path(resume).expanduser().is_dir()):
             raise ConfigError(f"resume={resume!r} does not exist (or is not a directory): pass auto, null, or the "
-                              "path of a checkpoint (RUN_DIR/checkpoints/step_N), a checkpoints/ dir or a run dir.")
+                              "path of a checkpoint (RUN_DIR/checkpoints/step_N), a checkpoints/ dir or a run dir."
+                              + (_checkpoints_beside(Path(resume).expanduser()) if isinstance(resume, str) else ""))
     _validate_data(cfg.data)
     _validate_finetune(cfg.get("finetune"))
     for name, node in per_part(cfg.optim).items():
@@ -295,6 +296,21 @@ def validate(cfg: DictConfig) -> None:
     _check(weights is None or pp == 1, "world.pp", pp, f"1 with finetune.weights={weights}",
            "Pipeline stages cannot load pretrained weights yet (each stage would take its own part of the files), "
            "nor evaluate a run that started from them: use world=ddp, world=fsdp or world.tp for it.")
+
+
+def _checkpoints_beside(path) -> str:
+    """For a `resume=` that is not there: the checkpoint it meant (`step_15` is written `step_00000015`), or those
+    its directory holds."""
+    import re
+
+    parent = path.parent
+    if not parent.is_dir():
+        return ""
+    numbered = re.fullmatch(r"step_([0-9]+)", path.name)
+    if numbered and (parent / f"step_{int(numbered.group(1)):08d}").is_dir():
+        return f" The checkpoint of step {int(numbered.group(1))} is {parent / f'step_{int(numbered.group(1)):08d}'}."
+    steps = sorted(p.name for p in parent.iterdir() if re.fullmatch(r"step_[0-9]{8,}", p.name) and p.is_dir())
+    return f" {parent} holds {', '.join(steps[-5:])}." if steps else ""
 
 
 def _validate_finetune(f: DictConfig | None) -> None:

@@ -449,10 +449,13 @@ def launch_parts(argv: list[str]):
         raise ConfigError(f"python -m trainer launch: the script {script} is not a file. usage: {usage}")
     ignored = [o for o in overrides if not _read_by_launch(o.split("=", 1)[0].lstrip("+~"))]
     if ignored:  # (they were accepted, and did nothing)
+        from trainer.errors import suggest
+
+        typo = suggest(ignored[0].split("=", 1)[0].lstrip("+~"), READ_BY_LAUNCH)
         raise ConfigError(f"python -m trainer launch {' '.join(ignored)}: a launched script's trainer.Runtime() reads "
                           f"{', '.join(READ_BY_LAUNCH[:-1])} from these overrides, and nothing else, so "
-                          f"{'these' if len(ignored) > 1 else 'this'} would do nothing. Give your script its own settings "
-                          f"as its arguments, after it: {usage}.")
+                          f"{'these' if len(ignored) > 1 else 'this'} would do nothing.{typo} Give your script its own "
+                          f"settings as its arguments, after it: {usage}.")
     return prepare(load(overrides)), script, args
 
 

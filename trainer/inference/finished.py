@@ -54,9 +54,8 @@ def _run_dir(run_dir: str | Path) -> Path:
 
 
 def _reexport(run: Path) -> str:
-    return (f"Rewrite the export: delete {run / 'export.json'} and rerun the run's training command (in its "
-            f"run_info.json) with hydra.run.dir={run} resume=auto: a finished run writes a missing export from its "
-            "last checkpoint.")
+    return (f"Rewrite the export: rerun the run's training command (in its run_info.json) with hydra.run.dir={run} "
+            "resume=auto: a finished run writes a missing or damaged export again from its last checkpoint.")
 
 
 def _restore_config(run: Path) -> str:

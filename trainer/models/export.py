@@ -223,5 +223,6 @@ def check_against_record(readers: dict[Path, object]) -> None:
         if digests[str(path)] != want:
             raise CheckpointError(
                 f"{path} is not the file its run wrote: its sha256 differs from the one {path.parent / 'export.json'} "
-                "records (damaged, or changed since). Rewrite the export: delete export.json and rerun the run's "
-                f"training command with hydra.run.dir={path.parent} resume=auto, or load one of its checkpoints.")
+                "records (damaged, or changed since). Rewrite the export: rerun the run's training command with "
+                f"hydra.run.dir={path.parent} resume=auto (it writes a damaged export again from the last checkpoint), "
+                "or load one of its checkpoints.")
