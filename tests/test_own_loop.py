@@ -936,3 +936,18 @@ def test_a_dataloader_given_to_rt_loader_and_a_tensor_to_rt_log_are_one_paragrap
         rt.log({"s": "hello"}, 1)
     rt.log({"ok": torch.ones(1), "n": 2}, 1)
     assert len(rt.loader(ds, batch_size=4)) == 16
+
+
+def test_a_layout_for_several_processes_in_a_script_run_as_one_says_how_to_start_it():
+    """Runtime('fsdp', world_options={'tp': 2}) in `python script.py` said "Change world.tp or
+    world.nproc_per_node", keys a script run alone has nowhere to set: the fix is how it is started."""
+    import torch.distributed as dist
+
+    import trainer
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"world.tp=2 is invalid.* This script runs as one process: start it on "
+                                          r"several, e.g. `python -m trainer launch"):
+        trainer.Runtime("fsdp", world_options={"tp": 2})
+    assert not dist.is_initialized()  # (its process group was left: the next Runtime in the process could not start)
+    trainer.Runtime("fsdp").end()

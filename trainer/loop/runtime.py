@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from trainer.errors import UserError
+from trainer.errors import ConfigError, UserError
 from trainer.loop import watchdog
 from trainer.loop.loaders import EvalLoader, Loader, RunPosition
 from trainer.parallel import Strategy, unwrap
@@ -123,7 +123,16 @@ class Runtime:
             precision = build_node("precision", cfg.precision, device_type=self.backend.device.type,
                                    sharded=strategy.shards_parameters)
         self.precision = _precision(precision or "fp32", self.backend.device.type, strategy.shards_parameters)
-        strategy.setup(self.backend, self.precision)
+        try:
+            strategy.setup(self.backend, self.precision)
+        except ConfigError as e:
+            if launched is not None or self.backend.distributed:
+                raise
+            self.backend.teardown()  # (the process group of one this script made: a later Runtime makes its own)
+            # A script started with `python script.py` is one process: the fix is how it is started, not world.*.
+            raise ConfigError(f"{e} This script runs as one process: start it on several, e.g. `python -m trainer "
+                              f"launch world=... world.nproc_per_node=N SCRIPT.py` (or torchrun --nproc-per-node N "
+                              "SCRIPT.py).") from None
         self.grad_accum_steps, self.seed = grad_accum_steps, 0 if seed is None else seed
         # How many checkpoints save_state keeps: the job's checkpoint.keep_last under launch.
         self.keep_last = launched.checkpoint.get("keep_last", 2) if launched is not None else 2
