@@ -210,6 +210,15 @@ def test_a_val_path_mistake_names_data_val_path(corpus, tmp_path, case):
     assert not run_dir.exists()
 
 
+def test_a_directory_where_the_runs_metrics_file_belongs_is_one_paragraph(corpus, tmp_path):
+    """metrics.jsonl/ (a directory) in the run dir was an IsADirectoryError traceback before the first step."""
+    run_dir = tmp_path / "run"
+    (run_dir / "metrics.jsonl").mkdir(parents=True)
+    r = run_here(*tiny_overrides(corpus), f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert_clean_error(r, f"could not open {run_dir / 'metrics.jsonl'} to append the run's metrics", code=74)
+    assert (run_dir / "metrics.jsonl").is_dir()
+
+
 def test_resume_from_a_path_that_does_not_exist(corpus, tmp_path):
     r = run_here(*tiny_overrides(corpus), f"hydra.run.dir={tmp_path / 'run'}", f"resume={tmp_path / 'nope'}")
     assert_clean_error(r, str(tmp_path / "nope"), "does not exist")

@@ -52,7 +52,14 @@ class JsonlLogger(NullLogger):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.samples_path = Path(run_dir) / "samples.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a")
+        try:
+            self._file = open(self.path, "a")
+        except OSError as e:  # (a directory in its place, a read-only file: a traceback before the first step)
+            from trainer.errors import StorageError
+
+            raise StorageError(f"could not open {self.path} to append the run's metrics ({e.strerror or e}); nothing "
+                               "was trained. Make it a writable file (or move what is in its place), or give the run "
+                               "another dir (hydra.run.dir=...).") from None
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         try:
