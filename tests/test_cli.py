@@ -56,6 +56,7 @@ def test_run_dir_records_how_to_reproduce_the_run_and_what_it_cost(corpus, tmp_p
     assert info["git_commit"] == head and isinstance(info["git_dirty"], bool)
     assert info["seed"] == 7 and info["world_size"] == 1 and info["packages"]["torch"].startswith("2.")
     assert "trainer.seed=7" in info["command"]
+    assert info["overrides"] == [*tiny_overrides(corpus, "trainer.max_steps=4", "trainer.seed=7")]  # (the job's own)
     assert "trainer.seed=7" in (tmp_path / ".hydra" / "overrides.yaml").read_text()
     last = [e for e in read_metrics(tmp_path) if "train/loss" in e][-1]
     assert 0 < last["train/mfu"] < 1 and last["train/peak_mem_mb"] > 50

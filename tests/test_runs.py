@@ -288,6 +288,31 @@ def test_a_failed_sweep_point_names_the_points_after_it_that_never_ran(corpus, t
     assert sorted(d.name for d in (tmp_path / "sweep").iterdir() if d.is_dir()) == ["0", "1", "2"]
 
 
+def test_a_sweep_point_of_a_choice_without_settings_is_read_from_the_runs_own_record(tmp_path):
+    """Under submitit, Hydra writes each job's .hydra/ records into its numbered dir before it runs: the records of
+    dir 0 name the job's point whatever run dir 0 holds. A choice with no settings of its own in config.yaml (a
+    _global_ package: recipe=, +experiment=) showed only there. run_info.json, which only the run writes, says."""
+    import json
+
+    import yaml
+
+    from trainer.entry.rundir import sweep_point_dir
+
+    for name, recipe in (("0", "lm"), ("1", "diffusion")):
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        (tmp_path / name / "run_info.json").write_text(json.dumps({"overrides": [f"recipe={recipe}", "resume=auto"]}))
+        (tmp_path / name / "config.yaml").write_text(yaml.safe_dump({"optim": {"lr": 0.001}}))
+        # (as submitit's second job left them, rerun with the values in the other order)
+        (tmp_path / name / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(
+            [f"recipe={'diffusion' if name == '0' else 'lm'}", "resume=auto"]))
+    argv = ["-u", "-m", "submitit.core._submit", str(tmp_path / ".submitit")]  # (the job's: the sweep's is unseen)
+    config = {"optim": {"lr": 0.001}}
+    assert sweep_point_dir(tmp_path / "0", ["recipe=diffusion", "resume=auto"], argv, config) == tmp_path / "1"
+    assert sweep_point_dir(tmp_path / "1", ["recipe=lm", "resume=auto"], argv, config) == tmp_path / "0"
+    (tmp_path / "0" / "run_info.json").unlink()  # (a run from before the record: .hydra/ and config.yaml decide)
+    assert sweep_point_dir(tmp_path / "1", ["recipe=lm", "resume=auto"], argv, config) == tmp_path / "1-2"
+
+
 def test_a_sweep_point_is_all_its_overrides_not_only_the_swept_ones(tmp_path):
     """A rerun sweeping lr at a weight decay the first sweep swept too continued the wd=0.0 run at wd=0.1 (only the
     swept lr was compared), and a sweep defined in a config file (no swept key on the command line) continued by

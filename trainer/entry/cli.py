@@ -243,9 +243,16 @@ def write_hydra_records(records: list[tuple[Path, str]], hydra_dir: Path, run_di
 # -- the Hydra task ----------------------------------------------------------------------------------
 def run_job(cfg: DictConfig) -> float | None:
     """Hydra's task function: record the (already checked) config, then train here or launch workers."""
+    import json
+
     from hydra.core.hydra_config import HydraConfig
 
-    from trainer.entry.rundir import continue_command, find_run_to_continue, nearest_other_run
+    from trainer.entry.rundir import (
+        JOB_OVERRIDES_ENV,
+        continue_command,
+        find_run_to_continue,
+        nearest_other_run,
+    )
 
     hc = HydraConfig.get()
     run_dir, lock, started, records_after = Path(hc.runtime.output_dir), None, False, None
@@ -325,6 +332,7 @@ def run_job(cfg: DictConfig) -> float | None:
 
         started = True
         try:
+            os.environ[JOB_OVERRIDES_ENV] = json.dumps(list(hc.overrides.task))  # (run_info.json records them)
             final = run(resolved, run_dir, topology=topology)
         except WorkerFailed as wf:
             code = wf.report()
@@ -374,6 +382,7 @@ def run_job(cfg: DictConfig) -> float | None:
             _say_how_to_continue(run_dir, continue_command(run_dir))
         raise
     finally:
+        os.environ.pop(JOB_OVERRIDES_ENV, None)  # (the next job of a sweep in this process sets its own)
         if records_after is not None:
             records_after()
         if lock is not None:

@@ -298,12 +298,14 @@ def config_text(cfg: DictConfig) -> str:
 
 def write_run_info(run_dir: Path, cfg: DictConfig, trainer: Trainer) -> None:
     """`run_info.json`: what it takes to reproduce the run, beside config.yaml and .hydra/overrides.yaml."""
+    import json
     import os
     import platform
     import subprocess
     import sys
     from importlib import metadata
 
+    from trainer.entry.rundir import JOB_OVERRIDES_ENV
     from trainer.io import atomic_write_json
     from trainer.redaction import secret_values
 
@@ -337,6 +339,9 @@ def write_run_info(run_dir: Path, cfg: DictConfig, trainer: Trainer) -> None:
         "packages": packages,
         "finetune_weights": getattr(trainer, "weights_source", None),  # the pretrained weights it started from
         "cwd": os.getcwd(),  # where its relative paths (data.path=corpus.txt) were read from (`eval` checks)
+        # The job's overrides (a sweep's point: `command` is submitit's own under its launcher), by which a sweep
+        # rerun with resume=auto finds this run (trainer/entry/rundir.py, sweep_point_dir).
+        "overrides": json.loads(os.environ[JOB_OVERRIDES_ENV]) if JOB_OVERRIDES_ENV in os.environ else None,
     }
     # Secrets out of every value (the command line, and anything else here): the config's and the environment's.
     atomic_write_json(run_dir / "run_info.json", redact(info, secret_values(OmegaConf.to_container(cfg))))

@@ -342,11 +342,25 @@ def _point(overrides: Any, swept: set[str]) -> dict[str, str] | None:
     return out
 
 
-def _recorded_point(run_dir: Path, swept: set[str]) -> dict[str, str] | None:
+# The job's overrides, from the CLI to whichever process writes run_info.json (a worker, under a launcher too).
+JOB_OVERRIDES_ENV = "TRAINER_JOB_OVERRIDES"
+
+
+def _recorded_point(run_dir: Path, swept: set[str]) -> tuple[str, dict[str, str]] | None:
+    """("run", the point) from the overrides the run recorded in run_info.json, which only the run that owns the
+    dir writes; else ("hydra", the point) from .hydra/overrides.yaml, which a launcher starting each job in a
+    process of its own (submitit) has Hydra write into the job's numbered dir before the job runs, whatever run
+    the dir holds; else None."""
     import yaml
 
     try:
-        return _point(yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()), swept)
+        overrides = json.loads((run_dir / "run_info.json").read_text()).get("overrides")
+        if isinstance(overrides, list):
+            return "run", _point(overrides, swept)
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        return "hydra", _point(yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()), swept)
     except (OSError, yaml.YAMLError):
         return None
 
@@ -377,29 +391,35 @@ def sweep_point_dir(run_dir: Path, job_overrides: list[str], argv: list[str], co
     def point_of(d: Path) -> tuple[str, Any] | None:
         recorded = _recorded_point(d, keys)
         if recorded is not None:
-            return "overrides", recorded
+            return recorded
         settings = _config_point(read_config(d / "config.yaml"), keys) if mine_set is not None else None
         return ("config", settings) if settings is not None else None
 
     # A launcher that starts each job in a process of its own (submitit) has Hydra write each job's .hydra/ records
     # into its numbered dir before the job runs: a dir's records may then be another job's of this very sweep,
-    # whatever run the dir holds. A run's config.yaml (which only the run writes) says what it is: where there is
-    # one, the settings under the point's keys (swept or fixed, a choice's group included) decide.
-    point_keys = set(mine or {}) | keys
-
-    def settings(config: Any) -> dict[str, Any] | None:
+    # whatever run the dir holds. A run's config.yaml (which only the run writes) says what it is, under each of the
+    # point's keys that has settings there (optim.lr; model=, its group). A choice with none of its own (recipe=,
+    # debug=, +experiment=: a _global_ package) shows in the records alone: those points need them to agree too.
+    def settings(config: Any, names: set[str]) -> dict[str, Any] | None:
         if not isinstance(config, dict):
             return None
         flat_config = flat(config)
-        return {k: {n: v for n, v in flat_config.items() if n == k or n.startswith(k + ".")} for k in point_keys}
+        return {k: {n: v for n, v in flat_config.items() if n == k or n.startswith(k + ".")} for k in names}
 
-    mine_settings = settings(config) if config is not None else None
+    point_keys = set(mine or {}) | keys
+    everything = settings(config, point_keys) if config is not None else None
+    visible = {k for k in point_keys if everything and everything[k]}
+    mine_settings = settings(config, visible) if everything is not None else None
 
     def is_mine(d: Path, found: tuple[str, Any] | None) -> bool:
-        saved = settings(read_config(d / "config.yaml")) if mine_settings is not None else None
-        if saved is not None:
-            return saved == mine_settings
-        return found is not None and found[1] == (mine if found[0] == "overrides" else mine_set)
+        if found is not None and found[0] == "run":  # (the run's own record: no other job writes it)
+            return found[1] == mine
+        saved = settings(read_config(d / "config.yaml"), visible) if mine_settings is not None else None
+        if saved is not None and saved != mine_settings:
+            return False
+        if saved is not None and visible == point_keys:
+            return True  # (the run's own settings say it all: its .hydra records may be another job's)
+        return found is not None and found[1] == (mine if found[0] == "hydra" else mine_set)
 
     here = point_of(run_dir)
     if is_mine(run_dir, here):
