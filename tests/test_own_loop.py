@@ -176,8 +176,10 @@ def test_load_state_drops_the_events_logged_after_the_checkpoint(tmp_path):
 
 def test_a_new_run_in_a_used_run_dir_sets_the_earlier_metrics_aside_instead_of_appending(tmp_path, capsys):
     """The same script run twice appended a second copy of every step to metrics.jsonl (the Trainer sets an
-    earlier attempt aside). A run that logs without having loaded a checkpoint is a new one: the earlier metrics
-    become metrics.prev.jsonl. One that logs first and loads after is told where its history went."""
+    earlier attempt aside). A process whose first rt.log, with no checkpoint loaded, logs a step the file has is a
+    new run: the earlier metrics become metrics.prev.jsonl, and its trackers start anew too (rt.init_trackers'
+    config included, written only then). A later step (an evaluation logged after the run) is appended; a run that
+    logs first and loads after is told where its history went."""
     import json
 
     import trainer
@@ -185,27 +187,37 @@ def test_a_new_run_in_a_used_run_dir_sets_the_earlier_metrics_aside_instead_of_a
     def steps(name: str) -> list[int]:
         return [json.loads(line)["step"] for line in (tmp_path / name).read_text().splitlines()]
 
-    def run(first: int, last: int, load_first: bool = True, load_after: bool = False) -> None:
-        rt = trainer.Runtime(run_dir=tmp_path)
+    def run(first: int, last: int, load: str = "first", save: bool = False) -> None:
+        rt = trainer.Runtime(run_dir=tmp_path, log_with="tensorboard")
         rt.setup(nn.Linear(2, 2))
-        start = (rt.load_state(tmp_path / "checkpoints") or 0) if load_first else 0
+        rt.init_trackers({"first": first})
+        start = (rt.load_state(tmp_path / "checkpoints") or 0) if load == "first" else 0
         for step in range(max(first, start + 1), last + 1):
             rt.log({"loss": float(step)}, step)
-            if load_after and step == first:
+            if load == "after" and step == first:
                 assert rt.load_state(tmp_path / "checkpoints") == 2
-        rt.save_state(tmp_path / "checkpoints", last) if last == 2 else None
+        if save:
+            rt.save_state(tmp_path / "checkpoints", last)
         rt.end()
 
-    run(1, 3, load_first=False)
-    run(1, 2, load_first=False)  # the same script again, from scratch
+    run(1, 3, load="none")
+    run(1, 2, load="none", save=True)  # the same script again, from scratch
     assert steps("metrics.prev.jsonl") == [1, 2, 3] and steps("metrics.jsonl") == [1, 2]
     assert "kept as metrics.prev.jsonl" in capsys.readouterr().err
+    pytest.importorskip("tensorboard")
+    from test_tensorboard import scalars, texts
+
+    assert [s for s, _ in scalars(tmp_path / "tensorboard")["loss"]] == [1, 2]  # (this run's alone, config and all)
+    assert [s for s, _ in scalars(tmp_path / "tensorboard.prev")["loss"]] == [1, 2, 3]
+    assert [t for _, t in texts(tmp_path / "tensorboard", "config")] == ["first: 1"]
     run(1, 4)  # a resume from step 2: the history goes on in one file
     assert steps("metrics.jsonl") == [1, 2, 3, 4] and not (tmp_path / "metrics.prev-2.jsonl").exists()
     assert capsys.readouterr().err == ""
-    run(5, 6, load_first=False, load_after=True)  # logs first, loads after: set aside, and said so at the load
+    run(7, 7, load="none")  # an evaluation after the run, at a later step: appended
+    assert steps("metrics.jsonl") == [1, 2, 3, 4, 7] and capsys.readouterr().err == ""
+    run(1, 2, load="after")  # logs first, loads after: set aside, and said so at the load
     err = capsys.readouterr().err
-    assert steps("metrics.prev-2.jsonl") == [1, 2, 3, 4] and steps("metrics.jsonl") == [5, 6]
+    assert steps("metrics.prev-2.jsonl") == [1, 2, 3, 4, 7] and steps("metrics.jsonl") == [1, 2]
     assert "rt.load_state after rt.log: the run's metrics up to this checkpoint are in" in err and \
         "metrics.prev-2.jsonl" in err, err
 

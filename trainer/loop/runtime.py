@@ -144,6 +144,7 @@ class Runtime:
         self._logged = False  # whether this process has logged (rt.load_state rewinds the loggers only before)
         self._loaded = False  # whether rt.load_state loaded a checkpoint (a resume: the run's history continues)
         self._set_aside: Path | None = None  # an earlier run's metrics.jsonl, moved at this run's first rt.log
+        self._config: dict[str, Any] | None = None  # rt.init_trackers' config, until the trackers can take it
         # The job's logger=... has nowhere to write without a run_dir: said once, at the first rt.log.
         self._unlogged = sorted(launched.get("logger") or {}) if launched is not None and run_dir is None else []
         # What save_state checkpoints: models and optimizers by name, and every other stateful object.
@@ -682,6 +683,8 @@ class Runtime:
                   f"{self.run_dir / 'metrics.jsonl'}. Call rt.load_state before rt.log to keep them in one file.",
                   file=sys.stderr, flush=True)
             self._set_aside = None
+        if self.backend.is_main:
+            self._log_config()  # (after the rewind: the config text goes at the checkpoint's step)
         if self._watched:
             watchdog.progress()
         return self.position.step
@@ -759,8 +762,15 @@ class Runtime:
         return LoggerGroup([JsonlLogger(self.run_dir), *built])
 
     def init_trackers(self, config: dict[str, Any] | None = None) -> None:
-        """Record the run's config with the trackers (main process only)."""
+        """Record the run's config with the trackers (main process only). Written once the run knows whether it is
+        a new one or a resume (its first rt.log, rt.load_state or rt.end): a new run's writers must open only after
+        an earlier run's files are set aside, and a resume's at its checkpoint's step."""
         if self.backend.is_main and config:
+            self._config = config
+
+    def _log_config(self) -> None:
+        if self._config is not None:
+            config, self._config = self._config, None
             self.loggers.log_config(config)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -773,7 +783,8 @@ class Runtime:
         first, self._logged = not self._logged, True
         if self.backend.is_main:
             if first and not self._loaded:
-                self._start_fresh()
+                self._start_fresh(step)
+            self._log_config()
             if self._unlogged:
                 print(f"note: rt.log: the job's logger={','.join(self._unlogged)} has no directory to write in, so "
                       "these metrics go nowhere: pass one to the script's trainer.Runtime(run_dir=DIR) (metrics.jsonl "
@@ -781,14 +792,19 @@ class Runtime:
                 self._unlogged = []
             self.loggers.log_metrics({k: float(v) for k, v in metrics.items()}, step)
 
-    def _start_fresh(self) -> None:
-        """A run logging without having loaded a checkpoint is a new run: an earlier one's metrics.jsonl (and its
-        trackers' files) in the same run_dir are set aside, as the Trainer's fresh start sets them aside, so the
-        two histories never mix in one file."""
+    def _start_fresh(self, step: int) -> None:
+        """A run whose first rt.log, without a checkpoint loaded, logs a step the run_dir's metrics.jsonl already
+        has is a new run: the earlier one's metrics.jsonl (and its trackers' files) are set aside, as the Trainer's
+        fresh start sets them aside, so the two histories never mix in one file. A later step (a script that
+        evaluates the run and logs after it) is appended."""
         from trainer.io import free_name
+        from trainer.tracking.loggers import last_step
 
         metrics = self.run_dir / "metrics.jsonl" if self.run_dir is not None else None
         if metrics is None or not metrics.is_file() or not metrics.stat().st_size:
+            return
+        last = last_step(metrics)
+        if last is not None and step > last:
             return
         aside = free_name(metrics, ".prev", before_suffix=True)  # (the name start_fresh gives it)
         self.loggers.start_fresh()
@@ -803,6 +819,7 @@ class Runtime:
         if self._watched:  # (what the script does after its loop is its own: no longer watched for hangs)
             watchdog.disarm()
         if self.backend.is_main:
+            self._log_config()  # (a script that never logged)
             self.loggers.finish({})
         if self._checkpointer is not None:
             self._checkpointer.close()

@@ -129,6 +129,12 @@ def _unwritable(path: Path, e: OSError, step: int):
                         "with resume=auto: from the newest checkpoint, writing the events after it again.")
 
 
+def last_step(path: Path) -> int | None:
+    """The step of the last readable event of a metrics.jsonl (None when it has none)."""
+    steps = [_step_of(line) for line in path.read_text().splitlines() if line.strip()]
+    return next((s for s in reversed(steps) if s is not None), None)
+
+
 def _step_of(line: str) -> int | None:
     try:
         return int(json.loads(line)["step"])
