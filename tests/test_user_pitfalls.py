@@ -380,11 +380,22 @@ def test_a_run_uses_the_machine_defaults(tmp_path, monkeypatch):
     assert "machine defaults" in r.stdout
 
 
+def test_a_machine_default_environment_variable_is_saved_and_reaches_runs(tmp_path, monkeypatch):
+    """hydra.job.env_set.* (a cluster's NCCL interface, HF_HOME) is a machine's setting: saved, as before the
+    refusal of hydra.run.* and hydra.sweep.* (where runs go: outputs=DIR)."""
+    from conftest import run_here
+
+    monkeypatch.setenv("TRAINER_CONFIG_HOME", str(tmp_path / "home"))
+    assert run_here("config", "hydra.job.env_set.NCCL_SOCKET_IFNAME=eth0", cwd=tmp_path).returncode == 0
+    r = run_here("--cfg", "hydra", "debug=smoke", cwd=tmp_path)
+    assert r.returncode == 0 and "NCCL_SOCKET_IFNAME: eth0" in r.stdout, r.stdout[-2000:]
+
+
 @pytest.mark.parametrize("setting, says", [
     ("precision=bf61", "precision=bf61 is not an option"),
     ("recipe=diffusion", "recipe is the recipe's to choose"),
     ("world.nproc_per_nod=2", "Did you mean nproc_per_node?"),
-    ("hydra.run.dir=one_dir", "hydra.* settings are not saved"),  # (every later run would share one dir)
+    ("hydra.run.dir=one_dir", "hydra.run.* and hydra.sweep.* are not saved"),  # (every later run in one dir)
     ("outputs=FILE", "FILE is not a directory"),
     ("outputs=FILE/runs", "FILE is not a directory"),
     ("outputs=/proc/runs", "runs cannot be written there"),

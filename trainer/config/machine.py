@@ -60,10 +60,10 @@ def render(overrides: list[str]) -> str:
         key, sep, value = override.partition("=")
         if not sep or not key or key.startswith(("+", "~", "-")):
             raise ConfigError(f"{override!r} is not a setting: {USAGE}")
-        if key.startswith("hydra."):  # (hydra.run.dir=X would put every later run into the one dir X)
+        if key.startswith(("hydra.run.", "hydra.sweep.")):  # (hydra.run.dir=X: every later run in the one dir X)
             raise ConfigError(f"{override}: a machine's defaults say where runs go with outputs=DIR (each run then "
-                              "gets DIR/DATE/TIME, each sweep DIR/multirun/DATE/TIME); hydra.* settings are not saved. "
-                              f"Give {key} on the command line of the run that needs it.")
+                              "gets DIR/DATE/TIME, each sweep DIR/multirun/DATE/TIME); hydra.run.* and hydra.sweep.* "
+                              f"are not saved. Give {key} on the command line of the run that needs it.")
         if key == "outputs":
             from trainer.io import unwritable
 
