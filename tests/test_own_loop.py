@@ -963,3 +963,6 @@ def test_a_layout_for_several_processes_in_a_script_run_as_one_says_how_to_start
         trainer.Runtime("fsdp", world_options={"tp": 2})
     assert not dist.is_initialized()  # (its process group was left: the next Runtime in the process could not start)
     trainer.Runtime("fsdp").end()
+    with pytest.raises(ConfigError) as other:  # another mistake of setup's: not told to start more processes
+        trainer.Runtime("deepspeed", precision="fp16", device="cpu")  # (or DeepSpeed is not installed)
+    assert "runs as one process" not in str(other.value)

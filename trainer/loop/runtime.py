@@ -128,8 +128,12 @@ class Runtime:
         except ConfigError as e:
             if launched is not None or self.backend.distributed:
                 raise
-            self.backend.teardown()  # (the process group of one this script made: a later Runtime makes its own)
-            # A script started with `python script.py` is one process: the fix is how it is started, not world.*.
+            if backend is None:
+                self.backend.teardown()  # (the process group of one it made: a later Runtime makes its own)
+            if max(getattr(strategy, "tp", 1) or 1, getattr(strategy, "pp", 1) or 1) == 1:
+                raise
+            # A layout over several processes in a script started with `python script.py`: the fix is how it is
+            # started, not world.* (which such a script has nowhere to set).
             raise ConfigError(f"{e} This script runs as one process: start it on several, e.g. `python -m trainer "
                               f"launch world=... world.nproc_per_node=N SCRIPT.py` (or torchrun --nproc-per-node N "
                               "SCRIPT.py).") from None
