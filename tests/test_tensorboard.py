@@ -253,9 +253,12 @@ def test_a_logger_dir_holding_another_runs_events_is_refused_before_anything_mov
     assert sorted(tb.glob("events.out.tfevents.*")) == events and not (tmp_path / "tb.prev").exists()
     assert not (tmp_path / "b").exists()
 
-    (tb / OWNER).unlink()  # events nobody claims (another tool's, or written before the owner file) are refused too
+    # Events nobody claims (another tool's, or written before the owner file): refused for a new run dir, taken by
+    # a run dir with a history of its own (a run from before the owner file, resumed).
+    (tb / OWNER).unlink()
     with pytest.raises(ConfigError, match="holds events this run did not write"):
-        TensorBoardLogger(run_dir=tmp_path / "a", dir=str(tb))
+        TensorBoardLogger(run_dir=tmp_path / "new", dir=str(tb))
+    TensorBoardLogger(run_dir=tmp_path / "a", dir=str(tb))
     (tb / OWNER).write_text(str((tmp_path / "a").resolve()))
     TensorBoardLogger(run_dir=tmp_path / "a", dir=str(tb))  # its own run: a rerun or resume goes on
 

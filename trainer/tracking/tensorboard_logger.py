@@ -55,18 +55,20 @@ class TensorBoardLogger(NullLogger):
         # this run's curves would merge with those, its START purge them, a resume cut them and a rerun move them.
         self._owner = str(Path(run_dir).expanduser().resolve()) if dir is not None else None
         if self._owner is not None:
-            self._check_owner(dir)
+            self._check_owner(dir, Path(run_dir))
         self._writer = None  # opened at the first event: building the logger writes nothing
         self._first_step = 0  # the step a run (or a resumed run) starts from: where its config text goes
         self._session_start: int | None = 1  # the START marker of this attempt's first writer
 
-    def _check_owner(self, given: str) -> None:
+    def _check_owner(self, given: str, run_dir: Path) -> None:
         if not (self.dir.is_dir() and any(self.dir.glob("events.out.tfevents.*"))):
             return
         try:
             owner = (self.dir / OWNER).read_text().strip()
         except OSError:
             owner = None
+        if owner is None and (run_dir / "metrics.jsonl").is_file():
+            return  # (a run dir with a history of its own, from before the owner file: its events; claimed when written)
         if owner != self._owner:
             whose = f"the run {owner}" if owner else "events this run did not write"
             raise ConfigError(f"logger.tensorboard.dir={given} holds {whose}: TensorBoard shows one dir as one run, so "
@@ -78,11 +80,12 @@ class TensorBoardLogger(NullLogger):
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
+            if self._owner is not None and not (self.dir / OWNER).is_file():  # (first: events without it are refused)
+                self.dir.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(self.dir / OWNER, f"{self._owner}\n".encode())
             # purge_step writes SessionLog.START at that step: readers drop earlier events at or after it.
             self._writer = SummaryWriter(log_dir=str(self.dir), purge_step=self._session_start)
             self._session_start = None  # a writer reopened within this attempt must not purge its own events
-            if self._owner is not None and not (self.dir / OWNER).is_file():
-                atomic_write_bytes(self.dir / OWNER, f"{self._owner}\n".encode())
         return self._writer
 
     # -- the logger interface ----------------------------------------------------------------------
