@@ -345,6 +345,15 @@ def test_a_comma_without_m_names_the_three_ways_out(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_logger_set_to_null_is_dropped_not_refused():
+    """logger.tensorboard=null drops one logger of a list (a machine's logger=[wandb,tensorboard]), as before the
+    check that a logger's settings come with its choice."""
+    from trainer.config.compose import load
+
+    cfg = load(["debug=smoke", "logger=[wandb,tensorboard]", "logger.tensorboard=null"], targets=False)
+    assert cfg.logger.tensorboard is None and cfg.logger.wandb.project == "trainer"
+
+
 def test_an_ema_setting_with_the_ema_off_is_a_note_in_a_sweep_comparing_both(capsys):
     """`ema.enabled=true,false ema.decay=0.9` compares a run with and without an EMA: its points without one are
     told, not refused (a single run is refused: test_config_mistakes)."""

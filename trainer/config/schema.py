@@ -266,7 +266,7 @@ def validate(cfg: DictConfig) -> None:
 
     for group in ("logger", "callbacks"):  # (`+logger.wandb.project=x` alone makes a node that builds nothing)
         for name, node in (cfg.get(group) or {}).items():
-            if not (isinstance(node, DictConfig) and "_target_" in node):
+            if node is not None and not (isinstance(node, DictConfig) and "_target_" in node):  # (null: one dropped)
                 from trainer.config.compose import _group_options
 
                 choose = (f"Choose it: {group}={name} (several: {group}=[{name},...])" if name in _group_options(group)
