@@ -354,16 +354,18 @@ def test_a_logger_set_to_null_is_dropped_not_refused():
     assert cfg.logger.tensorboard is None and cfg.logger.wandb.project == "trainer"
 
 
-def test_an_ema_setting_with_the_ema_off_is_a_note_in_a_sweep_comparing_both(capsys):
-    """`ema.enabled=true,false ema.decay=0.9` compares a run with and without an EMA: its points without one are
-    told, not refused (a single run is refused: test_config_mistakes)."""
-    from trainer.config.compose import check_read, load
-
-    off, on = load(["debug=smoke"], targets=False), load(["debug=smoke", "ema.enabled=true"], targets=False)
-    check_read(off, ["ema.enabled=false", "ema.decay=0.9"], sweep=True)
-    assert "note: ema.decay: the EMA is off" in capsys.readouterr().err
-    check_read(on, ["ema.enabled=true", "ema.decay=0.9"])
-    assert capsys.readouterr().err == ""
+def test_an_ema_setting_with_the_ema_off_is_a_note_in_a_sweep_comparing_both(tmp_path):
+    """`-m ema.enabled=true,false ema.decay=0.9` compares a run with and without an EMA: one note for the points
+    without one, not a refusal. A sweep none of whose points has an EMA is refused, as a single run is
+    (test_config_mistakes)."""
+    r = run_here("-m", "debug=smoke", "trainer.max_steps=1", "ema.enabled=true,false", "ema.decay=0.9",
+                 f"hydra.sweep.dir={tmp_path / 'both'}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("note: ema.decay does nothing in 1 of the sweep's 2 points, those with the EMA off") == 1
+    r = run_main("-m", "debug=smoke", "optim.lr=1e-3,3e-4", "ema.decay=0.9", f"hydra.sweep.dir={tmp_path / 'none'}",
+                 cwd=tmp_path)
+    assert_clean_error(r, "ema.decay: the EMA is off (ema.enabled=false) in every point of the sweep")
+    assert not (tmp_path / "none").exists()
 
 
 def test_a_sweep_with_cfg_is_one_paragraph_naming_the_command_for_one_point(tmp_path):

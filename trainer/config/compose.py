@@ -9,7 +9,6 @@ unknown group options, wrong types) become one paragraph with the nearest valid 
 from __future__ import annotations
 
 import re
-import sys
 import warnings
 from itertools import product
 from pathlib import Path
@@ -117,21 +116,24 @@ def load(overrides: list[str], config_dir: str | None = None, targets: bool = Tr
     return prepare(cfg, targets)
 
 
-def check_read(cfg: DictConfig, overrides: list[str], sweep: bool = False) -> None:
+def check_read(cfg: DictConfig, overrides: list[str], sweep: bool = False) -> list[str]:
     """Refuse a setting given on the command line that the run would never read: `ema.decay=0.99` while the EMA is
-    off (its defaults are numbers, so only the command line tells a choice from a default). In a sweep, a note:
-    `ema.enabled=true,false ema.decay=0.99` compares a run with and without it."""
+    off (its defaults are numbers, so only the command line tells a choice from a default). A sweep's point gets
+    the keys back instead: `ema.enabled=true,false ema.decay=0.99` compares a run with and without an EMA, and the
+    sweep is refused only when none of its points reads them (trainer/entry/cli.py)."""
     keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
     given = [k for k in keys if k.startswith("ema.") and k != "ema.enabled"]
     if not given or (cfg.get("ema") or {}).get("enabled", False):
-        return
-    why = (f"{', '.join(given)}: the EMA is off (ema.enabled=false), so {'these do' if len(given) > 1 else 'this does'} "
-           "nothing")
+        return []
     if sweep:
-        print(f"note: {why} in the sweep's points with ema.enabled=false.", file=sys.stderr, flush=True)
-        return
-    raise ConfigError(f"{why}. Add ema.enabled=true to keep an EMA of the weights (evaluated as val_ema/ and exported "
-                      "as model_ema.safetensors), or leave them out.")
+        return given
+    raise ConfigError(inert_message(given))
+
+
+def inert_message(given: list[str], where: str = "") -> str:
+    return (f"{', '.join(given)}: the EMA is off (ema.enabled=false){where}, so {'these do' if len(given) > 1 else 'this does'} "
+            "nothing. Add ema.enabled=true to keep an EMA of the weights (evaluated as val_ema/ and exported as "
+            "model_ema.safetensors), or leave them out.")
 
 
 def check_choices(cfg: DictConfig, overrides: list[str], config_dir: str | None) -> None:

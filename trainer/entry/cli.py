@@ -22,6 +22,7 @@ from trainer.config.compose import (
     check_choices,
     check_read,
     explain,
+    inert_message,
     prepare,
     resolve,
     search_path,
@@ -62,6 +63,7 @@ def precheck(argv: list[str]):
                               "hydra.sweep.subdir (multirun/DATE/TIME/N by default). Pass hydra.sweep.dir=DIR instead "
                               "(its points go to DIR/0, DIR/1, ...).")
     jobs = sweep_jobs(args.overrides) if args.multirun else [args.overrides]
+    inert = []  # (a sweep's points that do not read an ema.* setting given: the EMA off there)
     try:
         for overrides in jobs:
             cfg, sources = compose_with_hydra(overrides, args.config_dir, sources=True)
@@ -71,7 +73,7 @@ def precheck(argv: list[str]):
                 known.sources, known.cwd = sources, os.getcwd()
             check_hydra_hooks(cfg)  # what Hydra itself builds before the job: callbacks, logging, env_set
             check_choices(cfg, overrides, args.config_dir)  # precision=bf16 that a recipe's inline node hides
-            check_read(cfg, overrides, sweep=args.multirun)  # ema.decay=0.99 with the EMA off
+            inert.append(check_read(cfg, overrides, sweep=args.multirun))  # ema.decay=0.99 with the EMA off
             if not args.cfg:
                 check_output_dir(cfg, args.multirun)  # Hydra makes it before the job: a traceback there
                 check_launcher(cfg, args.multirun)
@@ -83,6 +85,13 @@ def precheck(argv: list[str]):
                 from trainer.config.schema import refuse_one_process_on_nodes
 
                 refuse_one_process_on_nodes(cfg.world)
+        unread = [given for given in inert if given]
+        if unread and len(unread) == len(inert):
+            raise ConfigError(inert_message(unread[0], " in every point of the sweep"))
+        if unread:
+            verb = "do" if len(unread[0]) > 1 else "does"
+            print(f"note: {', '.join(unread[0])} {verb} nothing in {len(unread)} of the sweep's {len(inert)} points, "
+                  "those with the EMA off (ema.enabled=false).", file=sys.stderr, flush=True)
     except UserError as err:
         # A message quotes config values, and those may come from the environment's secrets.
         err.args = (scrub(str(err), secret_values()),)
