@@ -380,6 +380,19 @@ def test_a_run_uses_the_machine_defaults(tmp_path, monkeypatch):
     assert "machine defaults" in r.stdout
 
 
+def test_what_only_this_machine_cannot_run_is_saved_with_a_note(tmp_path, monkeypatch):
+    """The defaults file often sits in a home dir that a cluster's login and compute nodes share: an outputs dir
+    not mounted here, or world.tp=2 where auto counts no GPU, run elsewhere. Saved, and said (saved without a word,
+    every run here would stop; refused, no node could have them)."""
+    from conftest import run_here
+
+    monkeypatch.setenv("TRAINER_CONFIG_HOME", str(tmp_path / "home"))
+    r = run_here("config", "world=ddp", "world.tp=3", "outputs=/proc/runs", cwd=tmp_path)
+    assert r.returncode == 0 and (tmp_path / "home" / "machine" / "default.yaml").is_file(), r.stderr
+    assert "note: runs cannot be written to outputs=/proc/runs on this machine" in r.stderr
+    assert "world.tp=3 is invalid" in r.stderr and "save world.nproc_per_node=N with it to run here" in r.stderr
+
+
 def test_a_machine_default_environment_variable_is_saved_and_reaches_runs(tmp_path, monkeypatch):
     """hydra.job.env_set.* (a cluster's NCCL interface, HF_HOME) is a machine's setting: saved, as before the
     refusal of hydra.run.* and hydra.sweep.* (where runs go: outputs=DIR)."""
@@ -398,9 +411,7 @@ def test_a_machine_default_environment_variable_is_saved_and_reaches_runs(tmp_pa
     ("hydra.run.dir=one_dir", "hydra.run.* and hydra.sweep.* are not saved"),  # (every later run in one dir)
     ("outputs=FILE", "FILE is not a directory"),
     ("outputs=FILE/runs", "FILE is not a directory"),
-    ("outputs=/proc/runs", "runs cannot be written there"),
-    # What a run checks later, once it counts its processes and builds its trackers (every run would stop there).
-    ("world=ddp world.tp=3", "save world.nproc_per_node=N with it"),
+    # What a run checks later, once it builds its trackers (every run would stop there).
     ("logger=wandb logger.wandb.mode=ofline", "logger.wandb.mode='ofline' is invalid"),
 ])
 def test_a_machine_default_mistake_writes_nothing(tmp_path, monkeypatch, setting, says):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,12 +66,10 @@ def render(overrides: list[str]) -> str:
                               "gets DIR/DATE/TIME, each sweep DIR/multirun/DATE/TIME); hydra.run.* and hydra.sweep.* "
                               f"are not saved. Give {key} on the command line of the run that needs it.")
         if key == "outputs":
-            from trainer.io import unwritable
-
             root = str(Path(value).expanduser().resolve())
-            problem = unwritable(Path(root)) if value else "it is empty"
-            if problem:  # (saved, it would stop every later run)
-                raise ConfigError(f"outputs={value}: runs cannot be written there ({problem}). Give a directory "
+            blocked = _file_in_the_way(Path(root)) if value else "it is empty"
+            if blocked:  # (saved, it would stop every later run, on any machine sharing the file)
+                raise ConfigError(f"outputs={value}: runs cannot be written there ({blocked}). Give a directory "
                                   "this user can write (it is made when the first run starts): nothing was saved.")
             for kind, folder in (("run", root), ("sweep", f"{root}/multirun")):
                 OmegaConf.update(values, f"hydra.{kind}.dir", f"{folder}/${{now:%Y-%m-%d}}/${{now:%H-%M-%S}}")
@@ -86,6 +85,40 @@ def render(overrides: list[str]) -> str:
     return ("# @package _global_\n"
             "# This machine's defaults, read by every run (python -m trainer env shows them). Written by:\n"
             f"# python -m trainer config {' '.join(overrides)}\n" + text)
+
+
+def _file_in_the_way(path: Path) -> str | None:
+    """The first existing part of `path` when it is a file, not a directory (wherever this home dir is shared)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return None if path.is_dir() else f"{path} is not a directory"
+
+
+def host_notes(overrides: list[str], cfg) -> list[str]:
+    """What would stop a run from these defaults on this machine, where another that shares the file (a home dir on
+    a cluster's login and compute nodes) may run it: the outputs dir cannot be made here, or the processes
+    `world.nproc_per_node=auto` starts here (one per GPU) do not fit the layout. Said, not refused."""
+    from omegaconf import OmegaConf
+
+    from trainer.config import schema
+    from trainer.io import unwritable
+
+    notes = []
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key == "outputs" and value:
+            problem = unwritable(Path(value).expanduser().resolve())
+            if problem:
+                notes.append(f"runs cannot be written to outputs={value} on this machine ({problem})")
+    if schema.launch_config(cfg.world).nproc_per_node == "auto":
+        counted = cfg.copy()
+        OmegaConf.update(counted, "world.nproc_per_node", schema.nproc_per_node("auto"))
+        try:
+            schema.validate(counted)
+        except ConfigError as e:
+            notes.append(f"{str(e).rstrip('.')}, as world.nproc_per_node=auto starts {schema.nproc_per_node('auto')} "
+                         "process(es) on this machine (save world.nproc_per_node=N with it to run here)")
+    return notes
 
 
 def replaced_groups(overrides: list[str]) -> tuple[list[str], str | None]:
@@ -153,41 +186,24 @@ def home_for(overrides: list[str]) -> tuple[list[str], str | None]:
     return replaced, _FILTERED[text]
 
 
-def check(text: str) -> None:
-    """Compose a run with `text` as the machine's defaults, in a scratch config dir: a mistake is a ConfigError
-    before anything is written."""
+def check(text: str):
+    """Compose a run with `text` as the machine's defaults, in a scratch config dir, and build its trackers (whose
+    constructors check their settings and start nothing: logger.wandb.mode=ofline, saved, would stop every run):
+    a mistake is a ConfigError before anything is written. Returns the composed config."""
     import tempfile
 
     from trainer.config.compose import load
+    from trainer.config.instantiate import build_node
 
     with tempfile.TemporaryDirectory(prefix="trainer-config-") as scratch:
         (Path(scratch) / "machine").mkdir()
         (Path(scratch) / "machine" / "default.yaml").write_text(text)
         with config_home(scratch):
-            _as_a_run_here(load([]), scratch)
-
-
-def _as_a_run_here(cfg, scratch: str) -> None:
-    """What a run from these defaults alone checks later, once it counts its processes (`auto`: this machine's
-    GPUs, or 1) and builds its trackers (whose constructors check their settings and start nothing): saved, a
-    mistake there (world.tp=3 on 1 process, logger.wandb.mode=ofline) would stop every run."""
-    from omegaconf import OmegaConf
-
-    from trainer.config import schema
-    from trainer.config.instantiate import build_node
-    from trainer.config.schema import nproc_per_node
-
-    if schema.launch_config(cfg.world).nproc_per_node == "auto":
-        counted = cfg.copy()
-        OmegaConf.update(counted, "world.nproc_per_node", nproc_per_node("auto"))
-        try:
-            schema.validate(counted)
-        except ConfigError as e:
-            raise ConfigError(f"{e} On this machine world.nproc_per_node=auto starts {nproc_per_node('auto')} "
-                              "process(es): save world.nproc_per_node=N with it. Nothing was saved.") from None
-    for node in (cfg.get("logger") or {}).values():
-        if node is not None:
-            build_node("logger", node, run_dir=scratch)
+            cfg = load([])
+            for node in (cfg.get("logger") or {}).values():
+                if node is not None:
+                    build_node("logger", node, run_dir=scratch)
+    return cfg
 
 
 @contextlib.contextmanager
@@ -223,7 +239,7 @@ def config(argv: list[str]) -> int:
             print(f"no machine defaults to remove ({path} does not exist).")
         return 0
     text = render(argv)
-    check(text)
+    notes = host_notes(argv, check(text))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, text)
@@ -234,4 +250,6 @@ def config(argv: list[str]) -> int:
                            "directory this user can write, or fix the permissions of that one.") from None
     print(f"saved {path} (replacing any earlier defaults). Every run now starts from: {' '.join(argv)}; "
           "debug=smoke and the command line still override them; python -m trainer config --reset removes them.")
+    for note in notes:
+        print(f"note: {note}.", file=sys.stderr)
     return 0
