@@ -181,7 +181,8 @@ def test_a_slurm_sweep_where_there_is_no_slurm_is_one_paragraph_and_makes_no_swe
     monkeypatch.setenv("PATH", str(tmp_path))  # (no sbatch on it, whatever this machine has)
     r = run_main("-m", "hydra/launcher=submitit_slurm", f"hydra.sweep.dir={tmp_path / 'sweep'}", "debug=smoke",
                  "optim.lr=1e-3,3e-4", cwd=tmp_path)
-    assert_clean_error(r, "hydra/launcher=submitit_slurm submits each point with sbatch", "hydra/launcher=submitit_local")
+    assert_clean_error(r, "hydra/launcher=submitit_slurm submits each point with sbatch and srun, and this machine "
+                       "has no sbatch or srun", "hydra/launcher=submitit_local")
     assert not (tmp_path / "sweep").exists()
 
 

@@ -309,7 +309,10 @@ def _checkpoints_beside(path) -> str:
     numbered = re.fullmatch(r"step_([0-9]+)", path.name)
     if numbered and (parent / f"step_{int(numbered.group(1)):08d}").is_dir():
         return f" The checkpoint of step {int(numbered.group(1))} is {parent / f'step_{int(numbered.group(1)):08d}'}."
-    steps = sorted(p.name for p in parent.iterdir() if re.fullmatch(r"step_[0-9]{8,}", p.name) and p.is_dir())
+    try:
+        steps = sorted(p.name for p in parent.iterdir() if re.fullmatch(r"step_[0-9]{8,}", p.name) and p.is_dir())
+    except OSError:  # (a directory this user cannot list: the refusal stands without the hint)
+        return ""
     return f" {parent} holds {', '.join(steps[-5:])}." if steps else ""
 
 

@@ -126,10 +126,11 @@ def check_launcher(cfg: DictConfig, multirun: bool) -> None:
     import shutil
 
     target = str(OmegaConf.select(cfg, "hydra.launcher._target_", default="") or "")
-    if multirun and target.endswith(".SlurmLauncher") and shutil.which("sbatch") is None:
-        raise ConfigError("hydra/launcher=submitit_slurm submits each point with sbatch, which this machine does not "
-                          "have (no SLURM here): run the sweep on the cluster's login node, or try it on this machine "
-                          "with hydra/launcher=submitit_local (the same jobs, run here).")
+    missing = [c for c in ("sbatch", "srun") if shutil.which(c) is None]  # (submitit checks for srun itself)
+    if multirun and target.endswith(".SlurmLauncher") and missing:
+        raise ConfigError(f"hydra/launcher=submitit_slurm submits each point with sbatch and srun, and this machine "
+                          f"has no {' or '.join(missing)} (no SLURM here): run the sweep on the cluster's login node, "
+                          "or try it on this machine with hydra/launcher=submitit_local (the same jobs, run here).")
 
 
 def check_output_dir(cfg: DictConfig, multirun: bool) -> None:
@@ -261,6 +262,7 @@ def run_job(cfg: DictConfig) -> float | None:
         continue_command,
         find_run_to_continue,
         nearest_other_run,
+        unfinished_runs,
     )
 
     hc = HydraConfig.get()
@@ -275,7 +277,8 @@ def run_job(cfg: DictConfig) -> float | None:
         chosen = _chose_run_dir(hc)
         if resolved.get("resume") == "auto" and not chosen:
             # The default run dir is new at every start: continue the newest unfinished run with this config.
-            found = find_run_to_continue(run_dir, redact(OmegaConf.to_container(resolved)))
+            runs = unfinished_runs(run_dir)  # (read once: for the run to continue, or the note naming another)
+            found = find_run_to_continue(run_dir, redact(OmegaConf.to_container(resolved)), runs=runs)
             if found is not None:
                 print(f"resume=auto: continuing {found}, the newest unfinished run under {found.parent.parent} "
                       "with this config (pass hydra.run.dir=DIR to choose another).", flush=True)
@@ -283,7 +286,7 @@ def run_job(cfg: DictConfig) -> float | None:
                     _remove_if_free(run_dir)  # this job's fresh timestamped dir (another job's of the same second stays)
                 run_dir, chosen = found, True  # (resume=auto chose it: continue it, never a sibling)
             elif str(hc.mode) != "RunMode.MULTIRUN":  # (a sweep's points are found by sweep_point_dir, below)
-                other = nearest_other_run(run_dir, redact(OmegaConf.to_container(resolved)))
+                other = nearest_other_run(runs, redact(OmegaConf.to_container(resolved)))
                 if other:
                     print(scrub(other, secret_values(OmegaConf.to_container(resolved))), flush=True)
         if resolved.get("resume") == "auto" and str(hc.mode) == "RunMode.MULTIRUN":

@@ -165,17 +165,19 @@ def is_finished(run_dir: Path) -> bool:
         return False
 
 
-def find_run_to_continue(run_dir: Path, config: dict[str, Any], depth: int = 2) -> Path | None:
+def find_run_to_continue(run_dir: Path, config: dict[str, Any], depth: int = 2,
+                         runs: list[tuple[Path, dict]] | None = None) -> Path | None:
     """The newest run dir `depth` levels under the outputs root of `run_dir` (outputs/DATE/TIME) with a complete
     checkpoint, not finished, whose config.yaml equals `config` (as saved: resolved, redacted) but for the
     settings a resume may change. `run_dir` itself is one of them when it qualifies: this job has written nothing
     there yet, so a checkpoint in it is an earlier job's, one that started in the same second and was stopped."""
     want = comparable(config)
-    found = [cand for cand, saved in _unfinished_runs(run_dir, depth) if comparable(saved) == want]
+    runs = unfinished_runs(run_dir, depth) if runs is None else runs
+    found = [cand for cand, saved in runs if comparable(saved) == want]
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
-def _unfinished_runs(run_dir: Path, depth: int) -> list[tuple[Path, dict]]:
+def unfinished_runs(run_dir: Path, depth: int = 2) -> list[tuple[Path, dict]]:
     """(dir, its config) of each run `depth` levels under the outputs root of `run_dir` with a complete checkpoint,
     not finished."""
     from trainer.checkpoint.store import has_complete  # (torch: not at import, which `--help` pays)
@@ -193,10 +195,9 @@ def _unfinished_runs(run_dir: Path, depth: int) -> list[tuple[Path, dict]]:
     return runs
 
 
-def nearest_other_run(run_dir: Path, config: dict[str, Any], depth: int = 2) -> str | None:
-    """When resume=auto found no run to continue: the newest unfinished run under the same outputs root, and the
+def nearest_other_run(runs: list[tuple[Path, dict]], config: dict[str, Any]) -> str | None:
+    """When resume=auto found no run to continue among `runs` (unfinished_runs'): the newest of them, and the
     settings by which it is another run's (a changed seed or model makes a new run, silently but for this)."""
-    runs = _unfinished_runs(run_dir, depth)
     if not runs:
         return None
     cand, saved = max(runs, key=lambda r: r[0].stat().st_mtime)
