@@ -207,7 +207,8 @@ def test_bf16_on_one_process_is_deepspeeds_and_learns_what_the_plain_process_lea
     ZeRO-3 in precision=bf16: 16-bit weights with fp32 master weights in ZeRO's partitions, under the framework's
     autocast. It follows world=single's bf16 run to bf16's resolution, and its export holds the fp32 master
     weights."""
-    run = ("precision=bf16", "trainer.max_steps=20", "trainer.eval_every=0", "ema.enabled=false", "data.batch_size=8")
+    run = ("precision=bf16", "trainer.max_steps=20", "trainer.eval_every=0", "ema.enabled=false", "data.batch_size=8",
+           "trainer.peak_tflops=1")
     ref = tmp_path / "one"
     train_in_process(corpus, ref, *run)
     r = run_cli(*tiny_overrides(corpus, *run, "world=deepspeed", "world.stage=3"), f"hydra.run.dir={tmp_path / 'ds'}")
@@ -217,6 +218,10 @@ def test_bf16_on_one_process_is_deepspeeds_and_learns_what_the_plain_process_lea
     assert got == pytest.approx(want, rel=2**-7) and got[-1] < got[0] - 1.0
     weights = load_weights(tmp_path / "ds" / "model.safetensors")
     assert {w.dtype for w in weights.values()} == {torch.float32}
+    # MFU counts the same FLOPs a token (ZeRO-3's partitioned parameters read as 0 elements: 17x low).
+    flops = [[e["train/mfu"] / e["train/tokens_per_s"] for e in read_metrics(d) if "train/mfu" in e][-1]
+             for d in (tmp_path / "ds", ref)]
+    assert flops[0] == pytest.approx(flops[1], rel=1e-9)
     # DeepSpeed's gradients are bf16 (its weights are), the plain run's fp32 (autocast keeps fp32 weights): where
     # a gradient element is near 0 the two AdamW updates may differ by up to 2 x lr per step (Adam's steps are at
     # most ~lr per element), so the weights agree to 2 x the sum of the learning rates.

@@ -246,6 +246,9 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
         if tcfg.compile:
             model = torch.compile(model, **compile_args(tcfg))
         say = print if backend.is_main else (lambda *a, **k: None)
+        # The model's FLOPs are counted before the optimizers are built: DeepSpeed's ZeRO-3 partitions the
+        # parameters then (each rank's numel() goes to 0, and train/mfu read 17x low).
+        cost = Cost(raw_model, backend.device, precision.dtype, tcfg.peak_tflops, backend.world_size, say=say)
         registered = rt.models["model"]
         optimizer = build_optimizers(cfg.optim, model, rt, say)
         if rt.models["model"] is not registered:  # a strategy with its own engine wrapped model and optimizer
@@ -266,7 +269,7 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
         trainer = Trainer(
             runtime=rt, model=model, task=task, optimizer=optimizer, scheduler=scheduler, data=data, config=tcfg, loggers=build_loggers(cfg.logger, run_dir, backend.is_main),
             checkpointer=checkpointer, ema=ema, guard=NonFiniteGuard.build(tcfg, precision, optimizer, backend),
-            cost=Cost(raw_model, backend.device, precision.dtype, tcfg.peak_tflops, backend.world_size, say=say),
+            cost=cost,
             components={**({"task": task} if hasattr(task, "state_dict") else {}),
                         **({"finetune": finetune.Source(backend.broadcast_object(weights_source))}
                            if frozen and finetune.settings(cfg.get("finetune")).weights else {})},
