@@ -172,6 +172,21 @@ def test_a_submitit_sweep_rerun_with_its_values_in_another_order_continues_each_
     assert "optim.lr: 0.001 -> 0.002" not in logs and "optim.lr: 0.002 -> 0.001" not in logs
 
 
+def test_without_the_submitit_plugin_its_launchers_are_the_install_paragraph(tmp_path):
+    """Without hydra-submitit-launcher, hydra/launcher=submitit_slurm was "not an option ... Available: basic", the
+    one missing extra whose error did not name its install."""
+    from test_errors import assert_clean_error
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules['hydra_plugins.hydra_submitit_launcher'] = None\n")
+    r = run_cli("-m", "hydra/launcher=submitit_slurm", "debug=smoke", "optim.lr=1e-3,3e-4",
+                f"hydra.sweep.dir={tmp_path / 'sweep'}", env={"PYTHONPATH": f"{site}:{ROOT}"}, fresh=True, cwd=tmp_path)
+    assert_clean_error(r, "hydra/launcher=submitit_slurm comes with the hydra-submitit-launcher package",
+                       "pip install -e '.[slurm]'")
+    assert not (tmp_path / "sweep").exists()
+
+
 @needs_submitit
 def test_a_slurm_sweep_where_there_is_no_slurm_is_one_paragraph_and_makes_no_sweep_dir(tmp_path, monkeypatch):
     """The README's submitit_slurm sweep on a machine without SLURM was submitit's `Could not detect "srun"`

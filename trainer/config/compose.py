@@ -279,6 +279,11 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
                 options = re.findall(r"^\t(\S+)$", msg, flags=re.M)
             if not options:  # (a list of options, logger=[wandb,tensorbord]: Hydra's message lists none)
                 options = _group_options(group)
+            if group == "hydra/launcher" and option.startswith("submitit") and option not in options:
+                return ConfigError(f"hydra/launcher={option} comes with the hydra-submitit-launcher package, which is "
+                                   "not installed here. Install it with `pip install hydra-submitit-launcher` (in this "
+                                   "repository: pip install -e '.[slurm]'), or leave hydra/launcher out (the basic "
+                                   "launcher runs the points one after another).")
             return ConfigError(
                 f"{group}={option} is not an option of config group '{group}'. "
                 f"Available: {', '.join(options) or '(none)'}.{suggest(option, options)}"
