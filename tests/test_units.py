@@ -392,3 +392,10 @@ def test_the_checkpoint_advice_knows_every_launch_key_of_world():
     from trainer.config.schema import LAUNCH_KEYS
 
     assert _SHARED["world"] == LAUNCH_KEYS
+
+
+def test_the_summary_line_gives_counts_whole():
+    from trainer.loop.trainer import summary_line
+
+    assert summary_line({"summary/steps": 10001, "summary/train_time_s": 123.456789, "summary/mfu": 0.0123456}) == \
+        "summary: steps=10001 train_time_s=123.5 mfu=0.01235"

@@ -411,7 +411,7 @@ class Trainer:
             progress.close()
         summary = self._summary(self.step - first_step, meter)
         if summary and be.is_main:
-            print("summary: " + " ".join(f"{k.split('/')[1]}={v:.4g}" for k, v in summary.items()), flush=True)
+            print(summary_line(summary), flush=True)
         return {**metrics, **final, **summary}
 
     def _summary(self, steps: int, meter: Throughput) -> dict[str, float]:
@@ -504,3 +504,10 @@ def printable(text: str) -> str:
     """`text` with control characters (a generated sample may hold any byte) shown as escapes, not sent to
     the terminal."""
     return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
+def summary_line(summary: dict[str, float]) -> str:
+    """`summary: steps=10001 train_time_s=...`: counts as they are (`.4g` made 10001 steps "1e+04"), the rest to
+    4 significant digits."""
+    return "summary: " + " ".join(f"{k.split('/')[1]}={v if isinstance(v, int) else f'{v:.4g}'}"
+                                  for k, v in summary.items())
