@@ -8,7 +8,7 @@ import struct
 
 import pytest
 import torch
-from conftest import SHARED, load_weights, read_metrics, run_cli, run_main, tiny_overrides
+from conftest import SHARED, load_weights, read_metrics, run_cli, run_here, run_main, tiny_overrides
 
 
 def test_load_gives_the_model_with_its_final_or_ema_weights(reference):
@@ -150,6 +150,9 @@ def test_eval_mistakes_are_one_paragraph(reference, tmp_path):
                          (["eval", str(reference), "trainer.nosuch=1"], "nosuch"),
                          (["eval", str(reference), "checkpoint=/no/such/step"], "checkpoint=/no/such/step is not a "
                                                                                  "directory. Pass checkpoint=latest"),
+                         # (not the advice for a script of one's own run as one process)
+                         (["eval", str(reference), "world=ddp", "world.tp=2"],
+                          "Change world.tp or world.nproc_per_node."),
                          # (a run's saved config takes overrides without the schema's types: tracebacks before)
                          (["eval", str(reference), "ema=false"], "ema=False is invalid: expected the `ema` settings"),
                          (["eval", str(reference), "trainer.eval_batch_size=abc"],
@@ -166,8 +169,9 @@ def test_eval_mistakes_are_one_paragraph(reference, tmp_path):
                          # (only the wrong one is named: the valid task.sample_tokens=5 was listed with it)
                          (["sample", str(reference), "task.sample_tokens=5", "world.threads=1"],
                           "task.KEY=VALUE, not world.threads=1. Usage")):
-        r = run_main(*args, cwd=tmp_path)
+        r = (run_here if "world.tp=2" in args else run_main)(*args, cwd=tmp_path)  # (that one builds the Trainer)
         assert_clean_error(r, needle)
+        assert "This script runs as one process" not in r.stderr
 
 
 def test_a_missing_task_state_that_the_export_lists_is_one_paragraph(diffusion_reference, tmp_path):

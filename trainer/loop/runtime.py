@@ -128,8 +128,9 @@ class Runtime:
         except ConfigError as e:
             if launched is not None or self.backend.distributed:
                 raise
-            if backend is None:
-                self.backend.teardown()  # (the process group of one it made: a later Runtime makes its own)
+            if backend is not None:  # (the framework's own run, eval or tune: its command says what to change)
+                raise
+            self.backend.teardown()  # (the process group of one it made: a later Runtime makes its own)
             if max(getattr(strategy, "tp", 1) or 1, getattr(strategy, "pp", 1) or 1) == 1:
                 raise
             # A layout over several processes in a script started with `python script.py`: the fix is how it is
