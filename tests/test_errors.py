@@ -126,6 +126,7 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
     (["+logger.mine.x=1"], ["logger.mine=", "The options of logger are none, tensorboard, wandb"]),
     (["optim=muon", "optim.adamw_lr=abc"], ["optim.adamw_lr='abc' is invalid: expected a number"]),  # (a traceback,
     (["optim=muon", "optim.ns_steps=abc"], ["optim.ns_steps='abc' is invalid: expected an integer"]),  # a run dir left)
+    (["world=deepspeed", "world.stage=7", "--cfg", "job"], ["world.stage=7 is invalid: expected 1, 2 or 3"]),
     (["ema.decay=0.99", "ema.warmup=true"], ["ema.decay, ema.warmup: the EMA is off", "Add ema.enabled=true"]),
     (["finetune.weights=nosuch", "world=ddp", "world.nproc_per_node=2", "world.pp=2"],
      ["world.pp=2 is invalid: expected 1 with finetune.weights=nosuch", "world=fsdp"]),  # (a worker's traceback)

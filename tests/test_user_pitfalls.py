@@ -413,6 +413,7 @@ def test_a_machine_default_environment_variable_is_saved_and_reaches_runs(tmp_pa
     ("outputs=FILE/runs", "FILE is not a directory"),
     # What a run checks later, once it builds its trackers (every run would stop there).
     ("logger=wandb logger.wandb.mode=ofline", "logger.wandb.mode='ofline' is invalid"),
+    ("world=deepspeed world.stage=7", "world.stage=7 is invalid"),  # (the strategy's own checks too)
 ])
 def test_a_machine_default_mistake_writes_nothing(tmp_path, monkeypatch, setting, says):
     from conftest import run_here

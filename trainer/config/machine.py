@@ -193,13 +193,14 @@ def check(text: str):
     import tempfile
 
     from trainer.config.compose import load
-    from trainer.config.instantiate import build_node
+    from trainer.config.instantiate import build_node, build_strategy
 
     with tempfile.TemporaryDirectory(prefix="trainer-config-") as scratch:
         (Path(scratch) / "machine").mkdir()
         (Path(scratch) / "machine" / "default.yaml").write_text(text)
         with config_home(scratch):
             cfg = load([])
+            build_strategy(cfg.world)  # (its options' own checks: world=deepspeed world.stage=7)
             for node in (cfg.get("logger") or {}).values():
                 if node is not None:
                     build_node("logger", node, run_dir=scratch)

@@ -437,6 +437,10 @@ def _validate_world(world: DictConfig, batch_size: Any = None, precision: Any = 
         check_pipeline,
     )
 
+    if "stage" in world:  # (world=deepspeed's ZeRO stage: refused only by its constructor, past --cfg job and config)
+        stage = _plain(world.stage)
+        _check(stage is None or (_is_int(stage) and stage in (1, 2, 3)), "world.stage", stage,
+               "1, 2 or 3 (the ZeRO stage), or null")
     if "bucket_cap_mb" in world:  # (DDP took a negative size without a word)
         cap = _plain(world.bucket_cap_mb)
         _check(cap is None or (_is_number(cap) and cap > 0), "world.bucket_cap_mb", cap,
