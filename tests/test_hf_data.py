@@ -179,6 +179,20 @@ def test_bad_input_is_one_paragraph_naming_the_file_and_line(files, tmp_path, wr
     assert not (tmp_path / "cache").exists() or list((tmp_path / "cache").iterdir()) == []
 
 
+def test_a_malformed_line_is_said_once_not_logged_by_datasets_first(files, tmp_path, caplog):
+    """datasets logged "Failed to load JSON ..." (twice, through Hydra's handler too) before the paragraph."""
+    import logging
+
+    from trainer.errors import DataError
+
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": oops}\n')
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(DataError, match="bad.jsonl line 2 is not valid JSON"):
+        build(hf(files, f"data.path={tmp_path / 'bad.jsonl'}", f"data.cache_dir={tmp_path / 'cache'}"))
+    assert not [r for r in caplog.records if r.name.startswith("datasets") and r.levelno >= logging.WARNING]
+    assert logging.getLogger("datasets").level != logging.CRITICAL  # (put back after)
+
+
 @pytest.mark.parametrize(("tokenizer", "needle"), [("tokenizer.json", "'tokenizers'"), ("null", "'datasets'")])
 def test_without_the_extra_one_paragraph_says_what_to_install(monkeypatch, tmp_path, tokenizer, needle):
     from trainer.errors import DataError

@@ -19,6 +19,7 @@ import glob
 import hashlib
 import importlib
 import json
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -63,9 +64,15 @@ def offline_datasets(why: str) -> Iterator[Any]:
             setattr(config, k, True)
         was_quiet = datasets.utils.are_progress_bars_disabled()
         datasets.disable_progress_bars()  # the run's own output stays readable
+        # Its error log lines ("Failed to load JSON ...", twice, through Hydra's handler too) came before the
+        # framework's own paragraph for the same mistake (_load): the paragraph says it, once.
+        library_log = logging.getLogger("datasets")
+        was_level = library_log.level
+        library_log.setLevel(logging.CRITICAL)
         try:
             yield datasets
         finally:
+            library_log.setLevel(was_level)
             for k, v in was.items():
                 setattr(config, k, v)
             if not was_quiet:
