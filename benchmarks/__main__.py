@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -16,17 +17,29 @@ from .quality import write_curve
 from .report import table, write_report
 
 
+def report_path(out: str | None, quick: bool, only: str, items, curve: str | None) -> Path:
+    """`--out`, or BENCHMARKS.md for a full run; a --quick or --only run's table (tiny sizes, or a few rows) would
+    replace the committed report, so it goes into the temp dir unless --out says otherwise."""
+    if out is not None or curve or not (quick or {s.strip() for s in only.split(",")} != set(items)):
+        return Path(out or "BENCHMARKS.md")
+    path = Path(tempfile.gettempdir()) / "trainer-bench" / "BENCHMARKS.md"
+    path.parent.mkdir(exist_ok=True)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     items = benchmarks.ITEMS
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=benchmarks.__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes and a small text corpus: seconds, not minutes")
-    p.add_argument("--out", default="BENCHMARKS.md",
-                   help="markdown report to write (default: BENCHMARKS.md); the raw data goes beside it, as .json")
+    p.add_argument("--out", default=None,
+                   help="markdown report to write (default: BENCHMARKS.md for a full run; a --quick or --only run, "
+                        "whose table would replace the committed one, writes into the temp dir); the raw data goes "
+                        "beside it, as .json")
     p.add_argument("--only", default=",".join(items), help=f"comma-separated subset of {','.join(items)}")
     p.add_argument("--threads", type=int, default=THREADS, help="CPU threads of the in-process items (default: 1)")
     p.add_argument("--curve", metavar="RUN_DIR", help="only (re)write the quality-per-second section from a run dir")
     args = p.parse_args(argv)
-    out = Path(args.out)
+    out = report_path(args.out, args.quick, args.only, items, args.curve)
     if args.curve:
         write_curve(out, Path(args.curve))
         print(f"wrote the quality-per-second section of {out} from {args.curve}")

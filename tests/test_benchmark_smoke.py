@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from conftest import run_cli
@@ -116,3 +117,16 @@ def test_step_parts_times_every_swap_and_leaves_the_framework_as_it_was(capsys):
     for label in ("as is", *(f"{part} swapped" for part in step_parts.PARTS), "all swapped"):
         assert re.search(rf"^  {re.escape(label)} +[+-]\d+\.\d{{3}} ", out, flags=re.M), (label, out)
     assert {name: getattr(Runtime, name) for name in before} == before and noise.for_samples is for_samples
+
+
+def test_a_quick_or_partial_bench_leaves_the_committed_report_alone():
+    """`make bench ARGS='--quick --only ...'` replaced BENCHMARKS.md's table with its few tiny rows."""
+    import benchmarks
+    from benchmarks.__main__ import report_path
+
+    everything = ",".join(benchmarks.ITEMS)
+    assert report_path(None, False, everything, benchmarks.ITEMS, None) == Path("BENCHMARKS.md")
+    for quick, only in ((True, everything), (False, "loop_tiny,checkpoint")):
+        path = report_path(None, quick, only, benchmarks.ITEMS, None)
+        assert path.name == "BENCHMARKS.md" and path.parent.name == "trainer-bench" and path.parent.is_absolute()
+    assert report_path("mine.md", True, "ddp", benchmarks.ITEMS, None) == Path("mine.md")
