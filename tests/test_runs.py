@@ -309,6 +309,9 @@ def test_a_sweep_point_of_a_choice_without_settings_is_read_from_the_runs_own_re
     config = {"optim": {"lr": 0.001}}
     assert sweep_point_dir(tmp_path / "0", ["recipe=diffusion", "resume=auto"], argv, config) == tmp_path / "1"
     assert sweep_point_dir(tmp_path / "1", ["recipe=lm", "resume=auto"], argv, config) == tmp_path / "0"
+    # A value config.yaml shows is compared there, not as written: 0.001 is the run's 1e-3.
+    (tmp_path / "1" / "run_info.json").write_text(json.dumps({"overrides": ["recipe=diffusion", "optim.lr=1e-3"]}))
+    assert sweep_point_dir(tmp_path / "1", ["recipe=diffusion", "optim.lr=0.001"], argv, config) == tmp_path / "1"
     (tmp_path / "0" / "run_info.json").unlink()  # (a run from before the record: .hydra/ and config.yaml decide)
     assert sweep_point_dir(tmp_path / "1", ["recipe=lm", "resume=auto"], argv, config) == tmp_path / "1-2"
 

@@ -413,13 +413,18 @@ def sweep_point_dir(run_dir: Path, job_overrides: list[str], argv: list[str], co
     mine_settings = settings(config, visible) if everything is not None else None
 
     def is_mine(d: Path, found: tuple[str, Any] | None) -> bool:
-        if found is not None and found[0] == "run":  # (the run's own record: no other job writes it)
-            return found[1] == mine
         saved = settings(read_config(d / "config.yaml"), visible) if mine_settings is not None else None
         if saved is not None and saved != mine_settings:
             return False
         if saved is not None and visible == point_keys:
             return True  # (the run's own settings say it all: its .hydra records may be another job's)
+        if found is not None and found[0] == "run":  # (the run's own record, no other job's)
+            if saved is None:
+                return found[1] == mine
+            # The keys config.yaml cannot show (recipe=, +experiment=), as written; the rest it showed alike above
+            # (optim.lr=0.001 and 1e-3 are one value there, and a choice that changes nothing is nothing).
+            return {k: v for k, v in found[1].items() if k not in visible} == \
+                {k: v for k, v in (mine or {}).items() if k not in visible}
         return found is not None and found[1] == (mine if found[0] == "hydra" else mine_set)
 
     here = point_of(run_dir)
