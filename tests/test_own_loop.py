@@ -213,8 +213,9 @@ def test_a_new_run_in_a_used_run_dir_sets_the_earlier_metrics_aside_instead_of_a
     run(1, 4)  # a resume from step 2: the history goes on in one file
     assert steps("metrics.jsonl") == [1, 2, 3, 4] and not (tmp_path / "metrics.prev-2.jsonl").exists()
     assert capsys.readouterr().err == ""
-    run(7, 7, load="none")  # an evaluation after the run, at a later step: appended
+    run(7, 7, load="none")  # an evaluation after the run, at a later step: appended, in TensorBoard too
     assert steps("metrics.jsonl") == [1, 2, 3, 4, 7] and capsys.readouterr().err == ""
+    assert [s for s, _ in scalars(tmp_path / "tensorboard")["loss"]] == [1, 2, 3, 4, 7]
     run(1, 2, load="after")  # logs first, loads after: set aside, and said so at the load
     err = capsys.readouterr().err
     assert steps("metrics.prev-2.jsonl") == [1, 2, 3, 4, 7] and steps("metrics.jsonl") == [1, 2]

@@ -258,6 +258,10 @@ def test_a_logger_dir_holding_another_runs_events_is_refused_before_anything_mov
     (tb / OWNER).unlink()
     with pytest.raises(ConfigError, match="holds events this run did not write"):
         TensorBoardLogger(run_dir=tmp_path / "new", dir=str(tb))
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "metrics.jsonl").write_text("")  # (what the metrics logger, built first, leaves)
+    r = run_cli(*tiny_overrides(corpus, *overrides), f"hydra.run.dir={tmp_path / 'new'}")
+    assert r.returncode == 2 and "holds events this run did not write" in r.stderr, r.stderr
     TensorBoardLogger(run_dir=tmp_path / "a", dir=str(tb))
     (tb / OWNER).write_text(str((tmp_path / "a").resolve()))
     TensorBoardLogger(run_dir=tmp_path / "a", dir=str(tb))  # its own run: a rerun or resume goes on

@@ -809,7 +809,8 @@ class Runtime:
         if metrics is None or not metrics.is_file() or not metrics.stat().st_size:
             return
         last = last_step(metrics)
-        if last is not None and step > last:
+        if last is not None and step > last:  # appended: the trackers go on after `last` (TensorBoard's writer
+            self.loggers.rewind(last)          # would otherwise purge from step 1, hiding the run's curves)
             return
         aside = free_name(metrics, ".prev", before_suffix=True)  # (the name start_fresh gives it)
         self.loggers.start_fresh()

@@ -67,7 +67,8 @@ class TensorBoardLogger(NullLogger):
             owner = (self.dir / OWNER).read_text().strip()
         except OSError:
             owner = None
-        if owner is None and (run_dir / "metrics.jsonl").is_file():
+        metrics = run_dir / "metrics.jsonl"  # (non-empty: the metrics logger, built first, makes an empty one)
+        if owner is None and metrics.is_file() and metrics.stat().st_size:
             return  # (a run dir with a history of its own, from before the owner file: its events; claimed when written)
         if owner != self._owner:
             whose = f"the run {owner}" if owner else "events this run did not write"
