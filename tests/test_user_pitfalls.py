@@ -408,7 +408,9 @@ def test_a_machine_default_environment_variable_is_saved_and_reaches_runs(tmp_pa
     ("precision=bf61", "precision=bf61 is not an option"),
     ("recipe=diffusion", "recipe is the recipe's to choose"),
     ("world.nproc_per_nod=2", "Did you mean nproc_per_node?"),
-    ("hydra.run.dir=one_dir", "hydra.run.* and hydra.sweep.* are not saved"),  # (every later run in one dir)
+    ("hydra.run.dir=one_dir", "other hydra.* settings are not saved"),  # (every later run in one dir)
+    ("hydra.mode=MULTIRUN", "other hydra.* settings are not saved"),  # (every later run a sweep)
+    ("hydra.job.env_set.WANDB_API_KEY=abcdef123", "a secret is not saved in the machine's defaults"),
     ("outputs=FILE", "FILE is not a directory"),
     ("outputs=FILE/runs", "FILE is not a directory"),
     # What a run checks later, once it builds its trackers (every run would stop there).
@@ -422,6 +424,7 @@ def test_a_machine_default_mistake_writes_nothing(tmp_path, monkeypatch, setting
     (tmp_path / "FILE").write_text("")
     setting, says = setting.replace("FILE", str(tmp_path / "FILE")), says.replace("FILE", str(tmp_path / "FILE"))
     r = run_here("config", *setting.split(), cwd=tmp_path)
+    assert "abcdef123" not in r.stdout + r.stderr  # (the secret's value is not shown either)
     assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert not (tmp_path / "home" / "machine" / "default.yaml").exists()
 

@@ -55,16 +55,23 @@ def render(overrides: list[str]) -> str:
     from omegaconf import OmegaConf
 
     from trainer.config.compose import yaml_value
+    from trainer.redaction import is_secret_key
 
     defaults, values = [], OmegaConf.create({})
     for override in overrides:
         key, sep, value = override.partition("=")
         if not sep or not key or key.startswith(("+", "~", "-")):
             raise ConfigError(f"{override!r} is not a setting: {USAGE}")
-        if key.startswith(("hydra.run.", "hydra.sweep.")):  # (hydra.run.dir=X: every later run in the one dir X)
-            raise ConfigError(f"{override}: a machine's defaults say where runs go with outputs=DIR (each run then "
-                              "gets DIR/DATE/TIME, each sweep DIR/multirun/DATE/TIME); hydra.run.* and hydra.sweep.* "
-                              f"are not saved. Give {key} on the command line of the run that needs it.")
+        if key.startswith("hydra.") and not key.startswith("hydra.job.env_set."):
+            # (hydra.run.dir=X: every later run in the one dir X; hydra.mode=MULTIRUN: every run a sweep)
+            raise ConfigError(f"{override}: a machine's defaults keep hydra.job.env_set.NAME=... (its environment), "
+                              "and say where runs go with outputs=DIR (each run then gets DIR/DATE/TIME, each sweep "
+                              "DIR/multirun/DATE/TIME); other hydra.* settings are not saved. Give "
+                              f"{key} on the command line of the run that needs it.")
+        if key.startswith("hydra.job.env_set.") and is_secret_key(key.rsplit(".", 1)[-1]):
+            raise ConfigError(f"{key}=...: a secret is not saved in the machine's defaults (a plain file, printed by "
+                              "`python -m trainer env`): keep it in the environment (export it, or your shell's "
+                              "profile), where runs read it.")
         if key == "outputs":
             root = str(Path(value).expanduser().resolve())
             blocked = _file_in_the_way(Path(root)) if value else "it is empty"
@@ -193,14 +200,13 @@ def check(text: str):
     import tempfile
 
     from trainer.config.compose import load
-    from trainer.config.instantiate import build_node, build_strategy
+    from trainer.config.instantiate import build_node
 
     with tempfile.TemporaryDirectory(prefix="trainer-config-") as scratch:
         (Path(scratch) / "machine").mkdir()
         (Path(scratch) / "machine" / "default.yaml").write_text(text)
         with config_home(scratch):
             cfg = load([])
-            build_strategy(cfg.world)  # (its options' own checks: world=deepspeed world.stage=7)
             for node in (cfg.get("logger") or {}).values():
                 if node is not None:
                     build_node("logger", node, run_dir=scratch)
