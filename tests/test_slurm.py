@@ -172,6 +172,15 @@ def test_a_submitit_sweep_rerun_with_its_values_in_another_order_continues_each_
     assert "optim.lr: 0.001 -> 0.002" not in logs and "optim.lr: 0.002 -> 0.001" not in logs
 
 
+@needs_submitit
+def test_a_submitit_launcher_misspelt_is_named_not_sent_to_install_it(tmp_path):
+    from test_errors import assert_clean_error
+
+    r = run_main("-m", "hydra/launcher=submitit_slrum", "debug=smoke", "optim.lr=1e-3,3e-4", cwd=tmp_path)
+    assert_clean_error(r, "hydra/launcher=submitit_slrum is not an option", "Did you mean submitit_slurm?")
+    assert "not installed" not in r.stderr
+
+
 def test_without_the_submitit_plugin_its_launchers_are_the_install_paragraph(tmp_path):
     """Without hydra-submitit-launcher, hydra/launcher=submitit_slurm was "not an option ... Available: basic", the
     one missing extra whose error did not name its install."""

@@ -279,7 +279,8 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
                 options = re.findall(r"^\t(\S+)$", msg, flags=re.M)
             if not options:  # (a list of options, logger=[wandb,tensorbord]: Hydra's message lists none)
                 options = _group_options(group)
-            if group == "hydra/launcher" and option.startswith("submitit") and option not in options:
+            if group == "hydra/launcher" and option.startswith("submitit") and \
+                    not any(o.startswith("submitit") for o in options):  # (installed: a typo, named below)
                 return ConfigError(f"hydra/launcher={option} comes with the hydra-submitit-launcher package, which is "
                                    "not installed here. Install it with `pip install hydra-submitit-launcher` (in this "
                                    "repository: pip install -e '.[slurm]'), or leave hydra/launcher out (the basic "

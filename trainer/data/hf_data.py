@@ -64,15 +64,9 @@ def offline_datasets(why: str) -> Iterator[Any]:
             setattr(config, k, True)
         was_quiet = datasets.utils.are_progress_bars_disabled()
         datasets.disable_progress_bars()  # the run's own output stays readable
-        # Its error log lines ("Failed to load JSON ...", twice, through Hydra's handler too) came before the
-        # framework's own paragraph for the same mistake (_load): the paragraph says it, once.
-        library_log = logging.getLogger("datasets")
-        was_level = library_log.level
-        library_log.setLevel(logging.CRITICAL)
         try:
             yield datasets
         finally:
-            library_log.setLevel(was_level)
             for k, v in was.items():
                 setattr(config, k, v)
             if not was_quiet:
@@ -198,7 +192,8 @@ def _load(datasets, f: Path, fmt: str, cache: Path):
             return datasets.Dataset.from_text(str(f), cache_dir=str(cache), keep_linebreaks=True)
         reader = {"json": datasets.Dataset.from_json, "parquet": datasets.Dataset.from_parquet,
                   "csv": datasets.Dataset.from_csv}[fmt]
-        return reader(str(f), cache_dir=str(cache))
+        with _quiet_errors():
+            return reader(str(f), cache_dir=str(cache))
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 (datasets and pyarrow raise many kinds)
@@ -210,6 +205,20 @@ def _load(datasets, f: Path, fmt: str, cache: Path):
         cause = e.__cause__ or e.__context__ or e
         raise DataError(f"{f} cannot be read as {fmt} ({type(cause).__name__}: "
                         f"{(str(cause).strip().splitlines() or [''])[0][:300]}).") from None
+
+
+@contextlib.contextmanager
+def _quiet_errors():
+    """datasets' ERROR records while it reads one file: its "Failed to load JSON ..." (twice, through Hydra's handler
+    too) came before the framework's own paragraph for the same mistake (_load), which says it once. Its warnings
+    and everything outside the read pass as the user's verbosity has them."""
+    library_log = logging.getLogger("datasets")
+    was = library_log.level
+    library_log.setLevel(max(was, logging.ERROR + 1))
+    try:
+        yield
+    finally:
+        library_log.setLevel(was)
 
 
 def _bad_json_line(f: Path) -> tuple[int, str] | None:
