@@ -110,6 +110,7 @@ class Runtime:
             raise UserError(f"Runtime(grad_accum_steps={grad_accum_steps!r}) is invalid: expected an integer >= 1.")
         self.backend = backend or Backend(device=device, threads=threads)
         self.strategy = strategy
+        made_group = not torch.distributed.is_initialized()  # (a group the caller made is the caller's to end)
         self.backend.setup(process_group=strategy.needs_process_group)
         if launched is not None and precision is None:
             from trainer.config.instantiate import build_node
@@ -125,13 +126,13 @@ class Runtime:
         self.precision = _precision(precision or "fp32", self.backend.device.type, strategy.shards_parameters)
         try:
             strategy.setup(self.backend, self.precision)
-        except ConfigError as e:
-            if launched is not None or self.backend.distributed:
-                raise
-            if backend is not None:  # (the framework's own run, eval or tune: its command says what to change)
-                raise
-            self.backend.teardown()  # (the process group of one it made: a later Runtime makes its own)
-            if max(getattr(strategy, "tp", 1) or 1, getattr(strategy, "pp", 1) or 1) == 1:
+        except BaseException as e:
+            # A script's own Runtime (not the framework's run, eval or tune, which pass their backend) on one process.
+            alone = launched is None and backend is None and not self.backend.distributed
+            if alone and made_group:
+                self.backend.teardown()  # (the process group of one it made: a later Runtime makes its own)
+            if not (alone and isinstance(e, ConfigError)
+                    and max(getattr(strategy, "tp", 1) or 1, getattr(strategy, "pp", 1) or 1) > 1):
                 raise
             # A layout over several processes in a script started with `python script.py`: the fix is how it is
             # started, not world.* (which such a script has nowhere to set).
