@@ -20,7 +20,7 @@ from .report import table, write_report
 def report_path(out: str | None, quick: bool, only: str, items, curve: str | None) -> Path:
     """`--out`, or BENCHMARKS.md for a full run; a --quick or --only run's table (tiny sizes, or a few rows) would
     replace the committed report, so it goes into the temp dir unless --out says otherwise."""
-    if out is not None or curve or not (quick or {s.strip() for s in only.split(",")} != set(items)):
+    if out is not None or curve or not (quick or {s.strip() for s in only.split(",") if s.strip()} != set(items)):
         return Path(out or "BENCHMARKS.md")
     path = Path(tempfile.gettempdir()) / "trainer-bench" / "BENCHMARKS.md"
     path.parent.mkdir(exist_ok=True)
