@@ -219,6 +219,7 @@ def test_a_new_run_in_a_used_run_dir_sets_the_earlier_metrics_aside_instead_of_a
     run(1, 2, load="after")  # logs first, loads after: set aside, and said so at the load
     err = capsys.readouterr().err
     assert steps("metrics.prev-2.jsonl") == [1, 2, 3, 4, 7] and steps("metrics.jsonl") == [1, 2]
+    assert [s for s, _ in scalars(tmp_path / "tensorboard.prev-2")["loss"]] == [1, 2, 3, 4, 7]  # (one number)
     assert "rt.load_state after rt.log: the run's metrics up to this checkpoint are in" in err and \
         "metrics.prev-2.jsonl" in err, err
 

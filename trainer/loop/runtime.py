@@ -803,7 +803,7 @@ class Runtime:
         has is a new run: the earlier one's metrics.jsonl (and its trackers' files) are set aside, as the Trainer's
         fresh start sets them aside, so the two histories never mix in one file. A later step (a script that
         evaluates the run and logs after it) is appended."""
-        from trainer.io import free_name
+        from trainer.io import free_name, one_attempt
         from trainer.tracking.loggers import last_step
 
         metrics = self.run_dir / "metrics.jsonl" if self.run_dir is not None else None
@@ -813,8 +813,9 @@ class Runtime:
         if last is not None and step > last:  # appended: the trackers go on after `last` (TensorBoard's writer
             self.loggers.rewind(last)          # would otherwise purge from step 1, hiding the run's curves)
             return
-        aside = free_name(metrics, ".prev", before_suffix=True)  # (the name start_fresh gives it)
-        self.loggers.start_fresh()
+        with one_attempt(self.run_dir):  # (one number for metrics.prev-N.jsonl and tensorboard.prev-N/)
+            aside = free_name(metrics, ".prev", before_suffix=True)  # (the name start_fresh gives it)
+            self.loggers.start_fresh()
         if not metrics.stat().st_size and aside.is_file():
             self._set_aside = aside
             print(f"note: rt.log: {self.run_dir} held an earlier run's metrics, and this run loaded no checkpoint "
