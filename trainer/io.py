@@ -118,13 +118,20 @@ def output_file_problem(path: str | os.PathLike) -> str | None:
     return unwritable(path.absolute().parent)
 
 
+def first_existing(path: Path) -> Path:
+    """`path` or its nearest ancestor that exists (a dangling link counts: it is in the way)."""
+    path = Path(path).expanduser().absolute()
+    while not path.exists() and not path.is_symlink() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def unwritable(path: Path) -> str | None:
     """Why `path` (a directory, made with its parents where missing) cannot be written by this process: its first
     part that exists is not a directory, or not writable; None when it can. Leaves nothing behind."""
-    path = Path(path).expanduser().absolute()
-    missing = False
-    while not path.exists() and not path.is_symlink() and path != path.parent:
-        path, missing = path.parent, True  # where the missing directories would be made
+    given = Path(path).expanduser().absolute()
+    path = first_existing(given)  # (where the missing directories would be made)
+    missing = path != given
     if not path.is_dir():
         return f"{path} is not a directory"
     if not os.access(path, os.W_OK | os.X_OK):

@@ -233,7 +233,7 @@ def missing_configs() -> str:
             "(`pip install --force-reinstall` of the same source), or install from a checkout with `pip install -e .`.")
 
 
-def _group_options(group: str) -> list[str]:
+def group_options(group: str) -> list[str]:
     """The shipped options of config group `group` ([] if they cannot be listed: this is for a message)."""
     try:
         from hydra import initialize_config_module
@@ -247,16 +247,11 @@ def _group_options(group: str) -> list[str]:
         return []
 
 
-# Groups whose options each add a node of their own under the group's key (logger.wandb, callbacks.early_stopping),
-# several at once: a key under an option that is not chosen is a missing choice, not a new key.
-LIST_GROUPS = ("logger", "callbacks")
-
-
 def _unchosen_option(key: str) -> str | None:
     """The message for `logger.wandb.project=...` without logger=wandb (None for any other key)."""
     group, _, rest = key.partition(".")
     option = rest.split(".", 1)[0]
-    if group not in LIST_GROUPS or not option or option not in _group_options(group):
+    if group not in _config.LIST_GROUPS or not option or option not in group_options(group):
         return None
     return (f"{key} is a setting of {group}={option}, which this run does not choose: add {group}={option} (several: "
             f"{group}=[{option},...]) and keep {key}=... as it is.")
@@ -278,7 +273,7 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
             if not options:
                 options = re.findall(r"^\t(\S+)$", msg, flags=re.M)
             if not options:  # (a list of options, logger=[wandb,tensorbord]: Hydra's message lists none)
-                options = _group_options(group)
+                options = group_options(group)
             if group == "hydra/launcher" and option.startswith("submitit") and \
                     not any(o.startswith("submitit") for o in options):  # (installed: a typo, named below)
                 return ConfigError(f"hydra/launcher={option} comes with the hydra-submitit-launcher package, which is "

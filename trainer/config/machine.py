@@ -20,7 +20,6 @@ from trainer.errors import ConfigError
 
 HOME_ENV = "TRAINER_CONFIG_HOME"  # conf/config.yaml's hydra.searchpath reads the same variable
 GROUPS = ("world", "precision", "logger", "callbacks")  # what a machine decides; recipes choose the rest
-LIST_GROUPS = ("logger", "callbacks")  # (several options at once, each with its own node: logger.wandb, ...)
 USAGE = ("python -m trainer config [world=NAME] [world.nproc_per_node=N] [precision=NAME] [logger=NAME] "
          "[outputs=DIR] [KEY=VALUE ...]  (no arguments: show them; --reset: remove them)")
 
@@ -96,9 +95,10 @@ def render(overrides: list[str]) -> str:
 
 def _file_in_the_way(path: Path) -> str | None:
     """The first existing part of `path` when it is a file, not a directory (wherever this home dir is shared)."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return None if path.is_dir() else f"{path} is not a directory"
+    from trainer.io import first_existing
+
+    found = first_existing(path)
+    return None if found.is_dir() else f"{found} is not a directory"
 
 
 def host_notes(overrides: list[str], cfg) -> list[str]:
@@ -135,6 +135,8 @@ def replaced_groups(overrides: list[str]) -> tuple[list[str], str | None]:
     another world (an error about a key the command line never gave)."""
     import yaml
 
+    from trainer.config import schema
+
     path = defaults_file()
     if not path.is_file():
         return [], None
@@ -160,7 +162,7 @@ def replaced_groups(overrides: list[str]) -> tuple[list[str], str | None]:
     kept = {k: v for k, v in data.items() if k not in replaced}
     for g in replaced:  # several loggers (logger=[wandb,tensorboard]): the machine's settings of those chosen stay
         options = chosen[g] if isinstance(chosen[g], list) else [chosen[g]]
-        if g in LIST_GROUPS and isinstance(data.get(g), dict):
+        if g in schema.LIST_GROUPS and isinstance(data.get(g), dict):
             mine = {o: v for o, v in data[g].items() if o in options}
             if mine:
                 kept[g] = mine

@@ -63,6 +63,10 @@ class LaunchConfig:
 
 LAUNCH_KEYS = tuple(f.name for f in fields(LaunchConfig))
 
+# Config groups whose options each add a node of their own under the group's key (logger.wandb,
+# callbacks.early_stopping), several at once: a key under an option not chosen is a missing choice.
+LIST_GROUPS = ("logger", "callbacks")
+
 
 def nproc_per_node(value) -> int:
     """world.nproc_per_node as a count: `auto` is one process per GPU (1 without one)."""
@@ -264,13 +268,13 @@ def validate(cfg: DictConfig) -> None:
     _check(0.0 <= e.decay < 1.0, "ema.decay", e.decay, "a number in [0, 1), e.g. 0.999")
     _check(e.update_every >= 1, "ema.update_every", e.update_every, "an integer >= 1")
 
-    for group in ("logger", "callbacks"):  # (`+logger.wandb.project=x` alone makes a node that builds nothing)
+    for group in LIST_GROUPS:  # (`+logger.wandb.project=x` alone makes a node that builds nothing)
         for name, node in (cfg.get(group) or {}).items():
             if node is not None and not (isinstance(node, DictConfig) and "_target_" in node):  # (null: one dropped)
-                from trainer.config.compose import _group_options
+                from trainer.config.compose import group_options
 
-                choose = (f"Choose it: {group}={name} (several: {group}=[{name},...])" if name in _group_options(group)
-                          else f"The options of {group} are {', '.join(_group_options(group))}")
+                choose = (f"Choose it: {group}={name} (several: {group}=[{name},...])" if name in group_options(group)
+                          else f"The options of {group} are {', '.join(group_options(group))}")
                 _check(False, f"{group}.{name}", _plain(node), f"the settings of a chosen option of {group}, with a "
                        f"_target_", f"{choose}; or point {group}.{name}._target_ at a class of your own.")
     for key in ("model", "data", "task", "optim", "scheduler", "precision", "world"):
