@@ -126,8 +126,10 @@ def check_launcher(cfg: DictConfig, multirun: bool) -> None:
     import shutil
 
     target = str(OmegaConf.select(cfg, "hydra.launcher._target_", default="") or "")
+    if not (multirun and target.endswith(".SlurmLauncher")):
+        return
     missing = [c for c in ("sbatch", "srun") if shutil.which(c) is None]  # (submitit checks for srun itself)
-    if multirun and target.endswith(".SlurmLauncher") and missing:
+    if missing:
         raise ConfigError(f"hydra/launcher=submitit_slurm submits each point with sbatch and srun, and this machine "
                           f"has no {' or '.join(missing)} (no SLURM here): run the sweep on the cluster's login node, "
                           "or try it on this machine with hydra/launcher=submitit_local (the same jobs, run here).")
