@@ -240,6 +240,16 @@ def test_a_loop_that_runs_the_module_under_ddp_s_wrapper_is_refused(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+def test_a_forward_of_the_module_under_ddp_s_wrapper_is_refused_at_the_first_step():
+    """The same mistake with the wrapper given to rt.accumulate and the module underneath run: each rank stepped on
+    its own gradients, with no error. A model run through its wrapper steps as before (its ranks agree)."""
+    r = launch("world=ddp", "world.nproc_per_node=2", SCRIPT, "bare_forward")
+    assert r.returncode == 2, r.stderr
+    assert "the gradients of 'model_1' differ between ranks at its first step (weight:" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stdout.count("good stepped: True") == 2 and r.stdout.count("bad unchanged: True") == 2, r.stdout
+
+
 def test_your_own_loop_on_two_pipeline_stages_equals_one_process(tmp_path):
     """rt.forward_backward with a mean loss: under world.pp each microbatch's mean is averaged, so two stages
     (2 microbatches of 4) give one process's losses and weights."""

@@ -107,6 +107,26 @@ def bare_model(rt: trainer.Runtime) -> None:
         rt.backward(bare(torch.ones(1, 2)).sum())
 
 
+def bare_forward(rt: trainer.Runtime) -> None:
+    """The mistake past rt.accumulate: the wrapper given to it, the module underneath run. Model `good` runs what
+    setup returned and steps (its gradients agree on both ranks); `bad` runs the bare module on each rank's own
+    data and is refused at its first step, before any update."""
+    good, bad = nn.Linear(2, 2), nn.Linear(2, 2)
+    good, opt_good = rt.setup(good, torch.optim.SGD(good.parameters(), lr=0.1))
+    wrapped, opt_bad = rt.setup(bad, torch.optim.SGD(bad.parameters(), lr=0.1))
+    x = torch.full((1, 2), float(rt.rank + 1))  # each rank's own data
+    with rt.accumulate(good):
+        rt.backward(good(x).sum())
+    print("good stepped:", rt.step(opt_good), flush=True)
+    before = bad.weight.detach().clone()
+    try:
+        with rt.accumulate(wrapped):
+            rt.backward(bad(x).sum())
+        rt.step(opt_bad)
+    finally:
+        print("bad unchanged:", torch.equal(bad.weight, before), flush=True)
+
+
 def pipeline(rt: trainer.Runtime, out: str, backward: bool = False) -> None:
     """Four steps of a two-block GPT on a mean cross-entropy, each through rt.forward_backward (or, a mistake under
     world.pp, the model and rt.backward); the losses are printed as JSON and the weights saved to OUT."""
@@ -203,6 +223,7 @@ if __name__ == "__main__":
      "save_on_main_only": lambda: save_on_main_only(runtime, args[0]),
      "backward_outside": lambda: backward_outside(runtime, args[0]),
      "bare_model": lambda: bare_model(runtime),
+     "bare_forward": lambda: bare_forward(runtime),
      "pipeline": lambda: pipeline(runtime, args[0]),
      "pipeline_backward": lambda: pipeline(runtime, args[0], backward=True),
      "diverge": lambda: diverge(runtime, args[0]),

@@ -25,6 +25,7 @@ steps through the same calls: there is one code path.
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 import os
 import re
@@ -167,6 +168,7 @@ class Runtime:
         self.sync_gradients = True  # whether this micro-step ends an optimizer step (gradients are synced)
         self._pending_reduce: set[str] = set()  # models whose gradients the strategy must still average (ddp x tp)
         self._listed: dict[str, list[torch.Tensor]] = {}  # each set-up model's parameters, listed once (_trainable)
+        self._replicas_checked: set[str] = set()  # DDP models whose first step found every rank's gradients equal
         self.position = RunPosition()
         self._checkpointer = None
         # A gloo group of its own for the barrier that checks every rank called save_state (made now, on every
@@ -574,6 +576,8 @@ class Runtime:
         if owner is None:
             raise UserError("rt.step got an optimizer that was not set up: pass it to rt.setup(model, optimizer).")
         self._synced([owner])
+        if owner not in self._replicas_checked:
+            self._check_replicas_agree(owner)
         applied = self.strategy.optimizer_step(optimizer)
         if applied and scheduler is not None:
             scheduler.step()
@@ -586,6 +590,42 @@ class Runtime:
 
     def no_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         return self.strategy.no_sync(model, enabled)
+
+    def _check_replicas_agree(self, name: str) -> None:
+        """At a DDP model's first step, every rank must hold the same gradients: DistributedDataParallel averages
+        them only in a backward through its wrapper, so a loop whose forward runs the module underneath (kept
+        from before rt.setup) steps each rank on its own gradients, and the replicas drift apart with no error.
+        One gather of a number per parameter, once. The sums are of absolute values in float64 (no cancellation),
+        so equal gradients summed on two kinds of CPU differ by rounding alone (< 1e-9 relative), while a rank's
+        own gradients differ from another's in the leading digits."""
+        self._replicas_checked.add(name)
+        model = self.models[name]
+        if not (self.backend.distributed and isinstance(model, nn.parallel.DistributedDataParallel)):
+            return
+        params = self._trainable(name)
+        with_grad = [p.grad.detach().abs().sum(dtype=torch.float64) for p in params if p.grad is not None]
+        found = iter(torch.stack(with_grad).tolist() if with_grad else [])
+        every = self.backend.gather_object([next(found) if p.grad is not None else None for p in params])
+
+        def same(a: float | None, b: float | None) -> bool:
+            if a is None or b is None:
+                return a is None and b is None
+            if not (math.isfinite(a) and math.isfinite(b)):  # (an fp16 overflow: inf or nan on every rank)
+                return not (math.isfinite(a) or math.isfinite(b))
+            return abs(a - b) <= 1e-6 * max(abs(a), abs(b))
+
+        differ = next(((r, i) for r, theirs in enumerate(every) for i, (a, b) in enumerate(zip(every[0], theirs))
+                       if not same(a, b)), None)
+        if differ is not None:
+            rank, i = differ
+            param = self._originals.get(id(params[i]), (name, f"parameter {i}"))[1]
+            raise UserError(f"the gradients of {name!r} differ between ranks at its first step ({param}: the sum of "
+                            f"their absolute values is {every[0][i]} on rank 0, {every[rank][i]} on rank {rank}). "
+                            "DistributedDataParallel averages them only in a backward through the model rt.setup "
+                            "returned; a forward of the module underneath it (the one passed to rt.setup) leaves "
+                            "each rank with its own, and the copies of the model drift apart. Keep and run what "
+                            "rt.setup returns (`model, opt = rt.setup(model, opt)`), in the forward as in "
+                            "rt.accumulate. Nothing was updated.")
 
     # -- ranks ---------------------------------------------------------------------------------------------
     def unwrap(self, model: nn.Module) -> nn.Module:
