@@ -12,6 +12,8 @@ import torch
 from conftest import ROOT, load_weights, read_metrics, run_cli, run_here, series, tiny_overrides
 from test_errors import assert_clean_error
 
+from trainer.errors import ConfigError
+
 # The HF-like model with its head tied to its input embedding: the plan then splits one weight as
 # embedding_rowwise and as colwise_gather_output, and keeps a per-head norm (replicated_with_grad_allreduce).
 HF_LIKE = ("model._target_=hf_like.HFLike", "+model.tie=true")
@@ -242,6 +244,22 @@ def test_the_models_own_size_keys_win_over_the_lm_recipes_names_for_them():
              "num_key_value_heads": 2}
     saved_before = causal_lm("LlamaForCausalLM", **sizes, num_hidden_layers=2, n_layer=1)  # an older model_config.json
     assert saved_before.config.num_hidden_layers == 1
+
+
+def test_two_names_of_one_setting_of_a_hugging_face_config_differing_are_refused():
+    """GPT2Config's hidden_size is its n_embd (attribute_map). `model=llama_tiny model.architecture=GPT2LMHeadModel
+    +model.n_embd=32` kept llama_tiny's hidden_size (from model.d_model, 64): a 64-wide model was trained while
+    config.yaml said n_embd: 32. Both names agreeing still build."""
+    pytest.importorskip("transformers")
+    from trainer.models.hf import causal_lm
+
+    sizes = {"vocab_size": 64, "n_layer": 1, "n_head": 2}
+    with pytest.raises(ConfigError, match=r"model.d_model=64 and model.n_embd=32 set one setting of GPT2Config "
+                                          r"\(hidden_size is its other name for n_embd\)"):
+        causal_lm("GPT2LMHeadModel", **sizes, d_model=64, n_embd=32)
+    with pytest.raises(ConfigError, match="model.hidden_size=64 and model.n_embd=32"):
+        causal_lm("GPT2LMHeadModel", **sizes, n_embd=32, hidden_size=64)
+    assert causal_lm("GPT2LMHeadModel", **sizes, d_model=32, hidden_size=32, n_embd=32).config.n_embd == 32
 
 
 def test_an_eval_override_of_a_size_key_reaches_the_model_by_either_name(tmp_path):

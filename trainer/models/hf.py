@@ -52,18 +52,27 @@ def causal_lm(architecture: str, **config: Any) -> nn.Module:
         raise ConfigError(f"model.architecture={architecture!r} is not a model class of transformers "
                           f"{transformers.__version__}: give the name of one, e.g. model.architecture=LlamaForCausalLM.")
     defaults = config_cls()
-    settings = {}
+    settings, given = {}, {}  # (given: the model.* key each setting came from)
     # An alias after the config's own keys, whatever their order (model_config.json sorts them): the lm recipe's
     # size keys come from debug=smoke, which shrinks the model as it shrinks the recipe's own. Where the user gave
     # the model's own key too, the config was made to agree when it was resolved (schema.agree_hf_sizes); runs
     # saved before that recorded the two differing, and were built with the alias, as here.
     for key, value in sorted(config.items(), key=lambda kv: kv[0] in _ALIASES and not hasattr(defaults, kv[0])):
+        given_key = key
         if not hasattr(defaults, key) and hasattr(defaults, _ALIASES.get(key, key)):
             key = _ALIASES[key]
         if not hasattr(defaults, key):
             raise ConfigError(f"model.{key} is not a setting of {config_cls.__name__} (the config of {architecture}). "
                               f"Remove it with ~model.{key}, or see {config_cls.__name__}'s documentation for its keys.")
-        settings[key] = value
+        settings[key], given[key] = value, given_key
+    # Two names of one setting (GPT2Config's hidden_size is n_embd: its attribute_map), differing: the config class
+    # would keep whichever came last, and build a model other than one of them asked for, with no word.
+    for other, own in getattr(config_cls, "attribute_map", {}).items():
+        if other in settings and own in settings and settings[other] != settings[own]:
+            a, b = given[other], given[own]
+            raise ConfigError(f"model.{a}={config[a]!r} and model.{b}={config[b]!r} set one setting of "
+                              f"{config_cls.__name__} ({other} is its other name for {own}) to two values. Give both "
+                              f"the same value (model.{a}=V model.{b}=V), or remove model.{b} with ~model.{b}.")
     return adapt(cls)(config_cls(**settings))
 
 
