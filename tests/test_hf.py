@@ -299,3 +299,34 @@ def test_rt_save_model_of_a_hugging_face_model_loads_with_from_pretrained(transf
         # trainer.load reads such a directory too (it said "not a run dir" without a device_map)
         ours = trainer.load(tmp_path)
         assert not ours.training and torch.equal(ours(ids).logits, model(ids).logits)
+
+
+def test_rt_save_model_of_a_peft_model_writes_its_adapter_not_a_config_that_loads_random_weights(transformers,
+                                                                                                  tmp_path):
+    """A peft model's state has peft's keys (base_model.model.*.base_layer): with the base model's config.json beside
+    them, from_pretrained(dir) loaded none of them and gave a randomly initialised model, with no error. The adapter
+    is written in peft's layout in adapter/, and PeftModel.from_pretrained on the starting model gives the saved
+    model's logits; from_pretrained(dir) finds no config.json."""
+    peft = pytest.importorskip("peft")
+    import trainer
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    torch.manual_seed(0)
+    start = transformers.GPT2LMHeadModel(config).state_dict()
+    base = transformers.GPT2LMHeadModel(config)
+    base.load_state_dict(start)
+    lora = peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False)
+    rt = trainer.Runtime("single", "fp32")
+    model = rt.setup(peft.get_peft_model(base, lora)).eval()
+    written = rt.save_model(model, tmp_path)
+    assert written == ["model.safetensors", "adapter/adapter_model.safetensors", "adapter/adapter_config.json"]
+    assert not (tmp_path / "config.json").exists()
+    again = transformers.GPT2LMHeadModel(config)
+    again.load_state_dict(start)
+    loaded = peft.PeftModel.from_pretrained(again, str(tmp_path / "adapter")).eval()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+        plain = transformers.GPT2LMHeadModel(config).eval()
+        plain.load_state_dict(start)
+        assert not torch.allclose(loaded(ids).logits, plain(ids).logits, atol=1e-3)  # (the adapter is in them)

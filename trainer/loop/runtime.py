@@ -761,8 +761,9 @@ class Runtime:
                    name: str = "model") -> list[str] | None:
         """The whole model as safetensors in `directory` (`<name>.safetensors`, or shards with the Hugging Face
         index above `max_shard_size`), and a Hugging Face model's config.json (so that `from_pretrained(directory)`
-        loads it), written by the main rank. Every rank must call it (shards are gathered)."""
-        from trainer.models.export import export_model, write_hf_config
+        loads it; a peft model's adapter in peft's layout in adapter/ instead), written by the main rank. Every rank
+        must call it (shards are gathered)."""
+        from trainer.models.export import export_model, is_peft_model, write_hf_config, write_peft_adapter
 
         self._all_ranks_here("save_model")
         tensors = self.strategy.full_state_dict(self.strategy.model_state_dict(model))
@@ -773,7 +774,9 @@ class Runtime:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         written = export_model(tensors, directory, name, None, _megabytes(max_shard_size))  # (no empty model_config.json)
-        if name == "model":  # (the name from_pretrained reads)
+        if name == "model" and is_peft_model(unwrap(model)):  # (the adapter, for PeftModel.from_pretrained)
+            written += write_peft_adapter(unwrap(model), tensors, directory)
+        elif name == "model":  # (the name from_pretrained reads)
             written += write_hf_config(unwrap(model), directory)
         if self._watched:
             watchdog.progress()

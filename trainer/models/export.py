@@ -105,6 +105,36 @@ def write_hf_config(model, directory: Path) -> list[str]:
     return ["config.json"]
 
 
+def is_peft_model(model) -> bool:
+    """A model peft wrapped (get_peft_model), told without importing peft."""
+    return type(model).__module__.split(".")[0] == "peft" and hasattr(model, "peft_config")
+
+
+def write_peft_adapter(model, tensors: dict[str, torch.Tensor], directory: Path) -> list[str]:
+    """A peft model's adapter in peft's layout under `directory`/adapter/ (what `model.save_pretrained` writes:
+    adapter_model.safetensors and adapter_config.json), taken from `tensors`, its full state. The base model's
+    config.json is not written beside the whole state: its keys are peft's (`base_model.model.*.base_layer`), and
+    `from_pretrained(directory)` would have loaded none of them, giving a randomly initialised model with no error."""
+    import os
+    import tempfile
+
+    from peft import get_peft_model_state_dict
+
+    written = []
+    (directory / ADAPTER_DIR).mkdir(exist_ok=True)
+    for adapter, config in model.peft_config.items():
+        where = Path(ADAPTER_DIR) if adapter == "default" else Path(ADAPTER_DIR) / adapter  # (as peft lays them out)
+        (directory / where).mkdir(exist_ok=True)
+        state = get_peft_model_state_dict(model, state_dict=tensors, adapter_name=adapter)
+        atomic_save_safetensors(directory / where / "adapter_model.safetensors",
+                                {k: v.contiguous() for k, v in state.items()}, metadata={"format": "pt"})
+        with tempfile.TemporaryDirectory(dir=directory, prefix=".adapter-") as tmp:
+            config.save_pretrained(tmp)
+            os.replace(Path(tmp) / "adapter_config.json", directory / where / "adapter_config.json")
+        written += [str(where / "adapter_model.safetensors"), str(where / "adapter_config.json")]
+    return written
+
+
 def listed_files(run_dir: Path) -> set[str] | None:
     """The files the run dir's export.json lists; None without a readable one (a directory of the user's own)."""
     try:
