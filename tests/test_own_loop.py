@@ -962,6 +962,48 @@ def test_a_dataloader_given_to_rt_loader_and_a_tensor_to_rt_log_are_one_paragrap
     assert len(rt.loader(ds, batch_size=4)) == 16
 
 
+def test_wrong_arguments_to_the_runtime_s_calls_are_one_paragraph_each_and_change_nothing(tmp_path):
+    """Each was a traceback from inside torch, pathlib or a format string: a device the machine lacks, save_model
+    of an optimizer or into a file, save_state with a step that is not a count (step -1 wrote step_-0000001, which
+    load_state never found), rt.log of None, rt.step with a ReduceLROnPlateau (after the update) or with its
+    arguments swapped (it named the scheduler an optimizer not set up)."""
+    import numpy as np
+
+    import trainer
+
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match=r"^Runtime\(device='cuda'\) is invalid here: this machine .* has no CUDA"):
+            trainer.Runtime(device="cuda")
+    with pytest.raises(UserError, match=r"^Runtime\(device='gpu'\) is not a device: expected 'auto', 'cpu'"):
+        trainer.Runtime(device="gpu")
+    rt = trainer.Runtime("single", "fp32")
+    model = nn.Linear(2, 2)
+    model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with rt.accumulate(model):
+        rt.backward(model(torch.ones(1, 2)).sum())
+    before = model.weight.detach().clone()
+    (tmp_path / "file").write_text("mine")
+    mistakes = [(lambda: rt.save_model(opt, tmp_path), r"rt\.save_model got a SGD: pass the model"),
+                (lambda: rt.save_model(model, tmp_path / "file"), r"that path is a file; save_model writes a directory"),
+                (lambda: rt.save_state(tmp_path, -1), r"step=-1\): the step must be a whole number >= 0"),
+                (lambda: rt.save_state(tmp_path, 5.0), r"step=5\.0\): the step must be a whole number"),
+                (lambda: rt.save_state(tmp_path, 1, keep_last=0), r"rt\.save_state\(keep_last=0\): expected"),
+                (lambda: rt.log({"x": None}, 1), r"rt\.log: 'x' is None, not a number"),
+                (lambda: rt.log({"x": 1.0}, "3"), r"rt\.log\(\.\.\., step='3'\): the step must be a whole number"),
+                (lambda: rt.step(opt, torch.optim.lr_scheduler.ReduceLROnPlateau(opt)),
+                 r"the ReduceLROnPlateau given as the scheduler steps on a metric .* Nothing was updated"),
+                (lambda: rt.step(torch.optim.lr_scheduler.StepLR(opt, 1), opt),
+                 r"rt\.step got a StepLR where the optimizer goes: the order is rt\.step\(optimizer, scheduler\)")]
+    for call, message in mistakes:
+        with pytest.raises(UserError, match=message):
+            call()
+    assert torch.equal(model.weight, before) and model.weight.grad is not None  # (nothing stepped, nothing zeroed)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"] and (tmp_path / "file").read_text() == "mine"
+    assert rt.step(opt) and not torch.equal(model.weight, before)
+    assert rt.save_state(tmp_path, np.int64(1)).name == "step_00000001"  # (numpy's integers are counts)
+    rt.end()
+
+
 def test_a_layout_for_several_processes_in_a_script_run_as_one_says_how_to_start_it():
     """Runtime('fsdp', world_options={'tp': 2}) in `python script.py` said "Change world.tp or
     world.nproc_per_node", keys a script run alone has nowhere to set: the fix is how it is started."""

@@ -109,6 +109,8 @@ class Runtime:
         device, threads = device or "auto", "auto" if threads is None else threads
         if not isinstance(grad_accum_steps, int) or isinstance(grad_accum_steps, bool) or grad_accum_steps < 1:
             raise UserError(f"Runtime(grad_accum_steps={grad_accum_steps!r}) is invalid: expected an integer >= 1.")
+        if backend is None:
+            _check_device(device, "world.device={!r}" if launched is not None else "Runtime(device={!r})")
         self.backend = backend or Backend(device=device, threads=threads)
         self.strategy = strategy
         made_group = not torch.distributed.is_initialized()  # (a group the caller made is the caller's to end)
@@ -574,7 +576,17 @@ class Runtime:
             return False
         owner = next((m for m, o in self.optimizers.values() if o is optimizer), None)
         if owner is None:
+            if isinstance(optimizer, _SCHEDULERS):
+                raise UserError(f"rt.step got a {type(optimizer).__name__} where the optimizer goes: the order is "
+                                "rt.step(optimizer, scheduler).")
             raise UserError("rt.step got an optimizer that was not set up: pass it to rt.setup(model, optimizer).")
+        if scheduler is not None and (isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+                                      or not callable(getattr(scheduler, "step", None))):
+            why = ("steps on a metric (`scheduler.step(val_loss)`), which rt.step does not have: call that yourself, "
+                   "after rt.step, when the metric is measured" if hasattr(scheduler, "step")
+                   else "has no step(): pass a learning-rate scheduler, or None")
+            raise UserError(f"rt.step(optimizer, scheduler): the {type(scheduler).__name__} given as the scheduler "
+                            f"{why}. Nothing was updated.")
         self._synced([owner])
         if owner not in self._replicas_checked:
             self._check_replicas_agree(owner)
@@ -685,13 +697,19 @@ class Runtime:
         """Checkpoint every model, optimizer, loader and registered object, and each rank's RNG, as
         `directory/step_<step>` (atomic, pickle-free; the `keep_last` newest are kept: default checkpoint.keep_last
         under launch, else 2). Every rank must call it, at a step boundary."""
+        if not _is_count(step):
+            raise UserError(f"rt.save_state(directory, step={step!r}): the step must be a whole number >= 0 (the "
+                            "checkpoint is named step_<step>, and rt.load_state takes the newest by it).")
+        if keep_last is not None and not (_is_count(keep_last) and keep_last >= 1):
+            raise UserError(f"rt.save_state(keep_last={keep_last!r}): expected a whole number >= 1 (how many of the "
+                            "newest checkpoints to keep), or None for the default.")
         if self._micro > 0:
             raise UserError(f"rt.save_state in the middle of an accumulation (after micro-step {self._micro} of "
                             f"{self.grad_accum_steps}): a checkpoint holds no gradients, so a resume from it would "
                             "lose these micro-batches while its loader skips them. Save after rt.step, when "
                             "rt.sync_gradients is true.")
         self._all_ranks_here("save_state")
-        self.position.step = step
+        self.position.step = step = operator.index(step)
         path = self._manager(Path(directory), keep_last or self.keep_last).save(step, None, wait=True)
         if self._watched:
             watchdog.progress()
@@ -765,6 +783,13 @@ class Runtime:
         must call it (shards are gathered)."""
         from trainer.models.export import export_model, is_peft_model, write_hf_config, write_peft_adapter
 
+        if not isinstance(model, nn.Module):
+            raise UserError(f"rt.save_model got a {type(model).__name__}: pass the model (what rt.setup returned, or "
+                            "the module itself); an optimizer's and the rest of the run's state go in rt.save_state.")
+        if Path(directory).exists() and not Path(directory).is_dir():
+            raise UserError(f"rt.save_model({str(directory)!r}, ...): that path is a file; save_model writes a "
+                            "directory (model.safetensors and, for a Hugging Face model, config.json). Pass a "
+                            "directory, new or existing.")
         self._all_ranks_here("save_model")
         tensors = self.strategy.full_state_dict(self.strategy.model_state_dict(model))
         if self._watched:
@@ -824,9 +849,16 @@ class Runtime:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Metrics to the trackers, from the main process (the others' calls do nothing)."""
+        if not isinstance(metrics, dict):
+            raise UserError(f"rt.log got a {type(metrics).__name__}: pass a dict of names and numbers, and the step "
+                            "(`rt.log({'train/loss': loss.item()}, step)`).")
+        if not _is_count(step):
+            raise UserError(f"rt.log(..., step={step!r}): the step must be a whole number >= 0.")
+        step = operator.index(step)
         for key, value in metrics.items():  # (float() of these raised a bare ValueError on the main rank alone)
-            if isinstance(value, str) or (isinstance(value, torch.Tensor) and value.numel() != 1):
-                shown = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+            if isinstance(value, (str, bytes)) or (isinstance(value, torch.Tensor) and value.numel() != 1) or not (
+                    isinstance(value, torch.Tensor) or hasattr(value, "__float__")):
+                shown = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)[:80]
                 raise UserError(f"rt.log: {key!r} is {shown}, not a number: log one number a key (`.mean()` of a "
                                 "tensor, `.item()` of a one-element one).")
         first, self._logged = not self._logged, True
@@ -901,6 +933,36 @@ def launched_config():
     from omegaconf import OmegaConf
 
     return OmegaConf.create(json.loads(text))
+
+
+_SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def _is_count(value: Any) -> bool:
+    """A whole number >= 0 (numpy's and torch's integers too; not a bool, a float or a string)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        return operator.index(value) >= 0
+    except TypeError:
+        return False
+
+
+def _check_device(device: Any, named: str) -> None:
+    """A device this machine has, named as torch names it; a UserError saying which otherwise (torch's own errors
+    here are an AttributeError from its C module, or an error at the first tensor moved)."""
+    kinds = ("cpu", "cuda", "mps")
+    if device == "auto":
+        return
+    try:
+        kind = torch.device(device).type if isinstance(device, str) else None
+    except RuntimeError:
+        kind = None
+    if kind not in kinds:
+        raise UserError(f"{named.format(device)} is not a device: expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'.")
+    if kind == "cuda" and not torch.cuda.is_available() or kind == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"{named.format(device)} is invalid here: this machine (this torch build) has no {kind.upper()} "
+                        "device. Use 'auto' (a GPU where there is one, else the CPU) or 'cpu'.")
 
 
 def _not_a_loader(dataset: Any, what: str) -> None:
