@@ -291,14 +291,21 @@ def test_resume_auto_never_prunes_what_it_could_not_read_and_resume_null_sets_it
     assert checkpoints(run_dir) == ["step_00000004", "step_00000008"]  # the new run's own
 
 
-@pytest.mark.parametrize("damage", ["state", "manifest"])
+@pytest.mark.parametrize("damage", ["state", "manifest", "no_manifest"])
 def test_a_damaged_newer_checkpoint_survives_the_fallback_and_the_pruning_after_it(corpus, stopped, tmp_path, damage):
     """resume=auto falls back past a damaged step 8 to step 4 and renames the damaged one step_00000008.unreadable,
     out of reach of this and every later run's pruning. A manifest cut short (a copy stopped half-way) is damage
-    too: it was once sorted as the oldest checkpoint, never tried, never named, and pruned."""
+    too: it was once sorted as the oldest checkpoint, never tried, never named, and pruned. So is a manifest that
+    never arrived: such a dir was passed over without a word, and deleted (a user's file in it too) when the run
+    saved step 8 again."""
     run_dir = _copy(stopped, tmp_path / "run")
     f = run_dir / "checkpoints" / "step_00000008" / ("state.safetensors" if damage == "state" else "manifest.json")
-    f.write_bytes(f.read_bytes()[:-10] if damage == "state" else f.read_bytes()[:50])
+    if damage == "no_manifest":
+        f.unlink()
+        f = f.parent / "NOTES.txt"
+        f.write_text("mine")
+    else:
+        f.write_bytes(f.read_bytes()[:-10] if damage == "state" else f.read_bytes()[:50])
     damaged = f.read_bytes()
     r = run_here(*tiny_overrides(corpus, *BASE, "trainer.max_steps=12"), f"hydra.run.dir={run_dir}", "resume=auto")
     assert r.returncode == 0, r.stderr
@@ -309,6 +316,35 @@ def test_a_damaged_newer_checkpoint_survives_the_fallback_and_the_pruning_after_
     from trainer.checkpoint.store import Checkpointer
 
     assert [p.name for p in Checkpointer(run_dir / "checkpoints").complete()] == ["step_00000008", "step_00000012"]
+
+
+def test_a_step_dir_without_a_manifest_is_never_deleted_by_a_save_of_its_step_nor_left_by_a_fresh_start(tmp_path):
+    """A copy that stopped before its manifest arrived, alone in checkpoints/: resume=auto said "no complete
+    checkpoint; starting fresh" and left it in place, and the fresh run's save of that step deleted it."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from trainer.checkpoint.manager import resume
+    from trainer.checkpoint.store import MANIFEST, Checkpointer
+    from trainer.parallel.backend import Backend
+
+    c = Checkpointer(tmp_path / "checkpoints", keep_last=1)
+    half = tmp_path / "checkpoints" / "step_00000002"
+    half.mkdir(parents=True)
+    (half / "model.safetensors").write_bytes(b"copied so far")
+    assert c.complete() == [] and c.unreadable() == [half]
+    c.save(2, {"w": torch.zeros(2)}, {"trainer": {"step": 2}})
+    assert (tmp_path / "checkpoints" / "step_00000002.unreadable" / "model.safetensors").read_bytes() == b"copied so far"
+    assert [p.name for p in c.complete()] == ["step_00000002"]
+    (tmp_path / "checkpoints" / "step_00000002" / MANIFEST).unlink()  # (a manifest-less one again, alone)
+    said = []
+    trainer = SimpleNamespace(checkpointer=c, backend=Backend(device="cpu"))
+    assert resume(trainer, OmegaConf.create({"resume": None}), said.append) is None
+    assert said == [f"starting fresh (resume=None): the earlier checkpoints of this run dir are kept in "
+                    f"{tmp_path / 'checkpoints.prev'}."]
+    assert sorted(p.name for p in (tmp_path / "checkpoints.prev").iterdir()) == ["step_00000002",
+                                                                                 "step_00000002.unreadable"]
 
 
 def test_a_checkpoint_whose_manifest_cannot_be_read_is_tried_first_and_never_pruned(tmp_path):

@@ -367,7 +367,8 @@ def resume(trainer, cfg: DictConfig, say) -> Path | None:
     # resume=null in a run dir that has checkpoints: start fresh, and keep the earlier attempt's. Rank 0 decides for
     # all: a rank that looked after rank 0 had moved them would skip the broadcast and leave rank 0 waiting in it.
     aside = trainer.backend.broadcast_object(
-        (ckpt.set_aside(trainer.checkpointer.dir) if trainer.checkpointer.complete() else None)
+        (ckpt.set_aside(trainer.checkpointer.dir) if trainer.checkpointer.complete() or
+         trainer.checkpointer.unreadable() else None)
         if trainer.backend.is_main else None)
     if aside is not None:
         say(f"starting fresh (resume={cfg.get('resume')}): the earlier checkpoints of this run dir are kept in "

@@ -275,9 +275,12 @@ class Checkpointer:
                         "world_size": self.backend.world_size, "files": dict(sorted(files.items()))}
             _write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: marks it complete
             fsync_dir(tmp)
-            if final.name in self.protected and final.exists():  # one this run could not read: never delete it
+            # A re-run of the same step (after a resume) replaces a complete checkpoint of it. Anything else of that
+            # name is never deleted: one this run could not read, or a step_N dir without a manifest (a copy that
+            # stopped before its manifest arrived: our own saves are renamed into place with theirs).
+            if final.exists() and (final.name in self.protected or _written(final) is None):
                 os.replace(final, free_name(final, ".unreadable"))
-            elif final.exists():  # a re-run of the same step (after a resume): replace it
+            elif final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
             fsync_dir(self.dir)
@@ -338,7 +341,7 @@ class Checkpointer:
         """Checkpoints with a manifest (the completion marker) that can be read, in the order they were written
         (oldest first). Only directories of this run count: a symbolic link (to another run's checkpoint, say) is
         not one."""
-        order = {p: _written(p) for p in self._with_manifest()}
+        order = {p: _written(p) for p in self._step_dirs()}
         return sorted((p for p, w in order.items() if w is not None), key=lambda p: (order[p], step_of(p)))
 
     def follow(self, path: Path) -> bool:
@@ -362,14 +365,15 @@ class Checkpointer:
         return 1 + max((_written(p) for p in self.complete()), default=0)
 
     def unreadable(self) -> list[Path]:
-        """Checkpoints whose manifest is there but cannot be read (damaged, or copied half-way), by step: nothing
-        says when they were written. resume=auto tries them before the others (and names them); nothing prunes them."""
-        return sorted((p for p in self._with_manifest() if _written(p) is None), key=step_of)
+        """step_N dirs whose manifest cannot be read (damaged, copied half-way, or missing: a copy that stopped before
+        it arrived), by step: nothing says when they were written. resume=auto tries them before the others (naming
+        each, then setting it aside); nothing prunes them, and a save of the same step moves them aside."""
+        return sorted((p for p in self._step_dirs() if _written(p) is None), key=step_of)
 
-    def _with_manifest(self) -> list[Path]:
+    def _step_dirs(self) -> list[Path]:
         if not self.dir.is_dir():
             return []
-        return [p for p in self.dir.iterdir() if step_of(p) >= 0 and not p.is_symlink() and (p / MANIFEST).is_file()]
+        return [p for p in self.dir.iterdir() if step_of(p) >= 0 and not p.is_symlink() and p.is_dir()]
 
 
 def set_aside(directory: Path) -> Path | None:
