@@ -392,6 +392,29 @@ def test_a_full_disk_while_the_run_dir_is_set_up_is_one_paragraph(tmp_path, monk
     assert_clean_error(r, "could not set up the run dir", "No space left on device", "nothing was trained", code=74)
 
 
+def test_a_full_disk_while_a_resume_rewinds_the_metrics_is_one_paragraph(tmp_path, monkeypatch):
+    """Once the workers run, the start's own writes (metrics.jsonl rewound to the checkpoint, config.yaml, the run's
+    records) failing on a full disk were a traceback with exit 1; the checkpoints and metrics stay as they were."""
+    import errno
+
+    from trainer.tracking.loggers import JsonlLogger
+
+    run = tmp_path / "run"
+    args = ("debug=smoke", "checkpoint.every_n_steps=2", f"hydra.run.dir={run}")
+    assert run_here(*args, "trainer.max_steps=4", cwd=tmp_path).returncode == 0
+    kept = (run / "metrics.jsonl").read_bytes()
+
+    def full(self, step):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+
+    monkeypatch.setattr(JsonlLogger, "rewind", full)
+    r = run_here(*args, "trainer.max_steps=6", "resume=auto", cwd=tmp_path)
+    assert_clean_error(r, f"setting this start up in the run dir {run} failed (No space left on device: "
+                          f"{run / 'metrics.jsonl'}); nothing was trained", code=74)
+    assert (run / "metrics.jsonl").read_bytes() == kept
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+
+
 def test_a_target_key_is_not_offered_a_near_spelling_of_another_key():
     """`optim.discriminator._target_` was asked "Did you mean finetune.lora.targets=...?"."""
     from trainer import compose

@@ -8,6 +8,7 @@ workers, `check`, the tests and the benchmarks all go through them; Hydra never 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -607,6 +608,22 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     return train_here(cfg, run_dir)
 
 
+@contextlib.contextmanager
+def _run_dir_writes(run_dir: Path):
+    """What a start writes before its first step (what the resume rewinds or sets aside, the config, the run's
+    records): an OSError there (a full disk, a read-only place) is a StorageError, one paragraph and exit 74, not a
+    traceback. Nothing has been trained in this start, and each file is written whole or not at all."""
+    try:
+        yield
+    except OSError as e:
+        from trainer.errors import StorageError
+
+        where = f": {e.filename}" if getattr(e, "filename", None) else ""
+        raise StorageError(f"setting this start up in the run dir {run_dir} failed ({e.strerror or e}{where}); "
+                           "nothing was trained, and its checkpoints are as they were. Free disk space or make the "
+                           "place writable, then rerun the same command.") from None
+
+
 def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     """`train` in this process, whatever world size the config asks for (a worker's, and `trainer check`'s runs)."""
     from trainer.loop.preemption import PreemptionFlag
@@ -626,44 +643,46 @@ def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     # From here to the end (teardown included), no progress for world.hang_timeout s stops the job (exit 70).
     watch = watchdog.start(trainer.launch.hang_timeout, run_dir, backend.info)
     try:
-        trainer.checkpointer.check_writable()  # (before the resume, which may set an earlier attempt's files aside)
-        with one_attempt(run_dir):  # (one number for all this start sets aside: checkpoints.prev-3 with metrics.prev-3)
-            source = resume(trainer, cfg, say)
-            watchdog.beat()
-            if source is not None:
-                epochs_after_resume(trainer, (cfg.get("checkpoint") or {}).get("every_n_epochs"), say)
-                own = trainer.checkpointer.dir
-                elsewhere = own is not None and source.resolve().parent != own.resolve()
-                elsewhere = backend.broadcast_object(elsewhere and not same_run(run_dir, source) if backend.is_main else None)
-                if elsewhere:  # another run's checkpoint: this run dir's own attempt is kept aside, not spliced into
-                    set_earlier_attempt_aside(run_dir, cfg, loggers, backend.is_main, say, f"starting from {source}", own)
-                else:
-                    if not later_export_kept(trainer, cfg, run_dir, source, say):
+        # Setting the run dir up for this start: a full disk or a read-only place is one paragraph (exit 74).
+        with _run_dir_writes(run_dir):
+            trainer.checkpointer.check_writable()  # (before the resume, which may set an earlier attempt's files aside)
+            with one_attempt(run_dir):  # (one number for all this start sets aside: checkpoints.prev-3 with metrics.prev-3)
+                source = resume(trainer, cfg, say)
+                watchdog.beat()
+                if source is not None:
+                    epochs_after_resume(trainer, (cfg.get("checkpoint") or {}).get("every_n_epochs"), say)
+                    own = trainer.checkpointer.dir
+                    elsewhere = own is not None and source.resolve().parent != own.resolve()
+                    elsewhere = backend.broadcast_object(elsewhere and not same_run(run_dir, source) if backend.is_main else None)
+                    if elsewhere:  # another run's checkpoint: this run dir's own attempt is kept aside, not spliced into
+                        set_earlier_attempt_aside(run_dir, cfg, loggers, backend.is_main, say, f"starting from {source}", own)
+                    else:
+                        if not later_export_kept(trainer, cfg, run_dir, source, say):
+                            loggers.finish({})
+                            finished = True
+                            return {}
+                        loggers.rewind(trainer.step)  # drop events logged after the checkpoint
+                    say(f"resumed from {source} at step {trainer.step}")
+                    if trainer.finished:
+                        if not backend.broadcast_object(exported(run_dir, trainer.step)):
+                            say(f"the run finished at step {trainer.step} but its export is missing or incomplete: writing it.")
+                            export(trainer, cfg, run_dir)
+                        epochs = trainer.cfg.max_epochs
+                        say(f"the run is already finished: {trainer.stop_reason or 'step'}"
+                            + ("" if trainer.stop_reason else f" {trainer.step} >= trainer.max_steps={trainer.cfg.max_steps}"
+                               + (f" (trainer.max_epochs={epochs}). Raise trainer.max_epochs" if epochs is not None
+                                  else ". Raise trainer.max_steps") + " to train further."))
                         loggers.finish({})
                         finished = True
                         return {}
-                    loggers.rewind(trainer.step)  # drop events logged after the checkpoint
-                say(f"resumed from {source} at step {trainer.step}")
-                if trainer.finished:
-                    if not backend.broadcast_object(exported(run_dir, trainer.step)):
-                        say(f"the run finished at step {trainer.step} but its export is missing or incomplete: writing it.")
-                        export(trainer, cfg, run_dir)
-                    epochs = trainer.cfg.max_epochs
-                    say(f"the run is already finished: {trainer.stop_reason or 'step'}"
-                        + ("" if trainer.stop_reason else f" {trainer.step} >= trainer.max_steps={trainer.cfg.max_steps}"
-                           + (f" (trainer.max_epochs={epochs}). Raise trainer.max_epochs" if epochs is not None
-                              else ". Raise trainer.max_steps") + " to train further."))
-                    loggers.finish({})
-                    finished = True
-                    return {}
-            else:
-                set_earlier_attempt_aside(run_dir, cfg, loggers, backend.is_main, say, "starting fresh")
-        if backend.is_main:
-            save_config(cfg, run_dir)  # (the CLI wrote it before the workers started; this is the API's path)
-            if hasattr(trainer.task, "write_records"):  # a task's own records (diffusion's normaliser), now too
-                trainer.task.write_records(run_dir)
-            loggers.log_config(OmegaConf.to_container(cfg, resolve=True))
-            write_run_info(run_dir, cfg, trainer)
+                else:
+                    set_earlier_attempt_aside(run_dir, cfg, loggers, backend.is_main, say, "starting fresh")
+            if backend.is_main:
+                save_config(cfg, run_dir)  # (the CLI wrote it before the workers started; this is the API's path)
+                if hasattr(trainer.task, "write_records"):  # a task's own records (diffusion's normaliser), now too
+                    trainer.task.write_records(run_dir)
+                loggers.log_config(OmegaConf.to_container(cfg, resolve=True))
+                write_run_info(run_dir, cfg, trainer)
         try:
             final = trainer.fit()
             export(trainer, cfg, run_dir)
