@@ -192,7 +192,6 @@ class Case:
     damage: Callable[[Path], None]
     needles: tuple[str, ...]  # in the message, besides the checkpoint's path
     rehash: bool = True
-    tried: bool = True  # False: not a checkpoint to resume=auto (its manifest is not a regular file)
 
 
 S, M = "state.safetensors", "model.safetensors"
@@ -224,7 +223,9 @@ CASES = [
          (M, "symbolic link")),
     Case("fifo", replace(M, os.mkfifo), (M, "FIFO"), rehash=False),
     Case("directory", replace(S, os.mkdir), (S, "directory"), rehash=False),
-    Case("manifest-is-a-fifo", replace("manifest.json", os.mkfifo), ("manifest.json",), rehash=False, tried=False),
+    # (a step_N dir whose manifest is not a regular file is tried too: named and set aside, never passed over
+    # silently and deleted by a later save of that step)
+    Case("manifest-is-a-fifo", replace("manifest.json", os.mkfifo), ("manifest.json", "is a FIFO"), rehash=False),
     # safetensors headers.
     Case("header-length-past-the-end", lambda c: (c / M).write_bytes(struct.pack("<Q", 10**9) + (c / M).read_bytes()[8:]),
          (M, "header length")),
@@ -389,8 +390,8 @@ def test_refused_on_its_path_and_skipped_by_auto_with_the_reason(case, good, sta
         assert time.monotonic() - started < 10  # nothing hashed, parsed or waited on for long
         assert source == run_dir / "checkpoints" / FALLBACK
         skipped = [line for line in said if line.startswith(f"warning: skipping checkpoint {ckpt}: ")]
-        assert len(skipped) == case.tried, said
-        for needle in case.needles if skipped else ():
+        assert len(skipped) == 1, said
+        for needle in case.needles:
             assert needle in skipped[0], skipped[0]
         assert_same(live_state(trainer), state_at_8)
 

@@ -170,7 +170,9 @@ class Runtime:
         self.sync_gradients = True  # whether this micro-step ends an optimizer step (gradients are synced)
         self._pending_reduce: set[str] = set()  # models whose gradients the strategy must still average (ddp x tp)
         self._listed: dict[str, list[torch.Tensor]] = {}  # each set-up model's parameters, listed once (_trainable)
-        self._replicas_checked: set[str] = set()  # DDP models whose first step found every rank's gradients equal
+        # DDP models whose first step found every rank's gradients equal. Checked in a script's own loop only: the
+        # framework's Trainer runs what it wrapped, and the batch-size finder steps unsynced on purpose.
+        self._replicas_checked: set[str] | None = set() if backend is None else None
         self.position = RunPosition()
         self._checkpointer = None
         # A gloo group of its own for the barrier that checks every rank called save_state (made now, on every
@@ -588,7 +590,7 @@ class Runtime:
             raise UserError(f"rt.step(optimizer, scheduler): the {type(scheduler).__name__} given as the scheduler "
                             f"{why}. Nothing was updated.")
         self._synced([owner])
-        if owner not in self._replicas_checked:
+        if self._replicas_checked is not None and owner not in self._replicas_checked:
             self._check_replicas_agree(owner)
         applied = self.strategy.optimizer_step(optimizer)
         if applied and scheduler is not None:
