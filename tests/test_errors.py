@@ -166,6 +166,21 @@ def _data_case(tmp_path: Path, case: str) -> Path:
     return p
 
 
+@pytest.mark.parametrize("override", ["data=text data.path=''", "data=text_stream data.path=''",
+                                      "data=hf_text data.path=''", "hydra.run.dir=''"])
+def test_an_empty_path_is_refused_not_read_as_the_current_directory(tmp_path, override):
+    """`data.path=''` trained on every file under the current directory (Path("") is "."), and `hydra.run.dir=''`
+    wrote the run among the user's files there, setting their own config.yaml aside as config.prev.yaml."""
+    (tmp_path / "config.yaml").write_text("mine")
+    args = ["debug=smoke", *override.split()]
+    if "hydra.run.dir" not in override:
+        args.append(f"hydra.run.dir={tmp_path / 'run'}")
+    r = run_here(*args, cwd=tmp_path, env={"TRAINER_CACHE_DIR": str(tmp_path / "cache")})
+    key = override.split()[-1].split("=")[0]
+    assert_clean_error(r, f"{key}='' is empty")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"] and (tmp_path / "config.yaml").read_text() == "mine"
+
+
 def _without_root_file_access() -> None:
     """Root reads any file (CAP_DAC_OVERRIDE), so drop those capabilities: permissions then apply as
     they do for every other user."""

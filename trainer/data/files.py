@@ -14,6 +14,8 @@ def local_files(path: str, hint: str, suffixes=None, key: str = "data.path") -> 
     `suffixes`, only those), or the files a glob pattern matches (`~/books/*.txt`, `corpus/**/*.md`). A path that
     names none is one paragraph naming it as the setting `key`, ending with `hint` (what to point it at)."""
     raw = os.path.expanduser(str(path))
+    if not raw.strip():  # (Path("") is the current directory: every file under it read as the corpus)
+        raise DataError(f"{key}={str(path)!r} is empty. {hint}")
     if glob.has_magic(raw):
         files = sorted(Path(f) for f in glob.glob(raw, recursive=True) if Path(f).is_file())
         if not files:

@@ -146,6 +146,9 @@ def check_output_dir(cfg: DictConfig, multirun: bool) -> None:
     from trainer.checkpoint.store import run_of_checkpoint
     from trainer.io import unwritable
 
+    if not text.strip():  # (Path("") is the current directory: the run's files went among the user's own)
+        raise ConfigError(f"{key}={text!r} is empty: it would be the current directory, among your own files. Give "
+                          f"the run a directory of its own ({key}=DIR), or leave {key} out for a new dated one.")
     run = run_of_checkpoint(Path(text))
     if run is not None:
         raise ConfigError(f"{key}={text} is a checkpoint of the run {run}: a run there would write over it. To "
