@@ -9,6 +9,7 @@ import struct
 import pytest
 import torch
 from conftest import SHARED, load_weights, read_metrics, run_cli, run_here, run_main, tiny_overrides
+from test_errors import assert_clean_error
 
 
 def test_load_gives_the_model_with_its_final_or_ema_weights(reference):
@@ -241,6 +242,22 @@ def test_sample_writes_the_grid_from_the_ema_weights_and_needs_nothing_else(diff
     assert f"image: {out}" in r.stdout
     png = out.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24]) > (8, 8)
+
+
+def test_a_quoted_path_option_is_unquoted_as_hydra_unquotes_an_override(diffusion_reference, tmp_path):
+    """`sample RUN "out='DIR/q.png'"` wrote into a folder named `'` under the current directory (and `config
+    "outputs='/scratch'"`, `tune ... "save='...'"` and `offload_dir=` kept the quotes too); `out=''` wrote a file
+    named `''`."""
+    from trainer.config.machine import render
+    from trainer.inference.device_map import cli_options
+
+    out = tmp_path / "my grid.png"
+    r = run_main("sample", str(diffusion_reference), f"out='{out}'", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+    assert_clean_error(run_main("sample", str(diffusion_reference), "out=''", cwd=tmp_path), "out='' is empty")
+    assert f"{tmp_path}/runs/${{now:%Y-%m-%d}}" in render([f'outputs="{tmp_path}/runs"'])
+    assert cli_options(["offload_dir='/tmp/a b'", "x=1"]) == ({"offload_dir": "/tmp/a b"}, ["x=1"])
 
 
 def test_sample_prints_the_lm_text(corpus, tmp_path):

@@ -437,6 +437,18 @@ def flag_value(key: str, text: str) -> bool:
     raise ConfigError(f"{key}={text} is not true or false: pass {key}=true or {key}=false.")
 
 
+def path_value(key: str, text: str) -> str:
+    """A command's path option (`out=PATH`, `save=`, `offload_dir=`, `checkpoint=`, `outputs=`) unquoted, as Hydra
+    unquotes an override's value (`out='my plot.png'`: the quotes were kept, and the file went into a folder
+    named `'`). An empty one is one paragraph: it would be the current directory."""
+    value = str(text)
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        value = value[1:-1].replace("\\" + value[0], value[0])
+    if not value.strip():
+        raise ConfigError(f"{key}={text} is empty: give a path ({key}=PATH).")
+    return value
+
+
 def yaml_value(override: str) -> Any:
     """The value of a KEY=VALUE override, read as YAML (`null`, `0.8`, `[1, 2]`); a syntax error is one paragraph."""
     key, _, value = override.partition("=")

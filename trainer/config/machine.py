@@ -53,7 +53,7 @@ def render(overrides: list[str]) -> str:
     import yaml
     from omegaconf import OmegaConf
 
-    from trainer.config.compose import yaml_value
+    from trainer.config.compose import path_value, yaml_value
     from trainer.redaction import is_secret_key
 
     defaults, values = [], OmegaConf.create({})
@@ -72,8 +72,9 @@ def render(overrides: list[str]) -> str:
                               "`python -m trainer env`): keep it in the environment (export it, or your shell's "
                               "profile), where runs read it.")
         if key == "outputs":
+            value = path_value("outputs", value)
             root = str(Path(value).expanduser().resolve())
-            blocked = _file_in_the_way(Path(root)) if value else "it is empty"
+            blocked = _file_in_the_way(Path(root))
             if blocked:  # (saved, it would stop every later run, on any machine sharing the file)
                 raise ConfigError(f"outputs={value}: runs cannot be written there ({blocked}). Give a directory "
                                   "this user can write (it is made when the first run starts): nothing was saved.")

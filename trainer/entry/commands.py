@@ -184,12 +184,18 @@ def check(argv: list[str]) -> int:
 
 
 # -- eval and sample: a finished run -------------------------------------------------------------------------
+_PATH_OPTIONS = ("out", "checkpoint")  # (checkpoint=latest and best are words, unquoted alike)
+
+
 def _run_and_options(argv: list[str], usage: str, options: tuple[str, ...]) -> tuple[str, dict[str, str], list[str]]:
     from trainer.errors import ConfigError
 
     if not argv or "=" in argv[0] or argv[0].startswith("-"):
         raise ConfigError(f"usage: {usage}")
+    from trainer.config.compose import path_value
+
     opts = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv[1:] if a.split("=", 1)[0] in options}
+    opts = {k: path_value(k, v) if k in _PATH_OPTIONS else v for k, v in opts.items()}
     rest = [a for a in argv[1:] if a.split("=", 1)[0] not in options]
     return argv[0], opts, rest
 

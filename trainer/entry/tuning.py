@@ -56,7 +56,7 @@ def command(argv: list[str]) -> int:
 
 def prepare(argv: list[str]) -> DictConfig:
     """The checked config of `tune WHAT ARGS` (the run's, with the finder's settings under `tune`)."""
-    from trainer.config.compose import load
+    from trainer.config.compose import load, path_value
     from trainer.errors import suggest
 
     if not argv or argv[0] not in SETTINGS:
@@ -80,7 +80,7 @@ def prepare(argv: list[str]) -> DictConfig:
                                   f"{', '.join(f'tune.{k}' for k in settings)}.")
             settings[name] = _value(arg)
         elif key == "save" and sep:
-            save = str(Path(value).expanduser().resolve())
+            save = str(Path(path_value("save", value)).expanduser().resolve())
             problem = output_file_problem(save)  # (before the sweep, not after it)
             if problem:
                 raise ConfigError(f"save={value}: {problem}.")

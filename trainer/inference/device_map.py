@@ -387,7 +387,7 @@ def cli_options(args: list[str]) -> tuple[dict[str, Any], list[str]]:
     """(trainer.load's placement keywords, the other arguments) from `device_map=auto|balanced|sequential|{YAML
     map}`, `device_map.MODULE=DEVICE`, `max_memory.DEVICE=SIZE` (or `max_memory={YAML map}`), `offload_dir=DIR`
     and `show_map=true`. Empty when none is given."""
-    from trainer.config.compose import flag_value, yaml_value
+    from trainer.config.compose import flag_value, path_value, yaml_value
 
     out: dict[str, Any] = {}
     rest = []
@@ -397,7 +397,7 @@ def cli_options(args: list[str]) -> tuple[dict[str, Any], list[str]]:
         if not sep or head not in ("device_map", "max_memory", "offload_dir", "show_map"):
             rest.append(arg)
         elif head == "offload_dir" and not dot:
-            out["offload_dir"] = value
+            out["offload_dir"] = path_value("offload_dir", value)
         elif head == "show_map" and not dot:
             out["show_map"] = flag_value("show_map", arg.partition("=")[2])
         elif dot and sub:  # one entry of a map (a module name keeps its dots)
