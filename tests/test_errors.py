@@ -181,6 +181,21 @@ def test_an_empty_path_is_refused_not_read_as_the_current_directory(tmp_path, ov
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"] and (tmp_path / "config.yaml").read_text() == "mine"
 
 
+@pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])
+def test_a_tracker_dir_that_is_a_file_is_refused_before_a_finished_run_is_touched(tmp_path, tracker):
+    """A rerun in a finished run's dir with logger.X.dir naming a file moved its checkpoints and export to .prev,
+    overwrote config.yaml, then crashed with a FileExistsError traceback: eval, sample and trainer.load of the dir
+    then found nothing."""
+    run = tmp_path / "run"
+    assert run_here("debug=smoke", f"hydra.run.dir={run}", cwd=tmp_path).returncode == 0
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    (tmp_path / "notes.txt").write_text("mine")
+    r = run_here("debug=smoke", f"hydra.run.dir={run}", f"logger={tracker}",
+                 f"logger.{tracker}.dir={tmp_path / 'notes.txt'}", cwd=tmp_path, env={"WANDB_MODE": "offline"})
+    assert_clean_error(r, f"logger.{tracker}.dir={tmp_path / 'notes.txt'} cannot be used", "is not a directory")
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
 def _without_root_file_access() -> None:
     """Root reads any file (CAP_DAC_OVERRIDE), so drop those capabilities: permissions then apply as
     they do for every other user."""

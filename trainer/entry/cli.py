@@ -76,6 +76,7 @@ def precheck(argv: list[str]):
             inert.append(check_read(cfg, overrides, sweep=args.multirun))  # ema.decay=0.99 with the EMA off
             if not args.cfg:
                 check_output_dir(cfg, args.multirun)  # Hydra makes it before the job: a traceback there
+                check_logger_dirs(cfg)  # (found once the run dir was set up: an earlier run's files moved aside)
                 check_launcher(cfg, args.multirun)
             with open_dict(cfg):
                 del cfg["hydra"]  # now the config `compose` gives
@@ -158,6 +159,27 @@ def check_output_dir(cfg: DictConfig, multirun: bool) -> None:
     if why:
         raise ConfigError(f"{key}={text} cannot be made: {why}. Choose another with {key}=DIR (or outputs=DIR for "
                           "the default run dirs).")
+
+
+def check_logger_dirs(cfg: DictConfig) -> None:
+    """A tracker's own directory (`logger.tensorboard.dir`, `logger.wandb.dir`) can be made and written. A file in
+    its place was a traceback after the run had started: a finished run's checkpoints and export already moved to
+    .prev, and nothing trained in their place."""
+    from trainer.io import unwritable
+
+    for name, node in (cfg.get("logger") or {}).items():
+        try:
+            given = OmegaConf.select(node, "dir", throw_on_missing=True) if isinstance(node, DictConfig) else None
+        except Exception:  # (an interpolation only Hydra's runtime resolves: left to the tracker)
+            continue
+        if given is None:
+            continue
+        why = "it is empty: it would be the current directory" if not str(given).strip() else \
+            unwritable(Path(str(given)).expanduser())
+        if why:
+            raise ConfigError(f"logger.{name}.dir={given} cannot be used: {why}. Give the tracker a directory it "
+                              f"can write (logger.{name}.dir=DIR), or leave it out to write inside the run dir. "
+                              "Nothing was written.")
 
 
 def check_weights_outside(cfg: DictConfig, run_dir: Path) -> None:
