@@ -204,6 +204,10 @@ def _typed_sections(cfg: DictConfig) -> None:
     checks below, or the code, as a traceback."""
     sections = (("trainer", TrainerConfig), ("checkpoint", CheckpointConfig), ("ema", EMAConfig))
     for section, _ in sections:
+        if section not in cfg:  # (`~trainer` on the command line: every later read of it was a traceback)
+            raise ConfigError(f"the `{section}` settings were removed (~{section}), and every run reads them. Leave "
+                              f"them in; change one with {section}.KEY=VALUE (see them with: python -m trainer --cfg "
+                              "job).")
         node = cfg.get(section)
         if node is not None and not isinstance(node, DictConfig):
             raise ConfigError(f"{section}={_plain(node)!r} is invalid: expected the `{section}` settings, each set as "
