@@ -130,6 +130,8 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
     (["ema.decay=0.99", "ema.warmup=true"], ["ema.decay, ema.warmup: the EMA is off", "Add ema.enabled=true"]),
     (["finetune.weights=nosuch", "world=ddp", "world.nproc_per_node=2", "world.pp=2"],
      ["world.pp=2 is invalid: expected 1 with finetune.weights=nosuch", "world=fsdp"]),  # (a worker's traceback)
+    (["world=[single,ddp]"], ["world=[single,ddp] chooses several options of world, which takes one",
+                               "python -m trainer -m world=single,ddp"]),  # (ran as ddp without a word)
     (["~trainer"], ["the `trainer` settings were removed (~trainer)"]),  # (omegaconf's traceback, the run dir left)
     (["~ema"], ["the `ema` settings were removed (~ema)"]),
 ])
