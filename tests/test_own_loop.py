@@ -1020,3 +1020,15 @@ def test_a_layout_for_several_processes_in_a_script_run_as_one_says_how_to_start
     with pytest.raises(ConfigError) as other:  # another mistake of setup's: not told to start more processes
         trainer.Runtime("deepspeed", precision="fp16", device="cpu")  # (or DeepSpeed is not installed)
     assert "runs as one process" not in str(other.value)
+
+
+def test_launching_a_file_that_is_not_python_is_one_paragraph(tmp_path):
+    """`launch README.md` or a script with a syntax error was a SyntaxError traceback through the framework's CLI."""
+    from test_errors import assert_clean_error
+
+    (tmp_path / "notes.md").write_text("# My notes\nIt's a markdown file.\n")
+    (tmp_path / "broken.py").write_text("x = (\n")
+    for name, says in (("notes.md", "unterminated string literal"), ("broken.py", "'(' was never closed, line 1")):
+        r = run_here("launch", str(tmp_path / name), cwd=tmp_path)
+        assert_clean_error(r, f"{tmp_path / name} is not a Python script that compiles ({says}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.py", "notes.md"]

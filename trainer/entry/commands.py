@@ -453,6 +453,15 @@ def launch_parts(argv: list[str]):
                           "trainer.Runtime(run_dir=DIR) for metrics, rt.save_state(DIR, step) for checkpoints).")
     if not script.is_file():
         raise ConfigError(f"python -m trainer launch: the script {script} is not a file. usage: {usage}")
+    try:  # (before any worker starts: each would print the same SyntaxError traceback)
+        compile(script.read_bytes(), str(script), "exec")
+    except (SyntaxError, ValueError) as e:  # (ValueError: null bytes, a binary file)
+        where = f", line {e.lineno}" if getattr(e, "lineno", None) else ""
+        raise ConfigError(f"python -m trainer launch: {script} is not a Python script that compiles "
+                          f"({getattr(e, 'msg', None) or e}{where}). Fix it, or give the script to run "
+                          f"(usage: {usage}).") from None
+    except OSError as e:
+        raise ConfigError(f"python -m trainer launch: the script {script} cannot be read ({e.strerror or e}).") from None
     ignored = [o for o in overrides if not _read_by_launch(o.split("=", 1)[0].lstrip("+~"))]
     if ignored:  # (they were accepted, and did nothing)
         from trainer.errors import suggest
