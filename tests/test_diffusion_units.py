@@ -463,3 +463,24 @@ def test_a_few_hundred_steps_lower_the_loss(split):
     assert time.time() - start < 60
     metrics = task.sample(model, CPU)
     assert metrics["class_match"] > 0.3 and metrics["class_coverage"] >= 0.8, metrics
+
+
+def test_a_dataset_of_another_kind_is_one_paragraph_naming_what_the_image_recipes_train_on():
+    """recipe=diffusion (or gan) with data=stdlib's token windows was a TypeError from torch.as_tensor, and with a
+    stream a NotImplementedError from Dataset.__getitem__, each a traceback with the run dir left."""
+    from torch.utils.data import IterableDataset, TensorDataset
+
+    from trainer.recipes.diffusion.task import _all_samples
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield torch.zeros(4)
+
+    tokens = torch.zeros(3, 5, dtype=torch.long)
+    with pytest.raises(DataError, match=r"TensorDataset's first sample is \(a tensor \[5\] torch.int64, a tensor "
+                                        r"\[5\] torch.int64\)\. Choose data=digits"):
+        _all_samples(TensorDataset(tokens, tokens))
+    with pytest.raises(DataError, match=r"got Stream, a stream\. Choose data=digits"):
+        _all_samples(Stream())
+    images, labels = _all_samples(TensorDataset(torch.ones(3, 1, 8, 8), torch.tensor([0, 1, 2])))
+    assert images.shape == (3, 1, 8, 8) and labels.tolist() == [0, 1, 2]

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from trainer import broadcast_from_main, is_main_process
 from trainer import noise as sample_noise
-from trainer.errors import ConfigError, UserError
+from trainer.errors import ConfigError, DataError, UserError
 from trainer.io import atomic_save_safetensors
 
 from .data import NUM_CLASSES, SIDE, Normalizer
@@ -144,9 +144,29 @@ def save_normalizer(path: Path, stats: dict[str, torch.Tensor]) -> None:
 
 
 def _all_samples(dataset) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every (image, label) sample of `dataset`, stacked. A dataset of another kind (data=text's token windows, a
+    stream) is one paragraph saying what the image recipes train on: it was a TypeError from torch's stacking."""
     if hasattr(dataset, "images") and hasattr(dataset, "labels"):
         return dataset.images, dataset.labels
-    images, labels = zip(*(dataset[i] for i in range(len(dataset))))
+    given = type(dataset).__name__
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+        raise DataError(f"this recipe trains on a dataset of (image, label) samples it can index (data=digits, or a "
+                        f"map-style dataset of your own), and got {given}, a stream. Choose data=digits or point "
+                        "data._target_ at such a dataset.")
+    samples = [dataset[i] for i in range(len(dataset))]
+    first = samples[0] if samples else None
+    image, label = first if isinstance(first, (tuple, list)) and len(first) == 2 else (None, None)
+    if not (isinstance(image, torch.Tensor) and image.is_floating_point() and image.dim() == 3
+            and (isinstance(label, int) or isinstance(label, torch.Tensor) and label.numel() == 1
+                 and not label.is_floating_point())):
+        def kind(x) -> str:
+            return f"a tensor {list(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+
+        shown = (f"({', '.join(kind(x) for x in first)})" if isinstance(first, (tuple, list)) else kind(first))
+        raise DataError(f"this recipe trains on (image, label) samples: a float image tensor [channels, height, "
+                        f"width] and an integer class (data=digits gives 8x8 digits). {given}'s first sample is "
+                        f"{shown}. Choose data=digits or point data._target_ at such a dataset.")
+    images, labels = zip(*samples)
     return torch.stack(images), torch.as_tensor(labels)
 
 
