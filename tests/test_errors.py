@@ -60,6 +60,7 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
     (["world=ddp", "world.nproc_per_node=0"], ["world.nproc_per_node=0"]),
     (["optim.lr=0"], ["optim.lr=0", "> 0"]),
     (["optim.lr=-1e-3"], ["optim.lr=-0.001"]),
+    (["optim.lr=inf"], ["optim.lr=inf is invalid: expected a finite number > 0"]),  # (trained, then exit 3)
     (["world.nproc_per_node=2"], ["world=ddp"]),  # an incompatible combination: several processes, world=single
     (["logger=[wandb,tensorbord]"], ["logger=tensorbord is not an option", "Available: none, tensorboard, wandb",
                                      "Did you mean tensorboard?"]),  # (a list's typo listed "(none)")

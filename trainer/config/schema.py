@@ -10,6 +10,7 @@ framework reads. No torch import here: `--help` and `--cfg job` must stay fast.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -381,14 +382,14 @@ def _taken_by(base: DictConfig, part: DictConfig) -> DictConfig:
 def _validate_optim(o: DictConfig, where: str = "optim") -> None:
     """The keys torch's optimizers share. Which keys a given optimizer takes is checked at its class."""
     lr = o.get("lr")
-    _check(_is_number(lr) and lr > 0, f"{where}.lr", lr, "a number > 0")
+    _check(_is_number(lr) and 0 < lr < math.inf, f"{where}.lr", lr, "a finite number > 0")
     if o.get("betas") is not None:
         b = _plain(o.betas)
         _check(isinstance(b, (list, tuple)) and len(b) == 2 and all(_is_number(x) and 0 <= x < 1 for x in b),
                f"{where}.betas", b, "two numbers in [0, 1), e.g. [0.9, 0.95]")
     for key in ("eps", "weight_decay", "momentum"):
         v = o.get(key)
-        _check(v is None or (_is_number(v) and v >= 0), f"{where}.{key}", _plain(v), "a number >= 0")
+        _check(v is None or (_is_number(v) and 0 <= v < math.inf), f"{where}.{key}", _plain(v), "a finite number >= 0")
 
 
 def _validate_scheduler(s: DictConfig, where: str = "scheduler") -> None:
