@@ -54,6 +54,21 @@ def test_multirun_flag_may_stand_anywhere(corpus, tmp_path, where):
     assert all(len(series(read_metrics(tmp_path / str(i)), "train/loss")) == 2 for i in (0, 1))
 
 
+def test_hydra_s_other_flags_may_stand_anywhere_too(tmp_path):
+    """`debug=smoke --cfg job optim.lr=2e-3` was argparse's usage and "unrecognized arguments: optim.lr=2e-3"
+    (Hydra's parser takes its overrides after its flags only)."""
+    import yaml
+
+    from trainer.entry.cli import flags_first
+
+    r = run_here("debug=smoke", "--cfg", "job", "optim.lr=2e-3", cwd=tmp_path, env=QUIET)
+    assert r.returncode == 0, r.stderr
+    assert yaml.safe_load(r.stdout)["optim"]["lr"] == 2e-3
+    assert flags_first(["a=1", "-cd", "conf", "b=2", "--info", "c=3", "-i", "plugins", "-m", "d=4", "--multirun"]) == \
+        ["-cd", "conf", "--info", "-i", "plugins", "-m", "a=1", "b=2", "c=3", "d=4"]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_grad_clip_zero_is_refused_and_the_message_says_null_switches_clipping_off(tmp_path):
     r = run_main("debug=smoke", "trainer.grad_clip=0", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env=QUIET)
     assert r.returncode == 2
