@@ -201,6 +201,16 @@ def test_a_tracker_dir_that_is_a_file_is_refused_before_a_finished_run_is_touche
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
+def test_a_yaml_mistake_in_a_config_of_ones_own_names_its_file_line_and_column(tmp_path):
+    """It was "error: while parsing a flow mapping", naming neither the file nor the line."""
+    (tmp_path / "conf" / "recipe").mkdir(parents=True)
+    bad = tmp_path / "conf" / "recipe" / "mine.yaml"
+    bad.write_text("# @package _global_\ntrainer: {max_steps: ${oc.env:STEPS,3}}\n")
+    r = run_main("--config-dir", str(tmp_path / "conf"), "recipe=mine", "debug=smoke", cwd=tmp_path)
+    assert_clean_error(r, f"{bad}, line 2, column 23: not valid YAML (while parsing a flow mapping",
+                       "(a `${...}` inside a `{...}` or `[...]` needs quotes")
+
+
 def _without_root_file_access() -> None:
     """Root reads any file (CAP_DAC_OVERRIDE), so drop those capabilities: permissions then apply as
     they do for every other user."""

@@ -272,6 +272,17 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
 
     msg = str(exc)
     cause = exc.__cause__ or exc
+    marked = next((e for e in (exc, exc.__cause__, exc.__context__) if isinstance(e, yaml.MarkedYAMLError)), None)
+    if marked is not None and marked.problem_mark is not None:  # a config file's YAML: its file, line and column
+        mark = marked.problem_mark
+        what = " ".join(x for x in (marked.context, marked.problem) if x)
+        try:
+            line = Path(mark.name).read_text().splitlines()[mark.line]
+        except (OSError, IndexError, ValueError):
+            line = ""
+        quote = " (a `${...}` inside a `{...}` or `[...]` needs quotes: key: '${...}')" if "${" in line else ""
+        return ConfigError(f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: not valid YAML ({what}). "
+                           f"Fix that file{quote}.")
     if "Primary config module 'trainer.conf' not found" in msg:
         return ConfigError(missing_configs())
     if isinstance(exc, MissingConfigException) or "Could not find" in msg:
