@@ -133,6 +133,7 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
      ["world.pp=2 is invalid: expected 1 with finetune.weights=nosuch", "world=fsdp"]),  # (a worker's traceback)
     (["world=[single,ddp]"], ["world=[single,ddp] chooses several options of world, which takes one",
                                "python -m trainer -m world=single,ddp"]),  # (ran as ddp without a word)
+    (["+optim.lr=1"], ["+optim.lr=1: optim.lr is already in the config", "Set it without the `+`: optim.lr=1."]),
     (["~trainer"], ["the `trainer` settings were removed (~trainer)"]),  # (omegaconf's traceback, the run dir left)
     (["~ema"], ["the `ema` settings were removed (~ema)"]),
 ])
@@ -209,6 +210,14 @@ def test_a_yaml_mistake_in_a_config_of_ones_own_names_its_file_line_and_column(t
     r = run_main("--config-dir", str(tmp_path / "conf"), "recipe=mine", "debug=smoke", cwd=tmp_path)
     assert_clean_error(r, f"{bad}, line 2, column 23: not valid YAML (while parsing a flow mapping",
                        "(a `${...}` inside a `{...}` or `[...]` needs quotes")
+    # A recipe choosing other groups' options without its `# @package _global_` line: Hydra's "Could not override
+    # 'precision@recipe.precision'" did not say which line was missing.
+    bad.write_text("defaults:\n  - override /precision: fp32\ntrainer:\n  max_steps: 3\n")
+    r = run_main("--config-dir", str(tmp_path / "conf"), "recipe=mine", "debug=smoke", cwd=tmp_path)
+    assert_clean_error(r, "recipe/mine.yaml chooses other configs' options", "needs `# @package _global_` as the "
+                                                                             "file's first line")
+    assert_clean_error(run_main("--config-dir", str(bad), "debug=smoke", cwd=tmp_path),
+                       f"--config-dir {bad}: a file, not a directory")
 
 
 def _without_root_file_access() -> None:

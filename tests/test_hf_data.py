@@ -165,13 +165,14 @@ def test_bad_input_stops_the_run_before_it_starts_leaving_no_cache(files, tmp_pa
     (None, ["model.vocab_size=256"], ["has 300 tokens, but model.vocab_size=256", "model.vocab_size=300"]),
     (None, ["task.sample_tokens=20"], ["task.sample_tokens=20", "decodes its samples as bytes"]),
     (None, ["data.tokenizer=/nonexistent/tokenizer.json"], ["data.tokenizer='/nonexistent/tokenizer.json'"]),
+    ("", [], ["bad.jsonl is empty: give data.path files with text in them"]),  # (datasets' SchemaInferenceError)
 ])
 def test_bad_input_is_one_paragraph_naming_the_file_and_line(files, tmp_path, write, extra, needles):
     from trainer.errors import DataError
 
     if write is not None:
         (tmp_path / "bad.jsonl").write_text(write)
-    args = hf(files, *([f"data.path={tmp_path / 'bad.jsonl'}"] if write else []), *extra,
+    args = hf(files, *([f"data.path={tmp_path / 'bad.jsonl'}"] if write is not None else []), *extra,
               f"data.cache_dir={tmp_path / 'cache'}")
     with pytest.raises(DataError) as e:
         build(args)

@@ -283,6 +283,17 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
         quote = " (a `${...}` inside a `{...}` or `[...]` needs quotes: key: '${...}')" if "${" in line else ""
         return ConfigError(f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: not valid YAML ({what}). "
                            f"Fix that file{quote}.")
+    appended = re.search(r"Could not append to config\. An item is already at '([^']+)'", msg)
+    if appended:  # (+optim.lr=1: `+` adds a key; this one is there already)
+        key = appended.group(1)
+        value = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=")[0] == key and "=" in o), "VALUE")
+        return ConfigError(f"+{key}={value}: {key} is already in the config, and `+` adds a new key. Set it without "
+                           f"the `+`: {key}={value}.")
+    package = re.search(r"In '([^']+)': Could not override '[^'@]+@(\w+)\.", msg)
+    if package and package.group(1).startswith(package.group(2) + "/"):  # (a defaults list's `override /precision`)
+        return ConfigError(f"{package.group(1)}.yaml chooses other configs' options (`override /GROUP: NAME` in its "
+                           "defaults list), which needs `# @package _global_` as the file's first line (Hydra reads "
+                           "the file's keys under its own group otherwise). Add that line; see conf/recipe/lm.yaml.")
     if "Primary config module 'trainer.conf' not found" in msg:
         return ConfigError(missing_configs())
     if isinstance(exc, MissingConfigException) or "Could not find" in msg:

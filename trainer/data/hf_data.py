@@ -202,6 +202,8 @@ def _load(datasets, f: Path, fmt: str, cache: Path):
             if bad:
                 raise DataError(f"{f} line {bad[0]} is not valid JSON ({bad[1]}): each line of a jsonl file must be "
                                 "one JSON object. Fix or remove that line.") from None
+        if fmt != "saved" and Path(f).is_file() and Path(f).stat().st_size == 0:  # (datasets: SchemaInferenceError)
+            raise DataError(f"{f} is empty: give data.path files with text in them, or leave this one out.") from None
         cause = e.__cause__ or e.__context__ or e
         raise DataError(f"{f} cannot be read as {fmt} ({type(cause).__name__}: "
                         f"{(str(cause).strip().splitlines() or [''])[0][:300]}).") from None

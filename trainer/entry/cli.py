@@ -106,7 +106,8 @@ def check_config_dir(path: Path, given: str) -> None:
     import importlib.resources
 
     if not path.is_dir():
-        raise ConfigError(f"--config-dir {given}: there is no such directory. Give the directory that holds "
+        kind = "a file, not a directory" if path.exists() else "there is no such directory"
+        raise ConfigError(f"--config-dir {given}: {kind}. Give the directory that holds "
                           "your own config files (model/NAME.yaml, recipe/NAME.yaml, ...), or leave --config-dir out.")
     shipped = Path(str(importlib.resources.files(CONFIG_MODULE)))
     if path.resolve() == shipped.resolve():
