@@ -558,9 +558,12 @@ def remove_if_unused(run_dir: Path) -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
 
 
-# Hydra's flags that take a value (the next argument, or after `=`); --info's is optional, one of its topics.
+# Hydra's flags: those that take a value (the next argument), those that take none, and --info, whose value is
+# optional (one of its topics). Any other dashed argument (an Accelerate or torchrun flag, which the CLI
+# translates) stays where it is, with what follows it.
 _VALUED = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
            "--experimental-rerun"}
+_BARE = {"--help", "-h", "--hydra-help", "--version", "--resolve", "--run", "-r", "--shell-completion", "-sc"}
 _INFO = ({"--info", "-i"}, {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"})
 
 
@@ -569,12 +572,12 @@ def flags_first(argv: list[str]) -> list[str]:
     optim.lr=1e-3` was argparse's usage and "unrecognized arguments: optim.lr=1e-3". -m once, however often given."""
     flags, overrides, rest = [], [], iter(argv)
     for a in rest:
-        if not a.startswith("-") or a == "-":
-            overrides.append(a)
-            continue
         if a in ("-m", "--multirun"):
             if "-m" not in flags and "--multirun" not in flags:
                 flags.append(a)
+            continue
+        if a.split("=", 1)[0] not in _VALUED | _BARE | _INFO[0]:
+            overrides.append(a)
             continue
         flags.append(a)
         if a in _VALUED:
