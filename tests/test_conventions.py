@@ -59,13 +59,18 @@ def test_hydra_s_other_flags_may_stand_anywhere_too(tmp_path):
     (Hydra's parser takes its overrides after its flags only)."""
     import yaml
 
-    from trainer.entry.cli import flags_first
+    from trainer.config.flags import flags_first
 
     r = run_here("debug=smoke", "--cfg", "job", "optim.lr=2e-3", cwd=tmp_path, env=QUIET)
     assert r.returncode == 0, r.stderr
     assert yaml.safe_load(r.stdout)["optim"]["lr"] == 2e-3
-    assert flags_first(["a=1", "-cd", "conf", "b=2", "--info", "c=3", "-i", "plugins", "-m", "d=4", "--multirun"]) == \
-        ["-cd", "conf", "--info", "-i", "plugins", "-m", "a=1", "b=2", "c=3", "d=4"]
+    assert flags_first(["a=1", "-cd", "conf", "b=2", "-i", "plugins", "-m", "d=4", "--multirun", "--cfg=job", "e=5"]) == \
+        ["-cd", "conf", "-i", "plugins", "-m", "--cfg=job", "a=1", "b=2", "d=4", "e=5"]
+    assert flags_first(["a=1", "--info", "b=2"]) == ["a=1", "b=2", "--info"]  # (its topic is optional)
+    assert flags_first(["a=1", "--info"]) == ["a=1", "--info"]
+    assert flags_first(["--dynamo_backend", "inductor", "a=1"]) == ["--dynamo_backend", "inductor", "a=1"]  # (not Hydra's)
+    r = run_here("debug=smoke", "--info", cwd=tmp_path, env=QUIET)  # (a bare --info after an override ran before)
+    assert r.returncode == 0 and "Config search path" in r.stdout, r.stdout + r.stderr
     assert list(tmp_path.iterdir()) == []
 
 

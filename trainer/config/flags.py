@@ -15,10 +15,43 @@ from collections.abc import Callable
 
 from trainer.errors import ConfigError
 
-# Hydra 1.3's own flags (hydra._internal.utils.get_args_parser); they pass through.
-HYDRA_FLAGS = ("--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--resolve", "--package", "-p", "--run",
-               "-r", "--multirun", "-m", "--shell-completion", "-sc", "--config-path", "-cp", "--config-name", "-cn",
-               "--config-dir", "-cd", "--experimental-rerun", "--info", "-i")
+# Hydra 1.3's own flags (hydra._internal.utils.get_args_parser), which pass through, and how many values each takes:
+# 0, 1 (the next argument), or "?" (--info: one of its topics, if one follows).
+HYDRA_ARITY = {"--help": 0, "-h": 0, "--hydra-help": 0, "--version": 0, "--cfg": 1, "-c": 1, "--resolve": 0,
+               "--package": 1, "-p": 1, "--run": 0, "-r": 0, "--multirun": 0, "-m": 0, "--shell-completion": 0,
+               "-sc": 0, "--config-path": 1, "-cp": 1, "--config-name": 1, "-cn": 1, "--config-dir": 1, "-cd": 1,
+               "--experimental-rerun": 1, "--info": "?", "-i": "?"}
+HYDRA_FLAGS = tuple(HYDRA_ARITY)
+_INFO_TOPICS = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
+
+
+def flags_first(argv: list[str]) -> list[str]:
+    """Hydra's flags (with their values) before the overrides, the order its parser needs: `debug=smoke --cfg job
+    optim.lr=1e-3` was argparse's usage and "unrecognized arguments: optim.lr=1e-3". -m once, however often given;
+    a bare --info (no topic after it) last, where its parser takes no override for its topic. Any other dashed
+    argument (an Accelerate or torchrun flag, which the CLI translates) stays where it is, with what follows it."""
+    flags, overrides, last, rest = [], [], [], iter(argv)
+    for a in rest:
+        arity = HYDRA_ARITY.get(a.split("=", 1)[0]) if a.startswith("-") else None
+        if arity is None:
+            overrides.append(a)
+        elif "=" in a:  # (--cfg=job: its value with it)
+            flags.append(a)
+        elif a in ("-m", "--multirun"):
+            if not {"-m", "--multirun"} & set(flags):
+                flags.append(a)
+        elif arity == 1:
+            flags += [a, *([value] if (value := next(rest, None)) is not None else [])]
+        elif arity == "?":
+            value = next(rest, None)
+            if value in _INFO_TOPICS:
+                flags += [a, value]
+            else:
+                last.append(a)
+                overrides += [value] if value is not None else []
+        else:
+            flags.append(a)
+    return flags + overrides + last
 
 
 def _processes(n: str) -> list[str]:

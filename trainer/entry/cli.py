@@ -558,39 +558,6 @@ def remove_if_unused(run_dir: Path) -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
 
 
-# Hydra's flags: those that take a value (the next argument), those that take none, and --info, whose value is
-# optional (one of its topics). Any other dashed argument (an Accelerate or torchrun flag, which the CLI
-# translates) stays where it is, with what follows it.
-_VALUED = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
-           "--experimental-rerun"}
-_BARE = {"--help", "-h", "--hydra-help", "--version", "--resolve", "--run", "-r", "--shell-completion", "-sc"}
-_INFO = ({"--info", "-i"}, {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"})
-
-
-def flags_first(argv: list[str]) -> list[str]:
-    """Hydra's flags (with their values) before the overrides, the order its parser needs: `debug=smoke --cfg job
-    optim.lr=1e-3` was argparse's usage and "unrecognized arguments: optim.lr=1e-3". -m once, however often given."""
-    flags, overrides, rest = [], [], iter(argv)
-    for a in rest:
-        if a in ("-m", "--multirun"):
-            if "-m" not in flags and "--multirun" not in flags:
-                flags.append(a)
-            continue
-        if a.split("=", 1)[0] not in _VALUED | _BARE | _INFO[0]:
-            overrides.append(a)
-            continue
-        flags.append(a)
-        if a in _VALUED:
-            value = next(rest, None)
-            if value is not None:
-                flags.append(value)
-        elif a in _INFO[0]:
-            value = next(rest, None)
-            if value is not None:
-                (flags if value in _INFO[1] else overrides).append(value)
-    return flags + overrides
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] and argv[0] in COMMANDS:
@@ -608,6 +575,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if is_torchrun_follower():
         sys.exit(follow_torchrun_rank0())
+    from trainer.config.flags import flags_first
+
     argv = flags_first(argv)
     from trainer.redaction import ScrubbedStream, override_secrets
 
