@@ -7,6 +7,7 @@ import math
 import os
 import time
 
+import numpy as np
 import pytest
 import torch
 from conftest import start_processes
@@ -484,3 +485,12 @@ def test_a_dataset_of_another_kind_is_one_paragraph_naming_what_the_image_recipe
         _all_samples(Stream())
     images, labels = _all_samples(TensorDataset(torch.ones(3, 1, 8, 8), torch.tensor([0, 1, 2])))
     assert images.shape == (3, 1, 8, 8) and labels.tolist() == [0, 1, 2]
+
+    class NumpyLabels(torch.utils.data.Dataset):  # (an sklearn-style dataset: numpy's integers as labels)
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            return torch.ones(1, 8, 8), np.int64(i)
+
+    assert _all_samples(NumpyLabels())[1].tolist() == [0, 1]

@@ -443,7 +443,8 @@ def test_a_full_disk_while_the_run_dir_is_set_up_is_one_paragraph(tmp_path, monk
 
     monkeypatch.setattr(trainer.entry.run, "save_config", full)
     r = run_here("debug=smoke", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert_clean_error(r, "could not set up the run dir", "No space left on device", "nothing was trained", code=74)
+    assert_clean_error(r, f"setting the run dir {tmp_path / 'run'} up failed (No space left on device",
+                       "nothing was trained", "Free disk space", code=74)
 
 
 def test_a_full_disk_while_a_resume_rewinds_the_metrics_is_one_paragraph(tmp_path, monkeypatch):
@@ -463,8 +464,8 @@ def test_a_full_disk_while_a_resume_rewinds_the_metrics_is_one_paragraph(tmp_pat
 
     monkeypatch.setattr(JsonlLogger, "rewind", full)
     r = run_here(*args, "trainer.max_steps=6", "resume=auto", cwd=tmp_path)
-    assert_clean_error(r, f"setting this start up in the run dir {run} failed (No space left on device: "
-                          f"{run / 'metrics.jsonl'}); nothing was trained", code=74)
+    assert_clean_error(r, f"setting the run dir {run} up failed (No space left on device: "
+                          f"{run / 'metrics.jsonl'}); nothing was trained", "Free disk space", code=74)
     assert (run / "metrics.jsonl").read_bytes() == kept
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
 

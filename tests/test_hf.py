@@ -318,9 +318,10 @@ def test_rt_save_model_of_a_peft_model_writes_its_adapter_not_a_config_that_load
     lora = peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False)
     rt = trainer.Runtime("single", "fp32")
     model = rt.setup(peft.get_peft_model(base, lora)).eval()
+    (tmp_path / "config.json").write_text("{}")  # an earlier save's, of the base model: from_pretrained would read it
     written = rt.save_model(model, tmp_path)
     assert written == ["model.safetensors", "adapter/adapter_model.safetensors", "adapter/adapter_config.json"]
-    assert not (tmp_path / "config.json").exists()
+    assert not (tmp_path / "config.json").exists() and (tmp_path / "config.json.prev").read_text() == "{}"
     again = transformers.GPT2LMHeadModel(config)
     again.load_state_dict(start)
     loaded = peft.PeftModel.from_pretrained(again, str(tmp_path / "adapter")).eval()
@@ -330,3 +331,17 @@ def test_rt_save_model_of_a_peft_model_writes_its_adapter_not_a_config_that_load
         plain = transformers.GPT2LMHeadModel(config).eval()
         plain.load_state_dict(start)
         assert not torch.allclose(loaded(ids).logits, plain(ids).logits, atol=1e-3)  # (the adapter is in them)
+
+
+def test_a_peft_model_is_told_by_its_class_s_bases_as_fsdp_re_classes_its_root(transformers):
+    """fully_shard gives the root module a class of its own (FSDPPeftModel, in torch's module) over peft's: told by
+    the class's own module, the peft model under world=fsdp got the base config.json again."""
+    peft = pytest.importorskip("peft")
+    from trainer.models.export import is_peft_model
+
+    model = peft.get_peft_model(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2,
+                                                                                     vocab_size=16, n_positions=8)),
+                                peft.LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True))
+    model.__class__ = type("FSDPPeftModel", (type(model),), {"__module__": "torch.distributed.fsdp._fully_shard"})
+    assert is_peft_model(model)
+    assert not is_peft_model(model.get_base_model())

@@ -245,9 +245,10 @@ def test_a_forward_of_the_module_under_ddp_s_wrapper_is_refused_at_the_first_ste
     its own gradients, with no error. A model run through its wrapper steps as before (its ranks agree)."""
     r = launch("world=ddp", "world.nproc_per_node=2", SCRIPT, "bare_forward")
     assert r.returncode == 2, r.stderr
-    assert "the gradients of 'model_1' differ between ranks at its first step (weight:" in r.stderr
+    assert "the gradients of 'model_2' differ between ranks at its first step (weight:" in r.stderr
     assert "Traceback" not in r.stderr
     assert r.stdout.count("good stepped: True") == 2 and r.stdout.count("bad unchanged: True") == 2, r.stdout
+    assert r.stdout.count("local stepped: True") == 2, r.stdout  # (rt.no_sync on purpose: left alone)
 
 
 def test_your_own_loop_on_two_pipeline_stages_equals_one_process(tmp_path):
@@ -976,6 +977,7 @@ def test_wrong_arguments_to_the_runtime_s_calls_are_one_paragraph_each_and_chang
             trainer.Runtime(device="cuda")
     with pytest.raises(UserError, match=r"^Runtime\(device='gpu'\) is not a device: expected 'auto', 'cpu'"):
         trainer.Runtime(device="gpu")
+    trainer.Runtime(device=torch.device("cpu")).end()  # (a torch.device, as resolve_device takes it)
     rt = trainer.Runtime("single", "fp32")
     model = nn.Linear(2, 2)
     model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))

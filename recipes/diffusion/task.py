@@ -14,6 +14,7 @@ place in the global sample stream, so 2 ranks draw what 1 rank draws and a resum
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from pathlib import Path
 
@@ -157,8 +158,8 @@ def _all_samples(dataset) -> tuple[torch.Tensor, torch.Tensor]:
     first = samples[0] if samples else None
     image, label = first if isinstance(first, (tuple, list)) and len(first) == 2 else (None, None)
     if not (isinstance(image, torch.Tensor) and image.is_floating_point() and image.dim() == 3
-            and (isinstance(label, int) or isinstance(label, torch.Tensor) and label.numel() == 1
-                 and not label.is_floating_point())):
+            and (isinstance(label, numbers.Integral) and not isinstance(label, bool)
+                 or isinstance(label, torch.Tensor) and label.numel() == 1 and not label.is_floating_point())):
         def kind(x) -> str:
             return f"a tensor {list(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
 

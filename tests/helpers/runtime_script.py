@@ -111,13 +111,17 @@ def bare_forward(rt: trainer.Runtime) -> None:
     """The mistake past rt.accumulate: the wrapper given to it, the module underneath run. Model `good` runs what
     setup returned and steps (its gradients agree on both ranks); `bad` runs the bare module on each rank's own
     data and is refused at its first step, before any update."""
-    good, bad = nn.Linear(2, 2), nn.Linear(2, 2)
+    good, local, bad = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
     good, opt_good = rt.setup(good, torch.optim.SGD(good.parameters(), lr=0.1))
+    local, opt_local = rt.setup(local, torch.optim.SGD(local.parameters(), lr=0.1))
     wrapped, opt_bad = rt.setup(bad, torch.optim.SGD(bad.parameters(), lr=0.1))
     x = torch.full((1, 2), float(rt.rank + 1))  # each rank's own data
     with rt.accumulate(good):
         rt.backward(good(x).sum())
     print("good stepped:", rt.step(opt_good), flush=True)
+    with rt.no_sync(local, True):  # (unsynced on purpose, as local SGD steps: not the mistake)
+        rt.backward(local(x).sum())
+    print("local stepped:", rt.step(opt_local), flush=True)
     before = bad.weight.detach().clone()
     try:
         with rt.accumulate(wrapped):

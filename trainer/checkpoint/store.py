@@ -32,6 +32,7 @@ import errno
 import hashlib
 import json
 import math
+import operator
 import os
 import re
 import shutil
@@ -399,11 +400,18 @@ def _written(path: Path) -> int | None:
         written = _read_json(path / MANIFEST).get("written", 0)
     except (OSError, ValueError, AttributeError, RecursionError):
         return None
-    return written if _is_count(written) else 0
+    return written if is_count(written) else 0
 
 
-def _is_count(n: Any) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and 0 <= n < _MAX_STEP
+def is_count(n: Any) -> bool:
+    """A step number: a whole number from 0 to 2**62 (numpy's and torch's integers too; not a bool, a float or a
+    string)."""
+    if isinstance(n, bool):
+        return False
+    try:
+        return 0 <= operator.index(n) < _MAX_STEP
+    except TypeError:
+        return False
 
 
 def _manifest(path: Path) -> dict:
@@ -451,7 +459,7 @@ def _manifest(path: Path) -> dict:
         raise CheckpointError(f"{where} does not list {', '.join(missing)}, which every trainer checkpoint has; "
                               "the checkpoint is damaged.")
     step = manifest.get("step")
-    if not _is_count(step):
+    if not is_count(step):
         raise CheckpointError(f"{where}: step {snapshot.shown(step)} is not a step number (an integer from 0 to 2**62); "
                               "the checkpoint is damaged.")
     return manifest
@@ -572,7 +580,7 @@ def _index(path: Path, manifest: dict, data: dict[str, Any], headers: dict[str, 
                               "trainer checkpoint.")
     _check_config(data["config.yaml"], path / "config.yaml")
     step, run = manifest["step"], tree.get("trainer")
-    if isinstance(run, dict) and "step" in run and not (_is_count(run["step"]) and run["step"] == step):
+    if isinstance(run, dict) and "step" in run and not (is_count(run["step"]) and run["step"] == step):
         raise CheckpointError(f"{path / 'state.json'}: trainer.step is {snapshot.shown(run['step'])} but {MANIFEST} says step "
                               f"{step}; the checkpoint is inconsistent.")
     return Loaded(path, step, tree, chunks["model"], chunks["state"], data)

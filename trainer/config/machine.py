@@ -109,12 +109,14 @@ def host_notes(overrides: list[str], cfg) -> list[str]:
     from omegaconf import OmegaConf
 
     from trainer.config import schema
+    from trainer.config.compose import path_value
     from trainer.io import unwritable
 
     notes = []
     for override in overrides:
         key, _, value = override.partition("=")
         if key == "outputs" and value:
+            value = path_value("outputs", value)
             problem = unwritable(Path(value).expanduser().resolve())
             if problem:
                 notes.append(f"runs cannot be written to outputs={value} on this machine ({problem})")

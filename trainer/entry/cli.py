@@ -410,12 +410,11 @@ def run_job(cfg: DictConfig) -> float | None:
                 _say_how_to_continue(run_dir, continue_command(run_dir))
             raise
         # Setting the run dir up (its lock, the config and Hydra's records): a full disk, a read-only place.
-        from trainer.errors import StorageError
+        from trainer.entry.run import setup_failed
 
-        report(StorageError(f"could not set up the run dir {run_dir} ({e.strerror or e}"
-                            f"{': ' + str(e.filename) if getattr(e, 'filename', None) else ''}); nothing was trained. "
-                            "Free disk space or make it writable, or give the run another dir (hydra.run.dir=...)."))
-        sys.exit(StorageError.exit_code)
+        err = setup_failed(run_dir, e, "run the same command again (or give it another dir: hydra.run.dir=DIR)")
+        report(err)
+        sys.exit(err.exit_code)
     except Exception:
         if started:  # a crash: say how to continue from the newest checkpoint, then the traceback
             _say_what_the_sweep_skips()

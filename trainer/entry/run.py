@@ -28,7 +28,7 @@ from trainer.config.schema import (
 )
 from trainer.config.targets import compile_args
 from trainer.data.sampling import Data, epoch_length
-from trainer.errors import ConfigError, Preempted
+from trainer.errors import ConfigError, Preempted, StorageError
 from trainer.io import one_attempt
 from trainer.loop import watchdog
 from trainer.loop.callbacks import Callbacks
@@ -391,8 +391,6 @@ def export(trainer: Trainer, cfg: DictConfig, run_dir: Path) -> None:
                                                         "files": file_digests(run_dir, sorted(set(files))),
                                                         "stopped": trainer.stop_reason or None})
     except OSError as e:
-        from trainer.errors import StorageError
-
         raise StorageError(f"could not write the exported weights to {run_dir} ({e.strerror or e}). The final "
                            f"checkpoint (step {trainer.step}) is complete: free disk space and rerun with "
                            "resume=auto, which writes the export.") from None
@@ -608,6 +606,22 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     return train_here(cfg, run_dir)
 
 
+def setup_failed(run_dir: Path, e: OSError, then: str) -> StorageError:
+    """The paragraph for an OSError while a run dir is set up (before any step): what failed, on which file, and the
+    way out its errno points at (`then`: what to do once fixed)."""
+    import errno
+
+    where = f": {e.filename}" if getattr(e, "filename", None) else ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        fix = "Free disk space (or give the run a dir on a larger disk)"
+    elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.EEXIST):
+        fix = "Make the place writable (or give the run another dir)"
+    else:
+        fix = "Fix what the error names"
+    return StorageError(f"setting the run dir {run_dir} up failed ({e.strerror or e}{where}); nothing was trained, "
+                        f"and what it held is as it was. {fix}, then {then}.")
+
+
 @contextlib.contextmanager
 def _run_dir_writes(run_dir: Path):
     """What a start writes before its first step (what the resume rewinds or sets aside, the config, the run's
@@ -616,12 +630,7 @@ def _run_dir_writes(run_dir: Path):
     try:
         yield
     except OSError as e:
-        from trainer.errors import StorageError
-
-        where = f": {e.filename}" if getattr(e, "filename", None) else ""
-        raise StorageError(f"setting this start up in the run dir {run_dir} failed ({e.strerror or e}{where}); "
-                           "nothing was trained, and its checkpoints are as they were. Free disk space or make the "
-                           "place writable, then rerun the same command.") from None
+        raise setup_failed(run_dir, e, "rerun the same command") from None
 
 
 def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:

@@ -37,11 +37,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from trainer.checkpoint.store import is_count
 from trainer.errors import ConfigError, UserError
 from trainer.loop import watchdog
 from trainer.loop.loaders import EvalLoader, Loader, RunPosition
 from trainer.parallel import Strategy, unwrap
-from trainer.parallel.backend import Backend
+from trainer.parallel.backend import Backend, usable_device
 from trainer.task import split_loss
 
 WORLDS = ("single", "ddp", "fsdp", "deepspeed")
@@ -110,7 +111,7 @@ class Runtime:
         if not isinstance(grad_accum_steps, int) or isinstance(grad_accum_steps, bool) or grad_accum_steps < 1:
             raise UserError(f"Runtime(grad_accum_steps={grad_accum_steps!r}) is invalid: expected an integer >= 1.")
         if backend is None:
-            _check_device(device, "world.device={!r}" if launched is not None else "Runtime(device={!r})")
+            usable_device(device, named="world.device={!r}" if launched is not None else "Runtime(device={!r})")
         self.backend = backend or Backend(device=device, threads=threads)
         self.strategy = strategy
         made_group = not torch.distributed.is_initialized()  # (a group the caller made is the caller's to end)
@@ -603,6 +604,10 @@ class Runtime:
         return applied
 
     def no_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        if enabled and self._replicas_checked is not None:  # (a loop that steps unsynced on purpose: local SGD)
+            name = self._name_of(model)
+            if name is not None:
+                self._replicas_checked.add(name)
         return self.strategy.no_sync(model, enabled)
 
     def _check_replicas_agree(self, name: str) -> None:
@@ -639,7 +644,8 @@ class Runtime:
                             "returned; a forward of the module underneath it (the one passed to rt.setup) leaves "
                             "each rank with its own, and the copies of the model drift apart. Keep and run what "
                             "rt.setup returns (`model, opt = rt.setup(model, opt)`), in the forward as in "
-                            "rt.accumulate. Nothing was updated.")
+                            "rt.accumulate (a loop that steps on unsynced gradients on purpose enters rt.no_sync(model, "
+                            "True), which this check leaves alone). Nothing was updated.")
 
     # -- ranks ---------------------------------------------------------------------------------------------
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -699,10 +705,10 @@ class Runtime:
         """Checkpoint every model, optimizer, loader and registered object, and each rank's RNG, as
         `directory/step_<step>` (atomic, pickle-free; the `keep_last` newest are kept: default checkpoint.keep_last
         under launch, else 2). Every rank must call it, at a step boundary."""
-        if not _is_count(step):
+        if not is_count(step):
             raise UserError(f"rt.save_state(directory, step={step!r}): the step must be a whole number >= 0 (the "
                             "checkpoint is named step_<step>, and rt.load_state takes the newest by it).")
-        if keep_last is not None and not (_is_count(keep_last) and keep_last >= 1):
+        if keep_last is not None and not (is_count(keep_last) and keep_last >= 1):
             raise UserError(f"rt.save_state(keep_last={keep_last!r}): expected a whole number >= 1 (how many of the "
                             "newest checkpoints to keep), or None for the default.")
         if self._micro > 0:
@@ -854,7 +860,7 @@ class Runtime:
         if not isinstance(metrics, dict):
             raise UserError(f"rt.log got a {type(metrics).__name__}: pass a dict of names and numbers, and the step "
                             "(`rt.log({'train/loss': loss.item()}, step)`).")
-        if not _is_count(step):
+        if not is_count(step):
             raise UserError(f"rt.log(..., step={step!r}): the step must be a whole number >= 0.")
         step = operator.index(step)
         for key, value in metrics.items():  # (float() of these raised a bare ValueError on the main rank alone)
@@ -938,33 +944,6 @@ def launched_config():
 
 
 _SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-
-
-def _is_count(value: Any) -> bool:
-    """A whole number >= 0 (numpy's and torch's integers too; not a bool, a float or a string)."""
-    if isinstance(value, bool):
-        return False
-    try:
-        return operator.index(value) >= 0
-    except TypeError:
-        return False
-
-
-def _check_device(device: Any, named: str) -> None:
-    """A device this machine has, named as torch names it; a UserError saying which otherwise (torch's own errors
-    here are an AttributeError from its C module, or an error at the first tensor moved)."""
-    kinds = ("cpu", "cuda", "mps")
-    if device == "auto":
-        return
-    try:
-        kind = torch.device(device).type if isinstance(device, str) else None
-    except RuntimeError:
-        kind = None
-    if kind not in kinds:
-        raise UserError(f"{named.format(device)} is not a device: expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'.")
-    if kind == "cuda" and not torch.cuda.is_available() or kind == "mps" and not torch.backends.mps.is_available():
-        raise UserError(f"{named.format(device)} is invalid here: this machine (this torch build) has no {kind.upper()} "
-                        "device. Use 'auto' (a GPU where there is one, else the CPU) or 'cpu'.")
 
 
 def _not_a_loader(dataset: Any, what: str) -> None:

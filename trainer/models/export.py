@@ -106,8 +106,9 @@ def write_hf_config(model, directory: Path) -> list[str]:
 
 
 def is_peft_model(model) -> bool:
-    """A model peft wrapped (get_peft_model), told without importing peft."""
-    return type(model).__module__.split(".")[0] == "peft" and hasattr(model, "peft_config")
+    """A model peft wrapped (get_peft_model), told without importing peft: by its class's bases, since FSDP's
+    fully_shard gives the root a class of its own (FSDPPeftModel, in torch's module) over peft's."""
+    return hasattr(model, "peft_config") and any(c.__module__.split(".")[0] == "peft" for c in type(model).__mro__)
 
 
 def write_peft_adapter(model, tensors: dict[str, torch.Tensor], directory: Path) -> list[str]:
@@ -121,6 +122,9 @@ def write_peft_adapter(model, tensors: dict[str, torch.Tensor], directory: Path)
     from peft import get_peft_model_state_dict
 
     written = []
+    stale = directory / "config.json"  # (an earlier save's, of the base model: from_pretrained would read it)
+    if stale.is_file():
+        os.replace(stale, free_name(stale, ".prev"))
     (directory / ADAPTER_DIR).mkdir(exist_ok=True)
     for adapter, config in model.peft_config.items():
         where = Path(ADAPTER_DIR) if adapter == "default" else Path(ADAPTER_DIR) / adapter  # (as peft lays them out)

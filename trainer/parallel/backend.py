@@ -89,15 +89,21 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return device
 
 
-def usable_device(name: str, local_rank: int = 0) -> torch.device:
-    """The device `world.device` names (`resolve_device`), or a ConfigError when this machine has none such: the
-    one place that says "no CUDA"."""
-    device = resolve_device(name, local_rank)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        from trainer.errors import ConfigError
+def usable_device(name: str | torch.device, local_rank: int = 0, named: str = "world.device={!r}") -> torch.device:
+    """The device `name` names (`resolve_device`), or a ConfigError when it names no device torch knows or one this
+    machine lacks: the one place that says "no CUDA". `named` shows the setting (`Runtime(device={!r})`)."""
+    from trainer.errors import ConfigError
 
-        raise ConfigError(f"world.device={name!r} is invalid here: no CUDA device is available on this machine. "
-                          "Use world.device=auto or world.device=cpu.")
+    try:
+        device = resolve_device(name, local_rank) if isinstance(name, (str, torch.device)) else None
+    except RuntimeError:  # (torch's "Expected one of cpu, cuda, ... device type at start of device string")
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"{named.format(name)} is not a device: expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'.")
+    if device.type == "cuda" and not torch.cuda.is_available() or \
+            device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"{named.format(name)} is invalid here: this machine (this torch build) has no "
+                          f"{device.type.upper()} device. Use 'auto' (a GPU where there is one, else the CPU) or 'cpu'.")
     return device
 
 
