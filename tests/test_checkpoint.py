@@ -159,6 +159,34 @@ def test_best_checkpoint_by_metric_is_the_best_eval_and_survives_pruning(corpus,
     assert f"step_{best_step:08d}" in kept and "step_00000008" in kept and len(kept) <= 2
 
 
+def test_a_best_ranked_by_another_metric_is_ranked_anew_after_a_resume(tmp_path):
+    """Resumed with checkpoint.best_metric=val/bpb after val/loss: the val/loss best (3.55) was compared with val/bpb's
+    values (~5), never beaten, and `eval checkpoint=best` kept naming the worst checkpoint by val/bpb. Checkpoints
+    written before the metric was in their state are read by best.json's."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from trainer.checkpoint.manager import resume_notes
+    from trainer.checkpoint.store import Checkpointer
+
+    old = Checkpointer(tmp_path, best_metric="val/loss")
+    old.consider({"val/loss": 3.55}, 30)
+    state = old.state_dict()
+    for metric, mode, reranked in (("val/loss", "min", None), ("val/bpb", "min", ("val/loss", "min", "step_00000030")),
+                                   ("val/loss", "max", ("val/loss", "min", "step_00000030"))):
+        new = Checkpointer(tmp_path, best_metric=metric, best_mode=mode)
+        new.load_state_dict(state)
+        assert new.reranked == reranked
+        assert new.improves({metric: 4.8}) is (reranked is not None or mode == "max")
+    (tmp_path / "best.json").write_text(json.dumps({"metric": "val/loss", "value": 3.55, "checkpoint": "step_00000030"}))
+    new = Checkpointer(tmp_path, best_metric="val/bpb")
+    new.load_state_dict({"best": [3.55, "step_00000030"]})  # (a checkpoint of before: best.json says by what)
+    assert new.reranked == ("val/loss", "min", "step_00000030") and new.improves({"val/bpb": 4.8})
+    (notes,) = [n for n in resume_notes(tmp_path / "step_00000030", OmegaConf.create({}), new) if "ranked" in n]
+    assert "ranked by val/loss (min) and this run ranks by checkpoint.best_metric=val/bpb (min)" in notes
+
+
 def test_without_a_final_save_the_periodic_checkpoint_of_the_last_step_is_still_written(corpus, tmp_path):
     """The last step's periodic save was left to the final one, which checkpoint.save_final=false does not make."""
     train_in_process(corpus, tmp_path, "trainer.max_steps=4", "checkpoint.every_n_steps=2",

@@ -474,6 +474,12 @@ def resume_notes(path: Path, cfg: DictConfig, checkpointer: ckpt.Checkpointer) -
         notes.append("resume: these settings differ from the checkpoint's and apply from here on (optimizer and "
                      "schedule settings included: the schedule keeps its position and takes the new shape): "
                      + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed))
+    if checkpointer.reranked is not None and checkpointer.best_metric is not None:
+        metric, mode, name = checkpointer.reranked
+        notes.append(f"resume: the best checkpoint was ranked by {metric} ({mode}) and this run ranks by "
+                     f"checkpoint.best_metric={checkpointer.best_metric} ({checkpointer.best_mode}): the best is ranked "
+                     f"anew from this run's next eval. {name}, the best by {metric}, stays on disk (and in best.json, "
+                     "for eval checkpoint=best) until a best by the new metric replaces it.")
     done = checkpointer.complete()
     if checkpointer.dir is not None and path.parent.resolve() == checkpointer.dir.resolve() and path in done:
         later = [p.name for p in done[done.index(path) + 1:] if p.name not in checkpointer.protected]

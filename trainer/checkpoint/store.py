@@ -118,6 +118,8 @@ class Checkpointer:
         self.async_save, self._pool, self._pending = async_save, None, None
         self.best_metric, self.best_mode = best_metric, best_mode
         self.best: tuple[float, str] | None = None  # (metric value, checkpoint name); in checkpoints too
+        # (metric, mode, checkpoint) of a resumed best ranked by another best_metric or best_mode: set aside
+        self.reranked: tuple[str | None, str, str] | None = None
         self.config_yaml = config_yaml
         self.backend = backend or _Local()
         self.sharded = sharded and self.backend.distributed
@@ -166,7 +168,8 @@ class Checkpointer:
             self.best = (metrics[self.best_metric], f"step_{step:08d}")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": list(self.best) if self.best else None}
+        return {"best": list(self.best) if self.best else None, "best_metric": self.best_metric,
+                "best_mode": self.best_mode}
 
     def check_state(self, state: dict[str, Any], where: str) -> None:
         best = state.get("best")
@@ -176,10 +179,27 @@ class Checkpointer:
               and not isinstance(best[0], bool) and isinstance(best[1], str) and _STEP_DIR.match(best[1]))
         if not ok:
             raise CheckpointError(f"{where}.best={snapshot.shown(best)} is not a (metric value, step_NNNNNNNN) pair.")
+        for key in ("best_metric", "best_mode"):
+            if state.get(key) is not None and not isinstance(state[key], str):
+                raise CheckpointError(f"{where}.{key}={snapshot.shown(state[key])} is not a string.")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The resumed best. One ranked by another checkpoint.best_metric or best_mode than this run's is set aside
+        (`reranked`): compared with the new metric's values, it was never beaten (a val/loss of 3.5 against val/bpb's
+        5), so checkpoint=best kept naming it. Checkpoints written before the metric was recorded here: best.json's."""
         best = state.get("best")
-        self.best = (float(best[0]), str(best[1])) if best else None
+        self.best, self.reranked = ((float(best[0]), str(best[1])) if best else None), None
+        if self.best is None:
+            return
+        if "best_metric" in state:
+            metric, mode = state["best_metric"], state.get("best_mode") or "min"
+        else:
+            try:
+                metric, mode = _read_json(self.dir / "best.json")["metric"], self.best_mode
+            except (OSError, ValueError, KeyError, TypeError, RecursionError):
+                return
+        if (metric, mode) != (self.best_metric, self.best_mode):
+            self.reranked, self.best = (metric, mode, self.best[1]), None
 
     def repair_best_file(self) -> None:
         """best.json (what `eval checkpoint=best` reads), where it cannot be read, as the resumed state says, if the
@@ -632,7 +652,7 @@ def model_mismatches(loaded: Loaded, live: dict[str, torch.Tensor]) -> list[str]
 class NullCheckpointer:
     """No checkpoints (a Trainer built by hand without a checkpointer)."""
 
-    dir, save_final, every_n_steps, best, fell_back = None, False, 0, None, False
+    dir, save_final, every_n_steps, best, fell_back, reranked = None, False, 0, None, False, None
 
     def due(self, step: int) -> bool:
         return False
