@@ -260,6 +260,26 @@ def test_a_quoted_path_option_is_unquoted_as_hydra_unquotes_an_override(diffusio
     assert cli_options(["offload_dir='/tmp/a b'", "x=1"]) == ({"offload_dir": "/tmp/a b"}, ["x=1"])
 
 
+def test_load_of_a_run_continued_past_its_export_says_the_weights_are_the_export_s(reference, tmp_path, capsys):
+    """A finished run continued with a larger max_steps and stopped before it finished again: trainer.load, sample
+    and eval device_map=... read the earlier finish's export without a word, while `eval RUN` evaluated the newer
+    checkpoint."""
+    import shutil
+
+    import trainer
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    exported = json.loads((run / "export.json").read_text())["step"]
+    newest = sorted((run / "checkpoints").glob("step_*"))[-1]
+    shutil.copytree(newest, run / "checkpoints" / f"step_{exported + 10:08d}")  # (the continuation's checkpoint)
+    trainer.load(run)
+    assert (f"note: {run}'s export is of step {exported}, and the run has a checkpoint of step {exported + 10} since"
+            in capsys.readouterr().err)
+    trainer.load(reference)  # (a run whose export is its newest: nothing said)
+    assert "note:" not in capsys.readouterr().err
+
+
 def test_sample_prints_the_lm_text(corpus, tmp_path):
     """The run's task settings by default, task.KEY=VALUE to change them; a run whose task samples nothing
     (debug=smoke: task.sample_tokens=0) says so and how to ask for text; a key the task lacks is an error."""

@@ -256,6 +256,7 @@ def model_of(path: Path) -> nn.Module:
                               f"one stopped before that (or is still running){where}. Evaluate a checkpoint with "
                               f"python -m trainer eval {path}, or continue the run with its command and resume=auto "
                               "(the run's run_info.json holds it).")
+    _say_if_the_export_is_older(path)
     node = _json_object(source, MAX_CONFIG_BYTES, fix)
     if node.get("_partial_"):
         raise CheckpointError(f"{source} has _partial_: {snapshot.shown(node['_partial_'])}, so it builds a function "
@@ -265,6 +266,25 @@ def model_of(path: Path) -> nn.Module:
         raise CheckpointError(f"{source} builds a {type(model).__module__}.{type(model).__qualname__}, not a "
                               f"torch.nn.Module. {fix}")
     return model
+
+
+def _say_if_the_export_is_older(path: Path) -> None:
+    """A note (stderr) when the run's export is of an earlier step than its newest checkpoint: a finished run extended
+    (a larger trainer.max_steps) and stopped before it finished again. Its export is still the earlier finish's
+    weights, which load and sample read, while `eval RUN` evaluates the newer checkpoint."""
+    from trainer.checkpoint.store import Checkpointer, step_of
+
+    try:
+        exported = json.loads(_read(path / "export.json", MAX_CONFIG_BYTES, ""))["step"]
+    except (CheckpointError, ValueError, KeyError, TypeError):
+        return
+    done = Checkpointer(path / "checkpoints").complete() if (path / "checkpoints").is_dir() else []
+    newest = max((step_of(p) for p in done), default=-1)
+    if isinstance(exported, int) and newest > exported:
+        print(f"note: {path}'s export is of step {exported}, and the run has a checkpoint of step {newest} since: it "
+              "was continued and has not finished again. These are the export's weights (step "
+              f"{exported}); `python -m trainer eval {path}` evaluates the newest checkpoint, and the run's command "
+              "with resume=auto finishes it and exports again.", file=sys.stderr, flush=True)
 
 
 def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "cpu", *,
