@@ -100,6 +100,28 @@ def test_eval_reports_the_final_checkpoints_metrics(reference, capsys):
         assert got[key] == pytest.approx(final[key], abs=1e-9), key
 
 
+def test_eval_of_a_run_still_training_takes_the_next_newest_when_its_pick_is_pruned(reference, capsys, monkeypatch):
+    """The run's keep_last pruned the checkpoint eval had picked before eval read it: the eval stopped with "does not
+    exist ... Pass resume=auto, resume=null", advice for training. It picks the newest again."""
+    import trainer.inference.finished as finished
+    from trainer.entry.commands import evaluate
+
+    real, picks = finished.checkpoint_of, []
+
+    def pruned_first(run_dir, which="latest"):
+        picks.append(which)
+        return reference / "checkpoints" / "step_00000010" if len(picks) == 1 else real(run_dir, which)
+
+    monkeypatch.setattr(finished, "checkpoint_of", pruned_first)
+    assert evaluate([str(reference)]) == 0
+    out, err = capsys.readouterr()
+    assert f"note: {reference / 'checkpoints' / 'step_00000010'} was pruned by the run" in err
+    assert json.loads(out.strip().splitlines()[-1])["step"] == 12 and picks == ["latest", "latest"]
+    monkeypatch.setattr(finished, "checkpoint_of", lambda run_dir, which: reference / "checkpoints" / "step_00000010")
+    assert evaluate([str(reference), f"checkpoint={reference / 'checkpoints' / 'step_00000010'}"]) == 2
+    assert "was removed while this eval started: the run is still training" in capsys.readouterr().err
+
+
 def test_eval_reports_a_failed_worker_once_without_the_launchers_traceback(reference, capsys, monkeypatch):
     """A worker of a several-process eval that fails: its own message, its exit code, no traceback."""
     from trainer.entry import launcher

@@ -277,23 +277,33 @@ def evaluate(argv: list[str]) -> int:
             task_keys = {a.split("=", 1)[0][len("task."):]: yaml_value(a) for a in overrides if a.startswith("task.")}
             evaluate_dispatched(run_dir, cfg, task_keys, _show(placement), bool(placement.get("show_map")))
             return 0
-        with open_dict(cfg):
-            cfg.resume = str(checkpoint_of(run_dir, opts.get("checkpoint", "latest")))
-        cfg = prepare(cfg)
-        scratch = Path(tempfile.mkdtemp(prefix="trainer-eval-"))
-        from trainer.entry.run import EVAL_DATA_GIVEN_ENV
+        from trainer.entry.run import EVAL_DATA_GIVEN_ENV, CheckpointVanished
         from trainer.entry.run import evaluate as evaluate_entry
 
+        which = opts.get("checkpoint", "latest")
         # Data of the user's choosing is evaluated as named; the run's own is checked against its checkpoint.
         given = any(o.split("=", 1)[0].lstrip("+~").split(".")[0] == "data" for o in overrides)
-        if not given:
-            refuse_relative_data_elsewhere(run_dir, cfg)
-        os.environ[EVAL_DATA_GIVEN_ENV] = "1" if given else ""
-        try:
-            run(cfg, scratch, entry=evaluate_entry)
-        finally:
-            os.environ.pop(EVAL_DATA_GIVEN_ENV, None)
-            shutil.rmtree(scratch, ignore_errors=True)
+        for attempt in range(3):  # (latest, of a run still training: its keep_last may prune it before it is read)
+            with open_dict(cfg):
+                cfg.resume = str(checkpoint_of(run_dir, which))
+            scratch = Path(tempfile.mkdtemp(prefix="trainer-eval-"))
+            os.environ[EVAL_DATA_GIVEN_ENV] = "1" if given else ""
+            try:
+                ready = prepare(cfg.copy())
+                if not given:
+                    refuse_relative_data_elsewhere(run_dir, ready)
+                run(ready, scratch, entry=evaluate_entry)
+                break
+            except UserError:  # (CheckpointVanished, or prepare's check that resume= exists)
+                if Path(cfg.resume).exists():
+                    raise
+                if which != "latest" or attempt == 2:
+                    raise CheckpointVanished.of(cfg.resume) from None
+                print(f"note: {cfg.resume} was pruned by the run, which is still training: evaluating its newest "
+                      "checkpoint now.", file=sys.stderr, flush=True)
+            finally:
+                os.environ.pop(EVAL_DATA_GIVEN_ENV, None)
+                shutil.rmtree(scratch, ignore_errors=True)
     except UserError as err:
         _scrub_error(err, secrets)
         raise

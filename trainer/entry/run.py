@@ -28,7 +28,7 @@ from trainer.config.schema import (
 )
 from trainer.config.targets import compile_args
 from trainer.data.sampling import Data, epoch_length
-from trainer.errors import ConfigError, Preempted, StorageError
+from trainer.errors import CheckpointError, ConfigError, Preempted, StorageError
 from trainer.io import one_attempt
 from trainer.loop import watchdog
 from trainer.loop.callbacks import Callbacks
@@ -523,6 +523,16 @@ def check_eval_data(trainer, cfg: DictConfig) -> None:
         "data=/data.* override of yours evaluates what it names (a changed file at the same path: data.path=PATH).")
 
 
+class CheckpointVanished(CheckpointError):
+    """The checkpoint an eval chose was deleted before it was read (a run still training pruned it)."""
+
+    @classmethod
+    def of(cls, path) -> CheckpointVanished:
+        return cls(f"checkpoint {path} was removed while this eval started: the run is still training, and its "
+                   "checkpoint.keep_last pruned it. Run the eval again (it takes the newest checkpoint then), or name "
+                   "one the run keeps (checkpoint=best, or a copy's path).")
+
+
 def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     """The val metrics of the checkpoint `cfg.resume` names (its weights, and its EMA's when the run kept one),
     on this config's world; `run_dir` is scratch space. The main rank prints them as one JSON line."""
@@ -532,7 +542,12 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     done = False
     watch = watchdog.start(trainer.launch.hang_timeout, run_dir, trainer.backend.info)
     try:
-        trainer.load_checkpoint(Path(cfg.resume), resume=False)
+        try:
+            trainer.load_checkpoint(Path(cfg.resume), resume=False)
+        except CheckpointError:
+            if Path(cfg.resume).exists():
+                raise
+            raise CheckpointVanished.of(cfg.resume) from None
         watchdog.beat()
         check_eval_data(trainer, cfg)
         metrics = trainer.evaluate()
