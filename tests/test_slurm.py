@@ -161,15 +161,36 @@ def test_a_submitit_sweep_rerun_with_its_values_in_another_order_continues_each_
     sweep = tmp_path / "sweep"
     args = (*tiny_overrides(corpus, "checkpoint.every_n_steps=2"), f"hydra.sweep.dir={sweep}", "resume=auto")
     assert run_here("-m", *args, "trainer.max_steps=2", "optim.lr=1e-3,2e-3", cwd=tmp_path).returncode == 0
+    # (and a new value in front: the 1e-3 point's job 2 has a dir of its own, holding only the records Hydra wrote
+    # for it, which matched: that point was trained again from step 0 there, its run in dir 0 left behind)
     r = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", *args, "trainer.max_steps=3",
-                "optim.lr=2e-3,1e-3", cwd=tmp_path, timeout=300)
+                "optim.lr=5e-4,2e-3,1e-3", cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     for job, lr in ((0, 1e-3), (1, 2e-3)):  # each dir continued its own point: the lr it was trained at
         assert yaml.safe_load((sweep / str(job) / "config.yaml").read_text())["optim"]["lr"] == lr
         assert [e["step"] for e in read_metrics(sweep / str(job)) if "train/loss" in e] == [1, 2, 3]
-    assert sorted(d.name for d in sweep.iterdir() if d.is_dir() and not d.name.startswith(".")) == ["0", "1"]
+    assert yaml.safe_load((sweep / "0-2" / "config.yaml").read_text())["optim"]["lr"] == 5e-4  # (the new point)
+    assert sorted(d.name for d in sweep.iterdir() if d.is_dir() and not d.name.startswith(".")) == ["0", "0-2", "1"]
     logs = "".join(p.read_text() for p in (sweep / ".submitit").glob("*/*_log.out"))
     assert "optim.lr: 0.001 -> 0.002" not in logs and "optim.lr: 0.002 -> 0.001" not in logs
+
+
+@needs_submitit
+def test_a_submitit_sweep_of_the_run_s_length_reordered_continues_each_points_own_run(corpus, tmp_path):
+    """A swept key that a rerun may otherwise change (trainer.max_steps) is the point: the swept keys were read from
+    sys.argv, which in a submitit job is submitit's own, so max_steps=40 continued the 20-step run and the 20-step
+    point found the 40-step run "already finished". They are read from the sweep's multirun.yaml."""
+    sweep = tmp_path / "sweep"
+    args = (*tiny_overrides(corpus, "checkpoint.every_n_steps=2"), f"hydra.sweep.dir={sweep}", "resume=auto")
+    assert run_here("-m", *args, "trainer.max_steps=2,4", cwd=tmp_path).returncode == 0
+    r = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", *args, "trainer.max_steps=4,2",
+                cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for job, steps in ((0, 2), (1, 4)):
+        assert yaml.safe_load((sweep / str(job) / "config.yaml").read_text())["trainer"]["max_steps"] == steps
+        assert [e["step"] for e in read_metrics(sweep / str(job)) if "train/loss" in e] == list(range(1, steps + 1))
+    logs = "".join(p.read_text() for p in (sweep / ".submitit").glob("*/*_log.out"))
+    assert logs.count("the run is already finished") == 2 and "continues in" in logs
 
 
 @needs_submitit

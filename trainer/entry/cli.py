@@ -318,11 +318,11 @@ def run_job(cfg: DictConfig) -> float | None:
                 if other:
                     print(scrub(other, secret_values(OmegaConf.to_container(resolved))), flush=True)
         if resolved.get("resume") == "auto" and str(hc.mode) == "RunMode.MULTIRUN":
-            from trainer.entry.rundir import sweep_point_dir
+            from trainer.entry.rundir import sweep_overrides, sweep_point_dir
 
             # A sweep rerun with its values in another order (or new ones in front): each point continues its own
             # run, not the one its job number had (which would continue another point's checkpoints as its own).
-            point = sweep_point_dir(run_dir, list(hc.overrides.task), sys.argv[1:],
+            point = sweep_point_dir(run_dir, list(hc.overrides.task), sweep_overrides() or sys.argv[1:],
                                     redact(OmegaConf.to_container(resolved)))
             if point != run_dir:
                 secrets = secret_values(OmegaConf.to_container(resolved))

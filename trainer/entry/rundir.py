@@ -306,6 +306,24 @@ def hydra_quoted(value: str) -> str:
 
 
 # -- a sweep continued with resume=auto: each point finds its own run ---------------------------------------------
+def sweep_overrides() -> list[str] | None:
+    """The sweep's own overrides (its lists, and its sweeper's params), as `multirun.yaml` in its sweep dir records
+    them; None outside a sweep or when that record cannot be read. A launcher that runs each job in a process of its
+    own (submitit) has its own sys.argv there: the swept keys are read from the sweep's record instead."""
+    import yaml
+
+    hc = _sweep_job()
+    if hc is None:
+        return None
+    try:
+        recorded = yaml.safe_load((Path(hc.runtime.cwd) / hc.sweep.dir / "multirun.yaml").read_text())["hydra"]
+        params = [f"{k}={v}" for k, v in (recorded["sweeper"].get("params") or {}).items()]
+        task = [*params, *(recorded["overrides"]["task"] or [])]
+    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
+        return None
+    return task if all(isinstance(o, str) for o in task) else None
+
+
 def swept_keys(argv: list[str]) -> set[str]:
     """The keys a `-m` command line sweeps (`optim.lr=1e-3,3e-4`, `x=range(1,3)`); empty when it cannot tell."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -428,10 +446,19 @@ def sweep_point_dir(run_dir: Path, job_overrides: list[str], argv: list[str], co
         return found is not None and found[1] == (mine if found[0] == "hydra" else mine_set)
 
     here = point_of(run_dir)
-    if is_mine(run_dir, here):
+    mine_here = is_mine(run_dir, here)
+    if mine_here and (run_dir / "config.yaml").is_file():
         return run_dir
+    # A dir that matches by its .hydra records alone may hold no run: a launcher that starts each job in a process
+    # of its own (submitit) has Hydra write this job's records into its numbered dir first. A sibling holding this
+    # point's run comes before it (a value put in front of the sweep's list renumbered the points).
     siblings = [d for d in run_dir.parent.iterdir() if d.is_dir() and d != run_dir] if run_dir.parent.is_dir() else []
     matching = [d for d in siblings if is_mine(d, point_of(d))]
+    holding = [d for d in matching if (d / "config.yaml").is_file()]
+    if holding:
+        return max(holding, key=lambda d: d.stat().st_mtime)
+    if mine_here:
+        return run_dir
     if matching:
         return max(matching, key=lambda d: d.stat().st_mtime)
     if here is None:
