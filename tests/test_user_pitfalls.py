@@ -489,6 +489,21 @@ def test_the_batch_size_finder_stops_at_the_budget_and_says_the_override(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sized", [True, False])
+def test_the_batch_size_finder_tries_a_stream_s_first_samples(tmp_path, sized):
+    """data=text_stream (or an IterableDataset of one's own, with or without a length) was a NotImplementedError
+    traceback from Dataset.__getitem__, or a TypeError from len(): the finder took samples by index."""
+    from conftest import FAULTY_ENV, run_here
+
+    (tmp_path / "book.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    data = (["data=text_stream", f"data.path={tmp_path / 'book.txt'}"] if sized else
+            ["data._target_=stream_data.unsized", "data.shuffle=false"])  # (tests/helpers/stream_data.py)
+    r = run_here("tune", "batch_size", "debug=smoke", *data, "tune.memory_mb=100000", "tune.max_batch_size=4",
+                 cwd=tmp_path, env=FAULTY_ENV)
+    assert r.returncode == 0, r.stderr
+    assert sorted(_finder_lines(r.stdout, "data.batch_size")) == [1, 2, 4]
+
+
 def test_the_batch_size_finder_agrees_across_ranks(tmp_path):
     """Rank 1 needs 24 MB more per sample (tests/helpers/memory_hog.py): every rank stops at rank 1's limit, where
     one process alone (rank 0's memory) goes on to the largest size tried."""

@@ -82,7 +82,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return hashlib.sha256(repr((self.n, ids)).encode()).hexdigest()[:16]
 
 
-def _collate_fn(dataset: Dataset):
+def collate_fn_of(dataset: Dataset):
     # A dataset that batches itself (via __getitems__) says how to collate with a `collate_fn`
     # attribute; otherwise torch's default_collate stacks samples.
     return getattr(dataset, "collate_fn", None)
@@ -92,7 +92,7 @@ def in_process_batches(dataset: Dataset, batch_sampler) -> Iterator[Any]:
     """What a DataLoader with num_workers=0 yields, without its per-batch bookkeeping (~30 us a step)."""
     from torch.utils.data import default_collate
 
-    collate = _collate_fn(dataset) or default_collate
+    collate = collate_fn_of(dataset) or default_collate
     getitems = getattr(dataset, "__getitems__", None)
     for indices in batch_sampler:
         yield collate(getitems(indices) if getitems else [dataset[i] for i in indices])
@@ -106,7 +106,7 @@ def train_loader(dataset: Dataset, sampler: GlobalBatchSampler | StreamLayout, n
         from torch.utils.data import default_collate
 
         return streaming.StreamBatches(dataset, sampler, num_workers, device, seed, resume,
-                                       _collate_fn(dataset) or default_collate)
+                                       collate_fn_of(dataset) or default_collate)
     if num_workers == 0:
         batches = in_process_batches(dataset, sampler)
         if device.type != "cuda":
@@ -124,7 +124,7 @@ def train_loader(dataset: Dataset, sampler: GlobalBatchSampler | StreamLayout, n
         dataset,
         batch_sampler=sampler,
         num_workers=num_workers,
-        collate_fn=_collate_fn(dataset),
+        collate_fn=collate_fn_of(dataset),
         pin_memory=device.type == "cuda",
         persistent_workers=num_workers > 0,
         # A private generator: creating the iterator must not consume the global RNG (exact resume).
@@ -142,7 +142,7 @@ def eval_loader(dataset: Dataset, batch_size: int, rank: int, world: int, limit:
         batch_size=batch_size,
         sampler=range(rank, n, world),
         num_workers=num_workers,
-        collate_fn=_collate_fn(dataset),
+        collate_fn=collate_fn_of(dataset),
         pin_memory=device.type == "cuda",
         worker_init_fn=streaming.loader_worker_init,
     )
@@ -157,7 +157,7 @@ def eval_batches(dataset: Dataset, batch_size: int, rank: int, world: int, limit
     if is_stream(dataset):
         from torch.utils.data import default_collate
 
-        collate = _collate_fn(dataset) or default_collate
+        collate = collate_fn_of(dataset) or default_collate
         mine = streaming.eval_batches(dataset, batch_size, rank, world, n, collate)
         first = lambda: next(streaming.eval_batches(dataset, batch_size, 0, 1, 1, collate))  # noqa: E731
     else:

@@ -172,7 +172,8 @@ def find_batch_size(cfg: DictConfig, run_dir: Path) -> int | None:
     say = print if be.is_main else (lambda *a, **k: None)
     done = False
     try:
-        limit = min(opts.max_batch_size, len(trainer.data.train))
+        train = trainer.data.train  # (a stream without a length: tune.max_batch_size bounds it alone)
+        limit = opts.max_batch_size if not hasattr(train, "__len__") else min(opts.max_batch_size, len(train))
         best, size, failed = None, 1, None
         while size <= limit:
             ok, peak, why = _trial(trainer, size, opts.memory_mb)
@@ -190,9 +191,9 @@ def find_batch_size(cfg: DictConfig, run_dir: Path) -> int | None:
             raise ConfigError(f"not even data.batch_size=1 fits ({'; '.join(f'rank {r}: {w}' for r, w in failed[1])}). "
                               "Raise tune.memory_mb, or make the model or data.seq_len smaller.")
         if be.is_main:
+            split = f" or the training split's {len(train)} samples" if hasattr(train, "__len__") else ""
             why = (f"{failed[0]} does not" if failed else
-                   f"the largest tried: tune.max_batch_size={opts.max_batch_size} or the training split's "
-                   f"{len(trainer.data.train)} samples")
+                   f"the largest tried: tune.max_batch_size={opts.max_batch_size}{split}")
             _report(opts, f"data.batch_size={best}", f"the largest micro-batch that fits on every rank ({why})")
         done = True
         return best
@@ -204,21 +205,32 @@ def _trial(trainer, size: int, budget_mb: float | None) -> tuple[bool, float, st
     """One training step's worth of memory on a micro-batch of `size` samples: forward, backward (without gradient
     sync: no collective to hang in) and the optimizer's update. (fits, peak MB, why not)."""
     import gc
+    import itertools
 
     import torch
+    from torch.utils.data import default_collate
 
-    from trainer.data.sampling import in_process_batches
+    from trainer.data.sampling import collate_fn_of, in_process_batches
     from trainer.parallel.hardware import peak_memory_mb
     from trainer.task import split_loss
 
     be, model, opt = trainer.backend, trainer.model, trainer.optimizer
-    n = len(trainer.data.train)
-    start = (be.rank * size) % n
-    indices = [(start + i) % n for i in range(size)]
+    train = trainer.data.train
+    if isinstance(train, torch.utils.data.IterableDataset):  # a stream: its first samples (it has no indices)
+        samples = list(itertools.islice(iter(train), size))
+        if not samples:
+            raise ConfigError("the training stream yields no sample, so no batch size can be tried: check data.path.")
+        samples = (samples * (size // len(samples) + 1))[:size]  # (a stream shorter than the size: repeated)
+        sampled = iter([samples])
+        read = (collate_fn_of(train) or default_collate)
+    else:
+        n = len(train)
+        start = (be.rank * size) % n
+        sampled, read = iter([[(start + i) % n for i in range(size)]]), None
     if be.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(be.device)
     try:
-        batch = be.to_device(next(in_process_batches(trainer.data.train, iter([indices]))))
+        batch = be.to_device(read(next(sampled)) if read else next(in_process_batches(train, sampled)))
         with trainer.strategy.no_sync(model, enabled=True), trainer.precision.autocast():
             loss, _ = split_loss(trainer.task.loss(model, batch))
         trainer.precision.backward(loss / max(float(trainer.task.num_targets(batch)), 1.0))
