@@ -415,6 +415,7 @@ def test_a_machine_default_environment_variable_is_saved_and_reaches_runs(tmp_pa
     ("outputs=FILE/runs", "FILE is not a directory"),
     # What a run checks later, once it builds its trackers (every run would stop there).
     ("logger=wandb logger.wandb.mode=ofline", "logger.wandb.mode='ofline' is invalid"),
+    ("callbacks=early_stopping callbacks.early_stopping.patience=-1", "patience=-1 is invalid"),  # (and callbacks')
     ("world=deepspeed world.stage=7", "world.stage=7 is invalid"),  # (the strategy's own checks too)
 ])
 def test_a_machine_default_mistake_writes_nothing(tmp_path, monkeypatch, setting, says):

@@ -199,8 +199,9 @@ def home_for(overrides: list[str]) -> tuple[list[str], str | None]:
 
 
 def check(text: str):
-    """Compose a run with `text` as the machine's defaults, in a scratch config dir, and build its trackers (whose
-    constructors check their settings and start nothing: logger.wandb.mode=ofline, saved, would stop every run):
+    """Compose a run with `text` as the machine's defaults, in a scratch config dir, and build its trackers and
+    callbacks (whose constructors check their settings and start nothing: logger.wandb.mode=ofline or
+    callbacks.early_stopping.patience=-1, saved, would stop every run):
     a mistake is a ConfigError before anything is written. Returns the composed config."""
     import tempfile
 
@@ -215,6 +216,9 @@ def check(text: str):
             for node in (cfg.get("logger") or {}).values():
                 if node is not None:
                     build_node("logger", node, run_dir=scratch)
+            for name, node in (cfg.get("callbacks") or {}).items():  # (their constructors check their settings)
+                if node is not None:
+                    build_node(f"callbacks.{name}", node)
     return cfg
 
 
