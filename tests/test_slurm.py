@@ -194,6 +194,19 @@ def test_a_submitit_sweep_of_the_run_s_length_reordered_continues_each_points_ow
 
 
 @needs_submitit
+def test_a_failed_submitit_point_is_its_own_paragraph_and_exit_code(corpus, tmp_path):
+    """A point that a submitit launcher ran and that failed was submitit's UncompletedJobError, printed by Hydra as a
+    traceback with exit 1 (the point's own paragraph inside it; a NaN's exit 3 and a preemption's 75 lost)."""
+    r = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5",
+                *tiny_overrides(corpus, "trainer.max_steps=3"), "optim=sgd", "scheduler.warmup_steps=0",
+                "optim.lr=1e9", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path, timeout=300)
+    assert r.returncode == 3, r.stdout + r.stderr  # (NonFiniteError's, as under the basic launcher)
+    assert "Traceback" not in r.stderr and "UncompletedJobError" not in r.stderr, r.stderr
+    assert r.stderr.startswith("error: non-finite") and "(the point ran as submitit job" in r.stderr, r.stderr
+    assert "(exit 3)" not in r.stderr
+
+
+@needs_submitit
 def test_a_submitit_launcher_misspelt_is_named_not_sent_to_install_it(tmp_path):
     from test_errors import assert_clean_error
 

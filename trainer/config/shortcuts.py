@@ -101,6 +101,7 @@ class Precomposed:
     the working directory (Hydra records it in `hydra.runtime.cwd`)."""
 
     mode: Any = None
+    launcher: str = ""  # hydra.launcher._target_ (a sweep's too)
     overrides: list[str] | None = None
     config: DictConfig | None = None
     sources: list[tuple[str, str, str]] | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,6 +69,7 @@ def precheck(argv: list[str]):
         for overrides in jobs:
             cfg, sources = compose_with_hydra(overrides, args.config_dir, sources=True)
             known.mode = cfg.hydra.mode
+            known.launcher = str(OmegaConf.select(cfg, "hydra.launcher._target_", default="") or "")
             if not args.multirun:  # (a sweep's jobs are composed by its sweeper, from other overrides)
                 known.overrides, known.config = list(overrides), copy.deepcopy(cfg)
                 known.sources, known.cwd = sources, os.getcwd()
@@ -279,8 +281,52 @@ def write_hydra_records(records: list[tuple[Path, str]], hydra_dir: Path, run_di
 
 
 # -- the Hydra task ----------------------------------------------------------------------------------
+# A line a point run by submitit ends its error stream with, saying its exit code (submitit keeps only the stream).
+_SUBMITIT_EXIT = re.compile(r"^\(exit (\d+)\)$")
+
+
 def run_job(cfg: DictConfig) -> float | None:
     """Hydra's task function: record the (already checked) config, then train here or launch workers."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        return _run_job(cfg)
+    except SystemExit as e:
+        if e.code not in (0, None) and "submitit" in str(HydraConfig.get().launcher.get("_target_", "")):
+            print(f"(exit {e.code if isinstance(e.code, int) else 1})", file=sys.stderr, flush=True)
+        raise
+
+
+def submitit_failures_as_exits() -> None:
+    """A sweep's point that a submitit launcher ran and that failed: its own paragraph and exit code, as under the
+    basic launcher. Submitit raised UncompletedJobError in this process with the job's error stream inside, and
+    Hydra printed it as a traceback (exit 1: a NaN's 3 and a preemption's 75 were lost)."""
+    try:
+        from submitit.core import core, utils
+    except ImportError:
+        return
+    results = core.Job.results
+    if getattr(results, "trainer_exits", False):
+        return
+
+    def reported(self):
+        try:
+            return results(self)
+        except utils.UncompletedJobError as e:
+            stream = str(e).split("Error stream produced:", 1)[-1]
+            lines = [line for line in stream.splitlines()
+                     if line.strip() and not line.startswith(("submitit ", "-" * 10))]
+            codes = [int(m.group(1)) for line in lines if (m := _SUBMITIT_EXIT.match(line.strip()))]
+            print("\n".join(line for line in lines if not _SUBMITIT_EXIT.match(line.strip())), file=sys.stderr)
+            print(f"(the point ran as submitit job {self.job_id}; its logs are in {Path(self.paths.stderr).parent})",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(codes[-1] if codes else 1) from None
+
+    reported.trainer_exits = True
+    core.Job.results = reported
+
+
+def _run_job(cfg: DictConfig) -> float | None:
     import json
 
     from hydra.core.hydra_config import HydraConfig
@@ -614,6 +660,8 @@ def _compose_and_run(argv: list[str]) -> None:
             sys.exit(err.exit_code)
         import hydra
 
+        if "submitit" in known.launcher:
+            submitit_failures_as_exits()
         sys.argv = [sys.argv[0], *argv]
         with precomposed_reused(known), hydra_records_deferred():
             hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base="1.3")(run_job)()
