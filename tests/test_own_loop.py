@@ -337,7 +337,7 @@ def test_load_state_of_a_step_name_save_state_did_not_write_or_of_a_file_is_refu
     assert saved.name == "step_00000005"
     with pytest.raises(UserError, match=r"there is no such checkpoint. The checkpoint of step 5 is .*step_00000005"):
         rt.load_state(tmp_path / "ck" / "step_5")
-    with pytest.raises(UserError, match="there is no such checkpoint. Pass one that exists"):
+    with pytest.raises(UserError, match=r"there is no such checkpoint\. \S+ holds step_00000005\. Pass one that exists"):
         rt.load_state(tmp_path / "ck" / "step_7")
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(UserError, match="is a file: pass a checkpoint save_state wrote"):

@@ -147,14 +147,13 @@ def check_choices(cfg: DictConfig, overrides: list[str], config_dir: str | None)
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(overrides)
-    from trainer.config.schema import LIST_GROUPS
-
     for o in parsed:  # world=[single,ddp]: Hydra merges both options, the last one's keys winning, without a word
-        if (isinstance(o.value(), list) and len(o.value()) > 1 and not o.is_delete() and o.key_or_group not in LIST_GROUPS
-                and "." not in o.key_or_group and group_options(o.key_or_group)):
+        if (isinstance(o.value(), list) and len(o.value()) > 1 and not o.is_delete()
+                and o.key_or_group not in _config.LIST_GROUPS and "." not in o.key_or_group
+                and group_options(o.key_or_group)):
             group, options = o.key_or_group, ",".join(map(str, o.value()))
             raise ConfigError(f"{group}=[{options}] chooses several options of {group}, which takes one (only "
-                              f"{', '.join(LIST_GROUPS)} take a list): pick one ({group}={o.value()[-1]}), or compare "
+                              f"{', '.join(_config.LIST_GROUPS)} take a list): pick one ({group}={o.value()[-1]}), or compare "
                               f"them in a sweep: python -m trainer -m {group}={options} ...")
     dotted = {o.key_or_group for o in parsed if "." in o.key_or_group}
     chosen = [(o.key_or_group, o.value()) for o in parsed

@@ -293,7 +293,7 @@ def validate(cfg: DictConfig) -> None:
         if not (isinstance(resume, str) and Path(resume).expanduser().is_dir()):
             raise ConfigError(f"resume={resume!r} does not exist (or is not a directory): pass auto, null, or the "
                               "path of a checkpoint (RUN_DIR/checkpoints/step_N), a checkpoints/ dir or a run dir."
-                              + (_checkpoints_beside(Path(resume).expanduser()) if isinstance(resume, str) else ""))
+                              + (checkpoints_beside(Path(resume).expanduser()) if isinstance(resume, str) else ""))
     _validate_data(cfg.data)
     _validate_finetune(cfg.get("finetune"))
     for name, node in per_part(cfg.optim).items():
@@ -307,7 +307,7 @@ def validate(cfg: DictConfig) -> None:
            "nor evaluate a run that started from them: use world=ddp, world=fsdp or world.tp for it.")
 
 
-def _checkpoints_beside(path) -> str:
+def checkpoints_beside(path) -> str:
     """For a `resume=` that is not there: the checkpoint it meant (`step_15` is written `step_00000015`), or those
     its directory holds."""
     import re

@@ -732,10 +732,10 @@ class Runtime:
         path = Path(path)
         numbered = re.fullmatch(r"step_([0-9]+)", path.name)  # (save_state names them step_00000005: 8 digits)
         if (step_of(path) >= 0 or numbered) and not path.is_dir():
-            padded = path.parent / f"step_{int(numbered.group(1)):08d}" if numbered else None
-            hint = (f" The checkpoint of step {int(numbered.group(1))} is {padded}." if padded and padded.is_dir()
-                    else "")
-            raise UserError(f"rt.load_state({str(path)!r}): there is no such checkpoint.{hint} Pass one that exists, "
+            from trainer.config.schema import checkpoints_beside
+
+            raise UserError(f"rt.load_state({str(path)!r}): there is no such checkpoint.{checkpoints_beside(path)} "
+                            f"Pass one that exists, "
                             f"or its directory ({path.parent}) for the newest there (None when there is none yet).")
         if path.exists() and not path.is_dir():
             raise UserError(f"rt.load_state({str(path)!r}) is a file: pass a checkpoint save_state wrote (a step_* "
