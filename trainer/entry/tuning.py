@@ -221,16 +221,19 @@ def _trial(trainer, size: int, budget_mb: float | None) -> tuple[bool, float, st
         if not samples:
             raise ConfigError("the training stream yields no sample, so no batch size can be tried: check data.path.")
         samples = (samples * (size // len(samples) + 1))[:size]  # (a stream shorter than the size: repeated)
-        sampled = iter([samples])
-        read = (collate_fn_of(train) or default_collate)
+
+        def take():
+            return (collate_fn_of(train) or default_collate)(samples)
     else:
-        n = len(train)
-        start = (be.rank * size) % n
-        sampled, read = iter([[(start + i) % n for i in range(size)]]), None
+        start = (be.rank * size) % len(train)
+        indices = [(start + i) % len(train) for i in range(size)]
+
+        def take():
+            return next(in_process_batches(train, iter([indices])))
     if be.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(be.device)
     try:
-        batch = be.to_device(read(next(sampled)) if read else next(in_process_batches(train, sampled)))
+        batch = be.to_device(take())
         with trainer.strategy.no_sync(model, enabled=True), trainer.precision.autocast():
             loss, _ = split_loss(trainer.task.loss(model, batch))
         trainer.precision.backward(loss / max(float(trainer.task.num_targets(batch)), 1.0))
