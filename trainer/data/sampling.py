@@ -83,16 +83,16 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
 
 def collate_fn_of(dataset: Dataset):
-    # A dataset that batches itself (via __getitems__) says how to collate with a `collate_fn`
-    # attribute; otherwise torch's default_collate stacks samples.
-    return getattr(dataset, "collate_fn", None)
+    """How `dataset`'s samples make a batch: its own `collate_fn` attribute (a dataset that batches itself, via
+    __getitems__, says so), else torch's default_collate, which stacks them (DataLoader's own default)."""
+    from torch.utils.data import default_collate
+
+    return getattr(dataset, "collate_fn", None) or default_collate
 
 
 def in_process_batches(dataset: Dataset, batch_sampler) -> Iterator[Any]:
     """What a DataLoader with num_workers=0 yields, without its per-batch bookkeeping (~30 us a step)."""
-    from torch.utils.data import default_collate
-
-    collate = collate_fn_of(dataset) or default_collate
+    collate = collate_fn_of(dataset)
     getitems = getattr(dataset, "__getitems__", None)
     for indices in batch_sampler:
         yield collate(getitems(indices) if getitems else [dataset[i] for i in indices])
@@ -103,10 +103,7 @@ def train_loader(dataset: Dataset, sampler: GlobalBatchSampler | StreamLayout, n
     """This rank's micro-batches from `sampler`'s position on: a map-style dataset's by index, a stream's read by
     its readers (`resume`: the checkpoint's stream position, see trainer/data/streaming.py)."""
     if isinstance(sampler, StreamLayout):
-        from torch.utils.data import default_collate
-
-        return streaming.StreamBatches(dataset, sampler, num_workers, device, seed, resume,
-                                       collate_fn_of(dataset) or default_collate)
+        return streaming.StreamBatches(dataset, sampler, num_workers, device, seed, resume, collate_fn_of(dataset))
     if num_workers == 0:
         batches = in_process_batches(dataset, sampler)
         if device.type != "cuda":
@@ -155,9 +152,7 @@ def eval_batches(dataset: Dataset, batch_size: int, rank: int, world: int, limit
     collectives). A val stream (it has __len__: see config/instantiate.py's build_data) is read from its start at every eval."""
     n = len(dataset) if limit is None else min(limit, len(dataset))
     if is_stream(dataset):
-        from torch.utils.data import default_collate
-
-        collate = collate_fn_of(dataset) or default_collate
+        collate = collate_fn_of(dataset)
         mine = streaming.eval_batches(dataset, batch_size, rank, world, n, collate)
         first = lambda: next(streaming.eval_batches(dataset, batch_size, 0, 1, 1, collate))  # noqa: E731
     else:

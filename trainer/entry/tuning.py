@@ -208,7 +208,6 @@ def _trial(trainer, size: int, budget_mb: float | None) -> tuple[bool, float, st
     import itertools
 
     import torch
-    from torch.utils.data import default_collate
 
     from trainer.data.sampling import collate_fn_of, in_process_batches
     from trainer.parallel.hardware import peak_memory_mb
@@ -223,7 +222,7 @@ def _trial(trainer, size: int, budget_mb: float | None) -> tuple[bool, float, st
         samples = (samples * (size // len(samples) + 1))[:size]  # (a stream shorter than the size: repeated)
 
         def take():
-            return (collate_fn_of(train) or default_collate)(samples)
+            return collate_fn_of(train)(samples)
     else:
         start = (be.rank * size) % len(train)
         indices = [(start + i) % len(train) for i in range(size)]
