@@ -433,6 +433,16 @@ def test_guidance_runs_two_velocities_per_step(task):
     assert Diffusion(num_samples=0).sample(Count(), CPU) == {}
 
 
+def test_a_negative_or_fractional_sample_count_is_refused_by_both_image_tasks():
+    """task.num_samples=-1 sampled nothing, and `sample` exited 0 as if the user had asked for no output."""
+    from trainer.errors import ConfigError
+    from trainer.recipes.gan.task import GANTask
+
+    for task, value in ((Diffusion, -1), (GANTask, -3), (Diffusion, 2.5), (GANTask, True)):
+        with pytest.raises(ConfigError, match=f"task.num_samples={value!r} must be an integer >= 0"):
+            task(num_samples=value)
+
+
 # -- a short fit ---------------------------------------------------------------------------------------
 
 

@@ -212,6 +212,9 @@ def test_a_missing_task_state_that_the_export_lists_is_one_paragraph(diffusion_r
     # (a TypeError from inside the sampling; training checks the same key's type before it starts)
     assert_clean_error(run_main("sample", str(diffusion_reference), "task.num_samples=abc", cwd=tmp_path),
                        "task.num_samples='abc' is invalid: expected an integer")
+    # (a negative count sampled nothing and exited 0)
+    assert_clean_error(run_main("sample", str(diffusion_reference), "task.num_samples=-1", cwd=tmp_path),
+                       "task.num_samples=-1 must be an integer >= 0")
     # (eval reads a checkpoint, which holds the task's state itself)
     assert run_main("eval", str(run), cwd=tmp_path).returncode == 0
 

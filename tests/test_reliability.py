@@ -515,6 +515,18 @@ def test_a_preemption_right_after_a_periodic_save_does_not_save_that_step_again(
         trainer.backend.teardown()
 
 
+def test_a_second_stop_signal_does_not_rename_the_first():
+    """SLURM sends SIGUSR1 as its notice, then SIGTERM at the deadline: the run said it was stopped by SIGTERM."""
+    import signal
+
+    from trainer.loop.preemption import PreemptionFlag
+
+    flag = PreemptionFlag()
+    flag._handler(signal.SIGUSR1, None)
+    flag._handler(signal.SIGTERM, None)
+    assert (flag.requested, flag.signum) == (True, signal.SIGUSR1)
+
+
 def test_a_checkpoint_file_truncated_while_it_is_read_is_an_error_not_sigbus(tmp_path):
     """Checkpoint files used to be mapped: a shard truncated after its checks and before its tensors were copied
     out killed the process with SIGBUS. Now each rank reads the byte ranges it uses, and a short read is one

@@ -407,7 +407,7 @@ def test_a_machine_default_environment_variable_is_saved_and_reaches_runs(tmp_pa
 @pytest.mark.parametrize("setting, says", [
     ("precision=bf61", "precision=bf61 is not an option"),
     ("recipe=diffusion", "recipe is the recipe's to choose"),
-    ("world.nproc_per_nod=2", "Did you mean nproc_per_node?"),
+    ("world.nproc_per_nod=2", "Did you mean world.nproc_per_node=2?"),
     ("hydra.run.dir=one_dir", "other hydra.* settings are not saved"),  # (every later run in one dir)
     ("hydra.mode=MULTIRUN", "other hydra.* settings are not saved"),  # (every later run a sweep)
     ("hydra.job.env_set.WANDB_API_KEY=abcdef123", "a secret is not saved in the machine's defaults"),
@@ -417,6 +417,10 @@ def test_a_machine_default_environment_variable_is_saved_and_reaches_runs(tmp_pa
     ("logger=wandb logger.wandb.mode=ofline", "logger.wandb.mode='ofline' is invalid"),
     ("callbacks=early_stopping callbacks.early_stopping.patience=-1", "patience=-1 is invalid"),  # (and callbacks')
     ("world=deepspeed world.stage=7", "world.stage=7 is invalid"),  # (the strategy's own checks too)
+    # An unknown key is named as a run names it (Hydra blamed the file's `# @package _global_` header), without
+    # the run's `+KEY=VALUE` way out, which `config` does not take.
+    ("optim.lrr=1e-3", "unknown config key 'optim.lrr'. Did you mean optim.lr=1e-3?"),
+    ("foo.bar=1", "unknown config key 'foo.bar'. The config has no 'foo'."),
 ])
 def test_a_machine_default_mistake_writes_nothing(tmp_path, monkeypatch, setting, says):
     from conftest import run_here
@@ -427,6 +431,7 @@ def test_a_machine_default_mistake_writes_nothing(tmp_path, monkeypatch, setting
     r = run_here("config", *setting.split(), cwd=tmp_path)
     assert "abcdef123" not in r.stdout + r.stderr  # (the secret's value is not shown either)
     assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert "package" not in r.stderr and "on purpose" not in r.stderr
     assert not (tmp_path / "home" / "machine" / "default.yaml").exists()
 
 

@@ -192,6 +192,9 @@ class Diffusion:
         if guidance and not label_dropout:
             raise ConfigError(f"task.guidance={guidance} needs task.label_dropout > 0 (e.g. 0.1): without it the "
                               "model never learns the unconditional velocity that guidance subtracts.")
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 0:
+            raise ConfigError(f"task.num_samples={num_samples!r} must be an integer >= 0 (0: no samples at eval; "
+                              "64 is the default).")
         if sample_steps < 1:
             raise ConfigError(f"task.sample_steps={sample_steps} must be at least 1 (32 is the default).")
         self.num_samples, self.sample_steps, self.guidance, self.seed = num_samples, sample_steps, guidance, seed

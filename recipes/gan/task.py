@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from trainer import noise
+from trainer.errors import ConfigError
 from trainer.parallel import unwrap
 from trainer.recipes.diffusion.task import (
     THRESHOLD_QUANTILE,
@@ -26,6 +27,9 @@ class GANTask:
     target_unit = "images"
 
     def __init__(self, num_samples: int = 40, seed: int = 0):
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 0:
+            raise ConfigError(f"task.num_samples={num_samples!r} must be an integer >= 0 (0: no samples at eval; "
+                              "40 is the default).")
         self.num_samples, self.seed = num_samples, seed
         self.train_images = self.train_labels = None
         self.threshold = self.reference = float("nan")

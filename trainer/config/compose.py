@@ -338,7 +338,9 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
         # The sections the framework reads itself take no key of one's own (schema._known_keys refuses it).
         own = ("" if parent in ("trainer", "checkpoint", "ema") else
                f" To add a new key on purpose, write +{key}=VALUE.")
-        keys = f"Valid keys {where}: {', '.join(sorted(valid))}." if valid else f"'{parent}' has no keys yet."
+        keys = (f"Valid keys {where}: {', '.join(sorted(valid))}." if valid else
+                f"The config has no '{parent}'." if composed is not None and node is None else
+                f"'{parent}' has no keys yet.")
         return ConfigError(f"unknown config key '{key}'.{elsewhere}{did_you_mean(key, value, composed)} {keys}{own}")
     if full_key and cause is not exc:
         first = str(cause).splitlines()[0]

@@ -222,6 +222,20 @@ def check(text: str):
     return cfg
 
 
+def _check_as_a_command_line(overrides: list[str]) -> None:
+    """Compose `overrides` (outputs= aside) as a run's command line, without machine defaults: a ConfigError naming
+    the key and the valid ones when they hold a mistake."""
+    import tempfile
+
+    from trainer.config.compose import load
+
+    with tempfile.TemporaryDirectory(prefix="trainer-config-") as scratch, config_home(scratch):
+        try:
+            load([o for o in overrides if o.split("=", 1)[0] != "outputs"])
+        except ConfigError as e:  # (a run's `+KEY=VALUE` for a key of one's own is not a machine default)
+            raise ConfigError(str(e).split(" To add a new key on purpose")[0]) from None
+
+
 @contextlib.contextmanager
 def config_home(path: str | None) -> Iterator[None]:
     """$TRAINER_CONFIG_HOME set to `path` for what composes inside (None: as it is), then put back."""
@@ -255,7 +269,12 @@ def config(argv: list[str]) -> int:
             print(f"no machine defaults to remove ({path} does not exist).")
         return 0
     text = render(argv)
-    notes = host_notes(argv, check(text))
+    try:
+        cfg = check(text)
+    except ConfigError:
+        _check_as_a_command_line(argv)  # names the key, as a run would (Hydra blames the file: "In 'machine/default'")
+        raise
+    notes = host_notes(argv, cfg)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, text)

@@ -19,7 +19,9 @@ class PreemptionFlag:
         self._previous = {}
 
     def _handler(self, signum, frame):
-        self.requested, self.signum = True, signum
+        # The first signal is the one to name: a scheduler's SIGUSR1 notice followed by its SIGTERM is one preemption.
+        if not self.requested:
+            self.requested, self.signum = True, signum
 
     @property
     def installed(self) -> bool:
