@@ -541,6 +541,21 @@ def test_the_lr_range_test_suggests_an_lr_in_its_range(tmp_path):
     assert len(losses) >= 4 and min(losses) < losses[0]  # it learned somewhere in the sweep
 
 
+def test_the_lr_range_test_scales_an_optimizers_other_rates_as_it_tested_them(tmp_path):
+    """optim=muon's AdamW group (optim.adamw_lr) rose with optim.lr during the test, but only optim.lr was
+    suggested: the run then paired the picked Muon rate with the old AdamW rate, a point the test never tried."""
+    from conftest import run_here
+
+    r = run_here("tune", "lr", "debug=smoke", "optim=muon", "optim.lr=0.005", "optim.adamw_lr=1e-3",
+                 "tune.steps=10", f"save={tmp_path / 'lr.txt'}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lr, adamw_lr = re.search(r"^optim.lr=(\S+) optim.adamw_lr=(\S+): where", r.stdout, re.M).groups()
+    assert adamw_lr == f"{float(lr) * 1e-3 / 0.005:.3g}"  # (their ratio in the test: 1e-3 / 0.005)
+    assert (tmp_path / "lr.txt").read_text() == f"optim.lr={lr} optim.adamw_lr={adamw_lr}\n"
+    # (each key once in the command to run)
+    assert f"Run with: python -m trainer debug=smoke optim=muon optim.lr={lr} optim.adamw_lr={adamw_lr}\n" in r.stdout
+
+
 @pytest.mark.slow
 def test_the_lr_range_test_is_the_same_on_two_ranks(corpus, tmp_path):
     """World size is a performance knob here too: 2 ranks x batch 4 see the curve 1 rank x batch 8 sees."""

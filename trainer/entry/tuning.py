@@ -194,7 +194,7 @@ def find_batch_size(cfg: DictConfig, run_dir: Path) -> int | None:
             split = f" or the training split's {len(train)} samples" if hasattr(train, "__len__") else ""
             why = (f"{failed[0]} does not" if failed else
                    f"the largest tried: tune.max_batch_size={opts.max_batch_size}{split}")
-            _report(opts, f"data.batch_size={best}", f"the largest micro-batch that fits on every rank ({why})")
+            _report(opts, [f"data.batch_size={best}"], f"the largest micro-batch that fits on every rank ({why})")
         done = True
         return best
     finally:
@@ -316,21 +316,27 @@ def find_lr(cfg: DictConfig, run_dir: Path) -> float | None:
                 print(f"lr={tried[j]:.3g}  loss={smooth[j]:.4f}", flush=True)
             ended = ("the loss diverged past lr=" f"{tried[-1]:.3g}") if len(tried) < len(lrs) else \
                 f"it ran up to tune.max_lr={opts.max_lr}"
-            _report(opts, f"optim.lr={tried[pick]:.3g}",
-                    f"where the loss fell fastest; it was lowest at lr={tried[lowest]:.3g}, and {ended}")
+            # An optimizer's other rates (optim=muon's adamw_lr) rose with optim.lr in the test: keep their ratio.
+            others = [f"optim.{k}={float(v) * tried[pick] / base:.3g}" for k, v in cfg.optim.items()
+                      if str(k).endswith("_lr") and isinstance(v, (int, float)) and not isinstance(v, bool)]
+            scaled = f" ({', '.join(o.split('=')[0] for o in others)} scaled with it, as in the test)" if others else ""
+            _report(opts, [f"optim.lr={tried[pick]:.3g}", *others],
+                    f"where the loss fell fastest{scaled}; it was lowest at lr={tried[lowest]:.3g}, and {ended}")
         done = True
         return tried[pick]
     finally:
         trainer.backend.teardown(wait_for_peers=done)
 
 
-def _report(opts: DictConfig, override: str, why: str) -> None:
-    """The result as an override, the command that uses it, and the file `save=PATH` asked for."""
+def _report(opts: DictConfig, overrides: list[str], why: str) -> None:
+    """The result as overrides, the command that uses them, and the file `save=PATH` asked for."""
     from trainer.io import atomic_write_text
 
-    kept = [o for o in opts.overrides if not o.startswith(override.split("=", 1)[0] + "=")]
+    keys = {o.split("=", 1)[0] for o in overrides}
+    kept = [o for o in opts.overrides if o.split("=", 1)[0] not in keys]
     config_dir = ["--config-dir", opts.config_dir] if opts.get("config_dir") else []
-    print(f"{override}: {why}. Run with: {shlex.join(['python', '-m', 'trainer', *config_dir, *kept, override])}",
+    override = " ".join(overrides)
+    print(f"{override}: {why}. Run with: {shlex.join(['python', '-m', 'trainer', *config_dir, *kept, *overrides])}",
           flush=True)
     if opts.save:
         atomic_write_text(Path(opts.save), override + "\n")
