@@ -266,6 +266,12 @@ def test_a_logger_dir_holding_another_runs_events_is_refused_before_anything_mov
     (tb / OWNER).write_text(str((tmp_path / "a").resolve()))
     TensorBoardLogger(run_dir=tmp_path / "a", dir=str(tb))  # its own run: a rerun or resume goes on
 
+    # Another run's own dir (no events in it yet) took this run's events and owner file beside that run's files.
+    r = run_cli(*tiny_overrides(corpus, "logger=tensorboard", f"logger.tensorboard.dir={tmp_path / 'a'}"),
+                f"hydra.run.dir={tmp_path / 'c'}")
+    assert r.returncode == 2 and f"it is another run's dir ({tmp_path / 'a' / 'run_info.json'} is there)" in r.stderr
+    assert not (tmp_path / "c").exists() and not list((tmp_path / "a").glob("events.out.tfevents.*"))
+
 
 def test_without_tensorboard_the_error_says_how_to_install_it(corpus, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` now raises ImportError

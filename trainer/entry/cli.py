@@ -177,12 +177,24 @@ def check_logger_dirs(cfg: DictConfig) -> None:
             continue
         if given is None:
             continue
-        why = "it is empty: it would be the current directory" if not str(given).strip() else \
-            unwritable(Path(str(given)).expanduser())
+        path = Path(str(given)).expanduser()
+        why = "it is empty: it would be the current directory" if not str(given).strip() else unwritable(path)
+        if not why and (path / "run_info.json").is_file() and not _is_this_run(path, cfg):
+            why = (f"it is another run's dir ({path / 'run_info.json'} is there): this run's tracker files would mix "
+                   "with that run's files")
         if why:
-            raise ConfigError(f"logger.{name}.dir={given} cannot be used: {why}. Give the tracker a directory it "
-                              f"can write (logger.{name}.dir=DIR), or leave it out to write inside the run dir. "
+            raise ConfigError(f"logger.{name}.dir={given} cannot be used: {why}. Give the tracker a directory of its "
+                              f"own that it can write (logger.{name}.dir=DIR), or leave it out to write inside the run dir. "
                               "Nothing was written.")
+
+
+def _is_this_run(path: Path, cfg: DictConfig) -> bool:
+    """Whether `path` is the dir this (single) run will run in: the dir of its own earlier attempt."""
+    try:
+        run_dir = OmegaConf.select(cfg, "hydra.run.dir", throw_on_missing=True)
+    except Exception:  # noqa: BLE001 - (an interpolation only Hydra's runtime resolves: the default timestamped dir)
+        return False
+    return run_dir is not None and Path(str(run_dir)).expanduser().resolve() == path.resolve()
 
 
 def check_weights_outside(cfg: DictConfig, run_dir: Path) -> None:
