@@ -136,6 +136,8 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
     (["+optim.lr=1"], ["+optim.lr=1: optim.lr is already in the config", "Set it without the `+`: optim.lr=1."]),
     (["~trainer"], ["the `trainer` settings were removed (~trainer)"]),  # (omegaconf's traceback, the run dir left)
     (["~ema"], ["the `ema` settings were removed (~ema)"]),
+    # A top-level key of one's own that nothing reads, named as a section's setting: trained at the default lr.
+    (["+lr=1e-3"], ["+lr=1e-3 adds a top-level key of its own, which nothing reads", "Set it there: optim.lr=1e-3."]),
 ])
 def test_config_mistakes(tmp_path, args, needles):
     # Most mistakes end before Hydra writes anything: checked in this process (`run_main`, the same
@@ -144,6 +146,21 @@ def test_config_mistakes(tmp_path, args, needles):
     r = (run_here if inside_the_job else run_main)(*args, "hydra.run.dir=run", cwd=tmp_path)
     assert_clean_error(r, *needles)
     assert list(tmp_path.iterdir()) == []  # no run dir, no half-written files
+
+
+def test_a_top_level_key_of_ones_own_is_taken_when_something_reads_it_or_it_names_no_setting():
+    from omegaconf import OmegaConf
+
+    from trainer.config.compose import check_top_level_adds
+    from trainer.errors import ConfigError
+
+    cfg = {"optim": {"lr": 0.1}, "data": {"batch_size": 8}, "lr": 1e-3, "foo": 1}
+    check_top_level_adds(OmegaConf.create(cfg), ["+foo=1"])  # (no setting of that name: a key of one's own)
+    for reader in ({"hydra": {"run": {"dir": "runs/${lr}"}}}, {"data": {"batch_size": 8, "note": "${lr.x}"}}):
+        check_top_level_adds(OmegaConf.create({**cfg, **reader}), ["+lr=1e-3"])  # (read through an interpolation)
+    check_top_level_adds(OmegaConf.create(cfg), ["optim.lr=1e-3", "+data.x=1"])  # (not a top-level addition)
+    with pytest.raises(ConfigError, match=r"\+\+lr=1e-3 .* is optim.lr. Set it there"):  # (Hydra's ++ adds too)
+        check_top_level_adds(OmegaConf.create({**cfg, "data": {"note": "${optim.lr}"}}), ["++lr=1e-3"])
 
 
 def test_fp16_on_a_device_that_cannot_run_it():

@@ -130,6 +130,39 @@ def check_read(cfg: DictConfig, overrides: list[str], sweep: bool = False) -> li
     raise ConfigError(inert_message(given))
 
 
+def check_top_level_adds(cfg: DictConfig, overrides: list[str]) -> None:
+    """Refuse `+lr=1e-3`: a top-level key of one's own is read only through an interpolation (`${lr}`), so one that
+    none reads and that names a setting of a section (optim.lr) trained at the default in silence. `cfg` holds the
+    `hydra` node, whose interpolations (hydra.run.dir: runs/${name}) count as readers."""
+    tree = None
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if not key.startswith("+") or not _ or any(c in key for c in "./@"):
+            continue
+        given, key = key, key.lstrip("+")
+        if group_options(key):  # (+experiment=NAME chooses a config group's option)
+            continue
+        tree = OmegaConf.to_container(cfg, resolve=False) if tree is None else tree
+        if _interpolates(tree, key):
+            continue
+        named = [p for p in _leaf_paths(tree) if "." in p and not p.startswith("hydra.") and
+                 p.rpartition(".")[2] == key]
+        if named:
+            raise ConfigError(f"{given}={value} adds a top-level key of its own, which nothing reads (a key of one's "
+                              f"own is read only through an interpolation, ${{{key}}}), while the setting of that "
+                              f"name is {' or '.join(named)}. Set it there: {named[0]}={value}.")
+
+
+def _interpolates(tree, key: str) -> bool:
+    """Whether a string of the plain config tree `tree` reads the top-level `key` (`${key}`, `${key.x}`)."""
+    if isinstance(tree, dict):
+        return any(_interpolates(v, key) for v in tree.values())
+    if isinstance(tree, list):
+        return any(_interpolates(v, key) for v in tree)
+    return isinstance(tree, str) and "${" in tree and re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", tree) \
+        is not None
+
+
 def inert_message(given: list[str], where: str = "") -> str:
     return (f"{', '.join(given)}: the EMA is off (ema.enabled=false){where}, so {'these do' if len(given) > 1 else 'this does'} "
             "nothing. Add ema.enabled=true to keep an EMA of the weights (evaluated as val_ema/ and exported as "

@@ -22,6 +22,7 @@ from trainer.config.compose import (
     CONFIG_MODULE,
     check_choices,
     check_read,
+    check_top_level_adds,
     explain,
     inert_message,
     prepare,
@@ -76,6 +77,7 @@ def precheck(argv: list[str]):
             check_hydra_hooks(cfg)  # what Hydra itself builds before the job: callbacks, logging, env_set
             check_choices(cfg, overrides, args.config_dir)  # precision=bf16 that a recipe's inline node hides
             inert.append(check_read(cfg, overrides, sweep=args.multirun))  # ema.decay=0.99 with the EMA off
+            check_top_level_adds(cfg, overrides)  # +lr=1e-3, which nothing reads
             if not args.cfg:
                 check_output_dir(cfg, args.multirun)  # Hydra makes it before the job: a traceback there
                 check_logger_dirs(cfg)  # (found once the run dir was set up: an earlier run's files moved aside)
