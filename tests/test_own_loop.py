@@ -329,6 +329,36 @@ def test_rt_loader_refuses_bad_counts_an_empty_dataset_and_a_name_it_cannot_take
     assert rt.loader(data, batch_size=2) is rt.stateful["loader"] and rt.loader(data, np.int64(2)).batch_size == 2
 
 
+def test_a_loop_rolled_back_to_an_earlier_checkpoint_keeps_the_branch_it_leaves(tmp_path, capsys):
+    """rt.load_state(step 2) of checkpoints 2 and 4, then a save of step 4: the save replaced the abandoned branch's
+    step 4, and the rewind cut its metrics. A load alone (for an eval) moves nothing."""
+    import trainer
+
+    ck = tmp_path / "checkpoints"
+    rt = trainer.Runtime(run_dir=tmp_path)
+    model = rt.setup(nn.Linear(2, 2))
+    for step in (1, 2, 3, 4):
+        rt.log({"loss": float(step)}, step)
+        if step % 2 == 0:
+            rt.save_state(ck, step)
+    rt.end()
+    branch = (tmp_path / "metrics.jsonl").read_text()
+    old_4 = (ck / "step_00000004" / "model.safetensors").read_bytes()
+
+    rt = trainer.Runtime(run_dir=tmp_path)
+    model = rt.setup(nn.Linear(2, 2))
+    assert rt.load_state(ck / "step_00000002") == 2
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step_")) == ["step_00000002", "step_00000004"]
+    with torch.no_grad():
+        model.weight.add_(1.0)  # (another branch)
+    rt.save_state(ck, 4)
+    rt.end()
+    assert (tmp_path / "checkpoints.prev" / "step_00000004" / "model.safetensors").read_bytes() == old_4
+    assert (ck / "step_00000004" / "model.safetensors").read_bytes() != old_4
+    assert (tmp_path / "metrics.prev.jsonl").read_text() == branch
+    assert "the checkpoints written after it (step_00000004) are kept in" in capsys.readouterr().err
+
+
 def test_load_state_of_a_step_name_save_state_did_not_write_or_of_a_file_is_refused(rt, tmp_path):
     """save_state names checkpoints step_00000005; "step_5" was taken for a directory of checkpoints holding none,
     so `rt.load_state(...) or 0` restarted from step 0 without a word. Now it names the checkpoint meant."""

@@ -126,11 +126,16 @@ def test_resume_auto_follows_a_rollback_not_the_highest_step(corpus, tmp_path, r
     r = run_cli(*tiny_overrides(corpus, *SINGLE, "checkpoint.keep_last=3", "checkpoint.async_save=false"),
                 f"hydra.run.dir={tmp_path}", *faulty("sigkill", 9), env=FAULTY_ENV)
     assert r.returncode == -9 and checkpoints(tmp_path) == ["step_00000004", "step_00000008"]
+    branch = (tmp_path / "metrics.jsonl").read_text()
     # Roll back to step 4 and get preempted at step 6 (the newer step 8 is still on disk).
     r = run_cli(*tiny_overrides(corpus, *SINGLE, "checkpoint.keep_last=3"), f"hydra.run.dir={tmp_path}",
                 f"resume={tmp_path}/checkpoints/step_00000004", *faulty("sigterm", 2), env=FAULTY_ENV)
     assert r.returncode == 75, r.stderr
-    assert "step_00000004 is older than step_00000008" in r.stdout and "resume=auto now follows this run" in r.stdout
+    assert f"step_00000004 is older than step_00000008, written before this rollback: they are kept in {tmp_path}/" \
+        "checkpoints.prev" in r.stdout, r.stdout
+    # (the abandoned branch: its step 8 moved aside whole, its events kept beside this run's, which were cut at 4)
+    assert sorted(p.name for p in (tmp_path / "checkpoints.prev").iterdir()) == ["step_00000008"]
+    assert (tmp_path / "metrics.prev.jsonl").read_text() == branch and "step_00000008" not in checkpoints(tmp_path)
     train_in_process(corpus, tmp_path, *SINGLE, "checkpoint.keep_last=3", "resume=auto")
     events = read_metrics(tmp_path)
     assert [e["step"] for e in events if "train/loss" in e] == list(range(1, 13))  # 7-12 continue from 6
@@ -510,6 +515,24 @@ def test_a_resume_from_another_runs_checkpoint_keeps_this_run_dirs_own_attempt(c
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)  # A's run, continued exactly
 
 
+def test_a_rollback_keeps_the_branch_it_abandons_whole(corpus, tmp_path):
+    """A rollback (resume=PATH to step 4 of 8) with a new lr: the new branch's save of step 8 replaced the abandoned
+    branch's step 8 (rmtree), its metrics after step 4 were cut, and its config.yaml was replaced, though the
+    rollback said the newer checkpoints stay on disk. Now that branch is set aside whole, with one attempt number."""
+    args = ("trainer.max_steps=8", "checkpoint.every_n_steps=4", "checkpoint.keep_last=5")
+    train_in_process(corpus, tmp_path, *args)
+    old = {n: (tmp_path / n).read_bytes() for n in ("metrics.jsonl", "config.yaml", "checkpoints/best.json")
+           if (tmp_path / n).exists()}
+    old_step_8 = (tmp_path / "checkpoints" / "step_00000008" / "model.safetensors").read_bytes()
+    train_in_process(corpus, tmp_path, *args, "optim.lr=1e-2", f"resume={tmp_path}/checkpoints/step_00000004")
+    assert (tmp_path / "checkpoints.prev" / "step_00000008" / "model.safetensors").read_bytes() == old_step_8
+    assert (tmp_path / "checkpoints" / "step_00000008" / "model.safetensors").read_bytes() != old_step_8
+    assert (tmp_path / "metrics.prev.jsonl").read_bytes() == old["metrics.jsonl"]
+    assert (tmp_path / "config.prev.yaml").read_bytes() == old["config.yaml"]
+    assert (tmp_path / "export.prev" / "model.safetensors").exists()
+    assert [e["step"] for e in read_metrics(tmp_path) if "train/loss" in e] == list(range(1, 9))
+
+
 def test_a_rollback_holds_when_the_job_stops_before_its_first_checkpoint(corpus, tmp_path, capsys):
     """A rollback to step 4 killed before the new branch wrote a checkpoint: resume=auto went back to the abandoned
     step 8 (the most recently written), though the rollback had said resume=auto now follows the new branch."""
@@ -518,7 +541,7 @@ def test_a_rollback_holds_when_the_job_stops_before_its_first_checkpoint(corpus,
     first = load_weights(tmp_path / "model.safetensors")
     r = run_cli(*tiny_overrides(corpus, *args), f"hydra.run.dir={tmp_path}",
                 f"resume={tmp_path}/checkpoints/step_00000004", *faulty("sigkill", 2), env=FAULTY_ENV)
-    assert r.returncode == -9 and "resume=auto now follows this run" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == -9 and "older than step_00000008, written before this rollback" in r.stdout, r.stdout + r.stderr
     capsys.readouterr()
     train_in_process(corpus, tmp_path, *args, "resume=auto")
     assert f"resumed from {tmp_path}/checkpoints/step_00000004 at step 4" in capsys.readouterr().out

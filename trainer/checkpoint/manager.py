@@ -349,12 +349,19 @@ def resume(trainer, cfg: DictConfig, say) -> Path | None:
                     for name, to in moved if to is not None]
             for line in [*kept, *notes, *resume_notes(path, cfg, trainer.checkpointer)]:
                 say(line)
-            # A rollback holds from now on, not from the new branch's first checkpoint (a job stopped before it
-            # went back to the abandoned branch). Only one named on purpose: resume=auto's fallback past a newer
+            # A rollback: the checkpoints written after this one are the branch it abandons, kept aside from now on
+            # (a job stopped before the new branch's first checkpoint went back to the abandoned one, and its saves
+            # of the same steps replaced them). Only one named on purpose: resume=auto's fallback past a newer
             # checkpoint that may load next time (an I/O error) leaves that one first in line.
-            if not fallback and trainer.checkpointer.dir is not None and \
-                    path.parent.resolve() == trainer.checkpointer.dir.resolve():
-                trainer.checkpointer.follow(trainer.checkpointer.dir / path.name)
+            if not fallback and trainer.checkpointer.dir is not None:
+                moved, names = trainer.checkpointer.branch_from(path)
+                if names:
+                    trainer.checkpointer.abandoned.extend(names)
+                    where = (f"they are kept in {moved} (out of resume=auto's and checkpoint.keep_last's way)"
+                             if moved is not None else "they could not be moved aside and stay in place, where no "
+                             "save of this run replaces or prunes them")
+                    say(f"resume: {path.name} is older than {', '.join(names)}, written before this rollback: "
+                        f"{where}.")
         return path
     if skipped:
         newest, why = skipped[0]
@@ -480,11 +487,4 @@ def resume_notes(path: Path, cfg: DictConfig, checkpointer: ckpt.Checkpointer) -
                      f"checkpoint.best_metric={checkpointer.best_metric} ({checkpointer.best_mode}): the best is ranked "
                      f"anew from this run's next eval. {name}, the best by {metric}, stays on disk (and in best.json, "
                      "for eval checkpoint=best) until a best by the new metric replaces it.")
-    done = checkpointer.complete()
-    if checkpointer.dir is not None and path.parent.resolve() == checkpointer.dir.resolve() and path in done:
-        later = [p.name for p in done[done.index(path) + 1:] if p.name not in checkpointer.protected]
-        if later:
-            notes.append(f"resume: {path.name} is older than {', '.join(later)}, written before this rollback. "
-                         "They stay on disk, but resume=auto now follows this run (checkpoints are ordered by when "
-                         "they were written), and checkpoint.keep_last prunes them as new checkpoints are written.")
     return notes

@@ -125,6 +125,7 @@ class Checkpointer:
         self.sharded = sharded and self.backend.distributed
         self.writes = self.sharded or self.backend.is_main
         self.protected: set[str] = set()  # checkpoints this run could not read: never pruned or overwritten
+        self.abandoned: list[str] = []  # what a rollback set aside (the main rank's): the run keeps its events too
         self.fell_back = False  # this run's resume skipped a newer checkpoint it could not load
         # Which tensors this rank writes (snapshot.Writer; None: the main rank's plain tensors and every rank's
         # DTensor shards). Set by the checkpoint manager from the strategy (pipeline stages each write theirs).
@@ -364,6 +365,43 @@ class Checkpointer:
         not one."""
         order = {p: _written(p) for p in self._step_dirs()}
         return sorted((p for p, w in order.items() if w is not None), key=lambda p: (order[p], step_of(p)))
+
+    def branch_from(self, path: Path) -> tuple[Path | None, list[str]]:
+        """A rollback (a resume from `path`, one of this dir's checkpoints, while later-written ones exist): the later
+        ones are the branch it abandons. They move together into a new dir beside this one (`checkpoints.prev/`, or
+        the attempt's number: .prev-2, ...), with best.json where it names one of them, so that the new branch's
+        saves of the same steps replace none of them (a save of an existing step replaces it: a resume replays the
+        same steps), resume=auto follows the new branch at once, and keep_last prunes none of them.
+        Returns (that dir, the names moved): (None, names) where they could not be moved, then kept in place out of
+        the new branch's way (see `follow`); (None, []) when nothing was later. The main rank's to call."""
+        later = self.written_after(path)
+        if not later:
+            return None, []
+        target = free_name(self.dir, ".prev")
+        try:
+            target.mkdir()
+            for p in later:
+                os.replace(p, target / p.name)
+            try:
+                if str(_read_json(self.dir / "best.json")["checkpoint"]) in {p.name for p in later}:
+                    os.replace(self.dir / "best.json", target / "best.json")
+            except (ValueError, KeyError, TypeError, RecursionError, FileNotFoundError):
+                pass
+            fsync_dir(self.dir)
+        except OSError:
+            # (a read-only dir, say): what is left in place is protected, never replaced or pruned by the new branch
+            self.protected.update(p.name for p in later if p.exists())
+            self.follow(self.dir / path.name)
+            return None, [p.name for p in later]
+        return target, [p.name for p in later]
+
+    def written_after(self, path: Path) -> list[Path]:
+        """The complete checkpoints of this dir written after `path`, one of them (none when it is not here)."""
+        done = self.complete() if self.dir is not None and self.dir.is_dir() else []
+        names = [p.name for p in done]
+        if not names or path.parent.resolve() != self.dir.resolve() or path.name not in names:
+            return []
+        return [p for p in done[names.index(path.name) + 1:] if p.name not in self.protected]
 
     def follow(self, path: Path) -> bool:
         """A rollback (a resume from `path`, one of this dir's checkpoints, while later-written ones exist): make
@@ -654,6 +692,9 @@ class NullCheckpointer:
 
     dir, save_final, every_n_steps, best, fell_back, reranked = None, False, 0, None, False, None
 
+    def __init__(self):
+        self.abandoned: list[str] = []
+
     def due(self, step: int) -> bool:
         return False
 
@@ -689,6 +730,9 @@ class NullCheckpointer:
 
     def follow(self, path: Path) -> bool:
         return False
+
+    def branch_from(self, path: Path) -> tuple[Path | None, list[str]]:
+        return None, []
 
     def unreadable(self) -> list[Path]:
         return []

@@ -428,6 +428,23 @@ def set_earlier_attempt_aside(run_dir: Path, cfg: DictConfig, loggers, is_main: 
         say(f"{why}: the earlier attempt's checkpoints are kept in {moved}.")
 
 
+def keep_abandoned_records(run_dir: Path, cfg: DictConfig, loggers, step: int, say) -> None:
+    """A rollback to step `step` (the main rank's): the branch it abandons (checkpoints and export, already set aside)
+    keeps its events as the earlier attempt's (metrics.prev.jsonl, tensorboard.prev/: the whole history, which the
+    rewind then cuts at `step`) and its config.yaml where this run's differs (config.prev.yaml), with the attempt's
+    number; the rollback's own settings are not those the abandoned weights were trained with."""
+    from trainer.io import free_name
+
+    earlier = run_dir / "config.yaml"
+    kept = loggers.keep_copy()
+    if earlier.is_file() and not earlier.is_symlink() and earlier.read_text() != config_text(cfg):
+        kept.append(free_name(earlier, ".prev", before_suffix=True))
+        earlier.replace(kept[-1])
+    if kept:
+        say(f"resume: the abandoned branch's events (after step {step} too) and settings are kept in "
+            f"{', '.join(str(p) for p in kept)}.")
+
+
 def same_run(run_dir: Path, checkpoint: Path) -> bool:
     """Whether the run dir's earlier attempt (its config.yaml) is the run `checkpoint` (of another dir: a copy of
     this run, say) belongs to: the same settings but for those a resume may change. Then the resume continues it
@@ -492,6 +509,7 @@ def later_export_kept(trainer, cfg: DictConfig, run_dir: Path, source: Path, say
             raise StorageError(f"could not move the export of step {later} in {run_dir} aside ({e.strerror or e}); "
                                "nothing was overwritten. Make the run dir writable.") from None
         say(f"resume={cfg.get('resume')}: the exported weights of step {later} are kept in {aside}.")
+        trainer.checkpointer.abandoned.append(f"the export of step {later}")
     return True
 
 
@@ -685,6 +703,8 @@ def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
                             loggers.finish({})
                             finished = True
                             return {}
+                        if trainer.checkpointer.abandoned:  # a rollback: the branch it leaves keeps its records
+                            keep_abandoned_records(run_dir, cfg, loggers, trainer.step, say)
                         loggers.rewind(trainer.step)  # drop events logged after the checkpoint
                     say(f"resumed from {source} at step {trainer.step}")
                     if trainer.finished:

@@ -153,6 +153,7 @@ class Runtime:
         self.loggers = self._loggers(launched, log_with)
         self._logged = False  # whether this process has logged (rt.load_state rewinds the loggers only before)
         self._loaded = False  # whether rt.load_state loaded a checkpoint (a resume: the run's history continues)
+        self._rolled_back_to: Path | None = None  # a checkpoint loaded while later ones exist (the main rank's)
         self._set_aside: Path | None = None  # an earlier run's metrics.jsonl, moved at this run's first rt.log
         self._config: dict[str, Any] | None = None  # rt.init_trackers' config, until the trackers can take it
         # The job's logger=... has nowhere to write without a run_dir: said once, at the first rt.log.
@@ -717,6 +718,18 @@ class Runtime:
                             "lose these micro-batches while its loader skips them. Save after rt.step, when "
                             "rt.sync_gradients is true.")
         self._all_ranks_here("save_state")
+        back = self._rolled_back_to
+        if back is not None and back.parent.resolve() == Path(directory).resolve():
+            # The first save after a rollback: the checkpoints written after the one loaded are the branch it leaves,
+            # moved aside together, so that this save (of one of their steps, say) replaces none of them.
+            from trainer.checkpoint.store import Checkpointer
+
+            self._rolled_back_to = None
+            moved, later = Checkpointer(directory).branch_from(back)
+            if later:
+                where = f"kept in {moved}" if moved is not None else "left in place, where no save replaces them"
+                print(f"note: rt.save_state after rt.load_state({str(back)!r}): the checkpoints written after it "
+                      f"({', '.join(later)}) are {where}.", file=sys.stderr, flush=True)
         self.position.step = step = operator.index(step)
         path = self._manager(Path(directory), keep_last or self.keep_last).save(step, None, wait=True)
         if self._watched:
@@ -747,6 +760,15 @@ class Runtime:
             path = found[-1]
         self._manager(path.parent, 2).load(path)
         self._loaded = True
+        # A checkpoint older than others written after it: a rollback once this run saves there (not a load for an
+        # eval). The abandoned branch's events are copied before the rewind below cuts them.
+        later = Checkpointer(path.parent).written_after(path) if self.backend.is_main else []
+        self._rolled_back_to = path if later else None
+        if later and not self._logged:
+            kept = self.loggers.keep_copy()
+            if kept:
+                print(f"note: rt.load_state({str(path)!r}) goes back before {', '.join(p.name for p in later)}: the "
+                      f"metrics logged after it are kept in {', '.join(map(str, kept))}.", file=sys.stderr, flush=True)
         if self.backend.is_main and not self._logged:  # a restart: the events logged after the checkpoint go,
             self.loggers.rewind(self.position.step)       # the loop logs them again (not a load late in a run)
         elif self.backend.is_main and self._set_aside is not None:

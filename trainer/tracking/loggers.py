@@ -37,6 +37,11 @@ class NullLogger:
     def start_fresh(self) -> None:
         """A run dir's run starts over (no usable checkpoint): set what an earlier attempt logged aside."""
 
+    def keep_copy(self) -> list[Path]:
+        """Before a rollback's rewind: copy what was logged (the abandoned branch's whole history) to where a fresh
+        start would set it aside; returns the copies."""
+        return []
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -113,6 +118,19 @@ class JsonlLogger(NullLogger):
                 path.replace(free_name(path, ".prev", before_suffix=True))
         self._file = open(self.path, "a")
 
+    def keep_copy(self) -> list[Path]:
+        import shutil
+
+        from trainer.io import free_name
+
+        self._file.flush()
+        copies = []
+        for path in (self.path, self.samples_path):
+            if path.exists() and path.stat().st_size:
+                copies.append(free_name(path, ".prev", before_suffix=True))
+                shutil.copyfile(path, copies[-1])
+        return copies
+
     def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:
         try:
             self._file.close()
@@ -181,6 +199,9 @@ class LoggerGroup(NullLogger):
     def start_fresh(self) -> None:
         for lg in self.loggers:
             lg.start_fresh()
+
+    def keep_copy(self) -> list[Path]:
+        return [p for lg in self.loggers for p in lg.keep_copy()]
 
     def state_dict(self):
         return {type(lg).__name__: lg.state_dict() for lg in self.loggers}

@@ -127,6 +127,16 @@ class TensorBoardLogger(NullLogger):
             self.dir.rename(free_name(self.dir, ".prev"))
         self._first_step, self._session_start = 0, 1
 
+    def keep_copy(self) -> list[Path]:
+        import shutil
+
+        self.finish({})
+        if not (self.dir.is_dir() and any(self.dir.glob("events.out.tfevents.*"))):
+            return []
+        copy = free_name(self.dir, ".prev")
+        shutil.copytree(self.dir, copy)
+        return [copy]
+
     def rewind(self, step: int) -> None:
         """On resume from a checkpoint at `step`: the earlier attempts' events after `step` are removed from
         their files, and the next writer starts with a SessionLog.START at `step + 1`."""
