@@ -136,6 +136,11 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
     (["+optim.lr=1"], ["+optim.lr=1: optim.lr is already in the config", "Set it without the `+`: optim.lr=1."]),
     (["~trainer"], ["the `trainer` settings were removed (~trainer)"]),  # (omegaconf's traceback, the run dir left)
     (["~ema"], ["the `ema` settings were removed (~ema)"]),
+    # LoRA under pipeline stages: a worker's AttributeError traceback (its blocks on the other stage).
+    (["world=ddp", "world.nproc_per_node=2", "world.pp=2", "model.n_layer=4", "finetune.lora.rank=4",
+      "finetune.lora.targets=[qkv]"], ["world.pp=2 is invalid: expected 1 with finetune.lora.rank=4"]),
+    (["resume=auot"], ["resume='auot' does not exist", "Did you mean resume=auto?"]),
+    (["resume=notes.txt"], ["resume='notes.txt' is a file, not a directory"]),
     # A top-level key of one's own that nothing reads, named as a section's setting: trained at the default lr.
     (["+lr=1e-3"], ["+lr=1e-3 adds a top-level key of its own, which nothing reads", "Set it there: optim.lr=1e-3."]),
 ])
@@ -143,9 +148,11 @@ def test_config_mistakes(tmp_path, args, needles):
     # Most mistakes end before Hydra writes anything: checked in this process (`run_main`, the same
     # output without an interpreter start-up). Those the recipe's task finds run Hydra's job (`run_here`).
     inside_the_job = any(a.startswith(("model.vocab_size", "model.seq_len", "model.d_model", "model.n_layer")) for a in args)
+    if "resume=notes.txt" in args:
+        (tmp_path / "notes.txt").write_text("x")
     r = (run_here if inside_the_job else run_main)(*args, "hydra.run.dir=run", cwd=tmp_path)
     assert_clean_error(r, *needles)
-    assert list(tmp_path.iterdir()) == []  # no run dir, no half-written files
+    assert [p.name for p in tmp_path.iterdir() if p.name != "notes.txt"] == []  # no run dir, no half-written files
 
 
 def test_a_top_level_key_of_ones_own_is_taken_when_something_reads_it_or_it_names_no_setting():

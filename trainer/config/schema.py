@@ -19,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from trainer.config import slurm
-from trainer.errors import ConfigError, UserError
+from trainer.errors import ConfigError, UserError, suggest
 
 
 @dataclass
@@ -186,8 +186,6 @@ def _known_keys(cfg: DictConfig) -> None:
     does not have: one paragraph here, where it was a ConfigKeyError traceback once the run dir was made."""
     import dataclasses
 
-    from trainer.errors import suggest
-
     for section, schema in (("trainer", TrainerConfig), ("checkpoint", CheckpointConfig), ("ema", EMAConfig)):
         node = cfg.get(section)
         fields = [f.name for f in dataclasses.fields(schema)]
@@ -291,9 +289,13 @@ def validate(cfg: DictConfig) -> None:
         from pathlib import Path
 
         if not (isinstance(resume, str) and Path(resume).expanduser().is_dir()):
-            raise ConfigError(f"resume={resume!r} does not exist (or is not a directory): pass auto, null, or the "
-                              "path of a checkpoint (RUN_DIR/checkpoints/step_N), a checkpoints/ dir or a run dir."
-                              + (checkpoints_beside(Path(resume).expanduser()) if isinstance(resume, str) else ""))
+            given = Path(resume).expanduser() if isinstance(resume, str) else None
+            what = ("is a file, not a directory" if given is not None and given.is_file() else "does not exist")
+            hint = (" Did you mean resume=auto?" if isinstance(resume, str) and "/" not in resume and
+                    suggest(resume, ["auto"]) else "")
+            raise ConfigError(f"resume={resume!r} {what}: pass auto, null, or the path of a checkpoint "
+                              "(RUN_DIR/checkpoints/step_N), a checkpoints/ dir or a run dir."
+                              + (hint or (checkpoints_beside(given) if given is not None else "")))
     _validate_data(cfg.data)
     _validate_finetune(cfg.get("finetune"))
     for name, node in per_part(cfg.optim).items():
@@ -305,6 +307,10 @@ def validate(cfg: DictConfig) -> None:
     _check(weights is None or pp == 1, "world.pp", pp, f"1 with finetune.weights={weights}",
            "Pipeline stages cannot load pretrained weights yet (each stage would take its own part of the files), "
            "nor evaluate a run that started from them: use world=ddp, world=fsdp or world.tp for it.")
+    rank = ((cfg.get("finetune") or {}).get("lora") or {}).get("rank") or 0
+    _check(rank == 0 or pp == 1, "world.pp", pp, f"1 with finetune.lora.rank={rank}",
+           "Pipeline stages cannot carry LoRA adapters yet (each stage holds only its own blocks), nor evaluate a "
+           "run trained with them: use world=ddp, world=fsdp, world.tp or world=deepspeed for it.")
 
 
 def checkpoints_beside(path) -> str:
