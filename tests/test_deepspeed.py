@@ -116,6 +116,16 @@ def test_a_one_process_checkpoint_resumes_on_zero3_with_accumulation(reference, 
 
 @pytest.mark.deepspeed
 @needs_deepspeed
+def test_sgd_on_zero2_equals_one_process(corpus, tmp_path):
+    """optim=sgd was DeepSpeed's AssertionError ("an untested ZeRO Optimizer") in a worker: element-wise, it steps
+    the flat partitions as it steps the whole tensors."""
+    cli_run(corpus, tmp_path / "zero2", *DS2, "world.stage=2", "data.batch_size=4", "optim=sgd", "optim.lr=0.1")
+    train_in_process(corpus, tmp_path / "one", *SHARED, "data.batch_size=8", "optim=sgd", "optim.lr=0.1")
+    assert_same_run(tmp_path / "zero2", tmp_path / "one")
+
+
+@pytest.mark.deepspeed
+@needs_deepspeed
 def test_a_lora_checkpoint_resumes_and_evaluates_on_zero3(corpus, tmp_path):
     """ZeRO-3 partitions LoRA's frozen base too, which no optimizer holds: building the live model state to check a
     checkpoint against read each rank's empty partition, and eval and resume failed with a reshape traceback. Now
@@ -287,6 +297,16 @@ def test_world_options_are_the_zero_entries(world, file, zero):
     assert ds_config.resolve(file, RunValues(), **{**WORLD, **world})["zero_optimization"] == zero
 
 
+def test_zero_takes_an_element_wise_optimizer_and_refuses_muon_unless_the_file_allows_it():
+    assert ds_config.resolve({}, RunValues(optimizer="SGD"), **WORLD)["zero_allow_untested_optimizer"] is True
+    assert "zero_allow_untested_optimizer" not in ds_config.resolve({}, RunValues(), **WORLD)
+    with pytest.raises(ConfigError, match="optim=muon orthogonalises each 2-D weight matrix as a whole. Use world=ddp"):
+        ds_config.resolve({}, RunValues(optimizer="MuonAdamW"), **WORLD)
+    with pytest.raises(ConfigError, match="optim builds Shampoo, which is not one of torch.optim's element-wise"):
+        ds_config.resolve({}, RunValues(optimizer="Shampoo"), **WORLD)
+    ds_config.resolve({"zero_allow_untested_optimizer": True}, RunValues(optimizer="Mine"), **WORLD)  # (the file's word)
+
+
 def test_an_unknown_run_value_checks_nothing_and_an_unknown_auto_is_dropped():
     """A hand-written loop's Runtime knows no batch size: DeepSpeed's batch entries are its bookkeeping only."""
     cfg = ds_config.resolve({"train_micro_batch_size_per_gpu": 16, "gradient_clipping": 2.0, "wall_clock_breakdown":
@@ -325,6 +345,7 @@ def test_the_run_values_come_from_the_config_as_the_world_yaml_wires_them(corpus
      ["zero_optimization.stage is 2 there but world.stage=3"]),
     (["world.offload_param=true"], ["world.offload_param needs ZeRO stage 3"]),
     (["world.stage=4"], ["world.stage=4 is invalid", "1, 2 or 3"]),
+    (["optim=muon"], ["optim=muon orthogonalises each 2-D weight matrix"]),  # (DeepSpeed's assertion, in a worker)
     (["world.config=missing.json"], ["world.config='missing.json' cannot be read"]),
     (["world.config=ds.json", "world.stag=3"], ["unknown config key 'world.stag'", "world.stage=3"]),
 ])

@@ -35,6 +35,10 @@ from typing import Any
 from trainer.errors import ConfigError
 
 AUTO = "auto"
+# torch.optim's optimizers that update each element from its own gradient and state alone, so that stepping them on
+# ZeRO's flat 1-D partitions is the step on the whole tensors. DeepSpeed asserts on any client optimizer but its
+# own few ("untested") unless the config allows it: the framework allows these (tested: SGD matches one process).
+ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD", "Rprop"}
 # DeepSpeed's scheduler types that describe scheduler=cosine / scheduler=constant.
 SCHEDULES = {"WarmupCosineLR": "cosine", "WarmupDecayLR": "cosine", "WarmupLR": "constant"}
 
@@ -169,6 +173,8 @@ def resolve(file: dict[str, Any], run: RunValues, *, stage: int | None, offload_
     _precision(check, run)
     _optimizer(check, run)
     _schedule(check, run)
+    if refuse:
+        _partitionable(cfg, run, source)
     if check.conflicts and refuse:
         raise ConfigError(
             f"{source} contradicts this run's config: " + "; ".join(check.conflicts) + ". The run's config decides "
@@ -231,6 +237,19 @@ def _optimizer(check: _Check, run: RunValues) -> None:
             check.entry(f"optimizer.params.{key}", value, f"{setting}={json.dumps(shown)}")
 
 
+def _partitionable(cfg: dict[str, Any], run: RunValues, source: str) -> None:
+    """An optimizer ZeRO can step on its flat partitions: element-wise (ELEMENTWISE), or allowed by the file."""
+    if run.optimizer is None or run.optimizer in ELEMENTWISE or cfg.get("zero_allow_untested_optimizer") is True:
+        return
+    what = ("optim=muon orthogonalises each 2-D weight matrix as a whole" if run.optimizer == "MuonAdamW" else
+            f"optim builds {run.optimizer}, which is not one of torch.optim's element-wise optimizers "
+            f"({', '.join(sorted(ELEMENTWISE))})")
+    raise ConfigError(f"world=deepspeed steps the optimizer on flat 1-D partitions of the parameters (ZeRO), which "
+                      f"is the same step only for an optimizer that updates each element on its own; {what}. Use "
+                      "world=ddp or world=fsdp for it; for an element-wise optimizer of your own, set "
+                      f'"zero_allow_untested_optimizer": true in {source if source.startswith("world.config") else "world.config"}.')
+
+
 def _schedule(check: _Check, run: RunValues) -> None:
     node = check.cfg.get("scheduler")
     if not isinstance(node, dict):
@@ -271,6 +290,8 @@ def _for_engine(cfg: dict[str, Any], run: RunValues) -> dict[str, Any]:
     cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"] = per_rank, 1
     cfg.pop("train_batch_size", None)  # DeepSpeed computes it: micro batch x 1 x ranks
     cfg["zero_force_ds_cpu_optimizer"] = False
+    if run.optimizer in ELEMENTWISE:
+        cfg["zero_allow_untested_optimizer"] = True
     cfg.setdefault("steps_per_print", 2**62)
     for section in ("fp16", "bf16"):
         if isinstance(cfg.get(section), dict) and not cfg[section].get("enabled", False):
