@@ -123,6 +123,11 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
     (["+logger.wandb.project=p"], ["logger.wandb={'project': 'p'} is invalid", "Choose it: logger=wandb"]),
     (["+logger.tensorboard.dir=tb"], ["logger.tensorboard=", "Choose it: logger=tensorboard"]),
     (["callbacks.early_stopping.patience=3"], ["add callbacks=early_stopping"]),
+    # ... and a typo in the setting of one chosen was told to choose it (it is)
+    (["logger=wandb", "logger.wandb.projct=p"], ["unknown config key 'logger.wandb.projct'",
+                                                 "Did you mean logger.wandb.project=p?"]),
+    (["callbacks=early_stopping", "callbacks.early_stopping.patiense=2"],
+     ["Did you mean callbacks.early_stopping.patience=2?"]),
     (["+callbacks.early_stopping.patience=3"], ["Choose it: callbacks=early_stopping"]),
     (["+logger.mine.x=1"], ["logger.mine=", "The options of logger are none, tensorboard, wandb"]),
     (["optim=muon", "optim.adamw_lr=abc"], ["optim.adamw_lr='abc' is invalid: expected a number"]),  # (a traceback,

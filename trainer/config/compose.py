@@ -288,11 +288,14 @@ def group_options(group: str) -> list[str]:
         return []
 
 
-def _unchosen_option(key: str) -> str | None:
-    """The message for `logger.wandb.project=...` without logger=wandb (None for any other key)."""
+def _unchosen_option(key: str, composed: DictConfig | None) -> str | None:
+    """The message for `logger.wandb.project=...` without logger=wandb (None for any other key, and where the run
+    does choose it: `logger=wandb logger.wandb.projct=x` is a typo of a key, named as such)."""
     group, _, rest = key.partition(".")
     option = rest.split(".", 1)[0]
     if group not in _config.LIST_GROUPS or not option or option not in group_options(group):
+        return None
+    if composed is not None and OmegaConf.select(composed, f"{group}.{option}", default=None) is not None:
         return None
     return (f"{key} is a setting of {group}={option}, which this run does not choose: add {group}={option} (several: "
             f"{group}=[{option},...]) and keep {key}=... as it is.")
@@ -365,11 +368,11 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
         # A key another strategy has (pipeline stages are world=ddp's): say which, before the generic list.
         elsewhere = (" Pipeline stages (world.pp, world.pp_schedule, world.microbatches) are an option of world=ddp."
                      if key in ("world.pp", "world.pp_schedule", "world.microbatches") else "")
-        unchosen = _unchosen_option(key)
+        unchosen = _unchosen_option(key, composed)
         if unchosen:  # (the `+` the generic message proposes would add a settings node with no logger behind it)
             return ConfigError(unchosen)
         # The sections the framework reads itself take no key of one's own (schema._known_keys refuses it).
-        own = ("" if parent in ("trainer", "checkpoint", "ema") else
+        own = ("" if parent in ("trainer", "checkpoint", "ema") or parent.split(".")[0] in _config.LIST_GROUPS else
                f" To add a new key on purpose, write +{key}=VALUE.")
         keys = (f"Valid keys {where}: {', '.join(sorted(valid))}." if valid else
                 f"The config has no '{parent}'." if composed is not None and node is None else
