@@ -146,6 +146,9 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
       "finetune.lora.targets=[qkv]"], ["world.pp=2 is invalid: expected 1 with finetune.lora.rank=4"]),
     (["resume=auot"], ["resume='auot' does not exist", "Did you mean resume=auto?"]),
     (["resume=notes.txt"], ["resume='notes.txt' is a file, not a directory"]),
+    # Both names of a Hugging Face model's size, differing: the lm recipe's name was dropped without a word.
+    (["model=llama_tiny", "debug=smoke", "model.num_hidden_layers=4", "model.n_layer=2"],
+     ["model.n_layer=2 and model.num_hidden_layers=4 name one size", "with two values"]),
     # A top-level key of one's own that nothing reads, named as a section's setting: trained at the default lr.
     (["+lr=1e-3"], ["+lr=1e-3 adds a top-level key of its own, which nothing reads", "Set it there: optim.lr=1e-3."]),
 ])

@@ -122,6 +122,7 @@ def check_read(cfg: DictConfig, overrides: list[str], sweep: bool = False) -> li
     the keys back instead: `ema.enabled=true,false ema.decay=0.99` compares a run with and without an EMA, and the
     sweep is refused only when none of its points reads them (trainer/entry/cli.py)."""
     keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
+    _one_value_per_hf_size(cfg, overrides)
     given = [k for k in keys if k.startswith("ema.") and k != "ema.enabled"]
     if not given or (cfg.get("ema") or {}).get("enabled", False):
         return []
@@ -161,6 +162,23 @@ def _interpolates(tree, key: str) -> bool:
         return any(_interpolates(v, key) for v in tree)
     return isinstance(tree, str) and "${" in tree and re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", tree) \
         is not None
+
+
+def _one_value_per_hf_size(cfg: DictConfig, overrides: list[str]) -> None:
+    """`model=llama_tiny model.num_hidden_layers=4 model.n_layer=2`: a Hugging Face model's own size key wins over
+    the lm recipe's name for it (which debug=smoke sets: schema.agree_hf_sizes), so the 2 was dropped in silence
+    when the command line gave both."""
+    from trainer.config.schema import HF_CAUSAL_LM, HF_SIZE_ALIASES
+
+    if OmegaConf.select(cfg, "model._target_", default=None) != HF_CAUSAL_LM:
+        return
+    given = {o.lstrip("+").split("=", 1)[0]: o.split("=", 1)[1] for o in overrides if "=" in o}
+    for alias, own in HF_SIZE_ALIASES.items():
+        a, b = given.get(f"model.{alias}"), given.get(f"model.{own}")
+        if a is not None and b is not None and a != b:
+            raise ConfigError(f"model.{alias}={a} and model.{own}={b} name one size of this Hugging Face model "
+                              f"({alias} is the lm recipe's name for its {own}) with two values. Give one of them "
+                              f"(model.{own}={b}).")
 
 
 def inert_message(given: list[str], where: str = "") -> str:
