@@ -273,6 +273,10 @@ def test_backward_under_pipeline_stages_is_an_error_that_names_forward_backward(
 
     r = launch("world=ddp", "world.nproc_per_node=2", "world.pp=2", SCRIPT, "pipeline_backward", str(tmp_path))
     assert_clean_error(r, "rt.backward under pipeline parallelism (world.pp)", "rt.forward_backward")
+    # Batches of 3 rows in 2 microbatches: a ValueError from inside the schedule (the last stage's rows were not
+    # its targets'), where the Trainer refuses such a data.batch_size before it starts.
+    r = launch("world=ddp", "world.nproc_per_node=2", "world.pp=2", SCRIPT, "pipeline_uneven", str(tmp_path))
+    assert_clean_error(r, "world.microbatches=2 does not divide this batch's 3 rows")
 
 
 # -- misuse on one process -------------------------------------------------------------------------------------

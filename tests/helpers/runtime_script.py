@@ -6,6 +6,7 @@
     runtime_script.py backward_outside OUT           rt.backward outside rt.accumulate with accumulation (a mistake)
     runtime_script.py pipeline OUT                   a GPT's step through rt.forward_backward (world.pp or not)
     runtime_script.py pipeline_backward OUT          rt.backward under world.pp (a mistake)
+    runtime_script.py pipeline_uneven OUT            batches of 3 under world.pp's 2 microbatches (a mistake)
     runtime_script.py diverge OUT                    rank 0 saves its state while rank 1 exports (a mistake)
     runtime_script.py hang RANK                      two steps, then RANK stops while the others go on (a hang)
     runtime_script.py slow_phases SECONDS            a pause before the first step, a step, an eval of forwards
@@ -131,7 +132,7 @@ def bare_forward(rt: trainer.Runtime) -> None:
         print("bad unchanged:", torch.equal(bad.weight, before), flush=True)
 
 
-def pipeline(rt: trainer.Runtime, out: str, backward: bool = False) -> None:
+def pipeline(rt: trainer.Runtime, out: str, backward: bool = False, batch_size: int = 8) -> None:
     """Four steps of a two-block GPT on a mean cross-entropy, each through rt.forward_backward (or, a mistake under
     world.pp, the model and rt.backward); the losses are printed as JSON and the weights saved to OUT."""
     import torch.nn.functional as F
@@ -143,7 +144,7 @@ def pipeline(rt: trainer.Runtime, out: str, backward: bool = False) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = rt.setup(model, optimizer)
     tokens = torch.randint(0, 32, (32, 9), generator=torch.Generator().manual_seed(2))
-    loader = rt.loader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8, shuffle=False)
+    loader = rt.loader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch_size, shuffle=False)
 
     def loss_fn(m, batch):
         x, y = batch
@@ -230,6 +231,7 @@ if __name__ == "__main__":
      "bare_forward": lambda: bare_forward(runtime),
      "pipeline": lambda: pipeline(runtime, args[0]),
      "pipeline_backward": lambda: pipeline(runtime, args[0], backward=True),
+     "pipeline_uneven": lambda: pipeline(runtime, args[0], batch_size=3),
      "diverge": lambda: diverge(runtime, args[0]),
      "hang": lambda: hang(runtime, int(args[0])),
      "slow_phases": lambda: slow_phases(runtime, float(args[0]))}[mode]()

@@ -283,6 +283,13 @@ class Pipeline:
         args = tuple(_contiguous(a) for a in recorder.args)
         kwargs = {k: _contiguous(v) for k, v in recorder.kwargs.items()}
         n = next(t.shape[0] for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
+        if n % self.microbatches:  # (the Trainer checks data.batch_size before it starts; a loop of one's own here)
+            from trainer.errors import UserError
+
+            raise UserError(f"world.microbatches={self.microbatches} does not divide this batch's {n} rows: the "
+                            "pipeline cuts each batch into that many equal microbatches (torch's would be uneven, "
+                            "and a stage's rows would not match its targets'). Use a batch size that is a multiple "
+                            f"of {self.microbatches}, or set world.microbatches to a divisor of it.")
         losses, sums = [], []
 
         def last_stage_loss(output, rows):
