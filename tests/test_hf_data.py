@@ -163,6 +163,8 @@ def test_bad_input_stops_the_run_before_it_starts_leaving_no_cache(files, tmp_pa
     ('{"body": "a"}\n{"body": "b"}\n', [], ["bad.jsonl has no column 'text' (its columns: body)",
                                             "data.text_column"]),
     (None, ["model.vocab_size=256"], ["has 300 tokens, but model.vocab_size=256", "model.vocab_size=300"]),
+    # (below 256: the lm task's "the data's 256 byte values, use 256" came first, and 256 was refused next)
+    (None, ["model.vocab_size=100"], ["has 300 tokens, but model.vocab_size=100", "model.vocab_size=300"]),
     (None, ["task.sample_tokens=20"], ["task.sample_tokens=20", "decodes its samples as bytes"]),
     (None, ["data.tokenizer=/nonexistent/tokenizer.json"], ["data.tokenizer='/nonexistent/tokenizer.json'"]),
     ("", [], ["bad.jsonl is empty: give data.path files with text in them"]),  # (datasets' SchemaInferenceError)

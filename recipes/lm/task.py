@@ -18,10 +18,10 @@ class LanguageModeling:
 
     def __init__(self, sample_prompt: str = "def ", sample_tokens: int = 200, temperature: float = 0.8,
                  top_k: int | None = 40, vocab_size: int | None = None, seq_len: int | None = None,
-                 data_seq_len: int | None = None):
+                 data_seq_len: int | None = None, tokenizer: str | None = None):
         # The recipe passes the model's vocab_size and seq_len and the data's seq_len (interpolations), so
         # mismatches are one paragraph at start instead of an IndexError in the middle of a step.
-        if vocab_size is not None and vocab_size < 256:
+        if vocab_size is not None and vocab_size < 256 and not tokenizer:  # (a tokenizer's size: the data checks it)
             raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the data's 256 byte values. "
                               "Use model.vocab_size=256 (the lm recipe's tokens are bytes; with data.tokenizer, at "
                               "least the tokenizer's vocabulary size).")
