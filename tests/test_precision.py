@@ -120,7 +120,7 @@ def test_resume_in_another_mode_works_and_says_so(corpus, tmp_path, capsys, trai
     capsys.readouterr()
     events = train_in_process(corpus, tmp_path, f"precision={now}", "trainer.max_steps=6", f"resume={trained[saved]}")
     out = capsys.readouterr().out
-    assert (f"resume: the checkpoint was trained in {saved} (set in the config); this run uses {now} "
+    assert (f"note: the checkpoint was trained in {saved} (set in the config); this run uses {now} "
             "(set in the config)") in out.splitlines()
     assert [e["step"] for e in events if "train/loss" in e] == [5, 6]
     assert all(math.isfinite(x) for x in series(events, "train/loss"))
@@ -138,7 +138,7 @@ def test_fp16_resume_restores_the_loss_scaler(corpus, tmp_path, capsys, trained)
         assert trainer.precision.scaler.get_scale() == saved["scaler"][0]["scale"] <= 1024.0
     finally:
         trainer.backend.teardown()
-    assert "resume: the checkpoint was trained in" not in capsys.readouterr().out  # same mode: nothing to say
+    assert "the checkpoint was trained in" not in capsys.readouterr().out  # same mode: nothing to say
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "fp16"])

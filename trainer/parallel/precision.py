@@ -84,7 +84,7 @@ class FP32:
             from trainer.parallel.backend import is_main_process
 
             if is_main_process():
-                print(f"resume: the checkpoint was trained in {state['name']} ({state['reason']}); "
+                print(f"note: the checkpoint was trained in {state['name']} ({state['reason']}); "
                       f"this run uses {self.name} ({self.reason})", flush=True)
 
 
