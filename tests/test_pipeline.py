@@ -166,8 +166,8 @@ def test_last_stage_killed_mid_run_restarts_and_ends_bit_identical(corpus, tmp_p
 @pytest.mark.parametrize("extra, needle", [
     (("world.nproc_per_node=3", "world.pp=2"), "world.pp=2 is invalid with world.tp=1: expected pp x tp to divide"),
     (("world.nproc_per_node=2", "world.pp=2"), "GPT has only one block (blocks)"),  # (gpt_tiny's one)
-    (("world.nproc_per_node=2", "world.pp=2", "data.batch_size=3"), "world.microbatches=2 does not divide "
-                                                                    "data.batch_size=3"),
+    (("world.nproc_per_node=2", "world.pp=2", "data.batch_size=3"), "world.microbatches=2 (null: one per stage) "
+                                                                    "does not divide data.batch_size=3"),
     (("world.nproc_per_node=2", "world.pp=2", "world.pp_schedule=Zigzag"),
      "world.pp_schedule='Zigzag' is not a pipeline schedule: expected one of GPipe, 1F1B, Interleaved1F1B"),
     (("world=fsdp", "world.nproc_per_node=2", "world.pp=2"),
@@ -182,6 +182,19 @@ def test_pipeline_mistakes_are_one_paragraph_before_any_process_starts(corpus, t
     r = run_here(*tiny_overrides(corpus, "world=ddp", *extra), f"hydra.run.dir={run_dir}")
     assert_clean_error(r, needle)
     assert len(r.stderr.strip().splitlines()) == 1 and not run_dir.exists()
+
+
+def test_a_batch_the_microbatches_do_not_divide_is_told_only_the_counts_its_schedule_takes():
+    """ZBVZeroBubble on 2 ranks (4 stages) and batch 2: the advice to set world.microbatches to a divisor of 2 was
+    then refused, since that schedule needs one microbatch per stage."""
+    from trainer.errors import ConfigError
+    from trainer.parallel.layout import check_pipeline
+
+    with pytest.raises(ConfigError, match=r"=4 \(null: one per stage\) does not divide data.batch_size=2: .* multiple "
+                                          r"of 4\.$"):
+        check_pipeline(2, "ZBVZeroBubble", None, 2, batch_size=2)
+    with pytest.raises(ConfigError, match=r"world.microbatches to one that divides it and suits 1F1B \(2, 3, 6\)"):
+        check_pipeline(2, "1F1B", 4, 2, batch_size=6)
 
 
 def test_a_microbatchs_noise_is_the_whole_batchs_for_its_rows():

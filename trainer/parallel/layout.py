@@ -62,6 +62,7 @@ def check_pipeline(pp: Any, schedule: Any, microbatches: Any, world_size: int | 
                           "world.tp or world.nproc_per_node.")
     schedule = schedule_name(schedule)
     stages = pp * stages_per_rank(schedule)
+    defaulted = microbatches is None
     if microbatches is None:
         microbatches = stages
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
@@ -75,9 +76,17 @@ def check_pipeline(pp: Any, schedule: Any, microbatches: Any, world_size: int | 
         raise ConfigError(f"world.microbatches={microbatches} is invalid with world.pp_schedule={schedule}: it must be "
                           f"a multiple of world.pp={pp} (or smaller than it). Try world.microbatches={rounds * pp}.")
     if pp > 1 and isinstance(batch_size, int) and batch_size % microbatches:
-        raise ConfigError(f"world.microbatches={microbatches} does not divide data.batch_size={batch_size}: each "
-                          "micro-batch is cut into that many equal pieces for the pipeline. Set data.batch_size to "
-                          f"a multiple of {microbatches}, or world.microbatches to a divisor of {batch_size}.")
+        def suits(m: int) -> bool:  # (the schedule's own rules above, for another count)
+            return not ((schedule in ("1F1B", "DualPipeV", "ZBVZeroBubble") and m < stages) or
+                        (schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and m % max(1, m // pp)))
+
+        divisors = [m for m in range(1, batch_size + 1) if batch_size % m == 0 and suits(m)]
+        given = f"world.microbatches={microbatches}" + (" (null: one per stage)" if defaulted else "")
+        other = (f", or world.microbatches to one that divides it and suits {schedule} "
+                 f"({', '.join(map(str, divisors))})" if divisors else "")
+        raise ConfigError(f"{given} does not divide data.batch_size={batch_size}: each micro-batch is cut into that "
+                          f"many equal pieces for the pipeline. Set data.batch_size to a multiple of {microbatches}"
+                          f"{other}.")
     return pp, schedule, microbatches
 
 
