@@ -318,6 +318,12 @@ def test_sample_prints_the_lm_text(corpus, tmp_path):
     assert longer.stdout.startswith(r.stdout.strip()[:30]) and len(longer.stdout.strip()) > len(r.stdout.strip())
     none = run_main("sample", str(tmp_path / "run"), "task.sample_tokens=0", cwd=tmp_path)
     assert none.returncode == 0 and not none.stdout and "task.sample_tokens=200" in none.stderr
+    assert "the task sampled nothing: task.sample_tokens=0 asks for no output" in none.stderr
+    # A run whose own config samples nothing names that, not another key given (task.temperature=0 was blamed).
+    train(compose(tiny_overrides(corpus, "trainer.max_steps=1", "task.sample_tokens=0")), tmp_path / "quiet")
+    quiet = run_main("sample", str(tmp_path / "quiet"), "task.temperature=0", cwd=tmp_path)
+    assert quiet.returncode == 0 and "task.temperature" not in quiet.stderr
+    assert f"task.sample_tokens=0 (in {tmp_path / 'quiet' / 'config.yaml'}) asks for no output" in quiet.stderr
     bad = run_main("sample", str(tmp_path / "run"), "task.sample_tokenz=5", cwd=tmp_path)
     assert bad.returncode == 2 and "task.sample_tokenz" in bad.stderr and "Did you mean sample_tokens?" in bad.stderr
     assert "Traceback" not in bad.stderr

@@ -373,11 +373,12 @@ def sample(argv: list[str]) -> int:
         raise
     out = out if isinstance(out, dict) else {"sample": out}
     if not any(v != "" for v in out.values()):  # e.g. the lm task with sample_tokens=0 (debug=smoke)
-        given = " ".join(f"task.{k}={v}" for k, v in task_keys.items())
-        where = f"{given} with its settings in {run / 'config.yaml'}" if given else \
-            f"its settings in {run / 'config.yaml'}"
-        print(scrub(f"the task sampled nothing: {where} ask for no output (for lm: add task.sample_tokens=200; "
-                    "for diffusion and gan: task.num_samples=16).", secrets), file=sys.stderr)
+        # The count that asked for nothing, and where it was set: here, or the run's config (not another key given).
+        zero = [k for k in ("sample_tokens", "num_samples") if getattr(task, k, None) == 0]
+        named = ", ".join(f"task.{k}=0" + ("" if k in task_keys else f" (in {run / 'config.yaml'})") for k in zero)
+        print(scrub(f"the task sampled nothing: {named or 'its settings'} ask{'s' if len(zero) == 1 else ''} for no "
+                    "output (for lm: add task.sample_tokens=200; for diffusion and gan: task.num_samples=16).",
+                    secrets), file=sys.stderr)
         return 0
     for name, value in out.items():
         if isinstance(value, str):
