@@ -13,6 +13,7 @@ strategy resumes under another.
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 from collections.abc import Callable
 from typing import Any
@@ -115,6 +116,10 @@ class Strategy:
         self.layout = Layout(backend.world_size, self.tp, self.pp)
         if self.shards_parameters or self.layout.needs_mesh:
             self.mesh = self.layout.build_mesh(backend.device.type)
+            # DTensor logs a warning on every rank where a redistribution on a 2-D mesh takes two collectives (the
+            # gradient norm's reduction and the export's gather under fsdp x tp): the framework's own, about
+            # nothing a user can change, and repeated by each rank where only rank 0 is to print.
+            logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         if self.pp > 1:
             from trainer.parallel.pipeline import Pipeline
 
