@@ -397,7 +397,7 @@ def test_ctrl_c_stops_every_worker_promptly(corpus, tmp_path, background):
                 "+task.action=sigint_parent", "+task.at_call=5", "+task.rank=0", f"hydra.run.dir={tmp_path}",
                 env={**FAULTY_ENV, key: value}, timeout=25, preexec=_as_a_background_job if background else None)
     assert r.returncode == 130 and "interrupted" in r.stderr
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in r.stderr and "death signal" not in r.stderr  # (torch's agent said so first)
     from test_distributed import _processes_with_marker
 
     assert _processes_with_marker(f"{key}={value}") == []

@@ -228,6 +228,9 @@ def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
         # Port 0: the rendezvous picks a free port, so concurrent jobs (multirun) never collide.
         endpoint, run_id, rdzv_configs = "127.0.0.1:0", f"trainer-{uuid.uuid4().hex[:8]}", {}
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # (torch's elastic loggers set their own level, WARNING: the parent's does not reach the agent's "Received 2
+    # death signal, shutting down workers" at Ctrl-C, which came before the framework's own paragraph)
+    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
     _name_rendezvous_events_cheaply()
     # The agent logs every failed worker ("failed (exitcode: 3) local_rank: ..."); we report the failure
     # ourselves, once, as the worker's own message (or its traceback), so drop that line.
