@@ -27,6 +27,13 @@ from torch.utils.data import TensorDataset
 import trainer
 
 
+def say(line: str) -> None:
+    """One line in one write: the ranks share the launcher's stdout, unbuffered, where print's pieces (the text,
+    then the newline) from two ranks interleaved ("good stepped:good stepped: True")."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def data(n: int = 64) -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     return TensorDataset(torch.randn(n, 4, generator=g) * 0.5 + 1.0, torch.randn(n, 4, generator=g))
@@ -119,17 +126,17 @@ def bare_forward(rt: trainer.Runtime) -> None:
     x = torch.full((1, 2), float(rt.rank + 1))  # each rank's own data
     with rt.accumulate(good):
         rt.backward(good(x).sum())
-    print("good stepped:", rt.step(opt_good), flush=True)
+    say(f"good stepped: {rt.step(opt_good)}")
     with rt.no_sync(local, True):  # (unsynced on purpose, as local SGD steps: not the mistake)
         rt.backward(local(x).sum())
-    print("local stepped:", rt.step(opt_local), flush=True)
+    say(f"local stepped: {rt.step(opt_local)}")
     before = bad.weight.detach().clone()
     try:
         with rt.accumulate(wrapped):
             rt.backward(bad(x).sum())
         rt.step(opt_bad)
     finally:
-        print("bad unchanged:", torch.equal(bad.weight, before), flush=True)
+        say(f"bad unchanged: {torch.equal(bad.weight, before)}")
 
 
 def pipeline(rt: trainer.Runtime, out: str, backward: bool = False, batch_size: int = 8) -> None:
