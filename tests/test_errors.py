@@ -149,6 +149,8 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
     # Both names of a Hugging Face model's size, differing: the lm recipe's name was dropped without a word.
     (["model=llama_tiny", "debug=smoke", "model.num_hidden_layers=4", "model.n_layer=2"],
      ["model.n_layer=2 and model.num_hidden_layers=4 name one size", "with two values"]),
+    (["model=llama_tiny", "model.n_layer=2"], ["unknown config key 'model.n_layer': this Hugging Face model's config "
+                                               "calls it num_hidden_layers. Set model.num_hidden_layers=2"]),
     # A top-level key of one's own that nothing reads, named as a section's setting: trained at the default lr.
     (["+lr=1e-3"], ["+lr=1e-3 adds a top-level key of its own, which nothing reads", "Set it there: optim.lr=1e-3."]),
 ])

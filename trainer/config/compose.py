@@ -386,6 +386,14 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
         # A key another strategy has (pipeline stages are world=ddp's): say which, before the generic list.
         elsewhere = (" Pipeline stages (world.pp, world.pp_schedule, world.microbatches) are an option of world=ddp."
                      if key in ("world.pp", "world.pp_schedule", "world.microbatches") else "")
+        from trainer.config.schema import HF_CAUSAL_LM, HF_SIZE_ALIASES
+
+        own_name = HF_SIZE_ALIASES.get(leaf) if parent == "model" else None
+        if own_name and composed is not None and OmegaConf.select(composed, "model._target_", default=None) == \
+                HF_CAUSAL_LM and own_name in (node or {}):  # (model=llama_tiny model.n_layer=2)
+            return ConfigError(f"unknown config key '{key}': this Hugging Face model's config calls it {own_name}. "
+                               f"Set model.{own_name}={value if value is not None else 'VALUE'} (model.{leaf} is the lm "
+                               "recipe's name, read where a config such as debug=smoke sets it).")
         unchosen = _unchosen_option(key, composed)
         if unchosen:  # (the `+` the generic message proposes would add a settings node with no logger behind it)
             return ConfigError(unchosen)
