@@ -173,11 +173,16 @@ def test_a_top_level_key_of_ones_own_is_taken_when_something_reads_it_or_it_name
 
     cfg = {"optim": {"lr": 0.1}, "data": {"batch_size": 8}, "lr": 1e-3, "foo": 1}
     check_top_level_adds(OmegaConf.create(cfg), ["+foo=1"])  # (no setting of that name: a key of one's own)
-    for reader in ({"hydra": {"run": {"dir": "runs/${lr}"}}}, {"data": {"batch_size": 8, "note": "${lr.x}"}}):
+    for reader in ({"hydra": {"run": {"dir": "runs/${lr}"}}}, {"data": {"batch_size": 8, "note": "${lr.x}"}},
+                   {"optim": {"lr": "${..lr}"}}):  # (a relative interpolation, in a config file of one's own)
         check_top_level_adds(OmegaConf.create({**cfg, **reader}), ["+lr=1e-3"])  # (read through an interpolation)
     check_top_level_adds(OmegaConf.create(cfg), ["optim.lr=1e-3", "+data.x=1"])  # (not a top-level addition)
     with pytest.raises(ConfigError, match=r"\+\+lr=1e-3 .* is optim.lr. Set it there"):  # (Hydra's ++ adds too)
         check_top_level_adds(OmegaConf.create({**cfg, "data": {"note": "${optim.lr}"}}), ["++lr=1e-3"])
+    # Hydra's records of the command line are no readers: a `${...}` given there read every +KEY.
+    records = {"hydra": {"overrides": {"task": ["+lr=1e-3", "+foo=${now:%H}"]}, "job": {"override_dirname": "${x}"}}}
+    with pytest.raises(ConfigError, match="is optim.lr. Set it there"):
+        check_top_level_adds(OmegaConf.create({**cfg, **records}), ["+lr=1e-3", "+foo=${now:%H}"])
 
 
 def test_fp16_on_a_device_that_cannot_run_it():

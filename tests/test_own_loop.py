@@ -360,7 +360,8 @@ def test_a_loop_rolled_back_to_an_earlier_checkpoint_keeps_the_branch_it_leaves(
     assert (tmp_path / "checkpoints.prev" / "step_00000004" / "model.safetensors").read_bytes() == old_4
     assert (ck / "step_00000004" / "model.safetensors").read_bytes() != old_4
     assert (tmp_path / "metrics.prev.jsonl").read_text() == branch
-    assert "the checkpoints written after it (step_00000004) are kept in" in capsys.readouterr().err
+    assert "step_00000002 is older than step_00000004, written before this rollback: they are kept in" in \
+        capsys.readouterr().err
 
 
 def test_load_state_of_a_step_name_save_state_did_not_write_or_of_a_file_is_refused(rt, tmp_path):

@@ -516,21 +516,58 @@ def test_a_resume_from_another_runs_checkpoint_keeps_this_run_dirs_own_attempt(c
 
 
 def test_a_rollback_keeps_the_branch_it_abandons_whole(corpus, tmp_path):
-    """A rollback (resume=PATH to step 4 of 8) with a new lr: the new branch's save of step 8 replaced the abandoned
-    branch's step 8 (rmtree), its metrics after step 4 were cut, and its config.yaml was replaced, though the
-    rollback said the newer checkpoints stay on disk. Now that branch is set aside whole, with one attempt number."""
-    args = ("trainer.max_steps=8", "checkpoint.every_n_steps=4", "checkpoint.keep_last=5")
+    """A rollback (resume=PATH to step 4 of 12) with a new lr: the new branch's saves of steps 8 and 12 replaced the
+    abandoned branch's (rmtree), its metrics after step 4 were cut, and its config.yaml was replaced, though the
+    rollback said the newer checkpoints stay on disk. Now that branch is set aside whole, with one attempt number;
+    best.json names a checkpoint that is there; and going back to the branch set aside keeps the newer one's too."""
+    args = ("trainer.max_steps=12", "checkpoint.every_n_steps=4", "checkpoint.keep_last=5", "trainer.eval_every=4",
+            "checkpoint.best_metric=val/loss")
+    ck = tmp_path / "checkpoints"
+
+    def weights(d: Path) -> bytes:
+        return (d / "model.safetensors").read_bytes()
+
     train_in_process(corpus, tmp_path, *args)
-    old = {n: (tmp_path / n).read_bytes() for n in ("metrics.jsonl", "config.yaml", "checkpoints/best.json")
-           if (tmp_path / n).exists()}
-    old_step_8 = (tmp_path / "checkpoints" / "step_00000008" / "model.safetensors").read_bytes()
-    train_in_process(corpus, tmp_path, *args, "optim.lr=1e-2", f"resume={tmp_path}/checkpoints/step_00000004")
-    assert (tmp_path / "checkpoints.prev" / "step_00000008" / "model.safetensors").read_bytes() == old_step_8
-    assert (tmp_path / "checkpoints" / "step_00000008" / "model.safetensors").read_bytes() != old_step_8
+    old = {n: (tmp_path / n).read_bytes() for n in ("metrics.jsonl", "config.yaml")}
+    old_8, old_12 = weights(ck / "step_00000008"), weights(ck / "step_00000012")
+    train_in_process(corpus, tmp_path, *args, "optim.lr=1e-2", f"resume={ck}/step_00000004")
+    assert weights(tmp_path / "checkpoints.prev" / "step_00000008") == old_8 != weights(ck / "step_00000008")
+    assert weights(tmp_path / "checkpoints.prev" / "step_00000012") == old_12
     assert (tmp_path / "metrics.prev.jsonl").read_bytes() == old["metrics.jsonl"]
     assert (tmp_path / "config.prev.yaml").read_bytes() == old["config.yaml"]
     assert (tmp_path / "export.prev" / "model.safetensors").exists()
-    assert [e["step"] for e in read_metrics(tmp_path) if "train/loss" in e] == list(range(1, 9))
+    assert [e["step"] for e in read_metrics(tmp_path) if "train/loss" in e] == list(range(1, 13))
+    assert (ck / json.loads((ck / "best.json").read_text())["checkpoint"]).is_dir()
+    # Back to the first branch's step 8 (set aside): the second branch's step 12 would be replaced by its save.
+    new_12 = weights(ck / "step_00000012")
+    train_in_process(corpus, tmp_path, *args, f"resume={tmp_path}/checkpoints.prev/step_00000008")
+    assert weights(tmp_path / "checkpoints.prev-2" / "step_00000012") == new_12
+    assert (tmp_path / "metrics.prev-2.jsonl").exists() and (tmp_path / "export.prev-2").is_dir()
+
+
+def test_a_whole_number_learning_rate_resumes_a_run_of_float_rates(corpus, tmp_path):
+    """optim.lr=1 on resume: the optimizer's groups (and the schedule's base_lrs) held an int, and the checkpoint's
+    float rates were refused ("'/scheduler/base_lrs/0' is 0.005 in the checkpoint; expected an integer")."""
+    train_in_process(corpus, tmp_path, "trainer.max_steps=2", "checkpoint.every_n_steps=2")
+    train_in_process(corpus, tmp_path, "trainer.max_steps=4", "checkpoint.every_n_steps=2", "optim.lr=1", "resume=auto")
+    assert [e["step"] for e in read_metrics(tmp_path) if "train/loss" in e] == [1, 2, 3, 4]
+
+
+def test_an_elastic_restart_of_a_rollback_resumes_from_the_runs_newest_checkpoint_not_the_path_again(tmp_path):
+    """A job started with resume=PATH and restarted after its first checkpoint went back to PATH: it retrained what
+    the first attempt had done (and a rollback set that aside as an abandoned branch)."""
+    from trainer.checkpoint.manager import resume_candidates
+    from trainer.checkpoint.store import Checkpointer
+
+    other = tmp_path / "other" / "step_00000004"
+    ck = Checkpointer(tmp_path / "checkpoints")
+    assert resume_candidates(str(other), ck, restarted=True) == ([other], False)  # (nothing of its own yet)
+    for step, written in ((4, 1), (8, 2)):
+        (ck.dir / f"step_{step:08d}").mkdir(parents=True)
+        (ck.dir / f"step_{step:08d}" / "manifest.json").write_text(json.dumps({"written": written}))
+    assert resume_candidates(str(ck.dir / "step_00000004"), ck, restarted=True) == (
+        [ck.dir / "step_00000008", ck.dir / "step_00000004"], True)
+    assert resume_candidates(str(ck.dir / "step_00000004"), ck, restarted=False) == ([ck.dir / "step_00000004"], False)
 
 
 def test_a_rollback_holds_when_the_job_stops_before_its_first_checkpoint(corpus, tmp_path, capsys):

@@ -95,16 +95,18 @@ def free_name(path: Path, tag: str, before_suffix: bool = False) -> Path:
 
 
 @contextlib.contextmanager
-def one_attempt(run_dir: str | os.PathLike) -> Iterator[None]:
+def one_attempt(run_dir: str | os.PathLike, number: int | None = None) -> Iterator[int]:
     """Within the block, what a fresh start sets aside in `run_dir` (config.yaml, metrics.jsonl, export/,
     checkpoints/, ...) takes one number, the one after every `.prev` there: config.prev-3.yaml goes with
-    metrics.prev-3.jsonl, whichever of the earlier attempts left which files."""
+    metrics.prev-3.jsonl, whichever of the earlier attempts left which files. Yields the number; `number`: that
+    of an earlier block, for what one attempt sets aside at two moments (a loop's rollback: its events at the
+    load, its checkpoints at the next save)."""
     run_dir = Path(run_dir).absolute()
     numbers = [int(m.group(1) or 1) for p in (run_dir.iterdir() if run_dir.is_dir() else ())
                if (m := re.search(r"\.prev(?:-([0-9]+))?(?:\.|$)", p.name))]
-    _ATTEMPT[run_dir] = max(numbers, default=0) + 1
+    _ATTEMPT[run_dir] = number if number is not None else max(numbers, default=0) + 1
     try:
-        yield
+        yield _ATTEMPT[run_dir]
     finally:
         _ATTEMPT.pop(run_dir, None)
 

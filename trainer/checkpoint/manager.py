@@ -287,6 +287,37 @@ def _check_rng(state: dict, where: str) -> None:
         raise CheckpointError(f"{where}: the RNG state of this rank cannot be restored ({e}).") from None
 
 
+def set_abandoned_branch_aside(checkpointer, source: Path, step: int, loggers, run_dir: Path | None,
+                               config_text: str | None, say, also: tuple[str, ...] = ()) -> None:
+    """A rollback to `source` (step `step`; the main rank's): the checkpoints the dir holds after it are the branch it
+    abandons (`Checkpointer.branch_from`: the new branch's saves of the same steps replaced them), set aside with
+    what else that branch left (`also`: its export, already set aside) and its records: its events where some are
+    after `step` (metrics.prev.jsonl, tensorboard.prev/: the whole history, which the rewind then cuts at `step`)
+    and, given `config_text`, a config.yaml that differs from it (config.prev.yaml), with one attempt number. The
+    caller holds `one_attempt` over the run dir."""
+    from trainer.io import free_name
+    from trainer.tracking.loggers import last_step
+
+    moved_to, moved, left = checkpointer.branch_from(source) if checkpointer.dir is not None else (None, [], [])
+    if moved:
+        say(f"resume: {source.name} is older than {', '.join(moved)}, written before this rollback: they are kept in "
+            f"{moved_to} (out of resume=auto's and checkpoint.keep_last's way).")
+    if left:
+        say(f"resume: {', '.join(left)}, written before this rollback, could not be moved aside: they stay in place, "
+            "where no save of this run replaces or prunes them.")
+    if not (moved or left or also) or run_dir is None:
+        return
+    metrics, earlier, kept = run_dir / "metrics.jsonl", run_dir / "config.yaml", []
+    if metrics.is_file() and (last_step(metrics) or 0) > step:
+        kept += loggers.keep_copy()
+    if config_text is not None and earlier.is_file() and not earlier.is_symlink() and earlier.read_text() != config_text:
+        kept.append(free_name(earlier, ".prev", before_suffix=True))
+        earlier.replace(kept[-1])
+    if kept:
+        say(f"resume: the abandoned branch's events (after step {step} too) and settings are kept in "
+            f"{', '.join(str(p) for p in kept)}.")
+
+
 def _check_optimizer(state: dict, like: dict, where: str) -> None:
     """The checkpoint's optimizer holds the same parameters, in the same groups, as the live one."""
     if not state["state"]:
@@ -307,7 +338,9 @@ def resume_candidates(resume: str | None, checkpointer: ckpt.Checkpointer, resta
     An elastic restart always resumes from the newest good one."""
     if resume is None and not restarted:
         return [], False
-    if resume in (None, "auto"):  # (those whose manifest cannot be read first: tried, named, set aside)
+    # (a restart of a job started with resume=PATH too, once the run has checkpoints of its own: PATH again would roll
+    # back the first attempt's progress)
+    if resume in (None, "auto") or (restarted and checkpointer.complete()):  # (unreadable ones first: tried, named)
         return [*reversed(checkpointer.unreadable()), *reversed(checkpointer.complete())], True
     path = Path(resume).expanduser()
     if path.is_dir() and not (path / ckpt.MANIFEST).exists():  # a run dir or its checkpoints/ dir
@@ -352,19 +385,6 @@ def resume(trainer, cfg: DictConfig, say) -> Path | None:
                     for name, to in moved if to is not None]
             for line in [*kept, *notes, *resume_notes(path, cfg, trainer.checkpointer)]:
                 say(line)
-            # A rollback: the checkpoints written after this one are the branch it abandons, kept aside from now on
-            # (a job stopped before the new branch's first checkpoint went back to the abandoned one, and its saves
-            # of the same steps replaced them). Only one named on purpose: resume=auto's fallback past a newer
-            # checkpoint that may load next time (an I/O error) leaves that one first in line.
-            if not fallback and trainer.checkpointer.dir is not None:
-                moved, names = trainer.checkpointer.branch_from(path)
-                if names:
-                    trainer.checkpointer.abandoned.extend(names)
-                    where = (f"they are kept in {moved} (out of resume=auto's and checkpoint.keep_last's way)"
-                             if moved is not None else "they could not be moved aside and stay in place, where no "
-                             "save of this run replaces or prunes them")
-                    say(f"resume: {path.name} is older than {', '.join(names)}, written before this rollback: "
-                        f"{where}.")
         return path
     if skipped:
         newest, why = skipped[0]

@@ -366,42 +366,54 @@ class Checkpointer:
         order = {p: _written(p) for p in self._step_dirs()}
         return sorted((p for p, w in order.items() if w is not None), key=lambda p: (order[p], step_of(p)))
 
-    def branch_from(self, path: Path) -> tuple[Path | None, list[str]]:
-        """A rollback (a resume from `path`, one of this dir's checkpoints, while later-written ones exist): the later
-        ones are the branch it abandons. They move together into a new dir beside this one (`checkpoints.prev/`, or
-        the attempt's number: .prev-2, ...), with best.json where it names one of them, so that the new branch's
-        saves of the same steps replace none of them (a save of an existing step replaces it: a resume replays the
-        same steps), resume=auto follows the new branch at once, and keep_last prunes none of them.
-        Returns (that dir, the names moved): (None, names) where they could not be moved, then kept in place out of
-        the new branch's way (see `follow`); (None, []) when nothing was later. The main rank's to call."""
+    def branch_from(self, path: Path) -> tuple[Path | None, list[str], list[str]]:
+        """A rollback (a resume from `path`, while this dir holds checkpoints written after it: `written_after`): those
+        are the branch it abandons. They move together into a new dir beside this one (`checkpoints.prev/`, or the
+        attempt's number: .prev-2, ...), with best.json where it names one of them (best.json is then written again
+        for the resumed best, where that checkpoint is here), so that the new branch's saves of the same steps replace
+        none of them (a save of an existing step replaces it: a resume replays the same steps), resume=auto follows the
+        new branch at once, and keep_last prunes none of them. Returns (that dir, the names moved, the names that could
+        not be moved: kept in place, protected, out of the new branch's way). The main rank's to call."""
         later = self.written_after(path)
         if not later:
-            return None, []
-        target = free_name(self.dir, ".prev")
+            return None, [], []
+        target, moved = free_name(self.dir, ".prev"), []
         try:
             target.mkdir()
             for p in later:
                 os.replace(p, target / p.name)
-            try:
-                if str(_read_json(self.dir / "best.json")["checkpoint"]) in {p.name for p in later}:
-                    os.replace(self.dir / "best.json", target / "best.json")
-            except (ValueError, KeyError, TypeError, RecursionError, FileNotFoundError):
-                pass
-            fsync_dir(self.dir)
-        except OSError:
-            # (a read-only dir, say): what is left in place is protected, never replaced or pruned by the new branch
-            self.protected.update(p.name for p in later if p.exists())
+                moved.append(p.name)
+        except OSError:  # (a read-only dir, say)
+            pass
+        left = [p.name for p in later if p.name not in moved]
+        if left:  # never replaced or pruned by the new branch, and behind it for resume=auto
+            self.protected.update(left)
             self.follow(self.dir / path.name)
-            return None, [p.name for p in later]
-        return target, [p.name for p in later]
+        if moved:
+            try:
+                if str(_read_json(self.dir / "best.json")["checkpoint"]) in moved:
+                    os.replace(self.dir / "best.json", target / "best.json")
+                    if self.best is not None and (self.dir / self.best[1] / MANIFEST).is_file():
+                        atomic_write_json(self.dir / "best.json", {"metric": self.best_metric, "value": self.best[0],
+                                                                  "checkpoint": self.best[1]})
+            except (OSError, ValueError, KeyError, TypeError, RecursionError):
+                pass  # (no best.json, or one that cannot be read: repair_best_file's)
+            fsync_dir(self.dir)
+        elif target.is_dir() and not any(target.iterdir()):
+            target.rmdir()
+        return (target if moved else None), moved, left
 
     def written_after(self, path: Path) -> list[Path]:
-        """The complete checkpoints of this dir written after `path`, one of them (none when it is not here)."""
+        """This dir's complete checkpoints after `path`: written after it where it is one of them; where it is not
+        (a checkpoint of this run set aside by an earlier rollback, or a copy of this run's), those of a later step,
+        which the run's saves from `path` would replace."""
         done = self.complete() if self.dir is not None and self.dir.is_dir() else []
         names = [p.name for p in done]
-        if not names or path.parent.resolve() != self.dir.resolve() or path.name not in names:
-            return []
-        return [p for p in done[names.index(path.name) + 1:] if p.name not in self.protected]
+        if path.parent.resolve() == self.dir.resolve() and path.name in names:
+            later = done[names.index(path.name) + 1:]
+        else:
+            later = [p for p in done if step_of(p) > step_of(path)]
+        return [p for p in later if p.name not in self.protected]
 
     def follow(self, path: Path) -> bool:
         """A rollback (a resume from `path`, one of this dir's checkpoints, while later-written ones exist): make
@@ -731,8 +743,8 @@ class NullCheckpointer:
     def follow(self, path: Path) -> bool:
         return False
 
-    def branch_from(self, path: Path) -> tuple[Path | None, list[str]]:
-        return None, []
+    def branch_from(self, path: Path) -> tuple[Path | None, list[str], list[str]]:
+        return None, [], []
 
     def unreadable(self) -> list[Path]:
         return []

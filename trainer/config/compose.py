@@ -143,7 +143,11 @@ def check_top_level_adds(cfg: DictConfig, overrides: list[str]) -> None:
         given, key = key, key.lstrip("+")
         if group_options(key):  # (+experiment=NAME chooses a config group's option)
             continue
-        tree = OmegaConf.to_container(cfg, resolve=False) if tree is None else tree
+        if tree is None:
+            tree = OmegaConf.to_container(cfg, resolve=False)
+            # (Hydra's records of the command line, which hold the override itself and any `${...}` given there)
+            for records in ("overrides", "job"):
+                (tree.get("hydra") or {}).pop(records, None)
         if _interpolates(tree, key):
             continue
         named = [p for p in _leaf_paths(tree) if "." in p and not p.startswith("hydra.") and
@@ -160,7 +164,8 @@ def _interpolates(tree, key: str) -> bool:
         return any(_interpolates(v, key) for v in tree.values())
     if isinstance(tree, list):
         return any(_interpolates(v, key) for v in tree)
-    return isinstance(tree, str) and "${" in tree and re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", tree) \
+    # (`${lr}`, `${lr.x}`, a relative `${..lr}`; not `${optim.lr}`)
+    return isinstance(tree, str) and "${" in tree and re.search(rf"(?<![\w.])\.*{re.escape(key)}(?![\w])", tree) \
         is not None
 
 
@@ -175,10 +180,17 @@ def _one_value_per_hf_size(cfg: DictConfig, overrides: list[str]) -> None:
     given = {o.lstrip("+").split("=", 1)[0]: o.split("=", 1)[1] for o in overrides if "=" in o}
     for alias, own in HF_SIZE_ALIASES.items():
         a, b = given.get(f"model.{alias}"), given.get(f"model.{own}")
-        if a is not None and b is not None and a != b:
+        if a is not None and b is not None and _value(a) != _value(b):  # (by value: 2 and 02 are one size)
             raise ConfigError(f"model.{alias}={a} and model.{own}={b} name one size of this Hugging Face model "
                               f"({alias} is the lm recipe's name for its {own}) with two values. Give one of them "
                               f"(model.{own}={b}).")
+
+
+def _value(text: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
 
 
 def inert_message(given: list[str], where: str = "") -> str:

@@ -191,11 +191,11 @@ def check_logger_dirs(cfg: DictConfig) -> None:
 
 
 def _is_this_run(path: Path, cfg: DictConfig) -> bool:
-    """Whether `path` is the dir this (single) run will run in: the dir of its own earlier attempt."""
+    """Whether `path` may be the dir this (single) run will run in: the dir of its own earlier attempt."""
     try:
         run_dir = OmegaConf.select(cfg, "hydra.run.dir", throw_on_missing=True)
-    except Exception:  # noqa: BLE001 - (an interpolation only Hydra's runtime resolves: the default timestamped dir)
-        return False
+    except Exception:  # noqa: BLE001 - (`${hydra:job.name}`, which only Hydra's job resolves: it may be, so no refusal)
+        return True
     return run_dir is not None and Path(str(run_dir)).expanduser().resolve() == path.resolve()
 
 

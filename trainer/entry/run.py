@@ -16,7 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.checkpoint import store as ckpt
-from trainer.checkpoint.manager import resume
+from trainer.checkpoint.manager import resume, set_abandoned_branch_aside
 from trainer.config.instantiate import build_data, build_loggers, build_node, build_strategy
 from trainer.config.schema import (
     CheckpointConfig,
@@ -56,6 +56,11 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, say=print) -> torch
         say("note: world=ddp with world.tp mixes DTensor shards and plain tensors, which optim.fused and "
             "optim.foreach kernels refuse; using the per-parameter loop (optim.fused=false optim.foreach=false).")
         cfg = OmegaConf.merge(cfg, {"fused": False, "foreach": False})
+    # A rate given as a whole number (optim.lr=3) is a float to the optimizer: an int in its groups (and the
+    # schedule's base_lrs) made a checkpoint of float rates refuse to resume under it ("expected an integer").
+    rates = {k: float(v) for k, v in cfg.items() if (k == "lr" or str(k).endswith("_lr")) and type(v) is int}
+    if rates:
+        cfg = OmegaConf.merge(cfg, rates)
     factory = build_node("optim", cfg)
     grouping = getattr(getattr(factory, "func", factory), "param_groups", None)
     if grouping is not None:
@@ -428,23 +433,6 @@ def set_earlier_attempt_aside(run_dir: Path, cfg: DictConfig, loggers, is_main: 
         say(f"{why}: the earlier attempt's checkpoints are kept in {moved}.")
 
 
-def keep_abandoned_records(run_dir: Path, cfg: DictConfig, loggers, step: int, say) -> None:
-    """A rollback to step `step` (the main rank's): the branch it abandons (checkpoints and export, already set aside)
-    keeps its events as the earlier attempt's (metrics.prev.jsonl, tensorboard.prev/: the whole history, which the
-    rewind then cuts at `step`) and its config.yaml where this run's differs (config.prev.yaml), with the attempt's
-    number; the rollback's own settings are not those the abandoned weights were trained with."""
-    from trainer.io import free_name
-
-    earlier = run_dir / "config.yaml"
-    kept = loggers.keep_copy()
-    if earlier.is_file() and not earlier.is_symlink() and earlier.read_text() != config_text(cfg):
-        kept.append(free_name(earlier, ".prev", before_suffix=True))
-        earlier.replace(kept[-1])
-    if kept:
-        say(f"resume: the abandoned branch's events (after step {step} too) and settings are kept in "
-            f"{', '.join(str(p) for p in kept)}.")
-
-
 def same_run(run_dir: Path, checkpoint: Path) -> bool:
     """Whether the run dir's earlier attempt (its config.yaml) is the run `checkpoint` (of another dir: a copy of
     this run, say) belongs to: the same settings but for those a resume may change. Then the resume continues it
@@ -509,7 +497,8 @@ def later_export_kept(trainer, cfg: DictConfig, run_dir: Path, source: Path, say
             raise StorageError(f"could not move the export of step {later} in {run_dir} aside ({e.strerror or e}); "
                                "nothing was overwritten. Make the run dir writable.") from None
         say(f"resume={cfg.get('resume')}: the exported weights of step {later} are kept in {aside}.")
-        trainer.checkpointer.abandoned.append(f"the export of step {later}")
+        if named:  # (a rollback: its events are kept too; not resume=auto's fallback past a damaged checkpoint)
+            trainer.checkpointer.abandoned.append(f"the export of step {later}")
     return True
 
 
@@ -703,8 +692,10 @@ def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
                             loggers.finish({})
                             finished = True
                             return {}
-                        if trainer.checkpointer.abandoned:  # a rollback: the branch it leaves keeps its records
-                            keep_abandoned_records(run_dir, cfg, loggers, trainer.step, say)
+                        # A rollback (resume=PATH to an earlier checkpoint of this run): the branch it leaves is kept.
+                        if backend.is_main and not trainer.checkpointer.fell_back and not backend.info.restart_count:
+                            set_abandoned_branch_aside(trainer.checkpointer, source, trainer.step, loggers, run_dir,
+                                                       config_text(cfg), say, tuple(trainer.checkpointer.abandoned))
                         loggers.rewind(trainer.step)  # drop events logged after the checkpoint
                     say(f"resumed from {source} at step {trainer.step}")
                     if trainer.finished:

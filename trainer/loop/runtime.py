@@ -154,6 +154,7 @@ class Runtime:
         self._logged = False  # whether this process has logged (rt.load_state rewinds the loggers only before)
         self._loaded = False  # whether rt.load_state loaded a checkpoint (a resume: the run's history continues)
         self._rolled_back_to: Path | None = None  # a checkpoint loaded while later ones exist (the main rank's)
+        self._attempt: int | None = None  # the .prev number its rollback's records took at the load
         self._set_aside: Path | None = None  # an earlier run's metrics.jsonl, moved at this run's first rt.log
         self._config: dict[str, Any] | None = None  # rt.init_trackers' config, until the trackers can take it
         # The job's logger=... has nowhere to write without a run_dir: said once, at the first rt.log.
@@ -718,18 +719,17 @@ class Runtime:
                             "lose these micro-batches while its loader skips them. Save after rt.step, when "
                             "rt.sync_gradients is true.")
         self._all_ranks_here("save_state")
-        back = self._rolled_back_to
+        back, self._rolled_back_to = self._rolled_back_to, None
         if back is not None and back.parent.resolve() == Path(directory).resolve():
             # The first save after a rollback: the checkpoints written after the one loaded are the branch it leaves,
-            # moved aside together, so that this save (of one of their steps, say) replaces none of them.
+            # moved aside together (its events were kept at the load, under the same number).
+            from trainer.checkpoint.manager import set_abandoned_branch_aside
             from trainer.checkpoint.store import Checkpointer
+            from trainer.io import one_attempt
 
-            self._rolled_back_to = None
-            moved, later = Checkpointer(directory).branch_from(back)
-            if later:
-                where = f"kept in {moved}" if moved is not None else "left in place, where no save replaces them"
-                print(f"note: rt.save_state after rt.load_state({str(back)!r}): the checkpoints written after it "
-                      f"({', '.join(later)}) are {where}.", file=sys.stderr, flush=True)
+            with one_attempt(back.parent.parent, number=self._attempt):
+                set_abandoned_branch_aside(Checkpointer(back.parent), back, self.position.step, self.loggers, None,
+                                           None, _note)
         self.position.step = step = operator.index(step)
         path = self._manager(Path(directory), keep_last or self.keep_last).save(step, None, wait=True)
         if self._watched:
@@ -761,14 +761,21 @@ class Runtime:
         self._manager(path.parent, 2).load(path)
         self._loaded = True
         # A checkpoint older than others written after it: a rollback once this run saves there (not a load for an
-        # eval). The abandoned branch's events are copied before the rewind below cuts them.
+        # eval). The abandoned branch's events, where some are after it, are copied before the rewind below cuts
+        # them, under the number its checkpoints take at that save.
         later = Checkpointer(path.parent).written_after(path) if self.backend.is_main else []
         self._rolled_back_to = path if later else None
-        if later and not self._logged:
-            kept = self.loggers.keep_copy()
+        if later and not self._logged and self.run_dir is not None:
+            from trainer.io import one_attempt
+            from trainer.tracking.loggers import last_step
+
+            with one_attempt(self.run_dir) as self._attempt:
+                metrics = Path(self.run_dir) / "metrics.jsonl"
+                kept = self.loggers.keep_copy() if metrics.is_file() and (last_step(metrics) or 0) > \
+                    self.position.step else []
             if kept:
-                print(f"note: rt.load_state({str(path)!r}) goes back before {', '.join(p.name for p in later)}: the "
-                      f"metrics logged after it are kept in {', '.join(map(str, kept))}.", file=sys.stderr, flush=True)
+                _note(f"rt.load_state({str(path)!r}) goes back before {', '.join(p.name for p in later)}: the events "
+                      f"logged after it are kept in {', '.join(map(str, kept))}")
         if self.backend.is_main and not self._logged:  # a restart: the events logged after the checkpoint go,
             self.loggers.rewind(self.position.step)       # the loop logs them again (not a load late in a run)
         elif self.backend.is_main and self._set_aside is not None:
@@ -937,6 +944,11 @@ class Runtime:
         if self._checkpointer is not None:
             self._checkpointer.close()
         self.backend.teardown(wait_for_peers=True)
+
+
+def _note(line: str) -> None:
+    """A line for the user about what a load or save did to the run's files (the main rank's): on stderr."""
+    print(line if line.startswith("resume:") else f"note: {line}.", file=sys.stderr, flush=True)
 
 
 def _megabytes(size: str | int) -> float:

@@ -39,6 +39,12 @@ AUTO = "auto"
 # ZeRO's flat 1-D partitions is the step on the whole tensors. DeepSpeed asserts on any client optimizer but its
 # own few ("untested") unless the config allows it: the framework allows these (tested: SGD matches one process).
 ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD", "Rprop"}
+# Optimizers whose step reads a parameter as a whole, which a flat partition is not: refused before any process starts.
+# (Any other is DeepSpeed's to accept: its own, FusedAdam or DeepSpeedCPUAdam, or one a world.config allows.)
+WHOLE_TENSOR = {"MuonAdamW": "optim=muon orthogonalises each 2-D weight matrix as a whole",
+                "Muon": "Muon orthogonalises each 2-D weight matrix as a whole",
+                "Adafactor": "Adafactor factors each matrix's second moment into its rows' and columns'",
+                "LBFGS": "LBFGS steps on all the parameters as one vector, with a line search"}
 # DeepSpeed's scheduler types that describe scheduler=cosine / scheduler=constant.
 SCHEDULES = {"WarmupCosineLR": "cosine", "WarmupDecayLR": "cosine", "WarmupLR": "constant"}
 
@@ -238,16 +244,13 @@ def _optimizer(check: _Check, run: RunValues) -> None:
 
 
 def _partitionable(cfg: dict[str, Any], run: RunValues, source: str) -> None:
-    """An optimizer ZeRO can step on its flat partitions: element-wise (ELEMENTWISE), or allowed by the file."""
-    if run.optimizer is None or run.optimizer in ELEMENTWISE or cfg.get("zero_allow_untested_optimizer") is True:
+    """Refuse an optimizer ZeRO cannot step on its flat partitions (WHOLE_TENSOR), unless the file allows it."""
+    what = WHOLE_TENSOR.get(run.optimizer or "")
+    if what is None or cfg.get("zero_allow_untested_optimizer") is True:
         return
-    what = ("optim=muon orthogonalises each 2-D weight matrix as a whole" if run.optimizer == "MuonAdamW" else
-            f"optim builds {run.optimizer}, which is not one of torch.optim's element-wise optimizers "
-            f"({', '.join(sorted(ELEMENTWISE))})")
     raise ConfigError(f"world=deepspeed steps the optimizer on flat 1-D partitions of the parameters (ZeRO), which "
                       f"is the same step only for an optimizer that updates each element on its own; {what}. Use "
-                      "world=ddp or world=fsdp for it; for an element-wise optimizer of your own, set "
-                      f'"zero_allow_untested_optimizer": true in {source if source.startswith("world.config") else "world.config"}.')
+                      "world=ddp or world=fsdp for it.")
 
 
 def _schedule(check: _Check, run: RunValues) -> None:
