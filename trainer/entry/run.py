@@ -641,7 +641,7 @@ def setup_failed(run_dir: Path, e: OSError, then: str) -> StorageError:
     else:
         fix = "Fix what the error names"
     return StorageError(f"setting the run dir {run_dir} up failed ({e.strerror or e}{where}); nothing was trained, "
-                        f"and what it held is as it was. {fix}, then {then}.")
+                        f"and nothing the dir held was overwritten or deleted. {fix}, then {then}.")
 
 
 @contextlib.contextmanager
