@@ -416,9 +416,9 @@ class Checkpointer:
         return [p for p in later if p.name not in self.protected]
 
     def follow(self, path: Path) -> bool:
-        """A rollback (a resume from `path`, one of this dir's checkpoints, while later-written ones exist): make
-        `path` the most recently written at once, so that resume=auto follows the new branch even when the job
-        stops before that branch writes a checkpoint of its own (it went back to the abandoned one). Rewrites
+        """A rollback whose later checkpoints could not be moved aside (`branch_from`'s fallback): make `path` the
+        most recently written at once, so that resume=auto follows the new branch even when the job stops before
+        that branch writes a checkpoint of its own (it went back to the abandoned one). Rewrites
         the manifest's `written` alone, atomically. False when there was nothing to do or it could not be written."""
         done = self.complete() if self.dir is not None else []
         if path not in done or path == done[-1]:
