@@ -134,6 +134,21 @@ def test_what_a_stream_cannot_honour_is_refused_before_anything_runs(tmp_path, t
     assert not (tmp_path / "run").exists()
 
 
+def test_epochs_of_a_stream_read_in_parts_by_several_readers_are_refused(tmp_path):
+    """Each reader starts its own part over when it ends: with files of 3000 and 1000 bytes, "1 epoch" read the
+    small file several times and the large one not to its end, and said "1.00 passes"."""
+    from test_errors import assert_clean_error
+
+    (tmp_path / "tx").mkdir()
+    (tmp_path / "tx" / "a.txt").write_text("a" * 3000)
+    (tmp_path / "tx" / "b.txt").write_text("b" * 1000)
+    r = run_here("debug=smoke", "data=text_stream", f"data.path={tmp_path / 'tx'}", "data.by_file=true",
+                 "data.num_workers=2", "trainer.max_epochs=1", "trainer.max_steps=null",
+                 f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert_clean_error(r, "trainer.max_epochs is set, but", "read in parts (read_part) by up to 2 readers")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_sized_stream_has_epochs_and_a_val_stream_is_evaluated(tmp_path):
     r = run_here("debug=smoke", "data._target_=stream_data.windows_and_val", "data.shuffle=false", "data.batch_size=8",
                  "trainer.max_steps=null", "trainer.max_epochs=2", f"hydra.run.dir={tmp_path}", cwd=tmp_path,

@@ -66,18 +66,30 @@ def build_data(cfg: DictConfig) -> tuple[Any, Any]:
 
 def check_stream(train: Any, cfg: DictConfig) -> None:
     """The settings an iterable training split cannot honour, refused while the data is built: shuffling (a stream
-    is read in its own order), and epochs of a stream without __len__ (an epoch is a number of samples)."""
-    from trainer.data.streaming import sized
+    is read in its own order), and epochs of a stream without __len__ (an epoch is a number of samples) or read in
+    parts by several readers (whose parts wrap each on its own)."""
+    from trainer.data.streaming import reads_parts, sized
 
     where = f"the training split built by data._target_={cfg._target_!r} is a stream ({type(train).__name__})"
     if cfg.get("shuffle", True):
         raise DataError(f"data.shuffle=true, but {where}: it is read in its own order, which the framework cannot "
                         "shuffle. Set data.shuffle=false, and shuffle inside the dataset if the order matters (per "
                         "pass: its set_epoch(n) is called before pass n; see README, Streaming data).")
+    # The data node's siblings, where it is part of a run's config (build_data(cfg.data)); absent otherwise.
+    epochs = [k for k in ("trainer.max_epochs", "trainer.eval_every_epochs", "checkpoint.every_n_epochs")
+              if _sibling(cfg, k) is not None]
+    processes = (_sibling(cfg, "world.nproc_per_node") or 1) * (_sibling(cfg, "world.nnodes") or 1)
+    readers = max(1, cfg.get("num_workers", 0) or 0) * processes
+    if epochs and reads_parts(train) and readers > 1:
+        # Each reader starts its own part over when it ends, and the readers take turns: after __len__ samples a
+        # small part was read several times and a large one not to its end (ids of a 6-sample part trained 3
+        # times, the last 10 of a 30-sample part never, reported as "1.00 passes").
+        raise DataError(f"{epochs[0]} is set, but {where} read in parts (read_part) by up to {readers} readers (data-"
+                        "parallel processes x data.num_workers), each starting its own part over when it ends: "
+                        "__len__ samples are then not one pass over the data unless every part is the same size. "
+                        "Set trainer.max_steps (and trainer.eval_every, checkpoint.every_n_steps) instead, or read it "
+                        "with one reader (data.num_workers=0 or 1, one process).")
     if sized(train) is None:
-        # The data node's siblings, where it is part of a run's config (build_data(cfg.data)); absent otherwise.
-        epochs = [k for k in ("trainer.max_epochs", "trainer.eval_every_epochs", "checkpoint.every_n_epochs")
-                  if _sibling(cfg, k) is not None]
         if epochs:
             raise DataError(f"{epochs[0]} is set, but {where} without __len__, so it has no epochs. Set "
                             "trainer.max_steps (and trainer.eval_every, checkpoint.every_n_steps) instead: the stream "
