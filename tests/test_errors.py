@@ -185,6 +185,17 @@ def test_a_top_level_key_of_ones_own_is_taken_when_something_reads_it_or_it_name
         check_top_level_adds(OmegaConf.create({**cfg, **records}), ["+lr=1e-3", "+foo=${now:%H}"])
 
 
+def test_early_stopping_and_a_best_checkpoint_without_a_val_split_are_refused(tmp_path):
+    """A file too short to keep a val split trains on all of it: no eval ever ran, so early stopping and
+    checkpoint.best_metric never acted, exit 0, no word."""
+    (tmp_path / "notes.txt").write_text("x" * 400)
+    r = run_here("debug=smoke", "data=text", f"data.path={tmp_path / 'notes.txt'}", "data.seq_len=256",
+                 "callbacks=early_stopping", "checkpoint.best_metric=val/loss", "hydra.run.dir=run", cwd=tmp_path)
+    assert_clean_error(r, "checkpoint.best_metric and callbacks=early_stopping act on the evals' metrics",
+                       "built no val split")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
 def test_fp16_on_a_device_that_cannot_run_it():
     from trainer.errors import ConfigError
     from trainer.parallel.precision import FP16

@@ -96,6 +96,24 @@ def build_schedulers(cfg: DictConfig, optimizer, total_steps: int):
             for name, opt in optimizer.items()}
 
 
+def _check_evals_have_data(cfg: DictConfig, val_data) -> None:
+    """What needs an eval's metrics (checkpoint.best_metric, callbacks=early_stopping) where the data built no val split
+    (data=text of a file too short to keep one: it trains on all of it): no eval ever ran, so neither ever acted,
+    without a word."""
+    from trainer.data.streaming import sized
+
+    if val_data is not None and sized(val_data) != 0:
+        return
+    needs = [k for k, v in (("checkpoint.best_metric", (cfg.get("checkpoint") or {}).get("best_metric")),
+                            ("callbacks=early_stopping", (cfg.get("callbacks") or {}).get("early_stopping"))) if v]
+    if needs:
+        raise ConfigError(f"{' and '.join(needs)} act on the evals' metrics, but data._target_="
+                          f"{cfg.data.get('_target_')!r} built no val split (or an empty one: data=text keeps the end "
+                          "of its text as val only where a window of data.seq_len + 1 fits there beside the training "
+                          "text), so no eval would run. Give it more text (or a smaller data.seq_len), or leave "
+                          f"{' and '.join(needs)} out.")
+
+
 def epochs_to_steps(tcfg: TrainerConfig, ccfg: CheckpointConfig, samples: int, global_batch: int, say) -> None:
     """trainer.max_epochs / eval_every_epochs and checkpoint.every_n_epochs as steps of the global batch (an
     epoch is `samples` positions of the one global sample stream: ceil(samples / global batch) steps)."""
@@ -236,6 +254,7 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
         seed_everything(tcfg.seed)
         task = build_node("task", cfg.task)
         train_data, val_data = build_data(cfg.data)
+        _check_evals_have_data(cfg, val_data)
         if hasattr(task, "setup"):  # e.g. fit a normaliser on the training split (see trainer/task.py)
             task.setup(train_data, val_data, run_dir)
         if hasattr(task, "training_step"):  # its forwards reach one part of the model at a time
