@@ -553,6 +553,22 @@ def test_a_whole_number_learning_rate_resumes_a_run_of_float_rates(corpus, tmp_p
     assert [e["step"] for e in read_metrics(tmp_path) if "train/loss" in e] == [1, 2, 3, 4]
 
 
+def test_a_resume_with_the_ema_turned_off_says_where_its_ema_stays(corpus, tmp_path, reference, capsys):
+    """Only the settings' diff said ema.enabled: True -> False; the run's export then had no model_ema.safetensors,
+    and the checkpoint holding the EMA was pruned later, without a word about it."""
+    import shutil
+
+    from conftest import SHARED
+
+    shutil.copytree(reference, tmp_path, dirs_exist_ok=True)
+    overrides = [a for a in SHARED if not a.startswith("ema.")]
+    capsys.readouterr()
+    train_in_process(corpus, tmp_path, "data.batch_size=8", *overrides, "ema.enabled=false",
+                     f"resume={tmp_path}/checkpoints/step_00000008")
+    assert "step_00000008 holds an EMA of the weights, which this run does not continue (ema.enabled=false)" in \
+        capsys.readouterr().out
+
+
 def test_an_elastic_restart_of_a_rollback_resumes_from_the_runs_newest_checkpoint_not_the_path_again(tmp_path):
     """A job started with resume=PATH and restarted after its first checkpoint went back to PATH: it retrained what
     the first attempt had done (and a rollback set that aside as an abandoned branch)."""

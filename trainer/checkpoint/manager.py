@@ -190,6 +190,11 @@ class CheckpointManager:
             self.components["ema"].reset()  # an average of the weights from here on, starting at the checkpoint's
             notes.append(f"resume: {path.name} has no EMA state (ema.enabled was off): the EMA starts from its "
                          "weights now.")
+        had_ema = isinstance(loaded.tree, dict) and bool(loaded.tree.get("ema"))
+        if resume and had_ema and "ema" not in self.components:  # (said only by the settings' diff)
+            notes.append(f"resume: {path.name} holds an EMA of the weights, which this run does not continue "
+                         "(ema.enabled=false): it stays in that checkpoint until checkpoint.keep_last prunes it, and "
+                         "the run's export has no model_ema.safetensors. ema.enabled=true continues it.")
         for name in absent.get("callbacks", []):
             notes.append(f"resume: {path.name} has no state for callbacks.{name} (it was not on): it starts from "
                          "its initial state.")
