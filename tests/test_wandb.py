@@ -59,7 +59,8 @@ def test_logger_config_composes(tmp_path):
         cfg = compose_cfg([choice, "logger.wandb.tags=[a,b]"])
         assert OmegaConf.to_container(cfg.logger) == {"wandb": {
             "_target_": "trainer.tracking.wandb_logger.WandbLogger", "project": "trainer", "entity": None,
-            "name": None, "group": None, "tags": ["a", "b"], "mode": None, "dir": None}}
+            "name": None, "group": None, "tags": ["a", "b"], "mode": None, "dir": None,
+            "on_rollback": "new_run"}}
     logger = instantiate(cfg.logger.wandb, run_dir=str(tmp_path))
     assert isinstance(logger, WandbLogger) and logger.dir == tmp_path and logger.run is None
 
@@ -205,3 +206,62 @@ def test_your_own_loop_logs_to_the_trackers_log_with_names(tmp_path, offline):
     assert [(m["step"], m["loss"]) for m in read_metrics(tmp_path)] == [(1, 2.0), (2, 1.5)]
     with pytest.raises(UserError, match="log_with='mlflow'.*expected wandb or tensorboard"):
         Runtime(log_with="mlflow", run_dir=tmp_path / "other")
+
+
+def runs_by_first_step(run_dir) -> list[dict]:
+    """Each wandb.init under `run_dir`: {"id", "branch_point": (run id, step) it forked or rewound from, or None,
+    "rows": its history rows}, ordered by its first step (two inits in one second have no order of their own)."""
+    from wandb_reader import _decode, run_records
+
+    runs = []
+    for found in run_records(run_dir):
+        run = next(r.run for r in found if r.WhichOneof("record_type") == "run")
+        rows = [{"step": r.history.step.num, **_decode(r.history.item)} for r in found
+                if r.WhichOneof("record_type") == "history"]
+        runs.append({"id": run.run_id, "rows": rows, "notes": run.notes, "branch_point": (run.branch_point.run, int(run.branch_point.value))
+                     if run.HasField("branch_point") else None})
+    return sorted(runs, key=lambda run: run["rows"][0]["step"])
+
+
+@pytest.mark.parametrize("on_rollback", ["new_run", "fork", "rewind"])
+def test_a_rollback_logs_its_branch_where_wandb_keeps_it(corpus, tmp_path, offline, capsys, on_rollback):
+    """resume=RUN/checkpoints/step_4 of a run that logged to step 6: the resumed job continued the same wandb run,
+    where wandb ignores a step below the run's last (steps 5 and 6 of the new branch were dropped from the dashboard,
+    the abandoned branch's shown instead). Now the new branch is a run of its own (or wandb's fork or rewind of the
+    old one at step 4), and the abandoned branch stays whole in the old run."""
+    from trainer import train
+
+    args = ("logger=wandb", "trainer.max_steps=6", "checkpoint.every_n_steps=2", "checkpoint.keep_last=5",
+            f"logger.wandb.on_rollback={on_rollback}")
+    train(compose_cfg(tiny_overrides(corpus, *args)), tmp_path)
+    first = run_id(tmp_path)
+    capsys.readouterr()
+    train(compose_cfg(tiny_overrides(corpus, *args, "optim.lr=1e-4",
+                                     f"resume={tmp_path}/checkpoints/step_00000004")), tmp_path)
+    old, new = runs_by_first_step(tmp_path)
+    assert old["id"] == first and [r["step"] for r in old["rows"]] == [1, 2, 3, 4, 5, 6]
+    assert (new["id"] == first) == (on_rollback == "rewind")
+    assert new["branch_point"] == (None if on_rollback == "new_run" else (first, 4))
+    if on_rollback == "new_run":  # (its Overview tab says where it comes from)
+        assert new["notes"] == f"Rolled back to step 4 of run {first}, which keeps the branch this run left."
+    # The new run's rows are the new branch's steps 5 and 6, with its loss (in metrics.jsonl too).
+    assert [r["step"] for r in new["rows"]] == [5, 6]
+    assert [r["train/loss"] for r in new["rows"]] == [e["train/loss"] for e in read_metrics(tmp_path)
+                                                      if "train/loss" in e][-2:]
+    err = capsys.readouterr().err
+    assert "rollback to step 4" in err and first in err
+
+
+def test_a_run_started_from_another_runs_checkpoint_logs_to_a_wandb_run_of_its_own(corpus, tmp_path, offline, capsys):
+    """resume=OTHER_RUN/checkpoints/step_N into a new run dir (other settings: another run) took the other run's
+    wandb id from the checkpoint and logged into that run, which holds the other run's record."""
+    from trainer import train
+
+    args = ("logger=wandb", "trainer.max_steps=4", "checkpoint.every_n_steps=2")
+    train(compose_cfg(tiny_overrides(corpus, *args)), tmp_path / "a")
+    capsys.readouterr()
+    train(compose_cfg(tiny_overrides(corpus, *args, "trainer.max_steps=6", "optim.lr=1e-4",
+                                     f"resume={tmp_path}/a/checkpoints/step_00000004")), tmp_path / "b")
+    assert run_id(tmp_path / "b") != run_id(tmp_path / "a")
+    assert [r["step"] for r in history(tmp_path / "b")] == [5, 6]
+    assert f"starts from a checkpoint of wandb run {run_id(tmp_path / 'a')}" in capsys.readouterr().err

@@ -27,6 +27,9 @@ from trainer.redaction import redact, redact_text, scrub, secret_values
 from trainer.tracking.loggers import NullLogger
 
 MODES = (None, "online", "offline", "disabled")
+# What a rollback (a resume from a checkpoint older than the run's last step) logs to. wandb ignores a step below the
+# run's last, so continuing the same run would drop the new branch's steps up to there and show the old branch's.
+ON_ROLLBACK = ("new_run", "fork", "rewind")
 
 
 class WandbLogger(NullLogger):
@@ -37,15 +40,24 @@ class WandbLogger(NullLogger):
         mode: "online" | "offline" | "disabled", or None: $WANDB_MODE if set, else online when
             credentials exist (WANDB_API_KEY, or a ~/.netrc entry from `wandb login`), else offline.
         dir: where wandb writes its `wandb/` folder; None = the run dir.
+        on_rollback: where a rollback's new branch logs, the old run keeping the branch it leaves: "new_run" (a
+            run of its own, its notes naming the old run and step), "fork" (wandb's `fork_from`: a new run holding
+            the old one's history up to the step) or "rewind" (wandb's `resume_from`: the same run, cut at the
+            step, the cut history archived by the server). fork and rewind are preview features of W&B's server.
         run_dir: the run's output directory (passed by the framework).
     """
 
     def __init__(self, *, run_dir: str | os.PathLike, project: str | None = "trainer",
                  entity: str | None = None, name: str | None = None, group: str | None = None,
-                 tags: list[str] | None = None, mode: str | None = None, dir: str | None = None):
+                 tags: list[str] | None = None, mode: str | None = None, dir: str | None = None,
+                 on_rollback: str = "new_run"):
         if mode not in MODES:
             raise ConfigError(f"logger.wandb.mode={mode!r} is invalid: expected one of "
                               "online, offline, disabled, or null (online with credentials, else offline).")
+        if on_rollback not in ON_ROLLBACK:
+            raise ConfigError(f"logger.wandb.on_rollback={on_rollback!r} is invalid: expected new_run (the rollback's "
+                              "branch logs to a run of its own), fork or rewind (W&B's preview features).")
+        self.on_rollback = on_rollback
         self.init_kwargs = {"project": project, "entity": entity, "name": name, "group": group,
                             "tags": [str(t) for t in tags or ()] or None}
         self.mode = mode
@@ -55,6 +67,10 @@ class WandbLogger(NullLogger):
         self.offline = False  # set when the run starts
         self._sync_hint: str | None = None  # why we logged offline, when the user did not ask to
         self._config: dict[str, Any] | None = None  # the run's config, as given to log_config
+        self._loaded = False  # whether run_id came from a checkpoint (load_state_dict)
+        # The run this one branches from, when it does: {"run": id, "step": the rollback's step or None (another run's
+        # checkpoint), "how": new_run | fork | rewind}.
+        self._branch: dict[str, Any] | None = None
 
     # -- starting the run --------------------------------------------------------------------------
     def _start(self, config: dict[str, Any] | None = None) -> None:
@@ -74,6 +90,7 @@ class WandbLogger(NullLogger):
             mode = "offline"
             self.run = self._init_offline_after_failure(config)
         self.offline = mode in ("offline", "dryrun")
+        self._say_where_the_branch_logs()
 
     def _init(self, mode: str, config: dict[str, Any] | None):
         import wandb
@@ -92,11 +109,26 @@ class WandbLogger(NullLogger):
         try:
             return wandb.init(
                 **redact(self.init_kwargs, secrets), dir=str(self.dir), mode=mode, config=config, id=self.run_id,
-                # "allow": continue the run with this id if it exists (a resumed job), else create it.
-                resume="allow", settings=settings,
+                settings=settings, **self._branch_kwargs(),
             )
         finally:
             sys.argv = argv
+
+    def _branch_kwargs(self) -> dict[str, Any]:
+        """wandb.init's arguments for where this run's history starts (one of resume, fork_from, resume_from)."""
+        branch = self._branch
+        if branch is None:
+            # "allow": continue the run with this id if it exists (a resumed job), else create it.
+            return {"resume": "allow"}
+        moment = f"{branch['run']}?_step={branch['step']}"
+        if branch["how"] == "fork" and branch["step"] is not None:
+            return {"fork_from": moment}
+        if branch["how"] == "rewind" and branch["step"] is not None:
+            return {"resume_from": moment}
+        # A run of its own: its notes (the Overview tab) say where it comes from.
+        return {"resume": "allow", "notes": (
+            f"Rolled back to step {branch['step']} of run {branch['run']}, which keeps the branch this run left."
+            if branch["step"] is not None else f"Started from a checkpoint of run {branch['run']}.")}
 
     def _init_offline_after_failure(self, config: dict[str, Any] | None):
         import wandb
@@ -108,7 +140,31 @@ class WandbLogger(NullLogger):
             return self._init("offline", config)
         except Exception:  # noqa: BLE001 - a service shared with a parent process ($WANDB_SERVICE) keeps it
             self.run_id = new_run_id()
+            if self._branch is not None and self._branch["how"] == "rewind":  # (a rewind keeps the id it lost)
+                self._branch["how"] = "new_run"
             return self._init("offline", config)
+
+    def _say_where_the_branch_logs(self) -> None:
+        branch = self._branch
+        if branch is None:
+            return
+        old, step, how = branch["run"], branch["step"], branch["how"]
+        if step is None:
+            say = (f"wandb: this run starts from a checkpoint of wandb run {old}, another run's record: it logs to a run "
+                   f"of its own, {self.run_id}.")
+        elif how == "rewind":
+            say = (f"wandb: the rollback to step {step} rewinds run {old} to that step (logger.wandb.on_rollback=rewind, "
+                   "a preview feature of W&B's server, which archives the history it cuts).")
+        elif how == "fork":
+            say = (f"wandb: the rollback to step {step} logs to run {self.run_id}, forked from run {old} at that step "
+                   f"(logger.wandb.on_rollback=fork, a preview feature of W&B's server); run {old} keeps the branch "
+                   "it leaves.")
+        else:
+            say = (f"wandb: the rollback to step {step} logs to a new run, {self.run_id}; run {old} keeps the branch it "
+                   "leaves (wandb ignores a step below a run's last, so continuing it would drop this branch's "
+                   f"first steps). logger.wandb.on_rollback=fork starts the new run with {old}'s history up to step "
+                   f"{step}, on a W&B server with that preview feature.")
+        print(say, file=sys.stderr, flush=True)
 
     def _ensure_started(self) -> None:
         if self.run is None:
@@ -161,6 +217,26 @@ class WandbLogger(NullLogger):
                   file=sys.stderr, flush=True)
 
     # -- resume --------------------------------------------------------------------------------------
+    def start_fresh(self) -> None:
+        """A run dir's run starting over; given another run's checkpoint, its run id is that run's record."""
+        if self._loaded and self.run is None:
+            self._branch = {"run": self.run_id, "step": None, "how": "new_run"}
+            self.run_id, self._loaded = new_run_id(), False
+
+    def keep_copy(self) -> list[Path]:
+        """A rollback: the old run keeps the branch it leaves (wandb's own record of it; no file to copy), this
+        one logs where `on_rollback` says, from the step `rewind` names."""
+        if self._loaded and self.run is None:
+            self._branch = {"run": self.run_id, "step": None, "how": self.on_rollback}
+            if self.on_rollback != "rewind":
+                self.run_id = new_run_id()
+            self._loaded = False
+        return []
+
+    def rewind(self, step: int) -> None:
+        if self._branch is not None and self._branch["step"] is None and self.run is None:
+            self._branch["step"] = step
+
     def state_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id}
 
@@ -173,7 +249,7 @@ class WandbLogger(NullLogger):
                 f"WandbLogger.load_state_dict(run_id={run_id!r}) after wandb run {self.run_id!r} started: "
                 "restore logger state before the first log_config/log_metrics call."
             )
-        self.run_id = run_id
+        self.run_id, self._loaded = run_id, True
 
 
 # Words that make a config key secret: "hf_token", "apiKey", "db_password", but not "sample_tokens".
