@@ -208,6 +208,39 @@ def test_your_own_loop_logs_to_the_trackers_log_with_names(tmp_path, offline):
         Runtime(log_with="mlflow", run_dir=tmp_path / "other")
 
 
+def test_a_restarted_loop_of_your_own_logs_to_the_same_wandb_run(tmp_path, offline, recwarn):
+    """A Runtime loop restarted from its checkpoint logged to a new wandb run each time (the Trainer's resume
+    continues its run: the id is in the checkpoint), and rt.log of the loss from the backward warned about its graph.
+    A load of another run's checkpoint, or one after this process logged (an eval's), leaves the id alone."""
+    import torch
+
+    from trainer import Runtime
+
+    def loop(run_dir, steps: int, load=None) -> None:
+        rt = Runtime(log_with="wandb", run_dir=run_dir)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        start = rt.load_state(load or run_dir / "checkpoints") or 0
+        for step in range(start + 1, steps + 1):
+            loss = model(torch.ones(2, 4)).pow(2).mean()
+            rt.backward(loss)
+            rt.step(opt)
+            rt.log({"loss": loss}, step=step)
+            if step % 2 == 0:
+                rt.save_state(run_dir / "checkpoints", step)
+        rt.end()
+
+    loop(tmp_path / "a", 4)
+    loop(tmp_path / "a", 6)
+    ids = run_ids(tmp_path / "a")
+    assert len(ids) == 2 and len(set(ids)) == 1
+    assert [r["step"] for r in history(tmp_path / "a")] == [1, 2, 3, 4, 5, 6]
+    assert not [w for w in recwarn if "requires_grad" in str(w.message)]
+    loop(tmp_path / "b", 6, load=tmp_path / "a" / "checkpoints" / "step_00000004")
+    assert run_id(tmp_path / "b") != ids[0]
+
+
 def runs_by_first_step(run_dir) -> list[dict]:
     """Each wandb.init under `run_dir`: {"id", "branch_point": (run id, step) it forked or rewound from, or None,
     "rows": its history rows}, ordered by its first step (two inits in one second have no order of their own)."""
@@ -218,8 +251,8 @@ def runs_by_first_step(run_dir) -> list[dict]:
         run = next(r.run for r in found if r.WhichOneof("record_type") == "run")
         rows = [{"step": r.history.step.num, **_decode(r.history.item)} for r in found
                 if r.WhichOneof("record_type") == "history"]
-        runs.append({"id": run.run_id, "rows": rows, "notes": run.notes, "branch_point": (run.branch_point.run, int(run.branch_point.value))
-                     if run.HasField("branch_point") else None})
+        runs.append({"id": run.run_id, "rows": rows, "notes": run.notes, "branch_point": (
+            run.branch_point.run, int(run.branch_point.value)) if run.HasField("branch_point") else None})
     return sorted(runs, key=lambda run: run["rows"][0]["step"])
 
 

@@ -153,6 +153,7 @@ class Runtime:
         self.loggers = self._loggers(launched, log_with)
         self._logged = False  # whether this process has logged (rt.load_state rewinds the loggers only before)
         self._loaded = False  # whether rt.load_state loaded a checkpoint (a resume: the run's history continues)
+        self._restores_trackers = False  # whether the load in progress restores the trackers' state (load_state)
         self._rolled_back_to: Path | None = None  # a checkpoint loaded while later ones exist (the main rank's)
         self._attempt: int | None = None  # the .prev number its rollback's records took at the load
         self._set_aside: Path | None = None  # an earlier run's metrics.jsonl, moved at this run's first rt.log
@@ -381,7 +382,7 @@ class Runtime:
         in save_state/load_state."""
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise UserError(f"Runtime.register({name!r}): a {type(obj).__name__} has no state_dict/load_state_dict.")
-        if name in self.stateful or name in ("trainer", "optimizer", "rng"):
+        if name in self.stateful or name in ("trainer", "optimizer", "rng", "loggers"):
             raise UserError(f"Runtime.register: the name {name!r} is taken.")
         self.stateful[name] = obj
         return obj
@@ -701,7 +702,8 @@ class Runtime:
         self._checkpointer.keep_last = keep_last
         parts = Parts(self.strategy, self.models, self.optimizers,
                       {name: frozen_keys(m) for name, m in self.models.items()}, after_load=after_load)
-        return CheckpointManager(self._checkpointer, parts, self.position, self.stateful, every_component=True)
+        return CheckpointManager(self._checkpointer, parts, self.position,
+                                 {**self.stateful, "loggers": _TrackerState(self)}, every_component=True)
 
     def save_state(self, directory: str | os.PathLike, step: int, keep_last: int | None = None) -> Path:
         """Checkpoint every model, optimizer, loader and registered object, and each rank's RNG, as
@@ -758,6 +760,11 @@ class Runtime:
             if not found:
                 return None
             path = found[-1]
+        # The trackers continue their runs (the wandb run id) on a restart: a load before this process logged, of a
+        # checkpoint of this run_dir's (another run's wandb run is that run's record, and a late load, for an eval,
+        # leaves the run already started alone).
+        self._restores_trackers = not self._logged and self.run_dir is not None and \
+            path.resolve().is_relative_to(Path(self.run_dir).resolve())
         self._manager(path.parent, 2).load(path)
         self._loaded = True
         # A checkpoint older than others written after it: a rollback once this run saves there (not a load for an
@@ -908,7 +915,9 @@ class Runtime:
                       "these metrics go nowhere: pass one to the script's trainer.Runtime(run_dir=DIR) (metrics.jsonl "
                       "and the trackers' files go there).", file=sys.stderr, flush=True)
                 self._unlogged = []
-            self.loggers.log_metrics({k: float(v) for k, v in metrics.items()}, step)
+            # (a loss straight from the backward: float() of it warns about its graph, pointing at this line)
+            self.loggers.log_metrics({k: float(v.detach() if isinstance(v, torch.Tensor) else v)
+                                      for k, v in metrics.items()}, step)
 
     def _start_fresh(self, step: int) -> None:
         """A run whose first rt.log, without a checkpoint loaded, logs a step the run_dir's metrics.jsonl already
@@ -1000,6 +1009,21 @@ def _loader_args(what: str, **counts: Any) -> None:
             count = None
         if count is None or isinstance(value, bool) or count < low:
             raise UserError(f"rt.{what}({key}={value!r}): {key} must be an integer >= {low}.")
+
+
+class _TrackerState:
+    """The trackers' state (LoggerGroup: the wandb run id) under "loggers" in save_state, restored where
+    load_state says (`Runtime._restores_trackers`)."""
+
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.rt.loggers.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.rt._restores_trackers:
+            self.rt.loggers.load_state_dict(state)
 
 
 def _forward_progress(module: nn.Module, args: Any) -> None:
