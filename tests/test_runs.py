@@ -646,3 +646,38 @@ def test_a_preempted_sweep_says_the_command_that_continues_the_whole_sweep(corpu
     for point in ("0", "1"):
         assert [e["step"] for e in read_metrics(Path(sweep) / point) if "train/loss" in e] == list(range(1, 9)), point
     assert len(list((tmp_path / "multirun").glob("*/*"))) == 1  # no second sweep dir
+
+
+def test_a_resume_from_another_runs_checkpoint_into_the_dir_of_a_run_with_other_settings_keeps_that_run(corpus,
+                                                                                                      tmp_path):
+    """Run X (optim.lr=1e-3) in its dir, then resume=REF/checkpoints/step_4 hydra.run.dir=X: X differed from REF only in
+    a setting a resume may change, so it counted as REF's run. Its metrics were spliced with REF's (X's steps 1-8, then
+    5-8 of the new run), its checkpoints pruned among the new run's, its export and config.yaml replaced."""
+    ref, x = tmp_path / "ref", tmp_path / "x"
+    args = ("trainer.max_steps=8", "checkpoint.every_n_steps=2", "checkpoint.keep_last=2")
+    assert run_here(*tiny_overrides(corpus, *args, "checkpoint.keep_last=4"), f"hydra.run.dir={ref}").returncode == 0
+    assert run_here(*tiny_overrides(corpus, *args, "optim.lr=1e-3"), f"hydra.run.dir={x}").returncode == 0
+    before = {name: (x / name).read_bytes() for name in ("metrics.jsonl", "config.yaml", "model.safetensors")}
+    ckpts = {p.name: (p / "model.safetensors").read_bytes() for p in (x / "checkpoints").glob("step_*")}
+    r = run_here(*tiny_overrides(corpus, *args), f"resume={ref}/checkpoints/step_00000004", f"hydra.run.dir={x}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [e["step"] for e in read_metrics(x) if "train/loss" in e] == [5, 6, 7, 8]
+    assert (x / "metrics.prev.jsonl").read_bytes() == before["metrics.jsonl"]
+    assert (x / "config.prev.yaml").read_bytes() == before["config.yaml"]
+    assert (x / "export.prev" / "model.safetensors").read_bytes() == before["model.safetensors"]
+    assert {p.name: (p / "model.safetensors").read_bytes() for p in (x / "checkpoints.prev").glob("step_*")} == ckpts
+
+
+def test_a_copied_run_dir_continues_the_run_it_is_a_copy_of(corpus, tmp_path):
+    """cp -r RUN COPY, then resume=RUN/checkpoints/step_4 hydra.run.dir=COPY: the copy is the same run (it holds the
+    same checkpoint), so it continues there, its history cut at step 4, nothing set aside."""
+    import shutil
+
+    args = ("trainer.max_steps=8", "checkpoint.every_n_steps=4", "checkpoint.keep_last=3")
+    assert run_here(*tiny_overrides(corpus, *args), f"hydra.run.dir={tmp_path / 'run'}").returncode == 0
+    shutil.copytree(tmp_path / "run", tmp_path / "copy")
+    r = run_here(*tiny_overrides(corpus, *args, "trainer.max_steps=12"), "resume=" + str(tmp_path / "run" / "checkpoints"
+                 / "step_00000008"), f"hydra.run.dir={tmp_path / 'copy'}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [e["step"] for e in read_metrics(tmp_path / "copy") if "train/loss" in e] == list(range(1, 13))
+    assert not list((tmp_path / "copy").glob("*.prev*"))

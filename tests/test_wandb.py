@@ -10,7 +10,7 @@ import socket
 import subprocess
 
 import pytest
-from conftest import compose_cfg, read_metrics, run_cli, tiny_overrides
+from conftest import compose_cfg, read_metrics, run_cli, run_here, tiny_overrides
 from omegaconf import OmegaConf
 from wandb_reader import config, history, media_path, records, run_id, run_ids, summary
 
@@ -298,3 +298,9 @@ def test_a_run_started_from_another_runs_checkpoint_logs_to_a_wandb_run_of_its_o
     assert run_id(tmp_path / "b") != run_id(tmp_path / "a")
     assert [r["step"] for r in history(tmp_path / "b")] == [5, 6]
     assert f"starts from a checkpoint of wandb run {run_id(tmp_path / 'a')}" in capsys.readouterr().err
+    # Through the command line, whose new run dir holds this job's config.yaml (the same settings as a's, but for
+    # the ones a resume may change) before the run starts: it counted as a's run.
+    r = run_here(*tiny_overrides(corpus, *args, "trainer.max_steps=6"), f"hydra.run.dir={tmp_path / 'c'}",
+                 f"resume={tmp_path}/a/checkpoints/step_00000004")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert run_id(tmp_path / "c") not in (run_id(tmp_path / "a"), run_id(tmp_path / "b"))

@@ -453,13 +453,20 @@ def set_earlier_attempt_aside(run_dir: Path, cfg: DictConfig, loggers, is_main: 
 
 
 def same_run(run_dir: Path, checkpoint: Path) -> bool:
-    """Whether the run dir's earlier attempt (its config.yaml) is the run `checkpoint` (of another dir: a copy of
-    this run, say) belongs to: the same settings but for those a resume may change. Then the resume continues it
-    there, events and all; else that attempt is another run, and is kept aside rather than spliced into."""
-    from trainer.checkpoint.settings import comparable, read_config
+    """Whether `checkpoint`, outside the run dir's checkpoints/, is still this run dir's run: one of its own set
+    aside (checkpoints.prev/...), or one the dir holds a copy of (a copied run dir: the same manifest, byte for byte).
+    Then the resume continues the run there, events and all; else the dir's earlier attempt (if any) is another run,
+    kept aside rather than spliced into, and the job is a run of its own. Settings cannot tell: two runs may differ
+    only in ones a resume may change (the learning rate), and a new dir holds this job's config.yaml alone."""
+    from trainer.checkpoint.store import MANIFEST
 
-    ours, theirs = read_config(run_dir / "config.yaml"), read_config(checkpoint / "config.yaml")
-    return isinstance(ours, dict) and isinstance(theirs, dict) and comparable(ours) == comparable(theirs)
+    try:
+        if checkpoint.resolve().is_relative_to(run_dir.resolve()):
+            return True
+        copy = run_dir / "checkpoints" / checkpoint.name / MANIFEST
+        return copy.is_file() and copy.read_bytes() == (checkpoint / MANIFEST).read_bytes()
+    except OSError:
+        return False
 
 
 def export_record(run_dir: Path) -> dict | None:
