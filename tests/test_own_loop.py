@@ -1069,3 +1069,38 @@ def test_launching_a_file_that_is_not_python_is_one_paragraph(tmp_path):
         r = run_here("launch", str(tmp_path / name), cwd=tmp_path)
         assert_clean_error(r, f"{tmp_path / name} is not a Python script that compiles ({says}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.py", "notes.md"]
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_stateless_optimizers_learning_rate_resumes(tmp_path, momentum):
+    """SGD without momentum keeps no per-parameter state, and the checkpoint then held none of its groups either: a
+    resume stepped at the initial rate (1.0 where ExponentialLR had it at 0.125), so the resumed run was not the
+    uninterrupted one. Now both runs end with the same weights, and the rate after the load is the one saved."""
+    import trainer
+
+    def make():
+        rt = trainer.Runtime()
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=momentum)
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, 0.5)
+        model, opt = rt.setup(model, opt)
+        rt.register("sched", sched)
+        return rt, model, opt, sched
+
+    def train(rt, model, opt, sched, steps):
+        for _ in range(steps):
+            rt.backward(model(torch.ones(2, 4)).pow(2).mean())
+            rt.step(opt, sched)
+
+    rt, model, opt, sched = make()
+    train(rt, model, opt, sched, 6)
+    straight = [p.detach().clone() for p in model.parameters()]
+    rt, model, opt, sched = make()
+    train(rt, model, opt, sched, 3)
+    rt.save_state(tmp_path, 3)
+    rt, model, opt, sched = make()
+    assert rt.load_state(tmp_path) == 3
+    assert opt.param_groups[0]["lr"] == sched.get_last_lr()[0] == 0.125
+    train(rt, model, opt, sched, 3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), straight))

@@ -81,13 +81,17 @@ class Parts:
 
     def optimizer_template(self, saved: Any) -> Any:
         """The live optimizers' state shape where the checkpoint has stepped state, an empty state elsewhere."""
-        def template(model, opt, stepped):
-            return self.strategy.optimizer_template(model, opt) if stepped else {"state": {}, "param_groups": []}
+        def template(model, opt, saved):
+            if _stepped(saved):
+                return self.strategy.optimizer_template(model, opt)
+            if isinstance(saved, dict) and saved.get("param_groups"):  # no per-parameter state: the groups alone
+                return {"state": {}, "param_groups": self.strategy.optimizer_template(model, opt)["param_groups"]}
+            return {"state": {}, "param_groups": []}  # (an earlier version's save before the first step)
 
         if self.single:
-            return self._each(lambda m, o: template(m, o, _stepped(saved)))
+            return self._each(lambda m, o: template(m, o, saved))
         saved = saved if isinstance(saved, dict) else {}
-        return {name: template(self.models[model], opt, _stepped(saved.get(name)))
+        return {name: template(self.models[model], opt, saved.get(name))
                 for name, (model, opt) in self.optimizers.items()}
 
     def check_optimizer(self, state: Any, like: Any, where: str) -> None:
@@ -325,8 +329,8 @@ def set_abandoned_branch_aside(checkpointer, source: Path, step: int, loggers, r
 
 def _check_optimizer(state: dict, like: dict, where: str) -> None:
     """The checkpoint's optimizer holds the same parameters, in the same groups, as the live one."""
-    if not state["state"]:
-        return  # saved before the first step
+    if not state["param_groups"]:
+        return  # saved before the first step by an earlier version
     # Each group as a set: the state is keyed by parameter name, and loaded by name. A pipeline stage lists its
     # parameters in its stages' order (Interleaved1F1B's rank 0 holds blocks 0 and 2, ZBVZeroBubble's the first and
     # last), which a one-process run lists in the model's: the same groups.

@@ -327,11 +327,15 @@ class Strategy:
         """The optimizer's state keyed by parameter name (not position), so any strategy can load it.
 
         Before the first step the state is empty and stays so: torch's helper would initialise it with a
-        zero-gradient step (AdamW's step count would then be off by one after a resume)."""
+        zero-gradient step (AdamW's step count would then be off by one after a resume). Its groups are kept: an
+        optimizer without per-parameter state (SGD without momentum) has nothing else, and its learning rate, which
+        a torch scheduler's resume leaves to the optimizer's state, would start over."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         if not optimizer.state:
-            return {"state": {}, "param_groups": []}
+            groups = self.optimizer_template(model, optimizer)["param_groups"]
+            self.reset_optimizer(optimizer)  # (the template's zero-gradient step)
+            return {"state": {}, "param_groups": groups}
         return get_optimizer_state_dict(self.state_module(model), optimizer)
 
     def optimizer_template(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -356,11 +360,13 @@ class Strategy:
                                   state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        if not state.get("state"):  # saved before the first step: a fresh optimizer
+        if not state.get("param_groups"):  # saved before the first step by an earlier version: a fresh optimizer
             self.reset_optimizer(optimizer)
             return
         with self._shaping():
             set_optimizer_state_dict(self.state_module(model), optimizer, state)
+        if not state.get("state"):  # (no per-parameter state: the groups alone, not the helper's zero-gradient step)
+            self.reset_optimizer(optimizer)
 
     # -- checkpoints -------------------------------------------------------------------------------------------
     def checkpoint_writer(self):
