@@ -1104,3 +1104,37 @@ def test_a_stateless_optimizers_learning_rate_resumes(tmp_path, momentum):
     assert opt.param_groups[0]["lr"] == sched.get_last_lr()[0] == 0.125
     train(rt, model, opt, sched, 3)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), straight))
+
+
+def test_fp16s_loss_scale_resumes(tmp_path):
+    """rt.save_state left the fp16 loss scale out: a resume started it over at 65536, skipped the steps that had
+    brought it down once more, and the resumed run was not the uninterrupted one."""
+    import trainer
+
+    def make():
+        rt = trainer.Runtime("single", "fp16")
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+        return rt, model, opt
+
+    def train(rt, model, opt, steps):
+        for _ in range(steps):
+            with rt.autocast():
+                loss = model(torch.full((2, 4), 100.0)).pow(2).mean()
+            rt.backward(loss)
+            rt.step(opt)
+
+    rt, model, opt = make()
+    train(rt, model, opt, 8)
+    straight = ([p.detach().clone() for p in model.parameters()], rt.precision.scaler.get_scale())
+    rt, model, opt = make()
+    train(rt, model, opt, 4)
+    rt.save_state(tmp_path, 4)
+    saved = rt.precision.scaler.get_scale()  # (after the save: the scale the next step uses)
+    rt, model, opt = make()
+    rt.load_state(tmp_path)
+    assert rt.precision.scaler.get_scale() == saved < 65536.0
+    train(rt, model, opt, 4)
+    assert rt.precision.scaler.get_scale() == straight[1]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), straight[0]))

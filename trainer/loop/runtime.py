@@ -382,7 +382,7 @@ class Runtime:
         in save_state/load_state."""
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise UserError(f"Runtime.register({name!r}): a {type(obj).__name__} has no state_dict/load_state_dict.")
-        if name in self.stateful or name in ("trainer", "optimizer", "rng", "loggers"):
+        if name in self.stateful or name in ("trainer", "optimizer", "rng", "loggers", "precision"):
             raise UserError(f"Runtime.register: the name {name!r} is taken.")
         self.stateful[name] = obj
         return obj
@@ -702,8 +702,12 @@ class Runtime:
         self._checkpointer.keep_last = keep_last
         parts = Parts(self.strategy, self.models, self.optimizers,
                       {name: frozen_keys(m) for name, m in self.models.items()}, after_load=after_load)
-        return CheckpointManager(self._checkpointer, parts, self.position,
-                                 {**self.stateful, "loggers": _TrackerState(self)}, every_component=True)
+        # Beside the user's: the trackers' run, and the precision's state (fp16's loss scale: a resume that started
+        # it over at 65536 skipped steps again, and the resumed run was not the uninterrupted one).
+        own = {"loggers": _TrackerState(self),
+               **({"precision": self.precision} if hasattr(self.precision, "load_state_dict") else {})}
+        return CheckpointManager(self._checkpointer, parts, self.position, {**self.stateful, **own},
+                                 every_component=True)
 
     def save_state(self, directory: str | os.PathLike, step: int, keep_last: int | None = None) -> Path:
         """Checkpoint every model, optimizer, loader and registered object, and each rank's RNG, as
