@@ -1138,3 +1138,33 @@ def test_fp16s_loss_scale_resumes(tmp_path):
     train(rt, model, opt, 4)
     assert rt.precision.scaler.get_scale() == straight[1]
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), straight[0]))
+
+
+def test_a_new_run_saving_where_an_earlier_one_did_keeps_the_earlier_checkpoints(tmp_path, capsys):
+    """A second run of a script into the same dir, without rt.load_state: its saves replaced the first run's step_6
+    and pruned its step_9 (only metrics.jsonl was set aside). Now the first run's checkpoints move to DIR.prev at the
+    new run's first save; a run that loaded from the dir (a resume) moves nothing."""
+    import trainer
+
+    def run(steps: int, load: bool = False) -> None:
+        rt = trainer.Runtime()
+        model = rt.setup(nn.Linear(2, 2))
+        start = (rt.load_state(tmp_path / "ckpt") or 0) if load else 0
+        for step in range(start + 1, steps + 1):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            if step % 3 == 0:
+                rt.save_state(tmp_path / "ckpt", step)
+        rt.end()
+
+    run(9)
+    first = {p.name: (p / "model.safetensors").read_bytes() for p in (tmp_path / "ckpt").glob("step_*")}
+    assert sorted(first) == ["step_00000006", "step_00000009"]
+    capsys.readouterr()
+    run(6)
+    assert {p.name: (p / "model.safetensors").read_bytes() for p in (tmp_path / "ckpt.prev").glob("step_*")} == first
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_00000003", "step_00000006"]
+    assert f"they are kept in {tmp_path / 'ckpt.prev'}" in capsys.readouterr().err
+    run(9, load=True)
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_00000006", "step_00000009"]
+    assert not (tmp_path / "ckpt.prev-2").exists()

@@ -154,6 +154,8 @@ class Runtime:
         self._logged = False  # whether this process has logged (rt.load_state rewinds the loggers only before)
         self._loaded = False  # whether rt.load_state loaded a checkpoint (a resume: the run's history continues)
         self._restores_trackers = False  # whether the load in progress restores the trackers' state (load_state)
+        self._loaded_from: set[Path] = set()  # the dirs rt.load_state loaded a checkpoint from
+        self._saved_into: set[Path] = set()  # the dirs rt.save_state wrote into
         self._rolled_back_to: Path | None = None  # a checkpoint loaded while later ones exist (the main rank's)
         self._attempt: int | None = None  # the .prev number its rollback's records took at the load
         self._set_aside: Path | None = None  # an earlier run's metrics.jsonl, moved at this run's first rt.log
@@ -736,11 +738,39 @@ class Runtime:
             with one_attempt(back.parent.parent, number=self._attempt):
                 set_abandoned_branch_aside(Checkpointer(back.parent), back, self.position.step, self.loggers, None,
                                            None, _note)
+        self._set_earlier_run_aside(Path(directory))
         self.position.step = step = operator.index(step)
         path = self._manager(Path(directory), keep_last or self.keep_last).save(step, None, wait=True)
         if self._watched:
             watchdog.progress()
         return path
+
+    def _set_earlier_run_aside(self, directory: Path) -> None:
+        """The first save into a dir this process loaded nothing from: checkpoints there are an earlier run's, which
+        this run's saves would replace (the same steps) and prune (keep_last). They move to `DIR.prev` (-2, ...),
+        as the Trainer's fresh start keeps an earlier attempt's."""
+        from trainer.checkpoint.store import Checkpointer, set_aside
+
+        key = directory.resolve()
+        if key in self._saved_into:
+            return
+        self._saved_into.add(key)
+        moved = None
+        if self.backend.is_main and key not in self._loaded_from and directory.is_dir() and \
+                Checkpointer(directory).complete():
+            try:
+                moved = set_aside(directory)
+            except OSError as e:
+                from trainer.errors import StorageError
+
+                raise StorageError(f"rt.save_state({str(directory)!r}): it holds an earlier run's checkpoints, which "
+                                   f"could not be moved aside ({e.strerror or e}); nothing was written. Make it "
+                                   "writable, or save into a directory of this run's own.") from None
+            _note(f"rt.save_state({str(directory)!r}): it held an earlier run's checkpoints (this process loaded "
+                  f"none of them): they are kept in {moved}, and this run's start there. rt.load_state(DIR) before "
+                  "the first save continues a run instead")
+        if self.backend.distributed:  # (no rank writes into the dir before it is moved)
+            self.backend.barrier()
 
     def load_state(self, path: str | os.PathLike) -> int | None:
         """Load a checkpoint of save_state (a `step_*` dir, or the newest complete one under `path`): under any
@@ -771,6 +801,7 @@ class Runtime:
             path.resolve().is_relative_to(Path(self.run_dir).resolve())
         self._manager(path.parent, 2).load(path)
         self._loaded = True
+        self._loaded_from.add(path.parent.resolve())
         # A checkpoint older than others written after it: a rollback once this run saves there (not a load for an
         # eval). The abandoned branch's events, where some are after it, are copied before the rewind below cuts
         # them, under the number its checkpoints take at that save.
