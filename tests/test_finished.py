@@ -44,6 +44,16 @@ def test_exported_weights_changed_since_the_run_wrote_them_are_refused_by_every_
     with pytest.raises(CheckpointError, match=needle):
         open_weights(run)
     assert trainer.load(run, ema=True).training is False  # model_ema.safetensors is intact: it loads
+    # A damaged export.json is no record to check against, not the absence of one: those weights loaded unchecked.
+    record = (run / "export.json").read_bytes()
+    for damaged in (record[:50], b'{"files": []}', json.dumps({"files": {"model.safetensors": {"sha256": 7}}}).encode()):
+        (run / "export.json").write_bytes(damaged)
+        with pytest.raises(CheckpointError, match=r"export\.json is damaged .* cannot be checked against it"):
+            trainer.load(run)
+        with pytest.raises(CheckpointError, match="is damaged"):
+            trainer.load(run, device_map="auto")
+    (run / "export.json").unlink()  # (no record at all, as a Hugging Face dir has none: nothing to check against)
+    assert trainer.load(run).training is False
 
 
 def test_load_refuses_a_model_config_that_runs_code(reference, tmp_path):

@@ -242,11 +242,23 @@ def check_against_record(readers: dict[Path, object]) -> None:
     for path in readers:
         record = path.parent / "export.json"
         try:
-            files = json.loads(tensorfile.map_file(record, follow_links=False, max_size=16 << 20))["files"]
-            want = files[path.name]["sha256"]
-        except (OSError, ValueError, KeyError, TypeError):
+            data = tensorfile.map_file(record, follow_links=False, max_size=16 << 20)
+        except FileNotFoundError:
             continue
-        listed[path] = want
+        except OSError as e:
+            raise CheckpointError(f"{record} cannot be read ({e.strerror or e}), so {path} cannot be checked against "
+                                  f"it. {_REWRITE.format(run_dir=path.parent)}") from None
+        # A damaged record is not the absence of one: the weights it lists would load unchecked.
+        try:
+            entry = json.loads(data)["files"].get(path.name)
+            want = entry["sha256"] if entry is not None else None
+            if not (want is None or isinstance(want, str)):
+                raise TypeError
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            raise CheckpointError(f"{record} is damaged (not the record of its export the run wrote), so {path} "
+                                  f"cannot be checked against it. {_REWRITE.format(run_dir=path.parent)}") from None
+        if want is not None:
+            listed[path] = want
     if not listed:
         return
     try:
@@ -257,6 +269,8 @@ def check_against_record(readers: dict[Path, object]) -> None:
         if digests[str(path)] != want:
             raise CheckpointError(
                 f"{path} is not the file its run wrote: its sha256 differs from the one {path.parent / 'export.json'} "
-                "records (damaged, or changed since). Rewrite the export: rerun the run's training command with "
-                f"hydra.run.dir={path.parent} resume=auto (it writes a damaged export again from the last checkpoint), "
-                "or load one of its checkpoints.")
+                f"records (damaged, or changed since). {_REWRITE.format(run_dir=path.parent)}")
+
+
+_REWRITE = ("Rewrite the export: rerun the run's training command with hydra.run.dir={run_dir} resume=auto (it writes "
+            "a damaged export again from the last checkpoint), or load one of its checkpoints.")
