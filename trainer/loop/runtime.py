@@ -665,7 +665,9 @@ class Runtime:
         return out / self.world_size if op == "mean" else out
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's `tensor` (same shape on all), concatenated along dim 0 in rank order, on every rank."""
+        """Every rank's `tensor` (same shape on all), concatenated along dim 0 in rank order, on every rank. A number
+        (a 0-dim tensor: a loss) is one row per rank, on one process as on several."""
+        tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
         if self.backend.distributed:  # (gloo aborts the process on unequal shapes: say which, in one paragraph)
             shapes = self.backend.gather_object((tuple(tensor.shape), str(tensor.dtype)))
             if len(set(shapes)) > 1:
