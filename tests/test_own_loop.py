@@ -1173,3 +1173,12 @@ def test_a_new_run_saving_where_an_earlier_one_did_keeps_the_earlier_checkpoints
 
 def test_a_gathered_number_is_one_row_per_rank_on_one_process_too(rt):
     assert rt.gather(torch.tensor(2.0)).tolist() == [2.0]  # (2 ranks: one row each, in the launched gather test)
+
+
+def test_a_one_process_world_started_on_two_is_refused(tmp_path):
+    """Runtime("single") in a script started on 2 processes: each rank trained a copy of its own on half the batches,
+    gradients never averaged, and rank 0 saved its copy alone."""
+    r = launch("world=ddp", "world.nproc_per_node=2", SCRIPT, "single")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Runtime('single') was started on 2 processes" in r.stderr and "Use Runtime('ddp')" in r.stderr
+    assert "Traceback" not in r.stderr

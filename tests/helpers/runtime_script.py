@@ -12,6 +12,7 @@
     runtime_script.py slow_phases SECONDS            a pause before the first step, a step, an eval of forwards
                                                      only, then a step: the pause and the eval each last longer
                                                      than SECONDS
+    runtime_script.py single                         Runtime("single"), which launch started on several (a mistake)
 """
 
 from __future__ import annotations
@@ -231,7 +232,7 @@ def slow_phases(rt: trainer.Runtime, seconds: float) -> None:
 
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
-    runtime = trainer.Runtime()
+    runtime = trainer.Runtime("single" if mode == "single" else None)  # (single: a world that is one process)
     {"two": lambda: two(runtime, args[0], *map(int, args[1:])),
      "gather": lambda: gather(runtime, int(args[0]), int(args[1])),
      "save_on_main_only": lambda: save_on_main_only(runtime, args[0]),
@@ -243,4 +244,5 @@ if __name__ == "__main__":
      "pipeline_uneven": lambda: pipeline(runtime, args[0], batch_size=3),
      "diverge": lambda: diverge(runtime, args[0]),
      "hang": lambda: hang(runtime, int(args[0])),
-     "slow_phases": lambda: slow_phases(runtime, float(args[0]))}[mode]()
+     "slow_phases": lambda: slow_phases(runtime, float(args[0])),
+     "single": lambda: runtime.end()}[mode]()

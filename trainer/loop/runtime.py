@@ -116,6 +116,11 @@ class Runtime:
         self.strategy = strategy
         made_group = not torch.distributed.is_initialized()  # (a group the caller made is the caller's to end)
         self.backend.setup(process_group=strategy.needs_process_group)
+        if type(strategy).__name__ == "SingleDevice" and self.backend.world_size > 1:
+            raise UserError(f"Runtime({world!r}) was started on {self.backend.world_size} processes (rank "
+                            f"{self.backend.rank}): each would train a copy of its own on its share of the batches, "
+                            "their gradients never averaged. Use Runtime('ddp') (or 'fsdp') in a script started on "
+                            "several processes, or start it as one: python SCRIPT.py.")
         if launched is not None and precision is None:
             from trainer.config.instantiate import build_node
             from trainer.parallel.precision import AUTO_TARGET, resolve_auto
