@@ -199,6 +199,10 @@ def test_eval_mistakes_are_one_paragraph(reference, tmp_path):
                          # an output path that cannot be a file, refused before the sampling (an IsADirectoryError
                          # traceback after it)
                          (["sample", str(reference), f"out={tmp_path}"], f"out={tmp_path}: {tmp_path} is a directory"),
+                         # a place no file can be made in, even by root (whom the permission bits let through: a
+                         # PermissionError traceback after the sampling)
+                         (["sample", str(reference), "out=/proc/x.png"], "out=/proc/x.png: "),
+                         (["tune", "lr", "debug=smoke", "save=/proc/lr.txt"], "save=/proc/lr.txt: "),
                          # (only the wrong one is named: the valid task.sample_tokens=5 was listed with it)
                          (["sample", str(reference), "task.sample_tokens=5", "world.threads=1"],
                           "task.KEY=VALUE, not world.threads=1. Usage")):

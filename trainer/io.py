@@ -138,11 +138,11 @@ def unwritable(path: Path) -> str | None:
         return f"{path} is not a directory"
     if not os.access(path, os.W_OK | os.X_OK):
         return f"{path} is not writable by this process"
-    if missing:  # permission bits are not the whole story (root in /sys or /proc, a read-only mount): try it
-        import tempfile
+    # Permission bits are not the whole story (root in /sys or /proc, a read-only mount): try it.
+    import tempfile
 
-        try:
-            os.rmdir(tempfile.mkdtemp(prefix=".trainer-probe-", dir=path))
-        except OSError as e:
-            return f"no directory can be made in {path} ({e.strerror or e})"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".trainer-probe-", dir=path))
+    except OSError as e:
+        return f"no {'directory' if missing else 'file'} can be made in {path} ({e.strerror or e})"
     return None
