@@ -1182,3 +1182,14 @@ def test_a_one_process_world_started_on_two_is_refused(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert "Runtime('single') was started on 2 processes" in r.stderr and "Use Runtime('ddp')" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_parameter_the_forward_leaves_unused_under_ddp_is_named_with_the_setting_that_fixes_it(tmp_path):
+    """The first-step check blamed a forward of the module underneath the wrapper, which the script did not run; what
+    left the gradients unaveraged was a parameter the forward never used, and DDP's find_unused_parameters off."""
+    r = launch("world=ddp", "world.nproc_per_node=2", SCRIPT, "unused")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "got no gradient (or exact zeros) on any rank (unused.weight, ...)" in r.stderr
+    assert "world.find_unused_parameters=true" in r.stderr and "module underneath" not in r.stderr
+    r = launch("world=ddp", "world.nproc_per_node=2", "world.find_unused_parameters=true", SCRIPT, "unused")
+    assert r.returncode == 0, r.stdout + r.stderr

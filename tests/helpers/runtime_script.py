@@ -13,6 +13,8 @@
                                                      only, then a step: the pause and the eval each last longer
                                                      than SECONDS
     runtime_script.py single                         Runtime("single"), which launch started on several (a mistake)
+    runtime_script.py unused                         a model with a parameter its forward leaves unused, under DDP
+                                                     without world.find_unused_parameters (a mistake)
 """
 
 from __future__ import annotations
@@ -230,6 +232,22 @@ def slow_phases(rt: trainer.Runtime, seconds: float) -> None:
     print("finished")
 
 
+def unused(rt: trainer.Runtime) -> None:
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(4, 1), nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.used(x)
+
+    model = Two()
+    model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    rt.backward(model(torch.ones(2, 4) * (rt.rank + 1)).sum())
+    rt.step(opt)
+    rt.end()
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     runtime = trainer.Runtime("single" if mode == "single" else None)  # (single: a world that is one process)
@@ -245,4 +263,5 @@ if __name__ == "__main__":
      "diverge": lambda: diverge(runtime, args[0]),
      "hang": lambda: hang(runtime, int(args[0])),
      "slow_phases": lambda: slow_phases(runtime, float(args[0])),
-     "single": lambda: runtime.end()}[mode]()
+     "single": lambda: runtime.end(),
+     "unused": lambda: unused(runtime)}[mode]()

@@ -648,6 +648,21 @@ class Runtime:
         if differ is not None:
             rank, i = differ
             param = self._originals.get(id(params[i]), (name, f"parameter {i}"))[1]
+            # (under gradient_as_bucket_view an unused parameter's gradient is its bucket's zeros, not None)
+            unused = [j for j in range(len(params)) if all(theirs[j] in (None, 0.0) for theirs in every)]
+            if unused and not getattr(model, "find_unused_parameters", True):
+                # A parameter no rank's forward used: DDP waits for its gradient, and leaves the bucket it shares
+                # with others unreduced.
+                first = self._originals.get(id(params[unused[0]]), (name, f"parameter {unused[0]}"))[1]
+                raise UserError(f"the gradients of {name!r} differ between ranks at its first step ({param}), and "
+                                f"{len(unused)} of its trainable parameters got no gradient (or exact zeros) on any "
+                                f"rank ({first}, ...): "
+                                "DistributedDataParallel waits for those, and leaves the gradients it buckets with "
+                                "them unaveraged. For a model whose forward leaves parameters unused, turn on its "
+                                "search for them: Runtime('ddp', world_options={'find_unused_parameters': True}) (a "
+                                "Runtime() under launch: world.find_unused_parameters=true), or freeze them "
+                                "(requires_grad_(False)). "
+                                "Nothing was updated.")
             raise UserError(f"the gradients of {name!r} differ between ranks at its first step ({param}: the sum of "
                             f"their absolute values is {every[0][i]} on rank 0, {every[rank][i]} on rank {rank}). "
                             "DistributedDataParallel averages them only in a backward through the model rt.setup "
