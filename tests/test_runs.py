@@ -293,6 +293,17 @@ def test_a_failed_sweep_point_names_the_points_after_it_that_never_ran(corpus, t
     assert sorted(d.name for d in (tmp_path / "sweep").iterdir() if d.is_dir()) == ["0", "1", "2"]
 
 
+def test_a_crashed_sweep_point_does_not_claim_the_sweep_ends_there(corpus, tmp_path):
+    """A crash (an exception, not a refusal or a NaN) is one Hydra records and goes on from: the note said the points
+    after it did not run, and they then ran."""
+    r = run_here("-m", *tiny_overrides(corpus, "trainer.max_steps=3", *faulty("raise", 2),
+                                       f"+task.once={tmp_path / 'fired'}"),
+                 f"hydra.sweep.dir={tmp_path / 'sweep'}", "optim.lr=0.001,0.003")
+    assert r.returncode == 1
+    assert "sweep ends at this point" not in r.stderr
+    assert [e["step"] for e in read_metrics(tmp_path / "sweep" / "1") if "train/loss" in e] == [1, 2, 3]
+
+
 def test_a_sweep_point_of_a_choice_without_settings_is_read_from_the_runs_own_record(tmp_path):
     """Under submitit, Hydra writes each job's .hydra/ records into its numbered dir before it runs: the records of
     dir 0 name the job's point whatever run dir 0 holds. A choice with no settings of its own in config.yaml (a

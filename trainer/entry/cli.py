@@ -476,9 +476,8 @@ def _run_job(cfg: DictConfig) -> float | None:
         report(err)
         sys.exit(err.exit_code)
     except Exception:
-        if started:  # a crash: say how to continue from the newest checkpoint, then the traceback
-            _say_what_the_sweep_skips()
-            _say_how_to_continue(run_dir, continue_command(run_dir))
+        if started:  # a crash: say how to continue from the newest checkpoint, then the traceback (Hydra records a
+            _say_how_to_continue(run_dir, continue_command(run_dir))  # sweep point's crash and runs the next point)
         raise
     finally:
         os.environ.pop(JOB_OVERRIDES_ENV, None)  # (the next job of a sweep in this process sets its own)
@@ -576,8 +575,9 @@ def _chose_run_dir(hc) -> bool:
 
 
 def _say_what_the_sweep_skips() -> None:
-    """A sweep point that fails ends the sweep (Hydra's basic launcher runs the points in turn, in this process): the
-    points after it never run, and nothing said so."""
+    """A sweep point that stops with an exit code (a refusal, a NaN, an interruption) ends the sweep (Hydra's basic
+    launcher runs the points in turn, in this process): the points after it never run, and nothing said so. (A crash,
+    an exception, is one Hydra records and goes on from.)"""
     from trainer.entry.rundir import sweep_points_after
 
     after = sweep_points_after()
