@@ -134,7 +134,9 @@ def test_resume_auto_follows_a_rollback_not_the_highest_step(corpus, tmp_path, r
     assert f"step_00000004 is older than step_00000008, written before this rollback: they are kept in {tmp_path}/" \
         "checkpoints.prev" in r.stdout, r.stdout
     # (the abandoned branch: its step 8 moved aside whole, its events kept beside this run's, which were cut at 4)
-    assert sorted(p.name for p in (tmp_path / "checkpoints.prev").iterdir()) == ["step_00000008"]
+    # (and where it left the run's line, for a later resume of it: branch.json)
+    assert sorted(p.name for p in (tmp_path / "checkpoints.prev").iterdir()) == ["branch.json", "step_00000008"]
+    assert json.loads((tmp_path / "checkpoints.prev" / "branch.json").read_text()) == {"after": 4}
     assert (tmp_path / "metrics.prev.jsonl").read_text() == branch and "step_00000008" not in checkpoints(tmp_path)
     train_in_process(corpus, tmp_path, *SINGLE, "checkpoint.keep_last=3", "resume=auto")
     events = read_metrics(tmp_path)
@@ -524,6 +526,28 @@ def test_a_resume_from_another_runs_checkpoint_keeps_this_run_dirs_own_attempt(c
     assert [e["step"] for e in read_metrics(b) if "train/loss" in e] == [5, 6, 7, 8]
     theirs, ours = load_weights(a / "model.safetensors"), load_weights(b / "model.safetensors")
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)  # A's run, continued exactly
+
+
+def test_going_back_to_a_branch_set_aside_takes_that_branchs_history_not_the_one_it_leaves(corpus, tmp_path):
+    """Branch 1 to step 12, a rollback to step 4 with another lr (branch 2, to 12), then resume=checkpoints.prev/step_8
+    (branch 1's): metrics.jsonl kept branch 2's steps 5-8 before branch 1's continuation, and checkpoints/ kept branch
+    2's steps 6 and 8 beside it. Now the history is branch 1's, as if it had never been left, and branch 2 is set
+    aside whole."""
+    args = ("trainer.max_steps=12", "checkpoint.every_n_steps=2", "checkpoint.keep_last=10")
+    ck = tmp_path / "checkpoints"
+
+    def curve(events: list[dict]) -> list[tuple]:
+        return [(e["step"], e["train/loss"], e["train/lr"]) for e in events if "train/loss" in e]
+
+    first = curve(train_in_process(corpus, tmp_path, *args))
+    train_in_process(corpus, tmp_path, *args, "optim.lr=1e-2", f"resume={ck}/step_00000004")
+    second = {p.name: (p / "model.safetensors").read_bytes() for p in ck.glob("step_*") if int(p.name[5:]) > 4}
+    assert curve(train_in_process(corpus, tmp_path, *args, f"resume={ck}.prev/step_00000008")) == first
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000002", "step_00000004", "step_00000010",
+                                                          "step_00000012"]
+    assert {p.name: (p / "model.safetensors").read_bytes() for p in (tmp_path / "checkpoints.prev-2").glob("step_*")} \
+        == second
+    assert [e["train/lr"] for e in read_metrics(tmp_path) if "train/lr" in e] == [e[2] for e in first]
 
 
 def test_a_rollback_keeps_the_branch_it_abandons_whole(corpus, tmp_path):

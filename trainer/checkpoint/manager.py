@@ -297,16 +297,24 @@ def _check_rng(state: dict, where: str) -> None:
 
 
 def set_abandoned_branch_aside(checkpointer, source: Path, step: int, loggers, run_dir: Path | None,
-                               config_text: str | None, say, also: tuple[str, ...] = ()) -> None:
+                               config_text: str | None, say, also: tuple[str, ...] = ()) -> tuple[int, str] | None:
     """A rollback to `source` (step `step`; the main rank's): the checkpoints the dir holds after it are the branch it
     abandons (`Checkpointer.branch_from`: the new branch's saves of the same steps replaced them), set aside with
     what else that branch left (`also`: its export, already set aside) and its records: its events where some are
     after `step` (metrics.prev.jsonl, tensorboard.prev/: the whole history, which the rewind then cuts at `step`)
     and, given `config_text`, a config.yaml that differs from it (config.prev.yaml), with one attempt number. The
-    caller holds `one_attempt` over the run dir."""
+    caller holds `one_attempt` over the run dir.
+
+    Going back to a branch set aside (`source` in checkpoints.prev-N/, which left the run's line after step A < `step`):
+    returns (A, ".prev-N"), the events to take from that branch's own copy (metrics.prev-N.jsonl) in (A, step], for
+    the caller's `loggers.take_branch`; else None (the caller rewinds the events to `step`)."""
     from trainer.io import free_name
     from trainer.tracking.loggers import last_step
 
+    after = checkpointer.branch_point(source) if checkpointer.dir is not None else step
+    branch = None
+    if after < step and run_dir is not None and source.parent.name.startswith(checkpointer.dir.name + "."):
+        branch = (after, source.parent.name[len(checkpointer.dir.name):])
     moved_to, moved, left = checkpointer.branch_from(source) if checkpointer.dir is not None else (None, [], [])
     if moved:
         say(f"resume: {source.name} is older than {', '.join(moved)}, written before this rollback: they are kept in "
@@ -315,16 +323,17 @@ def set_abandoned_branch_aside(checkpointer, source: Path, step: int, loggers, r
         say(f"resume: {', '.join(left)}, written before this rollback, could not be moved aside: they stay in place, "
             "where no save of this run replaces or prunes them.")
     if not (moved or left or also) or run_dir is None:
-        return
+        return branch
     metrics, earlier, kept = run_dir / "metrics.jsonl", run_dir / "config.yaml", []
-    if metrics.is_file() and (last_step(metrics) or 0) > step:
+    if metrics.is_file() and (last_step(metrics) or 0) > min(step, after):
         kept += loggers.keep_copy()
     if config_text is not None and earlier.is_file() and not earlier.is_symlink() and earlier.read_text() != config_text:
         kept.append(free_name(earlier, ".prev", before_suffix=True))
         earlier.replace(kept[-1])
     if kept:
-        say(f"resume: the abandoned branch's events (after step {step} too) and settings are kept in "
+        say(f"resume: the abandoned branch's events (after step {min(step, after)} too) and settings are kept in "
             f"{', '.join(str(p) for p in kept)}.")
+    return branch
 
 
 def _check_optimizer(state: dict, like: dict, where: str) -> None:

@@ -50,6 +50,8 @@ from trainer.io import atomic_write_bytes, atomic_write_json, free_name, fsync_d
 
 FORMAT_VERSION = 2  # 2: tensors may be chunks of a sharded tensor; optimizer state keyed by parameter name
 MANIFEST = "manifest.json"
+# In a dir of checkpoints a rollback set aside: {"after": the step after which they left the run's line}.
+BRANCH = "branch.json"
 # How a verdict that may pass (a file that could not be read, or shrank while it was read: not its contents) ends.
 # A checkpoint skipped for it stays in place for the next run to try, where one skipped for its contents is set aside.
 AGAIN = "read the checkpoint again once nothing writes to it (or it can be read)."
@@ -380,6 +382,7 @@ class Checkpointer:
         target, moved = free_name(self.dir, ".prev"), []
         try:
             target.mkdir()
+            atomic_write_json(target / BRANCH, {"after": self.branch_point(path)})
             for p in later:
                 os.replace(p, target / p.name)
                 moved.append(p.name)
@@ -412,8 +415,20 @@ class Checkpointer:
         if path.parent.resolve() == self.dir.resolve() and path.name in names:
             later = done[names.index(path.name) + 1:]
         else:
-            later = [p for p in done if step_of(p) > step_of(path)]
+            later = [p for p in done if step_of(p) > self.branch_point(path)]
         return [p for p in later if p.name not in self.protected]
+
+    def branch_point(self, path: Path) -> int:
+        """The step after which a resume from `path` leaves this dir's line of checkpoints: `path`'s own, or, for one a
+        rollback set aside beside this dir (checkpoints.prev/), the step its branch left the run's line at: this dir's
+        checkpoints after that are another branch's (going back to step 50 of a branch that left at 30, this dir's
+        steps 40 and 50 are not its)."""
+        step = step_of(path)
+        if path.parent.resolve() != self.dir.resolve() and path.parent.parent.resolve() == self.dir.parent.resolve():
+            after = branch_step(path.parent)
+            if after is not None:
+                return min(step, after)
+        return step
 
     def follow(self, path: Path) -> bool:
         """A rollback whose later checkpoints could not be moved aside (`branch_from`'s fallback): make `path` the
@@ -445,6 +460,15 @@ class Checkpointer:
         if not self.dir.is_dir():
             return []
         return [p for p in self.dir.iterdir() if step_of(p) >= 0 and not p.is_symlink() and p.is_dir()]
+
+
+def branch_step(directory: Path) -> int | None:
+    """The step a set-aside branch of checkpoints left the run's line at (its branch.json); None where not recorded."""
+    try:
+        after = _read_json(Path(directory) / BRANCH)["after"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+    return after if is_count(after) else None
 
 
 def set_aside(directory: Path) -> Path | None:

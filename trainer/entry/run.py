@@ -719,10 +719,15 @@ def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
                             finished = True
                             return {}
                         # A rollback (resume=PATH to an earlier checkpoint of this run): the branch it leaves is kept.
+                        branch = None
                         if backend.is_main and not trainer.checkpointer.fell_back and not backend.info.restart_count:
-                            set_abandoned_branch_aside(trainer.checkpointer, source, trainer.step, loggers, run_dir,
-                                                       config_text(cfg), say, tuple(trainer.checkpointer.abandoned))
-                        loggers.rewind(trainer.step)  # drop events logged after the checkpoint
+                            branch = set_abandoned_branch_aside(trainer.checkpointer, source, trainer.step, loggers,
+                                                                run_dir, config_text(cfg), say,
+                                                                tuple(trainer.checkpointer.abandoned))
+                        if branch is not None:  # back to a branch set aside: its own events up to the checkpoint
+                            loggers.take_branch(*branch, upto=trainer.step, run_dir=run_dir)
+                        else:
+                            loggers.rewind(trainer.step)  # drop events logged after the checkpoint
                     say(f"resumed from {source} at step {trainer.step}")
                     if trainer.finished:
                         if not backend.broadcast_object(exported(run_dir, trainer.step)):

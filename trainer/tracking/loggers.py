@@ -34,6 +34,13 @@ class NullLogger:
     def rewind(self, step: int) -> None:
         """On resume from a checkpoint at `step`: forget what was logged after it."""
 
+    def take_branch(self, after: int, suffix: str, upto: int, run_dir: Path) -> None:
+        """Going back to step `upto` of a branch set aside, which left the run's line after step `after`: this
+        history keeps its events up to `after`, then that branch's own (its kept copy, named with `suffix`:
+        metrics.prev-2.jsonl for ".prev-2") up to `upto`. Where they cannot be copied, those of the branch left
+        are dropped after `after`; a logger whose history is a tracker's run (wandb) rewinds to `upto`."""
+        self.rewind(upto)
+
     def start_fresh(self) -> None:
         """A run dir's run starts over (no usable checkpoint): set what an earlier attempt logged aside."""
 
@@ -105,6 +112,18 @@ class JsonlLogger(NullLogger):
                 keep = [ln for ln in path.read_text().splitlines(keepends=True)
                         if ln.strip() and _step_of(ln) is not None and _step_of(ln) <= step]
                 atomic_write_text(path, "".join(keep))
+        self._file = open(self.path, "a")
+
+    def take_branch(self, after: int, suffix: str, upto: int, run_dir: Path) -> None:
+        self.rewind(after)
+        self._file.close()
+        for path in (self.path, self.samples_path):
+            kept = path.with_name(path.stem + suffix + path.suffix)
+            if kept.is_file():
+                lines = [ln for ln in kept.read_text().splitlines(keepends=True)
+                         if ln.strip() and _step_of(ln) is not None and after < _step_of(ln) <= upto]
+                with open(path, "a") as f:
+                    f.writelines(ln if ln.endswith("\n") else ln + "\n" for ln in lines)
         self._file = open(self.path, "a")
 
     def start_fresh(self) -> None:
@@ -195,6 +214,10 @@ class LoggerGroup(NullLogger):
     def rewind(self, step: int) -> None:
         for lg in self.loggers:
             lg.rewind(step)
+
+    def take_branch(self, after: int, suffix: str, upto: int, run_dir: Path) -> None:
+        for lg in self.loggers:
+            lg.take_branch(after, suffix, upto, run_dir)
 
     def start_fresh(self) -> None:
         for lg in self.loggers:

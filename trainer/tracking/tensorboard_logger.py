@@ -137,6 +137,10 @@ class TensorBoardLogger(NullLogger):
         shutil.copytree(self.dir, copy)
         return [copy]
 
+    def take_branch(self, after: int, suffix: str, upto: int, run_dir) -> None:
+        # The branch's own events stay in its kept copy (tensorboard.prev-N/): event files are not spliced.
+        self.rewind(after)
+
     def rewind(self, step: int) -> None:
         """On resume from a checkpoint at `step`: the earlier attempts' events after `step` are removed from
         their files, and the next writer starts with a SessionLog.START at `step + 1`."""
