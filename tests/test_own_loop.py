@@ -1193,3 +1193,24 @@ def test_a_parameter_the_forward_leaves_unused_under_ddp_is_named_with_the_setti
     assert "world.find_unused_parameters=true" in r.stderr and "module underneath" not in r.stderr
     r = launch("world=ddp", "world.nproc_per_node=2", "world.find_unused_parameters=true", SCRIPT, "unused")
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_mistake_in_a_plain_python_script_is_one_paragraph_with_the_scripts_line(tmp_path):
+    """`python SCRIPT.py` (or torchrun): a UserError printed a traceback through the framework, where under launch it
+    is one paragraph. Now it is the paragraph and the script's line that made the call; TRAINER_DEBUG=1 shows all."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text("import torch, trainer\nrt = trainer.Runtime()\nmodel = rt.setup(torch.nn.Linear(2, 2))\n"
+                      f"rt.save_state({str(tmp_path / 'ck')!r}, step=-1)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRAINER_DEBUG", None)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("error: rt.save_state(directory, step=-1): the step must be a whole number >= 0")
+    assert f"(at {script}:4: rt.save_state(" in r.stderr
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
+                       env={**env, "TRAINER_DEBUG": "1"})
+    assert "Traceback" in r.stderr and "UserError" in r.stderr

@@ -95,6 +95,8 @@ class Runtime:
         # Under `launch`, what the script passes wins and the job's config gives the rest (it once gave all of it:
         # Runtime(grad_accum_steps=2) ran with the config's 1, and Runtime(precision=...) dropped the job's world).
         launched = launched_config() if backend is None else None
+        if launched is None and backend is None:
+            _one_paragraph_errors()  # (under launch, the worker reports them: exit 2)
         if launched is not None and world is None:
             from trainer.config.instantiate import build_strategy
 
@@ -1066,6 +1068,33 @@ def _loader_args(what: str, **counts: Any) -> None:
             count = None
         if count is None or isinstance(value, bool) or count < low:
             raise UserError(f"rt.{what}({key}={value!r}): {key} must be an integer >= {low}.")
+
+
+def _one_paragraph_errors() -> None:
+    """A script's own Runtime, run as `python SCRIPT.py` or under torchrun: a mistake the framework names (a
+    UserError and the like) that the script does not catch is the one paragraph it is under `launch`, with the line of
+    the script that made the call, not a traceback through the framework (the interpreter's exit code, 1). Other
+    exceptions, and every one with TRAINER_DEBUG=1, keep the hook there was."""
+    from trainer.errors import TrainerExit, debug_enabled, report
+
+    previous = sys.excepthook
+    if getattr(previous, "_trainer", False):
+        return
+
+    def hook(kind, err, tb):
+        if not isinstance(err, TrainerExit) or debug_enabled():
+            return previous(kind, err, tb)
+        import traceback
+
+        package = str(Path(__file__).resolve().parents[1]) + os.sep
+        frames = [f for f in traceback.extract_tb(tb) if not str(Path(f.filename).resolve()).startswith(package)]
+        report(err)
+        if frames:
+            print(f"  (at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}; TRAINER_DEBUG=1 shows the "
+                  "traceback)", file=sys.stderr, flush=True)
+
+    hook._trainer = True
+    sys.excepthook = hook
 
 
 class _TrackerState:
