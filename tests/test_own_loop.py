@@ -1214,3 +1214,25 @@ def test_a_mistake_in_a_plain_python_script_is_one_paragraph_with_the_scripts_li
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
                        env={**env, "TRAINER_DEBUG": "1"})
     assert "Traceback" in r.stderr and "UserError" in r.stderr
+
+
+def test_an_optimizer_left_out_of_setup_under_fsdp_is_refused_at_its_first_step():
+    """Under FSDP rt.setup(model) replaces the parameters with shards: an optimizer built over the old ones and stepped
+    by hand changed nothing the model uses, and the run trained nothing without a word."""
+    import trainer
+
+    rt = trainer.Runtime("fsdp")
+    try:
+        net = nn.Linear(4, 1)
+        forgotten = torch.optim.SGD(net.parameters(), lr=0.5)
+        model = rt.setup(net)
+        rt.backward(model(torch.ones(2, 4)).sum())
+        with pytest.raises(UserError, match=r"this SGD holds the parameters of 'model' from before rt\.setup sharded "
+                                            r"them \(weight\).*model, opt = rt\.setup\(model, opt\)"):
+            forgotten.step()
+        other = torch.optim.SGD(model.parameters(), lr=0.5)  # (built over the shards: it steps them)
+        before = model.weight.detach().full_tensor().clone()
+        other.step()
+        assert not torch.equal(model.weight.detach().full_tensor(), before)
+    finally:
+        rt.end()

@@ -30,6 +30,7 @@ import operator
 import os
 import re
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,8 @@ class Runtime:
         self._loaded = False  # whether rt.load_state loaded a checkpoint (a resume: the run's history continues)
         self._restores_trackers = False  # whether the load in progress restores the trackers' state (load_state)
         self._loaded_from: set[Path] = set()  # the dirs rt.load_state loaded a checkpoint from
+        self._stale_hook = None  # an optimizer step pre-hook, once a set-up model's parameters were replaced
+        self._current_optimizers: weakref.WeakSet = weakref.WeakSet()  # optimizers not set up, found over current ones
         self._saved_into: set[Path] = set()  # the dirs rt.save_state wrote into
         self._rolled_back_to: Path | None = None  # a checkpoint loaded while later ones exist (the main rank's)
         self._attempt: int | None = None  # the .prev number its rollback's records took at the load
@@ -267,7 +270,28 @@ class Runtime:
         originals = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         self.strategy.parallelize(model)
         wrapped = self.strategy.wrap(model)
+        if self._stale_hook is None and not {id(p) for p in wrapped.parameters()} >= originals.keys():
+            # Sharding replaced the parameters: an optimizer built over the old ones and never set up would step
+            # them, and nothing the model uses (it trained nothing, without a word). Any optimizer's step checks.
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self._stale_hook = register_optimizer_step_pre_hook(self._refuse_a_stale_optimizer)
         return self._register_model(wrapped, name, originals, original=model)
+
+    def _refuse_a_stale_optimizer(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        if optimizer in self._current_optimizers or any(opt is optimizer for _, opt in self.optimizers.values()):
+            return
+        current = {id(p) for m in self.models.values() for p in m.parameters()}
+        stale = next((p for g in optimizer.param_groups for p in g["params"]
+                      if id(p) in self._originals and id(p) not in current), None)
+        if stale is None:
+            self._current_optimizers.add(optimizer)  # (checked once: its parameters are the model's)
+            return
+        name, param = self._originals[id(stale)]
+        raise UserError(f"this {type(optimizer).__name__} holds the parameters of {name!r} from before rt.setup "
+                        f"sharded them ({param}): its steps would change nothing the model uses. Set it up with the "
+                        "model, `model, opt = rt.setup(model, opt)` (or rt.setup(opt) before its first step), which "
+                        "points it at the sharded parameters.")
 
     def _register_model(self, wrapped: nn.Module, name: str | None, originals: dict[int, str],
                         original: nn.Module | None = None) -> nn.Module:
@@ -1011,6 +1035,9 @@ class Runtime:
             self.loggers.finish({})
         if self._checkpointer is not None:
             self._checkpointer.close()
+        if self._stale_hook is not None:
+            self._stale_hook.remove()
+            self._stale_hook = None
         self.backend.teardown(wait_for_peers=True)
 
 
@@ -1086,8 +1113,9 @@ def _one_paragraph_errors() -> None:
             return previous(kind, err, tb)
         import traceback
 
-        package = str(Path(__file__).resolve().parents[1]) + os.sep
-        frames = [f for f in traceback.extract_tb(tb) if not str(Path(f.filename).resolve()).startswith(package)]
+        # The script's line: the last frame outside the framework and torch (an optimizer's step hook raises there).
+        inside = tuple(str(Path(m.__file__).resolve().parent) + os.sep for m in (sys.modules["trainer"], torch))
+        frames = [f for f in traceback.extract_tb(tb) if not str(Path(f.filename).resolve()).startswith(inside)]
         report(err)
         if frames:
             print(f"  (at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}; TRAINER_DEBUG=1 shows the "
