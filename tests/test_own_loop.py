@@ -1236,3 +1236,14 @@ def test_an_optimizer_left_out_of_setup_under_fsdp_is_refused_at_its_first_step(
         assert not torch.equal(model.weight.detach().full_tensor(), before)
     finally:
         rt.end()
+
+
+def test_a_script_that_exits_with_a_code_of_its_own_under_launch_says_so(tmp_path):
+    """sys.exit(3) in a launched script: the launcher said "worker rank 0 failed:" and torch's "To enable traceback
+    see: URL", about an exit that was the script's own."""
+    script = tmp_path / "script.py"
+    script.write_text("import sys\nimport trainer\nrt = trainer.Runtime()\nsys.exit(3)\n")
+    r = launch("world=ddp", "world.nproc_per_node=2", str(script))
+    assert r.returncode == 3, r.stderr
+    assert "exited with code 3 and no error record: the script's own exit" in r.stderr
+    assert "To enable traceback" not in r.stderr

@@ -436,6 +436,9 @@ def _failure_text(failure) -> str:
         text = msg.get("message", "")
         stack = msg.get("extraInfo", {}).get("py_callstack", "")
         return stack if stack and not text.startswith("error:") else text
+    if failure.exitcode > 0 and str(msg).startswith("To enable traceback see"):  # (torch's text: no error record)
+        return (f"error: a worker (local rank {failure.local_rank}) exited with code {failure.exitcode} and no error record: "
+                "the script's own exit (sys.exit; its output is above), or a crash that left none.")
     return str(msg)
 
 
