@@ -378,6 +378,14 @@ def test_a_run_uses_the_machine_defaults(tmp_path, monkeypatch):
     assert run_dir.parent.parent == tmp_path / "runs"
     assert "keep_last: 1" in (run_dir / "config.yaml").read_text()
     assert "machine defaults" in r.stdout
+    # A launched script's Runtime() takes them too, and launch says so (it said nothing).
+    from conftest import run_cli
+
+    script = tmp_path / "script.py"
+    script.write_text("import trainer\nrt = trainer.Runtime()\nprint('keep_last', rt.keep_last)\nrt.end()\n")
+    r = run_cli("launch", str(script), cwd=tmp_path, env={"TRAINER_CONFIG_HOME": str(tmp_path / "home")})
+    assert r.returncode == 0 and "keep_last 1" in r.stdout, r.stdout + r.stderr
+    assert f"machine defaults: {tmp_path / 'home'}" in r.stdout
 
 
 def test_what_only_this_machine_cannot_run_is_saved_with_a_note(tmp_path, monkeypatch):

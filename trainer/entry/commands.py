@@ -425,6 +425,11 @@ def launch(argv: list[str]) -> int:
     from trainer.errors import HangDetected
 
     cfg, script, args = launch_parts(argv)
+    from trainer.config.machine import defaults_file, shown_file
+
+    if defaults_file().is_file():  # (composed into the config the script's Runtime() reads, as a run's is)
+        print(f"machine defaults: {shown_file()} (python -m trainer config shows them; the command line overrides "
+              "them)", flush=True)
     scratch = Path(tempfile.mkdtemp(prefix="trainer-launch-"))  # the launcher's bookkeeping (hang reports)
     os.environ[SCRIPT_ENV] = json.dumps([str(script.resolve()), *args])
     keep = False
