@@ -68,6 +68,7 @@ def disarm() -> None:
     global _armed
     _armed = None
     if _current is not None and _current.running:
+        _current.ended()
         _current.stop()
 
 
@@ -164,9 +165,10 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def paragraph(records: list[dict], ranks: list[int], timeout: float, stacks: str | None, alone: bool = False,
-              resumes: bool = True) -> str:
+              resumes: bool = True, finished: list[int] = ()) -> str:
     """The one paragraph ("error: ...") for the stacks in `records` (one per rank that wrote one; `ranks` are
-    all the ranks that were watched together). `alone`: a process that watched only itself."""
+    all the ranks that were watched together). `alone`: a process that watched only itself. `finished`: ranks of this
+    machine that ended without an error while the others hung (their loop ended, their watch with it)."""
     by_rank = {r["rank"]: r for r in records}
     world = max((r.get("world_size", 1) for r in records), default=1)
     places = {r: where(rec["frames"], distributed=rec.get("world_size", 1) > 1) for r, rec in sorted(by_rank.items())}
@@ -189,13 +191,17 @@ def paragraph(records: list[dict], ranks: list[int], timeout: float, stacks: str
             groups.setdefault((p.what, p.caller), []).append(r)
     waiting = [f"{_ranks(rs)} {'waits' if len(rs) == 1 else 'wait'} in {what}" + (f" called from {c}" if c else "")
                for (what, c), rs in groups.items()]
-    absent = [r for r in sorted(set(ranks)) if r not in by_rank]
+    absent = [r for r in sorted(set(ranks)) if r not in by_rank and r not in finished]
     lead = f"no rank made progress for {seconds}, so the job was stopped"
     if len(stuck) > 1:
         lead += ("; more than one rank is outside a collective (on GPUs, a rank that reads the result of an NCCL "
                  "collective, e.g. with .item(), waits on that line rather than in the collective)")
     elif not stuck and len(groups) > 1:
         lead += "; the ranks wait in different collectives (a rank took another code path)"
+    elif finished:
+        lead += (f"; {_ranks(finished)} of this machine ended {'its' if len(finished) == 1 else 'their'} loop while "
+                 "the others wait for it in a collective: a rank took another code path (a `break` or `return` on "
+                 "some ranks only, or a different number of batches)")
     elif not stuck and groups and not absent:
         lead += ("; every rank of this machine waits in the same collective, so the rank they wait for is on "
                  "another machine (its launcher names it)" if world > len(places) else
@@ -241,6 +247,15 @@ class Watchdog:
             self._thread = threading.Thread(target=self._watch, name="trainer-watchdog", daemon=True)
             self._thread.start()
         return self
+
+    def ended(self) -> None:
+        """This rank's loop ended (its script called rt.end): a peer still waiting for it is told so, not sent to
+        look for it on another machine."""
+        if self.directory is not None:
+            try:
+                (self.directory / f"{self.prefix}ended.{self.rank}").touch()
+            except OSError:
+                pass
 
     def stop(self) -> None:
         self._stop.set()
@@ -391,14 +406,27 @@ def write_stacks(run_dir: str | os.PathLike | None, records: list[dict], timeout
 
 
 def report(directory: str | os.PathLike | None, failures: dict, timeout: float | None,
-           run_dir: str | os.PathLike) -> str | None:
+           run_dir: str | os.PathLike, nproc: int | None = None, lost_connection: bool = False) -> str | None:
     """The paragraph for a job the watchdog stopped (a worker exited with HangDetected.exit_code): every stack
     its workers left in `directory` (the newest attempt's), also written to RUN_DIR/hang_stacks.txt. None when
-    the failure is another one. `failures`: torchelastic's {global rank: ProcessFailure} of this machine."""
-    if directory is None or not any(f.exitcode == HangDetected.exit_code for f in failures.values()):
+    the failure is another one. `failures`: torchelastic's {global rank: ProcessFailure} of this machine, which runs
+    `nproc` workers (the others ended without an error). `lost_connection`: every failure torch reports is a
+    worker's lost connection (a peer the watch stopped, found dead first, leaves no record of its own)."""
+    fired = any(f.exitcode == HangDetected.exit_code for f in failures.values()) or lost_connection
+    if directory is None or not fired:
         return None
     records = read_stacks(directory)
     if not records:
         return None
     stacks = write_stacks(run_dir, records, timeout or 0)
-    return paragraph(records, sorted(set(failures) | {r["rank"] for r in records}), timeout or 0, stacks)
+    # The ranks whose loop ended (their watch said so) or that exited without an error, and left no stack.
+    attempt = max(int(p.name[1:p.name.index(".")]) for p in Path(directory).glob("A*.stack.*.json"))
+    ended = {int(p.name.rsplit(".", 1)[1]) for p in Path(directory).glob(f"A{attempt}.ended.*")
+             if p.name.rsplit(".", 1)[1].isdigit()}
+    if nproc and failures:
+        rank, failure = next(iter(failures.items()))
+        base = rank - failure.local_rank
+        ended |= {r for r in range(base, base + nproc) if r not in failures}
+    finished = sorted(ended - {x["rank"] for x in records})
+    return paragraph(records, sorted(set(failures) | {r["rank"] for r in records}), timeout or 0, stacks,
+                     finished=finished)
