@@ -60,6 +60,13 @@ def test_any_split_reads_the_same_global_batches_each_sample_once_across_passes(
     assert batches == [values(8 * s, 8) for s in range(8)]
 
 
+def test_a_stream_that_splits_itself_among_loader_workers_is_read_whole():
+    """A dataset that splits itself by torch's get_worker_info: each worker's reader kept its blocks of a part of the
+    stream, and half the samples were never read (a sized one said so only after a whole pass had trained)."""
+    batches, _, _, _ = read(sd.SplitByWorker, 2, 2, 2, steps=8, workers=2)
+    assert batches == [values(8 * s, 8) for s in range(8)]
+
+
 @pytest.mark.parametrize("make", [sd.Stateful, sd.UnsizedStateful])
 def test_a_stateful_stream_resumes_at_once_on_another_world_size(make):
     whole, _, _, _ = read(make, 2, 2, 2, steps=10)

@@ -37,6 +37,16 @@ class Sized(Numbers):
         return self.n
 
 
+class SplitByWorker(Sized):
+    """torch's idiom for loader workers: each yields every num_workers-th sample (get_worker_info in __iter__)."""
+
+    def _indices(self):
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        return range(info.id, self.n, info.num_workers) if info is not None else range(self.n)
+
+
 class Stateful(Sized):
     def state_dict(self) -> dict:
         return {"next": self._next}

@@ -27,6 +27,7 @@ one without has none (the epoch settings are refused: set trainer.max_steps).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Callable, Iterator
@@ -106,6 +107,21 @@ class StreamLayout:
         return self.micro_batch * self.accum * self.world
 
 
+@contextlib.contextmanager
+def _whole_stream():
+    """One stream's reader sees the whole stream, and keeps its own blocks of it: a dataset that splits itself among
+    a DataLoader's workers (torch's idiom: `get_worker_info()` in `__iter__`) would give each reader a part, which
+    the reader then cut again, and most samples were never trained on, without a word. Inside, the dataset finds no
+    worker info, as in a loader without workers. (torch's own global: the worker loop reads its local copy.)"""
+    from torch.utils.data._utils import worker
+
+    info, worker._worker_info = worker._worker_info, None
+    try:
+        yield
+    finally:
+        worker._worker_info = info
+
+
 class Reader(IterableDataset):
     """One reader's micro-batches, each paired with what a resume needs: runs in a loader worker (or the rank's
     process). Errors travel as values, so they reach the main process as one paragraph, not a worker traceback."""
@@ -117,7 +133,11 @@ class Reader(IterableDataset):
         info = get_worker_info()
         worker = info.id if info is not None else 0
         try:
-            yield from (self._part(worker) if reads_parts(self.dataset) else self._one(worker))
+            if reads_parts(self.dataset):
+                yield from self._part(worker)
+            else:
+                with _whole_stream():
+                    yield from self._one(worker)
         except (DataError, CheckpointError) as e:
             yield None, {"error": str(e), "checkpoint": isinstance(e, CheckpointError)}
 
@@ -156,8 +176,7 @@ class Reader(IterableDataset):
             if length is not None and pos - pass_start != length:
                 raise DataError(f"{_name(ds)} yielded {pos - pass_start} samples in pass {pass_no}, but its __len__ "
                                 f"says {length}. Every pass of a stream must yield __len__ samples (the epochs and the "
-                                "readers' shares are counted from it); a dataset that splits itself among loader "
-                                "workers (torch's get_worker_info) must implement read_part(index, count) instead.")
+                                "readers' shares are counted from it).")
             if got == 0 and pos == pass_start:
                 raise DataError(f"{_name(ds)} yielded no samples (pass {pass_no}). A stream must yield at least one "
                                 "sample per pass.")
