@@ -1260,3 +1260,30 @@ def test_a_rank_that_ends_its_loop_early_is_named_not_sought_on_another_machine(
     assert "rank 0 of this machine ended its loop while the others wait for it" in error, error
     assert "rank 1 waits in" in error and "another machine" not in error, error
     shutil.rmtree(Path(error.split("Every rank's stack: ", 1)[1].split(". ", 1)[0]).parent)
+
+
+def test_numpys_global_generator_resumes_with_the_others(tmp_path):
+    """rt.save_state kept Python's and torch's generators but not numpy's (Accelerate keeps it): a loop drawing its
+    augmentations from np.random drew others after a resume."""
+    import random
+
+    import numpy as np
+
+    import trainer
+
+    def make():
+        rt = trainer.Runtime()
+        rt.setup(nn.Linear(1, 1))
+        return rt
+
+    rt = make()
+    np.random.seed(5)
+    np.random.rand(3)
+    rt.save_state(tmp_path, 1)
+    after_save = (float(np.random.rand()), random.random(), torch.rand(1).item())
+    rt.end()
+    rt = make()
+    np.random.seed(99)
+    rt.load_state(tmp_path)
+    assert (float(np.random.rand()), random.random(), torch.rand(1).item()) == after_save
+    rt.end()

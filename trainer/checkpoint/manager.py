@@ -228,7 +228,15 @@ class CheckpointManager:
             raise CheckpointError(f"{where} does not match the model ({len(problems)} tensors): " + "; ".join(problems)
                                   + f". {fix}.")
         tree = loaded.tree if isinstance(loaded.tree, dict) else {}
-        like = {"trainer": self.run.state_dict(), "rng": [rng_state()],
+        live_rng = rng_state()
+        saved_rng = tree.get("rng")
+        if not (isinstance(saved_rng, list) and saved_rng and isinstance(saved_rng[0], dict) and "numpy" in saved_rng[0]):
+            live_rng.pop("numpy", None)  # (a checkpoint of a process without numpy, or from before it was kept)
+        elif "numpy" not in live_rng:
+            from trainer.checkpoint.rng import numpy_state
+
+            live_rng["numpy"] = numpy_state()  # (this process restores it: set_rng_state imports numpy)
+        like = {"trainer": self.run.state_dict(), "rng": [live_rng],
                 **{n: c.state_dict() for n, c in self.components.items()},
                 **({"loggers": {}} if "loggers" in self.components else {})}  # (a rewound stream: any state)
         # State newer than some checkpoints (a component's OPTIONAL_STATE): absent there, it is not checked.
@@ -292,7 +300,13 @@ def _check_rng(state: dict, where: str) -> None:
     try:
         random.Random().setstate(state["python"])
         torch.Generator().set_state(state["torch"])
-    except (ValueError, TypeError, RuntimeError) as e:
+        if "numpy" in state:
+            import numpy as np
+
+            from trainer.checkpoint.rng import set_numpy_state
+
+            set_numpy_state(state["numpy"], np.random.RandomState())
+    except (ValueError, TypeError, RuntimeError, KeyError) as e:
         raise CheckpointError(f"{where}: the RNG state of this rank cannot be restored ({e}).") from None
 
 
