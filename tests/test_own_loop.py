@@ -1249,19 +1249,6 @@ def test_a_script_that_exits_with_a_code_of_its_own_under_launch_says_so(tmp_pat
     assert "To enable traceback" not in r.stderr
 
 
-def test_a_rank_that_ends_its_loop_early_is_named_not_sought_on_another_machine():
-    """Rank 0 left its loop a step early (a break on one rank) and waited in rt.end while rank 1 waited for it in the
-    gradient all-reduce: the hang paragraph said the rank they wait for is on another machine, of a one-machine job."""
-    from trainer.errors import HangDetected
-
-    r = launch("world=ddp", "world.nproc_per_node=2", "world.hang_timeout=2", SCRIPT, "leaves", "0")
-    assert r.returncode == HangDetected.exit_code, r.stdout + r.stderr
-    error = next(line for line in r.stderr.splitlines() if line.startswith("error: "))
-    assert "rank 0 of this machine ended its loop while the others wait for it" in error, error
-    assert "rank 1 waits in" in error and "another machine" not in error, error
-    shutil.rmtree(Path(error.split("Every rank's stack: ", 1)[1].split(". ", 1)[0]).parent)
-
-
 def test_numpys_global_generator_resumes_with_the_others(tmp_path):
     """rt.save_state kept Python's and torch's generators but not numpy's (Accelerate keeps it): a loop drawing its
     augmentations from np.random drew others after a resume."""

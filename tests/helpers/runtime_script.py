@@ -13,7 +13,6 @@
                                                      only, then a step: the pause and the eval each last longer
                                                      than SECONDS
     runtime_script.py single                         Runtime("single"), which launch started on several (a mistake)
-    runtime_script.py leaves RANK                    RANK ends its loop a step early (rt.end) while the others go on
     runtime_script.py unused                         a model with a parameter its forward leaves unused, under DDP
                                                      without world.find_unused_parameters (a mistake)
 """
@@ -201,17 +200,6 @@ def hang(rt: trainer.Runtime, rank: int) -> None:
     rt.print("finished")
 
 
-def leaves(rt: trainer.Runtime, rank: int) -> None:
-    model = nn.Linear(4, 4)
-    model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    for step in range(3):
-        if step == 2 and rt.rank == rank:
-            break  # (a data-dependent break on one rank: the others wait for it in the gradient all-reduce)
-        rt.backward(model(torch.ones(2, 4)).sum())
-        rt.step(opt)
-    rt.end()
-
-
 class Slow(nn.Module):
     """A model whose forward takes `seconds` of (simulated) compute."""
 
@@ -276,5 +264,4 @@ if __name__ == "__main__":
      "hang": lambda: hang(runtime, int(args[0])),
      "slow_phases": lambda: slow_phases(runtime, float(args[0])),
      "single": lambda: runtime.end(),
-     "unused": lambda: unused(runtime),
-     "leaves": lambda: leaves(runtime, int(args[0]))}[mode]()
+     "unused": lambda: unused(runtime)}[mode]()
