@@ -875,6 +875,8 @@ def test_accelerate_launch_flags_and_hydra_settings_before_the_script_are_named(
     assert "ran" not in r.stdout and "Did you mean" not in r.stderr
     r = run_main("launch", "trainer.grad_acum_steps=2", "ga.py", cwd=tmp_path)  # a typo of a key it reads
     assert_clean_error(r, "would do nothing. Did you mean trainer.grad_accum_steps?")
+    r = run_main("launch", "world=ddp", "nproc_per_node=2", "ga.py", cwd=tmp_path)  # a world setting, its section left out
+    assert_clean_error(r, "would do nothing. Did you mean world.nproc_per_node=2?")
 
 
 def _line_of(text: str) -> int:

@@ -113,6 +113,8 @@ def _suggested_command(stderr: str) -> list[str]:
     (["--mixed_precision", "bf16"], "precision=bf16"),
     (["--mixed_precision=no"], "precision=fp32"),
     (["--use_fsdp", "--num_processes", "2"], "world=fsdp world.nproc_per_node=2"),
+    # (one value a setting: the same run named world.nproc_per_node twice, auto then 2)
+    (["--multi_gpu", "--num_processes", "2"], "world=ddp world.nproc_per_node=2 debug=smoke"),
     (["--gradient_accumulation_steps", "4"], "trainer.grad_accum_steps=4"),
     (["--dynamo_backend", "inductor", "--dynamo_mode", "Max-Autotune"],
      "trainer.compile=true trainer.compile_backend=inductor trainer.compile_mode=max-autotune"),

@@ -218,7 +218,13 @@ def refuse_foreign_flags(argv: list[str], command: tuple[str, ...] = (), after: 
         if strategy_chosen:
             proposed = [o for o in proposed if o != "world=ddp"]
         meant.setdefault(" ".join(proposed), []).append(shown)
-    overrides = list(dict.fromkeys(o for group in meant for o in group.split()))
+    # One value a key (--multi_gpu's nproc_per_node=auto and --num_processes 2 name one setting): a count given wins.
+    chosen: dict[str, str] = {}
+    for o in (o for group in meant for o in group.split()):
+        key, _, value = o.partition("=")
+        if not (value == "auto" and key in chosen):
+            chosen[key] = o  # (in the place the key first had)
+    overrides = list(chosen.values())
     flags = " ".join(f if v is None else f"{f} {v}" for f, v in found)
     what = "is not a flag" if len(found) == 1 else "are not flags"
     said = [f"{group} for {' '.join(shown)}" for group, shown in meant.items()]

@@ -482,7 +482,8 @@ def launch_parts(argv: list[str]):
     if ignored:  # (they were accepted, and did nothing)
         from trainer.errors import suggest
 
-        typo = suggest(ignored[0].split("=", 1)[0].lstrip("+~"), READ_BY_LAUNCH)
+        key = ignored[0].split("=", 1)[0].lstrip("+~")
+        typo = suggest(key, READ_BY_LAUNCH) or _section_of(key, ignored[0])
         raise ConfigError(f"python -m trainer launch {' '.join(ignored)}: a launched script's trainer.Runtime() reads "
                           f"{', '.join(READ_BY_LAUNCH[:-1])} from these overrides, and nothing else, so "
                           f"{'these' if len(ignored) > 1 else 'this'} would do nothing.{typo} Give your script its own "
@@ -493,6 +494,19 @@ def launch_parts(argv: list[str]):
 # What trainer.Runtime() takes from `launch`'s overrides (trainer/loop/runtime.py), and debug=, which sets some of them.
 READ_BY_LAUNCH = ("world", "precision", "trainer.grad_accum_steps", "trainer.seed", "checkpoint.keep_last", "logger",
                   "debug")
+
+
+def _section_of(key: str, given: str) -> str:
+    """' Did you mean world.nproc_per_node=2?' for a setting of a section launch reads, given without the section."""
+    from trainer.config.compose import load
+
+    if "." in key:
+        return ""
+    cfg = load([], targets=False)
+    for section in ("world", "trainer", "checkpoint"):
+        if key in (cfg.get(section) or {}):
+            return f" Did you mean {section}.{given.lstrip('+~')}?"
+    return ""
 
 
 def _read_by_launch(key: str) -> bool:
