@@ -463,3 +463,16 @@ def test_eval_of_a_run_without_a_val_split_says_so(corpus, tmp_path):
     assert "note: the run's data has no val split" in r.stderr and "data.val_path=FILE" in r.stderr
     given = run_here("eval", str(tmp_path), f"data.val_path={corpus}")
     assert "val/loss" in json.loads(given.stdout.splitlines()[-1]) and "no val split" not in given.stderr
+
+
+def test_eval_of_a_run_finished_without_a_final_checkpoint_says_which_step_it_evaluates(corpus, tmp_path):
+    """checkpoint.save_final=false, 4 steps, checkpoints every 3: eval (checkpoint=latest, "for a finished run the
+    final one") evaluated step 3 without a word, while the run's export and last eval are of step 4."""
+    run = tmp_path / "run"
+    r = run_here(*tiny_overrides(corpus, "trainer.max_steps=4", "checkpoint.every_n_steps=3",
+                                 "checkpoint.save_final=false"), f"hydra.run.dir={run}")
+    assert r.returncode == 0, r.stderr
+    r = run_main("eval", str(run), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "newest checkpoint is step_00000003, before its final step 4 (checkpoint.save_final=false)" in r.stderr
+    assert f"python -m trainer eval {run} device_map=auto" in r.stderr

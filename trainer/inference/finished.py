@@ -513,6 +513,15 @@ def checkpoint_of(run_dir: str | Path, which: str = "latest") -> Path:
         for p in passed:
             print(f"note: {p} has no readable manifest.json (a save cut off, or a copy made half-way): skipped; "
                   f"evaluating {found[-1].name}.", file=sys.stderr)
+        # A run finished with checkpoint.save_final=false: its final weights are in the export alone.
+        try:
+            exported = json.loads(_read(path / "export.json", MAX_CONFIG_BYTES, "")).get("step")
+        except (OSError, ValueError, AttributeError, UserError):  # (no export, or one that cannot be read)
+            exported = None
+        if isinstance(exported, int) and exported > step_of(found[-1]):
+            print(f"note: the run's newest checkpoint is {found[-1].name}, before its final step {exported} "
+                  "(checkpoint.save_final=false): evaluating that checkpoint. The final weights are in the export: "
+                  f"`python -m trainer eval {path} device_map=auto` evaluates them.", file=sys.stderr)
         return found[-1]
     if which == "best":
         best = checkpoints / "best.json"
