@@ -214,6 +214,20 @@ def test_what_one_fresh_start_sets_aside_takes_one_number(corpus, tmp_path):
     assert not (tmp_path / "config.prev.yaml").exists() and not (tmp_path / "config.prev-4.yaml").exists()
 
 
+def test_an_attempt_without_tensorboard_sets_the_earlier_ones_events_aside_under_its_number(corpus, tmp_path):
+    """TensorBoard on, off, on: the second start left tensorboard/ in place (no TensorBoard logger set it aside), so
+    the run showed the first attempt's curves as its own, and the third start set them aside as tensorboard.prev-2,
+    beside metrics.prev-2.jsonl, the second attempt's."""
+    args = [*tiny_overrides(corpus, "trainer.max_steps=2"), f"hydra.run.dir={tmp_path}", "resume=null"]
+    assert run_here(*args, "logger=tensorboard", "trainer.seed=0").returncode == 0
+    first = sorted(p.name for p in (tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert run_here(*args, "trainer.seed=1").returncode == 0
+    assert not (tmp_path / "tensorboard").exists()
+    assert sorted(p.name for p in (tmp_path / "tensorboard.prev").glob("events.out.tfevents.*")) == first
+    assert run_here(*args, "logger=tensorboard", "trainer.seed=2").returncode == 0
+    assert not (tmp_path / "tensorboard.prev-2").exists() and (tmp_path / "metrics.prev-2.jsonl").is_file()
+
+
 def test_every_earlier_attempt_keeps_its_events_and_its_only_copy_of_the_weights(corpus, tmp_path):
     """Three fresh starts in one run dir without final checkpoints: the first attempt's events were overwritten by
     the second's in metrics.prev.jsonl, and each rerun replaced model.safetensors, the only copy of the weights."""

@@ -249,9 +249,13 @@ def test_a_logger_dir_holding_another_runs_events_is_refused_before_anything_mov
     with pytest.raises(ConfigError, match=f"logger.tensorboard.dir={tb} holds the run {tmp_path / 'a'}"):
         TensorBoardLogger(run_dir=tmp_path / "b", dir=str(tb))
     r = run_cli(*tiny_overrides(corpus, *overrides), f"hydra.run.dir={tmp_path / 'b'}")
-    assert r.returncode == 2 and f"logger.tensorboard.dir={tb}/NAME" in r.stderr, r.stderr
+    # (a dir beside it: one inside it, which the message proposed, moved with it at the first run's rerun)
+    assert r.returncode == 2 and f"logger.tensorboard.dir={tmp_path}/NAME" in r.stderr, r.stderr
     assert sorted(tb.glob("events.out.tfevents.*")) == events and not (tmp_path / "tb.prev").exists()
     assert not (tmp_path / "b").exists()
+    with pytest.raises(ConfigError, match=f"logger.tensorboard.dir={tb}/b is inside {tb}, the TensorBoard dir of the "
+                                          f"run {tmp_path / 'a'}"):
+        TensorBoardLogger(run_dir=tmp_path / "b", dir=str(tb / "b"))
 
     # Events nobody claims (another tool's, or written before the owner file): refused for a new run dir, taken by
     # a run dir with a history of its own (a run from before the owner file, resumed).

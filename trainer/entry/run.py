@@ -434,12 +434,18 @@ def set_earlier_attempt_aside(run_dir: Path, cfg: DictConfig, loggers, is_main: 
         return
     try:
         aside = set_aside(run_dir)
+        # An earlier attempt's TensorBoard events where this run logs none there (no logger=tensorboard, whose own
+        # start_fresh moved them): kept under this start's number too, not shown as this run's curves nor set aside
+        # by a later start under the next number.
+        from trainer.io import free_name
+
+        board = run_dir / "tensorboard"
+        if board.is_dir() and not board.is_symlink() and any(board.glob("events.out.tfevents.*")):
+            board.rename(free_name(board, ".prev"))
         # An earlier attempt's config.yaml, or a file of the user's own; not the one the CLI wrote for this very job
         # before its workers started (the same text).
         earlier = run_dir / "config.yaml"
         if earlier.is_file() and not earlier.is_symlink() and earlier.read_text() != config_text(cfg):
-            from trainer.io import free_name
-
             earlier.replace(free_name(earlier, ".prev", before_suffix=True))
         moved = ckpt.set_aside(checkpoints) if checkpoints is not None and ckpt.Checkpointer(checkpoints).complete() else None
     except OSError as e:

@@ -61,6 +61,16 @@ class TensorBoardLogger(NullLogger):
         self._session_start: int | None = 1  # the START marker of this attempt's first writer
 
     def _check_owner(self, given: str, run_dir: Path) -> None:
+        for above in self.dir.resolve().parents:  # inside another run's dir: its restart moves this one's events too
+            try:
+                owner = (above / OWNER).read_text().strip()
+            except OSError:
+                continue
+            if owner != self._owner:
+                raise ConfigError(f"logger.tensorboard.dir={given} is inside {above}, the TensorBoard dir of the run "
+                                  f"{owner}: that run's rerun moves its dir aside, with this run's events in it. Give "
+                                  f"each run a dir beside the others, e.g. logger.tensorboard.dir={above.parent}/NAME; "
+                                  f"`tensorboard --logdir {above.parent}` shows them side by side.")
         if not (self.dir.is_dir() and any(self.dir.glob("events.out.tfevents.*"))):
             return
         try:
@@ -74,8 +84,9 @@ class TensorBoardLogger(NullLogger):
             whose = f"the run {owner}" if owner else "events this run did not write"
             raise ConfigError(f"logger.tensorboard.dir={given} holds {whose}: TensorBoard shows one dir as one run, so "
                               "this run's curves would be merged with those there (and its restart would purge or "
-                              "move them). Give each run a dir of its own, e.g. logger.tensorboard.dir="
-                              f"{given.rstrip('/')}/NAME; `tensorboard --logdir {given}` shows them side by side.")
+                              "move them). Give each run a dir of its own beside it, e.g. logger.tensorboard.dir="
+                              f"{self.dir.parent}/NAME; `tensorboard --logdir {self.dir.parent}` shows them side by "
+                              "side.")
 
     def _events(self):
         if self._writer is None:
