@@ -146,6 +146,10 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
       "finetune.lora.targets=[qkv]"], ["world.pp=2 is invalid: expected 1 with finetune.lora.rank=4"]),
     (["resume=auot"], ["resume='auot' does not exist", "Did you mean resume=auto?"]),
     (["resume=notes.txt"], ["resume='notes.txt' is a file, not a directory"]),
+    (["resume="], ["resume= is empty: pass auto, null"]),  # (the current directory was searched for checkpoints)
+    # eval's option given to a training run (omegaconf's "str is not a subclass of CheckpointConfig")
+    (["checkpoint=best"], ["checkpoint=best: `checkpoint` is a section of settings, not one value",
+                           "python -m trainer eval RUN_DIR", "checkpoint.KEY=VALUE"]),
     # Both names of a Hugging Face model's size, differing: the lm recipe's name was dropped without a word.
     (["model=llama_tiny", "debug=smoke", "model.num_hidden_layers=4", "model.n_layer=2"],
      ["model.n_layer=2 and model.num_hidden_layers=4 name one size", "with two values"]),

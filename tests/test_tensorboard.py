@@ -299,3 +299,11 @@ def test_describing_the_config_imports_neither_tensorboard_nor_torch():
     r = run_cli("--cfg", "job", "logger=tensorboard", env={"PYTHONPROFILEIMPORTTIME": "1"}, timeout=60)
     assert r.returncode == 0 and "TensorBoardLogger" in r.stdout
     assert not re.search(r"\|\s+(tensorboard|torch)\b", r.stderr)
+
+
+def test_a_dir_given_as_a_number_is_that_directory_and_a_flag_is_refused(tmp_path):
+    """logger.tensorboard.dir=123 on the command line arrives as the int 123: "expected str, bytes or os.PathLike
+    object, not int" from inside the logger's build."""
+    assert TensorBoardLogger(run_dir=tmp_path, dir=123).dir == Path("123")
+    with pytest.raises(ConfigError, match="logger.tensorboard.dir=True is not a directory path"):
+        TensorBoardLogger(run_dir=tmp_path, dir=True)

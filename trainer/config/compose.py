@@ -422,6 +422,13 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
             value = next((o.split("=", 1)[1] for o in overrides if o.split("=")[0].lstrip("+~") == full_key), "...")
             return ConfigError(f"{full_key}={value} is not a list: write {full_key}=[{value}] (several: "
                                f"{full_key}=[a,b]).")
+        if "is not a subclass of" in first and "." not in full_key:  # a section given one value: checkpoint=best
+            value = next((o.split("=", 1)[1] for o in overrides if o.split("=")[0].lstrip("+~") == full_key), "...")
+            eval_option = (f" ({full_key}={value} is an option of `python -m trainer eval RUN_DIR`)"
+                           if full_key == "checkpoint" else "")
+            return ConfigError(f"{full_key}={value}: `{full_key}` is a section of settings, not one value{eval_option}. "
+                               f"Set its keys instead, e.g. {full_key}.KEY=VALUE (python -m trainer --cfg job lists "
+                               "them).")
         return ConfigError(f"{full_key}: {first}. See the expected types with: python -m trainer --cfg job")
     lines = [line.strip() for line in msg.strip().splitlines() if line.strip()] or [type(exc).__name__]
     first = lines[0]

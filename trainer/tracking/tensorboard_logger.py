@@ -50,6 +50,11 @@ class TensorBoardLogger(NullLogger):
                 "`pip install tensorboard` (in this repository: pip install -e '.[tensorboard]'), or drop "
                 "tensorboard from logger=."
             ) from None
+        if dir is not None and not isinstance(dir, (str, os.PathLike)):
+            if isinstance(dir, bool) or not isinstance(dir, (int, float)):
+                raise ConfigError(f"logger.tensorboard.dir={dir!r} is not a directory path: give one, or null for "
+                                  "<run dir>/tensorboard.")
+            dir = str(dir)  # (logger.tensorboard.dir=123 on the command line: a dir named 123, read as a number)
         self.dir = Path(dir).expanduser() if dir is not None else Path(run_dir) / "tensorboard"
         # A dir of the user's choosing may hold another run's events: TensorBoard shows one dir as one run, so
         # this run's curves would merge with those, its START purge them, a resume cut them and a rerun move them.
