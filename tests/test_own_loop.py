@@ -378,6 +378,9 @@ def test_load_state_of_a_step_name_save_state_did_not_write_or_of_a_file_is_refu
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(UserError, match="is a file: pass a checkpoint save_state wrote"):
         rt.load_state(tmp_path / "notes.txt")
+    # (a StorageError, exit 74, that said to rerun with resume=auto, which a loop of one's own does not take)
+    with pytest.raises(UserError, match="is a file: pass a directory, which save_state writes its checkpoints into"):
+        rt.save_state(tmp_path / "notes.txt", 6)
     assert rt.load_state(tmp_path / "ck") == 5 and rt.load_state(saved) == 5
     del model
 

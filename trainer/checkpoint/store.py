@@ -324,8 +324,10 @@ class Checkpointer:
         return StorageError(
             f"could not write checkpoint {final} ({getattr(e, 'strerror', None) or e}). "
             f"{'The previous checkpoint ' + kept[-1].name + ' is intact. ' if kept else ''}"
-            + ("Free disk space (or point hydra.run.dir at a larger disk) and rerun with resume=auto." if full else
-               f"{self.dir} must be a directory this process can write: fix that and rerun with resume=auto.")
+            + ("Free disk space (or point the run at a larger disk) and continue from the newest checkpoint (resume=auto; "
+               "a loop of your own: rt.load_state)." if full else
+               f"{self.dir} must be a directory this process can write: fix that and continue from the newest "
+               "checkpoint (resume=auto; a loop of your own: rt.load_state).")
         )
 
     def check_writable(self) -> None:

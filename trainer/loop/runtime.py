@@ -774,6 +774,9 @@ class Runtime:
                             f"{self.grad_accum_steps}): a checkpoint holds no gradients, so a resume from it would "
                             "lose these micro-batches while its loader skips them. Save after rt.step, when "
                             "rt.sync_gradients is true.")
+        if Path(directory).exists() and not Path(directory).is_dir():
+            raise UserError(f"rt.save_state({str(directory)!r}) is a file: pass a directory, which save_state writes "
+                            "its checkpoints into (step_<step>), as rt.load_state reads them.")
         self._all_ranks_here("save_state")
         back, self._rolled_back_to = self._rolled_back_to, None
         if back is not None and back.parent.resolve() == Path(directory).resolve():
