@@ -117,6 +117,7 @@ def test_eval_outputs_are_gathered_with_every_sample_once(tmp_path):
     assert out["median"] == pytest.approx((torch.linspace(-1, 1, 5) ** 3).median().item(), abs=0)
     assert "rt.gather needs the same shape and dtype on every rank, and got rank 0: [3, 2]" in out["gather_refused"]
     assert out["scalars"] == [0.0, 1.0]  # (a 0-dim tensor per rank: torch.cat refused them, a traceback on each rank)
+    assert out["summed"] == ["int", 3]
 
 
 def test_save_state_on_one_rank_only_is_an_error_not_a_hang(tmp_path):
@@ -1178,6 +1179,7 @@ def test_a_new_run_saving_where_an_earlier_one_did_keeps_the_earlier_checkpoints
 
 def test_a_gathered_number_is_one_row_per_rank_on_one_process_too(rt):
     assert rt.gather(torch.tensor(2.0)).tolist() == [2.0]  # (2 ranks: one row each, in the launched gather test)
+    assert rt.reduce(2, "sum") == 2 and isinstance(rt.reduce(2.0), float)  # (a number for a number there too)
 
 
 def test_a_one_process_world_started_on_two_is_refused(tmp_path):

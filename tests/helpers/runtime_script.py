@@ -92,9 +92,11 @@ def gather(rt: trainer.Runtime, n: int, batch: int) -> None:
     everything = rt.gather_for_metrics(rows, loader)
     # A number per rank (Accelerate's gather(loss)): one row each, as on one process.
     scalars = rt.gather(torch.tensor(float(rt.rank)))
+    summed = rt.reduce(rt.rank + 1, "sum")  # (a number for a number: it was a 0-dim tensor on 2 processes)
     # A metric that is not a sum over ranks: the median of all values (and the count, to see none repeats).
     rt.print(json.dumps({"indices": everything[:, 0].tolist(), "median": everything[:, 1].median().item(),
-                         "local_rows": rows.shape[0], "gather_refused": refused, "scalars": scalars.tolist()}))
+                         "local_rows": rows.shape[0], "gather_refused": refused, "scalars": scalars.tolist(),
+                         "summed": [type(summed).__name__, summed]}))
     rt.end()
 
 

@@ -704,11 +704,13 @@ class Runtime:
         return unwrap(model)
 
     def reduce(self, value, op: str = "mean"):
-        """The sum, mean, max or min of a tensor or number over all ranks."""
+        """The sum, mean, max or min of a tensor or number over all ranks: a tensor for a tensor, a number for a
+        number (on one process as on several)."""
         if op not in ("sum", "mean", "max", "min"):
             raise UserError(f"rt.reduce(op={op!r}): expected sum, mean, max or min.")
         out = self.backend.all_reduce(value, op="sum" if op == "mean" else op)
-        return out / self.world_size if op == "mean" else out
+        out = out / self.world_size if op == "mean" else out
+        return out.item() if isinstance(out, torch.Tensor) and not isinstance(value, torch.Tensor) else out
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor` (same shape on all), concatenated along dim 0 in rank order, on every rank. A number
