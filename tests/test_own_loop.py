@@ -1281,3 +1281,32 @@ def test_numpys_global_generator_resumes_with_the_others(tmp_path):
     rt.load_state(tmp_path)
     assert (float(np.random.rand()), random.random(), torch.rand(1).item()) == after_save
     rt.end()
+
+
+def test_a_checkpoint_saved_before_the_trackers_and_precision_were_kept_still_loads(tmp_path, monkeypatch):
+    """rt.save_state keeps the trackers' and the precision's state now: a checkpoint without them (as every one saved
+    before) was refused as "saved by another configuration"."""
+    import trainer
+    from trainer.checkpoint.manager import CheckpointManager
+
+    def make():
+        rt = trainer.Runtime()
+        torch.manual_seed(0)
+        model = nn.Linear(2, 2)
+        return rt, *rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+
+    rt, model, opt = make()
+    rt.backward(model(torch.ones(1, 2)).sum())
+    rt.step(opt)
+    built = CheckpointManager.__init__
+
+    def as_before(self, checkpointer, parts, run, components, every_component=False):
+        built(self, checkpointer, parts, run, {k: v for k, v in components.items() if k not in ("loggers", "precision")},
+              every_component)
+
+    monkeypatch.setattr(CheckpointManager, "__init__", as_before)
+    rt.save_state(tmp_path, 1)
+    monkeypatch.undo()
+    rt, again, opt = make()
+    assert rt.load_state(tmp_path) == 1
+    assert torch.equal(again.weight, model.weight)

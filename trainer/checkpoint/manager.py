@@ -246,6 +246,11 @@ class CheckpointManager:
                 if isinstance(saved, dict) and key not in saved and isinstance(like.get(name), dict):
                     like[name].pop(key, None)
         absent: dict[str, Any] = {}
+        # A loop of one's own keeps its trackers' and precision's state since 2026-11-28: a checkpoint from before
+        # loads without them (the trackers start a run of their own, fp16's loss scale starts over).
+        for name in ("loggers", "precision") if self.every_component else ():
+            if name in like and name not in tree:
+                del like[name]
         if "ema" in like and "ema" not in tree:
             absent["ema"] = True
             del like["ema"]
