@@ -1101,6 +1101,10 @@ def test_a_stateless_optimizers_learning_rate_resumes(tmp_path, momentum):
             rt.step(opt, sched)
 
     rt, model, opt, sched = make()
+    steps = []
+    opt.register_step_pre_hook(lambda *args: steps.append(1))
+    rt.save_state(tmp_path / "first", 0)  # (no step of the optimizer's own at a save: a zero-gradient one was taken)
+    assert not steps
     train(rt, model, opt, sched, 6)
     straight = [p.detach().clone() for p in model.parameters()]
     rt, model, opt, sched = make()
@@ -1241,6 +1245,12 @@ def test_an_optimizer_left_out_of_setup_under_fsdp_is_refused_at_its_first_step(
         before = model.weight.detach().full_tensor().clone()
         other.step()
         assert not torch.equal(model.weight.detach().full_tensor(), before)
+        del forgotten, net
+        # Parameters made after the old ones were freed take their ids: they are no stale ones (they were refused).
+        for _ in range(20):
+            fresh = nn.Linear(4, 1)
+            fresh(torch.ones(1, 4)).sum().backward()
+            torch.optim.SGD(fresh.parameters(), lr=0.1).step()
     finally:
         rt.end()
 

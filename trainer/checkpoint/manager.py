@@ -85,7 +85,7 @@ class Parts:
             if _stepped(saved):
                 return self.strategy.optimizer_template(model, opt)
             if isinstance(saved, dict) and saved.get("param_groups"):  # no per-parameter state: the groups alone
-                return {"state": {}, "param_groups": self.strategy.optimizer_template(model, opt)["param_groups"]}
+                return {"state": {}, "param_groups": self.strategy.optimizer_groups(model, opt)}
             return {"state": {}, "param_groups": []}  # (an earlier version's save before the first step)
 
         if self.single:

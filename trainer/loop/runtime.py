@@ -164,6 +164,7 @@ class Runtime:
         self._restores_trackers = False  # whether the load in progress restores the trackers' state (load_state)
         self._loaded_from: set[Path] = set()  # the dirs rt.load_state loaded a checkpoint from
         self._stale_hook = None  # an optimizer step pre-hook, once a set-up model's parameters were replaced
+        self._replaced: dict[int, weakref.ref] = {}  # the parameters sharding replaced, by id
         self._current_optimizers: weakref.WeakSet = weakref.WeakSet()  # optimizers not set up, found over current ones
         self._saved_into: set[Path] = set()  # the dirs rt.save_state wrote into
         self._rolled_back_to: Path | None = None  # a checkpoint loaded while later ones exist (the main rank's)
@@ -268,11 +269,15 @@ class Runtime:
             # Every rank shards its own copy: they must be the same. Rank 0's weights go to all, as DDP does.
             self.backend.broadcast_tensors_([*model.parameters(), *model.buffers()])
         originals = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        before = list(model.parameters())
         self.strategy.parallelize(model)
         wrapped = self.strategy.wrap(model)
-        if self._stale_hook is None and not {id(p) for p in wrapped.parameters()} >= originals.keys():
-            # Sharding replaced the parameters: an optimizer built over the old ones and never set up would step
-            # them, and nothing the model uses (it trained nothing, without a word). Any optimizer's step checks.
+        now = {id(p) for p in wrapped.parameters()}
+        # Sharding replaced the parameters: an optimizer built over the old ones and never set up would step them,
+        # and nothing the model uses (it trained nothing, without a word). Any optimizer's step checks. (Weak
+        # references: a parameter freed lets its id go to a new one, which is no stale parameter.)
+        self._replaced.update({id(p): weakref.ref(p) for p in before if id(p) not in now})
+        if self._replaced and self._stale_hook is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
             self._stale_hook = register_optimizer_step_pre_hook(self._refuse_a_stale_optimizer)
@@ -281,9 +286,8 @@ class Runtime:
     def _refuse_a_stale_optimizer(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         if optimizer in self._current_optimizers or any(opt is optimizer for _, opt in self.optimizers.values()):
             return
-        current = {id(p) for m in self.models.values() for p in m.parameters()}
         stale = next((p for g in optimizer.param_groups for p in g["params"]
-                      if id(p) in self._originals and id(p) not in current), None)
+                      if (ref := self._replaced.get(id(p))) is not None and ref() is p), None)
         if stale is None:
             self._current_optimizers.add(optimizer)  # (checked once: its parameters are the model's)
             return

@@ -333,10 +333,19 @@ class Strategy:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         if not optimizer.state:
-            groups = self.optimizer_template(model, optimizer)["param_groups"]
-            self.reset_optimizer(optimizer)  # (the template's zero-gradient step)
-            return {"state": {}, "param_groups": groups}
+            return {"state": {}, "param_groups": self.optimizer_groups(model, optimizer)}
         return get_optimizer_state_dict(self.state_module(model), optimizer)
+
+    def optimizer_groups(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+        """The optimizer's groups keyed by parameter name, as torch's helper writes them, without the zero-gradient
+        step it takes first on an empty state (a step at every save: LBFGS wants a closure, and an update not scaled
+        by the learning rate would change the weights)."""
+        from unittest import mock
+
+        from torch.distributed.checkpoint import state_dict as helpers
+
+        with mock.patch.object(helpers, "_init_optim_state", lambda optim: None):
+            return helpers.get_optimizer_state_dict(self.state_module(model), optimizer)["param_groups"]
 
     def optimizer_template(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The shape of a stepped optimizer's state (to check a checkpoint against before loading it).
@@ -363,10 +372,17 @@ class Strategy:
         if not state.get("param_groups"):  # saved before the first step by an earlier version: a fresh optimizer
             self.reset_optimizer(optimizer)
             return
+        if not state.get("state"):  # no per-parameter state: the groups alone, without the helper's zero-gradient step
+            from unittest import mock
+
+            from torch.distributed.checkpoint import state_dict as helpers
+
+            with mock.patch.object(helpers, "_init_optim_state", lambda optim: None):
+                set_optimizer_state_dict(self.state_module(model), optimizer, state)
+            self.reset_optimizer(optimizer)
+            return
         with self._shaping():
             set_optimizer_state_dict(self.state_module(model), optimizer, state)
-        if not state.get("state"):  # (no per-parameter state: the groups alone, not the helper's zero-gradient step)
-            self.reset_optimizer(optimizer)
 
     # -- checkpoints -------------------------------------------------------------------------------------------
     def checkpoint_writer(self):
