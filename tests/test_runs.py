@@ -564,6 +564,23 @@ def test_going_back_to_a_branch_set_aside_takes_that_branchs_history_not_the_one
     assert [e["train/lr"] for e in read_metrics(tmp_path) if "train/lr" in e] == [e[2] for e in first]
 
 
+def test_going_back_to_a_branch_left_before_an_earlier_parting_takes_only_the_steps_the_lines_share(corpus, tmp_path):
+    """A to 12, back to 6 (B), back to 2 (C), then back to A's step 10: the history was C's steps 3-6 and A's 7-10,
+    and C's steps 4 and 6 stayed in checkpoints/ (C and A share only up to step 2, which the branch A left at 6
+    did not record)."""
+    args = ("trainer.max_steps=12", "checkpoint.every_n_steps=2", "checkpoint.keep_last=10")
+    ck = tmp_path / "checkpoints"
+
+    def curve(events: list[dict]) -> list[tuple]:
+        return [(e["step"], e["train/loss"], e["train/lr"]) for e in events if "train/loss" in e]
+
+    first = curve(train_in_process(corpus, tmp_path, *args))
+    train_in_process(corpus, tmp_path, *args, "optim.lr=1e-2", f"resume={ck}/step_00000006")
+    train_in_process(corpus, tmp_path, *args, "optim.lr=2e-3", f"resume={ck}/step_00000002")
+    assert curve(train_in_process(corpus, tmp_path, *args, f"resume={ck}.prev/step_00000010")) == first
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000002", "step_00000012"]
+
+
 def test_a_rollback_keeps_the_branch_it_abandons_whole(corpus, tmp_path):
     """A rollback (resume=PATH to step 4 of 12) with a new lr: the new branch's saves of steps 8 and 12 replaced the
     abandoned branch's (rmtree), its metrics after step 4 were cut, and its config.yaml was replaced, though the

@@ -428,8 +428,18 @@ class Checkpointer:
         step = step_of(path)
         if path.parent.resolve() != self.dir.resolve() and path.parent.parent.resolve() == self.dir.parent.resolve():
             after = branch_step(path.parent)
-            if after is not None:
-                return min(step, after)
+            if after is None:
+                return step
+            # Each branch set aside after that one parted from the line there at its own step: the line shares with
+            # `path`'s branch only what it kept through all of them (rolled back to 6, then to 2: up to step 2). A
+            # later attempt set aside whole (a fresh start, no branch.json) shares nothing.
+            number = _aside_number(path.parent.name, self.dir.name)
+            for sibling in self.dir.parent.glob(self.dir.name + ".prev*"):
+                later = _aside_number(sibling.name, self.dir.name)
+                if number is not None and later is not None and later > number and sibling.is_dir():
+                    parted = branch_step(sibling)
+                    after = min(after, parted if parted is not None else 0)
+            return min(step, after)
         return step
 
     def follow(self, path: Path) -> bool:
@@ -462,6 +472,12 @@ class Checkpointer:
         if not self.dir.is_dir():
             return []
         return [p for p in self.dir.iterdir() if step_of(p) >= 0 and not p.is_symlink() and p.is_dir()]
+
+
+def _aside_number(name: str, base: str) -> int | None:
+    """The attempt number of a set-aside dir's name: checkpoints.prev 1, checkpoints.prev-3 3; None for another name."""
+    m = re.fullmatch(re.escape(base) + r"\.prev(?:-([0-9]+))?", name)
+    return (int(m.group(1)) if m.group(1) else 1) if m else None
 
 
 def branch_step(directory: Path) -> int | None:
