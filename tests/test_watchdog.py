@@ -188,18 +188,22 @@ def test_ranks_in_different_collectives_are_said_to_be_so():
     assert "rank 1 waits in torch.distributed broadcast_object_list" in text, text
 
 
-def test_a_rank_that_ended_its_loop_early_is_named_not_sought_on_another_machine(tmp_path):
+def test_a_rank_that_ended_its_loop_early_is_named_not_sought_on_another_machine(tmp_path, monkeypatch):
     """Rank 0 left its loop a step early (a `break` on one rank) and waited in rt.end, its watch stopped, while rank 1
     waited for it in the gradient all-reduce: the paragraph sent the user to look for rank 0 on another machine (of a
     one-machine job) or, where torch found rank 0's lost connection first, was not given (rank 0's traceback was)."""
     from types import SimpleNamespace
 
-    watch = watchdog.Watchdog(600, directory=tmp_path, rank=0, world_size=2, local_world_size=2, attempt=0)
-    watch.ended()  # (what rt.end's disarm leaves)
     (tmp_path / "A0.stack.1.json").write_text(json.dumps(_record(1, IN_BACKWARD)))
     lost = SimpleNamespace(exitcode=1, local_rank=0)  # rank 0 failed on the connection rank 1's exit closed
-    assert watchdog.report(tmp_path, {0: lost}, 2, tmp_path, nproc=2) is None  # (a crash of its own: not a hang)
-    text = watchdog.report(tmp_path, {0: lost}, 2, tmp_path, nproc=2, lost_connection=True)
+    # (no rank's loop ended: a lost connection alone is no hang, whatever stacks an attempt left)
+    assert watchdog.report(tmp_path, {0: lost}, 2, tmp_path, lost_connection=True) is None
+    watch = watchdog.Watchdog(600, directory=tmp_path, rank=0, world_size=2, local_world_size=2, attempt=0).start()
+    monkeypatch.setattr(watchdog, "_current", watch)
+    watchdog.disarm()  # (what rt.end does: the watch stops, and says the loop ended)
+    assert not watch.running and (tmp_path / "A0.ended.0").exists()
+    assert watchdog.report(tmp_path, {0: lost}, 2, tmp_path) is None  # (a crash of its own: not a hang)
+    text = watchdog.report(tmp_path, {0: lost}, 2, tmp_path, lost_connection=True)
     assert "rank 0 of this machine ended its loop while the others wait for it in a collective" in text, text
     assert "rank 1 waits in backward's gradient all-reduce" in text and "another machine" not in text, text
     assert "left no stack" not in text, text

@@ -406,27 +406,26 @@ def write_stacks(run_dir: str | os.PathLike | None, records: list[dict], timeout
 
 
 def report(directory: str | os.PathLike | None, failures: dict, timeout: float | None,
-           run_dir: str | os.PathLike, nproc: int | None = None, lost_connection: bool = False) -> str | None:
+           run_dir: str | os.PathLike, lost_connection: bool = False) -> str | None:
     """The paragraph for a job the watchdog stopped (a worker exited with HangDetected.exit_code): every stack
     its workers left in `directory` (the newest attempt's), also written to RUN_DIR/hang_stacks.txt. None when
-    the failure is another one. `failures`: torchelastic's {global rank: ProcessFailure} of this machine, which runs
-    `nproc` workers (the others ended without an error). `lost_connection`: every failure torch reports is a
-    worker's lost connection (a peer the watch stopped, found dead first, leaves no record of its own)."""
-    fired = any(f.exitcode == HangDetected.exit_code for f in failures.values()) or lost_connection
-    if directory is None or not fired:
+    the failure is another one. `failures`: torchelastic's {global rank: ProcessFailure} of this machine.
+    `lost_connection`: every failure torch reports is a worker's lost connection (a peer the watch stopped, found
+    dead first, leaves no record of its own)."""
+    if directory is None:
         return None
     records = read_stacks(directory)
     if not records:
         return None
-    stacks = write_stacks(run_dir, records, timeout or 0)
-    # The ranks whose loop ended (their watch said so) or that exited without an error, and left no stack.
+    # The ranks whose loop ended (their watch said so at rt.end) in the attempt the stacks are of, and left none.
     attempt = max(int(p.name[1:p.name.index(".")]) for p in Path(directory).glob("A*.stack.*.json"))
     ended = {int(p.name.rsplit(".", 1)[1]) for p in Path(directory).glob(f"A{attempt}.ended.*")
              if p.name.rsplit(".", 1)[1].isdigit()}
-    if nproc and failures:
-        rank, failure = next(iter(failures.items()))
-        base = rank - failure.local_rank
-        ended |= {r for r in range(base, base + nproc) if r not in failures}
     finished = sorted(ended - {x["rank"] for x in records})
+    # A watch fired (exit 70), or torch found first the rank whose loop had ended, failing on the connection the
+    # watched rank's exit closed.
+    if not (any(f.exitcode == HangDetected.exit_code for f in failures.values()) or (lost_connection and finished)):
+        return None
+    stacks = write_stacks(run_dir, records, timeout or 0)
     return paragraph(records, sorted(set(failures) | {r["rank"] for r in records}), timeout or 0, stacks,
                      finished=finished)
