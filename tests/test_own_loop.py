@@ -1175,7 +1175,7 @@ def test_a_new_run_saving_where_an_earlier_one_did_keeps_the_earlier_checkpoints
     run(6)
     assert {p.name: (p / "model.safetensors").read_bytes() for p in (tmp_path / "ckpt.prev").glob("step_*")} == first
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_00000003", "step_00000006"]
-    assert f"they are kept in {tmp_path / 'ckpt.prev'}" in capsys.readouterr().err
+    assert f"they are kept in {tmp_path / 'ckpt.prev'}" in capsys.readouterr().err  # (this process loaded none)
     run(9, load=True)
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_00000006", "step_00000009"]
     assert not (tmp_path / "ckpt.prev-2").exists()
@@ -1320,3 +1320,19 @@ def test_a_checkpoint_saved_before_the_trackers_and_precision_were_kept_still_lo
     rt, again, opt = make()
     assert rt.load_state(tmp_path) == 1
     assert torch.equal(again.weight, model.weight)
+
+
+def test_what_a_new_runs_first_log_and_first_save_set_aside_takes_one_number(tmp_path):
+    """The earlier run's metrics.jsonl (set aside at the first rt.log) and its checkpoints (at the first save) took two
+    numbers: metrics.prev.jsonl went with checkpoints.prev-2/."""
+    import trainer
+
+    for saves in (False, True, True):  # (the first run saves nothing: its number is its metrics' alone)
+        rt = trainer.Runtime(run_dir=tmp_path)
+        rt.setup(nn.Linear(2, 2))
+        rt.log({"loss": 1.0}, 1)
+        if saves:
+            rt.save_state(tmp_path / "checkpoints", 1)
+        rt.end()
+    assert (tmp_path / "metrics.prev-2.jsonl").is_file() and (tmp_path / "checkpoints.prev-2" / "step_00000001").is_dir()
+    assert not (tmp_path / "checkpoints.prev").exists()

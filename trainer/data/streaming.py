@@ -107,6 +107,20 @@ class StreamLayout:
         return self.micro_batch * self.accum * self.world
 
 
+def _whole(ds) -> Iterator[Any]:
+    """`ds`'s samples, each read without torch's worker info (`_whole_stream`); the reader's own code between them
+    (its collate_fn included) sees it as usual."""
+    with _whole_stream():
+        it = iter(ds)
+    while True:
+        with _whole_stream():
+            try:
+                sample = next(it)
+            except StopIteration:
+                return
+        yield sample
+
+
 @contextlib.contextmanager
 def _whole_stream():
     """One stream's reader sees the whole stream, and keeps its own blocks of it: a dataset that splits itself among
@@ -133,11 +147,7 @@ class Reader(IterableDataset):
         info = get_worker_info()
         worker = info.id if info is not None else 0
         try:
-            if reads_parts(self.dataset):
-                yield from self._part(worker)
-            else:
-                with _whole_stream():
-                    yield from self._one(worker)
+            yield from (self._part(worker) if reads_parts(self.dataset) else self._one(worker))
         except (DataError, CheckpointError) as e:
             yield None, {"error": str(e), "checkpoint": isinstance(e, CheckpointError)}
 
@@ -161,7 +171,7 @@ class Reader(IterableDataset):
         batch: list[Any] = []
         while True:
             got = 0
-            for sample in ds:
+            for sample in _whole(ds):
                 got += 1
                 if pos >= lay.start and ((pos - lay.start) // b) % readers == me:
                     batch.append(sample)

@@ -504,7 +504,7 @@ def _section_of(key: str, given: str) -> str:
         return ""
     cfg = load([], targets=False)
     for section in ("world", "trainer", "checkpoint"):
-        if key in (cfg.get(section) or {}):
+        if key in (cfg.get(section) or {}) and _read_by_launch(f"{section}.{key}"):  # (only what launch reads)
             return f" Did you mean {section}.{given.lstrip('+~')}?"
     return ""
 

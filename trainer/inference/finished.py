@@ -518,7 +518,7 @@ def checkpoint_of(run_dir: str | Path, which: str = "latest") -> Path:
             exported = json.loads(_read(path / "export.json", MAX_CONFIG_BYTES, "")).get("step")
         except (OSError, ValueError, AttributeError, UserError):  # (no export, or one that cannot be read)
             exported = None
-        if isinstance(exported, int) and exported > step_of(found[-1]):
+        if isinstance(exported, int) and exported > step_of(found[-1]) and not passed:
             print(f"note: the run's newest checkpoint is {found[-1].name}, before its final step {exported} "
                   "(checkpoint.save_final=false): evaluating that checkpoint. The final weights are in the export: "
                   f"`python -m trainer eval {path} device_map=auto` evaluates them.", file=sys.stderr)

@@ -169,6 +169,7 @@ class Runtime:
         self._saved_into: set[Path] = set()  # the dirs rt.save_state wrote into
         self._rolled_back_to: Path | None = None  # a checkpoint loaded while later ones exist (the main rank's)
         self._attempt: int | None = None  # the .prev number its rollback's records took at the load
+        self._fresh_attempt: int | None = None  # the .prev number an earlier run's metrics took at the first rt.log
         self._set_aside: Path | None = None  # an earlier run's metrics.jsonl, moved at this run's first rt.log
         self._config: dict[str, Any] | None = None  # rt.init_trackers' config, until the trackers can take it
         # The job's logger=... has nowhere to write without a run_dir: said once, at the first rt.log.
@@ -812,22 +813,28 @@ class Runtime:
         if key in self._saved_into:
             return
         self._saved_into.add(key)
-        moved = None
+        failed = None
         if self.backend.is_main and key not in self._loaded_from and directory.is_dir() and \
                 Checkpointer(directory).complete():
-            try:
-                moved = set_aside(directory)
-            except OSError as e:
-                from trainer.errors import StorageError
+            from trainer.io import one_attempt
 
-                raise StorageError(f"rt.save_state({str(directory)!r}): it holds an earlier run's checkpoints, which "
-                                   f"could not be moved aside ({e.strerror or e}); nothing was written. Make it "
-                                   "writable, or save into a directory of this run's own.") from None
-            _note(f"rt.save_state({str(directory)!r}): it held an earlier run's checkpoints (this process loaded "
-                  f"none of them): they are kept in {moved}, and this run's start there. rt.load_state(DIR) before "
-                  "the first save continues a run instead")
-        if self.backend.distributed:  # (no rank writes into the dir before it is moved)
-            self.backend.barrier()
+            try:
+                same = self.run_dir is not None and directory.parent.resolve() == Path(self.run_dir).resolve()
+                with one_attempt(directory.parent, number=self._fresh_attempt if same else None):
+                    moved = set_aside(directory)  # (under the number metrics.prev-N took at the first rt.log)
+                _note(f"rt.save_state({str(directory)!r}): it held checkpoints this process loaded none of (an earlier "
+                      f"run's, or a branch it left): they are kept in {moved}, and this run's start there. "
+                      "rt.load_state(DIR) before the first save continues a run instead")
+            except OSError as e:
+                failed = (f"rt.save_state({str(directory)!r}): it holds checkpoints this process loaded none of, which "
+                          f"could not be moved aside ({e.strerror or e}); nothing was written. Make it writable, or "
+                          "save into a directory of this run's own.")
+        if self.backend.distributed:  # (no rank writes into the dir before it is moved; every rank stops alike)
+            failed = self.backend.broadcast_object(failed)
+        if failed is not None:
+            from trainer.errors import StorageError
+
+            raise StorageError(failed)
 
     def load_state(self, path: str | os.PathLike) -> int | None:
         """Load a checkpoint of save_state (a `step_*` dir, or the newest complete one under `path`): under any
@@ -1026,7 +1033,8 @@ class Runtime:
         if last is not None and step > last:  # appended: the trackers go on after `last` (TensorBoard's writer
             self.loggers.rewind(last)          # would otherwise purge from step 1, hiding the run's curves)
             return
-        with one_attempt(self.run_dir):  # (one number for metrics.prev-N.jsonl and tensorboard.prev-N/)
+        # One number for metrics.prev-N.jsonl, tensorboard.prev-N/ and the checkpoints the first save sets aside.
+        with one_attempt(self.run_dir) as self._fresh_attempt:
             aside = free_name(metrics, ".prev", before_suffix=True)  # (the name start_fresh gives it)
             self.loggers.start_fresh()
         if not metrics.stat().st_size and aside.is_file():
