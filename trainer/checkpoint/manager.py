@@ -357,8 +357,8 @@ def set_abandoned_branch_aside(checkpointer, source: Path, step: int, loggers, r
 
 def _check_optimizer(state: dict, like: dict, where: str) -> None:
     """The checkpoint's optimizer holds the same parameters, in the same groups, as the live one."""
-    if not state["param_groups"]:
-        return  # saved before the first step by an earlier version
+    if not state["param_groups"] or not like["param_groups"]:
+        return  # saved before the first step by an earlier version, or groups this strategy does not load
     # Each group as a set: the state is keyed by parameter name, and loaded by name. A pipeline stage lists its
     # parameters in its stages' order (Interleaved1F1B's rank 0 holds blocks 0 and 2, ZBVZeroBubble's the first and
     # last), which a one-process run lists in the model's: the same groups.

@@ -436,6 +436,11 @@ class DeepSpeed(Strategy):
                 if torch.is_tensor(v):
                     v.zero_()
 
+    def optimizer_groups(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+        """None here: DeepSpeed's engine steps the optimizer, its rates set by the schedule; a checkpoint's groups
+        without per-parameter state (a stateless optimizer's, saved under another strategy) are not loaded."""
+        return []
+
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   state: dict[str, Any]) -> None:
         """Each parameter's moments into its partitions, and the step count. Every rank must call it."""
