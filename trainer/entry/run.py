@@ -467,7 +467,8 @@ def same_run(run_dir: Path, checkpoint: Path) -> bool:
     from trainer.checkpoint.store import MANIFEST
 
     try:
-        if checkpoint.resolve().is_relative_to(run_dir.resolve()):
+        where = checkpoint.resolve().parent
+        if where.parent == run_dir.resolve() and where.name.startswith("checkpoints"):  # (checkpoints.prev-N/)
             return True
         copy = run_dir / "checkpoints" / checkpoint.name / MANIFEST
         return copy.is_file() and copy.read_bytes() == (checkpoint / MANIFEST).read_bytes()
