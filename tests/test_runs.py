@@ -542,17 +542,20 @@ def test_a_resume_from_another_runs_checkpoint_keeps_this_run_dirs_own_attempt(c
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)  # A's run, continued exactly
 
 
+BRANCHING = ("trainer.max_steps=12", "checkpoint.every_n_steps=2", "checkpoint.keep_last=10")
+
+
+def curve(events: list[dict]) -> list[tuple]:
+    """A run's (step, loss, lr) of each training step: what two histories of one run must agree on."""
+    return [(e["step"], e["train/loss"], e["train/lr"]) for e in events if "train/loss" in e]
+
+
 def test_going_back_to_a_branch_set_aside_takes_that_branchs_history_not_the_one_it_leaves(corpus, tmp_path):
     """Branch 1 to step 12, a rollback to step 4 with another lr (branch 2, to 12), then resume=checkpoints.prev/step_8
     (branch 1's): metrics.jsonl kept branch 2's steps 5-8 before branch 1's continuation, and checkpoints/ kept branch
     2's steps 6 and 8 beside it. Now the history is branch 1's, as if it had never been left, and branch 2 is set
     aside whole."""
-    args = ("trainer.max_steps=12", "checkpoint.every_n_steps=2", "checkpoint.keep_last=10")
-    ck = tmp_path / "checkpoints"
-
-    def curve(events: list[dict]) -> list[tuple]:
-        return [(e["step"], e["train/loss"], e["train/lr"]) for e in events if "train/loss" in e]
-
+    args, ck = BRANCHING, tmp_path / "checkpoints"
     first = curve(train_in_process(corpus, tmp_path, *args))
     train_in_process(corpus, tmp_path, *args, "optim.lr=1e-2", f"resume={ck}/step_00000004")
     second = {p.name: (p / "model.safetensors").read_bytes() for p in ck.glob("step_*") if int(p.name[5:]) > 4}
@@ -568,12 +571,7 @@ def test_going_back_to_a_branch_left_before_an_earlier_parting_takes_only_the_st
     """A to 12, back to 6 (B), back to 2 (C), then back to A's step 10: the history was C's steps 3-6 and A's 7-10,
     and C's steps 4 and 6 stayed in checkpoints/ (C and A share only up to step 2, which the branch A left at 6
     did not record)."""
-    args = ("trainer.max_steps=12", "checkpoint.every_n_steps=2", "checkpoint.keep_last=10")
-    ck = tmp_path / "checkpoints"
-
-    def curve(events: list[dict]) -> list[tuple]:
-        return [(e["step"], e["train/loss"], e["train/lr"]) for e in events if "train/loss" in e]
-
+    args, ck = BRANCHING, tmp_path / "checkpoints"
     first = curve(train_in_process(corpus, tmp_path, *args))
     train_in_process(corpus, tmp_path, *args, "optim.lr=1e-2", f"resume={ck}/step_00000006")
     train_in_process(corpus, tmp_path, *args, "optim.lr=2e-3", f"resume={ck}/step_00000002")

@@ -44,6 +44,7 @@ from trainer.loop import watchdog
 from trainer.loop.loaders import EvalLoader, Loader, RunPosition
 from trainer.parallel import Strategy, unwrap
 from trainer.parallel.backend import Backend, usable_device
+from trainer.parallel.strategy import SingleDevice
 from trainer.task import split_loss
 
 WORLDS = ("single", "ddp", "fsdp", "deepspeed")
@@ -119,7 +120,7 @@ class Runtime:
         self.strategy = strategy
         made_group = not torch.distributed.is_initialized()  # (a group the caller made is the caller's to end)
         self.backend.setup(process_group=strategy.needs_process_group)
-        if type(strategy).__name__ == "SingleDevice" and self.backend.world_size > 1:
+        if isinstance(strategy, SingleDevice) and self.backend.world_size > 1:
             raise UserError(f"Runtime({world!r}) was started on {self.backend.world_size} processes (rank "
                             f"{self.backend.rank}): each would train a copy of its own on its share of the batches, "
                             "their gradients never averaged. Use Runtime('ddp') (or 'fsdp') in a script started on "
@@ -165,7 +166,7 @@ class Runtime:
         self._loaded_from: set[Path] = set()  # the dirs rt.load_state loaded a checkpoint from
         self._stale_hook = None  # an optimizer step pre-hook, once a set-up model's parameters were replaced
         self._replaced: dict[int, weakref.ref] = {}  # the parameters sharding replaced, by id
-        self._current_optimizers: weakref.WeakSet = weakref.WeakSet()  # optimizers not set up, found over current ones
+        self._current_optimizers: weakref.WeakSet = weakref.WeakSet()  # set up, or found over the current parameters
         self._saved_into: set[Path] = set()  # the dirs rt.save_state wrote into
         self._rolled_back_to: Path | None = None  # a checkpoint loaded while later ones exist (the main rank's)
         self._attempt: int | None = None  # the .prev number its rollback's records took at the load
@@ -285,7 +286,7 @@ class Runtime:
         return self._register_model(wrapped, name, originals, original=model)
 
     def _refuse_a_stale_optimizer(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        if optimizer in self._current_optimizers or any(opt is optimizer for _, opt in self.optimizers.values()):
+        if optimizer in self._current_optimizers:
             return
         stale = next((p for g in optimizer.param_groups for p in g["params"]
                       if (ref := self._replaced.get(id(p))) is not None and ref() is p), None)
@@ -350,6 +351,7 @@ class Runtime:
         self._listed.pop(owner, None)  # (listed again from the engine, at the first step)
         self._set_up.add(id(self.models[owner]))
         self.optimizers[name] = (owner, optimizer)
+        self._current_optimizers.add(optimizer)  # (set up: pointed at the model's parameters)
         # (not under an engine that steps and zeroes the optimizer itself: DeepSpeed's)
         if isinstance(optimizer, torch.optim.Optimizer) and not self.strategy.engine_steps:
             optimizer.register_step_pre_hook(self._check_own_step)

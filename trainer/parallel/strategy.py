@@ -340,12 +340,10 @@ class Strategy:
         """The optimizer's groups keyed by parameter name, as torch's helper writes them, without the zero-gradient
         step it takes first on an empty state (a step at every save: LBFGS wants a closure, and an update not scaled
         by the learning rate would change the weights)."""
-        from unittest import mock
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        from torch.distributed.checkpoint import state_dict as helpers
-
-        with mock.patch.object(helpers, "_init_optim_state", lambda optim: None):
-            return helpers.get_optimizer_state_dict(self.state_module(model), optimizer)["param_groups"]
+        with _no_zero_gradient_step():
+            return get_optimizer_state_dict(self.state_module(model), optimizer)["param_groups"]
 
     def optimizer_template(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The shape of a stepped optimizer's state (to check a checkpoint against before loading it).
@@ -373,11 +371,7 @@ class Strategy:
             self.reset_optimizer(optimizer)
             return
         if not state.get("state"):  # no per-parameter state: the groups alone, without the helper's zero-gradient step
-            from unittest import mock
-
-            from torch.distributed.checkpoint import state_dict as helpers
-
-            with mock.patch.object(helpers, "_init_optim_state", lambda optim: None):
+            with _no_zero_gradient_step():
                 set_optimizer_state_dict(self.state_module(model), optimizer, state)
             self.reset_optimizer(optimizer)
             return
@@ -434,6 +428,19 @@ def clip_grad_norm_across_meshes(params: list[torch.Tensor], max_norm: float | N
         if local:
             torch._foreach_mul_(local, coef.to(local[0].device))
     return total
+
+
+@contextlib.contextmanager
+def _no_zero_gradient_step():
+    """torch's optimizer state-dict helpers without the zero-gradient step they take first on an empty state (for the
+    groups alone: a step at every save of a stateless optimizer, a closure LBFGS lacks there)."""
+    from torch.distributed.checkpoint import state_dict as helpers
+
+    init, helpers._init_optim_state = helpers._init_optim_state, lambda optim: None
+    try:
+        yield
+    finally:
+        helpers._init_optim_state = init
 
 
 class SingleDevice(Strategy):
