@@ -6,6 +6,7 @@ import io
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -194,6 +195,36 @@ def test_a_tensorboard_open_across_a_resume_shows_each_step_once(tmp_path):
     assert written_steps(log_dir) == list(range(1, 61))  # the killed attempt's file ends at 40, untorn
     assert not events.read_bytes().endswith(b"\x40\x00\x00")
     killed.finish({})
+
+
+@pytest.mark.parametrize("earlier_name", ["events.out.tfevents.9999999999.othernode.1.0",  # a clock ahead
+                                          f"events.out.tfevents.{int(time.time()) + 60:010d}.node.42.9"],
+                         ids=["clock-ahead", "next-minute-count-9"])  # (ids without the time: xdist compares them)
+def test_a_resumed_attempt_s_events_sort_after_the_earlier_ones(tmp_path, earlier_name):
+    """TensorBoard reads a folder's event files in name order and, reading live, never goes back before the
+    file it is on. The earlier attempt's file here has a name that sorts after any this clock gives now (a
+    node whose clock was ahead; the same second, count 9 then 10, as two train() calls in one process made
+    in CI): the resumed attempt's file still sorts after it, and the open reader shows the resumed steps."""
+    log_dir = tmp_path / "tensorboard"
+    killed = TensorBoardLogger(run_dir=tmp_path)
+    for step in range(1, 9):
+        killed.log_metrics({"train/loss": 1.0 / step}, step)
+    killed.finish({})
+    [events] = log_dir.glob("events.out.tfevents.*")
+    events.rename(log_dir / earlier_name)
+    live = ui_accumulator(log_dir)
+
+    resumed = TensorBoardLogger(run_dir=tmp_path)
+    resumed.rewind(4)
+    for step in range(5, 11):
+        resumed.log_metrics({"train/loss": 2.0 / step}, step)
+    resumed.finish({})
+    assert sorted(p.name for p in log_dir.glob("events.out.tfevents.*"))[0] == earlier_name
+    live.Reload()
+    assert ui_steps(live) == list(range(1, 11))
+    assert [e.tensor_proto.float_val[0] for e in live.Tensors("train/loss")][4:] == [
+        pytest.approx(2.0 / step) for step in range(5, 11)]
+    assert written_steps(log_dir) == list(range(1, 11))
 
 
 def test_a_fresh_rerun_sets_the_earlier_events_aside(corpus, tmp_path):

@@ -1,6 +1,6 @@
 """TensorBoard logger: `logger=tensorboard` (conf/logger/tensorboard.yaml).
 
-Writes TensorBoard event files with `torch.utils.tensorboard.SummaryWriter` into `<run dir>/tensorboard/`:
+Writes TensorBoard event files into `<run dir>/tensorboard/`, with the summaries of `torch.utils.tensorboard`:
 every metric as a scalar at its step, the resolved config (secrets redacted) and eval samples as text,
 image samples as images. `tensorboard --logdir outputs` shows every run below that folder.
 
@@ -15,12 +15,17 @@ A resumed run continues the same curves, each step once, for every reader:
 - each attempt's first writer starts with a `SessionLog.START` at its first step (`purge_step`), so a
   TensorBoard that read the dead attempt's events live drops those after the resume's START. The UI's
   reader (plugin_event_accumulator) ignores a run's first START: without one in the first attempt's
-  file, the resume's START purged nothing.
+  file, the resume's START purged nothing;
+- each attempt's file is named to sort after every earlier one (`EventFile`): TensorBoard reads a folder's
+  files in the order of their names and, reading live, never goes back to a name before its current one.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import socket
+import time
 from io import BytesIO
 from pathlib import Path
 from typing import Any
@@ -95,40 +100,38 @@ class TensorBoardLogger(NullLogger):
 
     def _events(self):
         if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
             if self._owner is not None and not (self.dir / OWNER).is_file():  # (first: events without it are refused)
                 self.dir.mkdir(parents=True, exist_ok=True)
                 atomic_write_bytes(self.dir / OWNER, f"{self._owner}\n".encode())
-            # purge_step writes SessionLog.START at that step: readers drop earlier events at or after it.
-            self._writer = SummaryWriter(log_dir=str(self.dir), purge_step=self._session_start)
+            self._writer = EventFile(self.dir, purge_step=self._session_start)
             self._session_start = None  # a writer reopened within this attempt must not purge its own events
         return self._writer
 
     # -- the logger interface ----------------------------------------------------------------------
     def log_config(self, config: dict[str, Any]) -> None:
         from omegaconf import OmegaConf
+        from torch.utils.tensorboard.summary import text as text_summary
 
         text = OmegaConf.to_yaml(OmegaConf.create(redact(config)))
-        self._events().add_text("config", as_code_block(text), self._first_step)
-        self._writer.flush()
+        self._events().write([text_summary("config", as_code_block(text))], self._first_step)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        events = self._events()
-        for key, value in metrics.items():
-            events.add_scalar(key, value, step)
-        events.flush()
+        from torch.utils.tensorboard.summary import scalar
+
+        self._events().write([scalar(key, value) for key, value in metrics.items()], step)
 
     def log_text(self, key: str, text: str, step: int) -> None:
+        from torch.utils.tensorboard.summary import text as text_summary
+
         # TensorBoard renders text as Markdown; an indented block keeps a sample's whitespace and symbols as generated.
-        self._events().add_text(key, as_code_block(text), step)
-        self._writer.flush()
+        self._events().write([text_summary(key, as_code_block(text))], step)
 
     def log_image(self, key: str, image, step: int) -> None:
+        from torch.utils.tensorboard.summary import image as image_summary
+
         from trainer.tracking.images import to_hwc_uint8
 
-        self._events().add_image(key, to_hwc_uint8(image).numpy(), step, dataformats="HWC")
-        self._writer.flush()
+        self._events().write([image_summary(key, to_hwc_uint8(image).numpy(), dataformats="HWC")], step)
 
     def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:
         if self._writer is not None:
@@ -164,6 +167,56 @@ class TensorBoardLogger(NullLogger):
         for path in sorted(self.dir.glob("events.out.tfevents.*")):
             rewind_event_file(path, step)
         self._first_step, self._session_start = step, step + 1
+
+
+_files_made = itertools.count()  # (the number in an event file's name: two made in one second differ)
+
+
+class EventFile:
+    """One attempt's event file, written as each event is logged (a killed run keeps what it logged).
+
+    TensorBoard reads a folder's event files in the order of their names and, reading live, never goes back
+    to a name before the one it is on. SummaryWriter names its file by clock second, host, pid and a count,
+    so an attempt started in the same second as the last (a second `train()` in one process: count 10 after
+    9) or on a node whose clock is behind got a name before the earlier attempt's, and a TensorBoard open
+    since then never showed it. This file takes the same form of name, extended where needed to sort after
+    every event file already in `dir`.
+
+    Args:
+        dir: the folder (made if missing).
+        purge_step: a SessionLog.START at this step first (as SummaryWriter's purge_step): readers drop the
+            events of earlier files at or after it.
+    """
+
+    def __init__(self, dir: Path, purge_step: int | None = None):
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        self._event = Event
+        dir.mkdir(parents=True, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_files_made)}"
+        newest = max((p.name for p in dir.glob("events.out.tfevents.*")), default="")
+        self.path = dir / (name if name > newest else f"{newest}.1")  # (a name's extension sorts after it)
+        self._file = open(self.path, "xb")  # noqa: SIM115 - held open for the attempt, closed by close()
+        self._records = RecordWriter(self._file)
+        self._add(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        if purge_step is not None:  # (what SummaryWriter(purge_step=) writes)
+            self._add(Event(step=purge_step, file_version="brain.Event:2"))
+            self._add(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+        self._file.flush()
+
+    def _add(self, event) -> None:
+        self._records.write(event.SerializeToString())
+
+    def write(self, summaries: list, step: int) -> None:
+        """Each summary (from torch.utils.tensorboard.summary) as an event at `step`, then flushed."""
+        wall_time = time.time()
+        for summary in summaries:
+            self._add(self._event(wall_time=wall_time, step=int(step), summary=summary))
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def rewind_event_file(path: Path, step: int) -> None:
