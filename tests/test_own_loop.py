@@ -439,6 +439,37 @@ def test_one_optimizer_over_two_models_is_refused(rt):
         rt.setup(a, b, torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1))
 
 
+def test_a_scheduler_stepped_every_micro_batch_is_refused_and_one_stepped_with_the_optimizer_is_not(rt):
+    """Accelerate's prepared scheduler skips the scheduler.step() its loops call every micro-batch; here the
+    scheduler is the user's own, so such a loop ran the schedule grad_accum_steps times too fast. The changed
+    learning rate is refused at the next micro-step; stepped by rt.step, or by hand when rt.step returns True (or
+    set by hand after it), the schedule takes one step per optimizer step."""
+    model = nn.Linear(2, 1)
+    model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+    for way in ("rt.step", "by hand", "lr by hand"):
+        for _ in range(2):  # two optimizer steps of two micro-steps each
+            for _ in range(2):
+                with rt.accumulate(model):
+                    rt.backward(model(torch.ones(1, 2)).sum())
+                if way == "rt.step":
+                    rt.step(opt, sched)
+                elif rt.step(opt):
+                    if way == "by hand":
+                        sched.step()
+                    else:
+                        opt.param_groups[0]["lr"] = 0.1 / (sched.last_epoch + 1)
+    assert sched.last_epoch == 4 and opt.param_groups[0]["lr"] == pytest.approx(0.1 / 5)  # 4 scheduler steps
+    with rt.accumulate(model):
+        rt.backward(model(torch.ones(1, 2)).sum())
+    rt.step(opt)
+    sched.step()  # every micro-batch, as in an Accelerate loop
+    with pytest.raises(UserError, match=r"learning rate of the optimizer of 'model' changed in the middle of an "
+                                        r"accumulation \(before micro-step 2 of 2\).*2 times too fast.*"
+                                        r"rt.step\(optimizer, scheduler\)"):
+        rt.accumulate(model)
+
+
 def test_zero_grad_in_the_middle_of_an_accumulation_is_refused(rt):
     """In every form that throws away earlier micro-batches: the optimizer's zero_grad after a micro-step that is
     not the last, inside the next micro-step before its backward, or with set_to_none=False (zeros, not None), each

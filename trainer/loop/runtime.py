@@ -183,6 +183,7 @@ class Runtime:
         self._set_up: set[int] = set()  # ids of the modules set up (original and wrapped)
         self._micro = 0  # micro-steps taken in accumulate() (the step boundary is every grad_accum_steps-th)
         self._cycle, self._cycle_models = frozenset(), ()  # the models the accumulation under way is of (their ids)
+        self._window_lrs: dict[int, tuple] = {}  # id(optimizer) -> its learning rates at the step's first micro-step
         self._in_accumulate = False
         self._continues_step = False  # the micro-step in accumulate() is not its step's first
         self._backward_here = False  # a backward ran in that micro-step
@@ -477,6 +478,10 @@ class Runtime:
                                 "both in one block a micro-batch, `with rt.accumulate(gen, disc):`, or give each "
                                 "model all its micro-batches in turn (as recipe=gan does).")
             self._cycle, self._cycle_models = named, models
+            if self._micro == 0:
+                self._window_lrs = {id(o): _lrs(o) for o in self._optimizers_of(models)}
+            else:
+                self._check_lr_kept()
         if self._micro > 0:  # not the step's first micro-step: the earlier ones' gradients must still be there
             self._check_not_zeroed(models)
         boundary = self._micro + 1 >= self.grad_accum_steps if last is None else last
@@ -484,6 +489,28 @@ class Runtime:
         self._micro = 0 if boundary else self._micro + 1
         self.sync_gradients = boundary
         return _MicroStep(self, [self.strategy.no_sync(m, enabled=not boundary) for m in models])
+
+    def _optimizers_of(self, models) -> list[torch.optim.Optimizer]:
+        names = {self._name_of(m) for m in models}
+        return [o for m, o in self.optimizers.values() if m in names]
+
+    def _check_lr_kept(self) -> None:
+        """Within one step's micro-steps (a loop of one's own) no optimizer steps, so its learning rate stays: one
+        that changed was changed by a scheduler.step() called every micro-batch, as in Accelerate's loops, where the
+        prepared scheduler skips those calls. Here the scheduler is the user's own object and would run the schedule
+        grad_accum_steps times too fast, with no error; it is refused at the first micro-step after the change."""
+        for optimizer in self._optimizers_of(self._cycle_models):
+            before = self._window_lrs.get(id(optimizer))
+            if before is None or _lrs(optimizer) == before:
+                continue
+            owner = next(m for m, o in self.optimizers.values() if o is optimizer)
+            self._window_lrs.clear()  # (said once)
+            raise UserError(f"the learning rate of the optimizer of {owner!r} changed in the middle of an accumulation "
+                            f"(before micro-step {self._micro + 1} of {self.grad_accum_steps}), where no optimizer "
+                            "step runs: a scheduler.step() called every micro-batch runs the schedule "
+                            f"{self.grad_accum_steps} times too fast. Pass the scheduler to rt.step(optimizer, "
+                            "scheduler), which steps it once per optimizer step (or call scheduler.step() only "
+                            "when rt.step returns True); a learning rate set by hand, set it after rt.step.")
 
     def _check_not_zeroed(self, models) -> None:
         """Mid-accumulation, the gradients of the micro-steps before must still be there (zero_grad is rt.step's)."""
@@ -1092,6 +1119,13 @@ def launched_config():
 
 
 _SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def _lrs(optimizer: torch.optim.Optimizer) -> tuple:
+    """The learning rates of `optimizer`'s groups, compared without a device sync: a tensor lr (capturable
+    optimizers) by its identity and version, which a scheduler's in-place fill bumps."""
+    return tuple((id(lr), lr._version) if isinstance(lr := g.get("lr"), torch.Tensor) else lr
+                 for g in optimizer.param_groups)
 
 
 def _not_a_loader(dataset: Any, what: str) -> None:
