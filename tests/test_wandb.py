@@ -10,7 +10,7 @@ import socket
 import subprocess
 
 import pytest
-from conftest import compose_cfg, read_metrics, run_cli, run_here, tiny_overrides
+from conftest import compose_cfg, faulty, read_metrics, run_cli, run_here, tiny_overrides
 from omegaconf import OmegaConf
 from wandb_reader import config, history, media_path, records, run_id, run_ids, summary
 
@@ -283,6 +283,28 @@ def test_a_rollback_logs_its_branch_where_wandb_keeps_it(corpus, tmp_path, offli
                                                       if "train/loss" in e][-2:]
     err = capsys.readouterr().err
     assert "rollback to step 4" in err and first in err
+
+
+def test_a_rollback_killed_before_its_first_checkpoint_resumes_into_its_own_run(corpus, tmp_path, offline):
+    """The rollback's new run is in no checkpoint until its branch saves one: killed at step 6, before that, the
+    resume loaded step 4's checkpoint and its id, the old run's, and logged the new branch there (where wandb drops
+    steps below the run's last). The run dir records which run the last attempt from that checkpoint logged to."""
+    from trainer import train
+
+    args = ("logger=wandb", "trainer.max_steps=6", "checkpoint.every_n_steps=2", "checkpoint.keep_last=5")
+    train(compose_cfg(tiny_overrides(corpus, *args, *faulty("raise", at_call=99))), tmp_path)
+    first = run_id(tmp_path)
+    rollback = tiny_overrides(corpus, *args, "optim.lr=1e-4", *faulty("raise", at_call=2))  # dies in step 6
+    with pytest.raises(RuntimeError, match="boom"):
+        train(compose_cfg([*rollback, f"resume={tmp_path}/checkpoints/step_00000004"]), tmp_path)
+    train(compose_cfg([*tiny_overrides(corpus, *args, "optim.lr=1e-4", *faulty("raise", at_call=99)),
+                       "resume=auto"]), tmp_path)
+    old, *branch = runs_by_first_step(tmp_path)
+    assert old["id"] == first and [r["step"] for r in old["rows"]] == [1, 2, 3, 4, 5, 6]
+    assert len(branch) == 2 and branch[0]["id"] == branch[1]["id"] != first  # killed, then resumed: one run
+    assert [r["step"] for run in branch for r in run["rows"]] == [5, 5, 6]
+    losses = {r["step"]: r["train/loss"] for run in branch for r in run["rows"]}
+    assert [losses[5], losses[6]] == [e["train/loss"] for e in read_metrics(tmp_path) if "train/loss" in e][-2:]
 
 
 def test_a_run_started_from_another_runs_checkpoint_logs_to_a_wandb_run_of_its_own(corpus, tmp_path, offline, capsys):

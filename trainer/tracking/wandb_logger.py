@@ -12,6 +12,7 @@ and machine info are left on.
 
 from __future__ import annotations
 
+import json
 import netrc
 import os
 import secrets
@@ -30,6 +31,10 @@ MODES = (None, "online", "offline", "disabled")
 # What a rollback (a resume from a checkpoint older than the run's last step) logs to. wandb ignores a step below the
 # run's last, so continuing the same run would drop the new branch's steps up to there and show the old branch's.
 ON_ROLLBACK = ("new_run", "fork", "rewind")
+# In <dir>/wandb/: {"run_id": the run the last attempt logged to, "from": [run id, step] of the checkpoint it started
+# from, or null}. A rollback's new run is in no checkpoint until the branch saves one; killed before that, the next
+# resume loads the same checkpoint and its id, the old run's, where wandb would drop the branch's steps.
+LAST_RUN = "trainer_last_run.json"
 
 
 class WandbLogger(NullLogger):
@@ -71,6 +76,7 @@ class WandbLogger(NullLogger):
         # The run this one branches from, when it does: {"run": id, "step": the rollback's step or None (another run's
         # checkpoint), "how": new_run | fork | rewind}.
         self._branch: dict[str, Any] | None = None
+        self._resumed_from: list | None = None  # [run id, step] of the checkpoint this attempt continues (rewind)
 
     # -- starting the run --------------------------------------------------------------------------
     def _start(self, config: dict[str, Any] | None = None) -> None:
@@ -91,6 +97,24 @@ class WandbLogger(NullLogger):
             self.run = self._init_offline_after_failure(config)
         self.offline = mode in ("offline", "dryrun")
         self._say_where_the_branch_logs()
+        self._record_the_run()
+
+    def _record_the_run(self) -> None:
+        from trainer.io import atomic_write_bytes
+
+        branch = self._branch
+        start = [branch["run"], branch["step"]] if branch and branch["step"] is not None else self._resumed_from
+        try:
+            atomic_write_bytes(self.dir / "wandb" / LAST_RUN, json.dumps({"run_id": self.run_id, "from": start}).encode())
+        except OSError:
+            pass  # (wandb itself has just written there; a resume without the record continues the checkpoint's run)
+
+    def _last_run(self) -> dict[str, Any]:
+        try:
+            record = json.loads((self.dir / "wandb" / LAST_RUN).read_text())
+        except (OSError, ValueError):
+            return {}
+        return record if isinstance(record, dict) else {}
 
     def _init(self, mode: str, config: dict[str, Any] | None):
         import wandb
@@ -234,8 +258,18 @@ class WandbLogger(NullLogger):
         return []
 
     def rewind(self, step: int) -> None:
-        if self._branch is not None and self._branch["step"] is None and self.run is None:
+        """The events after `step` are logged again: by a rollback's new run (keep_copy) or, resuming, by the run
+        the checkpoint names, unless the last attempt from this same checkpoint logged to another (a rollback's,
+        killed before its branch saved a checkpoint): then that one."""
+        if self.run is not None:
+            return
+        if self._branch is not None and self._branch["step"] is None:
             self._branch["step"] = step
+        elif self._branch is None and self._loaded:
+            self._resumed_from = [self.run_id, step]
+            last = self._last_run()
+            if last.get("from") == self._resumed_from and isinstance(last.get("run_id"), str) and last["run_id"]:
+                self.run_id = last["run_id"]
 
     def state_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id}
