@@ -852,6 +852,43 @@ def test_a_resume_at_another_global_batch_says_where_it_continues(tmp_path, caps
             "at sample 2") in capsys.readouterr().out
 
 
+def test_a_registered_state_with_numpy_scalars_round_trips_and_an_array_is_one_paragraph(tmp_path):
+    """A counter kept as a numpy scalar (np.int64 from an array's sum, np.float64 from a mean) stopped rt.save_state
+    with a bare TypeError; it is saved as the Python number it holds. An array is refused with what to return
+    instead, before anything is written."""
+    import numpy as np
+
+    import trainer
+
+    class Stats:
+        def __init__(self, seen, mean, extra=None):
+            self.seen, self.mean, self.extra = seen, mean, extra
+
+        def state_dict(self):
+            return {"seen": self.seen, "mean": self.mean, "flag": np.bool_(True), "half": np.float32(0.1),
+                    **({"extra": self.extra} if self.extra is not None else {})}
+
+        def load_state_dict(self, state):
+            self.seen, self.mean, self.flag, self.half = state["seen"], state["mean"], state["flag"], state["half"]
+
+    rt = trainer.Runtime("single", "fp32")
+    rt.setup(nn.Linear(1, 1))
+    rt.register("stats", Stats(np.arange(4).sum(), np.mean([0.1, 0.2])))
+    rt.save_state(tmp_path / "ck", step=3)
+    back = Stats(0, 0.0)
+    other = trainer.Runtime("single", "fp32")
+    other.setup(nn.Linear(1, 1))
+    other.register("stats", back)
+    other.load_state(tmp_path / "ck")
+    assert (back.seen, back.mean, back.flag, back.half) == (6, np.mean([0.1, 0.2]), True, float(np.float32(0.1)))
+    assert type(back.seen) is int and type(back.flag) is bool
+
+    rt.register("arrays", Stats(1, 1.0, extra=np.zeros(3)))
+    with pytest.raises(UserError, match=r"cannot checkpoint a numpy array at '/arrays/extra'.*torch.from_numpy"):
+        rt.save_state(tmp_path / "ck", step=4)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_00000003"]
+
+
 def test_load_state_before_the_loader_and_registered_objects_exist_is_refused(tmp_path):
     """An Accelerate habit, load right after setup: the checkpoint's loader and scheduler states were skipped
     without a word, and the run restarted its epoch and its learning rate. Refused, having changed nothing; loaded

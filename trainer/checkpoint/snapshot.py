@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, UserError
 
 TENSOR, ITEMS, TUPLE = "__tensor__", "__items__", "__tuple__"
 MAX_DEPTH = 64  # nesting of a state tree; deeper is refused before parsing recurses
@@ -95,7 +95,12 @@ def flatten(obj: Any, tensors: dict[str, Chunk], writer: Writer | bool = True, p
         return [flatten(v, tensors, writer, f"{path}/{i}", copy) for i, v in enumerate(obj)]
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
-    raise TypeError(f"cannot checkpoint a value of type {type(obj).__name__} at '{path}'")
+    if type(obj).__module__ == "numpy" and getattr(obj, "ndim", None) == 0 and hasattr(obj, "item"):
+        return flatten(obj.item(), tensors, writer, path, copy)  # a numpy scalar (a counter, a running mean): as Python's
+    kind = "a numpy array" if type(obj).__module__ == "numpy" else f"a value of type {type(obj).__name__}"
+    raise UserError(f"cannot checkpoint {kind} at '{path}': a state_dict holds tensors, numbers, strings, None, and "
+                    "lists, tuples and dicts of them (no pickling). Return it as one of those from state_dict() ("
+                    "torch.from_numpy(array) for an array) and convert it back in load_state_dict().")
 
 
 def chunk_metadata(chunks: dict[str, Chunk]) -> dict[str, str]:
