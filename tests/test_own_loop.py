@@ -852,6 +852,19 @@ def test_a_resume_at_another_global_batch_says_where_it_continues(tmp_path, caps
             "at sample 2") in capsys.readouterr().out
 
 
+def test_gather_for_metrics_called_per_batch_says_it_takes_the_whole_eval_once(rt):
+    """Accelerate's gather_for_metrics is called every batch; this one takes the eval's rows once. A call with one
+    batch's rows said only that rows were missing; it says where the call goes. The whole eval's rows, in order."""
+    from torch.utils.data import TensorDataset
+
+    loader = rt.eval_loader(TensorDataset(torch.arange(5.0)), batch_size=2)
+    batches = [b[0] for b in loader]
+    with pytest.raises(UserError, match=r"2 rows for the 5 samples this rank's loader yields, one batch's: it takes "
+                                        r"the whole eval's rows once, after the loop.*torch.cat\(list\)"):
+        rt.gather_for_metrics(batches[0], loader)
+    assert rt.gather_for_metrics(torch.cat(batches), loader).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
 def test_a_registered_state_with_numpy_scalars_round_trips_and_an_array_is_one_paragraph(tmp_path):
     """A counter kept as a numpy scalar (np.int64 from an array's sum, np.float64 from a mean) stopped rt.save_state
     with a bare TypeError; it is saved as the Python number it holds. An array is refused with what to return

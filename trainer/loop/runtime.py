@@ -769,8 +769,14 @@ class Runtime:
         if not isinstance(outputs, torch.Tensor):
             raise UserError("rt.gather_for_metrics: expected one tensor of per-sample rows (torch.cat the batches).")
         if outputs.shape[0] < len(loader.indices):
+            per_batch = 0 < outputs.shape[0] <= loader.batch_size
             raise UserError(f"rt.gather_for_metrics: {outputs.shape[0]} rows for the {len(loader.indices)} samples "
-                            "this rank's loader yielded: give one row per sample, for every batch.")
+                            "this rank's loader yields" + (
+                                ", one batch's: it takes the whole eval's rows once, after the loop (where "
+                                "Accelerate's is called every batch), so that every sample is there exactly once "
+                                "with no padding. Keep each batch's rows in a list and call it with torch.cat(list)."
+                                if per_batch else ": give one row per sample, for every batch (torch.cat of each "
+                                "batch's rows), once, after the loop."))
         gathered = self.backend.gather_samples(loader.indices, outputs[: len(loader.indices)])
         if self._watched:
             watchdog.progress()
