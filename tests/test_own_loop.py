@@ -121,9 +121,15 @@ def test_eval_outputs_are_gathered_with_every_sample_once(tmp_path):
 
 
 def test_save_state_on_one_rank_only_is_an_error_not_a_hang(tmp_path):
+    """rt.save_state under `if rt.is_main_process`, and before it an rt.register there (saved from rank 0, then
+    refused at the load by rank 1): each refused on every rank it concerns, before anything is written."""
     r = launch("world=ddp", "world.nproc_per_node=2", SCRIPT, "save_on_main_only", str(tmp_path),
                env={"TRAINER_COLLECTIVE_TIMEOUT": "5"})
     assert r.returncode == 2, r.stderr
+    for rank in (0, 1):
+        assert (f"rank {rank} refused: rt.save_state: the ranks set up different things to checkpoint ('counter' on "
+                "rank 0 only)") in r.stdout, r.stdout
+    assert "Nothing was written" in r.stdout
     assert "rt.save_state was called on rank 0 but not on every rank" in r.stderr
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())

@@ -102,6 +102,12 @@ def gather(rt: trainer.Runtime, n: int, batch: int) -> None:
 
 def save_on_main_only(rt: trainer.Runtime, out: str) -> None:
     model = rt.setup(nn.Linear(2, 2))
+    if rt.is_main_process:  # first an object registered on the main rank only: refused at the save, by every rank
+        rt.register("counter", torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1)]), lambda s: 1))
+    try:
+        rt.save_state(f"{out}/checkpoints", 1)
+    except trainer.UserError as e:
+        say(f"rank {rt.rank} refused: {e}")
     if rt.is_main_process:
         rt.save_state(f"{out}/checkpoints", 1)
     del model

@@ -819,7 +819,7 @@ class Runtime:
         if Path(directory).exists() and not Path(directory).is_dir():
             raise UserError(f"rt.save_state({str(directory)!r}) is a file: pass a directory, which save_state writes "
                             "its checkpoints into (step_<step>), as rt.load_state reads them.")
-        self._all_ranks_here("save_state")
+        self._all_ranks_here("save_state", self._checkpointed_names())
         back, self._rolled_back_to = self._rolled_back_to, None
         if back is not None and back.parent.resolve() == Path(directory).resolve():
             # The first save after a rollback: the checkpoints written after the one loaded are the branch it leaves,
@@ -876,7 +876,7 @@ class Runtime:
         strategy and world size. Returns its step, or None when `path` holds no checkpoint yet. Every rank."""
         from trainer.checkpoint.store import MANIFEST, Checkpointer, step_of
 
-        self._all_ranks_here("load_state")
+        self._all_ranks_here("load_state", self._checkpointed_names())
         path = Path(path)
         numbered = re.fullmatch(r"step_([0-9]+)", path.name)  # (save_state names them step_00000005: 8 digits)
         if (step_of(path) >= 0 or numbered) and not path.is_dir():
@@ -931,9 +931,14 @@ class Runtime:
             watchdog.progress()
         return self.position.step
 
-    def _all_ranks_here(self, what: str) -> None:
+    def _checkpointed_names(self) -> list[str]:
+        return sorted([*self.models, *self.optimizers, *self.stateful])
+
+    def _all_ranks_here(self, what: str, names: list[str] | None = None) -> None:
         """Every rank must call `what`: a rank that calls it alone would wait in its collectives forever (the
-        usual mistake: under `if rt.is_main_process`). A barrier that names the ranks that never came."""
+        usual mistake: under `if rt.is_main_process`). A barrier that names the ranks that never came. With the
+        `names` a checkpoint holds: the same on every rank (an rt.register under `if rt.is_main_process` was saved
+        from rank 0 and refused at the load by the others)."""
         if self.backend.distributed:
             timeout = float(os.environ.get("TRAINER_COLLECTIVE_TIMEOUT", 120))
             missing = self.backend.monitored_barrier(timeout, group=self._monitor)
@@ -946,12 +951,23 @@ class Runtime:
                                 "comes either.")
             # The barrier is the same for every such call: ranks in different ones would pass it together, then
             # wait forever in each other's collectives.
-            calls = self.backend.gather_object(what, group=self._monitor)
-            if len(set(calls)) > 1:
-                listed = ", ".join(f"rank {r}: rt.{c}" for r, c in enumerate(calls))
+            calls = self.backend.gather_object((what, names), group=self._monitor)
+            if len({c for c, _ in calls}) > 1:
+                listed = ", ".join(f"rank {r}: rt.{c}" for r, (c, _) in enumerate(calls))
                 raise UserError(f"the ranks called different Runtime methods at the same point ({listed}): every rank "
                                 "must call rt.save_state, rt.load_state and rt.save_model, in the same order (a rank "
                                 "that left its loop early, with a `break` on one rank only, went on to the next).")
+            everywhere = set.intersection(*(set(n or ()) for _, n in calls))
+            partial = {name: [r for r, (_, n) in enumerate(calls) if name in (n or ())]
+                       for name in sorted(set().union(*(n or () for _, n in calls)) - everywhere)}
+            if partial:
+                listed = "; ".join(f"{name!r} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} only"
+                                   for name, r in partial.items())
+                raise UserError(f"rt.{what}: the ranks set up different things to checkpoint ({listed}). Every rank "
+                                "must set up the same models and loaders and register the same objects, under the same "
+                                "names (not under `if rt.is_main_process`): each rank saves and loads its own state, "
+                                "and rt.save_state writes from the main rank by itself. Nothing was "
+                                + ("written." if what == "save_state" else "loaded."))
 
     def save_model(self, model: nn.Module, directory: str | os.PathLike, max_shard_size: str | int = "1GB",
                    name: str = "model") -> list[str] | None:
