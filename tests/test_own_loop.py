@@ -6,6 +6,7 @@ across strategies; eval outputs are gathered with each sample once; misuse is on
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -856,6 +857,30 @@ def test_a_resume_at_another_global_batch_says_where_it_continues(tmp_path, caps
     assert rt.load_state(tmp_path) == 1
     assert ("global batch of 2 samples and this loop's is 4 (processes x batch_size x grad_accum_steps): it continues "
             "at sample 2") in capsys.readouterr().out
+
+
+def test_a_checkpoint_saved_under_other_names_says_which_names(tmp_path):
+    """rt.setup(..., names=[...]) names what a checkpoint holds; a load under other names said the model's tensors
+    were all missing (or that '/optimizer' lacked a key), as if the model differed. It names both sides."""
+    import trainer
+
+    def setup(*names):
+        rt = trainer.Runtime("single", "fp32")
+        torch.manual_seed(0)
+        a, b = nn.Linear(2, 2), nn.Linear(2, 3)
+        rt.setup(a, b, torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1),
+                 names=list(names) if names else None)
+        return rt
+
+    setup("gen", "disc", "opt_g", "opt_d").save_state(tmp_path, step=1)
+    for names, says in ((("model", "model_1", "opt_g", "opt_d"), "its models are named 'disc', 'gen' where this "
+                                                                  "script set up 'model', 'model_1'"),
+                        (("gen", "disc", "g", "d"), "its optimizers 'opt_d', 'opt_g' where this script set up 'g', "
+                                                    "'d'")):
+        with pytest.raises(UserError, match="holds what this script set up under other names: " + re.escape(says)
+                           + r".*names=\[...\]"):
+            setup(*names).load_state(tmp_path)
+    assert setup("gen", "disc", "opt_g", "opt_d").load_state(tmp_path) == 1
 
 
 def test_gather_for_metrics_called_per_batch_says_it_takes_the_whole_eval_once(rt):

@@ -110,6 +110,39 @@ class Parts:
             for group, h in zip(opt.param_groups, hyper):
                 group.update(h)
 
+    def names_differ(self, saved_model_keys, live_model_keys, saved_optimizer: Any) -> str | None:
+        """Where a checkpoint holds these models and optimizers under other names (rt.setup's `names=`): a sentence
+        naming both sides, else None. The model tensors tell their names: one model named "model" keeps the
+        module's own keys, several "<name>." before them."""
+        live = {name: {k[len(self._key(name, "")):] for k in live_model_keys if k.startswith(self._key(name, ""))}
+                for name in self.models}
+        keys = set(saved_model_keys)
+        saved_models = None
+        if keys in live.values():
+            saved_models = ["model"]
+        else:
+            groups: dict[str, set[str]] = {}
+            for key in keys:
+                head, _, rest = key.partition(".")
+                groups.setdefault(head, set()).add(rest)
+            if sorted(map(sorted, groups.values())) == sorted(map(sorted, live.values())):
+                saved_models = sorted(groups)
+        saved_opts = None
+        if isinstance(saved_optimizer, dict) and "param_groups" not in saved_optimizer and not self.single:
+            saved_opts = sorted(saved_optimizer)
+        model_off = saved_models is not None and saved_models != sorted(live)
+        opt_off = saved_opts is not None and saved_opts != sorted(self.optimizers)
+        if not (model_off or opt_off):
+            return None
+        said = []
+        if model_off:
+            said.append(f"its models are named {', '.join(map(repr, saved_models))} where this script set up "
+                        f"{', '.join(map(repr, self.models))}")
+        if opt_off:
+            said.append(f"its optimizers {', '.join(map(repr, saved_opts))} where this script set up "
+                        f"{', '.join(map(repr, self.optimizers)) or 'none'}")
+        return "; ".join(said)
+
     def fresh_optimizers(self) -> list[torch.optim.Optimizer]:
         return [opt for _, opt in self.optimizers.values() if not opt.state]
 
@@ -221,13 +254,20 @@ class CheckpointManager:
         loaded.model, loaded.tree = self.strategy.restrict_checkpoint(loaded.model, loaded.tree)
         for key in [k for k in loaded.model if k not in live_model and self.parts.saved_elsewhere(k)]:
             del loaded.model[key]  # this run rebuilds it (an older checkpoint of a LoRA run kept its base)
+        tree = loaded.tree if isinstance(loaded.tree, dict) else {}
+        renamed = self.parts.names_differ(loaded.model, live_model, tree.get("optimizer")) \
+            if self.every_component else None
+        if renamed:
+            raise CheckpointError(f"{where} holds what this script set up under other names: {renamed}. Set them up "
+                                  "under the names they were saved with, rt.setup(model, optimizer, names=[...]) as "
+                                  "the script that saved it did (the defaults: 'model', 'optimizer', then 'model_1', "
+                                  "'optimizer_1', ...).")
         problems = ckpt.model_mismatches(loaded, live_model)
         if problems:
             fix = ("Build the model as the script that saved it did (the same layers and sizes)" if self.every_component
                    else "Use the model config it was trained with (see its config.yaml)")  # (a loop of one's own: no config)
             raise CheckpointError(f"{where} does not match the model ({len(problems)} tensors): " + "; ".join(problems)
                                   + f". {fix}.")
-        tree = loaded.tree if isinstance(loaded.tree, dict) else {}
         live_rng = rng_state()
         saved_rng = tree.get("rng")
         if not (isinstance(saved_rng, list) and saved_rng and isinstance(saved_rng[0], dict) and "numpy" in saved_rng[0]):
