@@ -417,6 +417,8 @@ def test_a_machine_default_environment_variable_is_saved_and_reaches_runs(tmp_pa
 @pytest.mark.parametrize("setting, says", [
     ("precision=bf61", "precision=bf61 is not an option"),
     ("recipe=diffusion", "recipe is the recipe's to choose"),
+    ("wrld=ddp", "wrld is no config group (callbacks, data, debug, logger, model, optim, precision, recipe, "
+                 "scheduler, smoke, world). Nothing was saved. Did you mean world?"),  # (not "the recipe's")
     ("world.nproc_per_nod=2", "Did you mean world.nproc_per_node=2?"),
     ("hydra.run.dir=one_dir", "other hydra.* settings are not saved"),  # (every later run in one dir)
     ("hydra.mode=MULTIRUN", "other hydra.* settings are not saved"),  # (every later run a sweep)

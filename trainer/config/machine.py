@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, suggest
 
 HOME_ENV = "TRAINER_CONFIG_HOME"  # conf/config.yaml's hydra.searchpath reads the same variable
 GROUPS = ("world", "precision", "logger", "callbacks")  # what a machine decides; recipes choose the rest
@@ -82,8 +82,13 @@ def render(overrides: list[str]) -> str:
                 OmegaConf.update(values, f"hydra.{kind}.dir", f"{folder}/${{now:%Y-%m-%d}}/${{now:%H-%M-%S}}")
         elif "." not in key:
             if key not in GROUPS:
-                raise ConfigError(f"{key}={value}: a machine's defaults choose {', '.join(GROUPS)} (and keys under "
-                                  f"them, and outputs=DIR); {key} is the recipe's to choose.")
+                others = _groups()
+                what = (f"{key} is the recipe's to choose" if key in others else
+                        f"{key} is no config group ({', '.join(sorted({*GROUPS, *others}))})")
+                raise ConfigError(f"{key}={value}: a machine's defaults choose the groups {', '.join(GROUPS)} and "
+                                  "outputs=DIR, and keep settings by their dotted keys (world.nproc_per_node=2, "
+                                  f"optim.lr=1e-3); {what}. Nothing was saved."
+                                  + ("" if key in others else suggest(key, [*GROUPS, "outputs"])))
             defaults.append({f"override /{key}": yaml_value(override)})
         else:
             OmegaConf.update(values, key, yaml_value(override), force_add=True)
@@ -92,6 +97,16 @@ def render(overrides: list[str]) -> str:
     return ("# @package _global_\n"
             "# This machine's defaults, read by every run (python -m trainer env shows them). Written by:\n"
             f"# python -m trainer config {' '.join(overrides)}\n" + text)
+
+
+def _groups() -> list[str]:
+    """The config groups conf/ has (for a message; [] where they cannot be listed)."""
+    from importlib.resources import files
+
+    try:
+        return sorted(p.name for p in files("trainer.conf").iterdir() if p.is_dir() and not p.name.startswith("_"))
+    except (ModuleNotFoundError, OSError):
+        return []
 
 
 def _file_in_the_way(path: Path) -> str | None:
