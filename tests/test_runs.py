@@ -16,6 +16,7 @@ from conftest import (
     SHARED,
     assert_identical,
     checkpoints,
+    compose_cfg,
     faulty,
     load_weights,
     read_metrics,
@@ -745,3 +746,22 @@ def test_a_copied_run_dir_continues_the_run_it_is_a_copy_of(corpus, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert [e["step"] for e in read_metrics(tmp_path / "copy") if "train/loss" in e] == list(range(1, 13))
     assert not list((tmp_path / "copy").glob("*.prev*"))
+
+
+def test_a_resumed_runs_summary_counts_the_whole_run(corpus, tmp_path):
+    """The summary (printed, returned, and the wandb run's) counted the last attempt only: a run killed at step 7 and
+    resumed from step 4 said steps=4 of its 8. It counts every attempt's training up to the checkpoint each resumed
+    from (the checkpoint holds it); a run started from another run's checkpoint counts its own."""
+    from trainer import train
+
+    overrides = tiny_overrides(corpus, "trainer.max_steps=8", "checkpoint.every_n_steps=4", "trainer.log_every=1",
+                               *faulty("raise", at_call=7, rank=0))
+    with pytest.raises(RuntimeError, match="boom"):
+        train(compose_cfg(overrides), tmp_path / "a")
+    saved = json.loads((tmp_path / "a" / "checkpoints" / "step_00000004" / "state.json").read_text())["trainer"]
+    assert saved["trained"]["steps"] == 4 and saved["trained"]["seconds"] > 0 and saved["trained"]["targets"] > 0
+    out = train(compose_cfg([*overrides, "resume=auto"]), tmp_path / "a")
+    assert out["summary/steps"] == 8 and out["summary/train_time_s"] > saved["trained"]["seconds"]
+    # Another run started from a's step 4 trains 4 steps of its own.
+    other = train(compose_cfg([*overrides, f"resume={tmp_path}/a/checkpoints/step_00000004"]), tmp_path / "b")
+    assert other["summary/steps"] == 4

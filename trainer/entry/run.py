@@ -719,6 +719,7 @@ def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
                     elsewhere = own is not None and source.resolve().parent != own.resolve()
                     elsewhere = backend.broadcast_object(elsewhere and not same_run(run_dir, source) if backend.is_main else None)
                     if elsewhere:  # another run's checkpoint: this run dir's own attempt is kept aside, not spliced into
+                        trainer.count_from_here()
                         set_earlier_attempt_aside(run_dir, cfg, loggers, backend.is_main, say, f"starting from {source}", own)
                     else:
                         if not later_export_kept(trainer, cfg, run_dir, source, say):

@@ -91,6 +91,10 @@ class Trainer:
         self.trained_on: str | None = None  # an eval's checkpoint's training-set fingerprint (checkpoint/manager.py)
         self.samples_seen = 0  # position in the global sample stream
         self.skipped_steps = 0
+        # The training the run did before this attempt (from its checkpoint): the summary is of the whole run, as the
+        # wandb run it lands in is (a resumed run's summary said steps=4 of 8). Steps, seconds and targets.
+        self.trained_before = {"steps": 0, "seconds": 0.0, "targets": 0.0}
+        self._meter, self._fit_from = None, 0  # this attempt's (fit's)
         self.stop_reason: str | None = None  # set by request_stop (early stopping): the run ends at this step
         self.saved_step: int | None = None  # the step of the last save_checkpoint (in flight or complete)
         # The global batch trainer.max_epochs counted its steps at: this run's, or the first attempt's (a resume at
@@ -355,6 +359,7 @@ class Trainer:
         self.preemption.install()
         self.model.train()
         meter, metrics, first_step = Throughput(), {}, self.step
+        self._meter, self._fit_from = meter, first_step
         if self.cfg.compile and be.is_main:
             how = {k: v for k, v in compile_args(self.cfg).items() if v is not None}
             progress.write(f"compiling the model ({', '.join(f'{k}={v}' for k, v in how.items())}): the first steps "
@@ -409,17 +414,31 @@ class Trainer:
             if installed_here:
                 self.preemption.uninstall()
             progress.close()
-        summary = self._summary(self.step - first_step, meter)
+        summary = self._summary()
         if summary and be.is_main:
             print(summary_line(summary), flush=True)
         return {**metrics, **final, **summary}
 
-    def _summary(self, steps: int, meter: Throughput) -> dict[str, float]:
-        """Whole-run throughput and cost (training time only: eval and checkpoints excluded)."""
-        if steps == 0 or meter.run_seconds == 0:
+    def trained(self) -> dict[str, Any]:
+        """The run's training so far, over every attempt: steps, and the seconds and targets of its logged windows."""
+        meter, before = self._meter, self.trained_before
+        if meter is None:
+            return dict(before)
+        return {"steps": before["steps"] + self.step - self._fit_from, "seconds": before["seconds"] + meter.run_seconds,
+                "targets": before["targets"] + meter.run_targets}
+
+    def count_from_here(self) -> None:
+        """A run started from another run's checkpoint: its summary counts its own training, not that run's."""
+        self.trained_before = {"steps": 0, "seconds": 0.0, "targets": 0.0}
+
+    def _summary(self) -> dict[str, float]:
+        """Whole-run throughput and cost (training time only: eval and checkpoints excluded), over every attempt of
+        the run up to the checkpoint each resumed from."""
+        trained = self.trained()
+        if self.step == self._fit_from or trained["seconds"] == 0:
             return {}
-        rate = meter.run_targets / meter.run_seconds
-        out = {"summary/steps": steps, "summary/train_time_s": meter.run_seconds,
+        rate = trained["targets"] / trained["seconds"]
+        out = {"summary/steps": trained["steps"], "summary/train_time_s": trained["seconds"],
                f"summary/{self.target_unit}_per_s": rate}
         if self.cost:
             out.update({k.replace("train/", "summary/"): v for k, v in self.cost.metrics(rate).items()})
@@ -427,7 +446,7 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
     # Keys of the run state a checkpoint written before them lacks (then they are not checked).
-    OPTIONAL_STATE = ("data_identity", "epoch_batch")
+    OPTIONAL_STATE = ("data_identity", "epoch_batch", "trained")
 
     def state_dict(self) -> dict[str, Any]:
         """The run state: where the loop is, and what the data order depends on."""
@@ -435,13 +454,15 @@ class Trainer:
                 "global_batch": self.global_batch, "epoch_batch": self.epoch_batch or self.global_batch,
                 "world_size": self.backend.world_size,
                 "data_fingerprint": self.data.fingerprint(self.sampler()), "data_identity": self.data.identity(),
-                "stop_reason": self.stop_reason,
+                "stop_reason": self.stop_reason, "trained": self.trained(),
                 **self.data.position_state(self.sampler(), self.backend.gather_object)}  # a stream's readers
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
         self.step, self.samples_seen, self.skipped_steps = state["step"], state["samples_seen"], state["skipped_steps"]
         self.stop_reason = state.get("stop_reason")
+        if "trained" in state:
+            self.trained_before = {k: state["trained"][k] for k in ("steps", "seconds", "targets")}
         self.epoch_batch = state.get("epoch_batch", state["global_batch"])  # (written before it: the checkpoint's)
         note = self.data.load_position(state)  # a stream's readers continue where they stopped
         if note and self.backend.is_main:
@@ -459,6 +480,12 @@ class Trainer:
         for key in ("global_batch", "epoch_batch"):
             if state.get(key, 1) < 1:
                 raise CheckpointError(f"{where}: trainer.{key}={state[key]!r} is not a batch size.")
+        trained = state.get("trained", {"steps": 0, "seconds": 0.0, "targets": 0.0})
+        if not (isinstance(trained, dict) and all(
+                isinstance(trained.get(k), (int, float)) and not isinstance(trained[k], bool)
+                and math.isfinite(trained[k]) and 0 <= trained[k] < 2**62 for k in ("steps", "seconds", "targets"))):
+            raise CheckpointError(f"{where}: trainer.trained={trained!r} is not the run's training so far (steps, "
+                                  "seconds and targets, each a number >= 0).")
         self.data.check_position(state, self.sampler(), where)  # the same data, continued where it stopped
 
     def resize_notes(self, state: dict[str, Any]) -> list[str]:
