@@ -448,9 +448,10 @@ def test_one_optimizer_over_two_models_is_refused(rt):
 
 def test_a_scheduler_stepped_every_micro_batch_is_refused_and_one_stepped_with_the_optimizer_is_not(rt):
     """Accelerate's prepared scheduler skips the scheduler.step() its loops call every micro-batch; here the
-    scheduler is the user's own, so such a loop ran the schedule grad_accum_steps times too fast. The changed
-    learning rate is refused at the next micro-step; stepped by rt.step, or by hand when rt.step returns True (or
-    set by hand after it), the schedule takes one step per optimizer step."""
+    scheduler is the user's own, so such a loop ran the schedule grad_accum_steps times too fast. A learning rate
+    that moves within two steps running is refused (an epoch's scheduler, stepped where an epoch ends mid-step, is
+    not); stepped by rt.step, or by hand when rt.step returns True (or set by hand after it), the schedule takes
+    one step per optimizer step."""
     model = nn.Linear(2, 1)
     model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
@@ -467,12 +468,26 @@ def test_a_scheduler_stepped_every_micro_batch_is_refused_and_one_stepped_with_t
                     else:
                         opt.param_groups[0]["lr"] = 0.1 / (sched.last_epoch + 1)
     assert sched.last_epoch == 4 and opt.param_groups[0]["lr"] == pytest.approx(0.1 / 5)  # 4 scheduler steps
-    with rt.accumulate(model):
-        rt.backward(model(torch.ones(1, 2)).sum())
-    rt.step(opt)
-    sched.step()  # every micro-batch, as in an Accelerate loop
-    with pytest.raises(UserError, match=r"learning rate of the optimizer of 'model' changed in the middle of an "
-                                        r"accumulation \(before micro-step 2 of 2\).*2 times too fast.*"
+    for step in range(6):  # an epoch's scheduler, stepped where an epoch of 3 micro-batches ends mid-step: allowed
+        for micro in range(2):
+            with rt.accumulate(model):
+                rt.backward(model(torch.ones(1, 2)).sum())
+            rt.step(opt)
+            if (2 * step + micro) % 3 == 2:
+                sched.step()
+    for step in range(2):  # every micro-batch, as in an Accelerate loop: refused in the second step
+        with rt.accumulate(model):
+            rt.backward(model(torch.ones(1, 2)).sum())
+        rt.step(opt)
+        sched.step()
+        if step == 1:
+            break
+        with rt.accumulate(model):
+            rt.backward(model(torch.ones(1, 2)).sum())
+        rt.step(opt)
+        sched.step()
+    with pytest.raises(UserError, match=r"learning rate of the optimizer of 'model' keeps changing in the middle of "
+                                        r"accumulations \(again before micro-step 2 of 2\).*2 times too fast.*"
                                         r"rt.step\(optimizer, scheduler\)"):
         rt.accumulate(model)
 

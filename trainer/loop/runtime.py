@@ -183,7 +183,8 @@ class Runtime:
         self._set_up: set[int] = set()  # ids of the modules set up (original and wrapped)
         self._micro = 0  # micro-steps taken in accumulate() (the step boundary is every grad_accum_steps-th)
         self._cycle, self._cycle_models = frozenset(), ()  # the models the accumulation under way is of (their ids)
-        self._window_lrs: dict[int, tuple] = {}  # id(optimizer) -> its learning rates at the step's first micro-step
+        self._window_lrs: dict[int, tuple] = {}  # id(optimizer) -> its learning rates as last seen in this step
+        self._lr_moves, self._lr_moved_before = 0, False  # micro-steps of this step, and of the last, that saw it change
         self._in_accumulate = False
         self._continues_step = False  # the micro-step in accumulate() is not its step's first
         self._backward_here = False  # a backward ran in that micro-step
@@ -480,6 +481,7 @@ class Runtime:
             self._cycle, self._cycle_models = named, models
             if self._micro == 0:
                 self._window_lrs = {id(o): _lrs(o) for o in self._optimizers_of(models)}
+                self._lr_moved_before, self._lr_moves = self._lr_moves > 0, 0
             else:
                 self._check_lr_kept()
         if self._micro > 0:  # not the step's first micro-step: the earlier ones' gradients must still be there
@@ -496,21 +498,28 @@ class Runtime:
 
     def _check_lr_kept(self) -> None:
         """Within one step's micro-steps (a loop of one's own) no optimizer steps, so its learning rate stays: one
-        that changed was changed by a scheduler.step() called every micro-batch, as in Accelerate's loops, where the
-        prepared scheduler skips those calls. Here the scheduler is the user's own object and would run the schedule
-        grad_accum_steps times too fast, with no error; it is refused at the first micro-step after the change."""
+        that changes between them is changed by a scheduler.step() called every micro-batch, as in Accelerate's loops,
+        where the prepared scheduler skips those calls. Here the scheduler is the user's own object and would run the
+        schedule grad_accum_steps times too fast, with no error. Refused once the learning rate moved at two
+        micro-steps of one step, or in two steps running: an epoch's scheduler, stepped once where an epoch ends in
+        the middle of a step, moves it once in a while."""
+        moved = None
         for optimizer in self._optimizers_of(self._cycle_models):
-            before = self._window_lrs.get(id(optimizer))
-            if before is None or _lrs(optimizer) == before:
-                continue
-            owner = next(m for m, o in self.optimizers.values() if o is optimizer)
-            self._window_lrs.clear()  # (said once)
-            raise UserError(f"the learning rate of the optimizer of {owner!r} changed in the middle of an accumulation "
-                            f"(before micro-step {self._micro + 1} of {self.grad_accum_steps}), where no optimizer "
-                            "step runs: a scheduler.step() called every micro-batch runs the schedule "
-                            f"{self.grad_accum_steps} times too fast. Pass the scheduler to rt.step(optimizer, "
-                            "scheduler), which steps it once per optimizer step (or call scheduler.step() only "
-                            "when rt.step returns True); a learning rate set by hand, set it after rt.step.")
+            before, now = self._window_lrs.get(id(optimizer)), _lrs(optimizer)
+            if before is not None and now != before:
+                moved, self._window_lrs[id(optimizer)] = optimizer, now
+        if moved is not None:
+            self._lr_moves += 1
+            if self._lr_moves >= 2 or self._lr_moved_before:
+                owner = next(m for m, o in self.optimizers.values() if o is moved)
+                self._lr_moves, self._lr_moved_before = 0, False  # (said once)
+                raise UserError(f"the learning rate of the optimizer of {owner!r} keeps changing in the middle of "
+                                f"accumulations (again before micro-step {self._micro + 1} of {self.grad_accum_steps}), "
+                                "where no optimizer step runs: a scheduler.step() called every micro-batch runs the "
+                                f"schedule {self.grad_accum_steps} times too fast. Pass the scheduler to "
+                                "rt.step(optimizer, scheduler), which steps it once per optimizer step (or call "
+                                "scheduler.step() only when rt.step returns True); a learning rate set by hand, set "
+                                "it after rt.step.")
 
     def _check_not_zeroed(self, models) -> None:
         """Mid-accumulation, the gradients of the micro-steps before must still be there (zero_grad is rt.step's)."""
