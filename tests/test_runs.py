@@ -554,15 +554,17 @@ def curve(events: list[dict]) -> list[tuple]:
 def test_going_back_to_a_branch_set_aside_takes_that_branchs_history_not_the_one_it_leaves(corpus, tmp_path):
     """Branch 1 to step 12, a rollback to step 4 with another lr (branch 2, to 12), then resume=checkpoints.prev/step_8
     (branch 1's): metrics.jsonl kept branch 2's steps 5-8 before branch 1's continuation, and checkpoints/ kept branch
-    2's steps 6 and 8 beside it. Now the history is branch 1's, as if it had never been left, and branch 2 is set
-    aside whole."""
+    2's steps 6 and 8 beside it. Now the history is branch 1's, as if it had never been left, branch 2 is set
+    aside whole, and branch 1's steps 6 and 8 are back in checkpoints/ (its 10 and 12 stay aside, parted at 8)."""
     args, ck = BRANCHING, tmp_path / "checkpoints"
     first = curve(train_in_process(corpus, tmp_path, *args))
+    own = {n: (ck / n / "model.safetensors").read_bytes() for n in ("step_00000006", "step_00000008")}
     train_in_process(corpus, tmp_path, *args, "optim.lr=1e-2", f"resume={ck}/step_00000004")
     second = {p.name: (p / "model.safetensors").read_bytes() for p in ck.glob("step_*") if int(p.name[5:]) > 4}
     assert curve(train_in_process(corpus, tmp_path, *args, f"resume={ck}.prev/step_00000008")) == first
-    assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000002", "step_00000004", "step_00000010",
-                                                          "step_00000012"]
+    assert sorted(p.name for p in ck.glob("step_*")) == [f"step_{n:08d}" for n in (2, 4, 6, 8, 10, 12)]
+    assert {n: (ck / n / "model.safetensors").read_bytes() for n in own} == own
+    assert json.loads((tmp_path / "checkpoints.prev" / "branch.json").read_text()) == {"after": 8}
     assert {p.name: (p / "model.safetensors").read_bytes() for p in (tmp_path / "checkpoints.prev-2").glob("step_*")} \
         == second
     assert [e["train/lr"] for e in read_metrics(tmp_path) if "train/lr" in e] == [e[2] for e in first]
@@ -571,13 +573,45 @@ def test_going_back_to_a_branch_set_aside_takes_that_branchs_history_not_the_one
 def test_going_back_to_a_branch_left_before_an_earlier_parting_takes_only_the_steps_the_lines_share(corpus, tmp_path):
     """A to 12, back to 6 (B), back to 2 (C), then back to A's step 10: the history was C's steps 3-6 and A's 7-10,
     and C's steps 4 and 6 stayed in checkpoints/ (C and A share only up to step 2, which the branch A left at 6
-    did not record)."""
+    did not record). A's 8 and 10 come back from where they were set aside; its 4 and 6 are with B's steps."""
     args, ck = BRANCHING, tmp_path / "checkpoints"
     first = curve(train_in_process(corpus, tmp_path, *args))
     train_in_process(corpus, tmp_path, *args, "optim.lr=1e-2", f"resume={ck}/step_00000006")
     train_in_process(corpus, tmp_path, *args, "optim.lr=2e-3", f"resume={ck}/step_00000002")
     assert curve(train_in_process(corpus, tmp_path, *args, f"resume={ck}.prev/step_00000010")) == first
-    assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000002", "step_00000012"]
+    assert sorted(p.name for p in ck.glob("step_*")) == [f"step_{n:08d}" for n in (2, 8, 10, 12)]
+
+
+def test_switching_branches_twice_keeps_each_line_whole_and_resume_auto_follows_the_one_chosen(corpus, tmp_path,
+                                                                                              capsys):
+    """A to 12, B from A's step 4 (another lr) to 12, back to A's step 8 (killed in step 10, before it saves), then
+    resume=auto, then back to B's final step. The second switch recorded its branch as parting at step 0 (the dir it
+    was creating counted as a later fresh start), so the third moved the shared steps aside too and resume=auto
+    started over; a job killed after a switch resumed from the step the branches share, not the branch chosen; and
+    back at a finished branch, the other branch's export and no config.yaml were left. Now each line is whole: A's
+    continuation equals A, and B's end is B's export and settings."""
+    from trainer import train
+
+    args, ck = BRANCHING, tmp_path / "checkpoints"
+    a = curve(train_in_process(corpus, tmp_path, *args))
+    a_export = (tmp_path / "model.safetensors").read_bytes()
+    b = curve(train_in_process(corpus, tmp_path, *args, "optim.lr=1e-2", f"resume={ck}/step_00000004"))
+    b_export = (tmp_path / "model.safetensors").read_bytes()
+    back_to_a = tiny_overrides(corpus, *args, *faulty("raise", at_call=2))  # dies in step 10
+    with pytest.raises(RuntimeError, match="boom"):
+        train(compose_cfg([*back_to_a, f"resume={ck}.prev/step_00000008"]), tmp_path)
+    assert sorted(p.name for p in ck.glob("step_*"))[-2:] == ["step_00000006", "step_00000008"]  # A's, back in line
+    capsys.readouterr()
+    train(compose_cfg([*tiny_overrides(corpus, *args, *faulty("raise", at_call=99)), "resume=auto"]), tmp_path)
+    assert f"resumed from {ck}/step_00000008 at step 8" in capsys.readouterr().out
+    assert curve(read_metrics(tmp_path)) == a and (tmp_path / "model.safetensors").read_bytes() == a_export
+    b_dir = next(d for d in tmp_path.glob("checkpoints.prev*") if (d / "step_00000012").is_dir()
+                 and (d / "step_00000006").is_dir())  # B's later steps, set aside
+    train(compose_cfg([*tiny_overrides(corpus, *args, "optim.lr=1e-2"), f"resume={b_dir}/step_00000012"]), tmp_path)
+    assert "the run is already finished" in capsys.readouterr().out
+    assert curve(read_metrics(tmp_path)) == b and (tmp_path / "model.safetensors").read_bytes() == b_export
+    assert "lr: 0.01" in (tmp_path / "config.yaml").read_text()
+    assert [int(p.name[5:]) for p in sorted(ck.glob("step_*"))] == [2, 4, 6, 8, 10, 12]  # B's line, whole
 
 
 def test_a_rollback_keeps_the_branch_it_abandons_whole(corpus, tmp_path):

@@ -375,12 +375,20 @@ def set_abandoned_branch_aside(checkpointer, source: Path, step: int, loggers, r
     if after < step and run_dir is not None and source.parent.name.startswith(checkpointer.dir.name + "."):
         branch = (after, source.parent.name[len(checkpointer.dir.name):])
     moved_to, moved, left = checkpointer.branch_from(source) if checkpointer.dir is not None else (None, [], [])
-    if moved:
+    if moved and branch is not None:  # (back to a branch set aside: this dir's steps may be named like its own)
+        say(f"resume: {source} is of a branch set aside, which left the run's line after step {after}: this dir's "
+            f"later checkpoints, {', '.join(moved)}, are the branch this job leaves, kept in {moved_to} (out of "
+            "resume=auto's and checkpoint.keep_last's way).")
+    elif moved:
         say(f"resume: {source.name} is older than {', '.join(moved)}, written before this rollback: they are kept in "
             f"{moved_to} (out of resume=auto's and checkpoint.keep_last's way).")
     if left:
         say(f"resume: {', '.join(left)}, written before this rollback, could not be moved aside: they stay in place, "
             "where no save of this run replaces or prunes them.")
+    taken = getattr(checkpointer, "taken_back", [])
+    if taken:
+        say(f"resume: {', '.join(taken)} of the branch resumed are back in {checkpointer.dir}, the run's line again "
+            f"(resume=auto continues from {source.name} if this job stops before it saves).")
     if not (moved or left or also) or run_dir is None:
         return branch
     metrics, earlier, kept = run_dir / "metrics.jsonl", run_dir / "config.yaml", []

@@ -129,6 +129,7 @@ class Checkpointer:
         self.protected: set[str] = set()  # checkpoints this run could not read: never pruned or overwritten
         self.abandoned: list[str] = []  # what a rollback set aside (the main rank's): the run keeps its events too
         self.fell_back = False  # this run's resume skipped a newer checkpoint it could not load
+        self.taken_back: list[str] = []  # a branch set aside that a resume went back to: its checkpoints returned here
         # Which tensors this rank writes (snapshot.Writer; None: the main rank's plain tensors and every rank's
         # DTensor shards). Set by the checkpoint manager from the strategy (pipeline stages each write theirs).
         self.writer: snapshot.Writer | None = None
@@ -379,18 +380,24 @@ class Checkpointer:
         new branch at once, and keep_last prunes none of them. Returns (that dir, the names moved, the names that could
         not be moved: kept in place, protected, out of the new branch's way). The main rank's to call."""
         later = self.written_after(path)
+        # (before the new dir exists: a set-aside dir after `path`'s without branch.json parts from the line at 0)
+        after = self.branch_point(path)
+        self.taken_back = []
         if not later:
+            self._take_back(path, after)
             return None, [], []
         target, moved = free_name(self.dir, ".prev"), []
         try:
             target.mkdir()
-            atomic_write_json(target / BRANCH, {"after": self.branch_point(path)})
+            atomic_write_json(target / BRANCH, {"after": after})
             for p in later:
                 os.replace(p, target / p.name)
                 moved.append(p.name)
         except OSError:  # (a read-only dir, say)
             pass
         left = [p.name for p in later if p.name not in moved]
+        if not left:
+            self._take_back(path, after)
         if left:  # never replaced or pruned by the new branch, and behind it for resume=auto
             self.protected.update(left)
             self.follow(self.dir / path.name)
@@ -407,6 +414,30 @@ class Checkpointer:
         elif target.is_dir() and not any(target.iterdir()):
             target.rmdir()
         return (target if moved else None), moved, left
+
+    def _take_back(self, path: Path, after: int) -> None:
+        """Going back to a branch set aside (`path` in checkpoints.prev-N/, parted from the line after step `after`):
+        its checkpoints after `after` up to `path` return to this dir, the run's line again, so that resume=auto
+        follows that branch even if the job stops before it saves (it resumed from the step it parted at: another
+        line). Its later ones stay aside, parted at `path`'s step. Names in `taken_back`."""
+        aside = path.parent
+        if aside.resolve() == self.dir.resolve() or _aside_number(aside.name, self.dir.name) is None \
+                or aside.parent.resolve() != self.dir.parent.resolve():
+            return
+        step = step_of(path)
+        try:
+            for p in Checkpointer(aside).complete():
+                if after < step_of(p) <= step and not (self.dir / p.name).exists():
+                    os.replace(p, self.dir / p.name)
+                    self.taken_back.append(p.name)
+            if self.taken_back:
+                fsync_dir(self.dir)
+                if any(step_of(p) > step for p in aside.iterdir()):
+                    atomic_write_json(aside / BRANCH, {"after": step})
+        except OSError:
+            pass  # (what could not move stays aside; the resumed job's saves continue the line)
+        if path.name in self.taken_back:
+            self.follow(self.dir / path.name)  # the newest written here: resume=auto's pick
 
     def written_after(self, path: Path) -> list[Path]:
         """This dir's complete checkpoints after `path`: written after it where it is one of them; where it is not
@@ -748,6 +779,7 @@ class NullCheckpointer:
 
     def __init__(self):
         self.abandoned: list[str] = []
+        self.taken_back: list[str] = []
 
     def due(self, step: int) -> bool:
         return False

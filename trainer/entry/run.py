@@ -504,11 +504,16 @@ def later_export_kept(trainer, cfg: DictConfig, run_dir: Path, source: Path, say
     from trainer.models.export import set_aside
 
     backend = trainer.backend
-    record = backend.broadcast_object(export_record(run_dir) if backend.is_main else None)
-    later = record["step"] if record is not None else None
-    if later is None or later <= trainer.step:
-        return True
     named = cfg.get("resume") not in (None, "auto") and step_of(Path(cfg.resume)) >= 0  # (not resume=RUN_DIR)
+    # Named, a checkpoint of a branch set aside shares the run's line up to the step that branch left it at: an
+    # export after that is the line's this job leaves (back to a finished branch, it was kept as that branch's).
+    shared = trainer.step
+    if named and backend.is_main and trainer.checkpointer.dir is not None:
+        shared = min(shared, trainer.checkpointer.branch_point(source))
+    record, shared = backend.broadcast_object((export_record(run_dir), shared) if backend.is_main else None)
+    later = record["step"] if record is not None else None
+    if later is None or later <= shared:
+        return True
     if not named and not trainer.checkpointer.fell_back:
         if later >= trainer.cfg.max_steps or record["stopped"]:
             why = (f"{record['stopped']}, at step {later}" if record["stopped"] else
@@ -736,8 +741,12 @@ def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
                             loggers.take_branch(*branch, upto=trainer.step, run_dir=run_dir)
                         else:
                             loggers.rewind(trainer.step)  # drop events logged after the checkpoint
+                    if source.name in trainer.checkpointer.taken_back:  # (back in the run's line: see branch_from)
+                        source = trainer.checkpointer.dir / source.name
                     say(f"resumed from {source} at step {trainer.step}")
                     if trainer.finished:
+                        if backend.is_main and not (run_dir / "config.yaml").is_file():  # (a branch's, set aside)
+                            save_config(cfg, run_dir)
                         if not backend.broadcast_object(exported(run_dir, trainer.step)):
                             say(f"the run finished at step {trainer.step} but its export is missing or incomplete: writing it.")
                             export(trainer, cfg, run_dir)
