@@ -390,6 +390,33 @@ def test_resume_auto_finds_its_run_whatever_precision_auto_measured_and_after_ra
     assert find_run_to_continue(here, {**now, "optim": {**now["optim"], "_target_": "torch.optim.SGD"}}) is None
 
 
+def test_resume_auto_of_two_runs_that_differ_in_the_learning_rate_continues_each_its_own(tmp_path):
+    """Two preempted jobs of one command but for optim.lr: resume=auto continued the newest for both, swapping their
+    learning rates from then on. A run with every one of this job's settings comes first; else the newest."""
+    import os
+
+    import yaml
+
+    from trainer.entry.rundir import find_run_to_continue
+
+    def run(time: str, lr: float, mtime: int) -> tuple[Path, dict]:
+        config = {"trainer": {"max_steps": 60}, "optim": {"lr": lr}, "model": {"n_layer": 2}, "resume": None,
+                  "precision": {"reason": f"measured at {time}"}, "logger": {"wandb": {"name": time}}}
+        d = tmp_path / "outputs" / "2026-01-01" / time
+        (d / "checkpoints" / "step_00000005").mkdir(parents=True)
+        (d / "checkpoints" / "step_00000005" / "manifest.json").write_text("{}")
+        (d / "config.yaml").write_text(yaml.safe_dump(config))
+        os.utime(d, (mtime, mtime))
+        return d, config
+
+    (a, a_cfg), (b, b_cfg) = run("11-00-00", 1e-3, 1000), run("11-00-05", 3e-4, 2000)
+    here = tmp_path / "outputs" / "2026-01-01" / "12-00-00"
+    for cfg, want in ((a_cfg, a), (b_cfg, b)):
+        job = {**cfg, "resume": "auto", "precision": {"reason": "measured now"}, "logger": {"wandb": {"name": "x"}}}
+        assert find_run_to_continue(here, job) == want
+    assert find_run_to_continue(here, {**a_cfg, "optim": {"lr": 5e-4}}) == b  # neither: the newest, as before
+
+
 def test_resume_notes_do_not_report_precision_autos_timing_text(tmp_path):
     from omegaconf import OmegaConf
 

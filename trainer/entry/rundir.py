@@ -15,8 +15,9 @@ and the command line that continues a run.
 * `resume=auto` without `hydra.run.dir`: the default run dir is new at every start (a timestamp), so
   there is nothing in it to resume. Then the run to continue is the newest unfinished run under the
   same outputs root (`outputs/*/*/`) whose config equals this job's, but for the settings a resume may
-  change (`RESUMABLE`) and for what is not a setting (`resume`, Hydra's, precision=auto's reason). It is
-  said in one line, and the job runs there.
+  change (`RESUMABLE`) and for what is not a setting (`resume`, Hydra's, precision=auto's reason); one with
+  every setting of this job's comes before a newer one that differs in those. It is said in one line, and the
+  job runs there.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint.settings import comparable, flat, read_config
+from trainer.checkpoint.settings import comparable, flat, read_config, with_added
 from trainer.errors import ConfigError
 
 LOCK = ".lock"
@@ -173,8 +174,21 @@ def find_run_to_continue(run_dir: Path, config: dict[str, Any], depth: int = 2,
     there yet, so a checkpoint in it is an earlier job's, one that started in the same second and was stopped."""
     want = comparable(config)
     runs = unfinished_runs(run_dir, depth) if runs is None else runs
-    found = [cand for cand, saved in runs if comparable(saved) == want]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+    found = [(cand, saved) for cand, saved in runs if comparable(saved) == want]
+    if not found:
+        return None
+    # Of the runs this job may continue, one with all of its settings (two preempted jobs that differ in optim.lr
+    # each continue their own), else the newest.
+    every = flat(with_added(_settings(config)))
+    return max(found, key=lambda r: (flat(with_added(_settings(r[1]))) == every, r[0].stat().st_mtime))[0]
+
+
+def _settings(config: dict[str, Any]) -> dict[str, Any]:
+    """A config's settings: all but `resume`, Hydra's, loggers' and precision=auto's reason (as changed_settings)."""
+    out = {k: v for k, v in config.items() if k not in ("resume", "hydra", "logger")}
+    if isinstance(out.get("precision"), dict):
+        out["precision"] = {k: v for k, v in out["precision"].items() if k != "reason"}
+    return out
 
 
 def unfinished_runs(run_dir: Path, depth: int = 2) -> list[tuple[Path, dict]]:
