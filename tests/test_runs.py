@@ -799,3 +799,16 @@ def test_a_resumed_runs_summary_counts_the_whole_run(corpus, tmp_path):
     # Another run started from a's step 4 trains 4 steps of its own.
     other = train(compose_cfg([*overrides, f"resume={tmp_path}/a/checkpoints/step_00000004"]), tmp_path / "b")
     assert other["summary/steps"] == 4
+
+
+def test_evaluating_leaves_the_training_numbers_alone(corpus, tmp_path):
+    """Each eval drew from the process's RNG (its samples' tokens, its loader's seed), so with dropout the losses
+    after the first eval depended on eval_every, and a finished run extended with resume=auto (its final eval
+    came before its final checkpoint) was not the run trained that far at once."""
+    drop = ("model.dropout=0.2", "trainer.log_every=1", "trainer.max_steps=8", "scheduler=constant")  # (max_steps-free)
+    never = series(train_in_process(corpus, tmp_path / "never", *drop, "trainer.eval_every=0"), "train/loss")
+    often = train_in_process(corpus, tmp_path / "often", *drop, "trainer.eval_every=2")
+    assert "val/loss" in {k for e in often for k in e} and series(often, "train/loss") == never
+    train_in_process(corpus, tmp_path / "ext", *drop, "trainer.eval_every=0", "trainer.max_steps=5")
+    extended = train_in_process(corpus, tmp_path / "ext", *drop, "trainer.eval_every=0", "resume=auto")
+    assert series(extended, "train/loss") == never

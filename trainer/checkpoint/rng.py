@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 from typing import Any
@@ -42,3 +43,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
         set_numpy_state(state["numpy"])
+
+
+@contextlib.contextmanager
+def kept():
+    """Every generator of this process as it was before the block, after it: what runs inside (an eval, its samples,
+    on the main rank alone) leaves training's random streams (dropout, augmentation) where they were, so a run's
+    numbers do not depend on how often it evaluates, and a resume from a checkpoint saved after an eval is exact."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)

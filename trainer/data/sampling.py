@@ -142,6 +142,7 @@ def eval_loader(dataset: Dataset, batch_size: int, rank: int, world: int, limit:
         collate_fn=collate_fn_of(dataset),
         pin_memory=device.type == "cuda",
         worker_init_fn=streaming.loader_worker_init,
+        generator=torch.Generator().manual_seed(0),  # (its iterator draws a seed: not from the training's RNG)
     )
 
 

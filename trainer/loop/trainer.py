@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from trainer import noise
+from trainer.checkpoint import rng
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.manager import CheckpointManager, Parts
 from trainer.config.schema import TrainerConfig
@@ -259,12 +260,14 @@ class Trainer:
 
     def _eval_and_log(self, progress: Progress) -> dict[str, float]:
         self.guard.read(self.step)  # a run that hit a non-finite step stops before evaluating it
-        metrics = self.evaluate()
-        if self.ema is not None:
-            with self.ema.swapped_in():
-                metrics.update(self.evaluate(prefix="val_ema"))
+        with rng.kept():  # (an eval's samples draw tokens; a loader's iterator draws a seed)
+            metrics = self.evaluate()
+            if self.ema is not None:
+                with self.ema.swapped_in():
+                    metrics.update(self.evaluate(prefix="val_ema"))
+            samples = self.sample()
         prefix = "val_ema" if self.ema is not None else "val"
-        for name, value in self.sample().items():
+        for name, value in samples.items():
             key = f"{prefix if isinstance(value, (int, float)) else 'val'}/{name}"
             if isinstance(value, str):
                 self.loggers.log_text(key, value, self.step)
