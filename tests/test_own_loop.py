@@ -898,6 +898,28 @@ def test_a_checkpoint_saved_under_other_names_says_which_names(tmp_path):
     assert setup("gen", "disc", "opt_g", "opt_d").load_state(tmp_path) == 1
 
 
+def test_a_for_over_a_stream_without_len_says_it_reads_on_into_the_next_pass(capsys):
+    """An Accelerate loop's `for epoch in range(2): for batch in loader:` over an IterableDataset without __len__ ran
+    its first epoch for ever, silently (the stream runs on across passes), and rt.loader's default shuffle=True
+    refused the stream outright. The default is the stream's own order; reading into a second pass is said once."""
+    from torch.utils.data import IterableDataset
+
+    import trainer
+
+    class Twenty(IterableDataset):
+        def __iter__(self):
+            yield from (torch.tensor([float(i)]) for i in range(20))
+
+    rt = trainer.Runtime("single", "fp32")
+    loader = rt.loader(Twenty(), batch_size=4)
+    seen = [b[:, 0].tolist() for _, b in zip(range(5), loader)]
+    assert seen[-1] == [16.0, 17.0, 18.0, 19.0] and "never ends" not in capsys.readouterr().out  # one pass
+    seen += [b[:, 0].tolist() for _, b in zip(range(3), loader)]
+    assert seen[5] == [0.0, 1.0, 2.0, 3.0]  # the next pass
+    out = capsys.readouterr().out
+    assert out.count("Twenty has no __len__, and its stream has ended a pass") == 1 and "give the dataset a __len__" in out
+
+
 def test_gather_for_metrics_called_per_batch_says_it_takes_the_whole_eval_once(rt):
     """Accelerate's gather_for_metrics is called every batch; this one takes the eval's rows once. A call with one
     batch's rows said only that rows were missing; it says where the call goes. The whole eval's rows, in order."""

@@ -108,6 +108,8 @@ class Loader:
                 batch = be.to_device(next(self._batches))
                 self.samples_seen += self.batch_size * st.dp_size
                 left = None if left is None else left - 1
+                if left is None and not self._said_endless:
+                    self._say_if_a_pass_ended()
                 yield batch
             return
         sampler = GlobalBatchSampler(len(self.dataset), self.batch_size, 1, st.dp_rank, st.dp_size, self.seed,
@@ -117,6 +119,28 @@ class Loader:
             batch = be.to_device(next(batches))
             self.samples_seen += self.batch_size * st.dp_size
             yield batch
+
+    _said_endless, _first_pass = False, None
+
+    def _say_if_a_pass_ended(self) -> None:
+        """A `for` over a stream without __len__ reads on into its next pass where torch's DataLoader would stop (an
+        Accelerate loop's `for epoch in range(n): for batch in loader:` ran its first epoch for ever, silently): said
+        once, by the main rank, when the readers' batches come from a second pass."""
+        reading = self._batches
+        passes = [n for m in (reading.delivered.values() if reading.parts else [reading.boundary or {}])
+                  if isinstance(n := m.get("pass"), int)]
+        if not passes:
+            return
+        if self._first_pass is None:  # (the pass this reading started in: a resumed one's may be any)
+            self._first_pass = min(passes)
+        if max(passes) <= self._first_pass:
+            return
+        self._said_endless = True
+        if self.rt.backend.is_main:
+            print(f"rt.loader: {type(self.dataset).__name__} has no __len__, and its stream has ended a pass: reading "
+                  "goes on into the next one (set_epoch(n) is called first), so this `for` never ends. Stop the loop at "
+                  "a step count, or give the dataset a __len__ (samples per pass): then one `for` is one epoch.",
+                  flush=True)
 
     OPTIONAL_STATE = ("global_batch",)  # (not in the states of the first version: their run's batch is assumed)
 

@@ -430,13 +430,17 @@ class Runtime:
         return obj
 
     # -- data --------------------------------------------------------------------------------------------
-    def loader(self, dataset, batch_size: int, shuffle: bool = True, num_workers: int = 0,
+    def loader(self, dataset, batch_size: int, shuffle: bool | None = None, num_workers: int = 0,
                name: str | None = None) -> Loader:
         """This rank's micro-batches of `dataset` (`batch_size` per process and micro-step), on the device: the
-        same global batches on any number of processes. Checkpointed by save_state."""
+        same global batches on any number of processes. Checkpointed by save_state. `shuffle` defaults to True for
+        a map-style dataset and False for an IterableDataset (read in its own order)."""
         _not_a_loader(dataset, "loader")
         _loader_args("loader", batch_size=batch_size, num_workers=num_workers)
-        from trainer.data.streaming import sized
+        from trainer.data.streaming import is_stream, sized
+
+        if shuffle is None:
+            shuffle = not is_stream(dataset)
 
         if sized(dataset) == 0:
             raise UserError(f"rt.loader got an empty {type(dataset).__name__} (len 0): there is nothing to train on. "
