@@ -381,8 +381,36 @@ def test_a_section_that_cannot_be_built_names_the_whole_reason_in_one_paragraph(
         build_node("model", node)
     text = str(e.value)
     assert "validate_architecture': ValueError: The hidden size (65) is not a multiple of the number of attention " \
-           "heads (4). Check the keys under model" in text
+           "heads (4) (at " in text and "The keys under model are what it was called with" in text
     assert "\n" not in text
+
+
+def keyerr(path: str):
+    return {"path": path}["paht"]  # a typo in a data function of one's own
+
+
+def test_an_error_raised_inside_a_targets_own_code_names_its_type_and_line():
+    """A KeyError in a `data._target_` function of one's own said only `could not build 'data' (...keyerr):
+    'paht'. Check the keys under data`: no type, no line, and the keys were right. TRAINER_DEBUG=1 keeps the cause."""
+    import os
+    from unittest import mock
+
+    from omegaconf import OmegaConf
+
+    from trainer.config.instantiate import build_node
+
+    node = OmegaConf.create({"_target_": f"{__name__}.keyerr", "path": "x"})
+    with pytest.raises(ConfigError) as e:
+        build_node("data", node)
+    line = keyerr.__code__.co_firstlineno + 1
+    assert f"{__name__}.keyerr raised KeyError: 'paht' (at {__file__}:{line}, in keyerr)" in str(e.value)
+    assert "TRAINER_DEBUG=1 shows the traceback" in str(e.value) and e.value.__cause__ is None
+    with mock.patch.dict(os.environ, {"TRAINER_DEBUG": "1"}), pytest.raises(ConfigError) as e:
+        build_node("data", node)
+    assert isinstance(e.value.__cause__, KeyError)
+    # A key the target does not take is the config's: the hint stays.
+    with pytest.raises(ConfigError, match=r"unexpected keyword argument 'paht'.*Check the keys under data"):
+        build_node("data", OmegaConf.create({"_target_": f"{__name__}.keyerr", "paht": "x"}))
 
 
 def test_the_checkpoint_advice_knows_every_launch_key_of_world():

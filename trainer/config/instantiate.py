@@ -12,7 +12,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.config.schema import LOADER_KEYS, strategy_options
-from trainer.errors import CheckpointError, ConfigError, DataError
+from trainer.errors import CheckpointError, ConfigError, DataError, debug_enabled
 
 
 def build_node(section: str, node: Any, *args, **kwargs) -> Any:
@@ -31,8 +31,30 @@ def build_node(section: str, node: Any, *args, **kwargs) -> Any:
             detail = detail[:1000] + " ..."
         if isinstance(cause, DataError | ConfigError | CheckpointError):
             raise cause from None
-        raise ConfigError(f"could not build '{section}' ({node.get('_target_', '?')}): {detail}. "
-                          f"Check the keys under {section} (python -m trainer --cfg job).") from None
+        target = node.get("_target_", "?")
+        at = raised_at(cause)
+        if at is None:  # (from the call itself: a key the target does not take, a missing one)
+            raise ConfigError(f"could not build '{section}' ({target}): {detail}. "
+                              f"Check the keys under {section} (python -m trainer --cfg job).") from None
+        # Raised inside the target's own code: its type and line, which a KeyError's bare "'paht'" lacked.
+        raise ConfigError(f"could not build '{section}': {target} raised {type(cause).__name__}: {detail} (at {at}). "
+                          f"The keys under {section} are what it was called with (python -m trainer --cfg job); "
+                          "TRAINER_DEBUG=1 shows the traceback.") from (cause if debug_enabled() else None)
+
+
+def raised_at(exc: BaseException) -> str | None:
+    """`file:line, in function` of the innermost frame of `exc`'s traceback outside Python's library and installed
+    packages (the code a config's `_target_` runs: a recipe's or the user's), or None where there is none."""
+    import sysconfig
+    import traceback
+
+    library = tuple(str(Path(sysconfig.get_paths()[k]).resolve()) for k in ("stdlib", "platstdlib", "purelib", "platlib"))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not str(Path(f.filename).resolve()).startswith(library) and not f.filename.startswith("<")]
+    if not frames:
+        return None
+    last = frames[-1]
+    return f"{last.filename}:{last.lineno}, in {last.name}"
 
 
 def build_strategy(world: DictConfig):
