@@ -373,6 +373,39 @@ def test_a_loop_rolled_back_to_an_earlier_checkpoint_keeps_the_branch_it_leaves(
         capsys.readouterr().err
 
 
+def test_a_loop_started_from_another_runs_checkpoint_keeps_this_run_dirs_own_history_aside(tmp_path, capsys):
+    """rt.load_state(another run's checkpoint) in a run_dir that held a run of its own: metrics.jsonl went on from
+    its own steps 1-4 with the other run's 3-4, and its checkpoints were set aside under another number than its
+    metrics. As the Trainer does: its metrics and checkpoints are kept under one number, and the history starts at
+    the checkpoint. Checkpoints a loop keeps outside any run dir are its own (its restarts continue the history)."""
+    import trainer
+
+    def loop(run_dir, load=None, ck=None, steps=4, lr=1.0):
+        rt = trainer.Runtime(run_dir=run_dir)
+        rt.setup(nn.Linear(2, 2))
+        start = rt.load_state(load) if load is not None else 0
+        for step in range(start + 1, steps + 1):
+            rt.log({"loss": lr * step}, step)
+            if step % 2 == 0:
+                rt.save_state(ck or run_dir / "checkpoints", step)
+        rt.end()
+
+    loop(tmp_path / "ref", lr=0.5)
+    loop(tmp_path / "b")
+    own = (tmp_path / "b" / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    loop(tmp_path / "b", load=tmp_path / "ref" / "checkpoints" / "step_00000002", lr=0.5)
+    assert "is another run's checkpoint" in capsys.readouterr().err
+    assert (tmp_path / "b" / "metrics.prev.jsonl").read_text() == own
+    assert [e["step"] for e in read_metrics(tmp_path / "b")] == [3, 4]
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints.prev").iterdir()) == ["step_00000002",
+                                                                                      "step_00000004"]
+    # Checkpoints outside any run dir: a restart from them continues the run's history (steps 1-2, then 3-4).
+    loop(tmp_path / "c", ck=tmp_path / "elsewhere", steps=2)
+    loop(tmp_path / "c", load=tmp_path / "elsewhere", ck=tmp_path / "elsewhere")
+    assert [e["step"] for e in read_metrics(tmp_path / "c")] == [1, 2, 3, 4]
+
+
 def test_load_state_of_a_step_name_save_state_did_not_write_or_of_a_file_is_refused(rt, tmp_path):
     """save_state names checkpoints step_00000005; "step_5" was taken for a directory of checkpoints holding none,
     so `rt.load_state(...) or 0` restarted from step 0 without a word. Now it names the checkpoint meant."""

@@ -520,6 +520,22 @@ def branch_step(directory: Path) -> int | None:
     return after if is_count(after) else None
 
 
+def same_run(run_dir: Path, checkpoint: Path) -> bool:
+    """Whether `checkpoint`, outside the run dir's checkpoints/, is still this run dir's run: one of its own set
+    aside (checkpoints.prev/...), or one the dir holds a copy of (a copied run dir: the same manifest, byte for byte).
+    Then the resume continues the run there, events and all; else the dir's earlier attempt (if any) is another run,
+    kept aside rather than spliced into, and the job is a run of its own. Settings cannot tell: two runs may differ
+    only in ones a resume may change (the learning rate), and a new dir holds this job's config.yaml alone."""
+    try:
+        where = checkpoint.resolve().parent
+        if where.parent == run_dir.resolve() and where.name.startswith("checkpoints"):  # (checkpoints.prev-N/)
+            return True
+        copy = run_dir / "checkpoints" / checkpoint.name / MANIFEST
+        return copy.is_file() and copy.read_bytes() == (checkpoint / MANIFEST).read_bytes()
+    except OSError:
+        return False
+
+
 def set_aside(directory: Path) -> Path | None:
     """Move a checkpoints directory out of the way (to `checkpoints.prev`, or `.prev-2`, ...): what a fresh
     start in a run dir does with an earlier attempt's checkpoints instead of pruning them."""

@@ -458,24 +458,6 @@ def set_earlier_attempt_aside(run_dir: Path, cfg: DictConfig, loggers, is_main: 
         say(f"{why}: the earlier attempt's checkpoints are kept in {moved}.")
 
 
-def same_run(run_dir: Path, checkpoint: Path) -> bool:
-    """Whether `checkpoint`, outside the run dir's checkpoints/, is still this run dir's run: one of its own set
-    aside (checkpoints.prev/...), or one the dir holds a copy of (a copied run dir: the same manifest, byte for byte).
-    Then the resume continues the run there, events and all; else the dir's earlier attempt (if any) is another run,
-    kept aside rather than spliced into, and the job is a run of its own. Settings cannot tell: two runs may differ
-    only in ones a resume may change (the learning rate), and a new dir holds this job's config.yaml alone."""
-    from trainer.checkpoint.store import MANIFEST
-
-    try:
-        where = checkpoint.resolve().parent
-        if where.parent == run_dir.resolve() and where.name.startswith("checkpoints"):  # (checkpoints.prev-N/)
-            return True
-        copy = run_dir / "checkpoints" / checkpoint.name / MANIFEST
-        return copy.is_file() and copy.read_bytes() == (checkpoint / MANIFEST).read_bytes()
-    except OSError:
-        return False
-
-
 def export_record(run_dir: Path) -> dict | None:
     """{"step": the step of the run dir's complete export, "stopped": why the run stopped before its length (early
     stopping), or None}; None when there is no complete export (export.json, every file it lists as written)."""
@@ -722,7 +704,7 @@ def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
                     epochs_after_resume(trainer, (cfg.get("checkpoint") or {}).get("every_n_epochs"), say)
                     own = trainer.checkpointer.dir
                     elsewhere = own is not None and source.resolve().parent != own.resolve()
-                    elsewhere = backend.broadcast_object(elsewhere and not same_run(run_dir, source) if backend.is_main else None)
+                    elsewhere = backend.broadcast_object(elsewhere and not ckpt.same_run(run_dir, source) if backend.is_main else None)
                     if elsewhere:  # another run's checkpoint: this run dir's own attempt is kept aside, not spliced into
                         trainer.count_from_here()
                         set_earlier_attempt_aside(run_dir, cfg, loggers, backend.is_main, say, f"starting from {source}", own)

@@ -917,7 +917,9 @@ class Runtime:
         # A checkpoint older than others written after it: a rollback once this run saves there (not a load for an
         # eval). The abandoned branch's events, where some are after it, are copied before the rewind below cuts
         # them, under the number its checkpoints take at that save.
-        later = Checkpointer(path.parent).written_after(path) if self.backend.is_main else []
+        another = self.backend.is_main and not self._logged and self._another_runs(path)
+        # (another run's checkpoints after it are that run's business: this run saves elsewhere)
+        later = Checkpointer(path.parent).written_after(path) if self.backend.is_main and not another else []
         self._rolled_back_to = path if later else None
         if later and not self._logged and self.run_dir is not None:
             from trainer.io import one_attempt
@@ -930,7 +932,9 @@ class Runtime:
             if kept:
                 _note(f"rt.load_state({str(path)!r}) goes back before {', '.join(p.name for p in later)}: the events "
                       f"logged after it are kept in {', '.join(map(str, kept))}")
-        if self.backend.is_main and not self._logged:  # a restart: the events logged after the checkpoint go,
+        if another:
+            self._start_from_another_run(path)
+        elif self.backend.is_main and not self._logged:  # a restart: the events logged after the checkpoint go,
             self.loggers.rewind(self.position.step)       # the loop logs them again (not a load late in a run)
         elif self.backend.is_main and self._set_aside is not None:
             print(f"note: rt.load_state after rt.log: the run's metrics up to this checkpoint are in "
@@ -943,6 +947,35 @@ class Runtime:
         if self._watched:
             watchdog.progress()
         return self.position.step
+
+    def _another_runs(self, path: Path) -> bool:
+        """Whether checkpoint `path` is another run's: it sits in a run dir of its own (one with a metrics.jsonl)
+        other than this run_dir, and this run_dir holds no copy of it. (Checkpoints a loop keeps outside any run dir
+        are its own.)"""
+        from trainer.checkpoint.store import same_run
+
+        if self.run_dir is None:
+            return False
+        run_dir, home = Path(self.run_dir).resolve(), path.resolve().parent.parent
+        return home != run_dir and not path.resolve().is_relative_to(run_dir) and \
+            (home / "metrics.jsonl").is_file() and not same_run(run_dir, path)
+
+    def _start_from_another_run(self, path: Path) -> None:
+        """A loop of one's own that starts from another run's checkpoint is a run of its own, as the Trainer's is:
+        this run_dir's earlier history (metrics.jsonl, the trackers' files) is set aside, and its checkpoints at
+        the first save, under one attempt number, rather than the two histories spliced into one file."""
+        from trainer.io import free_name, one_attempt
+
+        metrics = Path(self.run_dir) / "metrics.jsonl"
+        if not metrics.is_file() or not metrics.stat().st_size:
+            self.loggers.rewind(self.position.step)  # (nothing of its own yet: the trackers start at the checkpoint)
+            return
+        with one_attempt(self.run_dir) as self._fresh_attempt:
+            aside = free_name(metrics, ".prev", before_suffix=True)  # (the name start_fresh gives it)
+            self.loggers.start_fresh()
+        _note(f"rt.load_state({str(path)!r}) is another run's checkpoint: {self.run_dir} held a run of its own, whose "
+              f"metrics are kept as {aside.name} (its checkpoints are set aside at this run's first save, under the "
+              "same number), and this run's history starts at the checkpoint's step")
 
     def _checkpointed_names(self) -> list[str]:
         return sorted([*self.models, *self.optimizers, *self.stateful])
