@@ -5,6 +5,7 @@ cleanly without it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -292,6 +293,9 @@ def test_rt_save_model_of_a_hugging_face_model_loads_with_from_pretrained(transf
     written = rt.save_model(model, tmp_path)
     assert "config.json" in written and (tmp_path / "config.json").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".config-")]  # (the scratch dir is gone)
+    # The class, as transformers' save_pretrained records it (serving tools pick the model class by it).
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
+    assert config.architectures is None  # (the live model's config is left as it was)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -99,6 +99,14 @@ def write_hf_config(model, directory: Path) -> list[str]:
     config = getattr(model, "config", None)
     if not hasattr(config, "save_pretrained"):
         return []
+    # The model's class, as transformers' own save_pretrained records it (vLLM and TGI pick the class by it): the
+    # first of transformers' in the class's bases (FSDP's fully_shard gives the root a class of its own over it).
+    cls = next((c for c in type(model).__mro__ if c.__module__.startswith("transformers.")), None)
+    if cls is not None and getattr(config, "architectures", None) != [cls.__name__]:
+        import copy
+
+        config = copy.deepcopy(config)
+        config.architectures = [cls.__name__]
     with tempfile.TemporaryDirectory(dir=directory, prefix=".config-") as tmp:
         config.save_pretrained(tmp)
         os.replace(Path(tmp) / "config.json", Path(directory) / "config.json")
