@@ -466,6 +466,10 @@ def test_eval_of_a_run_without_a_val_split_says_so(corpus, tmp_path):
     assert "note: the run's data has no val split" in r.stderr and "data.val_path=FILE" in r.stderr
     given = run_here("eval", str(tmp_path), f"data.val_path={corpus}")
     assert "val/loss" in json.loads(given.stdout.splitlines()[-1]) and "no val split" not in given.stderr
+    # Data whose val split is a fraction of it (data=text, data=hf_text): that setting, not a val_path it lacks.
+    assert run_here(*tiny_overrides(corpus, "data.val_fraction=0"), f"hydra.run.dir={tmp_path / 'b'}").returncode == 0
+    r = run_here("eval", str(tmp_path / "b"))
+    assert "name one with data.val_fraction=F" in r.stderr and "val_path" not in r.stderr
 
 
 def test_eval_of_a_run_finished_without_a_final_checkpoint_says_which_step_it_evaluates(corpus, tmp_path):

@@ -74,6 +74,22 @@ def test_a_tokenizer_run_trains_the_lm_task_on_the_tokenizers_ids(files, tmp_pat
     assert n_val >= 2 and val_split.tokens.tolist() == [t for d in files["docs"][-n_val:] for t in ids(d)]
 
 
+def test_a_few_documents_still_give_a_val_split_or_say_why_not(files, tmp_path, capsys):
+    """5% of 10 documents rounded down to none: the run had no val split (no val/loss) and said nothing. A val
+    fraction of two or more documents is at least one; one too short for a window is said."""
+    tok, eos = files["tok"], files["tok"].token_to_id(EOS)
+    docs = sorted(files["docs"], key=len)[-10:]  # (each longer than a window)
+    with open(tmp_path / "ten.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+    _, val = build(hf(files, f"data.path={tmp_path / 'ten.jsonl'}"))
+    assert val is not None and val.tokens.tolist() == [*tok.encode(docs[-1], add_special_tokens=False).ids, eos]
+    with open(tmp_path / "short.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in (docs[-1], "tiny"))
+    capsys.readouterr()
+    _, val = build(hf(files, f"data.path={tmp_path / 'short.jsonl'}"))
+    assert val is None and "the run has no val split (no val/loss)" in capsys.readouterr().out
+
+
 def test_without_a_tokenizer_the_tokens_are_data_texts_bytes(files, tmp_path):
     text = "".join(d + "\n" for d in files["docs"])
     (tmp_path / "docs.txt").write_text(text)

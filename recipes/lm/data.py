@@ -291,4 +291,8 @@ def hf_text(path: str, tokenizer: str | None = None, text_column: str = "text", 
         raise DataError(f"data.path={str(path)!r} gives {meta['train_tokens']} training tokens, fewer than "
                         f"data.seq_len + 1 = {seq_len + 1}. Use more text or a smaller data.seq_len.")
     val = TokenWindows(cache / "val.bin", seq_len, meta["dtype"])
+    if val_fraction > 0 and len(val) == 0:
+        print(f"note: data.val_fraction={val_fraction} of the {meta['documents']} documents in {path} left "
+              f"{meta['val_tokens']} val tokens, fewer than data.seq_len + 1 = {seq_len + 1}: the run has no val split "
+              "(no val/loss). Use more documents, a larger data.val_fraction or a smaller data.seq_len.", flush=True)
     return train, (val if len(val) > 0 else None)

@@ -333,7 +333,9 @@ def _build(datasets, files: list[Path], fmt: str, column: str, encoder: Encoder,
 def _write(loaded: list, fmt: str, column: str, encoder: Encoder, val_fraction: float, out: Path) -> dict:
     """Encode every document in order into out/train.bin, then the last val_fraction of them into out/val.bin."""
     docs = sum(len(ds) for _, ds in loaded)
-    n_val = int(docs * val_fraction)
+    # At least one document where there is a val fraction and two to split (5% of 10 documents rounded down to none,
+    # and the run had no val split, without a word).
+    n_val = max(int(docs * val_fraction), 1 if val_fraction > 0 and docs > 1 else 0)
     if docs - n_val < 1:
         raise DataError(f"the data has {docs} documents: none left for training after "
                         f"data.val_fraction={val_fraction}.")

@@ -583,8 +583,12 @@ def evaluate(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
                 metrics.update(trainer.evaluate(prefix="val_ema"))
         if trainer.backend.is_main:
             if not metrics:  # (the line alone, with no metric in it, said nothing of why)
-                print("note: the run's data has no val split, so there is nothing to evaluate: name one, e.g. "
-                      "data.val_path=FILE (data=text: data.val_fraction), after the run dir.", file=sys.stderr, flush=True)
+                data = cfg.get("data") or {}
+                how = ("data.val_path=FILE" if "val_path" in data else "data.val_fraction=F (0 < F < 1: the last part "
+                       "of the data)" if "val_fraction" in data else f"the settings of its data._target_ "
+                       f"({data.get('_target_')}) that give one")
+                print(f"note: the run's data has no val split, so there is nothing to evaluate: name one with {how}, "
+                      "after the run dir.", file=sys.stderr, flush=True)
             print(json.dumps({"checkpoint": str(cfg.resume), "step": trainer.step, **metrics}), flush=True)
         done = True
         return metrics
