@@ -406,6 +406,41 @@ def test_a_loop_started_from_another_runs_checkpoint_keeps_this_run_dirs_own_his
     assert [e["step"] for e in read_metrics(tmp_path / "c")] == [1, 2, 3, 4]
 
 
+def test_a_restart_that_built_its_optimizer_with_another_learning_rate_is_told_which_it_trains_with(tmp_path, capsys):
+    """The checkpoint's learning rate replaces the one the restarted script built its optimizer with (torch's
+    load_state_dict), without a word, where the Trainer applies a new optim.lr and says so. Said; a restart mid-way
+    through a schedule with the same base rate says nothing."""
+    import trainer
+
+    def run(lr, save, schedule=False):
+        rt = trainer.Runtime("single", "fp32")
+        torch.manual_seed(0)
+        model = nn.Linear(2, 1)
+        model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=lr))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1 / (k + 1)) if schedule else None
+        if sched is not None:
+            rt.register("sched", sched)
+        if save:
+            for _ in range(3):
+                rt.backward(model(torch.ones(1, 2)).sum())
+                rt.step(opt, sched)
+            rt.save_state(tmp_path / ("s" if schedule else "p"), 3)
+        else:
+            rt.load_state(tmp_path / ("s" if schedule else "p"))
+        return opt.param_groups[0]["lr"]
+
+    for schedule in (False, True):
+        run(0.05, save=True, schedule=schedule)
+        capsys.readouterr()
+        assert run(0.05, save=False, schedule=schedule) == pytest.approx(0.05 / (4 if schedule else 1))
+        assert "learning rate" not in capsys.readouterr().err
+        run(0.01, save=False, schedule=schedule)
+        said = capsys.readouterr().err
+        base = "base " if schedule else ""
+        assert f"the optimizer 'optimizer' takes the checkpoint's {base}learning rate 0.05 (this script built it " \
+               "with 0.01)" in said
+
+
 def test_load_state_of_a_step_name_save_state_did_not_write_or_of_a_file_is_refused(rt, tmp_path):
     """save_state names checkpoints step_00000005; "step_5" was taken for a directory of checkpoints holding none,
     so `rt.load_state(...) or 0` restarted from step 0 without a word. Now it names the checkpoint meant."""

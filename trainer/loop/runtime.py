@@ -911,8 +911,11 @@ class Runtime:
         # leaves the run already started alone).
         self._restores_trackers = not self._logged and self.run_dir is not None and \
             path.resolve().is_relative_to(Path(self.run_dir).resolve())
+        built = {name: _base_lrs(opt) for name, (_, opt) in self.optimizers.items()}
         self._manager(path.parent, 2).load(path)
         self._loaded = True
+        if self.backend.is_main:
+            self._say_loaded_lrs(built)
         self._loaded_from.add(path.parent.resolve())
         # A checkpoint older than others written after it: a rollback once this run saves there (not a load for an
         # eval). The abandoned branch's events, where some are after it, are copied before the rewind below cuts
@@ -947,6 +950,22 @@ class Runtime:
         if self._watched:
             watchdog.progress()
         return self.position.step
+
+    def _say_loaded_lrs(self, built: dict[str, tuple]) -> None:
+        """An optimizer built with another learning rate than its checkpoint's takes the checkpoint's (as torch's
+        load_state_dict does; its other settings stay the script's): said, where a restart with a new rate had it
+        ignored without a word (the Trainer applies a new optim.lr and says so). Under a scheduler, its base rates
+        (`initial_lr`) are compared: the rate itself is the schedule's, mid-way."""
+        for name, (_, opt) in self.optimizers.items():
+            now = _base_lrs(opt)
+            if name in built and now != built[name] and all(isinstance(lr, float) for lr in now + built[name]):
+                scheduled = any("initial_lr" in g for g in opt.param_groups)
+                how = ("its scheduler's base_lrs and the groups' 'initial_lr'" if scheduled else
+                       "for group in optimizer.param_groups: group['lr'] = ...")
+                _note(f"rt.load_state: the optimizer {name!r} takes the checkpoint's "
+                      f"{'base ' if scheduled else ''}learning rate {', '.join(f'{lr:g}' for lr in now)} (this script "
+                      f"built it with {', '.join(f'{lr:g}' for lr in built[name])}), as torch's load_state_dict does; "
+                      f"to train on with another, set it after rt.load_state ({how})")
 
     def _another_runs(self, path: Path) -> bool:
         """Whether checkpoint `path` is another run's: it sits in a run dir of its own (one with a metrics.jsonl)
@@ -1187,6 +1206,11 @@ def launched_config():
 
 
 _SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def _base_lrs(optimizer: torch.optim.Optimizer) -> tuple:
+    """Each group's base learning rate: a scheduler's `initial_lr` where one set it, else the rate."""
+    return tuple(g.get("initial_lr", g.get("lr")) for g in optimizer.param_groups)
 
 
 def _lrs(optimizer: torch.optim.Optimizer) -> tuple:
