@@ -193,13 +193,22 @@ def test_a_submitit_sweep_of_the_run_s_length_reordered_continues_each_points_ow
     assert logs.count("the run is already finished") == 2 and "continues in" in logs
 
 
+def _results_wait_of_a_second() -> None:
+    """submitit waits up to 15 s for the result file of a job that exited without one (a point that exits with its
+    own code writes none) before it reports it; a second here, for the test's time (what follows is the same)."""
+    import submitit.core.core
+
+    submitit.core.core.Job._results_timeout_s = 1
+
+
 @needs_submitit
 def test_a_failed_submitit_point_is_its_own_paragraph_and_exit_code(corpus, tmp_path):
     """A point that a submitit launcher ran and that failed was submitit's UncompletedJobError, printed by Hydra as a
     traceback with exit 1 (the point's own paragraph inside it; a NaN's exit 3 and a preemption's 75 lost)."""
     r = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5",
                 *tiny_overrides(corpus, "trainer.max_steps=3"), "optim=sgd", "scheduler.warmup_steps=0",
-                "optim.lr=1e9", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path, timeout=300)
+                "optim.lr=1e9", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path, timeout=300,
+                preexec=_results_wait_of_a_second)
     assert r.returncode == 3, r.stdout + r.stderr  # (NonFiniteError's, as under the basic launcher)
     assert "Traceback" not in r.stderr and "UncompletedJobError" not in r.stderr, r.stderr
     assert r.stderr.startswith("error: non-finite") and "(the point ran as submitit job" in r.stderr, r.stderr
