@@ -35,9 +35,10 @@ FSDP2 = ("world=fsdp", "world.nproc_per_node=2", "data.batch_size=4")
 FSDP2_TP2 = ("world=fsdp", "world.nproc_per_node=4", "world.tp=2", "world.threads=1", "data.batch_size=4")
 
 
-def cli_run(corpus: Path, run_dir: Path, *extra: str, env: dict | None = None) -> None:
+def cli_run(corpus: Path, run_dir: Path, *extra: str, env: dict | None = None):
     r = run_cli(*tiny_overrides(corpus, *SHARED, *extra), f"hydra.run.dir={run_dir}", env=env)
     assert r.returncode == 0, r.stderr
+    return r
 
 
 @pytest.fixture(scope="session")
@@ -93,9 +94,10 @@ def test_fsdp_checkpoint_resumes_on_one_process_and_one_resumes_on_fsdp_with_acc
 def test_fsdp_rank_killed_mid_run_restarts_and_ends_bit_identical(corpus, tmp_path, fsdp_reference):
     # Synchronous saves, so step 8's is complete when rank 1 dies in step 11; the elastic agent restarts
     # both ranks, which resume from it.
-    cli_run(corpus, tmp_path, *FSDP2, "world.max_restarts=1", "checkpoint.async_save=false",
-            *faulty("sigkill", 11, rank=1, first_attempt_only=True), env=FAULTY_ENV)
+    r = cli_run(corpus, tmp_path, *FSDP2, "world.max_restarts=1", "checkpoint.async_save=false",
+                *faulty("sigkill", 11, rank=1, first_attempt_only=True), env=FAULTY_ENV)
     assert_identical(tmp_path, fsdp_reference)
+    assert r.stdout.count("elastic restart 1 of world.max_restarts=1") == 1, r.stdout  # (it was silent)
 
 
 def test_meta_init_gives_the_weights_of_the_plain_model(corpus, tmp_path):

@@ -702,6 +702,11 @@ def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
         with _run_dir_writes(run_dir):
             trainer.checkpointer.check_writable()  # (before the resume, which may set an earlier attempt's files aside)
             with one_attempt(run_dir):  # (one number for all this start sets aside: checkpoints.prev-3 with metrics.prev-3)
+                restarts = backend.info.restart_count
+                if restarts:  # (torch's agent restarts the workers without a word of its own but a SIGTERM warning)
+                    say(f"elastic restart {restarts} of world.max_restarts={trainer.launch.max_restarts}: a worker of "
+                        "the previous attempt failed (its error, if it left one, is above); every worker restarts "
+                        "from the newest checkpoint.")
                 source = resume(trainer, cfg, say)
                 watchdog.beat()
                 if source is not None:
