@@ -28,6 +28,23 @@ def test_early_stopping_stops_with_a_final_checkpoint_and_the_run_stays_finished
     assert read_metrics(tmp_path)[-1]["step"] == 6
 
 
+def test_early_stopping_resumed_on_another_metric_starts_its_best_over(corpus, tmp_path, capsys):
+    """A resume with callbacks.early_stopping.monitor changed kept the old metric's best and count: "val/bpb has
+    not improved on 3.40" where 3.40 was the best val/loss. Its best and count start over, and it says so."""
+    watch = ("callbacks=early_stopping", "callbacks.early_stopping.mode=max", "callbacks.early_stopping.patience=9",
+             "trainer.eval_every=2")
+    train_in_process(corpus, tmp_path, *watch, "trainer.max_steps=4", "checkpoint.every_n_steps=4")
+    capsys.readouterr()
+    events = train_in_process(corpus, tmp_path, *watch, "trainer.max_steps=8", "resume=auto",
+                              "callbacks.early_stopping.monitor=val/bpb")
+    assert "resume: callbacks.early_stopping watches val/bpb (max) where the checkpoint's watched another metric" \
+        in capsys.readouterr().out
+    state = json.loads((tmp_path / "checkpoints" / "step_00000008" / "state.json").read_text())
+    after = [e["val/bpb"] for e in events if "val/bpb" in e and e["step"] > 4]
+    assert state["callbacks"]["early_stopping"]["best"] == pytest.approx(max(after))  # val/bpb's own, from step 6
+    assert state["callbacks"]["early_stopping"]["bad_evals"] == (1 if after[1] <= after[0] else 0)
+
+
 def test_a_monitor_that_no_eval_logs_is_one_paragraph(corpus, tmp_path):
     from trainer.errors import ConfigError
 

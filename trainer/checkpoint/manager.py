@@ -465,10 +465,15 @@ def resume(trainer, cfg: DictConfig, say) -> Path | None:
         moved = trainer.backend.broadcast_object(_set_aside(lasting) if trainer.backend.is_main else None)
         trainer.checkpointer.protected.update(p.name for p, e in skipped if ckpt.AGAIN in str(e))
         trainer.checkpointer.protected.update(name for name, to in moved if to is None)
+        # Callbacks whose settings changed since the checkpoint (early stopping on another metric: its best and count
+        # were the old metric's) start those over; every rank alike.
+        changed = trainer.backend.broadcast_object([k for k, _, _ in changed_settings(path, cfg)]
+                                                   if trainer.backend.is_main else None)
+        restarted_callbacks = trainer.callbacks.settings_changed(changed) if hasattr(trainer, "callbacks") else []
         if trainer.backend.is_main:
             kept = [f"resume: the skipped {name} is kept as {to} (resume=auto and checkpoint.keep_last leave it alone)."
                     for name, to in moved if to is not None]
-            for line in [*kept, *notes, *resume_notes(path, cfg, trainer.checkpointer)]:
+            for line in [*kept, *notes, *resume_notes(path, cfg, trainer.checkpointer), *restarted_callbacks]:
                 say(line)
         return path
     if skipped:

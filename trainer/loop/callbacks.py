@@ -80,6 +80,16 @@ class Callbacks(Callback):
             if hasattr(cb, "check_state") and name in state:
                 cb.check_state(state[name], f"{where}.{name}")
 
+    def settings_changed(self, keys: list[str]) -> list[str]:
+        """After a resume: the settings (dotted keys) that differ from the checkpoint's, passed to each callback that
+        keeps state by them (`settings_changed(its own keys)`); what they say."""
+        said = []
+        for name, cb in self.callbacks.items():
+            own = {k[len(f"callbacks.{name}."):] for k in keys if k.startswith(f"callbacks.{name}.")}
+            if own and hasattr(cb, "settings_changed"):
+                said += cb.settings_changed(own, f"callbacks.{name}")
+        return said
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, cb in self.callbacks.items():
             if hasattr(cb, "load_state_dict") and name in state:
@@ -130,3 +140,13 @@ class EarlyStopping(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best, self.bad_evals = state.get("best"), int(state.get("bad_evals", 0))
+
+    def settings_changed(self, keys: set[str], where: str) -> list[str]:
+        """A resume with another monitor or mode: the checkpoint's best is the old metric's (a loss's best against an
+        accuracy), so the best and the count of evals without improvement start over."""
+        if not keys & {"monitor", "mode"} or self.best is None:
+            return []
+        old, self.best, self.bad_evals = self.best, None, 0
+        return [f"resume: {where} watches {self.monitor} ({self.mode}) where the checkpoint's watched another metric "
+                f"or mode (its best, {old:.6g}, was that one's): the best and the patience count start over at the "
+                "next eval."]
