@@ -195,3 +195,27 @@ def test_an_emulated_explicit_bf16_run_says_so_once(corpus, tmp_path, capsys, mo
     events = train_in_process(corpus, tmp_path, "precision=bf16", "trainer.max_steps=2")
     assert capsys.readouterr().out.count("note: precision=bf16 is emulated here (no native bf16 on this CPU: faked)") == 1
     assert len(series(events, "train/loss")) == 2
+
+
+@pytest.mark.parametrize(("setting", "says"), [
+    ("init_scale=0", "precision.init_scale=0 is invalid"),  # (every loss 0: stopped as "non-finite: lower optim.lr")
+    ("init_scale=-1", "precision.init_scale=-1 is invalid"),  # (ran on with a scale that means nothing)
+    ("init_scale=big", "precision.init_scale='big' is invalid"),
+    ("growth_interval=0", "precision.growth_interval=0 is invalid: expected an integer >= 1"),
+])
+def test_fp16s_loss_scaler_settings_are_checked(corpus, tmp_path, setting, says):
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=says):
+        train_in_process(corpus, tmp_path, "precision=fp16", f"precision.{setting}")
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_run_whose_every_step_was_skipped_says_its_weights_did_not_change(corpus, tmp_path, capsys):
+    """fp16 with a loss scale that overflows every step: the run printed done, exit 0, and exported its initial
+    weights without a word."""
+    events = train_in_process(corpus, tmp_path, "precision=fp16", "precision.init_scale=1e30", "trainer.max_steps=3")
+    assert series(events, "train/skipped_steps")[-1] == 3
+    assert "warning: every one of this run's 3 steps was skipped" in capsys.readouterr().out
+    train_in_process(corpus, tmp_path / "ok", "precision=fp16", "trainer.max_steps=3")
+    assert "was skipped" not in capsys.readouterr().out

@@ -363,6 +363,7 @@ class Trainer:
         self.model.train()
         meter, metrics, first_step = Throughput(), {}, self.step
         self._meter, self._fit_from = meter, first_step
+        skipped_before = self.skipped_steps
         if self.cfg.compile and be.is_main:
             how = {k: v for k, v in compile_args(self.cfg).items() if v is not None}
             progress.write(f"compiling the model ({', '.join(f'{k}={v}' for k, v in how.items())}): the first steps "
@@ -420,6 +421,13 @@ class Trainer:
         summary = self._summary()
         if summary and be.is_main:
             print(summary_line(summary), flush=True)
+        trained = self.step - first_step
+        if trained and self.skipped_steps - skipped_before == trained and be.is_main:
+            # (fp16's scaler skips a step whose gradients overflowed; a run of nothing but those exported its initial
+            # weights with exit 0 and no word)
+            print(f"warning: every one of this run's {trained} steps was skipped (its gradients were not finite: "
+                  "under fp16, the loss scale overflowed them), so the weights did not change. Under fp16 lower "
+                  "precision.init_scale, or train in bf16 or fp32.", flush=True)
         return {**metrics, **final, **summary}
 
     def trained(self) -> dict[str, Any]:

@@ -118,6 +118,15 @@ class FP16(FP32):
                 f"precision=fp16 is not supported on device type '{device_type}'. "
                 "Use precision=bf16 or precision=fp32."
             )
+        # (init_scale=0 made every loss 0 and stopped at the first step as "non-finite: lower optim.lr"; a negative
+        # one or growth_interval=0 ran on with a scale that means nothing)
+        if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not 0 < init_scale < float("inf"):
+            raise ConfigError(f"precision.init_scale={init_scale!r} is invalid: the loss scale fp16 starts from must be "
+                              "a number > 0 (the default, 65536.0, is GradScaler's; the scaler halves it at every "
+                              "overflow and grows it after precision.growth_interval steps without one).")
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ConfigError(f"precision.growth_interval={growth_interval!r} is invalid: expected an integer >= 1 "
+                              "(the steps without an overflow after which the loss scale doubles; default 2000).")
         self.init_scale, self.growth_interval = init_scale, growth_interval
         # With sharded gradients an overflow shows in one rank's shard only: the overflow flag is reduced over
         # ranks, so every rank skips the same steps.
