@@ -543,12 +543,12 @@ def test_a_scheduler_stepped_every_micro_batch_is_refused_and_one_stepped_with_t
             rt.step(opt)
             if (2 * step + micro) % 3 == 2:
                 sched.step()
-    for step in range(2):  # every micro-batch, as in an Accelerate loop: refused in the second step
+    for step in range(3):  # every micro-batch, as in an Accelerate loop: refused in the third step
         with rt.accumulate(model):
             rt.backward(model(torch.ones(1, 2)).sum())
         rt.step(opt)
         sched.step()
-        if step == 1:
+        if step == 2:
             break
         with rt.accumulate(model):
             rt.backward(model(torch.ones(1, 2)).sum())
@@ -558,6 +558,26 @@ def test_a_scheduler_stepped_every_micro_batch_is_refused_and_one_stepped_with_t
                                         r"accumulations \(again before micro-step 2 of 2\).*2 times too fast.*"
                                         r"rt.step\(optimizer, scheduler\)"):
         rt.accumulate(model)
+    # Four micro-steps a step: an epoch of 5 micro-batches ends mid-step in three steps running (allowed); a scheduler
+    # stepped every micro-batch moves the rate twice in the first step (refused).
+    import trainer
+
+    rt4 = trainer.Runtime("single", "fp32", grad_accum_steps=4)
+    model4 = nn.Linear(2, 1)
+    model4, opt4 = rt4.setup(model4, torch.optim.SGD(model4.parameters(), lr=0.1))
+    sched4 = torch.optim.lr_scheduler.LambdaLR(opt4, lambda step: 1.0 / (step + 1))
+    for micro in range(1, 21):
+        with rt4.accumulate(model4):
+            rt4.backward(model4(torch.ones(1, 2)).sum())
+        rt4.step(opt4)
+        if micro % 5 == 0:
+            sched4.step()
+    with pytest.raises(UserError, match=r"keeps changing.*before micro-step 3 of 4"):
+        for _ in range(3):
+            with rt4.accumulate(model4):
+                rt4.backward(model4(torch.ones(1, 2)).sum())
+            rt4.step(opt4)
+            sched4.step()
 
 
 def test_zero_grad_in_the_middle_of_an_accumulation_is_refused(rt):

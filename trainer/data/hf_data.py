@@ -31,7 +31,7 @@ import numpy as np
 from trainer.data.files import local_files
 from trainer.errors import DataError
 
-FORMAT = 2  # bump when the cache layout or the encoding changes (2: text files keep their line breaks)
+FORMAT = 3  # bump when the cache layout or the encoding changes (2: text files keep their line breaks; 3: a val fraction of 2+ documents is at least one)
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text", ".text": "text",
            ".md": "text"}
 INSTALL = "pip install 'trainer[hf-data]' (or: pip install datasets tokenizers)"

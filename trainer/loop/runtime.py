@@ -184,7 +184,7 @@ class Runtime:
         self._micro = 0  # micro-steps taken in accumulate() (the step boundary is every grad_accum_steps-th)
         self._cycle, self._cycle_models = frozenset(), ()  # the models the accumulation under way is of (their ids)
         self._window_lrs: dict[int, tuple] = {}  # id(optimizer) -> its learning rates as last seen in this step
-        self._lr_moves, self._lr_moved_before = 0, False  # micro-steps of this step, and of the last, that saw it change
+        self._lr_moves, self._lr_moved_before = 0, 0  # micro-steps of this step that saw it change; steps before, running
         self._in_accumulate = False
         self._continues_step = False  # the micro-step in accumulate() is not its step's first
         self._backward_here = False  # a backward ran in that micro-step
@@ -485,7 +485,8 @@ class Runtime:
             self._cycle, self._cycle_models = named, models
             if self._micro == 0:
                 self._window_lrs = {id(o): _lrs(o) for o in self._optimizers_of(models)}
-                self._lr_moved_before, self._lr_moves = self._lr_moves > 0, 0
+                self._lr_moved_before = self._lr_moved_before + 1 if self._lr_moves else 0  # (steps running)
+                self._lr_moves = 0
             else:
                 self._check_lr_kept()
         if self._micro > 0:  # not the step's first micro-step: the earlier ones' gradients must still be there
@@ -505,8 +506,8 @@ class Runtime:
         that changes between them is changed by a scheduler.step() called every micro-batch, as in Accelerate's loops,
         where the prepared scheduler skips those calls. Here the scheduler is the user's own object and would run the
         schedule grad_accum_steps times too fast, with no error. Refused once the learning rate moved at two
-        micro-steps of one step, or in two steps running: an epoch's scheduler, stepped once where an epoch ends in
-        the middle of a step, moves it once in a while."""
+        micro-steps of one step, or (grad_accum_steps=2) in three steps running: an epoch's scheduler, stepped where
+        an epoch ends in the middle of a step, moves it at most once a step."""
         moved = None
         for optimizer in self._optimizers_of(self._cycle_models):
             before, now = self._window_lrs.get(id(optimizer)), _lrs(optimizer)
@@ -514,9 +515,12 @@ class Runtime:
                 moved, self._window_lrs[id(optimizer)] = optimizer, now
         if moved is not None:
             self._lr_moves += 1
-            if self._lr_moves >= 2 or self._lr_moved_before:
+            # A scheduler stepped every micro-batch moves it at every micro-step after a step's first: twice a step
+            # from grad_accum_steps=3 on; at 2, once a step, every step (three running: an epoch of 3 micro-batches
+            # ends mid-step every other step). An epoch's scheduler moves it at most once a step, where an epoch ends.
+            if self._lr_moves >= 2 or (self.grad_accum_steps == 2 and self._lr_moved_before >= 2):
                 owner = next(m for m, o in self.optimizers.values() if o is moved)
-                self._lr_moves, self._lr_moved_before = 0, False  # (said once)
+                self._lr_moves, self._lr_moved_before = 0, 0  # (said once)
                 raise UserError(f"the learning rate of the optimizer of {owner!r} keeps changing in the middle of "
                                 f"accumulations (again before micro-step {self._micro + 1} of {self.grad_accum_steps}), "
                                 "where no optimizer step runs: a scheduler.step() called every micro-batch runs the "
