@@ -602,7 +602,9 @@ def test_switching_branches_twice_keeps_each_line_whole_and_resume_auto_follows_
         train(compose_cfg([*back_to_a, f"resume={ck}.prev/step_00000008"]), tmp_path)
     assert sorted(p.name for p in ck.glob("step_*"))[-2:] == ["step_00000006", "step_00000008"]  # A's, back in line
     capsys.readouterr()
-    train(compose_cfg([*tiny_overrides(corpus, *args, *faulty("raise", at_call=99)), "resume=auto"]), tmp_path)
+    # The same command again (a requeued job): the checkpoint it names is back in checkpoints/, and found there.
+    train(compose_cfg([*tiny_overrides(corpus, *args, *faulty("raise", at_call=99)), f"resume={ck}.prev/step_00000008"]),
+          tmp_path)
     assert f"resumed from {ck}/step_00000008 at step 8" in capsys.readouterr().out
     assert curve(read_metrics(tmp_path)) == a and (tmp_path / "model.safetensors").read_bytes() == a_export
     b_dir = next(d for d in tmp_path.glob("checkpoints.prev*") if (d / "step_00000012").is_dir()

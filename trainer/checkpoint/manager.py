@@ -428,6 +428,9 @@ def resume_candidates(resume: str | None, checkpointer: ckpt.Checkpointer, resta
     if resume in (None, "auto") or (restarted and checkpointer.complete()):  # (unreadable ones first: tried, named)
         return [*reversed(checkpointer.unreadable()), *reversed(checkpointer.complete())], True
     path = Path(resume).expanduser()
+    # The job that went back to this branch took its checkpoints back into the run's line (branch_from): the same
+    # command, requeued, finds it there.
+    path = ckpt.taken_back(path) or path
     if path.is_dir() and not (path / ckpt.MANIFEST).exists():  # a run dir or its checkpoints/ dir
         inner = ckpt.Checkpointer(path / "checkpoints" if (path / "checkpoints").is_dir() else path)
         found = inner.complete()

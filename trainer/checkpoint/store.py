@@ -536,6 +536,16 @@ def same_run(run_dir: Path, checkpoint: Path) -> bool:
         return False
 
 
+def taken_back(path: Path) -> Path | None:
+    """Where a checkpoint named in a set-aside dir (RUN/checkpoints.prev-N/step_N) is now, if a resume that went back to
+    its branch took it back into the run's line (Checkpointer.branch_from): RUN/checkpoints/step_N; else None."""
+    path = Path(path)
+    if path.exists() or _aside_number(path.parent.name, "checkpoints") is None:
+        return None
+    there = path.parent.parent / "checkpoints" / path.name
+    return there if (there / MANIFEST).is_file() else None
+
+
 def set_aside(directory: Path) -> Path | None:
     """Move a checkpoints directory out of the way (to `checkpoints.prev`, or `.prev-2`, ...): what a fresh
     start in a run dir does with an earlier attempt's checkpoints instead of pruning them."""

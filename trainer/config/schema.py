@@ -291,7 +291,10 @@ def validate(cfg: DictConfig) -> None:
         if isinstance(resume, str) and not resume.strip():  # (Path('') is '.': the current directory was searched)
             raise ConfigError("resume= is empty: pass auto, null, or the path of a checkpoint "
                               "(RUN_DIR/checkpoints/step_N), a checkpoints/ dir or a run dir.")
-        if not (isinstance(resume, str) and Path(resume).expanduser().is_dir()):
+        from trainer.checkpoint.store import taken_back
+
+        if not (isinstance(resume, str) and (Path(resume).expanduser().is_dir()
+                                             or taken_back(Path(resume).expanduser()) is not None)):
             given = Path(resume).expanduser() if isinstance(resume, str) else None
             what = ("is a file, not a directory" if given is not None and given.is_file() else "does not exist")
             hint = (" Did you mean resume=auto?" if isinstance(resume, str) and "/" not in resume and
