@@ -297,3 +297,38 @@ def test_a_resume_rewrites_a_damaged_best_json(corpus, tmp_path):
     r = run_here(*args, "trainer.max_steps=3", "resume=auto")
     assert r.returncode == 0, r.stderr
     assert json.loads(best.read_text())["checkpoint"] == "step_00000001"
+
+
+def test_going_back_to_the_same_branch_twice_keeps_what_the_line_took_back_from_it(tmp_path):
+    """Line 10-60, back to 20 (30-60 set aside), the new line writes 30 and 40, back to the aside's 40 (its 30 and 40
+    return), the line writes 50 and 60, then back to the aside's 60: the aside set aside by the first return (parted
+    at 20) bounded the second's parting to 20, so the branch's own 30 and 40, now the line's, were set aside as the
+    branch this job leaves. The parting is 40."""
+    from trainer.checkpoint.store import Checkpointer
+
+    ck = tmp_path / "checkpoints"
+    counter = iter(range(1, 100))
+
+    def write(*steps):
+        for s in steps:
+            d = ck / f"step_{s:08d}"
+            d.mkdir(parents=True)
+            (d / "manifest.json").write_text(json.dumps({"written": next(counter)}))
+
+    def names(d):
+        return sorted(int(p.name[5:]) for p in d.glob("step_*"))
+
+    write(10, 20, 30, 40, 50, 60)
+    Checkpointer(ck).branch_from(ck / "step_00000020")  # a rollback to 20
+    write(30, 40)
+    aside = tmp_path / "checkpoints.prev"
+    c = Checkpointer(ck)
+    c.branch_from(aside / "step_00000040")  # back to the branch set aside, at 40
+    assert names(ck) == [10, 20, 30, 40] and names(aside) == [50, 60] and c.taken_back == ["step_00000030",
+                                                                                              "step_00000040"]
+    write(50, 60)
+    c = Checkpointer(ck)
+    assert c.branch_point(aside / "step_00000060") == 40
+    c.branch_from(aside / "step_00000060")
+    assert names(ck) == [10, 20, 30, 40, 50, 60] and not names(aside)
+    assert names(tmp_path / "checkpoints.prev-3") == [50, 60]  # the line's own 50 and 60, left

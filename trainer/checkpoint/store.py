@@ -398,6 +398,11 @@ class Checkpointer:
         left = [p.name for p in later if p.name not in moved]
         if not left:
             self._take_back(path, after)
+        if moved and self.taken_back:  # (this aside is the line left for `path`'s branch, which is the line now)
+            try:
+                atomic_write_json(target / BRANCH, {"after": after, "back_to": path.parent.name})
+            except OSError:
+                pass
         if left:  # never replaced or pruned by the new branch, and behind it for resume=auto
             self.protected.update(left)
             self.follow(self.dir / path.name)
@@ -467,6 +472,9 @@ class Checkpointer:
             number = _aside_number(path.parent.name, self.dir.name)
             for sibling in self.dir.parent.glob(self.dir.name + ".prev*"):
                 later = _aside_number(sibling.name, self.dir.name)
+                # (one set aside by going back to `path`'s own branch is the line that branch replaced: no bound)
+                if _read_json_or_none(sibling / BRANCH).get("back_to") == path.parent.name:
+                    continue
                 if number is not None and later is not None and later > number and sibling.is_dir():
                     parted = branch_step(sibling)
                     after = min(after, parted if parted is not None else 0)
@@ -509,6 +517,14 @@ def _aside_number(name: str, base: str) -> int | None:
     """The attempt number of a set-aside dir's name: checkpoints.prev 1, checkpoints.prev-3 3; None for another name."""
     m = re.fullmatch(re.escape(base) + r"\.prev(?:-([0-9]+))?", name)
     return (int(m.group(1)) if m.group(1) else 1) if m else None
+
+
+def _read_json_or_none(path: Path) -> dict:
+    try:
+        found = _read_json(path)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def branch_step(directory: Path) -> int | None:
