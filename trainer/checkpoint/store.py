@@ -529,10 +529,7 @@ def _read_json_or_none(path: Path) -> dict:
 
 def branch_step(directory: Path) -> int | None:
     """The step a set-aside branch of checkpoints left the run's line at (its branch.json); None where not recorded."""
-    try:
-        after = _read_json(Path(directory) / BRANCH)["after"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
-        return None
+    after = _read_json_or_none(Path(directory) / BRANCH).get("after")
     return after if is_count(after) else None
 
 

@@ -987,15 +987,11 @@ class Runtime:
         """A loop of one's own that starts from another run's checkpoint is a run of its own, as the Trainer's is:
         this run_dir's earlier history (metrics.jsonl, the trackers' files) is set aside, and its checkpoints at
         the first save, under one attempt number, rather than the two histories spliced into one file."""
-        from trainer.io import free_name, one_attempt
-
         metrics = Path(self.run_dir) / "metrics.jsonl"
         if not metrics.is_file() or not metrics.stat().st_size:
             self.loggers.rewind(self.position.step)  # (nothing of its own yet: the trackers start at the checkpoint)
             return
-        with one_attempt(self.run_dir) as self._fresh_attempt:
-            aside = free_name(metrics, ".prev", before_suffix=True)  # (the name start_fresh gives it)
-            self.loggers.start_fresh()
+        aside = self._set_history_aside(metrics)
         _note(f"rt.load_state({str(path)!r}) is another run's checkpoint: {self.run_dir} held a run of its own, whose "
               f"metrics are kept as {aside.name} (its checkpoints are set aside at this run's first save, under the "
               "same number), and this run's history starts at the checkpoint's step")
@@ -1143,7 +1139,6 @@ class Runtime:
         has is a new run: the earlier one's metrics.jsonl (and its trackers' files) are set aside, as the Trainer's
         fresh start sets them aside, so the two histories never mix in one file. A later step (a script that
         evaluates the run and logs after it) is appended."""
-        from trainer.io import free_name, one_attempt
         from trainer.tracking.loggers import last_step
 
         metrics = self.run_dir / "metrics.jsonl" if self.run_dir is not None else None
@@ -1153,15 +1148,23 @@ class Runtime:
         if last is not None and step > last:  # appended: the trackers go on after `last` (TensorBoard's writer
             self.loggers.rewind(last)          # would otherwise purge from step 1, hiding the run's curves)
             return
-        # One number for metrics.prev-N.jsonl, tensorboard.prev-N/ and the checkpoints the first save sets aside.
-        with one_attempt(self.run_dir) as self._fresh_attempt:
-            aside = free_name(metrics, ".prev", before_suffix=True)  # (the name start_fresh gives it)
-            self.loggers.start_fresh()
+        aside = self._set_history_aside(metrics)
         if not metrics.stat().st_size and aside.is_file():
             self._set_aside = aside
             print(f"note: rt.log: {self.run_dir} held an earlier run's metrics, and this run loaded no checkpoint "
                   f"before logging: they are kept as {aside.name}, and this run's start in metrics.jsonl (rt.load_state "
                   "before the first rt.log continues a run's history instead).", file=sys.stderr, flush=True)
+
+    def _set_history_aside(self, metrics: Path) -> Path:
+        """The run_dir's earlier history set aside as a fresh start keeps it (`loggers.start_fresh`), under one number
+        for metrics.prev-N.jsonl, tensorboard.prev-N/ and the checkpoints the first save sets aside; the name
+        metrics.jsonl takes."""
+        from trainer.io import free_name, one_attempt
+
+        with one_attempt(self.run_dir) as self._fresh_attempt:
+            aside = free_name(metrics, ".prev", before_suffix=True)  # (the name start_fresh gives it)
+            self.loggers.start_fresh()
+        return aside
 
     def end(self) -> None:
         """Finish the trackers and leave the process group (every rank, at the end of the script)."""

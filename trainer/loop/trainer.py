@@ -39,6 +39,10 @@ from trainer.tracking.progress import NullProgress, Progress
 EVAL_STREAM = 1 << 48  # val sample i draws its noise (trainer.noise) as sample EVAL_STREAM + i of the stream
 
 
+# A run's training before this attempt (Trainer.trained_before): steps, and its logged windows' seconds and targets.
+NOTHING_TRAINED = {"steps": 0, "seconds": 0.0, "targets": 0.0}
+
+
 class Trainer:
     """Owns the loop: data order, the optimizer step, eval, logging and checkpoint cadence, run state.
 
@@ -94,7 +98,7 @@ class Trainer:
         self.skipped_steps = 0
         # The training the run did before this attempt (from its checkpoint): the summary is of the whole run, as the
         # wandb run it lands in is (a resumed run's summary said steps=4 of 8). Steps, seconds and targets.
-        self.trained_before = {"steps": 0, "seconds": 0.0, "targets": 0.0}
+        self.trained_before = dict(NOTHING_TRAINED)
         self._meter, self._fit_from = None, 0  # this attempt's (fit's)
         self.stop_reason: str | None = None  # set by request_stop (early stopping): the run ends at this step
         self.saved_step: int | None = None  # the step of the last save_checkpoint (in flight or complete)
@@ -440,7 +444,7 @@ class Trainer:
 
     def count_from_here(self) -> None:
         """A run started from another run's checkpoint: its summary counts its own training, not that run's."""
-        self.trained_before = {"steps": 0, "seconds": 0.0, "targets": 0.0}
+        self.trained_before = dict(NOTHING_TRAINED)
 
     def _summary(self) -> dict[str, float]:
         """Whole-run throughput and cost (training time only: eval and checkpoints excluded), over every attempt of
@@ -473,7 +477,7 @@ class Trainer:
         self.step, self.samples_seen, self.skipped_steps = state["step"], state["samples_seen"], state["skipped_steps"]
         self.stop_reason = state.get("stop_reason")
         if "trained" in state:
-            self.trained_before = {k: state["trained"][k] for k in ("steps", "seconds", "targets")}
+            self.trained_before = {k: state["trained"][k] for k in NOTHING_TRAINED}
         self.epoch_batch = state.get("epoch_batch", state["global_batch"])  # (written before it: the checkpoint's)
         note = self.data.load_position(state)  # a stream's readers continue where they stopped
         if note and self.backend.is_main:
@@ -491,10 +495,10 @@ class Trainer:
         for key in ("global_batch", "epoch_batch"):
             if state.get(key, 1) < 1:
                 raise CheckpointError(f"{where}: trainer.{key}={state[key]!r} is not a batch size.")
-        trained = state.get("trained", {"steps": 0, "seconds": 0.0, "targets": 0.0})
+        trained = state.get("trained", NOTHING_TRAINED)
         if not (isinstance(trained, dict) and all(
                 isinstance(trained.get(k), (int, float)) and not isinstance(trained[k], bool)
-                and math.isfinite(trained[k]) and 0 <= trained[k] < 2**62 for k in ("steps", "seconds", "targets"))):
+                and math.isfinite(trained[k]) and 0 <= trained[k] < 2**62 for k in NOTHING_TRAINED)):
             raise CheckpointError(f"{where}: trainer.trained={trained!r} is not the run's training so far (steps, "
                                   "seconds and targets, each a number >= 0).")
         self.data.check_position(state, self.sampler(), where)  # the same data, continued where it stopped
