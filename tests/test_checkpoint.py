@@ -57,8 +57,10 @@ def test_keep_last_and_resuming_a_finished_run(corpus, tmp_path, reference):
     shutil.copytree(reference, tmp_path, dirs_exist_ok=True)
     r = run_here(*tiny_overrides(corpus, *SINGLE), f"hydra.run.dir={tmp_path}", "resume=auto")
     assert r.returncode == 0 and "already finished" in r.stdout
-    events = train_in_process(corpus, tmp_path, *SINGLE, "resume=auto", "trainer.max_steps=16")
+    # keep_last=null (Accelerate's total_limit=None, Lightning's save_top_k=-1) deletes none.
+    events = train_in_process(corpus, tmp_path, *SINGLE, "resume=auto", "trainer.max_steps=16", "checkpoint.keep_last=null")
     assert [e["step"] for e in events if "train/loss" in e] == list(range(1, 17))
+    assert checkpoints(tmp_path) == ["step_00000008", "step_00000012", "step_00000016"]
 
 
 def test_corrupt_newest_checkpoint_falls_back_on_auto_and_fails_on_path(corpus, tmp_path, reference, capsys):

@@ -94,6 +94,7 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
     (["scheduler.warmup_steps=-1"], ["scheduler.warmup_steps=-1"]),
     (["scheduler.min_lr_ratio=abc"], ["scheduler.min_lr_ratio='abc'"]),
     (["trainer.max_nonfinite_skips=0"], ["trainer.max_nonfinite_skips=0"]),
+    (["checkpoint.keep_last=0"], ["checkpoint.keep_last=0 is invalid", "Or null to keep every one."]),
     (["model.vocab_size=100"], ["model.vocab_size=100", "256"]),
     (["model.seq_len=16"], ["model.seq_len=16 is shorter than data.seq_len=256"]),
     (["logger=wandb", "logger.wandb.tags=baseline"], ["logger.wandb.tags='baseline'", "a list"]),

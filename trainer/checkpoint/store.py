@@ -112,7 +112,7 @@ class Checkpointer:
 
     Every rank calls `save` (the main rank only, unless `sharded`: then every rank writes its chunks)."""
 
-    def __init__(self, directory: str | os.PathLike, every_n_steps: int = 0, keep_last: int = 2,
+    def __init__(self, directory: str | os.PathLike, every_n_steps: int = 0, keep_last: int | None = 2,
                  best_metric: str | None = None, best_mode: str = "min", save_final: bool = True,
                  async_save: bool = False, config_yaml: str = "", backend=None, sharded: bool = False):
         self.dir = Path(directory)
@@ -344,12 +344,12 @@ class Checkpointer:
                                "then rerun.")
 
     def _prune(self) -> None:
-        """Delete all but the `keep_last` most recently written complete checkpoints, never the best one
-        (in memory or named by best.json)."""
+        """Delete all but the `keep_last` most recently written complete checkpoints (None: none are deleted), never
+        the best one (in memory or named by best.json)."""
         # (complete(): never one whose manifest cannot be read; resume=auto tries those first, and sets them aside
         # when another one loads instead)
         done = [p for p in self.complete() if p.name not in self.protected]
-        keep = {p.name for p in done[-self.keep_last:]}
+        keep = {p.name for p in (done if self.keep_last is None else done[-self.keep_last:])}
         if self.best:
             keep.add(self.best[1])
         try:

@@ -81,7 +81,7 @@ def nproc_per_node(value) -> int:
 @dataclass
 class CheckpointConfig:
     every_n_steps: int = 0  # save every N optimizer steps; 0 = only at the end
-    keep_last: int = 2  # complete checkpoints kept; older ones are deleted after a new one is complete
+    keep_last: int | None = 2  # complete checkpoints kept; older ones are deleted after a new one is complete (null: all)
     best_metric: str | None = None  # e.g. val/loss: also keep the best checkpoint by this metric
     best_mode: str = "min"  # min | max
     every_n_epochs: int | None = None  # instead of every_n_steps: a checkpoint every N epochs
@@ -261,7 +261,8 @@ def validate(cfg: DictConfig) -> None:
 
     c, e = cfg.checkpoint, cfg.ema
     _check(c.every_n_steps >= 0, "checkpoint.every_n_steps", c.every_n_steps, "an integer >= 0 (0 = only at the end)")
-    _check(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "an integer >= 1")
+    _check(c.keep_last is None or c.keep_last >= 1, "checkpoint.keep_last", c.keep_last,
+           "an integer >= 1 (how many of the newest checkpoints to keep)", "Or null to keep every one.")
     _check(c.best_mode in ("min", "max"), "checkpoint.best_mode", c.best_mode, "'min' or 'max'")
     _check(c.best_metric is None or c.best_metric.startswith(("val/", "val_ema/")), "checkpoint.best_metric",
            c.best_metric, "a metric logged at eval, e.g. val/loss or val_ema/loss", "Or null.")

@@ -800,7 +800,7 @@ class Runtime:
         return gathered
 
     # -- checkpoints and exports ----------------------------------------------------------------------------
-    def _manager(self, directory: Path, keep_last: int):
+    def _manager(self, directory: Path, keep_last: int | None):
         from trainer.checkpoint.manager import CheckpointManager, Parts
         from trainer.checkpoint.store import Checkpointer
         from trainer.models.finetune import after_load, frozen_keys
@@ -821,7 +821,7 @@ class Runtime:
     def save_state(self, directory: str | os.PathLike, step: int, keep_last: int | None = None) -> Path:
         """Checkpoint every model, optimizer, loader and registered object, and each rank's RNG, as
         `directory/step_<step>` (atomic, pickle-free; the `keep_last` newest are kept: default checkpoint.keep_last
-        under launch, else 2). Every rank must call it, at a step boundary."""
+        under launch, where null keeps every one, else 2). Every rank must call it, at a step boundary."""
         if not is_count(step):
             raise UserError(f"rt.save_state(directory, step={step!r}): the step must be a whole number >= 0 (the "
                             "checkpoint is named step_<step>, and rt.load_state takes the newest by it).")
