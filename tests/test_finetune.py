@@ -86,6 +86,10 @@ def test_lora_trains_only_its_adapters_and_exports_them_merged_and_alone(corpus,
             assert torch.equal(merged[k], base[k]), k  # frozen
     assert sorted(config["target_modules"]) == sorted(f"blocks.0.{n}" for n in ("attn.qkv", "attn.proj", "mlp.0"))
     assert type(trainer.load(lora_single)).__name__ == "GPT"
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="is a checkpoint of a LoRA run: it holds the adapters"):
+        trainer.load(lora_single, checkpoint="latest")  # (not the base weights: no model is whole in it)
     info = json.loads((lora_single / "run_info.json").read_text())
     assert info["finetune_weights"]["files"]["model.safetensors"]["sha256"] == \
         json.loads((pretrained / "export.json").read_text())["files"]["model.safetensors"]["sha256"]

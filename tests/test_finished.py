@@ -22,6 +22,49 @@ def test_load_gives_the_model_with_its_final_or_ema_weights(reference):
         assert all(torch.equal(model.state_dict()[k], weights[k]) for k in weights)
 
 
+def test_load_of_a_checkpoint_gives_its_model_with_its_weights_or_its_ema(reference, tmp_path):
+    """Lightning's load_from_checkpoint: trainer.load(RUN_DIR, checkpoint=latest|best|PATH), or a checkpoint's own
+    path. It refused a checkpoint, so a run stopped before its export, or its best step, had no model to load."""
+    import shutil
+
+    import trainer
+    from trainer.errors import CheckpointError, ConfigError
+
+    final, ema = load_weights(reference / "model.safetensors"), load_weights(reference / "model_ema.safetensors")
+    step_8 = reference / "checkpoints" / "step_00000008"
+    for model, weights in ((trainer.load(reference, checkpoint="latest"), final),  # (the final step's: 12)
+                           (trainer.load(reference, checkpoint="latest", ema=True), ema)):
+        assert not model.training
+        assert model.state_dict().keys() == weights.keys()
+        assert all(torch.equal(model.state_dict()[k], weights[k]) for k in weights)
+    # Another step's: its own weights, as resuming from it would load them.
+    earlier = trainer.load(step_8).state_dict()
+    assert earlier.keys() == trainer.load(reference, checkpoint=str(step_8)).state_dict().keys()
+    assert not all(torch.equal(earlier[k], final[k]) for k in final)
+    from safetensors import safe_open
+
+    with safe_open(str(step_8 / "model.safetensors"), "pt") as f:
+        assert all(torch.equal(earlier[k], f.get_tensor(k)) for k in f.keys())
+    # A checkpoint copied out of its run still loads: it holds its own config.yaml.
+    shutil.copytree(step_8, tmp_path / "copied")
+    copied = trainer.load(tmp_path / "copied").state_dict()
+    assert all(torch.equal(copied[k], earlier[k]) for k in earlier)
+    with pytest.raises(ConfigError, match="has no checkpoints/best.json"):
+        trainer.load(reference, checkpoint="best")
+    with pytest.raises(ConfigError, match="reads a checkpoint whole"):
+        trainer.load(step_8, device_map="auto")
+    with pytest.raises(ConfigError, match=r"checkpoint=8\): expected 'latest', 'best'"):
+        trainer.load(reference, checkpoint=8)
+    # Damaged: refused by its sha256, never loaded.
+    bad = tmp_path / "damaged"
+    shutil.copytree(step_8, bad)
+    data = bytearray((bad / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (bad / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="sha256 does not match"):
+        trainer.load(bad)
+
+
 def test_exported_weights_changed_since_the_run_wrote_them_are_refused_by_every_reader(reference, tmp_path):
     """A flipped byte inside model.safetensors loaded silently through trainer.load, device_map and
     finetune.weights, although export.json records every file's sha256."""
@@ -263,13 +306,13 @@ def test_a_checkpoint_given_for_a_run_dir_is_named_as_one_and_never_written_over
     resume=auto, which trained a new run inside the checkpoint and broke it."""
     from test_errors import assert_clean_error
 
-    import trainer
     from trainer.errors import ConfigError
+    from trainer.inference.finished import config_yaml
 
     ckpt = sorted((reference / "checkpoints").glob("step_*"))[-1]
     before = {f.name: f.read_bytes() for f in ckpt.iterdir()}
     with pytest.raises(ConfigError, match=f"is a checkpoint of the run {reference}, not a run dir"):
-        trainer.load(ckpt)
+        config_yaml(ckpt)  # (what sample and eval read a run dir with; trainer.load(ckpt) loads the checkpoint)
     assert_clean_error(run_main("sample", str(ckpt), cwd=tmp_path), f"eval {reference} checkpoint={ckpt}")
     assert_clean_error(run_main(*tiny_overrides(corpus), f"hydra.run.dir={ckpt}", "resume=auto", cwd=tmp_path),
                        f"hydra.run.dir={ckpt} is a checkpoint of the run {reference}",

@@ -74,6 +74,12 @@ def test_fsdp_equals_one_process_and_each_rank_writes_its_shards(fsdp_reference,
     assert chunks["tok_emb.weight"] == {"shape": [256, 64], "offset": [128, 0]}
     # The export is whole and keyed like the plain model's state_dict.
     assert load_weights(fsdp_reference / "model.safetensors")["tok_emb.weight"].shape == (256, 64)
+    # trainer.load of the sharded checkpoint assembles each tensor on one process: the export's numbers.
+    import trainer
+
+    for ema, name in ((False, "model.safetensors"), (True, "model_ema.safetensors")):
+        weights, loaded = load_weights(fsdp_reference / name), trainer.load(ckpt, ema=ema).state_dict()
+        assert loaded.keys() == weights.keys() and all(torch.equal(loaded[k], weights[k]) for k in weights)
 
 
 def test_fsdp_checkpoint_resumes_on_one_process_and_one_resumes_on_fsdp_with_accumulation(

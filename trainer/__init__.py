@@ -6,7 +6,8 @@ Public API (imported lazily so `python -m trainer --help` does not pay for torch
     build_data(cfg.data)      the (train, val) datasets a config's `data` section builds
     train(cfg, run_dir)       build, resume, fit and export
     load(run_dir, ema=False)  a finished run's model with its weights; with device_map=, max_memory=,
-                              offload_dir= placed over the GPUs, the CPU and disk (trainer/inference/device_map.py)
+                              offload_dir= placed over the GPUs, the CPU and disk (trainer/inference/device_map.py);
+                              with checkpoint="latest"|"best"|PATH (or a checkpoint's path) a checkpoint's weights
     Trainer                   the loop, for use without Hydra
     Runtime                   the framework under a loop of your own (setup, accumulate, backward, step,
                               save_state, ...; trainer/loop/runtime.py): what the Trainer itself runs on

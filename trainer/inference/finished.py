@@ -42,9 +42,9 @@ def _run_dir(run_dir: str | Path) -> Path:
     run = run_of_checkpoint(path)
     if run is not None:
         raise ConfigError(f"{path} is a checkpoint of the run {run}, not a run dir. Pass the run dir: `python -m "
-                          f"trainer eval {run} checkpoint={path}` evaluates this checkpoint, `trainer.load({run})` "
-                          f"and `sample {run}` read the run's final export, and resume={path} continues training "
-                          "from it.")
+                          f"trainer eval {run} checkpoint={path}` evaluates this checkpoint, `trainer.load({path})` "
+                          f"builds its model with its weights, `sample {run}` reads the run's final export, and "
+                          f"resume={path} continues training from it.")
     if not os.path.lexists(path):
         raise ConfigError(f"{path} does not exist. Pass the directory a run wrote, e.g. outputs/2026-01-01/12-00-00.")
     if not os.path.lexists(path / "config.yaml"):
@@ -113,8 +113,6 @@ def _json_object(path: Path, max_size: int, fix: str) -> dict:
 def config_yaml(run_dir: str | Path) -> DictConfig:
     """The run's config.yaml, checked like a checkpoint's (no anchors or aliases, depth- and size-limited) and
     a mapping."""
-    from omegaconf.errors import OmegaConfBaseException
-
     from trainer.checkpoint.store import _check_config
 
     path = _run_dir(run_dir)
@@ -124,6 +122,14 @@ def config_yaml(run_dir: str | Path) -> DictConfig:
         _check_config(raw, source)
     except CheckpointError as e:
         raise ConfigError(f"{_why(e)}. {fix}") from None
+    return _parsed_config(raw, source, fix)
+
+
+def _parsed_config(raw: bytes, source: Path, fix: str) -> DictConfig:
+    """A config.yaml's bytes (checked by the checkpoint reader's rules) as a config, upgraded to this version's
+    module names."""
+    from omegaconf.errors import OmegaConfBaseException
+
     try:
         cfg = OmegaConf.create(raw.decode())
     except UnicodeDecodeError:
@@ -288,15 +294,32 @@ def _say_if_the_export_is_older(path: Path) -> None:
 
 
 def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "cpu", *,
-         device_map: str | dict | None = None, max_memory: dict | None = None,
+         checkpoint: str | Path | None = None, device_map: str | dict | None = None, max_memory: dict | None = None,
          offload_dir: str | Path | None = None) -> nn.Module:
     """The model of a finished run, built from its `model_config.json`, with its final weights (the EMA's with
     `ema=True`), in eval mode. `model = trainer.load("outputs/2026-01-01/12-00-00")`.
+
+    `checkpoint` ("latest", "best" or a checkpoint's path) takes that checkpoint's weights instead, from a run
+    finished or not (Lightning's load_from_checkpoint): `trainer.load(RUN_DIR, checkpoint="best")`. A checkpoint's
+    own path (RUN_DIR/checkpoints/step_N) may be passed as `run_dir`.
 
     With `device_map` ("auto", "balanced", "sequential" or {module: device}), `max_memory` ({"cpu": "2GB", 0:
     "10GiB", "disk": ...}) or `offload_dir`, the model is placed block by block on the GPUs, the CPU and disk
     and never held whole (trainer/inference/device_map.py); `max_memory` or `offload_dir` alone mean
     device_map="auto". `run_dir` may also be a Hugging Face model directory (config.json and safetensors weights)."""
+    from trainer.checkpoint.store import MANIFEST
+
+    given = Path(run_dir).expanduser()
+    own = checkpoint is None and os.path.lexists(given / MANIFEST)  # a checkpoint's own dir (a run dir has no manifest)
+    if own or checkpoint is not None:
+        if device_map is not None or max_memory is not None or offload_dir is not None:
+            raise ConfigError("trainer.load reads a checkpoint whole; device_map, max_memory and offload_dir place a "
+                              "run's export (its final weights). Leave out one or the other.")
+        if not (own or isinstance(checkpoint, (str, os.PathLike))):
+            raise ConfigError(f"trainer.load(checkpoint={checkpoint!r}): expected 'latest', 'best' or the path of a "
+                              "step_* checkpoint directory.")
+        path = given if own else checkpoint_of(run_dir, os.fspath(checkpoint))
+        return checkpoint_model(path, ema).to(device).eval()
     if device_map is not None or max_memory is not None or offload_dir is not None:
         from trainer.inference.device_map import load as load_dispatched
 
@@ -328,6 +351,50 @@ def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "c
         raise CheckpointError(f"the weights of {path} ({name}.safetensors) do not fit the model {source} builds "
                               f"({_one_line(e)}). {fix}") from None
     return model.to(device).eval()
+
+
+def checkpoint_model(path: Path, ema: bool = False) -> nn.Module:
+    """The model the checkpoint's config.yaml builds, with the checkpoint's weights (its EMA's with `ema`), whatever
+    the strategy and world size that wrote it: every file's sha256 is verified and every tensor checked against
+    the model before anything is loaded."""
+    from trainer.checkpoint import store
+
+    where, source = f"checkpoint {path}", path / "config.yaml"
+    fix = f"Load another checkpoint of the run ({path.parent}), or the run's export (trainer.load(RUN_DIR))."
+    loaded = store.read(path)  # (config.yaml among the files it verifies and checks)
+    cfg = _parsed_config(bytes(loaded.buffers["config.yaml"]), source, fix)
+    if OmegaConf.select(cfg, "finetune.lora.rank", default=None):
+        raise ConfigError(f"{path} is a checkpoint of a LoRA run: it holds the adapters, not the frozen base weights "
+                          "(finetune.weights), so no model is whole in it. Load the run's export (trainer.load(RUN_DIR): "
+                          "the adapters merged into the base), or continue the run from it (resume=PATH).")
+    node = cfg.get("model")
+    if not isinstance(node, DictConfig):
+        raise CheckpointError(f"{source} has no model section to build the model from. {fix}")
+    model = _instantiate_checked(OmegaConf.to_container(node, resolve=True), "model", source, fix)
+    if not isinstance(model, nn.Module):
+        raise CheckpointError(f"{source} builds a {type(model).__module__}.{type(model).__qualname__}, not a "
+                              f"torch.nn.Module. {fix}")
+    live = model.state_dict()
+    problems = store.model_mismatches(loaded, live)
+    if problems:
+        raise CheckpointError(f"{where} does not fit the model its config.yaml builds: {_listed(problems)}. The two "
+                              f"were edited apart. {fix}")
+    model.load_state_dict({k: snapshot.assemble(k, loaded.model[k], v, where) for k, v in live.items()})
+    if ema:
+        saved = loaded.tree.get("ema")
+        if not (isinstance(saved, dict) and isinstance(saved.get("shadow"), dict) and saved["shadow"]):
+            raise ConfigError(f"{path} has no EMA weights (ema.enabled was off when it was saved); load it with "
+                              "ema=False.")
+        params = dict(model.named_parameters())
+        strangers = [k for k in saved["shadow"] if k not in params]
+        if strangers:
+            raise CheckpointError(f"{where}: its EMA averages {_listed(strangers)}, which the model its config.yaml "
+                                  f"builds does not have. {fix}")
+        like = {k: torch.empty(params[k].shape, dtype=torch.float32) for k in saved["shadow"]}
+        with torch.no_grad():  # (EMA keeps fp32 averages: cast to each parameter's dtype as the export does)
+            for k, average in snapshot.conform(saved["shadow"], like, loaded.state, f"{where} (ema)").items():
+                params[k].copy_(average)
+    return model
 
 
 def load_task(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> Any:
