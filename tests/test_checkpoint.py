@@ -205,6 +205,14 @@ def test_a_best_metric_the_evals_lack_keeps_the_training_in_a_checkpoint(corpus,
     assert_clean_error(r, "checkpoint.best_metric='val/nosuch' is not among the metrics", "The checkpoint of step 4 is "
                        "saved", "resume=auto")
     assert checkpoints(tmp_path) == ["step_00000004"]
+    # Fixed as the message says: the run is finished, and no eval ranks its checkpoint by the fixed metric, which
+    # `eval checkpoint=best` says instead of "trained without checkpoint.best_metric".
+    train_in_process(corpus, tmp_path, "trainer.max_steps=4", "checkpoint.best_metric=val/loss", "resume=auto")
+    from trainer.errors import ConfigError
+    from trainer.inference.finished import checkpoint_of
+
+    with pytest.raises(ConfigError, match="no eval has ranked a checkpoint by checkpoint.best_metric=val/"):
+        checkpoint_of(tmp_path, "best")
     # An eval on a checkpoint step (the usual eval_every == every_n_steps): its save raised before it wrote.
     again = tmp_path / "again"
     r = run_here(*tiny_overrides(corpus, "trainer.max_steps=4", "trainer.eval_every=2", "checkpoint.every_n_steps=2",

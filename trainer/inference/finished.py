@@ -593,8 +593,12 @@ def checkpoint_of(run_dir: str | Path, which: str = "latest") -> Path:
     if which == "best":
         best = checkpoints / "best.json"
         if not os.path.lexists(best):
-            raise ConfigError(f"{path} has no checkpoints/best.json: it was trained without checkpoint.best_metric. "
-                              "Use checkpoint=latest or a checkpoint's path.")
+            metric = OmegaConf.select(config_yaml(path), "checkpoint.best_metric", default=None)
+            why = (f"no eval has ranked a checkpoint by checkpoint.best_metric={metric} yet (it was set after the "
+                   "run's last eval, or the run stopped before its first one); its next eval writes it" if metric else
+                   "it was trained without checkpoint.best_metric")
+            raise ConfigError(f"{path} has no checkpoints/best.json: {why}. Use checkpoint=latest or a checkpoint's "
+                              "path.")
         fix = "Use checkpoint=latest or a checkpoint's path."
         name = _json_object(best, MAX_CONFIG_BYTES, fix).get("checkpoint")
         if not isinstance(name, str) or Path(name).name != name or step_of(Path(name)) < 0:
