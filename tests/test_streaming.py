@@ -114,6 +114,46 @@ def test_parts_are_read_by_their_own_readers_and_resume_exactly(make):
                                                        "ckpt")
 
 
+def _noisy(make, world: int, b: int, accum: int, steps: int, start: int = 0, state: dict | None = None):
+    """`read`, for samples [value, draws...]: each step's global batch as rows, in the global batch's order."""
+    datas = [Data(make(), None, b, False, 2) for _ in range(world)]
+    for d in datas if state else ():
+        d.load_position(state)
+    its = [iter(d.loader(d.sampler(accum, r, world, 7, start), CPU, 7)) for r, d in enumerate(datas)]
+    rows = []
+    for _ in range(steps):
+        per_rank = [[next(it) for _ in range(accum)] for it in its]
+        rows += [row.tolist() for m in range(accum) for r in range(world) for row in per_rank[r][m]]
+    seen = start + steps * b * accum * world
+    gather = lambda _: [d._reading.local_record() for d in datas]  # noqa: E731
+    at = datas[0].sampler(accum, 0, world, 7, seen)
+    after = {"samples_seen": seen, "data_fingerprint": datas[0].fingerprint(at), **datas[0].position_state(at, gather)}
+    return rows, after
+
+
+@pytest.mark.parametrize("make", [sd.NoisyMap, sd.NoisyStateful])
+def test_random_draws_in_loader_workers_follow_the_sample_on_any_split_and_across_a_resume(make):
+    """A dataset's augmentation in a loader worker drew from the worker's generators, which torch seeds from one seed
+    for every rank's loader and again at each resume: two ranks drew the same noise, and a resumed run replayed the
+    first steps' noise (a loss off the uninterrupted run's from the first step after it)."""
+    whole, _ = _noisy(make, 1, 4, 1, steps=6)  # 24 samples, 2 workers
+    assert [int(r[0]) for r in whole] == list(range(24))
+    draws = [tuple(r[1:]) for r in whole]
+    assert len(set(draws)) == len(draws)  # every sample its own draws (the two workers' among them)
+    # 2 ranks x 2 micro-steps of 1, resumed after 2 steps of the first run: each sample's draws are its own.
+    first, state = _noisy(make, 1, 4, 1, steps=2)
+    rest, _ = _noisy(make, 2, 1, 2, steps=4, start=8, state=state if make is not sd.NoisyMap else None)
+    assert first + rest == whole
+
+
+def test_random_draws_in_the_readers_of_parts_are_the_same_on_a_resume():
+    whole, _ = _noisy(sd.NoisyParts, 2, 1, 1, steps=30)
+    first, state = _noisy(sd.NoisyParts, 2, 1, 1, steps=7)
+    rest, _ = _noisy(sd.NoisyParts, 2, 1, 1, steps=23, start=14, state=state)
+    assert first + rest == whole
+    assert len({tuple(r[1:]) for r in whole}) == len(whole)
+
+
 @pytest.mark.parametrize(("make", "says"), [
     (sd.Lying, "yielded 40 samples in pass 0, but its __len__ says 50"),
     (lambda: sd.Numbers(0), "yielded no samples"),

@@ -125,3 +125,39 @@ def unsized(seq_len: int = 256, cache_dir: str | None = None, val_every: int = 2
 
 def windows_and_val(seq_len: int = 256, cache_dir: str | None = None, val_every: int = 20):
     return Stream(seq_len), Stream(seq_len)
+
+
+def _draws() -> list[float]:
+    """One draw from each generator a dataset's augmentation may use: torch's, `random`'s and numpy's."""
+    import random
+
+    import numpy as np
+
+    return [torch.rand(()).item(), random.random(), float(np.random.rand())]
+
+
+class NoisyMap(torch.utils.data.Dataset):
+    """Map-style, n samples: sample i is [i, three random draws] (an augmentation's noise)."""
+
+    def __init__(self, n: int = 50):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i, *_draws()], dtype=torch.float64)
+
+
+class NoisyStateful(Stateful):
+    """Stateful Stateful's samples as [value, three random draws]."""
+
+    def __iter__(self):
+        for value in super().__iter__():
+            yield torch.tensor([float(value), *_draws()], dtype=torch.float64)
+
+
+class NoisyParts(Parts):
+    def __iter__(self):
+        for value in super().__iter__():
+            yield torch.tensor([float(value), *_draws()], dtype=torch.float64)

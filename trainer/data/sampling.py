@@ -19,8 +19,44 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from trainer.data import streaming
-from trainer.data.streaming import StreamLayout, is_stream
+from trainer.data.streaming import StreamLayout, is_stream, seed_sample
 from trainer.errors import CheckpointError
+
+
+class Positioned(list):
+    """A micro-batch's dataset indices, with the stream position of its first sample (`position`): what a loader
+    worker seeds each sample's random draws from (`SeededSamples`)."""
+
+    position = 0
+
+
+class SeededSamples(Dataset):
+    """A map-style dataset as a loader worker reads it: each sample's random draws in `__getitem__` (an augmentation)
+    come from generators seeded by the run's seed and the sample's stream position. The worker's own generators
+    would give each rank the same draws (one seed for every rank's loader) and start them over at a resume (no
+    checkpoint holds a worker's state); seeded by position, a sample gets the same draws on any world size, split
+    into any micro-batches, resumed or not. A dataset that fetches whole batches (`__getitems__`) is seeded once a
+    batch, from its first sample's position."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitems__(self, indices: Positioned) -> list[Any]:
+        first = getattr(indices, "position", None)  # (None: batches of another sampler than GlobalBatchSampler)
+        getitems = getattr(self.dataset, "__getitems__", None)
+        if getitems is not None:
+            if first is not None:
+                seed_sample(self.seed, first)
+            return getitems(indices)
+        out = []
+        for k, i in enumerate(indices):
+            if first is not None:
+                seed_sample(self.seed, first + k)
+            out.append(self.dataset[i])
+        return out
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -73,7 +109,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
         pos = self.start
         while True:
             for m in range(self.accum):
-                yield self.indices(pos + (m * self.world + self.rank) * self.b, self.b)
+                batch = Positioned(self.indices(first := pos + (m * self.world + self.rank) * self.b, self.b))
+                batch.position = first
+                yield batch
             pos += self.global_batch
 
     def fingerprint(self, steps: int = 2) -> str:
@@ -118,7 +156,7 @@ def train_loader(dataset: Dataset, sampler: GlobalBatchSampler | StreamLayout, n
 
         return (pin_memory(batch) for batch in batches)
     return DataLoader(
-        dataset,
+        SeededSamples(dataset, seed),  # (in the rank's own process, the draws come from its checkpointed generators)
         batch_sampler=sampler,
         num_workers=num_workers,
         collate_fn=collate_fn_of(dataset),

@@ -107,18 +107,43 @@ class StreamLayout:
         return self.micro_batch * self.accum * self.world
 
 
-def _whole(ds) -> Iterator[Any]:
-    """`ds`'s samples, each read without torch's worker info (`_whole_stream`); the reader's own code between them
-    (its collate_fn included) sees it as usual."""
-    with _whole_stream():
+def seed_sample(seed: int, key: int | str) -> None:
+    """Seed this process's torch (CPU), `random` and numpy generators from the run's seed and a sample's place (its
+    stream position). Only in a loader worker, whose generators serve the data alone: a worker's own generators
+    would give every rank the same draws (one seed for each rank's loader) and start them over at a resume (no
+    checkpoint holds a worker's state), so a dataset's random augmentation would be neither exact on resume nor
+    different across ranks. Seeded by place, a sample gets the same draws on any world size and resumed or not."""
+    import random
+    import sys
+
+    h = int.from_bytes(hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest(), "little")
+    torch.default_generator.manual_seed(h)
+    random.seed(h)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(h & 0xFFFF_FFFF)
+
+
+def _samples(ds, whole: bool = True, seeding: Callable[[int | None], None] | None = None) -> Iterator[Any]:
+    """`ds`'s samples. `whole`: each read without torch's worker info (`_whole_stream`); the reader's own code
+    between them (its collate_fn included) sees it as usual. `seeding(k)` runs before the k-th sample is read, and
+    `seeding(None)` before `iter(ds)`: a loader worker's seed_sample."""
+    hidden = _whole_stream if whole else contextlib.nullcontext
+    if seeding is not None:
+        seeding(None)
+    with hidden():
         it = iter(ds)
+    k = 0
     while True:
-        with _whole_stream():
+        if seeding is not None:
+            seeding(k)
+        with hidden():
             try:
                 sample = next(it)
             except StopIteration:
                 return
         yield sample
+        k += 1
 
 
 @contextlib.contextmanager
@@ -140,12 +165,21 @@ class Reader(IterableDataset):
     """One reader's micro-batches, each paired with what a resume needs: runs in a loader worker (or the rank's
     process). Errors travel as values, so they reach the main process as one paragraph, not a worker traceback."""
 
-    def __init__(self, dataset: Any, layout: StreamLayout, workers: int, resume: dict | None, collate: Callable):
+    def __init__(self, dataset: Any, layout: StreamLayout, workers: int, resume: dict | None, collate: Callable,
+                 seed: int = 0):
         self.dataset, self.layout, self.workers, self.resume, self.collate = dataset, layout, workers, resume, collate
+        self.seed, self.in_worker = seed, False
+
+    def _seeding(self, key: str, first: int) -> Callable[[int | None], None] | None:
+        """In a loader worker: the k-th sample read from here is seeded by `key` and its place `first + k`."""
+        if not self.in_worker:
+            return None
+        return lambda k: seed_sample(self.seed, f"{key}start" if k is None else f"{key}{first + k}")
 
     def __iter__(self) -> Iterator[tuple[Any, dict]]:
         info = get_worker_info()
         worker = info.id if info is not None else 0
+        self.in_worker = info is not None
         try:
             yield from (self._part(worker) if reads_parts(self.dataset) else self._one(worker))
         except (DataError, CheckpointError) as e:
@@ -171,7 +205,7 @@ class Reader(IterableDataset):
         batch: list[Any] = []
         while True:
             got = 0
-            for sample in _whole(ds):
+            for sample in _samples(ds, seeding=self._seeding(f"pass{pass_no}:", pos)):
                 got += 1
                 if pos >= lay.start and ((pos - lay.start) // b) % readers == me:
                     batch.append(sample)
@@ -212,9 +246,10 @@ class Reader(IterableDataset):
         else:
             skip = count  # a stateless part is read again from its pass's start
         keep, batch = stateful(ds), []
+        first = count if skip == 0 else 0  # (the place in the pass of the first sample read: a state resumes there)
         while True:
             got = 0
-            for sample in ds:
+            for sample in _samples(ds, whole=False, seeding=self._seeding(f"part{part}.{pass_no}:", first)):
                 got += 1
                 if skip:
                     skip -= 1
@@ -229,7 +264,7 @@ class Reader(IterableDataset):
                 raise DataError(f"{_name(ds)}.read_part({part}, {readers}) gave reader {part} of {readers} no samples "
                                 f"(pass {pass_no}): every reader (data-parallel rank x data.num_workers) needs a part "
                                 "with data. Use fewer ranks or data.num_workers, or more files.")
-            pass_no, count = pass_no + 1, 0
+            pass_no, count, first = pass_no + 1, 0, 0
             _set_epoch(ds, pass_no)
 
 
@@ -244,7 +279,7 @@ class StreamBatches:
     def __init__(self, dataset: Any, layout: StreamLayout, workers: int, device: torch.device, seed: int,
                  resume: dict | None, collate: Callable):
         self.layout, self.workers, self.parts = layout, max(1, workers), reads_parts(dataset)
-        reader = Reader(dataset, layout, workers, resume, collate)
+        reader = Reader(dataset, layout, workers, resume, collate, seed)
         if workers == 0 and device.type == "cpu":
             self._it: Iterator = iter(reader)
         else:
