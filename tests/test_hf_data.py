@@ -128,6 +128,20 @@ def test_tokenised_once_and_rebuilt_when_the_data_or_the_tokenizer_changes(files
             files["tok"].token_to_id(EOS)]
     assert more.path != first.path and val.tokens[-len(tail):].tolist() == tail
     assert sorted(p.name.startswith("hf-docs-") for p in (tmp_path / "cache").iterdir()) == [True] * 3
+    # What a resume and an eval check the data against: the training tokens' sha256. The same text at another path
+    # is the same data; a word edited in place (same size) is not (it resumed silently on the new text).
+    import hashlib
+
+    assert first.fingerprint == hashlib.sha256(first.tokens.numpy().tobytes()).hexdigest()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "docs.jsonl").write_bytes(files["jsonl"].read_bytes())
+    copied, _ = build([*args, f"data.path={tmp_path / 'elsewhere' / 'docs.jsonl'}"])
+    assert copied.path != first.path and copied.fingerprint == first.fingerprint
+    text = data.read_text()
+    word = next(w for w in files["docs"][0].split() if w.isalpha() and w != w.upper())  # (in the first document)
+    data.write_text(text.replace(word, word.upper(), 1))
+    edited, _ = build(args)
+    assert len(edited) == len(more) and edited.fingerprint != more.fingerprint
 
 
 def test_every_source_format_gives_the_same_tokens_offline(files, tmp_path, monkeypatch):

@@ -287,6 +287,7 @@ def hf_text(path: str, tokenizer: str | None = None, text_column: str = "text", 
     cache, meta = tokenize_corpus(path, files, fmt, encoder, Path(cache_dir or default_cache_dir()), text_column,
                                   val_fraction)
     train = TokenWindows(cache / "train.bin", seq_len, meta["dtype"])
+    train.fingerprint = meta.get("train_sha256")  # (None in a cache built before it was recorded: checked as before)
     if len(train) == 0:
         raise DataError(f"data.path={str(path)!r} gives {meta['train_tokens']} training tokens, fewer than "
                         f"data.seq_len + 1 = {seq_len + 1}. Use more text or a smaller data.seq_len.")

@@ -31,7 +31,7 @@ import numpy as np
 from trainer.data.files import local_files
 from trainer.errors import DataError
 
-FORMAT = 3  # bump when the cache layout or the encoding changes (2: text files keep their line breaks; 3: a val fraction of 2+ documents is at least one)
+FORMAT = 4  # bump when the cache layout or the encoding changes (2: text files keep their line breaks; 3: a val fraction of 2+ documents is at least one; 4: meta.json records the tokens' sha256)
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text", ".text": "text",
            ".md": "text"}
 INSTALL = "pip install 'trainer[hf-data]' (or: pip install datasets tokenizers)"
@@ -340,6 +340,9 @@ def _write(loaded: list, fmt: str, column: str, encoder: Encoder, val_fraction: 
         raise DataError(f"the data has {docs} documents: none left for training after "
                         f"data.val_fraction={val_fraction}.")
     counts = {"train": 0, "val": 0}
+    # The tokens' digest, as the byte corpora record theirs: what a resume and an eval check the data against (a
+    # file edited in place builds a new cache, whose other tokens are then refused; the same text elsewhere is not).
+    digests = {"train": hashlib.sha256(), "val": hashlib.sha256()}
     seen = 0
     with open(out / "train.bin", "wb") as train, open(out / "val.bin", "wb") as val:
         for f, ds in loaded:
@@ -349,10 +352,13 @@ def _write(loaded: list, fmt: str, column: str, encoder: Encoder, val_fraction: 
                 for split, fh, part in (("train", train, encoded[:cut]), ("val", val, encoded[cut:])):
                     if part:
                         flat = np.concatenate(part)
-                        fh.write(flat.tobytes())
+                        data = flat.tobytes()
+                        fh.write(data)
+                        digests[split].update(data)
                         counts[split] += len(flat)
                 seen += len(encoded)
         for fh in (train, val):
             fh.flush()
             os.fsync(fh.fileno())
-    return {"documents": docs, "val_documents": n_val, "train_tokens": counts["train"], "val_tokens": counts["val"]}
+    return {"documents": docs, "val_documents": n_val, "train_tokens": counts["train"], "val_tokens": counts["val"],
+            **{f"{split}_sha256": d.hexdigest() for split, d in digests.items()}}
