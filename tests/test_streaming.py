@@ -218,6 +218,36 @@ def stream_reference(corpus, tmp_path_factory):
     return run_dir
 
 
+def test_a_stream_copied_elsewhere_resumes_and_one_edited_in_place_is_refused(corpus, tmp_path, stream_reference):
+    """A preempted job that copies its corpus to node-local scratch at each start: the stream's fingerprint held
+    the files' paths and modification times, so the same bytes elsewhere (or a file touched) were refused as
+    "another dataset", with no way to follow the advice."""
+    import os
+    import shutil
+
+    copy = tmp_path / "scratch" / corpus.name
+    copy.parent.mkdir()
+    shutil.copyfile(corpus, copy)  # (a new path and modification time)
+    os.utime(copy, (1, 1))
+    run = tmp_path / "run"
+    shutil.copytree(stream_reference, run)
+    step_8 = f"resume={stream_reference}/checkpoints/step_00000008"
+    train_in_process(copy, run, *STREAM, f"data.val_path={corpus}", step_8)
+    assert_identical(run, stream_reference)
+    # One byte changed in place, same size: other data, refused (the file's first block is always sampled).
+    data = bytearray(copy.read_bytes())
+    data[0] ^= 1
+    copy.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="trained on another dataset than this run's stream"):
+        train_in_process(copy, tmp_path / "edited", *STREAM, f"data.val_path={corpus}", step_8)
+    # A checkpoint written before (its fingerprint of paths, sizes and times) still resumes on those files.
+    from trainer.data import streaming
+    from trainer.recipes.lm.data import TextStream
+
+    stream = TextStream([corpus], 256)
+    assert streaming.fingerprint(stream, stream.earlier_fingerprints[0]) in streaming.fingerprints(stream)
+
+
 @pytest.mark.slow
 def test_sigkill_then_resume_auto_is_bit_identical_with_loader_workers(corpus, tmp_path, stream_reference):
     from conftest import tiny_overrides

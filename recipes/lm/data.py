@@ -177,6 +177,24 @@ def _text_splits(path: str, seq_len: int, cache_dir: str | None, val_fraction: f
     return _splits(cache, seq_len)
 
 
+def sampled_digest(files: list[str], sizes: list[int], blocks: int = 16, block: int = 4096) -> str:
+    """What a stream's corpus is, without reading all of it: each file's name relative to the files' common
+    directory, its size, and the sha256 of `blocks` blocks spread over it (the whole file when that is less). A
+    corpus copied elsewhere (node-local scratch at each start of a preempted job) or touched is the same data;
+    a file that grew, shrank or changed in a sampled block is not. (Its modification time, which this replaced,
+    refused both of the former; hashing every byte would cost a large corpus minutes at each start.)"""
+    root = os.path.commonpath([os.path.dirname(f) for f in files]) if files else ""
+    digest = hashlib.sha256(repr([(os.path.relpath(f, root), n) for f, n in zip(files, sizes)]).encode())
+    for f, n in zip(files, sizes):
+        with open(f, "rb", buffering=0) as fh:
+            if n <= blocks * block:
+                digest.update(fh.read())
+                continue
+            for i in range(blocks):
+                digest.update(os.pread(fh.fileno(), block, (n - block) * i // (blocks - 1)))
+    return digest.hexdigest()[:16]
+
+
 class TextStream(IterableDataset):
     """Text files as a stream of windows, read a block at a time: memory stays flat whatever the corpus size.
 
@@ -191,8 +209,11 @@ class TextStream(IterableDataset):
         self.windows = [max(0, (st.st_size - 1) // seq_len) for st in stats]
         self.block = max(1, block_bytes // seq_len)  # windows per read
         # What a resume checks: the same files, unchanged, cut the same way.
-        self.fingerprint = hashlib.sha256(repr((FORMAT, seq_len, [(f, st.st_size, st.st_mtime_ns) for f, st in
-                                                                   zip(self.files, stats)])).encode()).hexdigest()[:16]
+        self.fingerprint = hashlib.sha256(repr((FORMAT, seq_len, sampled_digest(
+            self.files, [st.st_size for st in stats]))).encode()).hexdigest()[:16]
+        # (until 2026-11-28: paths, sizes and modification times; a checkpoint written then still resumes)
+        self.earlier_fingerprints = [hashlib.sha256(repr((FORMAT, seq_len, [(f, st.st_size, st.st_mtime_ns) for f, st in
+                                                                             zip(self.files, stats)])).encode()).hexdigest()[:16]]
         self.part = (0, 1)  # (index, count): which files this reader reads (TextFileParts)
         self._at = (0, 0)  # (file, window) after the last sample yielded
         self._resume: tuple[int, int] | None = None

@@ -282,7 +282,7 @@ class Data:
         """Whether this run's data continues the checkpoint's (`state`: samples_seen, global_batch, data_fingerprint
         and a stream's position); `sampler` is this run's, at any position. Raises CheckpointError."""
         if self.streaming:
-            if state.get("data_fingerprint") != self.fingerprint(sampler):
+            if state.get("data_fingerprint") not in streaming.fingerprints(self.train):
                 raise CheckpointError(f"{where}: the checkpoint was trained on another dataset than this run's stream "
                                       f"({type(self.train).__name__}): resume with the data it was trained on.")
             rec = streaming.parse_record(state.get("stream"), where)

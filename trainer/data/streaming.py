@@ -346,12 +346,18 @@ def loader_worker_init(worker_id: int) -> None:
     die_with_parent()
 
 
-def fingerprint(dataset: Any) -> str:
+def fingerprint(dataset: Any, own: Any = None) -> str:
     """What a resume checks the stream against: its kind, class, length and, if it has one, its `fingerprint`
-    attribute (say, a hash of its files' names, sizes and times)."""
+    attribute (say, a hash of its files' names, sizes and contents), or `own` in its place."""
     ident = ("stream", "parts" if reads_parts(dataset) else "one", type(dataset).__module__,
-             type(dataset).__qualname__, sized(dataset), getattr(dataset, "fingerprint", None))
+             type(dataset).__qualname__, sized(dataset), own if own is not None else getattr(dataset, "fingerprint", None))
     return hashlib.sha256(repr(ident).encode()).hexdigest()[:16]
+
+
+def fingerprints(dataset: Any) -> set[str]:
+    """The fingerprints a checkpoint of this stream may hold: this version's, and those of the stream's earlier ways
+    of telling its data (its `earlier_fingerprints` attribute), so a checkpoint written before one changed resumes."""
+    return {fingerprint(dataset), *(fingerprint(dataset, f) for f in getattr(dataset, "earlier_fingerprints", ()))}
 
 
 def _count(value: Any) -> bool:
