@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -142,6 +144,27 @@ def test_tokenised_once_and_rebuilt_when_the_data_or_the_tokenizer_changes(files
     data.write_text(text.replace(word, word.upper(), 1))
     edited, _ = build(args)
     assert len(edited) == len(more) and edited.fingerprint != more.fingerprint
+
+
+def test_a_build_killed_before_it_finished_leaves_nothing_once_the_next_build_ran(files, tmp_path):
+    """A SIGKILLed tokenisation left its hidden temp dir (an Arrow copy of the corpus) for good: the next build, under
+    its own pid, neither reused nor removed it. Only this host's dirs of dead processes go."""
+    import shutil
+    import socket
+    import subprocess
+
+    args = hf(files, f"data.cache_dir={tmp_path / 'cache'}")
+    cache = Path(build(args)[0].path).parent
+    shutil.rmtree(cache)  # (as if the build never finished)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host = socket.gethostname().replace(".", "_")
+    orphan, alive, elsewhere = (cache.parent / f".{cache.name}.{h}.{pid}.tmp" for h, pid in
+                                ((host, dead.pid), (host, os.getppid()), ("otherhost", dead.pid)))
+    for d in (orphan, alive, elsewhere):
+        (d / "arrow").mkdir(parents=True)
+    assert Path(build(args)[0].path).parent == cache
+    assert not orphan.exists() and alive.exists() and elsewhere.exists()
 
 
 def test_every_source_format_gives_the_same_tokens_offline(files, tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -308,7 +309,10 @@ def _build(datasets, files: list[Path], fmt: str, column: str, encoder: Encoder,
     from trainer.io import atomic_write_json, fsync_dir
 
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.parent / f".{cache.name}.{os.getpid()}.tmp"
+    host = socket.gethostname().replace(".", "_")
+    for stale in cache.parent.glob(f".{cache.name}.{host}.*.tmp"):
+        _remove_if_orphaned(stale)
+    tmp = cache.parent / f".{cache.name}.{host}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -328,6 +332,19 @@ def _build(datasets, files: list[Path], fmt: str, column: str, encoder: Encoder,
         fsync_dir(cache.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_if_orphaned(tmp: Path) -> None:
+    """Remove `tmp` (.<cache>.<host>.<pid>.tmp, this host's) when its process is gone: a SIGKILLed build leaves it
+    (an Arrow copy of the corpus), and no later build, under its own pid, would reuse or remove it. A cache dir may
+    be shared by several machines: only this host's are judged, by their pid."""
+    try:
+        pid = int(tmp.name.rsplit(".", 2)[-2])
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    except (ValueError, PermissionError):  # (not a name of ours; or a process of another user's: alive)
+        pass
 
 
 def _write(loaded: list, fmt: str, column: str, encoder: Encoder, val_fraction: float, out: Path) -> dict:
