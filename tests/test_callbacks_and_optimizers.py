@@ -65,6 +65,19 @@ def test_each_optimizer_learns_and_resumes_exactly(corpus, tmp_path, optim):
     assert series(read_metrics(tmp_path / "a"), "train/loss") == loss  # bit-identical from step 15
 
 
+def test_an_optimizer_chosen_at_a_recipe_s_learning_rate_is_told_so(capsys):
+    """optim=muon on the lm recipe ran Muon at the recipe's AdamW rate (5e-3, merged over muon.yaml's 0.02) without
+    a word."""
+    from conftest import compose_cfg
+
+    assert compose_cfg(["optim=muon"]).optim.lr == 5e-3
+    assert "note: optim=muon runs at optim.lr=0.005 (recipe=lm's, tuned for its own optimizer), not at its own " \
+           "default 0.02. Pass optim.lr=VALUE to choose" in capsys.readouterr().err
+    for quiet in (["optim=muon", "optim.lr=0.02"], ["optim=adamw"], ["optim=muon", "optim.lr=5e-3"]):
+        compose_cfg(quiet)  # (a rate given, or the recipe's own optimizer)
+        assert "note:" not in capsys.readouterr().err, quiet
+
+
 def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(corpus):
     from conftest import compose_cfg
     from hydra.utils import instantiate
@@ -77,6 +90,27 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(corpus):
     muon = {name[id(p)] for g in opt.param_groups if g["use_muon"] for p in g["params"]}
     assert muon == {"blocks.0.attn.qkv.weight", "blocks.0.attn.proj.weight", "blocks.0.mlp.0.weight",
                     "blocks.0.mlp.2.weight"}  # not the embeddings nor the head tied to them, nor the norms
+    # An untied output layer goes to AdamW too (it went to Muon): a model's last nn.Linear, or the one a Hugging Face
+    # model's get_output_embeddings() names wherever it was registered.
+    import torch.nn as nn
+
+    from trainer.loop.optim import MuonAdamW
+
+    class HeadFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head, self.embed = nn.Linear(8, 16, bias=False), nn.Embedding(16, 8)
+            self.hidden = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+    for model, want in ((nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)),
+                         {"0.weight", "2.weight"}), (HeadFirst(), {"hidden.0.weight", "hidden.1.weight"})):
+        name = {id(p): n for n, p in model.named_parameters()}
+        groups = MuonAdamW.param_groups(model)
+        assert {name[id(p)] for g in groups if g["use_muon"] for p in g["params"]} == want
+        assert sum(len(g["params"]) for g in groups) == len(name)  # (every parameter in one group)
 
 
 def _forward_counts(model) -> list[int]:

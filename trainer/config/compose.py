@@ -9,6 +9,7 @@ unknown group options, wrong types) become one paragraph with the nearest valid 
 from __future__ import annotations
 
 import re
+import sys
 import warnings
 from itertools import product
 from pathlib import Path
@@ -237,6 +238,8 @@ def check_choices(cfg: DictConfig, overrides: list[str], config_dir: str | None)
 
     with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
         for group, option in chosen:
+            if group == "optim" and "optim.lr" not in dotted:
+                _say_whose_lr(cfg, option, search, recipe)
             for path, want in alone(group, option):
                 got = OmegaConf.select(cfg, f"{path}._target_", default=None)
                 if got == want or any(f"{path}._target_" == k or f"{path}._target_".startswith(k + ".") for k in dotted):
@@ -254,6 +257,37 @@ def check_choices(cfg: DictConfig, overrides: list[str], config_dir: str | None)
                     "(after the `# @package _global_` line, as conf/recipe/diffusion.yaml does); then "
                     f"{group}=... on the command line wins. Or set the class itself: {path}._target_=CLASS."
                 )
+
+
+def _say_whose_lr(cfg: DictConfig, option: str, search: list[str], recipe: str | None) -> None:
+    """A note when `optim=OPTION` chosen on the command line runs at a learning rate other than its own: a recipe
+    sets `optim.lr` tuned for its own optimizer (lm: AdamW's 5e-3), which Hydra merges over the option's (Muon's
+    0.02), without a word. Not for the recipe's own optimizer, which its rate was tuned for."""
+    try:
+        recipe = recipe or _default_option("recipe", None, search)
+        if option == _default_option("optim", recipe, search):
+            return
+        own = OmegaConf.select(option_alone("optim", option, search), "optim.lr", default=None)
+    except Exception:  # noqa: BLE001 - an option of one's own with a defaults list: nothing to compare
+        return
+    got = OmegaConf.select(cfg, "optim.lr", default=None)
+    if own is not None and got is not None and own != got:
+        setter = f"recipe={recipe}'s, tuned for its own optimizer" if recipe else "set by a config merged after it"
+        print(f"note: optim={option} runs at optim.lr={got} ({setter}), not at its own default {own}. Pass "
+              f"optim.lr=VALUE to choose (optim.lr={own} for {option}'s).", file=sys.stderr, flush=True)
+
+
+def _default_option(group: str, recipe: str | None, search: list[str]) -> str | None:
+    """The option of `group` a run of `recipe` takes when the command line names none: the recipe's
+    `override /group: X`, else the root config's default. Inside `initialize_config_module`."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    _, repo = GlobalHydra.instance().config_loader()._parse_overrides_and_create_caching_repo("config", search)
+    for name in ([f"recipe/{recipe}"] if recipe else []) + ["config"]:
+        for d in repo.load_config(name).defaults_list or []:
+            if getattr(d, "group", None) in (group, f"/{group}") and isinstance(getattr(d, "value", None), str):
+                return d.value
+    return None
 
 
 def option_alone(group: str, option: str, search: list[str]) -> DictConfig:

@@ -15,14 +15,29 @@ import torch
 import torch.nn as nn
 
 
+def output_layer(model: nn.Module) -> nn.Module | None:
+    """The layer that makes the model's output: a Hugging Face model's `get_output_embeddings()`, else the model's
+    last nn.Linear (in the order its modules were registered, as `modules()` lists them)."""
+    get = getattr(model, "get_output_embeddings", None)
+    out = get() if callable(get) else None
+    if isinstance(out, nn.Module) and isinstance(getattr(out, "weight", None), torch.Tensor):
+        return out
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    return linears[-1] if linears else None
+
+
 class MuonAdamW(torch.optim.Optimizer):
-    """Muon (`lr`, `momentum`, `weight_decay`, ...) on the weights of nn.Linear layers that are not tied to an
-    embedding; AdamW (`adamw_lr`, `betas`, `eps`, the same `weight_decay`, none on 1-D parameters) on the rest."""
+    """Muon (`lr`, `momentum`, `weight_decay`, ...) on the weights of the hidden nn.Linear layers: not the output
+    layer (`output_layer`) nor one tied to an embedding. AdamW (`adamw_lr`, `betas`, `eps`, the same `weight_decay`,
+    none on 1-D parameters) on the rest, as Muon's authors prescribe: an output head orthogonalised trains worse."""
 
     @staticmethod
     def param_groups(model: nn.Module) -> list[dict[str, Any]]:
         """The split: hidden weight matrices for Muon; other matrices, then 1-D parameters, for AdamW."""
         embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        head = output_layer(model)
+        if head is not None:
+            embedded.add(id(head.weight))
         hidden = [m.weight for m in model.modules() if isinstance(m, nn.Linear) and m.weight.requires_grad
                   and id(m.weight) not in embedded]
         taken = {id(p) for p in hidden}
