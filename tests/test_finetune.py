@@ -153,6 +153,12 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_to_the_same_run(c
     with pytest.raises(CheckpointError, match=r"other pretrained weights than finetune.weights=.*base.safetensors"
                                               r" holds now \(base.safetensors differ by sha256\)"):
         train(compose(tiny_overrides(corpus, *run, "ema.enabled=true", f"resume={step2}")), tmp_path / "again")
+    # No finetune.weights at all: the frozen base would be random (it resumed, trained on and exported that, with only
+    # a note of the changed setting). Refused naming the path to give again, and nothing written.
+    with pytest.raises(CheckpointError, match=rf"but this run has no finetune.weights: the frozen base would be a "
+                                              rf"random initialisation. Resume with finetune.weights={base}"):
+        train(compose(tiny_overrides(corpus, *STEPS, *LORA, "ema.enabled=true", f"resume={step2}")), tmp_path / "none")
+    assert not (tmp_path / "none" / "checkpoints").exists()
 
 
 def assert_same_run(run_dir: Path, ref: Path) -> None:

@@ -151,6 +151,22 @@ def _stepped(state: Any) -> bool:
     return isinstance(state, dict) and bool(state.get("state"))
 
 
+def _base_missing(loaded: ckpt.Loaded, where: str) -> str:
+    """A LoRA checkpoint resumed without the pretrained weights its adapters were trained on: the frozen base would
+    be this run's random initialisation, and the run would go on training and export it, with no word but a setting's
+    change (finetune.weights: PATH -> None)."""
+    import yaml
+
+    try:
+        weights = (yaml.safe_load(bytes(loaded.buffers["config.yaml"]).decode()) or {}).get("finetune", {}).get("weights")
+    except (ValueError, AttributeError, yaml.YAMLError):
+        weights = None
+    given = f"finetune.weights={weights}" if isinstance(weights, str) else "the finetune.weights its config.yaml names"
+    return (f"{where} holds LoRA adapters trained on pretrained weights that its checkpoints leave out (a resume reads "
+            f"them from finetune.weights again), but this run has no finetune.weights: the frozen base would be a random "
+            f"initialisation. Resume with {given}.")
+
+
 class CheckpointManager:
     """`run` is the run state (`state_dict`, `load_state_dict`, `check_state`, `resize_notes`: the Trainer's, or
     a hand-written loop's through trainer.Runtime); `parts` the models and optimizers (`Parts`); `components` the
@@ -255,6 +271,8 @@ class CheckpointManager:
         for key in [k for k in loaded.model if k not in live_model and self.parts.saved_elsewhere(k)]:
             del loaded.model[key]  # this run rebuilds it (an older checkpoint of a LoRA run kept its base)
         tree = loaded.tree if isinstance(loaded.tree, dict) else {}
+        if "finetune" in tree and "finetune" not in self.components and any(self.parts.left_out.values()):
+            raise CheckpointError(_base_missing(loaded, where))
         renamed = self.parts.names_differ(loaded.model, live_model, tree.get("optimizer")) \
             if self.every_component else None
         if renamed:
