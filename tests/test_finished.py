@@ -63,6 +63,12 @@ def test_load_of_a_checkpoint_gives_its_model_with_its_weights_or_its_ema(refere
     (bad / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="sha256 does not match"):
         trainer.load(bad)
+    # A save cut off (no manifest yet) is named as such (it was taken for a run dir without an export).
+    cut = tmp_path / "run" / "checkpoints" / "step_00000008"
+    shutil.copytree(step_8, cut)
+    (cut / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="has no manifest.json: it is incomplete"):
+        trainer.load(cut)
 
 
 def test_exported_weights_changed_since_the_run_wrote_them_are_refused_by_every_reader(reference, tmp_path):

@@ -307,10 +307,13 @@ def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "c
     "10GiB", "disk": ...}) or `offload_dir`, the model is placed block by block on the GPUs, the CPU and disk
     and never held whole (trainer/inference/device_map.py); `max_memory` or `offload_dir` alone mean
     device_map="auto". `run_dir` may also be a Hugging Face model directory (config.json and safetensors weights)."""
-    from trainer.checkpoint.store import MANIFEST
+    from trainer.checkpoint.store import MANIFEST, step_of
 
     given = Path(run_dir).expanduser()
-    own = checkpoint is None and os.path.lexists(given / MANIFEST)  # a checkpoint's own dir (a run dir has no manifest)
+    # A checkpoint's own dir: a run dir has no manifest; a run's step_N without one is a save that was cut off,
+    # which the reader names as such.
+    own = checkpoint is None and (os.path.lexists(given / MANIFEST) or (step_of(given) >= 0 and given.parent.name ==
+                                                                         "checkpoints"))
     if own or checkpoint is not None:
         if device_map is not None or max_memory is not None or offload_dir is not None:
             raise ConfigError("trainer.load reads a checkpoint whole; device_map, max_memory and offload_dir place a "
