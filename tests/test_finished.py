@@ -233,6 +233,10 @@ def test_eval_mistakes_are_one_paragraph(reference, tmp_path):
                          (["eval", str(tmp_path)], "is not a run dir"),
                          (["eval", str(reference), "checkpoint=best"], "no checkpoints/best.json"),
                          (["eval", str(reference), "trainer.nosuch=1"], "nosuch"),
+                         # (config.yaml held the task's copy of data.seq_len resolved, so the check passed and the
+                         # model's forward raised a traceback)
+                         (["eval", str(reference), "data.seq_len=64"], "model.seq_len=32 is shorter than "
+                                                                        "data.seq_len=64", ),
                          (["eval", str(reference), "checkpoint=/no/such/step"], "checkpoint=/no/such/step is not a "
                                                                                  "directory. Pass checkpoint=latest"),
                          # (not the advice for a script of one's own run as one process)

@@ -27,7 +27,8 @@ class LanguageModeling:
                               "least the tokenizer's vocabulary size).")
         if seq_len is not None and data_seq_len is not None and seq_len < data_seq_len:
             raise ConfigError(f"model.seq_len={seq_len} is shorter than data.seq_len={data_seq_len}: the model has no "
-                              "positions for the later tokens. Set model.seq_len >= data.seq_len (the default follows it).")
+                              "positions for the later tokens. Set model.seq_len >= data.seq_len (the default follows it); to "
+                              f"evaluate a trained model, data.seq_len={seq_len} (or less).")
         _check_sampling(sample_prompt, sample_tokens, temperature, top_k)
         self.sample_prompt, self.sample_tokens = sample_prompt, sample_tokens
         self.temperature, self.top_k = temperature, top_k

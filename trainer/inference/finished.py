@@ -496,8 +496,9 @@ def config_of(run_dir: str | Path, overrides: list[str]) -> DictConfig:
 
     path = _run_dir(run_dir)
     cfg = config_yaml(path)
-    OmegaConf.set_struct(cfg, True)  # a key that is not there is a typo, not a new key
     conf = files("trainer.conf")
+    _relink_task(cfg, conf)
+    OmegaConf.set_struct(cfg, True)  # a key that is not there is a typo, not a new key
     for override in overrides:
         key, sep, value = override.partition("=")
         if not sep:
@@ -529,6 +530,26 @@ def config_of(run_dir: str | Path, overrides: list[str]) -> DictConfig:
                     "Pass each again on the command line (KEY=VALUE after the run dir), e.g. from an environment "
                     "variable: KEY=\"$MY_TOKEN\".")
     return cfg
+
+
+def _relink_task(cfg: DictConfig, conf) -> None:
+    """The task keys its recipe takes from other settings (lm: `seq_len: ${oc.select:model.seq_len,null}`, checked
+    against the data's at start), as references again: config.yaml holds them resolved, so an eval's data.seq_len=64
+    kept the run's 32 there, passed the check, and crashed in the model's forward with a traceback. (A recipe of the
+    package's, found by its task's _target_; `task.KEY=...` given on the command line still wins.)"""
+    target = OmegaConf.select(cfg, "task._target_", default=None)
+    if not isinstance(target, str):
+        return
+    for recipe in (conf / "recipe").iterdir():
+        try:
+            task = (yaml.safe_load(recipe.read_text()) or {}).get("task") if recipe.name.endswith(".yaml") else None
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(task, dict) and task.get("_target_") == target:
+            for key, value in task.items():
+                if isinstance(value, str) and value.startswith("${") and key in cfg.task:
+                    cfg.task[key] = value
+            return
 
 
 def refuse_relative_data_elsewhere(run_dir: str | Path, cfg: DictConfig) -> None:
