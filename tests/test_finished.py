@@ -236,7 +236,9 @@ def test_eval_mistakes_are_one_paragraph(reference, tmp_path):
                          # (config.yaml held the task's copy of data.seq_len resolved, so the check passed and the
                          # model's forward raised a traceback)
                          (["eval", str(reference), "data.seq_len=64"], "model.seq_len=32 is shorter than "
-                                                                        "data.seq_len=64", ),
+                                                                        "data.seq_len=64"),
+                         (["eval", str(reference), "data.seq_len=64", "device_map=auto"],
+                          "to evaluate a trained model, data.seq_len=32 (or less)"),
                          (["eval", str(reference), "checkpoint=/no/such/step"], "checkpoint=/no/such/step is not a "
                                                                                  "directory. Pass checkpoint=latest"),
                          # (not the advice for a script of one's own run as one process)

@@ -400,12 +400,12 @@ def checkpoint_model(path: Path, ema: bool = False) -> nn.Module:
     return model
 
 
-def load_task(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> Any:
-    """The run's task, built from its config.yaml with `overrides` of its keys (`{"sample_tokens": 200}`), with
-    its exported state (a data normaliser) if it has one."""
+def load_task(run_dir: str | Path, overrides: dict[str, Any] | None = None, cfg: DictConfig | None = None) -> Any:
+    """The run's task, built from its config.yaml (or `cfg`, an eval's config of the run: config_of) with
+    `overrides` of its keys (`{"sample_tokens": 200}`), with its exported state (a data normaliser) if it has one."""
     path = _run_dir(run_dir)
     source = path / "config.yaml"
-    task_node = OmegaConf.to_container(config_yaml(path), resolve=False).get("task")
+    task_node = OmegaConf.to_container(config_yaml(path) if cfg is None else cfg, resolve=cfg is not None).get("task")
     if not isinstance(task_node, dict) or "_target_" not in task_node:
         raise ConfigError(f"{source} has no task with a _target_. {_restore_config(path)}")
     if overrides:
@@ -456,7 +456,7 @@ def evaluate_dispatched(run_dir: str | Path, cfg: DictConfig, task_keys: dict[st
     path = _run_dir(run_dir)
     cfg = prepare(cfg)
     _, val = build_data(cfg.data)
-    task = load_task(path, task_keys)
+    task = load_task(path, task_keys, cfg)  # (checked against the data this eval reads: its data.seq_len)
     metrics: dict[str, float] = {}
     for prefix, ema in (("val", False), ("val_ema", True)):
         if ema and not has_ema(path):
