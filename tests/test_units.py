@@ -4,6 +4,8 @@ activation-checkpointing blocks. In memory, no process group, no files."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -427,3 +429,22 @@ def test_the_summary_line_gives_counts_whole():
 
     assert summary_line({"summary/steps": 10001, "summary/train_time_s": 123.456789, "summary/mfu": 0.0123456}) == \
         "summary: steps=10001 train_time_s=123.5 mfu=0.01235"
+
+
+def test_supervised_task_takes_pairs_or_dicts_by_their_keys_and_says_what_it_takes_otherwise():
+    """Dict samples (a Hugging Face habit) were a KeyError traceback from inside the loop, the run dir left behind."""
+    from trainer.task import SupervisedTask
+
+    model = nn.Linear(4, 1)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    pair = SupervisedTask("torch.nn.MSELoss")
+    keyed = SupervisedTask("torch.nn.MSELoss", input_key="inputs", target_key="labels")
+    assert pair.num_targets((x, y)) == keyed.num_targets({"inputs": x, "labels": y, "id": torch.arange(8)}) == 8
+    assert torch.equal(pair.loss(model, (x, y)), keyed.loss(model, {"inputs": x, "labels": y}))
+    for task, batch, says in ((pair, {"inputs": x, "labels": y}, "batches of dicts (keys: inputs, labels), and "
+                               "task.input_key and task.target_key are not set"),
+                              (keyed, {"inputs": x, "y": y}, "'labels' is not among them"),
+                              (pair, (x, y, y), "batches are a tuple of 3"),
+                              (pair, x, "batches are a Tensor")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            task.num_targets(batch)

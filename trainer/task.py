@@ -48,7 +48,8 @@ class Task(Protocol):
 
 
 class SupervisedTask:
-    """A ready-made task for `model(x) -> prediction`, batches `(x, y)` and a torch loss class.
+    """A ready-made task for `model(x) -> prediction`, batches `(x, y)` (or dicts: `input_key`, `target_key`) and a
+    torch loss class.
 
     `loss_fn` is built with reduction='sum'. With a classification loss (CrossEntropyLoss, NLLLoss) the
     accuracy is logged too (train/accuracy, val/accuracy). Example config::
@@ -56,22 +57,50 @@ class SupervisedTask:
         task:
           _target_: trainer.task.SupervisedTask
           loss: torch.nn.MSELoss
+          input_key: null    # samples as dicts ({"pixel_values": ..., "label": ...}): the keys of x and y
+          target_key: null
     """
 
     target_unit = "samples"
 
-    def __init__(self, loss: str = "torch.nn.MSELoss"):
+    def __init__(self, loss: str = "torch.nn.MSELoss", input_key: str | None = None, target_key: str | None = None):
         from hydra.utils import get_class
 
         cls = get_class(loss)
         self.loss_fn = cls(reduction="sum")
         self.classification = issubclass(cls, (nn.CrossEntropyLoss, nn.NLLLoss))
+        self.keys = (input_key, target_key)
+
+    def _pair(self, batch: Any) -> tuple[Any, Any]:
+        """(x, y) of a batch; a batch of another shape is one paragraph saying what this task takes (a KeyError
+        traceback from inside the loop before)."""
+        from trainer.errors import ConfigError
+
+        if isinstance(batch, dict):
+            missing = [k for k in self.keys if k not in batch]
+            if not missing:
+                return batch[self.keys[0]], batch[self.keys[1]]
+            have = ", ".join(map(str, batch))
+            raise ConfigError(
+                f"trainer.task.SupervisedTask got batches of dicts (keys: {have}), and "
+                + ("task.input_key and task.target_key are not set" if self.keys == (None, None) else
+                   f"{', '.join(f'{k!r}' for k in missing)} {'is' if len(missing) == 1 else 'are'} not among them")
+                + ": give the keys of the model's input and of the target in the task's config (input_key: KEY, "
+                "target_key: KEY; on the command line +task.input_key=KEY +task.target_key=KEY), or have the data "
+                "return (x, y) samples.")
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+            return batch[0], batch[1]
+        what = f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else \
+            f"a {type(batch).__name__}"
+        raise ConfigError(f"trainer.task.SupervisedTask takes batches (x, y), and this data's batches are {what}: "
+                          "have the data return (x, y) samples, or dicts with task.input_key and task.target_key set, "
+                          "or write a task of your own (README: Your own model, data and loss).")
 
     def num_targets(self, batch: Any) -> int:
-        return len(batch[0])
+        return len(self._pair(batch)[0])
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor | dict[str, torch.Tensor]:
-        x, y = batch
+        x, y = self._pair(batch)
         pred = model(x)
         loss = self.loss_fn(pred, y)
         if not self.classification:
