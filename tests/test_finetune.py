@@ -95,6 +95,27 @@ def test_lora_trains_only_its_adapters_and_exports_them_merged_and_alone(corpus,
         json.loads((pretrained / "export.json").read_text())["files"]["model.safetensors"]["sha256"]
 
 
+def test_a_bf16_fine_tune_is_loaded_in_bf16_by_every_reader(corpus, tmp_path, pretrained):
+    """finetune.dtype=bf16 exports bf16 weights: trainer.load built the fp32 model and computed in fp32 (logits off
+    from_pretrained's and the run's own eval), device_map did too, and trainer.load(checkpoint=...) refused the
+    checkpoint's bf16 tensors as "edited apart"."""
+    import trainer
+    from trainer import compose, train
+
+    run = tmp_path / "bf16"
+    train(compose(tiny_overrides(corpus, *STEPS, f"finetune.weights={pretrained}", "finetune.dtype=bf16")), run)
+    exported = load_weights(run / "model.safetensors")
+    assert {v.dtype for v in exported.values()} == {torch.bfloat16}
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    models = [trainer.load(run), trainer.load(run, checkpoint="latest"), trainer.load(run, device_map="auto")]
+    with torch.no_grad():
+        logits = [m(ids) for m in models]
+    for model in models[:2]:
+        state = model.state_dict()
+        assert all(state[k].dtype == torch.bfloat16 and torch.equal(state[k], v) for k, v in exported.items())
+    assert logits[0].dtype == torch.bfloat16 and all(torch.equal(x, logits[0]) for x in logits[1:])
+
+
 def test_the_adapter_loads_with_peft(pretrained, lora_single):
     peft = pytest.importorskip("peft")
     import trainer

@@ -453,6 +453,7 @@ def load(path: str | os.PathLike, device_map: str | Mapping = "auto", max_memory
                           "(config.json beside model.safetensors or its index). Pass one of those.")
     name = "model_ema" if ema else "model"
     weights = pretrained.open_weights(p, LABEL, name)
+    finished.in_stored_dtype(model, {k: e.dtype for k, (_, e) in weights.entries.items()})
     try:
         keys = pretrained.match(model, weights, label=LABEL,
                                 fix=f"They do not come from the model {p} describes, or one was edited.")

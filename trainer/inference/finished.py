@@ -204,6 +204,18 @@ def _instantiate_checked(node: dict, where: str, source: Path, fix: str) -> Any:
                           f"{fix}") from e
 
 
+def in_stored_dtype(model: nn.Module, stored: dict[str, torch.dtype]) -> nn.Module:
+    """`model` cast to the one floating dtype its stored weights share (`stored`: a state_dict key's dtype in the
+    files), where its own tensors share another: a run trained with finetune.dtype=bf16 exports bf16 weights, which
+    an fp32 model would compute with in fp32, and `from_pretrained` and an eval of the run in bf16. Mixed dtypes on
+    either side are left as they are (load_state_dict casts each tensor)."""
+    live = {t.dtype for t in model.state_dict().values() if t.is_floating_point()}
+    kept = {dtype for key, dtype in stored.items() if dtype.is_floating_point and key in model.state_dict()}
+    if len(live) == 1 and len(kept) == 1 and live != kept:
+        model.to(next(iter(kept)))
+    return model
+
+
 def _mismatches(live: dict[str, torch.Tensor], stored: dict[str, torch.Tensor], name: str) -> list[str]:
     problems = [f"{k}: missing from {name}" for k in live if k not in stored]
     problems += [f"{k}: {name} {tuple(stored[k].shape)} vs model {tuple(v.shape)}" for k, v in live.items()
@@ -344,6 +356,7 @@ def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "c
                           "load it with ema=False (sample: ema=false).")
     name = "model_ema" if ema else "model"
     weights = exported_weights(path, name)
+    in_stored_dtype(model, {k: v.dtype for k, v in weights.items()})
     problems = _mismatches(model.state_dict(), weights, f"{name}.safetensors")
     if problems:
         raise CheckpointError(f"the weights of {path} ({name}.safetensors) do not fit the model {source} builds: "
@@ -377,7 +390,7 @@ def checkpoint_model(path: Path, ema: bool = False) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise CheckpointError(f"{source} builds a {type(model).__module__}.{type(model).__qualname__}, not a "
                               f"torch.nn.Module. {fix}")
-    live = model.state_dict()
+    live = in_stored_dtype(model, {k: chunks[0].data.dtype for k, chunks in loaded.model.items() if chunks}).state_dict()
     problems = store.model_mismatches(loaded, live)
     if problems:
         raise CheckpointError(f"{where} does not fit the model its config.yaml builds: {_listed(problems)}. The two "
