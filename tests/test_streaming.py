@@ -194,6 +194,11 @@ def test_epochs_of_a_stream_read_in_parts_by_several_readers_are_refused(tmp_pat
                  f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert_clean_error(r, "trainer.max_epochs is set, but", "read in parts (read_part) by up to 2 readers")
     assert not (tmp_path / "run").exists()
+    # More readers than files: refused before anything runs (three steps trained first, then exit 2, a run dir left).
+    r = run_here("debug=smoke", "data=text_stream", f"data.path={tmp_path / 'tx'}", "data.by_file=true",
+                 "data.num_workers=3", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert_clean_error(r, "read in parts (read_part) by 3 readers", "but it has 2 parts (num_parts)")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_sized_stream_has_epochs_and_a_val_stream_is_evaluated(tmp_path):

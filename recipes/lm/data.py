@@ -257,6 +257,11 @@ class TextFileParts(TextStream):
     def read_part(self, index: int, count: int) -> None:
         self.part = (index, count)
 
+    @property
+    def num_parts(self) -> int:
+        """How many readers can have a part (a file each at least): checked before anything runs."""
+        return len(self.files)
+
 
 def text_stream(path: str, seq_len: int = 256, by_file: bool = False, val_path: str | None = None,
                 cache_dir: str | None = None):

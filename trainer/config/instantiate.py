@@ -111,6 +111,14 @@ def check_stream(train: Any, cfg: DictConfig) -> None:
                         "__len__ samples are then not one pass over the data unless every part is the same size. "
                         "Set trainer.max_steps (and trainer.eval_every, checkpoint.every_n_steps) instead, or read it "
                         "with one reader (data.num_workers=0 or 1, one process).")
+    parts = getattr(train, "num_parts", None) if reads_parts(train) else None
+    tp, pp = (_sibling(cfg, f"world.{k}") or 1 for k in ("tp", "pp"))
+    data_readers = max(1, cfg.get("num_workers", 0) or 0) * max(1, processes // (tp * pp))
+    if isinstance(parts, int) and data_readers > parts:
+        # (found by the reader left without a part, after the others had trained a few steps, its run dir begun)
+        raise DataError(f"{where} read in parts (read_part) by {data_readers} readers (data-parallel processes x "
+                        f"data.num_workers), but it has {parts} part{'s' if parts != 1 else ''} (num_parts): every "
+                        "reader needs a part with data. Use fewer processes or data.num_workers, or more files.")
     if sized(train) is None:
         if epochs:
             raise DataError(f"{epochs[0]} is set, but {where} without __len__, so it has no epochs. Set "
