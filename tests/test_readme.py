@@ -221,6 +221,8 @@ def test_readme_walkthrough(tmp_path):
     exec(loading.replace("RUN_DIR", next(d for d in finished if (Path(d) / "model_ema.safetensors").is_file())), scope)
     assert isinstance(scope["model"], torch.nn.Module) and not scope["model"].training
     assert isinstance(scope["ema_model"], torch.nn.Module)
+    # The final checkpoint's EMA weights are the export's.
+    assert all(torch.equal(v, scope["ema_model"].state_dict()[k]) for k, v in scope["latest"].state_dict().items())
     (_, excerpt), = [b for b in blocks("python") if "_tp_plan" in b[1]]
     from trainer.recipes.lm.model import GPT
 
