@@ -199,6 +199,15 @@ def test_epochs_of_a_stream_read_in_parts_by_several_readers_are_refused(tmp_pat
                  "data.num_workers=3", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert_clean_error(r, "read in parts (read_part) by 3 readers", "but it has 2 parts (num_parts)")
     assert not (tmp_path / "run").exists()
+    # The stream's checks read world.nproc_per_node=auto (ddp's default) as a count (a TypeError for every stream).
+    from conftest import compose_cfg
+
+    from trainer.config.instantiate import build_data
+
+    for extra in ([], ["data.by_file=true", "trainer.max_epochs=1", "trainer.max_steps=null"]):
+        cfg = compose_cfg(["debug=smoke", "data=text_stream", f"data.path={tmp_path / 'tx'}", "world=ddp", *extra])
+        assert cfg.world.nproc_per_node == "auto"
+        build_data(cfg.data)  # (one process here: one reader, so the epochs of parts are fine)
 
 
 def test_a_sized_stream_has_epochs_and_a_val_stream_is_evaluated(tmp_path):

@@ -12,7 +12,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.config.schema import LOADER_KEYS, strategy_options
-from trainer.errors import CheckpointError, ConfigError, DataError, debug_enabled
+from trainer.errors import CheckpointError, ConfigError, DataError, UserError, debug_enabled
 
 
 def build_node(section: str, node: Any, *args, **kwargs) -> Any:
@@ -100,7 +100,14 @@ def check_stream(train: Any, cfg: DictConfig) -> None:
     # The data node's siblings, where it is part of a run's config (build_data(cfg.data)); absent otherwise.
     epochs = [k for k in ("trainer.max_epochs", "trainer.eval_every_epochs", "checkpoint.every_n_epochs")
               if _sibling(cfg, k) is not None]
-    processes = (_sibling(cfg, "world.nproc_per_node") or 1) * (_sibling(cfg, "world.nnodes") or 1)
+    from trainer.config.schema import nproc_per_node
+
+    per_node = _sibling(cfg, "world.nproc_per_node") or 1
+    try:  # ("auto", ddp's and fsdp's default: the GPUs of this node, else 1)
+        per_node = nproc_per_node(per_node)
+    except (ValueError, TypeError, UserError):
+        per_node = 1
+    processes = per_node * (_sibling(cfg, "world.nnodes") or 1)
     readers = max(1, cfg.get("num_workers", 0) or 0) * processes
     if epochs and reads_parts(train) and readers > 1:
         # Each reader starts its own part over when it ends, and the readers take turns: after __len__ samples a
@@ -111,14 +118,6 @@ def check_stream(train: Any, cfg: DictConfig) -> None:
                         "__len__ samples are then not one pass over the data unless every part is the same size. "
                         "Set trainer.max_steps (and trainer.eval_every, checkpoint.every_n_steps) instead, or read it "
                         "with one reader (data.num_workers=0 or 1, one process).")
-    parts = getattr(train, "num_parts", None) if reads_parts(train) else None
-    tp, pp = (_sibling(cfg, f"world.{k}") or 1 for k in ("tp", "pp"))
-    data_readers = max(1, cfg.get("num_workers", 0) or 0) * max(1, processes // (tp * pp))
-    if isinstance(parts, int) and data_readers > parts:
-        # (found by the reader left without a part, after the others had trained a few steps, its run dir begun)
-        raise DataError(f"{where} read in parts (read_part) by {data_readers} readers (data-parallel processes x "
-                        f"data.num_workers), but it has {parts} part{'s' if parts != 1 else ''} (num_parts): every "
-                        "reader needs a part with data. Use fewer processes or data.num_workers, or more files.")
     if sized(train) is None:
         if epochs:
             raise DataError(f"{epochs[0]} is set, but {where} without __len__, so it has no epochs. Set "

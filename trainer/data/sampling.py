@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from trainer.data import streaming
 from trainer.data.streaming import StreamLayout, is_stream, seed_sample
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, DataError
 
 
 class Positioned(list):
@@ -256,6 +256,18 @@ class Data:
     def fingerprint(self, sampler: GlobalBatchSampler | StreamLayout) -> str:
         """Equal iff the training order would continue the same (map-style: a hash of the next global batches)."""
         return streaming.fingerprint(self.train) if self.streaming else sampler.fingerprint()
+
+    def check_readers(self, data_parallel: int) -> None:
+        """Training only (an eval reads no part): a stream read in parts needs a part for every reader, and one that
+        says how many it has (`num_parts`: text_stream's files) is refused here, before the first step, where the
+        reader left without one stopped the run after the others had trained a few steps."""
+        parts = getattr(self.train, "num_parts", None) if self.streaming and streaming.reads_parts(self.train) else None
+        readers = max(1, self.num_workers) * data_parallel
+        if isinstance(parts, int) and readers > parts:
+            raise DataError(f"the training split ({type(self.train).__name__}) is read in parts (read_part) by "
+                            f"{readers} readers (data-parallel processes x data.num_workers), but it has {parts} "
+                            f"part{'s' if parts != 1 else ''} (num_parts): every reader needs a part with data. Use "
+                            "fewer processes or data.num_workers, or more files.")
 
     def identity(self) -> str | None:
         """What a map-style training set says its contents are (its `fingerprint` attribute, e.g. the lm recipe's
