@@ -90,8 +90,8 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(corpus):
     muon = {name[id(p)] for g in opt.param_groups if g["use_muon"] for p in g["params"]}
     assert muon == {"blocks.0.attn.qkv.weight", "blocks.0.attn.proj.weight", "blocks.0.mlp.0.weight",
                     "blocks.0.mlp.2.weight"}  # not the embeddings nor the head tied to them, nor the norms
-    # An untied output layer goes to AdamW too (it went to Muon): a model's last nn.Linear, or the one a Hugging Face
-    # model's get_output_embeddings() names wherever it was registered.
+    # An untied output layer goes to AdamW too (it went to Muon): the one get_output_embeddings() names (a Hugging Face
+    # model's, or one's own), wherever it was registered. Without one, nothing is guessed: every nn.Linear is Muon's.
     import torch.nn as nn
 
     from trainer.loop.optim import MuonAdamW
@@ -106,7 +106,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(corpus):
             return self.lm_head
 
     for model, want in ((nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)),
-                         {"0.weight", "2.weight"}), (HeadFirst(), {"hidden.0.weight", "hidden.1.weight"})):
+                         {"0.weight", "2.weight", "4.weight"}), (HeadFirst(), {"hidden.0.weight", "hidden.1.weight"})):
         name = {id(p): n for n, p in model.named_parameters()}
         groups = MuonAdamW.param_groups(model)
         assert {name[id(p)] for g in groups if g["use_muon"] for p in g["params"]} == want

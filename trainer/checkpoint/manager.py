@@ -330,10 +330,15 @@ class CheckpointManager:
             state = snapshot.conform({k: tree[k] for k in like}, like, loaded.state, where)
         except CheckpointError as e:
             if "'/optimizer/" in str(e) and "' lacks " in str(e):  # (its state's or settings' keys: another class's)
+                muon = any(type(opt).__name__ == "MuonAdamW" for _, opt in self.parts.optimizers.values())
                 raise CheckpointError(f"{e} The optimizer it was saved with kept other state or settings: another "
                                       "optimizer class (Adam's moments, SGD's momentum buffer), or the same one with "
                                       "other options (SGD without momentum keeps no buffer). Build the optimizer it was "
-                                      "saved with, or load the model's weights alone.") from None
+                                      "saved with, or load the model's weights alone."
+                                      + (" With optim=muon: a checkpoint saved before 2026-11-28 kept Muon's state for "
+                                         "the output layer of a Hugging Face model (get_output_embeddings()), which "
+                                         "AdamW takes since; continue it with the version that saved it." if muon
+                                         else "")) from None
             raise
         self.parts.check_optimizer(state["optimizer"], like["optimizer"], where)
         for name, c in self.components.items():

@@ -16,19 +16,18 @@ import torch.nn as nn
 
 
 def output_layer(model: nn.Module) -> nn.Module | None:
-    """The layer that makes the model's output: a Hugging Face model's `get_output_embeddings()`, else the model's
-    last nn.Linear (in the order its modules were registered, as `modules()` lists them)."""
+    """The layer the model names as its output with `get_output_embeddings()` (Hugging Face's convention, which a
+    model of one's own may follow), else None. (Not guessed: the last nn.Linear registered is a UNet's conditioning
+    projection, and a guess that moved a layer between Muon and AdamW would leave earlier checkpoints unable to
+    resume.)"""
     get = getattr(model, "get_output_embeddings", None)
     out = get() if callable(get) else None
-    if isinstance(out, nn.Module) and isinstance(getattr(out, "weight", None), torch.Tensor):
-        return out
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    return linears[-1] if linears else None
+    return out if isinstance(out, nn.Module) and isinstance(getattr(out, "weight", None), torch.Tensor) else None
 
 
 class MuonAdamW(torch.optim.Optimizer):
     """Muon (`lr`, `momentum`, `weight_decay`, ...) on the weights of the hidden nn.Linear layers: not the output
-    layer (`output_layer`) nor one tied to an embedding. AdamW (`adamw_lr`, `betas`, `eps`, the same `weight_decay`,
+    layer the model names (`output_layer`) nor one tied to an embedding. AdamW (`adamw_lr`, `betas`, `eps`, the same `weight_decay`,
     none on 1-D parameters) on the rest, as Muon's authors prescribe: an output head orthogonalised trains worse."""
 
     @staticmethod
