@@ -69,6 +69,14 @@ def test_load_of_a_checkpoint_gives_its_model_with_its_weights_or_its_ema(refere
     (cut / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="has no manifest.json: it is incomplete"):
         trainer.load(cut)
+    with pytest.raises(ConfigError, match="step_00000099 is not a directory. Pass a run dir, or the path of one"):
+        trainer.load(reference / "checkpoints" / "step_00000099")  # (not the reader's advice about resume=)
+    # A loop of one's own records no model config: said so, with the ways it does load.
+    rt = trainer.Runtime()
+    layer = torch.nn.Linear(2, 2)
+    rt.setup(layer, torch.optim.SGD(layer.parameters(), lr=0.1))
+    with pytest.raises(ConfigError, match=r"a checkpoint of a loop of one's own \(rt.save_state\) records none"):
+        trainer.load(rt.save_state(tmp_path / "own", 1))
 
 
 def test_exported_weights_changed_since_the_run_wrote_them_are_refused_by_every_reader(reference, tmp_path):

@@ -135,6 +135,14 @@ def test_tokenised_once_and_rebuilt_when_the_data_or_the_tokenizer_changes(files
     import hashlib
 
     assert first.fingerprint == hashlib.sha256(first.tokens.numpy().tobytes()).hexdigest()
+    # A cache built before the digest was recorded gets it at its next use, without tokenising again.
+    meta_file = Path(more.path).parent / "meta.json"  # (args read the data with the document appended)
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({k: v for k, v in meta.items() if not k.endswith("_sha256")}))
+    with monkeypatch.context() as m:
+        m.setattr(hf_data.Encoder, "encode", lambda *a: pytest.fail("tokenised again"))
+        assert build(args)[0].fingerprint == more.fingerprint
+    assert json.loads(meta_file.read_text()) == meta
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "docs.jsonl").write_bytes(files["jsonl"].read_bytes())
     copied, _ = build([*args, f"data.path={tmp_path / 'elsewhere' / 'docs.jsonl'}"])

@@ -144,6 +144,10 @@ def test_random_draws_in_loader_workers_follow_the_sample_on_any_split_and_acros
     first, state = _noisy(make, 1, 4, 1, steps=2)
     rest, _ = _noisy(make, 2, 1, 2, steps=4, start=8, state=state if make is not sd.NoisyMap else None)
     assert first + rest == whole
+    if make is sd.NoisyMap:  # A dataset that says it draws nothing (random_draws = False) is not seeded: the workers'
+        quiet, _ = _noisy(sd.QuietNoisyMap, 1, 4, 1, steps=6)  # own generators draw, and start over at a resume
+        resumed, _ = _noisy(sd.QuietNoisyMap, 1, 4, 1, steps=4, start=8)
+        assert resumed[:4] == [[8 + i, *quiet[i][1:]] for i in range(4)] != quiet[8:12]
 
 
 def test_random_draws_in_the_readers_of_parts_are_the_same_on_a_resume():
@@ -255,11 +259,16 @@ def test_a_stream_copied_elsewhere_resumes_and_one_edited_in_place_is_refused(co
     with pytest.raises(CheckpointError, match="trained on another dataset than this run's stream"):
         train_in_process(copy, tmp_path / "edited", *STREAM, f"data.val_path={corpus}", step_8)
     # A checkpoint written before (its fingerprint of paths, sizes and times) still resumes on those files.
+    import hashlib
+
     from trainer.data import streaming
     from trainer.recipes.lm.data import TextStream
 
-    stream = TextStream([corpus], 256)
-    assert streaming.fingerprint(stream, stream.earlier_fingerprints[0]) in streaming.fingerprints(stream)
+    stream, st = TextStream([corpus], 256), os.stat(corpus)
+    # (the expression of the code before, FORMAT 1, written out here: a copy made wrongly would not match it)
+    before = hashlib.sha256(repr((1, 256, [(str(corpus), st.st_size, st.st_mtime_ns)])).encode()).hexdigest()[:16]
+    assert stream.earlier_fingerprints == [before]
+    assert streaming.fingerprint(stream, before) in streaming.fingerprints(stream)
 
 
 @pytest.mark.slow

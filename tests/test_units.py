@@ -448,3 +448,5 @@ def test_supervised_task_takes_pairs_or_dicts_by_their_keys_and_says_what_it_tak
                               (pair, x, "batches are a Tensor")):
         with pytest.raises(ConfigError, match=re.escape(says)):
             task.num_targets(batch)
+    with pytest.raises(ConfigError, match="task.input_key='x' and task.target_key=None: give both"):
+        SupervisedTask("torch.nn.MSELoss", input_key="x")

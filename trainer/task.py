@@ -69,6 +69,11 @@ class SupervisedTask:
         cls = get_class(loss)
         self.loss_fn = cls(reduction="sum")
         self.classification = issubclass(cls, (nn.CrossEntropyLoss, nn.NLLLoss))
+        if (input_key is None) != (target_key is None):
+            from trainer.errors import ConfigError
+
+            raise ConfigError(f"task.input_key={input_key!r} and task.target_key={target_key!r}: give both (the keys of "
+                              "the model's input and of the target in dict samples), or neither for (x, y) samples.")
         self.keys = (input_key, target_key)
 
     def _pair(self, batch: Any) -> tuple[Any, Any]:

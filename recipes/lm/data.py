@@ -40,6 +40,7 @@ class TokenWindows(Dataset):
 
     collate_fn = staticmethod(already_batched)
     fingerprint: str | None = None  # the sha256 of the tokens, where the cache recorded it (what a resume checks)
+    random_draws = False  # (its samples draw no random numbers: a loader worker need not seed them)
 
     def __init__(self, path: str | os.PathLike, seq_len: int, dtype: str = "uint8"):
         self.path, self.seq_len, self.dtype = str(path), seq_len, getattr(torch, dtype)
@@ -202,6 +203,8 @@ class TextStream(IterableDataset):
     TokenWindows cuts a memmap; the files follow each other in sorted order. `state_dict()` is the position after
     the last sample yielded (a file and a window), so a resume reads on from there at once (trainer/data/streaming.py).
     """
+
+    random_draws = False  # (its samples draw no random numbers: a loader worker need not seed them)
 
     def __init__(self, files: list[Path], seq_len: int, block_bytes: int = 1 << 20):
         self.files, self.seq_len = [str(f) for f in files], seq_len

@@ -161,3 +161,9 @@ class NoisyParts(Parts):
     def __iter__(self):
         for value in super().__iter__():
             yield torch.tensor([float(value), *_draws()], dtype=torch.float64)
+
+
+class QuietNoisyMap(NoisyMap):
+    """NoisyMap saying it draws nothing (it does, to show the seeding is skipped)."""
+
+    random_draws = False

@@ -32,7 +32,7 @@ import numpy as np
 from trainer.data.files import local_files
 from trainer.errors import DataError
 
-FORMAT = 4  # bump when the cache layout or the encoding changes (2: text files keep their line breaks; 3: a val fraction of 2+ documents is at least one; 4: meta.json records the tokens' sha256)
+FORMAT = 3  # bump when the cache layout or the encoding changes (2: text files keep their line breaks; 3: a val fraction of 2+ documents is at least one)
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text", ".text": "text",
            ".md": "text"}
 INSTALL = "pip install 'trainer[hf-data]' (or: pip install datasets tokenizers)"
@@ -300,7 +300,31 @@ def tokenize_corpus(path: str, files: list[Path], fmt: str, encoder: Encoder, ca
                 say(f"data: tokenising {str(path)!r} once into {cache}")
             with offline_datasets(f"data.path={str(path)!r} (Hugging Face datasets files)") as datasets:
                 _build(datasets, files, fmt, text_column, encoder, val_fraction, cache)
+        elif is_main_process():
+            _record_digests(cache)
     return cache, json.loads((cache / "meta.json").read_text())
+
+
+def _record_digests(cache: Path) -> None:
+    """The tokens' sha256 in the meta.json of a cache built before it was recorded there (once, by reading the
+    tokens), so that its runs are checked as a new cache's are without tokenising the corpus again. A cache this
+    process cannot write (a read-only shared one) is left as it is: its runs are not checked, as before."""
+    from trainer.io import atomic_write_json
+
+    meta = json.loads((cache / "meta.json").read_text())
+    if "train_sha256" in meta:
+        return
+    digests = {}
+    for split in ("train", "val"):
+        digest = hashlib.sha256()
+        with open(cache / f"{split}.bin", "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+        digests[f"{split}_sha256"] = digest.hexdigest()
+    try:
+        atomic_write_json(cache / "meta.json", {**meta, **digests})
+    except OSError:
+        pass
 
 
 def _build(datasets, files: list[Path], fmt: str, column: str, encoder: Encoder, val_fraction: float,

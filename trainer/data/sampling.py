@@ -36,16 +36,18 @@ class SeededSamples(Dataset):
     would give each rank the same draws (one seed for every rank's loader) and start them over at a resume (no
     checkpoint holds a worker's state); seeded by position, a sample gets the same draws on any world size, split
     into any micro-batches, resumed or not. A dataset that fetches whole batches (`__getitems__`) is seeded once a
-    batch, from its first sample's position."""
+    batch, from its first sample's position. A dataset whose samples draw nothing may say so (`random_draws =
+    False`) and skip the seeding (~9 us a sample)."""
 
     def __init__(self, dataset: Dataset, seed: int):
         self.dataset, self.seed = dataset, seed
+        self.seeded = getattr(dataset, "random_draws", True)  # (False: a dataset that says it draws nothing)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitems__(self, indices: Positioned) -> list[Any]:
-        first = getattr(indices, "position", None)  # (None: batches of another sampler than GlobalBatchSampler)
+        first = getattr(indices, "position", None) if self.seeded else None  # (None: batches of another sampler)
         getitems = getattr(self.dataset, "__getitems__", None)
         if getitems is not None:
             if first is not None:

@@ -172,7 +172,7 @@ class Reader(IterableDataset):
 
     def _seeding(self, key: str, first: int) -> Callable[[int | None], None] | None:
         """In a loader worker: the k-th sample read from here is seeded by `key` and its place `first + k`."""
-        if not self.in_worker:
+        if not self.in_worker or not getattr(self.dataset, "random_draws", True):  # (False: it says it draws none)
             return None
         return lambda k: seed_sample(self.seed, f"{key}start" if k is None else f"{key}{first + k}")
 

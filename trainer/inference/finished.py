@@ -377,6 +377,9 @@ def checkpoint_model(path: Path, ema: bool = False) -> nn.Module:
 
     where, source = f"checkpoint {path}", path / "config.yaml"
     fix = f"Load another checkpoint of the run ({path.parent}), or the run's export (trainer.load(RUN_DIR))."
+    if not path.is_dir():  # (the reader's own message would speak of resume=, which trainer.load does not take)
+        raise ConfigError(f"{path} is not a directory. Pass a run dir, or the path of one of its step_* checkpoints "
+                          "(RUN_DIR/checkpoints/step_N).")
     loaded = store.read(path)  # (config.yaml among the files it verifies and checks)
     cfg = _parsed_config(bytes(loaded.buffers["config.yaml"]), source, fix)
     if OmegaConf.select(cfg, "finetune.lora.rank", default=None):
@@ -384,8 +387,11 @@ def checkpoint_model(path: Path, ema: bool = False) -> nn.Module:
                           "(finetune.weights), so no model is whole in it. Load the run's export (trainer.load(RUN_DIR): "
                           "the adapters merged into the base), or continue the run from it (resume=PATH).")
     node = cfg.get("model")
-    if not isinstance(node, DictConfig):
-        raise CheckpointError(f"{source} has no model section to build the model from. {fix}")
+    if not isinstance(node, DictConfig):  # (rt.save_state's: a loop of one's own records no config of its model)
+        raise ConfigError(f"{source} has no model section to build the model from: a checkpoint of a loop of one's own "
+                          "(rt.save_state) records none. Build the model as the script does and load the checkpoint "
+                          "with rt.load_state, or read its weights with safetensors.torch.load_file (model.safetensors "
+                          "of a one-process run).")
     model = _instantiate_checked(OmegaConf.to_container(node, resolve=True), "model", source, fix)
     if not isinstance(model, nn.Module):
         raise CheckpointError(f"{source} builds a {type(model).__module__}.{type(model).__qualname__}, not a "
@@ -418,7 +424,8 @@ def load_task(run_dir: str | Path, overrides: dict[str, Any] | None = None, cfg:
     `overrides` of its keys (`{"sample_tokens": 200}`), with its exported state (a data normaliser) if it has one."""
     path = _run_dir(run_dir)
     source = path / "config.yaml"
-    task_node = OmegaConf.to_container(config_yaml(path) if cfg is None else cfg, resolve=cfg is not None).get("task")
+    task_node = OmegaConf.to_container(config_yaml(path), resolve=False).get("task") if cfg is None else \
+        (OmegaConf.to_container(cfg.task, resolve=True) if isinstance(cfg.get("task"), DictConfig) else None)
     if not isinstance(task_node, dict) or "_target_" not in task_node:
         raise ConfigError(f"{source} has no task with a _target_. {_restore_config(path)}")
     if overrides:
@@ -632,7 +639,7 @@ def checkpoint_of(run_dir: str | Path, which: str = "latest") -> Path:
         if not os.path.lexists(best):
             metric = OmegaConf.select(config_yaml(path), "checkpoint.best_metric", default=None)
             why = (f"no eval has ranked a checkpoint by checkpoint.best_metric={metric} yet (it was set after the "
-                   "run's last eval, or the run stopped before its first one); its next eval writes it" if metric else
+                   "run's last eval, or the run stopped before its first one); an eval after it writes it" if metric else
                    "it was trained without checkpoint.best_metric")
             raise ConfigError(f"{path} has no checkpoints/best.json: {why}. Use checkpoint=latest or a checkpoint's "
                               "path.")
