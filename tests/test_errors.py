@@ -44,6 +44,17 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int 
         assert needle in message, message
 
 
+def test_a_number_as_text_and_resolve_without_cfg_are_one_paragraph_saying_the_fix(tmp_path):
+    """${oc.env:LR} gives text, which an untyped section keeps: "optim.lr='1e-3' is invalid: expected a finite number
+    > 0" said the number was wrong. And Hydra's --resolve without --cfg was a ValueError traceback, exit 1."""
+    r = run_main("debug=smoke", "optim.lr=${oc.env:LR}", "hydra.run.dir=run", cwd=tmp_path, env={"LR": "1e-3"})
+    assert_clean_error(r, "optim.lr='1e-3' is invalid", "It is text", """'optim.lr="${oc.decode:${oc.env:VAR}}"'""")
+    r = run_main("debug=smoke", "--resolve", cwd=tmp_path)
+    assert_clean_error(r, "--resolve resolves the interpolations of the config that --cfg prints",
+                       "python -m trainer --cfg job --resolve debug=smoke")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(("args", "needles"), [
     (["trainer.max_stps=3"], ["unknown config key 'trainer.max_stps'", "Did you mean trainer.max_steps=3?"]),
     (["+trainer.foo=1"], ["trainer.foo is not a setting of `trainer`", "Remove +trainer.foo"]),  # (a traceback, run dir)

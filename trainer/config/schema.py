@@ -166,7 +166,20 @@ def strategy_options(world: DictConfig) -> dict[str, Any]:
 # -- validation ---------------------------------------------------------------------------------------
 def _check(ok: bool, key: str, value: Any, expected: str, fix: str = "") -> None:
     if not ok:
+        if isinstance(value, str) and _numeric_text(value):  # (${oc.env:LR} gives text, which a section of its own
+            fix = (f"It is text, as an interpolation such as ${{oc.env:VAR}} gives it: write ${{oc.decode:${{oc.env:VAR}}}} "
+                   f"to have it read as a number (on the command line, quoted for Hydra inside the shell's quotes: "
+                   f"'{key}=\"${{oc.decode:${{oc.env:VAR}}}}\"')."
+                   + (" " + fix if fix else ""))  # keeps as it is, where the schema's typed keys convert it)
         raise ConfigError(f"{key}={value!r} is invalid: expected {expected}.{' ' + fix if fix else ''}")
+
+
+def _numeric_text(value: str) -> bool:
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _is_int(v: Any) -> bool:

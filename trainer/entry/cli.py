@@ -51,6 +51,9 @@ def precheck(argv: list[str]):
     known = Precomposed()
     if args.help or args.hydra_help or args.info or args.shell_completion:
         return known
+    if args.resolve and not args.cfg:  # (Hydra's own refusal was a ValueError traceback, exit 1)
+        raise ConfigError("--resolve resolves the interpolations of the config that --cfg prints, so it goes with --cfg "
+                          f"(or --help): python -m trainer --cfg job --resolve {' '.join(args.overrides)}".rstrip())
     if args.config_dir is not None:
         check_config_dir(Path(args.config_dir).expanduser(), args.config_dir)
     if args.multirun and args.cfg:  # (Hydra's own refusal was a traceback)
