@@ -164,12 +164,15 @@ def test_a_finished_run_whose_export_is_missing_writes_it_on_resume(corpus, tmp_
     weights = load_weights(tmp_path / "model.safetensors")
     (tmp_path / "model.safetensors").unlink()  # killed between the final checkpoint and the export
     (tmp_path / "export.json").unlink()
+    # ... while it wrote the weights: their temp file, a whole copy, was kept for good.
+    (tmp_path / ".model.safetensors.k1ll3d.tmp").write_bytes(b"\0" * 4096)
     capsys.readouterr()
     train_in_process(corpus, tmp_path, "trainer.max_steps=4", "resume=auto")
     out = capsys.readouterr().out
     assert "export is missing" in out and "already finished" in out
     again = load_weights(tmp_path / "model.safetensors")
     assert all(torch.equal(again[k], weights[k]) for k in weights)
+    assert list(tmp_path.glob(".*.tmp")) == []
 
 
 def test_a_failed_export_is_one_paragraph_with_its_own_exit_code_and_resume_finishes_it(corpus, tmp_path):

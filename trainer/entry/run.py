@@ -394,6 +394,10 @@ def export(trainer: Trainer, cfg: DictConfig, run_dir: Path) -> None:
 
     ccfg: CheckpointConfig = typed(CheckpointConfig, cfg.get("checkpoint"))
     model_config = redact(OmegaConf.to_container(cfg.model, resolve=True))
+    if trainer.backend.is_main:  # an earlier export's temp files (.model.safetensors.XXXX.tmp: a process killed while
+        for stale in run_dir.glob(".*.tmp"):  # it wrote them, whole copies of the weights), kept for good otherwise
+            if stale.is_file() and not stale.is_symlink():  # (this run holds the run dir: no other writer's)
+                stale.unlink(missing_ok=True)
     parts = [("model", trainer.strategy.model_state_dict(trainer.model))]
     if trainer.ema is not None:
         parts.append(("model_ema", trainer.ema.model_state_dict()))
