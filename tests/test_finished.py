@@ -337,6 +337,12 @@ def test_a_checkpoint_given_for_a_run_dir_is_named_as_one_and_never_written_over
     assert_clean_error(run_main(*tiny_overrides(corpus), f"hydra.run.dir={ckpt}", "resume=auto", cwd=tmp_path),
                        f"hydra.run.dir={ckpt} is a checkpoint of the run {reference}",
                        f"hydra.run.dir={reference} resume={ckpt}")
+    # The run's checkpoints dir itself (or a dir in it): a fresh start of that run moved it aside, a live run's files
+    # with it.
+    for inside in (reference / "checkpoints", reference / "checkpoints" / "mine"):
+        assert_clean_error(run_main(*tiny_overrides(corpus), f"hydra.run.dir={inside}", cwd=tmp_path),
+                           f"hydra.run.dir={inside} is inside the checkpoints of the run {reference}")
+    assert not (reference / "checkpoints" / "mine").exists()
     assert {f.name: f.read_bytes() for f in ckpt.iterdir()} == before
 
 

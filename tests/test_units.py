@@ -450,3 +450,24 @@ def test_supervised_task_takes_pairs_or_dicts_by_their_keys_and_says_what_it_tak
             task.num_targets(batch)
     with pytest.raises(ConfigError, match="task.input_key='x' and task.target_key=None: give both"):
         SupervisedTask("torch.nn.MSELoss", input_key="x")
+
+
+def test_a_full_disk_under_safetensors_is_an_oserror_with_its_errno_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    """safetensors raises its own error type for a full disk ("... (os error 28)"): the export's full disk was a
+    traceback and exit 1, not the storage paragraph and exit 74 that an OSError gets."""
+    import errno
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from trainer.io import atomic_save_safetensors
+
+    def full(tensors, path, metadata=None):
+        open(path, "wb").write(b"\0" * 8)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(OSError) as e:
+        atomic_save_safetensors(tmp_path / "model.safetensors", {"w": torch.zeros(2)})
+    assert e.value.errno == errno.ENOSPC and "model.safetensors" in str(e.value)
+    assert list(tmp_path.iterdir()) == []

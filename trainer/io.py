@@ -67,7 +67,13 @@ def atomic_save_safetensors(path: str | os.PathLike, tensors: dict, metadata: di
     fd, tmp = _mkstemp(path)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata=metadata)
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+        except Exception as e:  # safetensors' own error type for what is an OSError (a full disk: "os error 28")
+            code = re.search(r"os error (\d+)", str(e))
+            if code is None or isinstance(e, OSError):
+                raise
+            raise OSError(int(code.group(1)), f"{os.strerror(int(code.group(1)))} (writing {path})") from e
         os.chmod(tmp, 0o666 & ~_umask())
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())

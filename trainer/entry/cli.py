@@ -163,6 +163,13 @@ def check_output_dir(cfg: DictConfig, multirun: bool) -> None:
         raise ConfigError(f"{key}={text} is a checkpoint of the run {run}: a run there would write over it. To "
                           f"continue that run from it: hydra.run.dir={run} resume={text}; for a new run from its "
                           "weights, another hydra.run.dir with resume=PATH or finetune.weights of a run dir.")
+    given = Path(text).expanduser().absolute()
+    inside = next((p for p in (given, *given.parents) if p.name in ("checkpoints", "checkpoints.prev") or
+                   p.name.startswith("checkpoints.prev-")), None)
+    if inside is not None and (inside.parent / "config.yaml").is_file():  # (a run's own checkpoints dir, or in it)
+        raise ConfigError(f"{key}={text} is inside the checkpoints of the run {inside.parent}, which that run manages "
+                          "(it prunes them and, at a fresh start, moves them aside, and this run's files with them). "
+                          f"Give this run a directory of its own ({key}=DIR).")
     why = unwritable(Path(text))
     if why:
         raise ConfigError(f"{key}={text} cannot be made: {why}. Choose another with {key}=DIR (or outputs=DIR for "
