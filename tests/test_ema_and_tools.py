@@ -112,3 +112,23 @@ def test_check_fails_loudly_when_an_equivalence_breaks(capsys, monkeypatch):
     assert "FAIL  accumulation 2 x 4 equals batch 8" in out
     assert out.count("the run failed:\nworker rank 1 failed (exit code 3):\nstubbed failure of 2 processes") == 4
     assert "OK    save at step 6, resume" in out  # the other items are still judged on their own
+
+
+def test_check_stopped_by_sigterm_or_ctrl_c_says_so_and_judges_nothing_failed(capsys, monkeypatch):
+    """SIGTERM during a launched item was reported as that item's FAIL (FSDP "broken" on this machine) and the
+    other items still ran; Ctrl-C was a KeyboardInterrupt traceback."""
+    import contextlib
+
+    from trainer.entry import commands, launcher
+    from trainer.errors import Preempted
+
+    for stop, code, how in ((Preempted("stopped by SIGTERM"), 75, "SIGTERM"), (KeyboardInterrupt(), 130, "Ctrl-C")):
+        def stopped(cfg, run_dir, *args, stop=stop, **kwargs):
+            raise stop
+
+        monkeypatch.setattr(launcher, "run", stopped)
+        monkeypatch.setattr(launcher, "one_forkserver", lambda output: contextlib.nullcontext())
+        assert commands.check([]) == code
+        out, err = capsys.readouterr()
+        assert "FAIL" not in out and "passed" not in out and "save at step 6" not in out
+        assert f"trainer check: stopped by {how} before every check ran" in err

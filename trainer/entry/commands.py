@@ -119,7 +119,7 @@ def check(argv: list[str]) -> int:
     from trainer.entry.launcher import WorkerFailed, one_forkserver
     from trainer.entry.launcher import run as launch
     from trainer.entry.run import train_here
-    from trainer.errors import TrainerExit
+    from trainer.errors import Preempted, TrainerExit
     from trainer.parallel.backend import available_cores
 
     tmp = Path(tempfile.mkdtemp(prefix="trainer-check-"))
@@ -144,6 +144,8 @@ def check(argv: list[str]) -> int:
                     launch(compose([*base, *extra]), tmp / name)
             except WorkerFailed as wf:
                 return tmp / name, f"worker rank {wf.rank} failed (exit code {wf.exitcode}):\n{wf.text.strip()}"
+            except Preempted:  # (the whole command was stopped: not a failure of this item)
+                raise
             except TrainerExit as err:
                 return tmp / name, str(err)
             return tmp / name, None
@@ -179,6 +181,11 @@ def check(argv: list[str]) -> int:
                                 ref[6:], tol_exact))
         print(f"\n{sum(results)} passed, {len(results) - sum(results)} failed")
         return 0 if all(results) else 1
+    except (Preempted, KeyboardInterrupt) as e:  # SIGTERM or Ctrl-C: the command stops, and no item is judged failed
+        how = "Ctrl-C" if isinstance(e, KeyboardInterrupt) else "SIGTERM"
+        print(f"trainer check: stopped by {how} before every check ran (those above are as they say); run it again "
+              "to check the rest.", file=sys.stderr, flush=True)
+        return 130 if isinstance(e, KeyboardInterrupt) else Preempted.exit_code
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
