@@ -209,6 +209,18 @@ def test_a_rank_that_ended_its_loop_early_is_named_not_sought_on_another_machine
     assert "left no stack" not in text, text
 
 
+def test_a_rank_of_a_one_machine_job_that_left_no_stack_is_named_not_sought_on_another_machine(tmp_path):
+    """Rank 1 stopped (kill -STOP) or in native code holding the GIL: rank 0's watch fired, torch listed rank 0 alone,
+    and the paragraph said the rank rank 0 waits for "is on another machine"."""
+    from types import SimpleNamespace
+
+    (tmp_path / "A0.stack.0.json").write_text(json.dumps(_record(0, IN_BACKWARD)))
+    fired = {0: SimpleNamespace(exitcode=watchdog.HangDetected.exit_code, local_rank=0)}
+    text = watchdog.report(tmp_path, fired, 2, tmp_path, ranks=[0, 1])
+    assert "rank 1 left no stack" in text and "another machine" not in text, text
+    assert "another machine" in watchdog.report(tmp_path, fired, 2, tmp_path)  # (ranks unknown: several machines)
+
+
 # -- the watch thread itself (in this process; its exit is recorded instead of taken) -----------------------
 class _Exit:
     def __init__(self):

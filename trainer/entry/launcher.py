@@ -260,7 +260,8 @@ def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
         failures = every_failure(e.failures, nproc)
         rank, failure = root_failure(failures)
         lost = all(any(s in _failure_text(f) for s in LOST_CONNECTION) for f in failures.values())
-        hang = watchdog.report(hang_dir, failures, w.hang_timeout, run_dir, lost)  # no progress: every rank's stack
+        hang = watchdog.report(hang_dir, failures, w.hang_timeout, run_dir, lost,  # no progress: every rank's stack
+                               list(range(nproc)) if w.nnodes == 1 else ())
         if hang is not None:
             raise WorkerFailed(rank, watchdog.HangDetected.exit_code, hang) from None
         text, silent = _failure_text(failure), silent_peers(failures, rank, failure, nproc)

@@ -406,12 +406,14 @@ def write_stacks(run_dir: str | os.PathLike | None, records: list[dict], timeout
 
 
 def report(directory: str | os.PathLike | None, failures: dict, timeout: float | None,
-           run_dir: str | os.PathLike, lost_connection: bool = False) -> str | None:
+           run_dir: str | os.PathLike, lost_connection: bool = False, ranks: list[int] = ()) -> str | None:
     """The paragraph for a job the watchdog stopped (a worker exited with HangDetected.exit_code): every stack
     its workers left in `directory` (the newest attempt's), also written to RUN_DIR/hang_stacks.txt. None when
     the failure is another one. `failures`: torchelastic's {global rank: ProcessFailure} of this machine.
     `lost_connection`: every failure torch reports is a worker's lost connection (a peer the watch stopped, found
-    dead first, leaves no record of its own)."""
+    dead first, leaves no record of its own). `ranks`: every rank of this machine, where the launcher knows them (one
+    machine): one that left no stack (stopped, or in native code holding the GIL) is named as such, not sought on
+    another machine (torch lists only the rank that exited)."""
     if directory is None:
         return None
     records = read_stacks(directory)
@@ -427,5 +429,5 @@ def report(directory: str | os.PathLike | None, failures: dict, timeout: float |
     if not (any(f.exitcode == HangDetected.exit_code for f in failures.values()) or (lost_connection and finished)):
         return None
     stacks = write_stacks(run_dir, records, timeout or 0)
-    return paragraph(records, sorted(set(failures) | {r["rank"] for r in records}), timeout or 0, stacks,
+    return paragraph(records, sorted(set(failures) | {r["rank"] for r in records} | set(ranks)), timeout or 0, stacks,
                      finished=finished)
