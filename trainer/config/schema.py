@@ -166,11 +166,12 @@ def strategy_options(world: DictConfig) -> dict[str, Any]:
 # -- validation ---------------------------------------------------------------------------------------
 def _check(ok: bool, key: str, value: Any, expected: str, fix: str = "") -> None:
     if not ok:
-        if isinstance(value, str) and _numeric_text(value):  # (${oc.env:LR} gives text, which a section of its own
+        # A number as text: ${oc.env:LR} gives text, which an untyped section (optim, data) keeps as it is, where
+        # the schema's typed keys convert it.
+        if isinstance(value, str) and _numeric_text(value) and ("number" in expected or "integer" in expected):
             fix = (f"It is text, as an interpolation such as ${{oc.env:VAR}} gives it: write ${{oc.decode:${{oc.env:VAR}}}} "
                    f"to have it read as a number (on the command line, quoted for Hydra inside the shell's quotes: "
-                   f"'{key}=\"${{oc.decode:${{oc.env:VAR}}}}\"')."
-                   + (" " + fix if fix else ""))  # keeps as it is, where the schema's typed keys convert it)
+                   f"'{key}=\"${{oc.decode:${{oc.env:VAR}}}}\"')." + (" " + fix if fix else ""))
         raise ConfigError(f"{key}={value!r} is invalid: expected {expected}.{' ' + fix if fix else ''}")
 
 

@@ -166,8 +166,11 @@ def check_output_dir(cfg: DictConfig, multirun: bool) -> None:
     given = Path(text).expanduser().absolute()
     inside = next((p for p in (given, *given.parents) if p.name in ("checkpoints", "checkpoints.prev") or
                    p.name.startswith("checkpoints.prev-")), None)
-    if inside is not None and (inside.parent / "config.yaml").is_file():  # (a run's own checkpoints dir, or in it)
-        raise ConfigError(f"{key}={text} is inside the checkpoints of the run {inside.parent}, which that run manages "
+    run = inside.parent if inside is not None else None
+    if run is not None and (run / "config.yaml").is_file() and any((run / f).is_file() for f in ("metrics.jsonl",
+                                                                                              "run_info.json")):
+        # (a run's own checkpoints dir, or a dir in it)
+        raise ConfigError(f"{key}={text} is inside the checkpoints of the run {run}, which that run manages "
                           "(it prunes them and, at a fresh start, moves them aside, and this run's files with them). "
                           f"Give this run a directory of its own ({key}=DIR).")
     why = unwritable(Path(text))

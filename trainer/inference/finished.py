@@ -209,8 +209,9 @@ def in_stored_dtype(model: nn.Module, stored: dict[str, torch.dtype]) -> nn.Modu
     files), where its own tensors share another: a run trained with finetune.dtype=bf16 exports bf16 weights, which
     an fp32 model would compute with in fp32, and `from_pretrained` and an eval of the run in bf16. Mixed dtypes on
     either side are left as they are (load_state_dict casts each tensor)."""
-    live = {t.dtype for t in model.state_dict().values() if t.is_floating_point()}
-    kept = {dtype for key, dtype in stored.items() if dtype.is_floating_point and key in model.state_dict()}
+    state = model.state_dict()
+    live = {t.dtype for t in state.values() if t.is_floating_point()}
+    kept = {dtype for key, dtype in stored.items() if dtype.is_floating_point and key in state}
     if len(live) == 1 and len(kept) == 1 and live != kept:
         model.to(next(iter(kept)))
     return model
