@@ -22,6 +22,9 @@ os.environ["TRAINER_CACHE_DIR"] = tempfile.mkdtemp(prefix="trainer-test-cache-")
 os.environ["TRAINER_CONFIG_HOME"] = tempfile.mkdtemp(prefix="trainer-test-config-")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.pop("WANDB_API_KEY", None)
+# Every process the tests start writes its Python stacks on SIGABRT: what a test that gives up on a hung process
+# sends it (start_cli.wait, tests/helpers/hung.py).
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 # Lets subprocesses import tests/helpers/faulty.py (task._target_=faulty.Faulty).
 FAULTY_ENV = {"PYTHONPATH": f"{ROOT}:{HELPERS}"}
@@ -137,6 +140,20 @@ def start_processes(fn, args: tuple, nprocs: int) -> None:
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
 
 
+class Hung(subprocess.TimeoutExpired):
+    """A process a test started did not end in time: the message holds what each process of its tree was doing
+    (tests/helpers/hung.py) and the ends of its output, where TimeoutExpired's says only how long it waited."""
+
+    def __init__(self, cmd, timeout, output, stderr, described: str):
+        super().__init__(cmd, timeout, output, stderr)
+        self.described = described
+
+    def __str__(self) -> str:
+        return (f"{super().__str__()}\n--- its processes when it was stopped ---\n{self.described}\n"
+                f"--- end of its stdout ---\n{(self.output or '')[-2000:]}\n"
+                f"--- end of its stderr (with each process's Python stacks) ---\n{(self.stderr or '')[-12000:]}")
+
+
 class start_cli:
     """`run_cli`'s process, started and not waited for (several "nodes" at once): `wait(timeout)` gives its
     CompletedProcess (and kills it past the timeout, raising subprocess.TimeoutExpired, as subprocess.run does).
@@ -166,9 +183,13 @@ class start_cli:
     def wait(self, timeout: float) -> subprocess.CompletedProcess:
         self.child.join(timeout)
         if self.child.exitcode is None:
-            self.child.kill()
+            import hung
+
+            described = hung.stop(self.child.pid)  # (each process writes its Python stacks to the err file)
+            if self.child.exitcode is None:
+                self.child.kill()
             self.child.join()
-            raise subprocess.TimeoutExpired(self.command, timeout, self.out.read_text(), self.err.read_text())
+            raise Hung(self.command, timeout, self.out.read_text(), self.err.read_text(), described)
         return subprocess.CompletedProcess(self.command, self.child.exitcode, self.out.read_text(),
                                            self.err.read_text())
 

@@ -279,3 +279,26 @@ def test_a_peers_progress_keeps_it_quiet_and_a_peers_stack_makes_it_write_its_ow
     mine = json.loads((tmp_path / "A0.stack.0.json").read_text())
     assert mine["rank"] == 0 and any(f[2] == "test_a_peers_progress_keeps_it_quiet_and_a_peers_stack_makes_it_write_"
                                      "its_own" for f in mine["frames"])
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the report reads /proc (Linux)")
+def test_the_suites_report_on_a_hung_process_names_every_process_and_its_python_stack(tmp_path):
+    """The suite's own harness, not the trainer: a process a test gives up waiting for (start_cli.wait) is stopped
+    with a report of each process of its tree and each one's Python stack (tests/helpers/hung.py). A hang seen
+    once on CI said only "timed out after 180 seconds"."""
+    from conftest import Hung, start_cli
+
+    ready = tmp_path / "child.pid"
+    with start_cli(str(ready), module="hang_forever", env=FAULTY_ENV) as cli:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and cli.child.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # (waiting for the program to reach its hang, bounded)
+        assert ready.exists(), cli.err.read_text()
+        child = int(ready.read_text())
+        with pytest.raises(Hung) as raised:
+            cli.wait(0.01)
+    report = str(raised.value)
+    assert f"pid {cli.pid} " in report and f"pid {child} ppid {cli.pid} " in report
+    # Both processes of the program wrote their Python stacks, one after the other, each ending in its wait_forever.
+    assert report.count("in wait_forever") == 2 and "Aborted\nFatal" not in report
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split(") ")[1][:1]
