@@ -355,6 +355,33 @@ def test_sample_writes_the_grid_from_the_ema_weights_and_needs_nothing_else(diff
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24]) > (8, 8)
 
 
+def test_sample_of_a_checkpoint_equals_the_exports_and_works_on_a_run_not_finished(diffusion_reference, tmp_path):
+    """`sample RUN checkpoint=latest|best|PATH`, as eval takes it: the final checkpoint's grid and metrics are the
+    export's, byte for byte (its EMA weights and its task state, the data normaliser, by default); a run with no
+    export yet (still training, or preempted) samples from its checkpoints, and an earlier checkpoint differs."""
+    import shutil
+
+    final = run_main("sample", str(diffusion_reference), f"out={tmp_path / 'export.png'}", cwd=tmp_path)
+    assert final.returncode == 0, final.stderr
+    run = tmp_path / "run"
+    shutil.copytree(diffusion_reference, run)
+    for name in [*json.loads((run / "export.json").read_text())["files"], "export.json"]:
+        (run / name).unlink()  # (the run as it was before it finished: no export, no task_state.safetensors)
+    assert not list(run.glob("model*.safetensors")) and not (run / "task_state.safetensors").exists()
+    latest = run_main("sample", str(run), "checkpoint=latest", f"out={tmp_path / 'latest.png'}", cwd=tmp_path)
+    assert latest.returncode == 0, latest.stderr
+    assert (tmp_path / "latest.png").read_bytes() == (tmp_path / "export.png").read_bytes()
+    assert latest.stdout.replace("latest.png", "export.png") == final.stdout
+    first = sorted((run / "checkpoints").glob("step_*"))[0]
+    earlier = run_main("sample", str(run), f"checkpoint={first}", cwd=tmp_path)
+    assert earlier.returncode == 0, earlier.stderr
+    grid = run / "samples" / f"sample_{first.name}.png"  # (by default beside the final weights' sample.png)
+    assert f"image: {grid}" in earlier.stdout and grid.read_bytes() != (tmp_path / "export.png").read_bytes()
+    assert_clean_error(run_main("sample", str(run), "checkpoint=latest", "device_map=auto", cwd=tmp_path),
+                       "sample with device_map reads the run's export")
+    assert_clean_error(run_main("sample", str(run), f"checkpoint={run / 'nope'}", cwd=tmp_path), str(run / "nope"))
+
+
 def test_a_quoted_path_option_is_unquoted_as_hydra_unquotes_an_override(diffusion_reference, tmp_path):
     """`sample RUN "out='DIR/q.png'"` wrote into a folder named `'` under the current directory (and `config
     "outputs='/scratch'"`, `tune ... "save='...'"` and `offload_dir=` kept the quotes too); `out=''` wrote a file

@@ -319,8 +319,9 @@ def evaluate(argv: list[str]) -> int:
 
 @_user_errors
 def sample(argv: list[str]) -> int:
-    """`python -m trainer sample RUN_DIR [ema=true|false] [out=PATH] [task.KEY=VALUE ...]`: what the run's task
-    samples from its final weights (the EMA's when the run kept them), with the task's settings changed by
+    """`python -m trainer sample RUN_DIR [checkpoint=latest|best|PATH] [ema=true|false] [out=PATH] [task.KEY=VALUE ...]`:
+    what the run's task samples from its final weights, or from a checkpoint's (finished or not: a run still
+    training, or preempted), the EMA's when the run kept them, with the task's settings changed by
     task.KEY=VALUE (task.sample_tokens=500): text is printed, an image grid is written (default
     RUN_DIR/samples/sample.png), sample metrics are printed. What is printed is redacted as training's output is."""
     import torch
@@ -328,21 +329,31 @@ def sample(argv: list[str]) -> int:
     from trainer.config.compose import yaml_value
     from trainer.errors import ConfigError, UserError
     from trainer.inference.device_map import cli_options
-    from trainer.inference.finished import config_yaml, has_ema, load, load_task
+    from trainer.inference.finished import (
+        checkpoint_model,
+        checkpoint_of,
+        config_yaml,
+        has_ema,
+        load,
+        load_task,
+    )
     from trainer.io import atomic_write_bytes
     from trainer.loop.trainer import printable
     from trainer.redaction import scrub, secret_values
     from trainer.tracking.images import is_image, png_bytes
 
-    usage = ("python -m trainer sample RUN_DIR [ema=true|false] [out=PATH] [device_map=auto max_memory.cpu=SIZE "
-             "offload_dir=DIR show_map=true] [task.KEY=VALUE ...]")
-    run_dir, opts, rest = _run_and_options(argv, usage, ("ema", "out"))
+    usage = ("python -m trainer sample RUN_DIR [checkpoint=latest|best|PATH] [ema=true|false] [out=PATH] "
+             "[device_map=auto max_memory.cpu=SIZE offload_dir=DIR show_map=true] [task.KEY=VALUE ...]")
+    run_dir, opts, rest = _run_and_options(argv, usage, ("checkpoint", "ema", "out"))
     placement, rest = cli_options(rest)
     wrong = [a for a in rest if not a.startswith("task.") or "=" not in a]  # (only those: the rest are fine)
     if wrong:
-        raise ConfigError(f"python -m trainer sample takes ema=, out=, device_map=, max_memory.DEVICE=, offload_dir=, "
-                          f"show_map= and task.KEY=VALUE, not {' '.join(wrong)}. "
+        raise ConfigError(f"python -m trainer sample takes checkpoint=, ema=, out=, device_map=, max_memory.DEVICE=, "
+                          f"offload_dir=, show_map= and task.KEY=VALUE, not {' '.join(wrong)}. "
                           f"Usage: {usage}")
+    if "checkpoint" in opts and placement:
+        raise ConfigError("sample with device_map reads the run's export (its final weights), not a checkpoint: "
+                          "leave out checkpoint=, or leave out device_map, max_memory and offload_dir.")
     task_keys = {a.split("=", 1)[0][len("task."):]: yaml_value(a) for a in rest}
     run = Path(run_dir)
     if "out" in opts:  # (before the sampling, not after it)
@@ -355,14 +366,21 @@ def sample(argv: list[str]) -> int:
     try:
         from trainer.config.compose import flag_value
 
-        ema = flag_value("ema", opts.get("ema", "true" if has_ema(run) else "false"))
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = load(run, ema=ema, device=device, **_show(placement))
+        stem = "sample"
+        if "checkpoint" in opts:  # the checkpoint's task state too; its EMA where it has one, unless ema= says
+            task, chosen = load_task(run, task_keys), checkpoint_of(run, opts["checkpoint"])
+            ema = flag_value("ema", opts["ema"]) if "ema" in opts else None
+            model = checkpoint_model(chosen, ema, task).to(device).eval()
+            stem = f"sample_{chosen.name}"  # (not the final weights' sample.png)
+        else:
+            ema = flag_value("ema", opts.get("ema", "true" if has_ema(run) else "false"))
+            model = load(run, ema=ema, device=device, **_show(placement))
+            task = load_task(run, task_keys)
         if placement:
             device = model.device_map.main_device
             if placement.get("show_map"):
                 print(model.device_map, file=sys.stderr)
-        task = load_task(run, task_keys)
         if not hasattr(task, "sample"):
             raise ConfigError(f"the task of {run} ({type(task).__name__}) has no sample().")
         from omegaconf import OmegaConf
@@ -391,7 +409,7 @@ def sample(argv: list[str]) -> int:
         if isinstance(value, str):
             print(printable(scrub(value, secrets)))
         elif is_image(value):
-            path = Path(opts.get("out", run / "samples" / ("sample.png" if name == "image" else f"sample_{name}.png")))
+            path = Path(opts.get("out", run / "samples" / (f"{stem}.png" if name == "image" else f"{stem}_{name}.png")))
             atomic_write_bytes(path, png_bytes(value))
             print(scrub(f"{name}: {path}", secrets))
         else:

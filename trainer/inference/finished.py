@@ -43,7 +43,7 @@ def _run_dir(run_dir: str | Path) -> Path:
     if run is not None:
         raise ConfigError(f"{path} is a checkpoint of the run {run}, not a run dir. Pass the run dir: `python -m "
                           f"trainer eval {run} checkpoint={path}` evaluates this checkpoint, `trainer.load({path})` "
-                          f"builds its model with its weights, `sample {run}` reads the run's final export, and "
+                          f"builds its model with its weights, `sample {run} checkpoint={path}` samples from it, and "
                           f"resume={path} continues training from it.")
     if not os.path.lexists(path):
         raise ConfigError(f"{path} does not exist. Pass the directory a run wrote, e.g. outputs/2026-01-01/12-00-00.")
@@ -370,10 +370,11 @@ def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "c
     return model.to(device).eval()
 
 
-def checkpoint_model(path: Path, ema: bool = False) -> nn.Module:
-    """The model the checkpoint's config.yaml builds, with the checkpoint's weights (its EMA's with `ema`), whatever
-    the strategy and world size that wrote it: every file's sha256 is verified and every tensor checked against
-    the model before anything is loaded."""
+def checkpoint_model(path: Path, ema: bool | None = False, task: Any = None) -> nn.Module:
+    """The model the checkpoint's config.yaml builds, with the checkpoint's weights (its EMA's with `ema`; None: its
+    EMA's where it has them), whatever the strategy and world size that wrote it: every file's sha256 is verified
+    and every tensor checked against the model before anything is loaded. `task`: a stateful task (a data
+    normaliser) that takes the checkpoint's state of it too (`sample RUN checkpoint=...`)."""
     from trainer.checkpoint import store
 
     where, source = f"checkpoint {path}", path / "config.yaml"
@@ -403,8 +404,19 @@ def checkpoint_model(path: Path, ema: bool = False) -> nn.Module:
         raise CheckpointError(f"{where} does not fit the model its config.yaml builds: {_listed(problems)}. The two "
                               f"were edited apart. {fix}")
     model.load_state_dict({k: snapshot.assemble(k, loaded.model[k], v, where) for k, v in live.items()})
+    saved = loaded.tree.get("ema")
+    if ema is None:
+        ema = isinstance(saved, dict) and isinstance(saved.get("shadow"), dict) and bool(saved["shadow"])
+    if task is not None and hasattr(task, "load_state_dict") and isinstance(loaded.tree.get("task"), dict):
+        try:
+            # (as stored, as the export's task_state.safetensors is read: an unfit task has no state_dict to follow)
+            task.load_state_dict(snapshot.conform(loaded.tree["task"], {}, loaded.state, f"{where} (task)"))
+        except UserError:
+            raise
+        except Exception as e:  # the task's own check of what it is given
+            raise CheckpointError(f"{where}: its task state does not fit the task ({type(task).__name__}: "
+                                  f"{_one_line(e)}). {fix}") from e
     if ema:
-        saved = loaded.tree.get("ema")
         if not (isinstance(saved, dict) and isinstance(saved.get("shadow"), dict) and saved["shadow"]):
             raise ConfigError(f"{path} has no EMA weights (ema.enabled was off when it was saved); load it with "
                               "ema=False.")
