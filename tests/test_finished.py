@@ -377,6 +377,8 @@ def test_sample_of_a_checkpoint_equals_the_exports_and_works_on_a_run_not_finish
     assert earlier.returncode == 0, earlier.stderr
     grid = run / "samples" / f"sample_{first.name}.png"  # (by default beside the final weights' sample.png)
     assert f"image: {grid}" in earlier.stdout and grid.read_bytes() != (tmp_path / "export.png").read_bytes()
+    named = run_main("sample", str(run), f"checkpoint={first.name}", f"out={tmp_path / 'named.png'}", cwd=tmp_path)
+    assert named.returncode == 0 and (tmp_path / "named.png").read_bytes() == grid.read_bytes()  # (its name will do)
     assert_clean_error(run_main("sample", str(run), "checkpoint=latest", "device_map=auto", cwd=tmp_path),
                        "sample with device_map reads the run's export")
     assert_clean_error(run_main("sample", str(run), f"checkpoint={run / 'nope'}", cwd=tmp_path), str(run / "nope"))

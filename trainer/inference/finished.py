@@ -419,7 +419,7 @@ def checkpoint_model(path: Path, ema: bool | None = False, task: Any = None) -> 
     if ema:
         if not (isinstance(saved, dict) and isinstance(saved.get("shadow"), dict) and saved["shadow"]):
             raise ConfigError(f"{path} has no EMA weights (ema.enabled was off when it was saved); load it with "
-                              "ema=False.")
+                              "ema=False (sample: ema=false).")
         params = dict(model.named_parameters())
         strangers = [k for k in saved["shadow"] if k not in params]
         if strangers:
@@ -666,7 +666,11 @@ def checkpoint_of(run_dir: str | Path, which: str = "latest") -> Path:
                                   f"{os.readlink(checkpoints / name)}), not a checkpoint this run wrote. {fix}")
         return checkpoints / name
     path = Path(which).expanduser()
+    if not path.is_dir() and not os.path.lexists(path) and Path(which).name == which and step_of(path) >= 0 and \
+            (checkpoints / which).is_dir():
+        return checkpoints / which  # (a checkpoint's name, as the run lists them: step_00000400)
     if not path.is_dir():  # (the reader's own message would speak of resume=, which eval does not take)
         raise ConfigError(f"checkpoint={which} is not a directory. Pass checkpoint=latest (the default), "
-                          "checkpoint=best, or the path of a step_* checkpoint directory.")
+                          "checkpoint=best, the name of one of the run's checkpoints (step_NNNNNNNN, in "
+                          f"{checkpoints}), or the path of a step_* checkpoint directory.")
     return path
