@@ -1154,6 +1154,21 @@ def test_a_launched_loop_that_hangs_is_stopped_naming_the_rank_and_its_line():
         assert "runtime_script.py" in stacks and (not world or "rank 1" in stacks), stacks
 
 
+def test_a_rank_whose_script_ends_early_is_named_and_torch_adds_nothing():
+    """Rank 1's script leaves at its third step (sys.exit(0): a `return` on some ranks only) while rank 0 waits for
+    it in the gradient all-reduce. The finished rank's process lives on (torchelastic keeps it until every rank is
+    done), so rank 0 waits until world.hang_timeout; then one paragraph says rank 1 ended its loop, and torch's
+    own "Terminating process ... via signal SIGTERM" line, as it stops the rest, is not printed beside it."""
+    from trainer.errors import HangDetected
+
+    r = launch("world=ddp", "world.nproc_per_node=2", "world.hang_timeout=3", SCRIPT, "leave", "1")
+    assert r.returncode == HangDetected.exit_code, r.stdout + r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip() and not line.startswith("precision=auto")]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "rank 1 of this machine ended its loop while the others wait for it in a collective" in lines[0], lines[0]
+    assert "rank 0 waits in backward's gradient all-reduce" in lines[0], lines[0]
+
+
 def test_a_launched_loop_is_watched_from_its_first_progress_and_its_forwards_count(tmp_path):
     """Neither a set-up phase before the loop's first forward, nor an eval of forwards only, nor what the script does
     after rt.end() is a hang, however long: each lasts longer than world.hang_timeout here, and the job finishes."""

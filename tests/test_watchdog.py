@@ -209,6 +209,21 @@ def test_a_rank_that_ended_its_loop_early_is_named_not_sought_on_another_machine
     assert "left no stack" not in text, text
 
 
+def test_a_firing_watch_waits_for_the_stacks_of_the_ranks_still_in_their_loop_only(tmp_path, monkeypatch):
+    """A rank whose loop ended writes no stack: the watch that fires does not wait for it (the whole bound, 5 s,
+    at every such hang), and does wait for a rank still in its loop."""
+    exits, waits = [], []
+    monkeypatch.setattr(watchdog.time, "sleep", lambda s: waits.append(s) or (tmp_path / "A0.stack.2.json").touch())
+    (tmp_path / "A0.ended.1").touch()
+    watch = watchdog.Watchdog(600, directory=tmp_path, rank=0, world_size=2, local_world_size=2, exit=exits.append)
+    watch._watched = threading.get_ident()
+    watch._fire(700.0)
+    assert exits == [HangDetected.exit_code] and waits == []  # (rank 1 ended: nobody to wait for)
+    watch.local_world_size = 3  # rank 2 still in its loop: waited for until its stack is there
+    watch._fire(700.0)
+    assert len(waits) == 1 and exits == [HangDetected.exit_code] * 2
+
+
 def test_a_rank_of_a_one_machine_job_that_left_no_stack_is_named_not_sought_on_another_machine(tmp_path):
     """Rank 1 stopped (kill -STOP) or in native code holding the GIL: rank 0's watch fired, torch listed rank 0 alone,
     and the paragraph said the rank rank 0 waits for "is on another machine"."""

@@ -9,6 +9,8 @@
     runtime_script.py pipeline_uneven OUT            batches of 3 under world.pp's 2 microbatches (a mistake)
     runtime_script.py diverge OUT                    rank 0 saves its state while rank 1 exports (a mistake)
     runtime_script.py hang RANK                      two steps, then RANK stops while the others go on (a hang)
+    runtime_script.py leave RANK                     two steps, then RANK's script ends (sys.exit) while the others
+                                                     go on (a hang)
     runtime_script.py slow_phases SECONDS            a pause before the first step, a step, an eval of forwards
                                                      only, then a step: the pause and the eval each last longer
                                                      than SECONDS
@@ -195,13 +197,15 @@ def diverge(rt: trainer.Runtime, out: str) -> None:
         rt.save_model(model, out)
 
 
-def hang(rt: trainer.Runtime, rank: int) -> None:
+def hang(rt: trainer.Runtime, rank: int, leave: bool = False) -> None:
     torch.manual_seed(rt.seed)
     model = nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = rt.setup(model, opt)
     for step in range(3):
         if step == 2 and rt.rank == rank:
+            if leave:
+                sys.exit(0)  # the script ends on this rank alone: the others wait for it in the gradient all-reduce
             time.sleep(3600)  # stuck in the user's own code: the other ranks wait for it in the gradient all-reduce
         rt.backward(model(torch.ones(2, 4)).sum())
         rt.step(opt)
@@ -270,6 +274,7 @@ if __name__ == "__main__":
      "pipeline_uneven": lambda: pipeline(runtime, args[0], batch_size=3),
      "diverge": lambda: diverge(runtime, args[0]),
      "hang": lambda: hang(runtime, int(args[0])),
+     "leave": lambda: hang(runtime, int(args[0]), leave=True),
      "slow_phases": lambda: slow_phases(runtime, float(args[0])),
      "single": lambda: runtime.end(),
      "unused": lambda: unused(runtime)}[mode]()

@@ -231,6 +231,9 @@ def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
     # (torch's elastic loggers set their own level, WARNING: the parent's does not reach the agent's "Received 2
     # death signal, shutting down workers" at Ctrl-C, which came before the framework's own paragraph)
     logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
+    # (and torch.multiprocessing's "Terminating process N via signal SIGTERM" as the agent stops the workers left
+    # after one failed: the failure is reported once, by us)
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     _name_rendezvous_events_cheaply()
     # The agent logs every failed worker ("failed (exitcode: 3) local_rank: ..."); we report the failure
     # ourselves, once, as the worker's own message (or its traceback), so drop that line.

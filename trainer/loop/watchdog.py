@@ -305,6 +305,11 @@ class Watchdog:
     def _stack_files(self) -> list[str]:
         return [n for n in self._names() if ".stack." in n and n.endswith(".json")]
 
+    def _accounted(self) -> set[str]:
+        """The ranks that wrote their stack, or whose loop ended (and never will)."""
+        return {n.rsplit(".", 2)[1] if n.endswith(".json") else n.rsplit(".", 1)[1]
+                for n in self._names() if ".stack." in n and n.endswith(".json") or ".ended." in n}
+
     def _peer_fired(self) -> bool:
         return self.directory is not None and any(n != f"{self.prefix}stack.{self.rank}.json"
                                                   for n in self._stack_files())
@@ -322,9 +327,10 @@ class Watchdog:
 
                 atomic_write_text(self.directory / f"{self.prefix}stack.{self.rank}.json", json.dumps(record))
                 # The other ranks of this machine see it within their interval and write theirs: wait for them
-                # (bounded: a rank whose Python threads cannot run never writes).
+                # (bounded: a rank whose Python threads cannot run never writes), but not for a rank whose loop
+                # ended (its watch is gone, and it would cost every such hang the whole bound).
                 deadline = time.monotonic() + max(5.0, 3 * self.interval)
-                while len(self._stack_files()) < self.local_world_size and time.monotonic() < deadline:
+                while len(self._accounted()) < self.local_world_size and time.monotonic() < deadline:
                     time.sleep(0.05)
         finally:
             for stream in (sys.stdout, sys.stderr):
