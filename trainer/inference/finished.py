@@ -312,9 +312,9 @@ def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "c
     """The model of a finished run, built from its `model_config.json`, with its final weights (the EMA's with
     `ema=True`), in eval mode. `model = trainer.load("outputs/2026-01-01/12-00-00")`.
 
-    `checkpoint` ("latest", "best" or a checkpoint's path) takes that checkpoint's weights instead, from a run
-    finished or not (Lightning's load_from_checkpoint): `trainer.load(RUN_DIR, checkpoint="best")`. A checkpoint's
-    own path (RUN_DIR/checkpoints/step_N) may be passed as `run_dir`.
+    `checkpoint` ("latest", "best", a checkpoint's name, step_00000400, or its path) takes that checkpoint's weights
+    instead, from a run finished or not (Lightning's load_from_checkpoint): `trainer.load(RUN_DIR,
+    checkpoint="best")`. A checkpoint's own path (RUN_DIR/checkpoints/step_N) may be passed as `run_dir`.
 
     With `device_map` ("auto", "balanced", "sequential" or {module: device}), `max_memory` ({"cpu": "2GB", 0:
     "10GiB", "disk": ...}) or `offload_dir`, the model is placed block by block on the GPUs, the CPU and disk
