@@ -114,9 +114,10 @@ def test_parts_are_read_by_their_own_readers_and_resume_exactly(make):
                                                        "ckpt")
 
 
-def _noisy(make, world: int, b: int, accum: int, steps: int, start: int = 0, state: dict | None = None):
+def _noisy(make, world: int, b: int, accum: int, steps: int, start: int = 0, state: dict | None = None,
+           workers: int = 2):
     """`read`, for samples [value, draws...]: each step's global batch as rows, in the global batch's order."""
-    datas = [Data(make(), None, b, False, 2) for _ in range(world)]
+    datas = [Data(make(), None, b, False, workers) for _ in range(world)]
     for d in datas if state else ():
         d.load_position(state)
     its = [iter(d.loader(d.sampler(accum, r, world, 7, start), CPU, 7)) for r, d in enumerate(datas)]
@@ -148,6 +149,33 @@ def test_random_draws_in_loader_workers_follow_the_sample_on_any_split_and_acros
         quiet, _ = _noisy(sd.QuietNoisyMap, 1, 4, 1, steps=6)  # own generators draw, and start over at a resume
         resumed, _ = _noisy(sd.QuietNoisyMap, 1, 4, 1, steps=4, start=8)
         assert resumed[:4] == [[8 + i, *quiet[i][1:]] for i in range(4)] != quiet[8:12]
+
+
+@pytest.mark.parametrize("make,world", [(sd.NoisySized, 1), (sd.NoisyStatelessParts, 2)])
+def test_a_stream_read_again_on_a_resume_leaves_the_restored_generators_as_the_checkpoint_had_them(make, world):
+    """data.num_workers=0: a stream draws from the process's generators, which the checkpoint keeps. A stream
+    without state_dict is read again from its pass's start on a resume, and those reads drew again from the
+    restored generators: every later sample's noise (and the model's dropout after it) was off the uninterrupted
+    run's. (Two ranks read parts here, one after the other in this process, as their own processes would.)"""
+    import random
+
+    import numpy as np
+
+    from trainer.checkpoint.rng import rng_state, set_rng_state
+
+    def seeded():
+        torch.manual_seed(0), random.seed(0), np.random.seed(0)
+
+    seeded()
+    whole, _ = _noisy(make, world, 1, 1, steps=12, workers=0)
+    seeded()
+    first, state = _noisy(make, world, 1, 1, steps=4, workers=0)
+    kept = rng_state()  # (what the checkpoint holds)
+    seeded()  # (a fresh process, then the checkpoint's generators)
+    set_rng_state(kept)
+    rest, _ = _noisy(make, world, 1, 1, steps=8, start=4 * world, state=state, workers=0)
+    assert [r[0] for r in first + rest] == [r[0] for r in whole]  # (the same samples: the skip itself is right)
+    assert first + rest == whole
 
 
 def test_random_draws_in_the_readers_of_parts_are_the_same_on_a_resume():

@@ -157,6 +157,20 @@ class NoisyStateful(Stateful):
             yield torch.tensor([float(value), *_draws()], dtype=torch.float64)
 
 
+class NoisySized(Sized):
+    """Sized's samples (no state_dict: a resume reads its pass again) as [value, three random draws]."""
+
+    def __iter__(self):
+        for value in super().__iter__():
+            yield torch.tensor([float(value), *_draws()], dtype=torch.float64)
+
+
+class NoisyStatelessParts(StatelessParts):
+    def __iter__(self):
+        for value in super().__iter__():
+            yield torch.tensor([float(value), *_draws()], dtype=torch.float64)
+
+
 class NoisyParts(Parts):
     def __iter__(self):
         for value in super().__iter__():

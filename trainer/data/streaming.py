@@ -124,6 +124,21 @@ def seed_sample(seed: int, key: int | str) -> None:
         np.random.seed(h & 0xFFFF_FFFF)
 
 
+def _drawing_nothing_until(skip: int) -> Callable[[int | None], None]:
+    """A `_samples` seeding that keeps this process's generators as they were before `iter(ds)` (k None) until the
+    `skip`-th sample is about to be read: what the reads before it drew is undone."""
+    from trainer.checkpoint.rng import rng_state, set_rng_state
+
+    saved: list[dict] = []
+
+    def seeding(k: int | None) -> None:
+        if k is None:
+            saved[:] = [rng_state()]
+        elif k == skip and saved:
+            set_rng_state(saved.pop())
+    return seeding
+
+
 def _samples(ds, whole: bool = True, seeding: Callable[[int | None], None] | None = None) -> Iterator[Any]:
     """`ds`'s samples. `whole`: each read without torch's worker info (`_whole_stream`); the reader's own code
     between them (its collate_fn included) sees it as usual. `seeding(k)` runs before the k-th sample is read, and
@@ -170,11 +185,17 @@ class Reader(IterableDataset):
         self.dataset, self.layout, self.workers, self.resume, self.collate = dataset, layout, workers, resume, collate
         self.seed, self.in_worker = seed, False
 
-    def _seeding(self, key: str, first: int) -> Callable[[int | None], None] | None:
-        """In a loader worker: the k-th sample read from here is seeded by `key` and its place `first + k`."""
-        if not self.in_worker or not getattr(self.dataset, "random_draws", True):  # (False: it says it draws none)
+    def _seeding(self, key: str, first: int, skip: int = 0) -> Callable[[int | None], None] | None:
+        """In a loader worker: the k-th sample read from here is seeded by `key` and its place `first + k`.
+        In the rank's own process (num_workers=0) the samples draw from its generators, which a checkpoint keeps;
+        a resume that reads a stream without state again from its pass's start, skipping `skip` samples, would
+        draw them again out of the generators the checkpoint restored: they are put back as they were before the
+        first sample it keeps."""
+        if not getattr(self.dataset, "random_draws", True):  # (False: it says it draws none)
             return None
-        return lambda k: seed_sample(self.seed, f"{key}start" if k is None else f"{key}{first + k}")
+        if self.in_worker:
+            return lambda k: seed_sample(self.seed, f"{key}start" if k is None else f"{key}{first + k}")
+        return _drawing_nothing_until(skip) if skip > 0 else None
 
     def __iter__(self) -> Iterator[tuple[Any, dict]]:
         info = get_worker_info()
@@ -205,7 +226,7 @@ class Reader(IterableDataset):
         batch: list[Any] = []
         while True:
             got = 0
-            for sample in _samples(ds, seeding=self._seeding(f"pass{pass_no}:", pos)):
+            for sample in _samples(ds, seeding=self._seeding(f"pass{pass_no}:", pos, lay.start - pos)):
                 got += 1
                 if pos >= lay.start and ((pos - lay.start) // b) % readers == me:
                     batch.append(sample)
@@ -249,7 +270,7 @@ class Reader(IterableDataset):
         first = count if skip == 0 else 0  # (the place in the pass of the first sample read: a state resumes there)
         while True:
             got = 0
-            for sample in _samples(ds, whole=False, seeding=self._seeding(f"part{part}.{pass_no}:", first)):
+            for sample in _samples(ds, whole=False, seeding=self._seeding(f"part{part}.{pass_no}:", first, skip)):
                 got += 1
                 if skip:
                     skip -= 1
