@@ -1058,6 +1058,33 @@ def test_a_registered_state_with_numpy_scalars_round_trips_and_an_array_is_one_p
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_00000003"]
 
 
+def test_a_scheduler_that_rt_step_steps_must_be_registered_to_be_saved(tmp_path, capsys):
+    """rt.step(optimizer, scheduler) with a scheduler never registered: save_state left it out, and a resume started
+    the schedule over (the learning rate back at its first value, the weights off the uninterrupted run's) without
+    a word. Refused at the save, before anything is written; registered, it is saved and loaded. (rt.print takes
+    print's keywords, flush= among them, as accelerator.print does.)"""
+    import trainer
+
+    rt = trainer.Runtime("single", "fp32")
+    model = nn.Linear(1, 1)
+    model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    rt.backward(model(torch.ones(2, 1)).sum())
+    rt.step(opt, sched)
+    with pytest.raises(UserError, match=r"the StepLR that rt.step steps is not registered.*rt.register\("):
+        rt.save_state(tmp_path, step=1)
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())
+    rt.register("scheduler", sched)
+    rt.save_state(tmp_path, step=1)
+    rt2 = trainer.Runtime("single", "fp32")
+    model2 = nn.Linear(1, 1)
+    model2, opt2 = rt2.setup(model2, torch.optim.SGD(model2.parameters(), lr=0.1))
+    sched2 = rt2.register("scheduler", torch.optim.lr_scheduler.StepLR(opt2, 1, 0.5))
+    assert rt2.load_state(tmp_path) == 1 and sched2.get_last_lr() == sched.get_last_lr() == [0.05]
+    rt2.print("printed", end="!", flush=False)
+    assert capsys.readouterr().out.endswith("printed!")
+
+
 def test_load_state_before_the_loader_and_registered_objects_exist_is_refused(tmp_path):
     """An Accelerate habit, load right after setup: the checkpoint's loader and scheduler states were skipped
     without a word, and the run restarted its epoch and its learning rate. Refused, having changed nothing; loaded

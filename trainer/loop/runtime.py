@@ -179,6 +179,7 @@ class Runtime:
         self.models: dict[str, nn.Module] = {}
         self.optimizers: dict[str, tuple[str, torch.optim.Optimizer]] = {}  # name -> (its model's name, optimizer)
         self.stateful: dict[str, Any] = {}
+        self._schedulers: list[Any] = []  # the schedulers rt.step has stepped (save_state refuses one not registered)
         self._originals: dict[int, tuple[str, str]] = {}  # id of a set-up model's original parameter -> (model, name)
         self._set_up: set[int] = set()  # ids of the modules set up (original and wrapped)
         self._micro = 0  # micro-steps taken in accumulate() (the step boundary is every grad_accum_steps-th)
@@ -218,9 +219,9 @@ class Runtime:
         return self.backend.is_main
 
     def print(self, *args, **kwargs) -> None:
-        """print, on the main process only."""
+        """print, on the main process only (flushed unless flush=False is given, as accelerator.print passes it)."""
         if self.backend.is_main:
-            print(*args, **kwargs, flush=True)
+            print(*args, **{"flush": True, **kwargs})
 
     def wait_for_everyone(self) -> None:
         self.backend.barrier()
@@ -681,6 +682,8 @@ class Runtime:
         if self._replicas_checked is not None and owner not in self._replicas_checked:
             self._check_replicas_agree(owner)
         applied = self.strategy.optimizer_step(optimizer)
+        if scheduler is not None and not any(scheduler is known for known in self._schedulers):
+            self._schedulers.append(scheduler)
         if applied and scheduler is not None:
             scheduler.step()
         if self._watched:  # (DeepSpeed's engine steps without the optimizer hook that beats)
@@ -836,6 +839,13 @@ class Runtime:
         if Path(directory).exists() and not Path(directory).is_dir():
             raise UserError(f"rt.save_state({str(directory)!r}) is a file: pass a directory, which save_state writes "
                             "its checkpoints into (step_<step>), as rt.load_state reads them.")
+        unregistered = [type(sc).__name__ for sc in self._schedulers
+                        if not any(sc is obj for obj in self.stateful.values())]
+        if unregistered:  # (every rank steps the same schedulers: refused on each, before anything is written)
+            raise UserError(f"rt.save_state: the {', '.join(unregistered)} that rt.step steps is not registered, so "
+                            "the checkpoint would not hold its schedule and a resume would start it over (the "
+                            "learning rate back at its first value). Register it once, before rt.load_state: "
+                            "rt.register(\"scheduler\", scheduler) (Accelerate's prepare(scheduler)).")
         self._all_ranks_here("save_state", self._checkpointed_names())
         back, self._rolled_back_to = self._rolled_back_to, None
         if back is not None and back.parent.resolve() == Path(directory).resolve():
