@@ -544,3 +544,16 @@ def test_a_target_key_is_not_offered_a_near_spelling_of_another_key():
     cfg = compose(["recipe=gan"])
     assert did_you_mean("optim.discriminator._target_", "torch.optim.SGD", cfg) == ""
     assert "optim.lr" in did_you_mean("optim.lrr", "1e-3", cfg)
+
+
+def test_compose_and_train_from_python_name_what_they_take(tmp_path):
+    """trainer.compose("debug=smoke") read the string letter by letter ("'d' is not an override"), and
+    trainer.train({...}) failed inside the launcher with an AttributeError."""
+    import trainer
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"takes a list of KEY=VALUE strings.*compose\(\['debug=smoke'\]\)"):
+        trainer.compose("debug=smoke")
+    with pytest.raises(ConfigError, match=r"trainer.train takes the config trainer.compose returns .* not a dict"):
+        trainer.train({"trainer": {"max_steps": 1}}, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

@@ -1083,6 +1083,14 @@ def test_a_scheduler_that_rt_step_steps_must_be_registered_to_be_saved(tmp_path,
     assert rt2.load_state(tmp_path) == 1 and sched2.get_last_lr() == sched.get_last_lr() == [0.05]
     rt2.print("printed", end="!", flush=False)
     assert capsys.readouterr().out.endswith("printed!")
+    # (gather_for_metrics over the training loader, and rt.log after rt.end, are one paragraph each, not an
+    # AttributeError and a ValueError from a closed file)
+    train_loader = rt2.loader(torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=2)
+    with pytest.raises(UserError, match=r"must be rt.eval_loader's.*rt.loader's training stream"):
+        rt2.gather_for_metrics(torch.zeros(8), train_loader)
+    rt2.end()
+    with pytest.raises(UserError, match=r"rt.log after rt.end\(\)"):
+        rt2.log({"val/loss": 1.0}, step=1)
 
 
 def test_load_state_before_the_loader_and_registered_objects_exist_is_refused(tmp_path):

@@ -338,3 +338,14 @@ def test_a_data_function_without_a_null_key_of_the_data_option_builds(tmp_path):
     r = run_here("debug=smoke", "data._target_=stream_data.windows_without_a_cache", "data.shuffle=false",
                  "data.cache_dir=/tmp/x", f"hydra.run.dir={tmp_path / 'run2'}", cwd=tmp_path, env=FAULTY_ENV)
     assert r.returncode == 2 and "data.cache_dir is not an option" in r.stderr  # (a value is still refused)
+
+
+def test_the_loader_workers_of_a_stream_end_when_train_returns(corpus, tmp_path):
+    """trainer.train from Python (a notebook): the stream's loader workers lived on after train returned, until the
+    garbage collector reached the Trainer that held them (and at interpreter exit a pytest worker was interrupted
+    joining one)."""
+    import multiprocessing
+
+    before = {p.pid for p in multiprocessing.active_children()}
+    train_in_process(corpus, tmp_path, *STREAM, "trainer.max_steps=4", "data.num_workers=1")
+    assert {p.pid for p in multiprocessing.active_children()} - before == set()

@@ -33,6 +33,13 @@ warnings.filterwarnings("ignore", message=SEARCHPATH_WARNING)
 
 def compose(overrides: list[str], config_dir: str | None = None) -> DictConfig:
     """The job config for `overrides` (no sweeps), as `python -m trainer OVERRIDES` would compose it."""
+    from trainer.errors import ConfigError
+
+    if isinstance(overrides, str) or not isinstance(overrides, (list, tuple)) or \
+            not all(isinstance(o, str) for o in overrides):
+        shown = f"[{overrides!r}]" if isinstance(overrides, str) else "['recipe=lm', 'optim.lr=1e-3']"
+        raise ConfigError(f"trainer.compose takes a list of KEY=VALUE strings, as the command line gives them: "
+                          f"compose({shown}); got {type(overrides).__name__} {overrides!r:.80}.")
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
 

@@ -318,6 +318,13 @@ class StreamBatches:
     def __iter__(self) -> StreamBatches:
         return self
 
+    def close(self) -> None:
+        """End the loader's workers now (what was delivered stays recorded for local_record)."""
+        shutdown = getattr(self._it, "_shutdown_workers", None)  # (torch's own, as its __del__ calls it)
+        if callable(shutdown):
+            shutdown()
+        self._it = iter(())
+
     def __next__(self) -> Any:
         batch, meta = next(self._it)
         if "error" in meta:

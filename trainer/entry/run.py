@@ -651,6 +651,9 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     (started here, as the CLI starts them), or in this process. Returns the final metrics."""
     from trainer.entry import launcher
 
+    if not isinstance(cfg, DictConfig):  # (a dict, or a list of overrides: compose builds the config they mean)
+        raise ConfigError(f"trainer.train takes the config trainer.compose returns (an omegaconf DictConfig), not a "
+                          f"{type(cfg).__name__}: trainer.train(trainer.compose(['recipe=lm', ...]), run_dir).")
     if launcher.starts_workers(cfg):  # trainer.train(cfg) of a world of several processes
         return launcher.run(cfg, Path(run_dir)) or {}
     return train_here(cfg, run_dir)

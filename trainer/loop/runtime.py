@@ -179,6 +179,7 @@ class Runtime:
         self.models: dict[str, nn.Module] = {}
         self.optimizers: dict[str, tuple[str, torch.optim.Optimizer]] = {}  # name -> (its model's name, optimizer)
         self.stateful: dict[str, Any] = {}
+        self._ended = False  # rt.end() was called: the trackers are finished
         self._schedulers: list[Any] = []  # the schedulers rt.step has stepped (save_state refuses one not registered)
         self._originals: dict[int, tuple[str, str]] = {}  # id of a set-up model's original parameter -> (model, name)
         self._set_up: set[int] = set()  # ids of the modules set up (original and wrapped)
@@ -788,6 +789,11 @@ class Runtime:
         step are dropped, nothing is padded. On every rank."""
         if not isinstance(outputs, torch.Tensor):
             raise UserError("rt.gather_for_metrics: expected one tensor of per-sample rows (torch.cat the batches).")
+        if not isinstance(loader, EvalLoader):
+            raise UserError(f"rt.gather_for_metrics(outputs, loader): the loader must be rt.eval_loader's, which reads "
+                            f"each sample once; got a {type(loader).__name__}"
+                            + (" (rt.loader's training stream, which runs on across epochs)" if isinstance(loader, Loader)
+                               else "") + ". Evaluate over eval_loader = rt.eval_loader(dataset, batch_size=...).")
         if outputs.shape[0] < len(loader.indices):
             per_batch = 0 < outputs.shape[0] <= loader.batch_size
             raise UserError(f"rt.gather_for_metrics: {outputs.shape[0]} rows for the {len(loader.indices)} samples "
@@ -1130,6 +1136,9 @@ class Runtime:
                 shown = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)[:80]
                 raise UserError(f"rt.log: {key!r} is {shown}, not a number: log one number a key (`.mean()` of a "
                                 "tensor, `.item()` of a one-element one).")
+        if self._ended:
+            raise UserError("rt.log after rt.end(): the trackers are finished and metrics.jsonl is closed. Log the "
+                            "final metrics (a last eval's) before rt.end(), which comes last in the script.")
         first, self._logged = not self._logged, True
         if self.backend.is_main:
             if first and not self._loaded:
@@ -1178,6 +1187,7 @@ class Runtime:
 
     def end(self) -> None:
         """Finish the trackers and leave the process group (every rank, at the end of the script)."""
+        self._ended = True
         if self._watched:  # (what the script does after its loop is its own: no longer watched for hangs)
             watchdog.disarm()
         if self.backend.is_main:

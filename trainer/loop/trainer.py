@@ -422,6 +422,11 @@ class Trainer:
             if installed_here:
                 self.preemption.uninstall()
             progress.close()
+            # The loader's workers end with the fit (the process may go on: trainer.train from Python, a notebook),
+            # not whenever the garbage collector reaches the objects that hold them.
+            close = getattr(batches_iter, "close", None)
+            if callable(close):
+                close()
         summary = self._summary()
         if summary and be.is_main:
             print(summary_line(summary), flush=True)
