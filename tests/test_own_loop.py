@@ -1088,6 +1088,8 @@ def test_a_scheduler_that_rt_step_steps_must_be_registered_to_be_saved(tmp_path,
     train_loader = rt2.loader(torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=2)
     with pytest.raises(UserError, match=r"must be rt.eval_loader's.*rt.loader's training stream"):
         rt2.gather_for_metrics(torch.zeros(8), train_loader)
+    with pytest.raises(UserError, match=r"rt.backward takes the loss as one number.*a tensor of shape \[2, 1\]"):
+        rt2.backward(model2(torch.ones(2, 1)))  # (torch's "grad can be implicitly created only for scalar outputs")
     rt2.end()
     with pytest.raises(UserError, match=r"rt.log after rt.end\(\)"):
         rt2.log({"val/loss": 1.0}, step=1)

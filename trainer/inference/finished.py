@@ -321,7 +321,9 @@ def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "c
     and never held whole (trainer/inference/device_map.py); `max_memory` or `offload_dir` alone mean
     device_map="auto". `run_dir` may also be a Hugging Face model directory (config.json and safetensors weights)."""
     from trainer.checkpoint.store import MANIFEST, step_of
+    from trainer.parallel.backend import usable_device
 
+    device = usable_device(device, named="trainer.load(device={!r})")  # (before anything is read: no CUDA here, ...)
     given = Path(run_dir).expanduser()
     # A checkpoint's own dir: a run dir has no manifest; a run's step_N without one is a save that was cut off,
     # which the reader names as such.

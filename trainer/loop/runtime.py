@@ -557,6 +557,12 @@ class Runtime:
                             "pipeline's schedule, microbatch by microbatch. Use `loss, sums = rt.forward_backward(model, "
                             "batch, loss_fn)` (loss_fn(model, batch) -> loss) for each micro-batch instead of calling "
                             "the model and rt.backward.")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            shown = (f"a tensor of shape {list(loss.shape)}" if loss.numel() != 1 else "a tensor without a graph "
+                     "(computed under torch.no_grad, detached, or from no parameter)") \
+                if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
+            raise UserError(f"rt.backward takes the loss as one number with its graph, a 0-dim tensor; got {shown}. "
+                            "Reduce it first (`loss.mean()`, or `.sum()` divided by the batch's count).")
         if scale is None:
             scale = 1.0 / self.grad_accum_steps
         self._backward_here = True
