@@ -937,6 +937,10 @@ class Runtime:
         # leaves the run already started alone).
         self._restores_trackers = not self._logged and self.run_dir is not None and \
             path.resolve().is_relative_to(Path(self.run_dir).resolve())
+        if not self.models:  # (the load would compare the checkpoint's weights with no model: "not in the model")
+            raise UserError(f"rt.load_state({str(path)!r}) before rt.setup: no model is set up to take the "
+                            "checkpoint's weights. Call `model, optimizer = rt.setup(model, optimizer)` first, then "
+                            "rt.load_state (Accelerate's order too: prepare, then load_state).")
         built = {name: _base_lrs(opt) for name, (_, opt) in self.optimizers.items()}
         self._manager(path.parent, 2).load(path)
         self._loaded = True
