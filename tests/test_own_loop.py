@@ -1079,6 +1079,8 @@ def test_a_scheduler_that_rt_step_steps_must_be_registered_to_be_saved(tmp_path,
     rt2 = trainer.Runtime("single", "fp32")
     with pytest.raises(UserError, match=r"before rt.setup: no model is set up"):  # (it said "not in the model")
         rt2.load_state(tmp_path)
+    with pytest.raises(UserError, match=r"before rt.setup: no model is set up"):  # (and a first run, with nothing
+        rt2.load_state(tmp_path / "none_yet")  # to load yet, is told too: not only its restart)
     model2 = nn.Linear(1, 1)
     model2, opt2 = rt2.setup(model2, torch.optim.SGD(model2.parameters(), lr=0.1))
     sched2 = rt2.register("scheduler", torch.optim.lr_scheduler.StepLR(opt2, 1, 0.5))

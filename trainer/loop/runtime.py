@@ -915,6 +915,12 @@ class Runtime:
         strategy and world size. Returns its step, or None when `path` holds no checkpoint yet. Every rank."""
         from trainer.checkpoint.store import MANIFEST, Checkpointer, step_of
 
+        # Refused whether or not a checkpoint is there yet: a first run (nothing to load) would otherwise pass, and
+        # its restart be refused. (With a checkpoint, the load compared its weights with no model: "not in the model".)
+        if not self.models:
+            raise UserError(f"rt.load_state({str(path)!r}) before rt.setup: no model is set up to take the "
+                            "checkpoint's weights. Call `model, optimizer = rt.setup(model, optimizer)` first, then "
+                            "rt.load_state (Accelerate's order too: prepare, then load_state).")
         self._all_ranks_here("load_state", self._checkpointed_names())
         path = Path(path)
         numbered = re.fullmatch(r"step_([0-9]+)", path.name)  # (save_state names them step_00000005: 8 digits)
@@ -937,10 +943,6 @@ class Runtime:
         # leaves the run already started alone).
         self._restores_trackers = not self._logged and self.run_dir is not None and \
             path.resolve().is_relative_to(Path(self.run_dir).resolve())
-        if not self.models:  # (the load would compare the checkpoint's weights with no model: "not in the model")
-            raise UserError(f"rt.load_state({str(path)!r}) before rt.setup: no model is set up to take the "
-                            "checkpoint's weights. Call `model, optimizer = rt.setup(model, optimizer)` first, then "
-                            "rt.load_state (Accelerate's order too: prepare, then load_state).")
         built = {name: _base_lrs(opt) for name, (_, opt) in self.optimizers.items()}
         self._manager(path.parent, 2).load(path)
         self._loaded = True
