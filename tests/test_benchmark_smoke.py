@@ -130,3 +130,31 @@ def test_a_quick_or_partial_bench_leaves_the_committed_report_alone():
         path = report_path(None, quick, only, benchmarks.ITEMS, None)
         assert path.name == "BENCHMARKS.md" and path.parent.name == "trainer-bench" and path.parent.is_absolute()
     assert report_path("mine.md", True, "ddp", benchmarks.ITEMS, None) == Path("mine.md")
+
+
+def test_the_plain_loop_runs_the_model_it_holds_now():
+    """The hand-written DDP baseline (benchmarks/ddp.py) wraps `loop.model` in DistributedDataParallel after building
+    the loop. Its loss called the bare model captured at construction, so that "DDP" loop never all-reduced a
+    gradient, and the framework's DDP was compared with a loop that skipped its communication."""
+    import torch
+
+    from benchmarks.harness import COMMON, TINY, compose
+    from benchmarks.loop import PlainLoop
+    from trainer import build_data
+
+    cfg = compose([*COMMON, *TINY, "precision=fp32", "trainer.max_steps=2"])
+    train, _ = build_data(cfg.data)
+    loop = PlainLoop(cfg, train, torch.device("cpu"), bf16=False)
+
+    class Wrapper(torch.nn.Module):  # what DistributedDataParallel is to the loop: a module around the model
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.calls = inner, 0
+
+        def forward(self, x):
+            self.calls += 1
+            return self.inner(x)
+
+    loop.model = Wrapper(loop.model)
+    loop.run(2)
+    assert loop.model.calls == 2
