@@ -211,6 +211,23 @@ def python_seconds(args: list[str]) -> float:
     return time.perf_counter() - t
 
 
+def python_first_line_seconds(args: list[str]) -> float:
+    """Wall seconds of `python ARGS` from launch to its first line on stdout (the program flushes it): a twin of a
+    run timed to an event, not to its exit, which adds the interpreter's and torch's shutdown (0.3-0.45 s here)."""
+    t = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
+        first = p.stdout.readline()
+        seconds = time.perf_counter() - t
+        p.stdout.read()
+        p.wait()
+        err.seek(0)
+        check(subprocess.CompletedProcess(p.args, p.returncode, first, err.read()), "python " + " ".join(args))
+    if not first:
+        raise RuntimeError(f"python {' '.join(args)} printed nothing: it must print a line where it is timed to")
+    return seconds
+
+
 # -- the machine -------------------------------------------------------------------------------------
 class OtherJobs:
     """How many cores other processes kept busy meanwhile: machine-wide busy time minus our own."""
