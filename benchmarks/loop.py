@@ -64,12 +64,17 @@ class PlainLoop:
         self.perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.trainer.seed))
         self.pos, self.step, self.losses = 0, 0, []
         backend = cfg.trainer.get("compile_backend", "inductor")
-        compiled = torch.compile(self.model, backend=backend) if compile == "model" else None
+        compiled: dict = {}  # the model last compiled -> its compiled form (compile="model")
 
         def loss(x, y):
             # self.model as it is now: the DDP baseline wraps it after this (a model captured here would be the bare
-            # one, whose backward syncs nothing: that "DDP" loop ran without its all-reduce).
-            logits = (compiled if compiled is not None else self.model)(x)
+            # one, whose backward syncs nothing: that "DDP" loop ran without its all-reduce). Compiled likewise.
+            model = self.model
+            if compile == "model":
+                if compiled.get("of") is not model:
+                    compiled.update(of=model, fn=torch.compile(model, backend=backend))
+                model = compiled["fn"]
+            logits = model(x)
             return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
 
         self.loss = torch.compile(loss, backend=backend) if compile == "loss" else loss

@@ -132,7 +132,8 @@ def test_a_quick_or_partial_bench_leaves_the_committed_report_alone():
     assert report_path("mine.md", True, "ddp", benchmarks.ITEMS, None) == Path("mine.md")
 
 
-def test_the_plain_loop_runs_the_model_it_holds_now():
+@pytest.mark.parametrize("compile", [None, "model"])
+def test_the_plain_loop_runs_the_model_it_holds_now(compile):
     """The hand-written DDP baseline (benchmarks/ddp.py) wraps `loop.model` in DistributedDataParallel after building
     the loop. Its loss called the bare model captured at construction, so that "DDP" loop never all-reduced a
     gradient, and the framework's DDP was compared with a loop that skipped its communication."""
@@ -142,9 +143,9 @@ def test_the_plain_loop_runs_the_model_it_holds_now():
     from benchmarks.loop import PlainLoop
     from trainer import build_data
 
-    cfg = compose([*COMMON, *TINY, "precision=fp32", "trainer.max_steps=2"])
+    cfg = compose([*COMMON, *TINY, "precision=fp32", "trainer.max_steps=2", "trainer.compile_backend=eager"])
     train, _ = build_data(cfg.data)
-    loop = PlainLoop(cfg, train, torch.device("cpu"), bf16=False)
+    loop = PlainLoop(cfg, train, torch.device("cpu"), bf16=False, compile=compile)  # (compiled: dynamo, no codegen)
 
     class Wrapper(torch.nn.Module):  # what DistributedDataParallel is to the loop: a module around the model
         def __init__(self, inner):
