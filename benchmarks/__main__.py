@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=THREADS, help="CPU threads of the in-process items (default: 1)")
     p.add_argument("--curve", metavar="RUN_DIR", help="only (re)write the quality-per-second section from a run dir")
     args = p.parse_args(argv)
+    if args.out is not None and Path(args.out).suffix == ".json":
+        # (the report and its raw data would be one file: the markdown, written second, replaced the data)
+        p.error(f"--out {args.out}: --out names the markdown report, and the raw data goes beside it with the suffix "
+                f".json, so this path would hold both. Pass a .md path, e.g. --out {Path(args.out).with_suffix('.md')}.")
     out = report_path(args.out, args.quick, args.only, items, args.curve)
     if args.curve:
         write_curve(out, Path(args.curve))

@@ -132,6 +132,17 @@ def test_a_quick_or_partial_bench_leaves_the_committed_report_alone():
     assert report_path("mine.md", True, "ddp", benchmarks.ITEMS, None) == Path("mine.md")
 
 
+def test_an_out_path_ending_in_json_is_refused_before_anything_runs(tmp_path, capsys):
+    """`--out X.json`: the raw data goes to X.json, then the markdown report replaced it (the run's figures lost)."""
+    from benchmarks.__main__ import main
+
+    out = tmp_path / "mine.json"
+    with pytest.raises(SystemExit) as e:
+        main(["--only", "loop_tiny", "--out", str(out)])
+    assert e.value.code == 2 and not out.exists()
+    assert "--out names the markdown report" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("compile", [None, "model"])
 def test_the_plain_loop_runs_the_model_it_holds_now(compile):
     """The hand-written DDP baseline (benchmarks/ddp.py) wraps `loop.model` in DistributedDataParallel after building
