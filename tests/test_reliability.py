@@ -58,7 +58,7 @@ def _gone_within(pids: list[int], seconds: float) -> list[int]:
 def test_a_sigkilled_launcher_takes_its_workers_with_it_and_frees_the_run_dir(corpus, tmp_path):
     """kill -9 of the launcher used to leave its workers training (re-parented to PID 1) while the printed
     resume command took the lock beside them."""
-    from trainer.entry.rundir import RunDirLock
+    from trainer.runlock import RunDirLock
 
     hold = tmp_path / "hold"
     os.mkfifo(hold)
@@ -87,11 +87,11 @@ def test_a_sigkilled_launcher_takes_its_workers_with_it_and_frees_the_run_dir(co
 def test_a_run_dir_whose_workers_outlived_their_launcher_is_refused(tmp_path):
     """The lock is held for as long as any process of the job can write: a worker's hold on the run dir
     (taken by every worker) keeps a new job out even when the launcher's lock is free."""
-    from trainer.entry.rundir import RunDirLock
     from trainer.errors import ConfigError
+    from trainer.runlock import RunDirLock
 
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from trainer.entry.rundir import hold_as_worker; hold_as_worker(sys.argv[1]); "
+        [sys.executable, "-c", "import sys; from trainer.runlock import hold_as_worker; hold_as_worker(sys.argv[1]); "
          "print('held', flush=True); sys.stdin.read()", str(tmp_path)],
         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -106,7 +106,7 @@ def test_a_run_dir_whose_workers_outlived_their_launcher_is_refused(tmp_path):
 
 def test_a_refused_second_job_leaves_the_running_jobs_run_dir_alone(corpus, tmp_path):
     """The refused job's cleanup used to delete the running job's run dir, .lock and .hydra included."""
-    from trainer.entry.rundir import RunDirLock
+    from trainer.runlock import RunDirLock
 
     run_dir = tmp_path / "run"
     (run_dir / ".hydra").mkdir(parents=True)  # a job that has just started: only the records of its start
@@ -122,13 +122,83 @@ def test_a_refused_second_job_leaves_the_running_jobs_run_dir_alone(corpus, tmp_
         lock.release()
 
 
+OWN_RUNTIME = """
+import sys, trainer
+rt = trainer.Runtime(run_dir=sys.argv[1])
+rt.log({"loss": 2.0}, 1)
+rt.end()
+"""
+
+
+def test_a_scripts_own_runtime_takes_the_run_dir_lock_and_shares_it_within_its_process(corpus, tmp_path):
+    """Only the CLI locked its run dir: two scripts with trainer.Runtime(run_dir=X) running at once (a rerun while
+    the first still trained) wrote one metrics.jsonl and one checkpoints/ together. Now the main rank holds the lock
+    until rt.end(); a second Runtime of the same process (a notebook's rerun of a cell) shares it."""
+    import trainer
+
+    (tmp_path / "own_runtime.py").write_text(OWN_RUNTIME)
+    run_dir = tmp_path / "run"
+
+    def another_script(fresh: bool = False):  # (fresh: an interpreter of its own, whose excepthook says the error)
+        return run_cli(str(run_dir), module="own_runtime", env={"PYTHONPATH": f"{ROOT}:{tmp_path}"}, fresh=fresh)
+
+    first = trainer.Runtime(run_dir=run_dir)
+    first.log({"loss": 1.0}, 1)
+    before = sorted((p.name, p.read_bytes()) for p in run_dir.iterdir() if p.is_file())
+    r = another_script(fresh=True)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert f"run dir {run_dir} is in use by process {os.getpid()}" in r.stderr and \
+        "give this job its own Runtime(run_dir=...). Nothing in the run dir was changed." in r.stderr, r.stderr
+    assert sorted((p.name, p.read_bytes()) for p in run_dir.iterdir() if p.is_file()) == before
+    assert_clean_error(run_here(*tiny_overrides(corpus), f"hydra.run.dir={run_dir}"), "is in use by process")
+    second = trainer.Runtime(run_dir=run_dir)  # this process again: shared
+    first.end()
+    assert "is in use by process" in another_script().stderr  # (still the second's)
+    second.end()
+    r = another_script()
+    assert r.returncode == 0, r.stderr
+    assert [e["loss"] for e in read_metrics(run_dir)] == [2.0]  # (a new run: the earlier metrics set aside)
+
+
+def test_trainer_train_from_python_takes_the_run_dir_lock_the_cli_takes(corpus, tmp_path):
+    """`trainer.train(cfg, run_dir)` took no lock: two notebooks training into one dir interleaved their steps.
+    Another process's job is refused before anything is written; the CLI's job, which holds the lock in the
+    process that calls train, is not; the lock is free once train returns."""
+    from trainer import compose, train
+    from trainer.errors import ConfigError
+    from trainer.runlock import RunDirLock
+
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from trainer.runlock import RunDirLock; RunDirLock(sys.argv[1]).acquire(); "
+         "print('held', flush=True); sys.stdin.read()", str(run_dir)],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    cfg = compose(tiny_overrides(corpus, "trainer.max_steps=2"))
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(ConfigError, match=f"in use by process {holder.pid}.*its own run_dir \\(trainer.train's"):
+            train(cfg, run_dir)
+        assert [p.name for p in run_dir.iterdir()] == [".lock"]
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    lock = RunDirLock(run_dir).acquire()  # this process's job (as the CLI holds it) trains there
+    try:
+        train(cfg, run_dir)
+        assert lock.held and [e["step"] for e in read_metrics(run_dir) if "train/loss" in e][-1] == 2
+    finally:
+        lock.release()
+    train(cfg, tmp_path / "other")
+    RunDirLock(tmp_path / "other").acquire().release()  # released when train returned
+
+
 def test_two_jobs_of_the_same_second_get_two_run_dirs(corpus, tmp_path):
     """The default run dir is a timestamp: a second job of the same second moves to `<dir>-2` instead of
     being refused (and never removes the first one's)."""
     from trainer import compose
     from trainer.entry.cli import _own_run_dir
     from trainer.entry.launcher import launch_topology
-    from trainer.entry.rundir import RunDirLock
+    from trainer.runlock import RunDirLock
 
     first = tmp_path / "outputs" / "2026-01-01" / "12-00-00"
     (first / ".hydra").mkdir(parents=True)
@@ -169,7 +239,7 @@ def test_a_job_of_the_same_second_as_a_killed_one_leaves_its_run_dir_alone(corpu
 
 
 def test_a_node_refuses_a_run_dir_another_job_holds(corpus, tmp_path):
-    from trainer.entry.rundir import RunDirLock
+    from trainer.runlock import RunDirLock
 
     lock = RunDirLock(tmp_path, job="rdzv=10.0.0.1:29500").acquire()
     try:
@@ -581,7 +651,7 @@ def test_resume_auto_leaves_the_same_seconds_other_job_alone(tmp_path):
     """resume=auto without a run dir drops its own fresh timestamped dir when it continues an older run; a job
     started in the same second shares that dir, and its records must stay while it holds the lock."""
     from trainer.entry.cli import _remove_if_free
-    from trainer.entry.rundir import RunDirLock
+    from trainer.runlock import RunDirLock
 
     run_dir = tmp_path / "12-00-00"
     (run_dir / ".hydra").mkdir(parents=True)

@@ -34,7 +34,7 @@ SINGLE = ("data.batch_size=8", *SHARED)  # the `reference` fixture's settings
 
 
 def test_a_second_job_in_a_locked_run_dir_is_refused_naming_the_holder(corpus, tmp_path):
-    from trainer.entry.rundir import RunDirLock
+    from trainer.runlock import RunDirLock
 
     run_dir = tmp_path / "run"
     lock = RunDirLock(run_dir).acquire()  # this test process holds it, as a running job would

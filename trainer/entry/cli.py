@@ -524,15 +524,15 @@ def _after_resume(records, hydra_dir: Path, run_dir: Path, secrets: set[str]):
 
 
 def _own_run_dir(run_dir: Path, w, chosen: bool, hydra_wrote: bool = True):
-    """The run dir this job may write, and its lock (see trainer/entry/rundir.py). One job per run dir, one lock per
+    """The run dir this job may write, and its lock (see trainer/runlock.py). One job per run dir, one lock per
     job: on several nodes the launcher of node 0 takes it for the job, and the others check that the lock they
     find is their job's. Two jobs started in the same second share a default (timestamped) run dir: the later
     one moves to `<dir>-2` (then -3, ...) instead of stopping, since nobody chose that dir; so does a job whose
     default dir holds an earlier job's records (one of the same second that ended or was killed)."""
     import shutil
 
-    from trainer.entry.rundir import RunDirLock
     from trainer.errors import ConfigError
+    from trainer.runlock import RunDirLock
 
     if w.nnodes > 1:  # (w: world's launch keys, LaunchConfig)
         lock = RunDirLock(run_dir, job=f"rdzv={w.rdzv_endpoint}")
@@ -568,8 +568,8 @@ def _earlier_job_in(run_dir: Path) -> bool:
 
 def _remove_if_free(run_dir: Path) -> None:
     """`remove_if_unused`, unless another job holds the run dir (a job started in the same second shares it)."""
-    from trainer.entry.rundir import RunDirLock
     from trainer.errors import ConfigError
+    from trainer.runlock import RunDirLock
 
     try:
         lock = RunDirLock(run_dir).acquire()

@@ -649,14 +649,22 @@ def script(cfg: DictConfig, run_dir: str | Path) -> None:
 def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     """Train with a prepared config, writing outputs to `run_dir`: on the worker processes its world asks for
     (started here, as the CLI starts them), or in this process. Returns the final metrics."""
+    from trainer import runlock
     from trainer.entry import launcher
 
     if not isinstance(cfg, DictConfig):  # (a dict, or a list of overrides: compose builds the config they mean)
         raise ConfigError(f"trainer.train takes the config trainer.compose returns (an omegaconf DictConfig), not a "
                           f"{type(cfg).__name__}: trainer.train(trainer.compose(['recipe=lm', ...]), run_dir).")
-    if launcher.starts_workers(cfg):  # trainer.train(cfg) of a world of several processes
-        return launcher.run(cfg, Path(run_dir)) or {}
-    return train_here(cfg, run_dir)
+    # One job per run dir, as the CLI's (trainer/runlock.py): two notebooks training into one dir interleaved
+    # their metrics and checkpoints. A worker's launcher holds it for the job; the CLI's job here already does.
+    owned = None if launcher.in_torchrun() else runlock.hold(Path(run_dir), "run_dir (trainer.train's second argument)")
+    try:
+        if launcher.starts_workers(cfg):  # trainer.train(cfg) of a world of several processes
+            return launcher.run(cfg, Path(run_dir)) or {}
+        return train_here(cfg, run_dir)
+    finally:
+        if owned is not None:
+            owned.release()
 
 
 def setup_failed(run_dir: Path, e: OSError, then: str) -> StorageError:

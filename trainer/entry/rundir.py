@@ -1,15 +1,6 @@
-"""The run directory as a place one job owns: an exclusive lock, finding the run `resume=auto` continues,
-and the command line that continues a run.
+"""The run directory as a place one job owns: its lock (trainer/runlock.py), finding the run `resume=auto`
+continues, and the command line that continues a run.
 
-* Lock: `<run dir>/.lock`, held (flock) by the job's launching process for the whole run, with a line
-  naming it (PID, host and job). The OS releases it when that process dies, so a SIGKILLed run never
-  blocks its own resume; a second job in the same run dir stops with one paragraph naming the holder.
-* Workers: every worker process of the job holds a shared flock on the run dir itself for its whole life
-  (`hold_as_worker`), and workers die with their launcher (`parallel.backend.die_with_parent`). A job only starts where no
-  earlier job's worker still holds it, so "the launcher is gone" never means "nobody writes here".
-* Several nodes: each node runs its own launcher, and they share the run dir. The launcher of node 0 takes
-  the lock for the job (naming the job's rendezvous endpoint); the other nodes take no lock but refuse a run
-  dir whose lock a different job holds.
 * Cleanup: a job that fails before training removes the run dir only if it holds the lock and the dir holds
   nothing but the records of its own start (`remove_if_unused`); a job refused by the lock touches nothing.
 * `resume=auto` without `hydra.run.dir`: the default run dir is new at every start (a timestamp), so
@@ -22,140 +13,14 @@ and the command line that continues a run.
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import re
 import shlex
-import socket
 import sys
 from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint.settings import comparable, flat, read_config, with_added
-from trainer.errors import ConfigError
-
-LOCK = ".lock"
-
-
-class RunDirLock:
-    """The job's exclusive lock on a run dir. `job` names the job (several nodes share one run dir: their
-    launchers pass the same rendezvous endpoint); without it the holder's PID is the job."""
-
-    def __init__(self, run_dir: Path, job: str | None = None):
-        self.path = Path(run_dir) / LOCK
-        self.job = job
-        self._fd: int | None = None
-
-    def _record(self) -> str:
-        return f"{os.getpid()} {socket.gethostname()} {self.job or ''}".strip()
-
-    def holder(self) -> tuple[str, str | None] | None:
-        """(who, job) of the job holding the lock, or None when nobody does."""
-        if not self.path.is_file():
-            return None
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                return None  # nobody holds it exclusively
-            except BlockingIOError:
-                parts = os.read(fd, 512).decode(errors="replace").split()
-                return (f"process {parts[0]} on {parts[1]}" if len(parts) >= 2 else "another process",
-                        parts[2] if len(parts) >= 3 else None)
-        finally:
-            os.close(fd)
-
-    def acquire(self) -> RunDirLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            parts = os.read(fd, 512).decode(errors="replace").split()
-            os.close(fd)
-            raise ConfigError(_in_use(self.path.parent, f"process {parts[0]}" if parts else "another process")) from None
-        lingering = workers_alive(self.path.parent)
-        if lingering:
-            os.close(fd)
-            raise ConfigError(
-                f"run dir {self.path.parent} is still written by worker processes of an earlier job ({lingering}), "
-                "although its launcher is gone. Stop them (kill PID), or wait for them to end, then rerun; two jobs "
-                "in one run dir would interleave their metrics and checkpoints.")
-        os.ftruncate(fd, 0)
-        os.write(fd, self._record().encode())
-        self._fd = fd
-        return self
-
-    def check_same_job(self) -> None:
-        """For the launchers of nodes other than 0, which share node 0's lock: refuse a run dir that another job
-        holds (or whose workers outlived their launcher); a free lock is fine (node 0 has not started yet)."""
-        held = self.holder()
-        if held is not None and held[1] != self.job:
-            raise ConfigError(_in_use(self.path.parent, held[0]))
-        lingering = workers_alive(self.path.parent) if held is None else None
-        if lingering:
-            raise ConfigError(f"run dir {self.path.parent} is still written by worker processes of an earlier job "
-                              f"({lingering}). Stop them (kill PID), or wait for them to end, then rerun.")
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing releases the lock; the file stays (harmless, hidden)
-            self._fd = None
-
-
-def _in_use(run_dir: Path, holder: str) -> str:
-    return (f"run dir {run_dir} is in use by {holder}: two jobs in one run dir would interleave their metrics and "
-            "checkpoints. Wait for it to end (or stop it), or give this job its own hydra.run.dir. Nothing in the "
-            "run dir was changed.")
-
-
-# -- the workers' hold on the run dir ---------------------------------------------------------------------
-_worker_fd: int | None = None
-
-
-def hold_as_worker(run_dir: Path) -> None:
-    """Take a shared flock on the run dir for the rest of this process's life (released by the OS at exit).
-    A launcher starting a new job in this run dir sees it and refuses (`workers_alive`)."""
-    global _worker_fd
-    if _worker_fd is None and Path(run_dir).is_dir():
-        _worker_fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
-        fcntl.flock(_worker_fd, fcntl.LOCK_SH)
-
-
-def workers_alive(run_dir: Path) -> str | None:
-    """Whether worker processes hold the run dir (`hold_as_worker`): a short description (with PIDs where
-    /proc tells them), or None."""
-    if not Path(run_dir).is_dir():
-        return None
-    fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    except BlockingIOError:
-        pids = _pids_holding(Path(run_dir))
-        return f"PID {', '.join(pids)}" if pids else "see `fuser -v` on the run dir"
-    finally:
-        os.close(fd)
-
-
-def _pids_holding(run_dir: Path) -> list[str]:
-    """PIDs of this machine's processes with the run dir open (Linux /proc; empty where it cannot tell)."""
-    target, found = str(run_dir.resolve()), []
-    for proc in Path("/proc").glob("[0-9]*"):
-        if proc.name == str(os.getpid()):  # (this process has it open to probe the lock)
-            continue
-        try:
-            if any(os.readlink(fd) == target for fd in (proc / "fd").iterdir()):
-                found.append(proc.name)
-        except OSError:
-            continue
-    return found[:8]
 
 
 # -- which run resume=auto continues (what counts as the same run: trainer/checkpoint/settings.py) ------------

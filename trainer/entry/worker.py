@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 # What the launcher sets for each worker (this module reads them; the launcher imports the names).
 CONFIG_ENV, RUN_DIR_ENV, ENTRY_ENV = "TRAINER_CONFIG", "TRAINER_RUN_DIR", "TRAINER_ENTRY"
-LAUNCHER_ENV = "TRAINER_LAUNCHER_PID"  # the launching process: workers die with it (trainer/entry/rundir.py)
+LAUNCHER_ENV = "TRAINER_LAUNCHER_PID"  # the launching process: workers die with it (trainer/runlock.py)
 # What the launcher's forkserver preloads, so that a worker forked from it starts with these imported: torch and
 # the parts every run reaches (an optimizer's first param group imports torch._dynamo, ~1.7 s on its own; DTensor
 # comes with the checkpoint and parallel code). About 3.4 s of CPU a worker, paid once a launch instead.
@@ -34,8 +34,8 @@ _BOOT_ENV = dict(os.environ)
 
 def run_worker(cfg: DictConfig, run_dir: Path, entry) -> int:
     """Run the entry point `entry` (a function of trainer.entry.run.ENTRY_POINTS) on this rank; its exit code."""
-    from trainer.entry.rundir import hold_as_worker
     from trainer.errors import TrainerExit
+    from trainer.runlock import hold_as_worker
 
     hold_as_worker(run_dir)  # until this process ends, no other job starts in this run dir
     try:

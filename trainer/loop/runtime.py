@@ -125,6 +125,11 @@ class Runtime:
                             f"{self.backend.rank}): each would train a copy of its own on its share of the batches, "
                             "their gradients never averaged. Use Runtime('ddp') (or 'fsdp') in a script started on "
                             "several processes, or start it as one: python SCRIPT.py.")
+        # One job per run dir, as the CLI's (trainer/runlock.py): two scripts writing one run_dir at once
+        # interleaved their metrics.jsonl, tracker files and checkpoints there. The main rank holds it until rt.end().
+        self._run_dir_hold = None
+        if backend is None and run_dir is not None:
+            self._run_dir_hold = self._hold_run_dir(Path(run_dir), alone=launched is None and made_group)
         if launched is not None and precision is None:
             from trainer.config.instantiate import build_node
             from trainer.parallel.precision import AUTO_TARGET, resolve_auto
@@ -1197,6 +1202,26 @@ class Runtime:
             self.loggers.start_fresh()
         return aside
 
+    def _hold_run_dir(self, run_dir: Path, alone: bool):
+        """The run dir's lock, taken by the main rank; a refusal is every rank's (they would wait for it)."""
+        from trainer import runlock
+
+        held = refused = None
+        if self.backend.is_main:
+            try:
+                held = runlock.hold(run_dir, "Runtime(run_dir=...)")
+            except ConfigError as e:
+                refused = str(e)
+        if self.backend.distributed:
+            refused = self.backend.broadcast_object(refused)
+        if refused:
+            if alone and not self.backend.distributed:
+                self.backend.teardown()  # (the process group of one it made: a later Runtime makes its own)
+            raise ConfigError(refused)
+        if held is not None:
+            weakref.finalize(self, held.release)  # (a Runtime dropped without rt.end(), in a notebook)
+        return held
+
     def end(self) -> None:
         """Finish the trackers and leave the process group (every rank, at the end of the script)."""
         self._ended = True
@@ -1211,6 +1236,8 @@ class Runtime:
             self._stale_hook.remove()
             self._stale_hook = None
         self.backend.teardown(wait_for_peers=True)
+        if self._run_dir_hold is not None:
+            self._run_dir_hold.release()
 
 
 def _note(line: str) -> None:
