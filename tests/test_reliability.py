@@ -96,12 +96,32 @@ def test_a_run_dir_whose_workers_outlived_their_launcher_is_refused(tmp_path):
         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
-        with pytest.raises(ConfigError, match=f"worker processes of an earlier job .*PID {holder.pid}"):
+        with pytest.raises(ConfigError, match=f"processes of another job .*PID {holder.pid}"):
             RunDirLock(tmp_path).acquire()
     finally:
         holder.stdin.close()
         holder.wait()
     RunDirLock(tmp_path).acquire().release()  # once it is gone, the run dir is free
+
+
+def test_a_deleted_lock_file_does_not_let_a_second_job_into_a_live_run_dir(corpus, tmp_path):
+    """A single-process job held .lock alone (only workers also held the run dir): `rm RUN/.lock`, as a cleanup of
+    "stale" locks does, let a second job in; it moved the live job's checkpoints aside and trained in its place."""
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from trainer.runlock import RunDirLock; RunDirLock(sys.argv[1]).acquire(); "
+         "print('held', flush=True); sys.stdin.read()", str(run_dir)],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        (run_dir / ".lock").unlink()
+        r = run_here(*tiny_overrides(corpus), f"hydra.run.dir={run_dir}")
+        assert_clean_error(r, "is still written by the processes of another job", f"PID {holder.pid}",
+                           ".lock is free (their launcher is gone, or the file was deleted)")
+        assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]  # (the refused job's own, empty)
+    finally:
+        holder.stdin.close()
+        holder.wait()
 
 
 def test_a_refused_second_job_leaves_the_running_jobs_run_dir_alone(corpus, tmp_path):

@@ -34,6 +34,7 @@ class RunDirLock:
         self.job = job
         self.chosen_by = chosen_by  # (what names the run dir, for the refusal's way out)
         self._fd: int | None = None
+        self._dir_fd: int | None = None  # the run dir's own shared flock, beside .lock's
 
     def _record(self) -> str:
         return f"{os.getpid()} {socket.gethostname()} {self.job or ''}".strip()
@@ -68,12 +69,17 @@ class RunDirLock:
         if lingering:
             os.close(fd)
             raise ConfigError(
-                f"run dir {self.path.parent} is still written by worker processes of an earlier job ({lingering}), "
-                "although its launcher is gone. Stop them (kill PID), or wait for them to end, then rerun; two jobs "
-                "in one run dir would interleave their metrics and checkpoints.")
+                f"run dir {self.path.parent} is still written by the processes of another job ({lingering}), although "
+                f"its {LOCK} is free (their launcher is gone, or the file was deleted). Stop them (kill PID), or wait "
+                "for them to end, then rerun; two jobs in one run dir would interleave their metrics and checkpoints.")
         os.ftruncate(fd, 0)
         os.write(fd, self._record().encode())
         self._fd = fd
+        # The holder holds the run dir itself too, as every worker does (`hold_as_worker`): with .lock deleted (a
+        # "stale lock" cleanup) a second job was let into the run dir of a live single-process job, and moved its
+        # checkpoints aside under it.
+        self._dir_fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(self._dir_fd, fcntl.LOCK_SH)
         _HELD[_key(self.path.parent)] = [self, 1]
         return self
 
@@ -97,7 +103,8 @@ class RunDirLock:
             if _HELD.get(_key(self.path.parent), [None])[0] is self:
                 del _HELD[_key(self.path.parent)]
             os.close(self._fd)  # closing releases the lock; the file stays (harmless, hidden)
-            self._fd = None
+            os.close(self._dir_fd)
+            self._fd = self._dir_fd = None
 
 
 # The run dirs this process holds the lock of: a second holder in the same process (the CLI's job calling
