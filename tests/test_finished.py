@@ -112,8 +112,18 @@ def test_exported_weights_changed_since_the_run_wrote_them_are_refused_by_every_
     # A record from before the digests ({"step", "names"}) has nothing to check against: read as it is.
     (run / "export.json").write_text(json.dumps({"step": 12, "names": ["model", "model_ema"]}))
     assert trainer.load(run).training is False
-    (run / "export.json").unlink()  # (no record at all, as a Hugging Face dir has none: nothing to check against)
-    assert trainer.load(run).training is False
+    # No record in a run dir: the export was cut off before its record, written last (a kill during the export
+    # loaded its files without a word, and said the run's EMA had been off). Refused as no export yet.
+    (run / "export.json").unlink()
+    for ema in (False, True):
+        with pytest.raises(CheckpointError, match="has no export yet .*an export cut off.* newest checkpoint is"):
+            trainer.load(run, ema=ema)
+    # A directory of one's own (no run_info.json, no checkpoints/): no record to check against, read as it is.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for name in ("config.yaml", "model.safetensors", "model_config.json"):
+        shutil.copy(reference / name, mine / name)
+    assert trainer.load(mine).training is False
 
 
 def test_load_refuses_a_model_config_that_runs_code(reference, tmp_path):

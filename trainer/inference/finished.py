@@ -265,13 +265,19 @@ def has_ema(run_dir: str | Path) -> bool:
 def model_of(path: Path) -> nn.Module:
     """The model `path/model_config.json` builds (its `_target_` through the trust model), without weights."""
     source, fix = path / "model_config.json", _reexport(path)
-    if not os.path.lexists(source) and not os.path.lexists(path / "export.json"):
+    # A run's export is complete once export.json, written last, records it: a run dir without one has no export yet,
+    # even where the weights' files landed (a run killed half-way through writing it was loaded, its EMA said to be
+    # off). A directory of the user's own (no run_info.json, no checkpoints/) has files and no record.
+    run_made = (path / "run_info.json").is_file() or (path / "checkpoints").is_dir()
+    if not os.path.lexists(path / "export.json") and (run_made or not os.path.lexists(source)):
         # (not a damaged export, which the advice below is for: none was written yet)
         from trainer.checkpoint.store import Checkpointer
 
         done = Checkpointer(path / "checkpoints").complete() if (path / "checkpoints").is_dir() else []
         where = f"; its newest checkpoint is {done[-1]}" if done else ""
-        raise CheckpointError(f"{path} has no export yet: a run writes its final weights when it finishes, and this "
+        cut = " (its files without export.json, the record written last, are an export cut off)" if \
+            os.path.lexists(source) else ""
+        raise CheckpointError(f"{path} has no export yet{cut}: a run writes its final weights when it finishes, and this "
                               f"one stopped before that (or is still running){where}. Evaluate a checkpoint with "
                               f"python -m trainer eval {path}, or continue the run with its command and resume=auto "
                               "(the run's run_info.json holds it).")
