@@ -147,6 +147,44 @@ def test_ranks_in_different_save_and_load_calls_are_an_error_not_a_hang(tmp_path
     assert not list(tmp_path.glob("*.safetensors")) and not list(tmp_path.glob("checkpoints/step_*"))
 
 
+def test_a_frozen_teacher_set_up_under_ddp_is_left_unwrapped_with_rank_0s_weights():
+    """DistributedDataParallel refuses a module with nothing to train: a distillation script's frozen teacher, set
+    up beside its student, ended in torch's traceback. It is left unwrapped (as Accelerate's prepare leaves it),
+    with rank 0's weights on every rank, as DDP would have broadcast them; the student trains as under DDP."""
+    r = launch("world=ddp", "world.nproc_per_node=2", SCRIPT, "teacher")
+    assert r.returncode == 0, r.stderr
+    lines = sorted(line.split(" ", 2)[2] for line in r.stdout.splitlines() if line.startswith("rank "))
+    assert len(lines) == 2 and lines[0] == lines[1], r.stdout  # (teacher and student: equal on both ranks)
+
+
+@pytest.mark.parametrize("world", ["ddp", "fsdp"])
+def test_ranks_that_set_up_models_of_other_shapes_are_told_which_tensor_differs(world):
+    """A model whose shape depends on the rank: DDP's check failed in a torch traceback, and FSDP broadcast rank 0's
+    tensors into other shapes until gloo aborted the process (SIGABRT, a C++ dump)."""
+    r = launch(f"world={world}", "world.nproc_per_node=2", SCRIPT, "rank_shaped")
+    assert r.returncode == 2, r.stderr
+    assert "Runtime.setup: the ranks set up different models (weight is [4, 4] torch.float32 on rank 0 and weight " \
+           "[5, 4] torch.float32 on rank 1)" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "Fatal Python error" not in r.stderr
+
+
+def test_a_file_as_run_dir_and_an_eval_loader_over_an_endless_stream_are_refused_in_a_paragraph(tmp_path):
+    import trainer
+
+    (tmp_path / "notadir").write_text("x")
+    with pytest.raises(UserError, match="Runtime\\(run_dir=.*notadir'\\): that path is a file"):
+        trainer.Runtime(run_dir=tmp_path / "notadir")
+    assert (tmp_path / "notadir").read_text() == "x"
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield from (torch.tensor([float(i)]) for i in range(5))
+
+    rt = trainer.Runtime()
+    with pytest.raises(UserError, match="rt.eval_loader\\(Stream, ...\\): a stream without __len__"):
+        rt.eval_loader(Stream(), batch_size=2)
+
+
 def test_load_state_drops_the_events_logged_after_the_checkpoint(tmp_path):
     """A loop resumed from step 2 after logging steps 3-4 logged them again: metrics.jsonl held steps 3 and 4 twice.
     Only a load before this process logged anything rewinds: a later one keeps the events."""

@@ -17,6 +17,9 @@
     runtime_script.py single                         Runtime("single"), which launch started on several (a mistake)
     runtime_script.py unused                         a model with a parameter its forward leaves unused, under DDP
                                                      without world.find_unused_parameters (a mistake)
+    runtime_script.py teacher                        a frozen teacher set up beside a student (distillation): prints
+                                                     each rank's teacher weight sum and the student's after a step
+    runtime_script.py rank_shaped                    a model whose width depends on the rank (a mistake)
 """
 
 from __future__ import annotations
@@ -260,6 +263,25 @@ def unused(rt: trainer.Runtime) -> None:
     rt.end()
 
 
+def teacher(rt: trainer.Runtime) -> None:
+    torch.manual_seed(rt.rank)  # each rank's own teacher weights: rank 0's must reach every rank
+    frozen, student = nn.Linear(4, 4).requires_grad_(False), nn.Linear(4, 4)
+    student, frozen, opt = rt.setup(student, frozen, torch.optim.SGD(student.parameters(), lr=0.1))
+    x = torch.ones(2, 4) * (rt.rank + 1)
+    with rt.accumulate(student):
+        rt.backward((student(x) - frozen(x)).pow(2).mean())
+        rt.step(opt)
+    teacher_sum = sum(p.sum().item() for p in frozen.parameters())
+    student_sum = sum(p.sum().item() for p in rt.unwrap(student).parameters())
+    say(f"rank {rt.rank} teacher {teacher_sum:.6f} student {student_sum:.6f}")
+    rt.end()
+
+
+def rank_shaped(rt: trainer.Runtime) -> None:
+    model = nn.Linear(4, 4 + rt.rank)
+    rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     runtime = trainer.Runtime("single" if mode == "single" else None)  # (single: a world that is one process)
@@ -277,4 +299,6 @@ if __name__ == "__main__":
      "leave": lambda: hang(runtime, int(args[0]), leave=True),
      "slow_phases": lambda: slow_phases(runtime, float(args[0])),
      "single": lambda: runtime.end(),
-     "unused": lambda: unused(runtime)}[mode]()
+     "unused": lambda: unused(runtime),
+     "teacher": lambda: teacher(runtime),
+     "rank_shaped": lambda: rank_shaped(runtime)}[mode]()

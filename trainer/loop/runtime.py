@@ -129,6 +129,9 @@ class Runtime:
         # interleaved their metrics.jsonl, tracker files and checkpoints there. The main rank holds it until rt.end().
         self._run_dir_hold = None
         if backend is None and run_dir is not None:
+            if Path(run_dir).exists() and not Path(run_dir).is_dir():  # (the lock's mkdir raised FileExistsError)
+                raise UserError(f"Runtime(run_dir={str(run_dir)!r}): that path is a file; run_dir is the directory "
+                                "the run's metrics.jsonl and trackers' files go in. Pass a directory, new or existing.")
             self._run_dir_hold = self._hold_run_dir(Path(run_dir), alone=launched is None and made_group)
         if launched is not None and precision is None:
             from trainer.config.instantiate import build_node
@@ -276,6 +279,8 @@ class Runtime:
         if id(model) in self._set_up:
             raise UserError(f"Runtime.setup: this {type(model).__name__} is set up already (as "
                             f"{self._name_of(model)!r}). Set up each model once and keep what setup returned.")
+        if self.backend.distributed:
+            self._refuse_models_that_differ(model)
         if self.strategy.shards_parameters and self.backend.distributed:
             # Every rank shards its own copy: they must be the same. Rank 0's weights go to all, as DDP does.
             self.backend.broadcast_tensors_([*model.parameters(), *model.buffers()])
@@ -293,6 +298,25 @@ class Runtime:
 
             self._stale_hook = register_optimizer_step_pre_hook(self._refuse_a_stale_optimizer)
         return self._register_model(wrapped, name, originals, original=model)
+
+    def _refuse_models_that_differ(self, model: nn.Module) -> None:
+        """Every rank sets up the same model: rank 0's weights are broadcast into each rank's (DDP, FSDP), and
+        tensors of other shapes failed inside torch (DDP: a traceback; FSDP: gloo aborted the process)."""
+        mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in [*model.named_parameters(), *model.named_buffers()]]
+        every = self.backend.gather_object(mine)
+        if all(theirs == every[0] for theirs in every):
+            return
+        rank = next(r for r, theirs in enumerate(every) if theirs != every[0])
+        first, other = every[0], every[rank]
+        diff = next(((a, b) for a, b in zip(first, other) if a != b), None)
+        if diff is not None:
+            said = (f"{diff[0][0]} is {list(diff[0][1])} {diff[0][2]} on rank 0 and {diff[1][0]} "
+                    f"{list(diff[1][1])} {diff[1][2]} on rank {rank}")
+        else:
+            said = f"rank 0 has {len(first)} parameters and buffers, rank {rank} {len(other)}"
+        raise UserError(f"Runtime.setup: the ranks set up different models ({said}). Every rank must build the same "
+                        f"model (its weights may differ: rank 0's go to every rank) and set up its models in the same "
+                        "order; nothing depending on the rank belongs in a model's shape.")
 
     def _refuse_a_stale_optimizer(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         if optimizer in self._current_optimizers:
@@ -466,6 +490,12 @@ class Runtime:
         """This rank's share of an eval set, each sample once (see EvalLoader; rt.gather_for_metrics)."""
         _not_a_loader(dataset, "eval_loader")
         _loader_args("eval_loader", batch_size=batch_size, **({} if limit is None else {"limit": limit}))
+        from trainer.data.streaming import sized
+
+        if sized(dataset) is None:  # (len() raised a TypeError traceback)
+            raise UserError(f"rt.eval_loader({type(dataset).__name__}, ...): a stream without __len__ has no end an "
+                            "eval could split between the ranks and count each sample of once. Give the dataset a "
+                            "__len__ (the samples of one pass; `limit` then takes the first of them).")
         return EvalLoader(self, dataset, batch_size, limit)
 
     # -- the step ------------------------------------------------------------------------------------------

@@ -43,6 +43,12 @@ class DDP(Strategy):
         model = model.to(self.backend.device)
         if not self.backend.distributed or self.shards_parameters or self.pipeline is not None:
             return model
+        if not any(p.requires_grad for p in model.parameters()):
+            # A frozen model (a teacher, a feature extractor) has no gradient to average, and DistributedDataParallel
+            # refuses one with a traceback; Accelerate's prepare leaves it unwrapped too. Rank 0's weights still go
+            # to every rank, as DDP's would.
+            self.backend.broadcast_tensors_([*model.parameters(), *model.buffers()])
+            return model
         device = self.backend.device
         return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                                    **self.ddp_kwargs)
