@@ -85,6 +85,25 @@ def test_resume_auto_without_a_run_dir_continues_the_newest_unfinished_run_with_
     assert_identical(killed, reference)
 
 
+def test_resume_auto_without_a_run_dir_extends_a_finished_run_to_a_larger_max_steps(corpus, tmp_path):
+    """A finished run's command rerun with a larger trainer.max_steps and resume=auto, as the README's way to train
+    on, made a new timestamped run from step 0 ("no complete checkpoint in <new dir>; starting fresh") and said
+    nothing of the finished one. It continues that run; the same length again is a new run."""
+    args = tiny_overrides(corpus, "trainer.max_steps=4", "trainer.log_every=1")
+    assert run_here(*args, cwd=tmp_path).returncode == 0
+    (first,) = (tmp_path / "outputs").glob("*/*")
+    r = run_here(*args, "trainer.max_steps=6", "resume=auto", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"resume=auto: continuing {first}, the newest run under {tmp_path / 'outputs'} with this config, which " \
+           "finished short of this job's trainer.max_steps" in r.stdout, r.stdout
+    assert list((tmp_path / "outputs").glob("*/*")) == [first]
+    assert [e["step"] for e in read_metrics(first) if "train/loss" in e] == [1, 2, 3, 4, 5, 6]
+    assert json.loads((first / "export.json").read_text())["step"] == 6
+    r = run_here(*args, "trainer.max_steps=6", "resume=auto", cwd=tmp_path)  # (finished at 6: nothing to extend)
+    assert r.returncode == 0 and "continuing" not in r.stdout, r.stdout
+    assert len(list((tmp_path / "outputs").glob("*/*"))) == 2
+
+
 def test_resume_auto_that_finds_no_run_of_this_config_names_the_newest_unfinished_one_and_what_differs(corpus,
                                                                                                         tmp_path):
     """resume=auto with a changed seed started a new timestamped run with only "no complete checkpoint in <new

@@ -362,6 +362,7 @@ def _run_job(cfg: DictConfig) -> float | None:
         JOB_OVERRIDES_ENV,
         continue_command,
         find_run_to_continue,
+        is_finished,
         nearest_other_run,
         unfinished_runs,
     )
@@ -378,11 +379,13 @@ def _run_job(cfg: DictConfig) -> float | None:
         chosen = _chose_run_dir(hc)
         if resolved.get("resume") == "auto" and not chosen:
             # The default run dir is new at every start: continue the newest unfinished run with this config.
-            runs = unfinished_runs(run_dir)  # (read once: for the run to continue, or the note naming another)
-            found = find_run_to_continue(run_dir, redact(OmegaConf.to_container(resolved)), runs=runs)
+            runs = unfinished_runs(run_dir, trainer=OmegaConf.to_container(resolved.trainer))  # (read once: for the
+            found = find_run_to_continue(run_dir, redact(OmegaConf.to_container(resolved)), runs=runs)  # run, or a note)
             if found is not None:
-                print(f"resume=auto: continuing {found}, the newest unfinished run under {found.parent.parent} "
-                      "with this config (pass hydra.run.dir=DIR to choose another).", flush=True)
+                how = ("run under {} with this config, which finished short of this job's trainer.max_steps (or "
+                       "max_epochs)") if is_finished(found) else "unfinished run under {} with this config"
+                print(f"resume=auto: continuing {found}, the newest {how.format(found.parent.parent)} (pass "
+                      "hydra.run.dir=DIR to choose another).", flush=True)
                 if found != run_dir:  # (the same dir: an earlier job of the same second stopped in it)
                     _remove_if_free(run_dir)  # this job's fresh timestamped dir (another job's of the same second stays)
                 run_dir, chosen = found, True  # (resume=auto chose it: continue it, never a sibling)

@@ -34,7 +34,7 @@ def is_finished(run_dir: Path) -> bool:
 def find_run_to_continue(run_dir: Path, config: dict[str, Any], depth: int = 2,
                          runs: list[tuple[Path, dict]] | None = None) -> Path | None:
     """The newest run dir `depth` levels under the outputs root of `run_dir` (outputs/DATE/TIME) with a complete
-    checkpoint, not finished, whose config.yaml equals `config` (as saved: resolved, redacted) but for the
+    checkpoint, not finished (or finished short of this job's length), whose config.yaml equals `config` (as saved: resolved, redacted) but for the
     settings a resume may change. `run_dir` itself is one of them when it qualifies: this job has written nothing
     there yet, so a checkpoint in it is an earlier job's, one that started in the same second and was stopped."""
     want = comparable(config)
@@ -56,9 +56,10 @@ def _settings(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def unfinished_runs(run_dir: Path, depth: int = 2) -> list[tuple[Path, dict]]:
+def unfinished_runs(run_dir: Path, depth: int = 2, trainer: dict[str, Any] | None = None) -> list[tuple[Path, dict]]:
     """(dir, its config) of each run `depth` levels under the outputs root of `run_dir` with a complete checkpoint,
-    not finished."""
+    not finished, or finished short of this job's length (`trainer`: its trainer section): a finished run's command
+    rerun with a larger trainer.max_steps (or max_epochs) and resume=auto started a new run from step 0 beside it."""
     from trainer.checkpoint.store import has_complete  # (torch: not at import, which `--help` pays)
 
     root = run_dir
@@ -66,12 +67,25 @@ def unfinished_runs(run_dir: Path, depth: int = 2) -> list[tuple[Path, dict]]:
         root = root.parent
     runs = []
     for cand in root.glob("/".join("*" * depth)):
-        if not (cand / "checkpoints").is_dir() or is_finished(cand) or not has_complete(cand / "checkpoints"):
+        if not (cand / "checkpoints").is_dir() or not has_complete(cand / "checkpoints"):
             continue
         saved = read_config(cand / "config.yaml")
-        if isinstance(saved, dict):
+        if isinstance(saved, dict) and (not is_finished(cand) or _extends(cand, saved, trainer or {})):
             runs.append((cand, saved))
     return runs
+
+
+def _extends(run_dir: Path, saved: dict[str, Any], trainer: dict[str, Any]) -> bool:
+    """Whether this job's length goes past the step (or the epochs) the finished run at `run_dir` ended at."""
+    steps, epochs = trainer.get("max_steps"), trainer.get("max_epochs")
+    if isinstance(epochs, int):
+        before = (saved.get("trainer") or {}).get("max_epochs")
+        return isinstance(before, int) and before < epochs
+    try:
+        exported = json.loads((run_dir / "export.json").read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return isinstance(steps, int) and isinstance(exported, int) and exported < steps
 
 
 def nearest_other_run(runs: list[tuple[Path, dict]], config: dict[str, Any]) -> str | None:
