@@ -168,6 +168,17 @@ def test_ranks_that_set_up_models_of_other_shapes_are_told_which_tensor_differs(
     assert "Traceback" not in r.stderr and "Fatal Python error" not in r.stderr
 
 
+def test_accelerators_keywords_and_a_misspelt_one_are_told_the_runtimes_names():
+    """Runtime(mixed_precision="bf16", gradient_accumulation_steps=2), an Accelerator's spelling, was a bare TypeError."""
+    import trainer
+
+    with pytest.raises(UserError, match="mixed_precision is Accelerate's: here precision='bf16' .*; "
+                                        "gradient_accumulation_steps is Accelerate's: here grad_accum_steps=N"):
+        trainer.Runtime(mixed_precision="bf16", gradient_accumulation_steps=2)
+    with pytest.raises(UserError, match=r"grad_acum_steps is not one of its keywords \(Did you mean grad_accum_steps"):
+        trainer.Runtime(grad_acum_steps=2)
+
+
 def test_a_file_as_run_dir_and_an_eval_loader_over_an_endless_stream_are_refused_in_a_paragraph(tmp_path):
     import trainer
 
@@ -828,8 +839,11 @@ def test_save_model_writes_safetensors_with_the_hugging_face_index_above_the_sha
     loaded = {k: v for f in set(index["weight_map"].values()) for k, v in load_file(str(tmp_path / f)).items()}
     assert loaded.keys() == model.state_dict().keys()
     assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
-    with pytest.raises(UserError, match="max_shard_size='1 gigabyte' is invalid"):
-        rt.save_model(model, tmp_path, max_shard_size="1 gigabyte")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for bad in ("1 gigabyte", -5, 0, "0GB"):  # (a negative size wrote one shard file per tensor)
+        with pytest.raises(UserError, match=f"max_shard_size={bad!r} is invalid"):
+            rt.save_model(model, tmp_path, max_shard_size=bad)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 def test_an_export_leaves_no_earlier_exports_file_that_a_reader_would_prefer(rt, tmp_path):

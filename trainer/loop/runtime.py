@@ -93,7 +93,9 @@ class Runtime:
                  grad_accum_steps: int | None = None, seed: int | None = None, device: str | None = None,
                  threads: int | str | None = None, world_options: dict[str, Any] | None = None,
                  log_with: list[str] | str | None = None, run_dir: str | os.PathLike | None = None,
-                 backend: Backend | None = None):
+                 backend: Backend | None = None, **unknown: Any):
+        if unknown:  # (Accelerator's keywords were a bare TypeError)
+            _refuse_keywords(unknown)
         # Under `launch`, what the script passes wins and the job's config gives the rest (it once gave all of it:
         # Runtime(grad_accum_steps=2) ran with the config's 1, and Runtime(precision=...) dropped the job's world).
         launched = launched_config() if backend is None else None
@@ -1073,8 +1075,10 @@ class Runtime:
             if missing is not None:
                 raise UserError(f"rt.{what} was called on rank {self.rank} but not on every rank within {timeout:g} s "
                                 f"({missing}): "
-                                f"every rank must call it (do not put rt.{what} under `if rt.is_main_process`; it "
-                                "writes from the main rank, or from every rank holding a shard, by itself). A rank "
+                                f"every rank must call it (do not put rt.{what} under `if rt.is_main_process`; "
+                                + ("every rank reads its own part" if what == "load_state" else
+                                   "it writes from the main rank, or from every rank holding a shard, by itself")
+                                + "). A rank "
                                 "that left its loop early (a `break`, a return or sys.exit on one rank only) never "
                                 "comes either.")
             # The barrier is the same for every such call: ranks in different ones would pass it together, then
@@ -1112,6 +1116,7 @@ class Runtime:
             raise UserError(f"rt.save_model({str(directory)!r}, ...): that path is a file; save_model writes a "
                             "directory (model.safetensors and, for a Hugging Face model, config.json). Pass a "
                             "directory, new or existing.")
+        megabytes = _megabytes(max_shard_size)  # (checked before the gathering: every rank refuses it alike)
         self._all_ranks_here("save_model")
         tensors = self.strategy.full_state_dict(self.strategy.model_state_dict(model))
         if self._watched:
@@ -1120,7 +1125,7 @@ class Runtime:
             return None
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        written = export_model(tensors, directory, name, None, _megabytes(max_shard_size))  # (no empty model_config.json)
+        written = export_model(tensors, directory, name, None, megabytes)  # (no empty model_config.json)
         if name == "model" and is_peft_model(unwrap(model)):  # (the adapter, for PeftModel.from_pretrained)
             written += write_peft_adapter(unwrap(model), tensors, directory)
         elif name == "model":  # (the name from_pretrained reads)
@@ -1275,15 +1280,45 @@ def _note(line: str) -> None:
     print(line if line.startswith("resume:") else f"note: {line}.", file=sys.stderr, flush=True)
 
 
+# Accelerator(...)'s keywords, and what Runtime(...) takes instead.
+ACCELERATE_KEYWORDS = {"mixed_precision": "precision='bf16' (or 'fp16', 'fp32', 'auto')",
+                       "gradient_accumulation_steps": "grad_accum_steps=N",
+                       "project_dir": "run_dir=DIR", "logging_dir": "run_dir=DIR", "cpu": "device='cpu'"}
+
+
+def _refuse_keywords(unknown: dict[str, Any]) -> None:
+    import inspect
+
+    from trainer.errors import suggest
+
+    own = [n for n in inspect.signature(Runtime.__init__).parameters if n not in ("self", "unknown")]
+    said = []
+    for name in unknown:
+        if name in ACCELERATE_KEYWORDS:
+            said.append(f"{name} is Accelerate's: here {ACCELERATE_KEYWORDS[name]}")
+        else:
+            hint = suggest(name, own).strip()
+            said.append(f"{name} is not one of its keywords" + (f" ({hint})" if hint else ""))
+    raise UserError(f"trainer.Runtime({', '.join(f'{n}=...' for n in unknown)}): {'; '.join(said)}. Its keywords: "
+                    f"{', '.join(own)} (see the README's 'Coming from Accelerate').")
+
+
 def _megabytes(size: str | int) -> float:
-    if isinstance(size, int):
-        return size / 2**20
-    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
-    text = str(size).strip().upper()
-    for unit, factor in units.items():
-        if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
-            return float(text[: -len(unit)]) * factor / 2**20
-    raise UserError(f"max_shard_size={size!r} is invalid: expected bytes (an int) or a size like '500MB' or '1GB'.")
+    """`max_shard_size` in MiB: bytes (an int) or a size like '500MB'; more than nothing (a negative int wrote one
+    shard file per tensor)."""
+    mb = None
+    if isinstance(size, int) and not isinstance(size, bool):
+        mb = size / 2**20
+    elif isinstance(size, str):
+        units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
+        text = size.strip().upper()
+        for unit, factor in units.items():
+            if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
+                mb = float(text[: -len(unit)]) * factor / 2**20
+    if mb is None or mb <= 0:
+        raise UserError(f"max_shard_size={size!r} is invalid: expected bytes (an int > 0) or a size like '500MB' or "
+                        "'1GB'.")
+    return mb
 
 
 LAUNCH_ENV = "TRAINER_CONFIG"  # set by `python -m trainer launch` for its workers (trainer/entry/worker.py: CONFIG_ENV)
