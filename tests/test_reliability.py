@@ -437,6 +437,32 @@ def test_a_step_dir_without_a_manifest_is_never_deleted_by_a_save_of_its_step_no
                                                                                  "step_00000002.unreadable"]
 
 
+def test_a_pruned_checkpoint_leaves_its_name_whole_before_its_files_go(tmp_path, monkeypatch):
+    """`eval RUN` of a run training with keep_last=1 read its newest checkpoint while the next save's pruning deleted
+    it file by file: 2 reads in 90 failed with "state.safetensors listed in the manifest is missing" (a damaged
+    checkpoint, as said) where the checkpoint had merely been pruned, which eval retries. Now it is renamed out of
+    sight first: under its name, a checkpoint is whole or absent. A pruned dir left by a killed process goes too."""
+    from trainer.checkpoint import store
+
+    c = store.Checkpointer(tmp_path / "checkpoints", keep_last=1)
+    left = tmp_path / "checkpoints" / ".pruned-step_00000000-oldnonce-"
+    left.mkdir(parents=True)
+    seen = []
+    real = store.shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        seen.append((Path(path).name, sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(store.shutil, "rmtree", rmtree)
+    c.save(1, {"w": torch.zeros(2)}, {"trainer": {"step": 1}})
+    c.save(2, {"w": torch.ones(2)}, {"trainer": {"step": 2}})
+    pruned = [(name, visible) for name, visible in seen if "step_00000001" in name]
+    assert pruned and all(name.startswith(".pruned-") and "step_00000001" not in visible for name, visible in pruned)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(("step_", ".pruned"))) == \
+        ["step_00000002"]
+
+
 def test_a_checkpoint_whose_manifest_cannot_be_read_is_tried_first_and_never_pruned(tmp_path):
     from trainer.checkpoint.store import Checkpointer
 

@@ -358,8 +358,15 @@ class Checkpointer:
             pass
         for p in done:
             if p.name not in keep:
-                shutil.rmtree(p, ignore_errors=True)
-        for p in self.dir.glob(".tmp-step_*"):  # left by a process killed mid-save
+                # Out of sight first, in one rename: a reader of the live run's newest checkpoint (`eval RUN`) sees
+                # a whole checkpoint or none, never one with files gone ("listed in the manifest is missing").
+                gone = p.with_name(f".pruned-{p.name}-{self._nonce}-")
+                try:
+                    os.replace(p, gone)
+                except OSError:
+                    gone = p
+                shutil.rmtree(gone, ignore_errors=True)
+        for p in [*self.dir.glob(".tmp-step_*"), *self.dir.glob(".pruned-step_*")]:  # left by a process killed then
             if f"-{self._nonce}-" not in p.name:
                 shutil.rmtree(p, ignore_errors=True)
 
