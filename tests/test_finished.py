@@ -222,6 +222,23 @@ def test_eval_reports_a_failed_worker_once_without_the_launchers_traceback(refer
     assert capsys.readouterr().err.startswith("error: worker rank 0 failed:\nSignal 15")
 
 
+def test_eval_of_a_damaged_newest_checkpoint_names_the_runs_other_checkpoints(reference, tmp_path):
+    """resume=auto falls back from a damaged newest checkpoint by itself; `eval RUN` reads the one it is told and
+    stopped at the refusal, leaving the user to find that step_8 was intact. It names them."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    newest = run / "checkpoints" / "step_00000012"
+    tensors = sorted(newest.rglob("*.safetensors"))[0]
+    data = bytearray(tensors.read_bytes())
+    data[-3] ^= 0x10
+    tensors.write_bytes(bytes(data))
+    r = run_here("eval", str(run))
+    assert_clean_error(r, "The run's other complete checkpoints: step_00000008; evaluate one with "
+                          f"checkpoint={run / 'checkpoints' / 'step_00000008'}.")
+
+
 @pytest.mark.slow
 def test_eval_on_two_processes_of_another_checkpoint_with_other_eval_settings(reference, corpus, tmp_path):
     """checkpoint=PATH (step 8), 2 ranks, the first 20 val samples: equal to one process's eval of the same."""

@@ -301,9 +301,11 @@ def evaluate(argv: list[str]) -> int:
                     refuse_relative_data_elsewhere(run_dir, ready)
                 run(ready, scratch, entry=evaluate_entry)
                 break
-            except UserError:  # (CheckpointVanished, or prepare's check that resume= exists)
+            except UserError as e:  # (CheckpointVanished, or prepare's check that resume= exists)
                 if Path(cfg.resume).exists():
-                    raise
+                    if which != "latest":
+                        raise
+                    raise type(e)(f"{e}{_older_checkpoints(Path(cfg.resume))}") from None
                 if which != "latest" or attempt == 2:
                     raise CheckpointVanished.of(cfg.resume) from None
                 print(f"note: {cfg.resume} was pruned by the run, which is still training: evaluating its newest "
@@ -315,6 +317,18 @@ def evaluate(argv: list[str]) -> int:
         _scrub_error(err, secrets)
         raise
     return 0
+
+
+def _older_checkpoints(refused: Path) -> str:
+    """The run's other complete checkpoints, for an eval of `latest` that could not read it (resume=auto falls back
+    to them by itself; eval reads what it is told, so it names them)."""
+    from trainer.checkpoint.store import Checkpointer
+
+    others = [p for p in Checkpointer(refused.parent).complete() if p != refused]
+    if not others:
+        return ""
+    return (f" The run's other complete checkpoints: {', '.join(p.name for p in others[-3:])}; evaluate one with "
+            f"checkpoint={others[-1]}.")
 
 
 @_user_errors
