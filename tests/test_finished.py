@@ -223,8 +223,9 @@ def test_eval_reports_a_failed_worker_once_without_the_launchers_traceback(refer
 
 
 def test_eval_of_a_damaged_newest_checkpoint_names_the_runs_other_checkpoints(reference, tmp_path):
-    """resume=auto falls back from a damaged newest checkpoint by itself; `eval RUN` reads the one it is told and
-    stopped at the refusal, leaving the user to find that step_8 was intact. It names them."""
+    """resume=auto falls back from a damaged newest checkpoint by itself; `eval RUN` and trainer.load(checkpoint=
+    "latest") read the one they are told and stopped at the refusal, leaving the user to find that step_8 was intact.
+    They name them."""
     import shutil
 
     run = tmp_path / "run"
@@ -234,9 +235,14 @@ def test_eval_of_a_damaged_newest_checkpoint_names_the_runs_other_checkpoints(re
     data = bytearray(tensors.read_bytes())
     data[-3] ^= 0x10
     tensors.write_bytes(bytes(data))
-    r = run_here("eval", str(run))
-    assert_clean_error(r, "The run's other complete checkpoints: step_00000008; evaluate one with "
-                          f"checkpoint={run / 'checkpoints' / 'step_00000008'}.")
+    hint = f"The run's other complete checkpoints: step_00000008; pass one as checkpoint={run / 'checkpoints' / 'step_00000008'}."
+    assert_clean_error(run_here("eval", str(run)), hint)
+    import trainer
+    from trainer.errors import CheckpointError
+
+    with pytest.raises(CheckpointError) as e:  # (trainer.load from Python alike)
+        trainer.load(run, checkpoint="latest")
+    assert str(e.value).endswith(hint)
 
 
 @pytest.mark.slow

@@ -264,7 +264,12 @@ def evaluate(argv: list[str]) -> int:
     from trainer.entry.launcher import run
     from trainer.errors import UserError
     from trainer.inference.device_map import cli_options
-    from trainer.inference.finished import checkpoint_of, config_of, refuse_relative_data_elsewhere
+    from trainer.inference.finished import (
+        checkpoint_of,
+        config_of,
+        older_checkpoints,
+        refuse_relative_data_elsewhere,
+    )
 
     usage = ("python -m trainer eval RUN_DIR [checkpoint=latest|best|PATH] [device_map=auto max_memory.cpu=SIZE "
              "offload_dir=DIR] [KEY=VALUE ...]")
@@ -305,7 +310,7 @@ def evaluate(argv: list[str]) -> int:
                 if Path(cfg.resume).exists():
                     if which != "latest":
                         raise
-                    raise type(e)(f"{e}{_older_checkpoints(Path(cfg.resume))}") from None
+                    raise type(e)(f"{e}{older_checkpoints(Path(cfg.resume))}") from None
                 if which != "latest" or attempt == 2:
                     raise CheckpointVanished.of(cfg.resume) from None
                 print(f"note: {cfg.resume} was pruned by the run, which is still training: evaluating its newest "
@@ -317,18 +322,6 @@ def evaluate(argv: list[str]) -> int:
         _scrub_error(err, secrets)
         raise
     return 0
-
-
-def _older_checkpoints(refused: Path) -> str:
-    """The run's other complete checkpoints, for an eval of `latest` that could not read it (resume=auto falls back
-    to them by itself; eval reads what it is told, so it names them)."""
-    from trainer.checkpoint.store import Checkpointer
-
-    others = [p for p in Checkpointer(refused.parent).complete() if p != refused]
-    if not others:
-        return ""
-    return (f" The run's other complete checkpoints: {', '.join(p.name for p in others[-3:])}; evaluate one with "
-            f"checkpoint={others[-1]}.")
 
 
 @_user_errors

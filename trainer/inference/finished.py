@@ -343,7 +343,12 @@ def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "c
             raise ConfigError(f"trainer.load(checkpoint={checkpoint!r}): expected 'latest', 'best' or the path of a "
                               "step_* checkpoint directory.")
         path = given if own else checkpoint_of(run_dir, os.fspath(checkpoint))
-        return checkpoint_model(path, ema).to(device).eval()
+        try:
+            return checkpoint_model(path, ema).to(device).eval()
+        except UserError as e:
+            if own or os.fspath(checkpoint) != "latest" or not path.exists():
+                raise
+            raise type(e)(f"{e}{older_checkpoints(path)}") from None
     if device_map is not None or max_memory is not None or offload_dir is not None:
         from trainer.inference.device_map import load as load_dispatched
 
@@ -616,6 +621,18 @@ def refuse_relative_data_elsewhere(run_dir: str | Path, cfg: DictConfig) -> None
             raise ConfigError(f"data.{key}={value} is a relative path: the run read {there}, and this eval, started "
                               f"in {Path.cwd()}, would read {Path.cwd() / value} instead. Pass data.{key}={there}, "
                               f"or run the eval from {trained_in}.")
+
+
+def older_checkpoints(refused: Path) -> str:
+    """The run's other complete checkpoints, for a read of `latest` that could not use it (`eval`, trainer.load;
+    resume=auto falls back to them by itself, a reader reads what it is told, so it names them)."""
+    from trainer.checkpoint.store import Checkpointer
+
+    others = [p for p in Checkpointer(refused.parent).complete() if p != refused]
+    if not others:
+        return ""
+    return (f" The run's other complete checkpoints: {', '.join(p.name for p in others[-3:])}; pass one as "
+            f"checkpoint={others[-1]}.")
 
 
 def checkpoint_of(run_dir: str | Path, which: str = "latest") -> Path:
