@@ -183,7 +183,7 @@ def test_a_file_as_run_dir_and_an_eval_loader_over_an_endless_stream_are_refused
     import trainer
 
     (tmp_path / "notadir").write_text("x")
-    with pytest.raises(UserError, match="Runtime\\(run_dir=.*notadir'\\): that path is a file"):
+    with pytest.raises(UserError, match="notadir is a file, not a directory.* as Runtime\\(run_dir=...\\)"):
         trainer.Runtime(run_dir=tmp_path / "notadir")
     assert (tmp_path / "notadir").read_text() == "x"
 

@@ -4,6 +4,7 @@ Each test reproduces a way an adversarial sweep lost work, and fails without its
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -84,23 +85,29 @@ def test_a_sigkilled_launcher_takes_its_workers_with_it_and_frees_the_run_dir(co
                 os.kill(pid, signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def held_elsewhere(run_dir: Path, hold: str = "RunDirLock(sys.argv[1]).acquire()"):
+    """Another process holding `run_dir` (`hold`: a trainer.runlock call) until the block ends; yields its PID."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import sys; from trainer.runlock import *; {hold}; print('held', flush=True); "
+         "sys.stdin.read()", str(run_dir)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        yield holder.pid
+    finally:
+        holder.stdin.close()
+        holder.wait()
+
+
 def test_a_run_dir_whose_workers_outlived_their_launcher_is_refused(tmp_path):
     """The lock is held for as long as any process of the job can write: a worker's hold on the run dir
     (taken by every worker) keeps a new job out even when the launcher's lock is free."""
     from trainer.errors import ConfigError
     from trainer.runlock import RunDirLock
 
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from trainer.runlock import hold_as_worker; hold_as_worker(sys.argv[1]); "
-         "print('held', flush=True); sys.stdin.read()", str(tmp_path)],
-        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline() == "held\n"
-        with pytest.raises(ConfigError, match=f"processes of another job .*PID {holder.pid}"):
+    with held_elsewhere(tmp_path, "hold_as_worker(sys.argv[1])") as pid:
+        with pytest.raises(ConfigError, match=f"processes of another job .*PID {pid}"):
             RunDirLock(tmp_path).acquire()
-    finally:
-        holder.stdin.close()
-        holder.wait()
     RunDirLock(tmp_path).acquire().release()  # once it is gone, the run dir is free
 
 
@@ -108,20 +115,12 @@ def test_a_deleted_lock_file_does_not_let_a_second_job_into_a_live_run_dir(corpu
     """A single-process job held .lock alone (only workers also held the run dir): `rm RUN/.lock`, as a cleanup of
     "stale" locks does, let a second job in; it moved the live job's checkpoints aside and trained in its place."""
     run_dir = tmp_path / "run"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from trainer.runlock import RunDirLock; RunDirLock(sys.argv[1]).acquire(); "
-         "print('held', flush=True); sys.stdin.read()", str(run_dir)],
-        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline() == "held\n"
+    with held_elsewhere(run_dir) as pid:
         (run_dir / ".lock").unlink()
         r = run_here(*tiny_overrides(corpus), f"hydra.run.dir={run_dir}")
-        assert_clean_error(r, "is still written by the processes of another job", f"PID {holder.pid}",
+        assert_clean_error(r, "is still written by the processes of another job", f"PID {pid}",
                            ".lock is free (their launcher is gone, or the file was deleted)")
         assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]  # (the refused job's own, empty)
-    finally:
-        holder.stdin.close()
-        holder.wait()
 
 
 def test_a_refused_second_job_leaves_the_running_jobs_run_dir_alone(corpus, tmp_path):
@@ -189,19 +188,15 @@ def test_trainer_train_from_python_takes_the_run_dir_lock_the_cli_takes(corpus, 
     from trainer.runlock import RunDirLock
 
     run_dir = tmp_path / "run"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from trainer.runlock import RunDirLock; RunDirLock(sys.argv[1]).acquire(); "
-         "print('held', flush=True); sys.stdin.read()", str(run_dir)],
-        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     cfg = compose(tiny_overrides(corpus, "trainer.max_steps=2"))
-    try:
-        assert holder.stdout.readline() == "held\n"
-        with pytest.raises(ConfigError, match=f"in use by process {holder.pid}.*its own run_dir \\(trainer.train's"):
+    with held_elsewhere(run_dir) as pid:
+        with pytest.raises(ConfigError, match=f"in use by process {pid}.*its own run_dir \\(trainer.train's"):
             train(cfg, run_dir)
         assert [p.name for p in run_dir.iterdir()] == [".lock"]
-    finally:
-        holder.stdin.close()
-        holder.wait()
+    (tmp_path / "a_file").write_text("x")  # (the lock's mkdir raised FileExistsError, a traceback)
+    with pytest.raises(ConfigError, match="a_file is a file, not a directory.* as run_dir \\(trainer.train's"):
+        train(cfg, tmp_path / "a_file")
+    assert (tmp_path / "a_file").read_text() == "x"
     lock = RunDirLock(run_dir).acquire()  # this process's job (as the CLI holds it) trains there
     try:
         train(cfg, run_dir)

@@ -137,6 +137,9 @@ def hold(run_dir: Path, chosen_by: str) -> Hold:
     """The run dir's lock for a job this process runs without the CLI (trainer.train, a script's own
     trainer.Runtime(run_dir=...)): shared with this process's holders, else taken (ConfigError naming the holder
     when another process has it)."""
+    if Path(run_dir).exists() and not Path(run_dir).is_dir():  # (the lock's mkdir raised FileExistsError)
+        raise ConfigError(f"{run_dir} is a file, not a directory: a run dir holds the run's metrics.jsonl, "
+                          f"checkpoints and trackers' files. Pass a directory, new or existing, as {chosen_by}.")
     entry = _HELD.get(_key(run_dir))
     if entry is not None and entry[0].held:
         entry[1] += 1

@@ -382,10 +382,11 @@ def _run_job(cfg: DictConfig) -> float | None:
             runs = unfinished_runs(run_dir, trainer=OmegaConf.to_container(resolved.trainer))  # (read once: for the
             found = find_run_to_continue(run_dir, redact(OmegaConf.to_container(resolved)), runs=runs)  # run, or a note)
             if found is not None:
-                how = ("run under {} with this config, which finished short of this job's trainer.max_steps (or "
-                       "max_epochs)") if is_finished(found) else "unfinished run under {} with this config"
-                print(f"resume=auto: continuing {found}, the newest {how.format(found.parent.parent)} (pass "
-                      "hydra.run.dir=DIR to choose another).", flush=True)
+                root = found.parent.parent
+                how = (f"run under {root} with this config, which finished short of this job's trainer.max_steps (or "
+                       "max_epochs)") if is_finished(found) else f"unfinished run under {root} with this config"
+                print(f"resume=auto: continuing {found}, the newest {how} (pass hydra.run.dir=DIR to choose another).",
+                      flush=True)
                 if found != run_dir:  # (the same dir: an earlier job of the same second stopped in it)
                     _remove_if_free(run_dir)  # this job's fresh timestamped dir (another job's of the same second stays)
                 run_dir, chosen = found, True  # (resume=auto chose it: continue it, never a sibling)

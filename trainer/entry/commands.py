@@ -262,7 +262,7 @@ def evaluate(argv: list[str]) -> int:
 
     from trainer.config.compose import prepare
     from trainer.entry.launcher import run
-    from trainer.errors import UserError
+    from trainer.errors import CheckpointError, UserError
     from trainer.inference.device_map import cli_options
     from trainer.inference.finished import (
         checkpoint_of,
@@ -308,7 +308,7 @@ def evaluate(argv: list[str]) -> int:
                 break
             except UserError as e:  # (CheckpointVanished, or prepare's check that resume= exists)
                 if Path(cfg.resume).exists():
-                    if which != "latest":
+                    if which != "latest" or not isinstance(e, CheckpointError):  # (a setting's error: no checkpoint's)
                         raise
                     raise type(e)(f"{e}{older_checkpoints(Path(cfg.resume))}") from None
                 if which != "latest" or attempt == 2:

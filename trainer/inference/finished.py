@@ -345,7 +345,7 @@ def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "c
         path = given if own else checkpoint_of(run_dir, os.fspath(checkpoint))
         try:
             return checkpoint_model(path, ema).to(device).eval()
-        except UserError as e:
+        except CheckpointError as e:  # (the checkpoint's: a setting's error names no other checkpoint)
             if own or os.fspath(checkpoint) != "latest" or not path.exists():
                 raise
             raise type(e)(f"{e}{older_checkpoints(path)}") from None

@@ -131,9 +131,6 @@ class Runtime:
         # interleaved their metrics.jsonl, tracker files and checkpoints there. The main rank holds it until rt.end().
         self._run_dir_hold = None
         if backend is None and run_dir is not None:
-            if Path(run_dir).exists() and not Path(run_dir).is_dir():  # (the lock's mkdir raised FileExistsError)
-                raise UserError(f"Runtime(run_dir={str(run_dir)!r}): that path is a file; run_dir is the directory "
-                                "the run's metrics.jsonl and trackers' files go in. Pass a directory, new or existing.")
             self._run_dir_hold = self._hold_run_dir(Path(run_dir), alone=launched is None and made_group)
         if launched is not None and precision is None:
             from trainer.config.instantiate import build_node
