@@ -357,6 +357,41 @@ def test_resume_auto_refuses_a_change_it_cannot_continue_and_changes_nothing(cor
     assert [e["step"] for e in read_metrics(run_dir) if "train/loss" in e] == list(range(1, 9))
 
 
+def test_a_changed_model_is_refused_once_with_its_list_of_tensors_not_once_per_checkpoint(corpus, stopped, tmp_path,
+                                                                                          capsys):
+    """Every checkpoint of a run refuses a changed model for the same reason. The list of tensors used to be said
+    three times (a warning per checkpoint, then the error) and in full, a wall of text for a real model; now the
+    error gives the first few once, the older checkpoint in a clause, and nothing is said before it."""
+    from conftest import train_in_process
+
+    from trainer.errors import CheckpointError
+
+    run_dir = _copy(stopped, tmp_path / "run")
+    before = _digests(run_dir)
+    capsys.readouterr()
+    with pytest.raises(CheckpointError) as e:
+        train_in_process(corpus, run_dir, *BASE, "trainer.max_steps=12", "model.d_model=32", "resume=auto")
+    message = str(e.value)
+    assert message.count("tok_emb.weight") == 1 and "more. Use the model config it was trained with" in message
+    assert "The older one, step_00000004, fails the same way." in message and "model.d_model: " in message
+    assert "skipping checkpoint" not in capsys.readouterr().out
+    assert _digests(run_dir) == before
+
+
+def test_checkpoints_skipped_for_one_reason_are_warned_of_in_full_once():
+    from trainer.checkpoint.manager import _skipped_lines
+    from trainer.errors import CheckpointError
+
+    ckpts = [Path(f"/run/checkpoints/step_0000000{n}") for n in (9, 6, 3)]
+    errors = [CheckpointError(f"checkpoint {ckpts[0]} does not match the model: w"),
+              CheckpointError(f"file {ckpts[1]}/state.safetensors is truncated"),
+              CheckpointError(f"checkpoint {ckpts[2]} does not match the model: w")]
+    assert _skipped_lines(list(zip(ckpts, errors))) == [
+        f"warning: skipping checkpoint {ckpts[0]}: {errors[0]} It stays on disk.",
+        f"warning: skipping checkpoint {ckpts[1]}: {errors[1]} It stays on disk.",
+        f"warning: skipping checkpoint {ckpts[2]} too, for the same reason as step_00000009. It stays on disk."]
+
+
 def test_resume_auto_never_prunes_what_it_could_not_read_and_resume_null_sets_it_aside(corpus, stopped, tmp_path):
     """Every checkpoint damaged: resume=auto stops instead of starting over (it used to train from step 1 and
     prune them); resume=null then starts fresh with the damaged ones kept in checkpoints.prev/."""

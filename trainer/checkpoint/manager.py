@@ -284,8 +284,8 @@ class CheckpointManager:
         if problems:
             fix = ("Build the model as the script that saved it did (the same layers and sizes)" if self.every_component
                    else "Use the model config it was trained with (see its config.yaml)")  # (a loop of one's own: no config)
-            raise CheckpointError(f"{where} does not match the model ({len(problems)} tensors): " + "; ".join(problems)
-                                  + f". {fix}.")
+            raise CheckpointError(f"{where} does not match the model ({len(problems)} tensors): {ckpt.listed(problems)}. "
+                                  f"{fix}.")
         live_rng = rng_state()
         saved_rng = tree.get("rng")
         if not (isinstance(saved_rng, list) and saved_rng and isinstance(saved_rng[0], dict) and "numpy" in saved_rng[0]):
@@ -480,9 +480,10 @@ def resume(trainer, cfg: DictConfig, say) -> Path | None:
         except CheckpointError as e:
             if not fallback:
                 raise CheckpointError(f"{e}{_differences(path, cfg)}") from None
-            say(f"warning: skipping checkpoint {path}: {e} It stays on disk; trying the one before it.")
-            skipped.append((path, e))
+            skipped.append((path, e))  # (said once the outcome is known: a failed fallback says it all in its error)
             continue
+        for line in _skipped_lines(skipped):
+            say(line)
         # What was skipped is moved out of the checkpoints' namespace, so that no later run prunes it or tries it
         # again; where that fails it stays in place, and this run does not prune it.
         # (Not one that could not be read now, for a reason that may pass: the next run tries it again.)
@@ -507,7 +508,8 @@ def resume(trainer, cfg: DictConfig, say) -> Path | None:
         differences = _differences(newest, cfg)
         raise CheckpointError(
             f"resume=auto: none of the {len(skipped)} checkpoints in {trainer.checkpointer.dir} can continue this "
-            f"run. The newest, {newest.name}: {why}{differences} Nothing in the run dir was changed."
+            f"run. The newest, {newest.name}: {why}{_older_reasons(skipped)}{differences} Nothing in the run dir was "
+            "changed."
             + ("" if differences else " To start over anyway, pass resume=null (the checkpoints are then kept in "
                "checkpoints.prev/), or give this job a run dir of its own."))
     # resume=null in a run dir that has checkpoints: start fresh, and keep the earlier attempt's. Rank 0 decides for
@@ -522,6 +524,33 @@ def resume(trainer, cfg: DictConfig, say) -> Path | None:
     elif cfg.get("resume") == "auto":
         say(f"resume=auto: no complete checkpoint in {trainer.checkpointer.dir}; starting fresh.")
     return None
+
+
+def _reason(path: Path, error: CheckpointError) -> str:
+    """Why `path` could not be loaded, without its own name: two checkpoints refused for one cause compare equal."""
+    return str(error).replace(str(path), "").replace(path.name, "")
+
+
+def _skipped_lines(skipped: list[tuple[Path, CheckpointError]]) -> list[str]:
+    """A warning per checkpoint resume=auto passed over, newest first. A reason is given in full once: a model
+    change makes every checkpoint refuse with the same list of tensors, which is read once, not once per step."""
+    lines = []
+    for i, (path, e) in enumerate(skipped):
+        same = next((p for p, earlier in skipped[:i] if _reason(p, earlier) == _reason(path, e)), None)
+        lines.append(f"warning: skipping checkpoint {path} too, for the same reason as {same.name}. It stays on disk."
+                     if same else f"warning: skipping checkpoint {path}: {e} It stays on disk.")
+    return lines
+
+
+def _older_reasons(skipped: list[tuple[Path, CheckpointError]]) -> str:
+    """The error's account of the checkpoints older than the newest: the same cause in one clause, others in full."""
+    (newest, first), *older = skipped
+    if not older:
+        return ""
+    if all(_reason(p, e) == _reason(newest, first) for p, e in older):
+        return (f" The older {len(older)} ({', '.join(p.name for p, _ in older)}) fail the same way." if len(older) > 1
+                else f" The older one, {older[0][0].name}, fails the same way.")
+    return "".join(f" {p.name}: {e}" for p, e in older)
 
 
 def _set_aside(paths) -> list[tuple[str, str | None]]:

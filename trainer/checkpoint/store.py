@@ -818,6 +818,11 @@ def model_mismatches(loaded: Loaded, live: dict[str, torch.Tensor]) -> list[str]
     return problems
 
 
+def listed(problems: list[str], n: int = 4) -> str:
+    """The first `n` of `problems` and how many more: a changed model's list of tensors, at a readable length."""
+    return "; ".join(problems[:n]) + (f"; and {len(problems) - n} more" if len(problems) > n else "")
+
+
 class NullCheckpointer:
     """No checkpoints (a Trainer built by hand without a checkpointer)."""
 

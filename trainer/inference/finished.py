@@ -26,7 +26,7 @@ import torch.nn as nn
 import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from trainer.checkpoint import snapshot, tensorfile
+from trainer.checkpoint import snapshot, store, tensorfile
 from trainer.errors import CheckpointError, ConfigError, UserError
 
 # config.yaml, model_config.json, best.json: a trainer writes about 2 KB. The limit keeps OmegaConf, which
@@ -224,10 +224,6 @@ def _mismatches(live: dict[str, torch.Tensor], stored: dict[str, torch.Tensor], 
     return problems + [f"{k}: not in the model" for k in stored if k not in live]
 
 
-def _listed(problems: list[str], n: int = 4) -> str:
-    return "; ".join(problems[:n]) + (f"; and {len(problems) - n} more" if len(problems) > n else "")
-
-
 def exported_weights(run_dir: Path, name: str = "model") -> dict[str, torch.Tensor]:
     """`<name>.safetensors`, or the shards its Hugging Face index lists."""
     run_dir = Path(run_dir)
@@ -374,7 +370,7 @@ def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "c
     problems = _mismatches(model.state_dict(), weights, f"{name}.safetensors")
     if problems:
         raise CheckpointError(f"the weights of {path} ({name}.safetensors) do not fit the model {source} builds: "
-                              f"{_listed(problems)}. The two do not come from the same run, or one was edited. {fix}")
+                              f"{store.listed(problems)}. The two do not come from the same run, or one was edited. {fix}")
     try:
         model.load_state_dict(weights)
     except RuntimeError as e:
@@ -388,8 +384,6 @@ def checkpoint_model(path: Path, ema: bool | None = False, task: Any = None) -> 
     EMA's where it has them), whatever the strategy and world size that wrote it: every file's sha256 is verified
     and every tensor checked against the model before anything is loaded. `task`: a stateful task (a data
     normaliser) that takes the checkpoint's state of it too (`sample RUN checkpoint=...`)."""
-    from trainer.checkpoint import store
-
     where, source = f"checkpoint {path}", path / "config.yaml"
     fix = f"Load another checkpoint of the run ({path.parent}), or the run's export (trainer.load(RUN_DIR))."
     if not path.is_dir():  # (the reader's own message would speak of resume=, which trainer.load does not take)
@@ -414,7 +408,7 @@ def checkpoint_model(path: Path, ema: bool | None = False, task: Any = None) -> 
     live = in_stored_dtype(model, {k: chunks[0].data.dtype for k, chunks in loaded.model.items() if chunks}).state_dict()
     problems = store.model_mismatches(loaded, live)
     if problems:
-        raise CheckpointError(f"{where} does not fit the model its config.yaml builds: {_listed(problems)}. The two "
+        raise CheckpointError(f"{where} does not fit the model its config.yaml builds: {store.listed(problems)}. The two "
                               f"were edited apart. {fix}")
     model.load_state_dict({k: snapshot.assemble(k, loaded.model[k], v, where) for k, v in live.items()})
     saved = loaded.tree.get("ema")
@@ -436,7 +430,7 @@ def checkpoint_model(path: Path, ema: bool | None = False, task: Any = None) -> 
         params = dict(model.named_parameters())
         strangers = [k for k in saved["shadow"] if k not in params]
         if strangers:
-            raise CheckpointError(f"{where}: its EMA averages {_listed(strangers)}, which the model its config.yaml "
+            raise CheckpointError(f"{where}: its EMA averages {store.listed(strangers)}, which the model its config.yaml "
                                   f"builds does not have. {fix}")
         like = {k: torch.empty(params[k].shape, dtype=torch.float32) for k in saved["shadow"]}
         with torch.no_grad():  # (EMA keeps fp32 averages: cast to each parameter's dtype as the export does)
