@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -651,6 +652,9 @@ def main(argv: list[str] | None = None) -> None:
 
     if is_torchrun_follower():
         sys.exit(follow_torchrun_rank0())
+    from trainer.loop.preemption import hold_early
+
+    hold_early()  # (a SIGTERM while this command imports and composes: exit 75, as before the first step)
     from trainer.config.flags import flags_first
 
     argv = flags_first(argv)
@@ -694,5 +698,22 @@ def _compose_and_run(argv: list[str]) -> None:
         if "submitit" in known.launcher:
             submitit_failures_as_exits()
         sys.argv = [sys.argv[0], *argv]
-        with precomposed_reused(known), hydra_records_deferred():
-            hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base="1.3")(run_job)()
+        if str(known.mode) == "RunMode.MULTIRUN" or {"-m", "--multirun"} & set(argv):
+            _stop_if_signalled()  # (a sweep's points run one after another, or elsewhere: each holds its own flag)
+        try:
+            with precomposed_reused(known), hydra_records_deferred():
+                hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base="1.3")(run_job)()
+        finally:  # (a run took the flag over and answered the signal itself; --cfg and the like took none)
+            _stop_if_signalled()
+
+
+def _stop_if_signalled() -> None:
+    """The command's early stop flag released (`preemption.hold_early`); the signal it caught, if any, is exit 75."""
+    from trainer.errors import Preempted
+    from trainer.loop.preemption import release_early
+
+    signum = release_early()
+    if signum is not None:
+        report(Preempted(f"stopped by {signal.Signals(signum).name} before training started; nothing to save. Rerun "
+                         "the same command to start it."))
+        sys.exit(Preempted.exit_code)

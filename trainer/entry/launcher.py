@@ -204,7 +204,7 @@ def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
     # A stop signal before the workers exist (while the datasets are built): nothing to save, exit 75.
     early = PreemptionFlag().install()
     try:
-        if entry is not script:  # (a user's script builds what it builds itself)
+        if entry is not script and not early.requested:  # (a user's script builds what it builds itself)
             preflight(cfg, run_dir, w.device)
     finally:
         early.uninstall()
