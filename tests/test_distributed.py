@@ -302,7 +302,7 @@ def test_a_worker_killed_without_a_record_is_named_when_torch_reports_the_peer_i
 
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from trainer.entry.launcher import silent_peers
+    from trainer.entry.launcher import lost_peer_message, silent_peers
 
     attempt = tmp_path / "attempt_0"
     for local in (0, 1, 2):
@@ -313,6 +313,9 @@ def test_a_worker_killed_without_a_record_is_named_when_torch_reports_the_peer_i
     (attempt / "2" / "error.json").write_text(json.dumps(record))  # rank 2 recorded the same consequence
     survivor = ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file=str(attempt / "0" / "error.json"))
     assert silent_peers({0: survivor}, 0, survivor, nproc=3) == [1]
+    said = lost_peer_message([1], 0, f"Traceback (most recent call last):\n  File ...\n{gloo}")
+    assert said.startswith("error: worker rank 1 ended without a word") and "\n" not in said  # no traceback of rank 0's
+    assert "rank 0 then failed on the connection it lost (gloo: Connection reset by peer)" in said
     (attempt / "1" / "error.json").write_text(json.dumps({"message": {"message": "error: a user error",
                                                                        "extraInfo": {"timestamp": "0", "time_ns": 0}}}))
     assert silent_peers({0: survivor}, 0, survivor, nproc=3) == []  # rank 1 said why: every_failure finds it

@@ -269,8 +269,7 @@ def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
             raise WorkerFailed(rank, watchdog.HangDetected.exit_code, hang) from None
         text, silent = _failure_text(failure), silent_peers(failures, rank, failure, nproc)
         if silent:  # (torch names one dead worker: here the one that failed on the connection the killed one closed)
-            text = (f"error: worker rank {', '.join(map(str, silent))} ended without a word (killed: out of memory, "
-                    f"or kill -9?), and rank {rank} then failed on the connection it lost:\n{text}")
+            text = lost_peer_message(silent, rank, text)
         raise WorkerFailed(rank, failure.exitcode, text) from None
     except (RendezvousTimeoutError, RendezvousConnectionError) as e:  # a node never came, or node 0 unreachable
         raise rendezvous_failed(w, e) from None
@@ -412,6 +411,17 @@ def silent_peers(failures: dict, rank: int, failure, nproc: int) -> list[int]:
     base, attempt = rank - failure.local_rank, Path(failure.error_file).parent.parent
     return [base + local for local in range(nproc)
             if base + local not in failures and not (attempt / str(local) / "error.json").is_file()]
+
+
+def lost_peer_message(silent: list[int], rank: int, text: str) -> str:
+    """The paragraph for workers killed without a record (`silent_peers`) and the peer that failed after them. The
+    peer's traceback says only where it was waiting when the connection closed (gloo's read in the next
+    collective): the cause is the killed worker, which had nothing to say, so the traceback is left out."""
+    how = next(s for s in LOST_CONNECTION if s in text)
+    library = next((name for name in ("gloo", "nccl") if name in text.lower()), "")
+    return (f"error: worker rank {', '.join(map(str, silent))} ended without a word (killed: out of memory, or "
+            f"kill -9?), and rank {rank} then failed on the connection it lost ({library + ': ' if library else ''}"
+            f"{how}). The kernel log (dmesg) or the scheduler's record of the job says what killed it.")
 
 
 def root_failure(failures: dict) -> tuple:
