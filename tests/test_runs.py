@@ -102,6 +102,9 @@ def test_resume_auto_without_a_run_dir_extends_a_finished_run_to_a_larger_max_st
     r = run_here(*args, "trainer.max_steps=6", "resume=auto", cwd=tmp_path)  # (finished at 6: nothing to extend)
     assert r.returncode == 0 and "continuing" not in r.stdout, r.stdout
     assert len(list((tmp_path / "outputs").glob("*/*"))) == 2
+    r = run_here(*args, "trainer.max_steps=8", "trainer.seed=1", "resume=auto", cwd=tmp_path)  # (it said "unfinished")
+    assert f"resume=auto: the newest run this job could extend under {tmp_path / 'outputs'}, " in r.stdout, r.stdout
+    assert "has other settings (trainer.seed: 0 -> 1)" in r.stdout
 
 
 def test_resume_auto_that_finds_no_run_of_this_config_names_the_newest_unfinished_one_and_what_differs(corpus,

@@ -98,7 +98,8 @@ def nearest_other_run(runs: list[tuple[Path, dict]], config: dict[str, Any]) -> 
     differ = [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(before) | set(now))
               if before.get(k) != now.get(k)]
     listed = "; ".join(differ[:4]) + (f" (and {len(differ) - 4} more)" if len(differ) > 4 else "")
-    return (f"resume=auto: the newest unfinished run under {cand.parent.parent}, {cand}, has other settings ({listed}), "
+    what = "run this job could extend" if is_finished(cand) else "unfinished run"  # (finished short of this length)
+    return (f"resume=auto: the newest {what} under {cand.parent.parent}, {cand}, has other settings ({listed}), "
             "so this starts a new run. To continue that one instead, rerun with its settings (or with "
             f"hydra.run.dir={cand}, which says which of these a resume may change).")
 
