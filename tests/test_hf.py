@@ -6,6 +6,8 @@ cleanly without it."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -184,6 +186,35 @@ def test_gpt2_init_under_fsdp_equals_one_process(transformers, corpus, tmp_path)
     one = built_weights(tiny_overrides(corpus, *gpt2), tmp_path / "one")
     assert_same_weights(built_weights(tiny_overrides(corpus, *gpt2, "world=fsdp", "world.nproc_per_node=1"),
                                       tmp_path / "fsdp"), one)
+
+
+def test_a_hub_directorys_config_is_matched_and_its_settings_give_from_pretraineds_model(transformers, corpus,
+                                                                                         tmp_path):
+    """finetune.weights=DIR loaded the weights into the model the run's config built and never read DIR's
+    config.json: a Llama saved with rope_theta 500000 and rms_norm_eps 1e-5 fine-tuned as one of 10000 and 1e-6,
+    silently (every shape fits). Now the differing settings are refused, naming the overrides; with them, the run
+    starts from from_pretrained(DIR)'s model."""
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                                      rope_theta=500000.0, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hub")
+    args = tiny_overrides(corpus, "model=llama_tiny", "trainer.max_steps=1", "optim.lr=1e-12",
+                          f"finetune.weights={tmp_path / 'hub'}")
+    r = run_here(*args, f"hydra.run.dir={tmp_path / 'refused'}")
+    assert_clean_error(r, "its config.json describes another model", "rms_norm_eps 1e-05 there, 1e-06 here")
+    fix = re.search(r"settings: (.+) \(`\+\+` sets", r.stderr).group(1)
+    assert fix == "++model.rms_norm_eps=1e-05 '++model.rope_parameters={rope_theta: 500000.0, rope_type: default}'"
+    r = run_here(*args, *shlex.split(fix), f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 0, r.stderr
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hub")).eval()(ids).logits
+        ours = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "run")).eval()(ids).logits
+    # One AdamW step of lr 1e-12 moves a weight by at most 1e-12 (its first step is lr times the gradient's sign):
+    # the logits, of order 1, move by far less than a few of their fp32 ulps (1.2e-7). rope_theta's change alone
+    # moves them by ~1e-2.
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
 
 
 def test_the_readme_fine_tuning_code_runs(transformers, corpus, tmp_path, llama_single):

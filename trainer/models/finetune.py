@@ -61,10 +61,11 @@ def check(model: nn.Module, node: Any) -> None:
     cfg = settings(node)
     if cfg.weights is None:
         return
-    from trainer.models.pretrained import match, open_weights
+    from trainer.models.pretrained import check_config, match, open_weights
 
     weights = open_weights(cfg.weights)
     try:
+        check_config(model, cfg.weights)  # (first: a size that differs is clearer named than as missing keys)
         match(model, weights, skip=_adapter_keys(model))
     finally:
         weights.close()
@@ -79,10 +80,11 @@ def start(model: nn.Module, node: Any, seed: int, is_main: bool) -> dict | None:
     raw = unwrap(model)
     record = None
     if cfg.weights is not None:
-        from trainer.models.pretrained import load_into, match, open_weights
+        from trainer.models.pretrained import check_config, load_into, match, open_weights
 
         weights = open_weights(cfg.weights)
         try:
+            check_config(raw, cfg.weights)  # (a single process has no preflight: `check` has not run)
             load_into(raw, weights, match(raw, weights, skip=_adapter_keys(raw)))
             record = weights.record(is_main)
             if record is not None and cfg.dtype is not None:

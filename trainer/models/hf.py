@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from omegaconf import Container, OmegaConf
 
 # (_ALIASES: the lm recipe's size keys, which debug=smoke sets, for configs that name them otherwise)
 from trainer.config.schema import HF_SIZE_ALIASES as _ALIASES
@@ -64,7 +65,9 @@ def causal_lm(architecture: str, **config: Any) -> nn.Module:
         if not hasattr(defaults, key):
             raise ConfigError(f"model.{key} is not a setting of {config_cls.__name__} (the config of {architecture}). "
                               f"Remove it with ~model.{key}, or see {config_cls.__name__}'s documentation for its keys.")
-        settings[key], given[key] = value, given_key
+        # (a mapping or a list from the config, rope_parameters={...}, reaches here as OmegaConf's container, which
+        # transformers' config classes refuse: as plain Python)
+        settings[key], given[key] = OmegaConf.to_container(value) if isinstance(value, Container) else value, given_key
     # Two names of one setting (GPT2Config's hidden_size is n_embd: its attribute_map), differing: the config class
     # would keep whichever came last, and build a model other than one of them asked for, with no word.
     for other, own in getattr(config_cls, "attribute_map", {}).items():

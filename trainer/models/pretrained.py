@@ -148,6 +148,71 @@ def open_weights(path: str | os.PathLike, label: str = "finetune.weights=", name
     return weights
 
 
+# -- matching a Hugging Face model's config ------------------------------------------------------------------
+# Keys of a config.json that do not change what the pretrained weights compute: records, the tokenizer's ids, the
+# output switches, the length positions are laid out for (a learned table's shape is matched with the weights),
+# and the regularisation a fine-tuning run chooses for itself (the dropouts).
+FREE_CONFIG_KEYS = {"architectures", "transformers_version", "dtype", "torch_dtype", "use_cache", "max_position_embeddings",
+                    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "output_attentions",
+                    "output_hidden_states", "return_dict", "id2label", "label2id", "problem_type",
+                    "chunk_size_feed_forward"}
+
+
+def check_config(model: nn.Module, path: str | os.PathLike, label: str = "finetune.weights=") -> None:
+    """A directory's config.json (a Hub download, save_pretrained's output, a finished run of a Hugging Face model)
+    against the config of the model this run builds: a setting the shapes do not show (rope_theta, rms_norm_eps,
+    tied embeddings, the activation) that differs makes the weights load and compute another function than the
+    one they were trained in. Refused, naming each setting and the overrides that give the directory's."""
+    config = getattr(model, "config", None)
+    source = Path(path).expanduser() / "config.json"
+    if not (hasattr(config, "to_dict") and hasattr(type(config), "from_dict") and source.is_file()):
+        return
+    import json
+
+    try:
+        raw = json.loads(source.read_text())
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{label}{path}: its config.json cannot be read ({e}). Restore it from where the "
+                              "weights came from, or give the .safetensors file itself (no config is then compared)."
+                              ) from None
+    ours = config.to_dict()
+    if raw.get("model_type", ours.get("model_type")) != ours.get("model_type"):
+        named = ", ".join(raw.get("architectures") or []) or f"model_type {raw['model_type']!r}"
+        raise CheckpointError(f"{label}{path} holds a {named} (its config.json), and this run builds a "
+                              f"{type(model).__name__}: set model.architecture to the class the weights were saved "
+                              f"from, e.g. model.architecture={(raw.get('architectures') or ['...'])[0]}.")
+    theirs = type(config).from_dict(raw).to_dict()  # (transformers' own reading: older files' keys converted)
+    differ = {k: (v, ours[k]) for k, v in theirs.items()
+              if k in ours and v != ours[k] and k not in FREE_CONFIG_KEYS and not k.startswith("_")
+              and "dropout" not in k and not k.endswith("pdrop")}
+    if differ:
+        import shlex
+
+        listed = "; ".join(f"{k} {_as_override(there)} there, {_as_override(here)} here"
+                           for k, (there, here) in differ.items())
+        fix = " ".join(shlex.quote(f"++model.{k}={_as_override(there)}") for k, (there, _) in differ.items())
+        raise CheckpointError(
+            f"{label}{path}: its config.json describes another model than this run builds ({listed}). Built with "
+            "other settings than they were trained with, the weights compute another function, even where every "
+            f"shape fits. Give the model the directory's settings: {fix} (`++` sets a key whether or not the "
+            "model's config lists it).")
+
+
+def _as_override(value) -> str:
+    """`value` as a Hydra override writes it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_as_override(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_as_override(v) for v in value) + "]"
+    return str(value)
+
+
 # -- matching keys -------------------------------------------------------------------------------------------
 def expected_keys(model: nn.Module, skip: set[str]) -> dict[str, tuple[int, ...]]:
     """{key: whole shape} of the model's state_dict that weights must provide (the keys in `skip`, a LoRA adapter's,
