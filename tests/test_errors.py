@@ -59,6 +59,8 @@ def test_a_number_as_text_and_resolve_without_cfg_are_one_paragraph_saying_the_f
     (["trainer.max_stps=3"], ["unknown config key 'trainer.max_stps'", "Did you mean trainer.max_steps=3?"]),
     (["+trainer.foo=1"], ["trainer.foo is not a setting of `trainer`", "Remove +trainer.foo"]),  # (a traceback, run dir)
     (["data.nosuch=1"], ["unknown config key 'data.nosuch'", "write +data.nosuch=VALUE"]),  # (a section of one's own)
+    (["model.foo=1", "model.bar=2"], ["unknown config key 'model.foo'", "Valid keys under 'model': _target_, d_model"]),
+    # (two unknown keys: "'model' has no keys yet", composing without the first failed on the second)
     (["model.n_layr=3"], ["'model.n_layr'", "Did you mean model.n_layer=3?"]),
     (["model.d_model=0"], ["model.d_model=0", "positive integers"]),  # (was a reshape traceback in the first step)
     (["model.n_layer=-1"], ["model.n_layer=-1", "n_layer may be 0"]),

@@ -433,6 +433,8 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
         others = [o for o in overrides if o.split("=")[0].lstrip("+~") != key]
         value = next((o.split("=", 1)[1] for o in overrides if o.split("=")[0].lstrip("+~") == key and "=" in o), None)
         composed = _composed(others, config_dir)
+        if composed is None:  # (another mistake among them, a second unknown key: the groups' choices alone)
+            composed = _composed([o for o in others if "=" in o and "." not in o.split("=")[0]], config_dir)
         node = OmegaConf.select(composed, parent, default=None) if parent and composed is not None else composed
         valid = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
         where = f"under '{parent}'" if parent else "at the top level"
