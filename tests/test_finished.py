@@ -237,6 +237,8 @@ def test_eval_of_a_damaged_newest_checkpoint_names_the_runs_other_checkpoints(re
     tensors.write_bytes(bytes(data))
     hint = f"The run's other complete checkpoints: step_00000008; pass one as checkpoint={run / 'checkpoints' / 'step_00000008'}."
     assert_clean_error(run_here("eval", str(run)), hint)
+    # (on two processes the refusal is a worker's, which came back without the hint)
+    assert_clean_error(run_cli("eval", str(run), "world=ddp", "world.nproc_per_node=2", timeout=120), hint)
     import trainer
     from trainer.errors import CheckpointError
 

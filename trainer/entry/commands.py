@@ -261,7 +261,7 @@ def evaluate(argv: list[str]) -> int:
     from omegaconf import open_dict
 
     from trainer.config.compose import prepare
-    from trainer.entry.launcher import run
+    from trainer.entry.launcher import WorkerFailed, run
     from trainer.errors import CheckpointError, UserError
     from trainer.inference.device_map import cli_options
     from trainer.inference.finished import (
@@ -304,7 +304,13 @@ def evaluate(argv: list[str]) -> int:
                 ready = prepare(cfg.copy())
                 if not given:
                     refuse_relative_data_elsewhere(run_dir, ready)
-                run(ready, scratch, entry=evaluate_entry)
+                try:
+                    run(ready, scratch, entry=evaluate_entry)
+                except WorkerFailed as wf:  # (a launched eval's worker refused the checkpoint: its own error, and
+                    # the run's others, as for one process)
+                    if which == "latest" and wf.exitcode == UserError.exit_code and cfg.resume in wf.text:
+                        wf.text = f"{wf.text.rstrip()}{older_checkpoints(Path(cfg.resume))}"
+                    raise
                 break
             except UserError as e:  # (CheckpointVanished, or prepare's check that resume= exists)
                 if Path(cfg.resume).exists():
