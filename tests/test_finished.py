@@ -223,7 +223,8 @@ def test_eval_reports_a_failed_worker_once_without_the_launchers_traceback(refer
 
 
 def test_eval_of_a_damaged_newest_checkpoint_names_the_runs_other_checkpoints(reference, tmp_path):
-    """resume=auto falls back from a damaged newest checkpoint by itself; `eval RUN` and trainer.load(checkpoint=
+    """resume=auto falls back from a damaged newest checkpoint by itself; `eval RUN` (on any number of processes),
+    `sample RUN checkpoint=latest` and trainer.load(checkpoint=
     "latest") read the one they are told and stopped at the refusal, leaving the user to find that step_8 was intact.
     They name them."""
     import shutil
@@ -239,6 +240,7 @@ def test_eval_of_a_damaged_newest_checkpoint_names_the_runs_other_checkpoints(re
     assert_clean_error(run_here("eval", str(run)), hint)
     # (on two processes the refusal is a worker's, which came back without the hint)
     assert_clean_error(run_cli("eval", str(run), "world=ddp", "world.nproc_per_node=2", timeout=120), hint)
+    assert_clean_error(run_here("sample", str(run), "checkpoint=latest"), hint)
     import trainer
     from trainer.errors import CheckpointError
 

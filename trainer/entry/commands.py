@@ -340,7 +340,7 @@ def sample(argv: list[str]) -> int:
     import torch
 
     from trainer.config.compose import yaml_value
-    from trainer.errors import ConfigError, UserError
+    from trainer.errors import CheckpointError, ConfigError, UserError
     from trainer.inference.device_map import cli_options
     from trainer.inference.finished import (
         checkpoint_model,
@@ -349,6 +349,7 @@ def sample(argv: list[str]) -> int:
         has_ema,
         load,
         load_task,
+        older_checkpoints,
     )
     from trainer.io import atomic_write_bytes
     from trainer.loop.trainer import printable
@@ -384,7 +385,12 @@ def sample(argv: list[str]) -> int:
         if "checkpoint" in opts:  # the checkpoint's task state too; its EMA where it has one, unless ema= says
             task, chosen = load_task(run, task_keys), checkpoint_of(run, opts["checkpoint"])
             ema = flag_value("ema", opts["ema"]) if "ema" in opts else None
-            model = checkpoint_model(chosen, ema, task).to(device).eval()
+            try:
+                model = checkpoint_model(chosen, ema, task).to(device).eval()
+            except CheckpointError as e:  # (latest refused: the run's others, as eval and trainer.load name them)
+                if opts["checkpoint"] != "latest":
+                    raise
+                raise type(e)(f"{e}{older_checkpoints(chosen)}") from None
             stem = f"sample_{chosen.name}"  # (not the final weights' sample.png)
         else:
             ema = flag_value("ema", opts.get("ema", "true" if has_ema(run) else "false"))
