@@ -22,6 +22,7 @@ load it; `trainer.load(RUN_DIR)` gives this subclass back. transformers is an op
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -133,6 +134,17 @@ def pipeline_plan(model: nn.Module) -> dict | None:
             "pp_logits": [f"{prefix}.norm", "lm_head"]}
 
 
+@functools.cache
+def _cache_argument() -> str:
+    """create_causal_mask's name for the cache: `cache` from transformers 5.24 on, `past_key_values` before (which
+    5.24 warns will be removed in 5.40)."""
+    import inspect
+
+    from transformers.masking_utils import create_causal_mask
+
+    return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
+
 def decoder_layer(model: nn.Module, layer: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """One decoder layer as the base model's forward calls it without a cache or a padding mask: the causal mask
     and the rotary embeddings of positions 0..T-1."""
@@ -141,7 +153,7 @@ def decoder_layer(model: nn.Module, layer: nn.Module, hidden_states: torch.Tenso
     base = getattr(model, model.base_model_prefix)
     position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
     mask = create_causal_mask(config=model.config, inputs_embeds=hidden_states, attention_mask=None,
-                              past_key_values=None, position_ids=position_ids)
+                              position_ids=position_ids, **{_cache_argument(): None})
     return layer(hidden_states, attention_mask=mask, position_embeddings=base.rotary_emb(hidden_states, position_ids),
                  position_ids=position_ids, use_cache=False)
 
