@@ -329,6 +329,33 @@ def test_an_unsupported_dataset_is_one_paragraph_and_leaves_no_run_dir(tmp_path,
     assert not run_dir.exists()  # no config.yaml, no .lock left behind
 
 
+@pytest.mark.parametrize("mistake, says", [
+    (["model._target_=own_mistakes.NoParams", "~model.out"], "has no parameters: the optimizer would have nothing"),
+    (["model._target_=own_mistakes.Frozen", "~model.out"], "has 2 parameters, every one frozen"),
+    (["model._target_=own_mistakes.TupleOut"], "returned a tuple where trainer.task.SupervisedTask takes its prediction"),
+    (["model.out=3"], r"prediction has shape \[16, 3\] and its target \[16, 1\]: MSELoss would broadcast"),
+    (["+data.flat=true"], r"prediction has shape \[16, 1\] and its target \[16\]: .* y.unsqueeze\(-1\)"),
+    (["task._target_=own_mistakes.ZeroTargets", "~task.loss"], "counted 0 targets in step 1's whole batch"),
+    (["task._target_=own_mistakes.PerSample", "~task.loss"], r"must be the SUM .* \[16, 1\]\. Sum it \(`.sum\(\)`, not"),
+])
+def test_a_mistake_in_ones_own_model_or_task_is_one_paragraph_and_leaves_no_run_dir(tmp_path, mistake, says):
+    """Each was a traceback (rc 1) leaving config.yaml and an empty metrics.jsonl, or, for a prediction that
+    broadcasts against its target (MSE of [B, 1] and [B]), a run that trained on another loss to the end, exit 0;
+    and a per-sample task loss was told to take its mean, which would shrink it by the batch size in silence."""
+    from conftest import ROOT, run_here
+
+    run_dir = tmp_path / "run"
+    right = ["--config-dir", str(ROOT / "tests" / "conf"), "recipe=classify", "model._target_=own_mistakes.Linear",
+             "~model.hidden", "+model.out=1", "data._target_=own_mistakes.points", "task.loss=torch.nn.MSELoss",
+             "trainer.max_steps=2", f"hydra.run.dir={run_dir}"]
+    r = run_here(*right, *mistake, cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    error = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and re.search(says, error[0]), r.stderr
+    assert not run_dir.exists()
+    assert run_here(*right, cwd=tmp_path).returncode == 0  # (the same recipe, put right, trains)
+
+
 @pytest.mark.slow
 def test_an_unsupported_dataset_stops_a_ddp_run_before_its_workers(tmp_path):
     from conftest import FAULTY_ENV, run_cli

@@ -69,6 +69,11 @@ class SupervisedTask:
         cls = get_class(loss)
         self.loss_fn = cls(reduction="sum")
         self.classification = issubclass(cls, (nn.CrossEntropyLoss, nn.NLLLoss))
+        # Losses of a prediction and a target of one shape, which torch broadcasts when they differ (MSE of [B, 1]
+        # against [B] sums every pair, with a warning only) or refuses with a traceback (BCE).
+        self.same_shape = issubclass(cls, (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss,
+                                           nn.BCEWithLogitsLoss, nn.SoftMarginLoss))
+        self.loss_name = cls.__name__
         if (input_key is None) != (target_key is None):
             from trainer.errors import ConfigError
 
@@ -107,10 +112,28 @@ class SupervisedTask:
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor | dict[str, torch.Tensor]:
         x, y = self._pair(batch)
         pred = model(x)
+        if not isinstance(pred, torch.Tensor) or (self.same_shape and isinstance(y, torch.Tensor)
+                                                  and pred.shape != y.shape):
+            raise self._misfit(pred, y)
         loss = self.loss_fn(pred, y)
         if not self.classification:
             return loss
         return {"loss": loss, "accuracy": (pred.argmax(-1) == y).sum()}
+
+
+    def _misfit(self, pred: Any, y: Any) -> Exception:
+        from trainer.errors import ConfigError
+
+        if not isinstance(pred, torch.Tensor):
+            return ConfigError(f"the model (model._target_) returned a {type(pred).__name__} where "
+                               "trainer.task.SupervisedTask takes its prediction, one tensor: have forward return "
+                               "the prediction, or write a task of your own that takes it from what forward returns "
+                               "(README: Your own model, data and loss).")
+        return ConfigError(f"the model's prediction has shape {list(pred.shape)} and its target {list(y.shape)}: "
+                           f"{self.loss_name} would broadcast the two (or refuse them) and train on another loss than "
+                           "the one meant. Make them one shape: the model's output (model._target_) or the data's "
+                           "targets (data._target_); a target of [B] for a prediction of [B, 1] is y.unsqueeze(-1), "
+                           "or a sum with keepdim=True.")
 
 
 def split_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -48,6 +48,12 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, say=print) -> torch
     from torch.distributed.tensor import DTensor
 
     params = [p for p in model.parameters() if p.requires_grad]
+    if not params:  # (torch's "optimizer got an empty parameter list" was a traceback)
+        has = sum(1 for _ in model.parameters())
+        raise ConfigError(f"the model ({type(unwrap(model)).__name__}, model._target_) has "
+                          + (f"{has} parameters, every one frozen (requires_grad=False)" if has else "no parameters")
+                          + ": the optimizer would have nothing to train. Give it parameters that train (an "
+                          "nn.Linear, an nn.Parameter), or unfreeze some.")
     kinds = {isinstance(p, DTensor) for p in params}
     if len(kinds) == 2 and (cfg.get("fused") or cfg.get("foreach") is not False) and "fused" in cfg:
         # Tensor parallelism without FSDP leaves the parameters it does not split as plain tensors, and

@@ -580,6 +580,11 @@ class Runtime:
     def backward(self, loss: torch.Tensor, scale: float | torch.Tensor | None = None) -> None:
         """`loss` x `scale` backward, with fp16's loss scaling. `scale` defaults to 1 / grad_accum_steps (a mean
         loss per micro-batch becomes the mean over the step's micro-batches, as in Accelerate)."""
+        self._backward(loss, scale)
+
+    def _backward(self, loss: torch.Tensor, scale: float | torch.Tensor | None, summed: bool = False) -> None:
+        """`backward`; `summed`: the loss is a sum over the batch's targets (forward_backward's mean=False, the
+        Trainer's task.loss), which its refusal of a loss that is not one number says how to give."""
         if self.grad_accum_steps > 1 and not self._in_accumulate:
             raise UserError(f"rt.backward outside rt.accumulate(model) with grad_accum_steps={self.grad_accum_steps}: "
                             "rt.step could not tell the step boundary (it would step every micro-batch, each loss "
@@ -595,6 +600,11 @@ class Runtime:
             shown = (f"a tensor of shape {list(loss.shape)}" if loss.numel() != 1 else "a tensor without a graph "
                      "(computed under torch.no_grad, detached, or from no parameter)") \
                 if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
+            if summed:  # (the advice above, a mean, would shrink this loss by the batch's size, silently)
+                raise UserError(f"the loss (the Trainer's: task.loss of task._target_) must be the SUM of the batch's "
+                                f"per-target losses as one number with its graph, a 0-dim tensor (or a dict with it "
+                                f"under 'loss'); got {shown}. Sum it (`.sum()`, not `.mean()`: the Trainer divides "
+                                "by the global batch's count of targets, task.num_targets).")
             raise UserError(f"rt.backward takes the loss as one number with its graph, a 0-dim tensor; got {shown}. "
                             "Reduce it first (`loss.mean()`, or `.sum()` divided by the batch's count).")
         if scale is None:
@@ -620,7 +630,7 @@ class Runtime:
         if self.strategy.pipeline is None:
             with self.autocast():
                 loss, sums = split_loss(loss_fn(model, batch))
-            self.backward(loss, scale)
+            self._backward(loss, scale, summed=not mean)
             return loss, sums
         scale = 1.0 / self.grad_accum_steps if scale is None else scale
         self._backward_here = True

@@ -19,7 +19,7 @@ from trainer.config.schema import TrainerConfig
 from trainer.config.targets import compile_args
 from trainer.data.sampling import Data, GlobalBatchSampler, eval_batches
 from trainer.data.streaming import StreamLayout
-from trainer.errors import CheckpointError, ConfigError, NonFiniteError, Preempted
+from trainer.errors import CheckpointError, ConfigError, NonFiniteError, Preempted, UserError
 from trainer.loop import watchdog
 from trainer.loop.callbacks import Callbacks
 from trainer.loop.custom_step import Schedules, TrainingStep
@@ -155,6 +155,10 @@ class Trainer:
         # targets in the whole global batch (all micro-steps, all ranks). So k micro-batches of b
         # equal one batch of k*b even when batches differ in length. Data-parallel ranks average their
         # gradients, hence the factor dp_size.
+        if not isinstance(n_global, torch.Tensor) and n_global <= 0:  # (a ZeroDivisionError traceback)
+            raise UserError(f"task.num_targets of {type(self.task).__name__} (task._target_) counted {n_global:g} "
+                            f"targets in step {self.step + 1}'s whole batch: the Trainer divides the summed loss by that "
+                            "count. Return how many terms task.loss sums over (tokens, samples), at least one a batch.")
         scale = self.strategy.dp_size / n_global
         b, dp = self.data.batch_size, self.strategy.dp_size
         loss_sum, sums = None, {}
