@@ -210,8 +210,12 @@ def test_early_stopping_and_a_best_checkpoint_without_a_val_split_are_refused(tm
     r = run_here("debug=smoke", "data=text", f"data.path={tmp_path / 'notes.txt'}", "data.seq_len=256",
                  "callbacks=early_stopping", "checkpoint.best_metric=val/loss", "hydra.run.dir=run", cwd=tmp_path)
     assert_clean_error(r, "checkpoint.best_metric and callbacks=early_stopping act on the evals' metrics",
-                       "built no val split")
+                       "built no val split", "data=text keeps the end of its text as val")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    r = run_here("debug=smoke", "data._target_=unsupported_data.no_val", "checkpoint.best_metric=val/loss",
+                 "hydra.run.dir=run", cwd=tmp_path)  # (one of them, and data of one's own: no word of data=text's)
+    assert_clean_error(r, "checkpoint.best_metric acts on the evals' metrics", "Have it return a val dataset")
+    assert "data=text" not in r.stderr
 
 
 def test_fp16_on_a_device_that_cannot_run_it():
@@ -253,6 +257,11 @@ def test_an_empty_path_is_refused_not_read_as_the_current_directory(tmp_path, ov
     key = override.split()[-1].split("=")[0]
     assert_clean_error(r, f"{key}='' is empty")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"] and (tmp_path / "config.yaml").read_text() == "mine"
+
+
+def test_a_data_path_set_to_null_is_said_to_be_unset(tmp_path):
+    r = run_here("debug=smoke", "data=text", "data.path=null", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert_clean_error(r, "data.path is not set (null)")  # (it looked for a file named 'None')
 
 
 @pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])

@@ -13,6 +13,8 @@ def local_files(path: str, hint: str, suffixes=None, key: str = "data.path") -> 
     """The regular files `path` names, sorted: a file, every file under a directory (hidden ones skipped; with
     `suffixes`, only those), or the files a glob pattern matches (`~/books/*.txt`, `corpus/**/*.md`). A path that
     names none is one paragraph naming it as the setting `key`, ending with `hint` (what to point it at)."""
+    if path is None:  # (str(None) was looked for as a file named 'None')
+        raise DataError(f"{key} is not set (null). {hint}")
     raw = os.path.expanduser(str(path))
     if not raw.strip():  # (Path("") is the current directory: every file under it read as the corpus)
         raise DataError(f"{key}={str(path)!r} is empty. {hint}")

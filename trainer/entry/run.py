@@ -41,6 +41,8 @@ from trainer.parallel import seed_everything, unwrap
 from trainer.parallel.backend import Backend, usable_device
 from trainer.redaction import redact
 
+TEXT_DATA = "trainer.recipes.lm.data.text_file"  # data=text's _target_
+
 
 def build_optimizer(cfg: DictConfig, model: torch.nn.Module, say=print) -> torch.optim.Optimizer:
     """`optim` is a partial (`_partial_: true`); weight decay applies to matrices only (not norms, biases),
@@ -113,11 +115,15 @@ def _check_evals_have_data(cfg: DictConfig, val_data) -> None:
     needs = [k for k, v in (("checkpoint.best_metric", (cfg.get("checkpoint") or {}).get("best_metric")),
                             ("callbacks=early_stopping", (cfg.get("callbacks") or {}).get("early_stopping"))) if v]
     if needs:
-        raise ConfigError(f"{' and '.join(needs)} act on the evals' metrics, but data._target_="
-                          f"{cfg.data.get('_target_')!r} built no val split (or an empty one: data=text keeps the end "
-                          "of its text as val only where a window of data.seq_len + 1 fits there beside the training "
-                          "text), so no eval would run. Give it more text (or a smaller data.seq_len), or leave "
-                          f"{' and '.join(needs)} out.")
+        target = str(cfg.data.get("_target_"))
+        text = target == TEXT_DATA  # (data=text's own split, explained; a function of one's own returns its own)
+        raise ConfigError(f"{' and '.join(needs)} act{'s' if len(needs) == 1 else ''} on the evals' metrics, but "
+                          f"data._target_={target!r} built no val split ("
+                          + ("or an empty one: data=text keeps the end of its text as val only where a window of "
+                             "data.seq_len + 1 fits there beside the training text), so no eval would run. Give it "
+                             "more text (or a smaller data.seq_len)" if text else
+                             "or an empty one), so no eval would run. Have it return a val dataset")
+                          + f", or leave {' and '.join(needs)} out.")
 
 
 def epochs_to_steps(tcfg: TrainerConfig, ccfg: CheckpointConfig, samples: int, global_batch: int, say) -> None:
