@@ -1,7 +1,7 @@
 """Test-only `data._target_`s that return what the framework does not take: a DataLoader (Accelerate's habit:
 `accelerator.prepare(loader)`), and a sized object samples cannot be indexed in. (An IterableDataset is read as a
 stream: tests/helpers/stream_data.py.) They take the keys of conf/data/stdlib.yaml, so `data._target_=unsupported_data.NAME`
-is the only override."""
+is the only override. (And `no_val`, which the framework takes: training data without a val split.)"""
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
