@@ -158,6 +158,18 @@ def test_a_recipe_whose_package_header_is_not_its_first_line(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
+def test_a_misspelt_key_in_a_recipe_with_its_header_is_named_with_the_key_it_means(tmp_path):
+    """The header in place, a typo in the file's keys was told that the header must be on the first line (it was),
+    and got no "Did you mean" as the same typo on the command line gets."""
+    (tmp_path / "conf" / "recipe").mkdir(parents=True)
+    (tmp_path / "conf" / "recipe" / "typo.yaml").write_text("# @package _global_\ntrainer: {max_step: 3}\n")
+    r = run_main("--config-dir", "conf", "recipe=typo", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "@package" not in r.stderr, r.stderr
+    assert "recipe/typo.yaml sets trainer.max_step, a key the config does not have. Did you mean trainer.max_steps?" \
+        in r.stderr, r.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
 def test_a_config_dir_of_ones_own_draws_no_warning_about_the_machine_defaults_dir():
     """--config-dir puts this machine's defaults dir (TRAINER_CONFIG_HOME) on the search path again, through the
     command line, and on a machine without one Hydra warned about it at every start: the filter that silences the

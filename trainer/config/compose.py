@@ -490,6 +490,14 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
                            f"trainer -m ... {key}={value}); for a list write {key}=[{value}]; for one string quote it: "
                            f"\"{key}='{value}'\".")
     m = re.match(r"In '([^'/]+)/([^']+)'", first)
+    full = getattr(exc.__cause__ or exc.__context__, "full_key", None)  # (Hydra raises it from within its except)
+    if m and re.search(r"Key '[^']+' not in '", first) and full and str(full).split(".")[0] != m.group(1):
+        # The file's keys reached the top level (its header is there): the key itself is the mistake.
+        groups = [o for o in overrides if "=" in o and "." not in o.split("=")[0] and not o.startswith(m.group(1))]
+        near = nearest_keys(str(full), _composed(groups, config_dir))
+        return ConfigError(f"{m.group(1)}/{m.group(2)}.yaml sets {full}, a key the config does not have."
+                           + (f" Did you mean {near[0]}?" if near else "")
+                           + " python -m trainer --cfg job lists the keys there are.")
     if m and re.search(r"Key '[^']+' not in '", first):
         # A group option that sets keys outside its group (a recipe) is read into the group's node unless its
         # first line is the package header.
