@@ -168,6 +168,10 @@ def test_a_misspelt_key_in_a_recipe_with_its_header_is_named_with_the_key_it_mea
     assert "recipe/typo.yaml sets trainer.max_step, a key the config does not have. Did you mean trainer.max_steps?" \
         in r.stderr, r.stderr
     assert not (tmp_path / "outputs").exists()
+    (tmp_path / "conf" / "recipe" / "typo.yaml").write_text("# @package _global_\ndefaults:\n  - override /precision: "
+                                                          "fp33\n  - _self_\n")
+    r = run_main("--config-dir", "conf", "recipe=typo", cwd=tmp_path)  # (an option it chooses: the file named too)
+    assert "precision=fp33 is not an option of config group 'precision', chosen in conf/recipe/typo.yaml." in r.stderr
 
 
 def test_a_config_dir_of_ones_own_draws_no_warning_about_the_machine_defaults_dir():

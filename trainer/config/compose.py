@@ -8,6 +8,7 @@ unknown group options, wrong types) become one paragraph with the nearest valid 
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 import warnings
@@ -418,7 +419,7 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
                                    "repository: pip install -e '.[slurm]'), or leave hydra/launcher out (the basic "
                                    "launcher runs the points one after another).")
             return ConfigError(
-                f"{group}={option} is not an option of config group '{group}'. "
+                f"{group}={option} is not an option of config group '{group}'{_chosen_in(group, option, config_dir)}. "
                 f"Available: {', '.join(options) or '(none)'}.{suggest(option, options)}"
             )
     from hydra.errors import OverrideParseException
@@ -504,6 +505,18 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
         hint = (f"if {m.group(1)}/{m.group(2)}.yaml sets top-level keys, its first line must be "
                 "'# @package _global_': Hydra reads that header on the first line only")
     return ConfigError(f"{first} ({hint})")
+
+
+def _chosen_in(group: str, option: str, config_dir: str | None) -> str:
+    """Where a config file of `config_dir` (a recipe of one's own) chooses `group: option` in its defaults list
+    (Hydra names no file): ", chosen in FILE", or "". (`python -m trainer config` checks the machine's choices.)"""
+    line = re.compile(rf"^\s*-\s*(override\s+)?/?{re.escape(group)}\s*:\s*{re.escape(option)}\s*(#.*)?$", re.M)
+    for root in [Path(config_dir)] if config_dir else []:
+        for f in sorted(root.rglob("*.yaml")):
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                if line.search(f.read_text()):
+                    return f", chosen in {f}"
+    return ""
 
 
 def _composed(overrides: list[str], config_dir: str | None) -> DictConfig | None:
