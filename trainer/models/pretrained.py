@@ -183,7 +183,11 @@ def check_config(model: nn.Module, path: str | os.PathLike, label: str = "finetu
         raise CheckpointError(f"{label}{path} holds a {named} (its config.json), and this run builds a "
                               f"{type(model).__name__}: set model.architecture to the class the weights were saved "
                               f"from, e.g. model.architecture={(raw.get('architectures') or ['...'])[0]}.")
-    theirs = type(config).from_dict(raw).to_dict()  # (transformers' own reading: older files' keys converted)
+    try:
+        theirs = type(config).from_dict(raw).to_dict()  # (transformers' own reading: older files' keys converted)
+    except Exception as e:  # noqa: BLE001 - the config class's own validation of a file from elsewhere
+        raise CheckpointError(f"{label}{path}: its config.json is not a valid {type(config).__name__} "
+                              f"({type(e).__name__}: {' '.join(str(e).split())}). Restore it from where the weights came from.") from None
     differ = {k: (v, ours[k]) for k, v in theirs.items()
               if k in ours and v != ours[k] and k not in FREE_CONFIG_KEYS and not k.startswith("_")
               and "dropout" not in k and not k.endswith("pdrop")}
