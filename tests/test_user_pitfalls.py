@@ -450,6 +450,10 @@ def test_a_machine_default_environment_variable_is_saved_and_reaches_runs(tmp_pa
     ("hydra.run.dir=one_dir", "other hydra.* settings are not saved"),  # (every later run in one dir)
     ("hydra.mode=MULTIRUN", "other hydra.* settings are not saved"),  # (every later run a sweep)
     ("hydra.job.env_set.WANDB_API_KEY=abcdef123", "a secret is not saved in the machine's defaults"),
+    # A secret's value (the environment's MY_SECRET) is not saved as a plain value either: its name is.
+    ("logger=wandb logger.wandb.group=hunter2hunter2", "holds the secret in $MY_SECRET, which is not saved in the "
+                                                        "machine's defaults. Save its name instead: "
+                                                        "'logger.wandb.group=${oc.env:MY_SECRET}'"),
     ("outputs=FILE", "FILE is not a directory"),
     ("outputs=FILE/runs", "FILE is not a directory"),
     # What a run checks later, once it builds its trackers (every run would stop there).
@@ -465,13 +469,29 @@ def test_a_machine_default_mistake_writes_nothing(tmp_path, monkeypatch, setting
     from conftest import run_here
 
     monkeypatch.setenv("TRAINER_CONFIG_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MY_SECRET", "hunter2hunter2")
     (tmp_path / "FILE").write_text("")
     setting, says = setting.replace("FILE", str(tmp_path / "FILE")), says.replace("FILE", str(tmp_path / "FILE"))
     r = run_here("config", *setting.split(), cwd=tmp_path)
-    assert "abcdef123" not in r.stdout + r.stderr  # (the secret's value is not shown either)
+    assert "abcdef123" not in r.stdout + r.stderr and "hunter2" not in r.stdout + r.stderr  # (no secret's value shown)
     assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert "package" not in r.stderr and "on purpose" not in r.stderr
     assert not (tmp_path / "home" / "machine" / "default.yaml").exists()
+
+
+def test_a_secret_in_a_machine_defaults_file_of_ones_own_is_printed_redacted(tmp_path, monkeypatch):
+    """`env` (for bug reports) and `config` printed the file as it was, a secret's value written into it by hand
+    (or saved before config refused one) and all."""
+    from conftest import run_here
+
+    monkeypatch.setenv("TRAINER_CONFIG_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MY_SECRET", "hunter2hunter2")
+    (tmp_path / "home" / "machine").mkdir(parents=True)
+    (tmp_path / "home" / "machine" / "default.yaml").write_text(
+        "# @package _global_\ndefaults:\n- override /logger: wandb\nlogger:\n  wandb:\n    group: hunter2hunter2\n")
+    for command in ("env", "config"):
+        r = run_here(command, cwd=tmp_path)
+        assert r.returncode == 0 and "group: <redacted>" in r.stdout and "hunter2" not in r.stdout + r.stderr, r.stdout
 
 
 def test_machine_defaults_hold_beside_a_config_dir(tmp_path, monkeypatch):

@@ -45,7 +45,11 @@ def describe() -> str:
     path = defaults_file()
     if not path.is_file():
         return f"none ({path} does not exist; python -m trainer config KEY=VALUE ... saves them)"
-    return f"{path}:\n" + "\n".join(f"  {line}" for line in path.read_text().splitlines() if not line.startswith("#"))
+    from trainer.redaction import scrub, secret_values
+
+    # (a file saved before its values were checked for secrets, or edited by hand: printed redacted, as runs print)
+    return scrub(f"{path}:\n" + "\n".join(f"  {line}" for line in path.read_text().splitlines()
+                                           if not line.startswith("#")), secret_values())
 
 
 def render(overrides: list[str]) -> str:
@@ -54,7 +58,7 @@ def render(overrides: list[str]) -> str:
     from omegaconf import OmegaConf
 
     from trainer.config.compose import path_value, yaml_value
-    from trainer.redaction import is_secret_key
+    from trainer.redaction import MIN_SECRET_LENGTH, is_secret_env, is_secret_key
 
     defaults, values = [], OmegaConf.create({})
     for override in overrides:
@@ -67,6 +71,12 @@ def render(overrides: list[str]) -> str:
                               "and say where runs go with outputs=DIR (each run then gets DIR/DATE/TIME, each sweep "
                               "DIR/multirun/DATE/TIME); other hydra.* settings are not saved. Give "
                               f"{key} on the command line of the run that needs it.")
+        held = [name for name, secret in os.environ.items() if is_secret_env(name) and len(secret) >= MIN_SECRET_LENGTH
+                and secret in value]
+        if held:  # (the file is plain text, printed by `env` for bug reports)
+            raise ConfigError(f"{key}=...: the value holds the secret in ${held[0]}, which is not saved in the "
+                              f"machine's defaults. Save its name instead: '{key}=${{oc.env:{held[0]}}}' (each run "
+                              "reads the value from the environment). Nothing was saved.")
         if key.startswith("hydra.job.env_set.") and is_secret_key(key.rsplit(".", 1)[-1]):
             raise ConfigError(f"{key}=...: a secret is not saved in the machine's defaults (a plain file, printed by "
                               "`python -m trainer env`): keep it in the environment (export it, or your shell's "
