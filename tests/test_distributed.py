@@ -302,7 +302,7 @@ def test_a_worker_killed_without_a_record_is_named_when_torch_reports_the_peer_i
 
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from trainer.entry.launcher import lost_peer_message, silent_peers
+    from trainer.entry.launcher import lost_node_message, lost_peer_message, silent_peers
 
     attempt = tmp_path / "attempt_0"
     for local in (0, 1, 2):
@@ -316,6 +316,10 @@ def test_a_worker_killed_without_a_record_is_named_when_torch_reports_the_peer_i
     said = lost_peer_message([1], 0, f"Traceback (most recent call last):\n  File ...\n{gloo}")
     assert said.startswith("error: worker rank 1 ended without a word") and "\n" not in said  # no traceback of rank 0's
     assert "rank 0 then failed on the connection it lost (gloo: Connection reset by peer)" in said
+    # A node lost (its job killed): every rank here failed on the connection, none was killed here.
+    said = lost_node_message(0, f"Traceback (most recent call last):\n  File ...\n{gloo}")
+    assert said.startswith("error: rank 0 lost its connection to a rank of another node (gloo: Connection reset by "
+                           "peer)") and "\n" not in said, said
     (attempt / "1" / "error.json").write_text(json.dumps({"message": {"message": "error: a user error",
                                                                        "extraInfo": {"timestamp": "0", "time_ns": 0}}}))
     assert silent_peers({0: survivor}, 0, survivor, nproc=3) == []  # rank 1 said why: every_failure finds it

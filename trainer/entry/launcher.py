@@ -270,6 +270,8 @@ def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
         text, silent = _failure_text(failure), silent_peers(failures, rank, failure, nproc)
         if silent:  # (torch names one dead worker: here the one that failed on the connection the killed one closed)
             text = lost_peer_message(silent, rank, text)
+        elif w.nnodes > 1 and lost:  # every local failure a lost connection: the cause is on another node
+            text = lost_node_message(rank, text)
         raise WorkerFailed(rank, failure.exitcode, text) from None
     except (RendezvousTimeoutError, RendezvousConnectionError) as e:  # a node never came, or node 0 unreachable
         raise rendezvous_failed(w, e) from None
@@ -422,6 +424,16 @@ def lost_peer_message(silent: list[int], rank: int, text: str) -> str:
     return (f"error: worker rank {', '.join(map(str, silent))} ended without a word (killed: out of memory, or "
             f"kill -9?), and rank {rank} then failed on the connection it lost ({library + ': ' if library else ''}"
             f"{how}). The kernel log (dmesg) or the scheduler's record of the job says what killed it.")
+
+
+def lost_node_message(rank: int, text: str) -> str:
+    """The paragraph for a node's workers that all failed on lost connections: a rank of another node went away
+    (its job killed, its machine down). Their tracebacks say where they waited, not why; that node's log does."""
+    how = next(s for s in LOST_CONNECTION if s in text)
+    library = next((name for name in ("gloo", "nccl") if name in text.lower()), "")
+    return (f"error: rank {rank} lost its connection to a rank of another node ({library + ': ' if library else ''}"
+            f"{how}), as did this node's other ranks: that node's job stopped or its machine went away. Its own "
+            "output (or the scheduler's record of its job) says why.")
 
 
 def root_failure(failures: dict) -> tuple:
