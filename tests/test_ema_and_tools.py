@@ -90,6 +90,15 @@ def test_check_reports_each_equivalence(capsys):
     assert "summary:" not in out  # the inner runs' own lines stay inside
 
 
+def test_check_refuses_a_precision_its_tolerances_are_not_for(tmp_path):
+    """`check precision=bf16` reported 5 failures (bf16's 1e-2 rounding against fp32's 1e-5 tolerance), exit 1:
+    a working machine called broken."""
+    from test_errors import assert_clean_error
+
+    assert_clean_error(run_here("check", "precision=bf16", cwd=tmp_path), "check compares its runs to fp32's rounding",
+                       "without precision=")
+
+
 def test_check_fails_loudly_when_an_equivalence_breaks(capsys, monkeypatch):
     """Break accumulation on purpose (later micro-batches dropped): check must say FAIL and exit 1. The launched
     items run in processes of their own, out of the patch's reach: their launch fails at once, as a worker's

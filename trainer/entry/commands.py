@@ -107,7 +107,15 @@ def check(argv: list[str]) -> int:
         return 0
     from trainer.config.compose import load as compose
 
-    compose([*CHECK_SETTINGS, "data.path=check", *argv], targets=False)  # (a mistake: one paragraph, before any run)
+    cfg = compose([*CHECK_SETTINGS, "data.path=check", *argv], targets=False)  # (a mistake: one paragraph, first)
+    chosen = str(cfg.precision.get("_target_", "")).rsplit(".", 1)[-1]
+    if chosen != "FP32":  # (bf16's rounding, 1e-2, read as failures of the fp32 tolerances: a working machine "broken")
+        from trainer.errors import ConfigError
+
+        raise ConfigError(f"check compares its runs to fp32's rounding (1e-5 on a CPU), and precision="
+                          f"{chosen.lower()} rounds each of them differently, by far more: its runs would read as "
+                          "failures on a machine that works. Run `python -m trainer check` without precision= (its "
+                          "other overrides, the world's, are what it takes).")
     import contextlib
     import io
     import logging
