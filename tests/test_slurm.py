@@ -132,6 +132,24 @@ def test_two_nodes_on_localhost_one_configured_by_hand_one_from_slurm_variables(
     assert_same_run(tmp_path / "shared", reference)
 
 
+def test_two_nodes_started_with_different_settings_stop_naming_them_before_training(corpus, tmp_path):
+    """Each node's launcher composes its own command line: optim.lr=1e-3 on node 0 and 2e-3 on node 1 trained two
+    different models in one DDP job, both exit 0, config.yaml recording node 0's (and a differing max_steps hung,
+    a differing model was a DDP traceback). Every rank compares its config with rank 0's at the start."""
+    port = str(_free_port())
+    with contextlib.ExitStack() as stack:
+        nodes = [stack.enter_context(start_cli(
+            *tiny_overrides(corpus, "world=ddp", "world.nproc_per_node=1", "world.nnodes=2", f"world.node_rank={rank}",
+                            f"world.rdzv_endpoint=127.0.0.1:{port}", f"optim.lr={lr}"),
+            f"hydra.run.dir={tmp_path / 'shared'}")) for rank, lr in ((0, "1e-3"), (1, "2e-3"))]
+        done = [node.wait(timeout=240) for node in nodes]
+    for r in done:
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert "the nodes of this job were started with different settings (optim.lr: 0.001 on rank 0, 0.002 on " \
+               "rank 1)" in r.stderr and "Nothing was trained" in r.stderr, r.stderr
+    assert not (tmp_path / "shared" / "checkpoints").exists() and not (tmp_path / "shared" / "metrics.jsonl").exists()
+
+
 needs_submitit = pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
                                     reason="needs hydra-submitit-launcher (pip install -e '.[slurm]')")
 

@@ -233,6 +233,40 @@ def preflight(cfg: DictConfig, run_dir: Path, device: str = "auto") -> None:
             build_node("logger", node, run_dir=str(run_dir))
 
 
+# Settings each node may have its own of: its rank, cores, workers and rendezvous address, where it reads its data
+# and caches, and what only global rank 0 uses (trackers, the progress display).
+NODE_LOCAL = ("world.node_rank", "world.nnodes", "world.threads", "world.nproc_per_node", "world.device",
+              "world.rdzv_endpoint", "world.rdzv_timeout", "data.path", "data.cache_dir", "data.num_workers", "logger",
+              "trainer.progress")
+
+
+def refuse_nodes_that_differ(cfg: DictConfig, backend: Backend) -> None:
+    """Every rank's config against rank 0's, once at the start (one gather): each node's launcher composes its own
+    command line, and nodes started with other settings (optim.lr, precision, trainer.max_steps) trained
+    different things without a word, or hung at the first step one of them did not take."""
+    if not backend.distributed:
+        return
+
+    def flat(node, prefix=""):
+        items = node.items() if isinstance(node, dict) else []
+        return {k: v for key, value in items for k, v in
+                (flat(value, f"{prefix}{key}.").items() if isinstance(value, dict) and value else
+                 [(f"{prefix}{key}", value)])}
+
+    mine = {k: v for k, v in flat(OmegaConf.to_container(cfg, resolve=True)).items()
+            if not any(k == n or k.startswith(n + ".") for n in NODE_LOCAL)}
+    every = backend.gather_object(mine)
+    differ = sorted({k for other in every[1:] for k in set(other) | set(every[0]) if other.get(k) != every[0].get(k)})
+    if differ:
+        first = next(r for r, other in enumerate(every) if any(other.get(k) != every[0].get(k) for k in differ))
+        listed = "; ".join(f"{k}: {every[0].get(k)!r} on rank 0, {every[first].get(k)!r} on rank {first}"
+                           for k in differ[:4]) + (f"; and {len(differ) - 4} more" if len(differ) > 4 else "")
+        raise ConfigError(f"the nodes of this job were started with different settings ({listed}): every node must run "
+                          "the same command line, apart from world.node_rank and what is its own (world.threads, "
+                          "data.path, data.num_workers, ...). Nothing was trained. Start them again with the same "
+                          "overrides (precision=auto may choose differently on nodes of other hardware: name one).")
+
+
 def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
     """The Trainer a run of `cfg` starts from, on this process (joining the process group if there is one).
     Leave the group with `trainer.backend.teardown()` (`train` does)."""
@@ -243,6 +277,7 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
     strategy = build_strategy(cfg.world)
     backend.setup(process_group=strategy.needs_process_group)
     try:
+        refuse_nodes_that_differ(cfg, backend)
         from trainer.parallel.precision import AUTO_TARGET, emulation_note, resolve_auto
 
         # precision=auto, unless the CLI resolved it already: rank 0 chooses, every rank computes in its choice.
