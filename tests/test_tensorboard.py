@@ -338,3 +338,23 @@ def test_a_dir_given_as_a_number_is_that_directory_and_a_flag_is_refused(tmp_pat
     assert TensorBoardLogger(run_dir=tmp_path, dir=123).dir == Path("123")
     with pytest.raises(ConfigError, match="logger.tensorboard.dir=True is not a directory path"):
         TensorBoardLogger(run_dir=tmp_path, dir=True)
+
+
+def test_a_sweeps_tensorboard_dir_is_one_per_point_by_hydras_job_number_and_one_for_all_is_refused_first(tmp_path):
+    """`logger.tensorboard.dir=DIR/${hydra:job.num}`, Hydra's way to name each point's dir, was "HydraConfig was
+    not set" (the config was checked outside Hydra's job), exit 2; and one fixed dir for every point let the first
+    point run before the second was refused for the dir the first had written."""
+    from conftest import run_here
+    from test_errors import assert_clean_error
+
+    sweep = ["-m", "debug=smoke", "logger=tensorboard", "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    r = run_here(*sweep, f"logger.tensorboard.dir={tmp_path / 'tb'}", cwd=tmp_path)
+    assert_clean_error(r, f"logger.tensorboard.dir={tmp_path / 'tb'} is one dir for 2 points of this sweep",
+                       f"'logger.tensorboard.dir={tmp_path / 'tb'}/${{hydra:job.num}}'. Nothing was run.")
+    assert not (tmp_path / "sweep").exists() and not (tmp_path / "tb").exists()
+    r = run_here(*sweep, f"logger.tensorboard.dir={tmp_path / 'tb'}/${{hydra:job.num}}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    for point, lr in ((0, 1e-3), (1, 3e-3)):
+        events = accumulator(tmp_path / "tb" / str(point))
+        assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 21))
+        assert OmegaConf.load(tmp_path / "sweep" / str(point) / "config.yaml").optim.lr == lr

@@ -70,6 +70,7 @@ def precheck(argv: list[str]):
                               "(its points go to DIR/0, DIR/1, ...).")
     jobs = sweep_jobs(args.overrides) if args.multirun else [args.overrides]
     inert = []  # (a sweep's points that do not read an ema.* setting given: the EMA off there)
+    shared = []  # (each point's logger.tensorboard.dir, where it is one fixed path)
     try:
         for overrides in jobs:
             cfg, sources = compose_with_hydra(overrides, args.config_dir, sources=True)
@@ -85,15 +86,23 @@ def precheck(argv: list[str]):
             if not args.cfg:
                 check_output_dir(cfg, args.multirun)  # Hydra makes it before the job: a traceback there
                 check_logger_dirs(cfg)  # (found once the run dir was set up: an earlier run's files moved aside)
+                shared.append(_tensorboard_dir(cfg))
                 check_launcher(cfg, args.multirun)
-            with open_dict(cfg):
-                del cfg["hydra"]  # now the config `compose` gives
-            # `--cfg job` prints without running: check values, but import nothing (no torch).
-            prepare(cfg, targets=not args.cfg)
+            with hydra_config_of(cfg):  # (${hydra:job.name} in a tracker's name: resolved as the job resolves it)
+                with open_dict(cfg):
+                    del cfg["hydra"]  # now the config `compose` gives
+                # `--cfg job` prints without running: check values, but import nothing (no torch).
+                prepare(cfg, targets=not args.cfg)
             if not args.cfg:
                 from trainer.config.schema import refuse_one_process_on_nodes
 
                 refuse_one_process_on_nodes(cfg.world)
+        fixed = next((d for d in shared if d is not None and shared.count(d) > 1), None)
+        if fixed is not None:  # (the second point was refused once the first had run: "holds the run .../0")
+            raise ConfigError(f"logger.tensorboard.dir={fixed} is one dir for {shared.count(fixed)} points of this sweep: "
+                              "TensorBoard shows a dir as one run, so the second point would be refused after the "
+                              "first had run. Give each point a dir of its own: "
+                              f"'logger.tensorboard.dir={fixed}/${{hydra:job.num}}'. Nothing was run.")
         unread = [given for given in inert if given]
         if unread and len(unread) == len(inert):
             raise ConfigError(inert_message(unread[0], " in every point of the sweep"))
@@ -128,6 +137,22 @@ def check_config_dir(path: Path, given: str) -> None:
         raise ConfigError(f"--config-dir {given} has {listed}, which the framework ships under the same name: the "
                           "shipped file would be used and yours passed over. Give yours a name of its own (e.g. "
                           f"{Path(shadowed[0]).parent}/my_{Path(shadowed[0]).name}) and select it with that name.")
+
+
+@contextlib.contextmanager
+def hydra_config_of(cfg: DictConfig) -> Iterator[None]:
+    """Hydra's `${hydra:...}` resolver reading `cfg`'s hydra node, as it reads the job's inside the job: checked
+    before the job, a tracker's `name: ${hydra:job.name}` was "HydraConfig was not set", exit 2."""
+    import copy
+
+    from hydra.core.hydra_config import HydraConfig
+
+    config, before = HydraConfig.instance(), HydraConfig.instance().cfg
+    config.set_config(copy.deepcopy(cfg))
+    try:
+        yield
+    finally:
+        config.cfg = before
 
 
 def check_launcher(cfg: DictConfig, multirun: bool) -> None:
@@ -202,6 +227,18 @@ def check_logger_dirs(cfg: DictConfig) -> None:
             raise ConfigError(f"logger.{name}.dir={given} cannot be used: {why}. Give the tracker a directory of its "
                               f"own that it can write (logger.{name}.dir=DIR), or leave it out to write inside the run dir. "
                               "Nothing was written.")
+
+
+def _tensorboard_dir(cfg: DictConfig) -> str | None:
+    """A run's logger.tensorboard.dir where it is a fixed path (not one per job: `${hydra:job.num}`), else None."""
+    node = (cfg.get("logger") or {}).get("tensorboard")
+    if not isinstance(node, DictConfig) or "${hydra:" in str(OmegaConf.to_container(node).get("dir")):
+        return None  # (Hydra's job resolves it, one per job; here its job.num is not the point's yet)
+    try:
+        given = OmegaConf.select(node, "dir", throw_on_missing=True)
+    except Exception:  # noqa: BLE001 - (another interpolation a check cannot resolve: left to the tracker's own)
+        return None
+    return None if given is None else str(Path(str(given)).expanduser().resolve())
 
 
 def _is_this_run(path: Path, cfg: DictConfig) -> bool:
