@@ -494,6 +494,21 @@ def test_a_secret_in_a_machine_defaults_file_of_ones_own_is_printed_redacted(tmp
         assert r.returncode == 0 and "group: <redacted>" in r.stdout and "hunter2" not in r.stdout + r.stderr, r.stdout
 
 
+def test_a_mistake_in_a_hand_edited_machine_defaults_file_is_named_there_and_env_still_reports(tmp_path, monkeypatch):
+    """A group option the file chooses that does not exist was "world=ddpp is not an option", as if the command line
+    had said it; and `env`, the command a bug report pastes, stopped at it (exit 2) without reporting the machine."""
+    from conftest import run_here
+
+    monkeypatch.setenv("TRAINER_CONFIG_HOME", str(tmp_path / "home"))
+    (tmp_path / "home" / "machine").mkdir(parents=True)
+    (tmp_path / "home" / "machine" / "default.yaml").write_text("# @package _global_\ndefaults:\n- override /world: ddpp\n")
+    r = run_here("debug=smoke", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert r.returncode == 2 and "world=ddpp is not an option of config group 'world', chosen in this machine's " \
+        f"defaults ({tmp_path / 'home' / 'machine' / 'default.yaml'}" in r.stderr, r.stderr
+    r = run_here("env", cwd=tmp_path)
+    assert r.returncode == 0 and "- torch" in r.stdout and "(not composed: world=ddpp is not an option" in r.stdout
+
+
 def test_machine_defaults_hold_beside_a_config_dir(tmp_path, monkeypatch):
     from conftest import run_here
 

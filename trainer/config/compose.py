@@ -508,14 +508,21 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
 
 
 def _chosen_in(group: str, option: str, config_dir: str | None) -> str:
-    """Where a config file of `config_dir` (a recipe of one's own) chooses `group: option` in its defaults list
-    (Hydra names no file): ", chosen in FILE", or "". (`python -m trainer config` checks the machine's choices.)"""
+    """Where a config file of `config_dir` (a recipe of one's own), or the machine's defaults file (edited by hand:
+    `python -m trainer config` checks what it saves), chooses `group: option` in its defaults list (Hydra names no
+    file): ", chosen in FILE", or ""."""
     line = re.compile(rf"^\s*-\s*(override\s+)?/?{re.escape(group)}\s*:\s*{re.escape(option)}\s*(#.*)?$", re.M)
     for root in [Path(config_dir)] if config_dir else []:
         for f in sorted(root.rglob("*.yaml")):
             with contextlib.suppress(OSError, UnicodeDecodeError):
                 if line.search(f.read_text()):
                     return f", chosen in {f}"
+    from trainer.config.machine import defaults_file, shown_file
+
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        if defaults_file().is_file() and line.search(defaults_file().read_text()):
+            return (f", chosen in this machine's defaults ({shown_file()}; python -m trainer config KEY=VALUE ... "
+                    "saves others, config --reset removes them)")
     return ""
 
 

@@ -28,8 +28,17 @@ def env(argv: list[str]) -> int:
               "choose, and the config (with OVERRIDES)")
         return 0
     from trainer.config.compose import load
+    from trainer.config.machine import defaults_file
+    from trainer.errors import UserError
 
-    cfg = load(argv, targets=False)  # (a mistake is one paragraph before anything is printed)
+    try:
+        cfg = load(argv, targets=False)  # (a mistake is one paragraph before anything is printed)
+    except UserError as err:
+        if argv or not defaults_file().is_file():
+            raise
+        # A mistake in the machine's defaults file (edited by hand): this command, the one a bug report pastes,
+        # still reports the machine, and the mistake in place of the config.
+        cfg = f"(not composed: {err})"
     import torch
     import torch.distributed as dist
 
@@ -73,7 +82,7 @@ def env(argv: list[str]) -> int:
 
     from trainer.redaction import redact
 
-    print(OmegaConf.to_yaml(OmegaConf.create(redact(OmegaConf.to_container(cfg)))))
+    print(cfg if isinstance(cfg, str) else OmegaConf.to_yaml(OmegaConf.create(redact(OmegaConf.to_container(cfg)))))
     return 0
 
 
