@@ -419,21 +419,24 @@ def lost_peer_message(silent: list[int], rank: int, text: str) -> str:
     """The paragraph for workers killed without a record (`silent_peers`) and the peer that failed after them. The
     peer's traceback says only where it was waiting when the connection closed (gloo's read in the next
     collective): the cause is the killed worker, which had nothing to say, so the traceback is left out."""
-    how = next(s for s in LOST_CONNECTION if s in text)
-    library = next((name for name in ("gloo", "nccl") if name in text.lower()), "")
     return (f"error: worker rank {', '.join(map(str, silent))} ended without a word (killed: out of memory, or "
-            f"kill -9?), and rank {rank} then failed on the connection it lost ({library + ': ' if library else ''}"
-            f"{how}). The kernel log (dmesg) or the scheduler's record of the job says what killed it.")
+            f"kill -9?), and rank {rank} then failed on the connection it lost ({_lost_how(text)}). The kernel log "
+            "(dmesg) or the scheduler's record of the job says what killed it.")
 
 
 def lost_node_message(rank: int, text: str) -> str:
     """The paragraph for a node's workers that all failed on lost connections: a rank of another node went away
     (its job killed, its machine down). Their tracebacks say where they waited, not why; that node's log does."""
+    return (f"error: rank {rank} lost its connection to a rank of another node ({_lost_how(text)}), as did this "
+            "node's other ranks: that node's job stopped or its machine went away. Its own output (or the scheduler's "
+            "record of its job) says why.")
+
+
+def _lost_how(text: str) -> str:
+    """How a traceback says its connection was lost, in a few words: "gloo: Connection reset by peer"."""
     how = next(s for s in LOST_CONNECTION if s in text)
     library = next((name for name in ("gloo", "nccl") if name in text.lower()), "")
-    return (f"error: rank {rank} lost its connection to a rank of another node ({library + ': ' if library else ''}"
-            f"{how}), as did this node's other ranks: that node's job stopped or its machine went away. Its own "
-            "output (or the scheduler's record of its job) says why.")
+    return f"{library}: {how}" if library else how
 
 
 def root_failure(failures: dict) -> tuple:

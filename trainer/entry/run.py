@@ -246,12 +246,7 @@ def refuse_nodes_that_differ(cfg: DictConfig, backend: Backend) -> None:
     different things without a word, or hung at the first step one of them did not take."""
     if not backend.distributed:
         return
-
-    def flat(node, prefix=""):
-        items = node.items() if isinstance(node, dict) else []
-        return {k: v for key, value in items for k, v in
-                (flat(value, f"{prefix}{key}.").items() if isinstance(value, dict) and value else
-                 [(f"{prefix}{key}", value)])}
+    from trainer.checkpoint.settings import flat
 
     mine = {k: v for k, v in flat(OmegaConf.to_container(cfg, resolve=True)).items()
             if not any(k == n or k.startswith(n + ".") for n in NODE_LOCAL)}
@@ -259,8 +254,8 @@ def refuse_nodes_that_differ(cfg: DictConfig, backend: Backend) -> None:
     differ = sorted({k for other in every[1:] for k in set(other) | set(every[0]) if other.get(k) != every[0].get(k)})
     if differ:
         first = next(r for r, other in enumerate(every) if any(other.get(k) != every[0].get(k) for k in differ))
-        listed = "; ".join(f"{k}: {every[0].get(k)!r} on rank 0, {every[first].get(k)!r} on rank {first}"
-                           for k in differ[:4]) + (f"; and {len(differ) - 4} more" if len(differ) > 4 else "")
+        listed = ckpt.listed([f"{k}: {every[0].get(k)!r} on rank 0, {every[first].get(k)!r} on rank {first}"
+                              for k in differ])
         raise ConfigError(f"the nodes of this job were started with different settings ({listed}): every node must run "
                           "the same command line, apart from world.node_rank and what is its own (world.threads, "
                           "data.path, data.num_workers, ...). Nothing was trained. Start them again with the same "
