@@ -288,23 +288,111 @@ def test_a_rollback_logs_its_branch_where_wandb_keeps_it(corpus, tmp_path, offli
 def test_a_rollback_killed_before_its_first_checkpoint_resumes_into_its_own_run(corpus, tmp_path, offline):
     """The rollback's new run is in no checkpoint until its branch saves one: killed at step 6, before that, the
     resume loaded step 4's checkpoint and its id, the old run's, and logged the new branch there (where wandb drops
-    steps below the run's last). The run dir records which run the last attempt from that checkpoint logged to."""
+    steps below the run's last). The run dir records which run the last attempt from that checkpoint logged to.
+    That attempt logged step 5 with the same settings: the resume does not log it twice."""
     from trainer import train
 
     args = ("logger=wandb", "trainer.max_steps=6", "checkpoint.every_n_steps=2", "checkpoint.keep_last=5")
     train(compose_cfg(tiny_overrides(corpus, *args, *faulty("raise", at_call=99))), tmp_path)
     first = run_id(tmp_path)
-    rollback = tiny_overrides(corpus, *args, "optim.lr=1e-4", *faulty("raise", at_call=2))  # dies in step 6
+    # Dies in step 6, the first time only: the resume below is the very same command.
+    rollback = tiny_overrides(corpus, *args, "optim.lr=1e-4", *faulty("raise", at_call=2), f"+task.once={tmp_path}/once")
     with pytest.raises(RuntimeError, match="boom"):
         train(compose_cfg([*rollback, f"resume={tmp_path}/checkpoints/step_00000004"]), tmp_path)
-    train(compose_cfg([*tiny_overrides(corpus, *args, "optim.lr=1e-4", *faulty("raise", at_call=99)),
-                       "resume=auto"]), tmp_path)
+    train(compose_cfg([*rollback, "resume=auto"]), tmp_path)
     old, *branch = runs_by_first_step(tmp_path)
     assert old["id"] == first and [r["step"] for r in old["rows"]] == [1, 2, 3, 4, 5, 6]
     assert len(branch) == 2 and branch[0]["id"] == branch[1]["id"] != first  # killed, then resumed: one run
-    assert [r["step"] for run in branch for r in run["rows"]] == [5, 5, 6]
+    assert [[r["step"] for r in run["rows"]] for run in branch] == [[5], [6]]
     losses = {r["step"]: r["train/loss"] for run in branch for r in run["rows"]}
     assert [losses[5], losses[6]] == [e["train/loss"] for e in read_metrics(tmp_path) if "train/loss" in e][-2:]
+
+
+def test_a_resume_logs_again_the_steps_a_killed_process_took_with_it(corpus, tmp_path, offline, capsys):
+    """kill -9 (the OOM killer, a lost node) takes the records wandb's service had not written yet with it: the
+    run's .wandb file ends steps before the process died (here after step 2, of 6). The resume from step 6's
+    checkpoint logged from step 7 on, so steps 3-6 were in no file a sync uploads, though metrics.jsonl had them."""
+    from trainer import train
+    from trainer.tracking.wandb_files import history_step, records
+
+    args = ("logger=wandb", "checkpoint.every_n_steps=4")
+    train(compose_cfg(tiny_overrides(corpus, *args, "trainer.max_steps=6")), tmp_path)
+    (path,) = tmp_path.glob("wandb/*run-*/run-*.wandb")
+    # What a kill -9 leaves: the records up to step 2's row, and half of the next (a torn write).
+    cut = next(end for end, record in records(path) if history_step(record) == 2)
+    path.write_bytes(path.read_bytes()[:cut + 9])
+    assert [r["step"] for r in history(tmp_path, killed=(path,))] == [1, 2]
+    capsys.readouterr()
+    train(compose_cfg(tiny_overrides(corpus, *args, "trainer.max_steps=8", "resume=auto")), tmp_path)
+    assert {p.name for p in tmp_path.glob("wandb/*run-*/run-*.wandb")} == {path.name}  # (one run)
+    rows = history(tmp_path, killed=(path,))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7, 8]
+    logged = {e["step"]: e["train/loss"] for e in read_metrics(tmp_path) if "train/loss" in e}
+    assert {r["step"]: r["train/loss"] for r in rows} == logged
+    assert "did not hold steps 3 to 6 (the checkpoint's step)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("starting_step", "logged_again", "logged_after"), [(4, [4, 5, 6], [7, 8, 9]), (9, [], [9])])
+def test_online_the_server_says_which_steps_a_resumed_run_holds(tmp_path, starting_step, logged_again, logged_after):
+    """Online, what the run holds is the server's word: a resumed run's next step (wandb's `starting_step`). Those
+    steps up to the checkpoint's it lacks are logged again, and none it holds (wandb would drop them, warning)."""
+    logger = WandbLogger(run_dir=tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "train/loss": 1 / s}) + "\n"
+                                                    for s in range(1, 7)))
+    logger.load_state_dict({"run_id": "abcdefgh"})
+    logger.rewind(6)  # (the resume from step 6's checkpoint, the run dir's metrics.jsonl cut there)
+
+    class ServerRun:
+        logged: list[int] = []
+
+        def log(self, row, step):
+            assert row == ({"train/loss": 1 / step} if step <= 6 else {"x": 0.0})
+            self.logged.append(step)
+
+    run = ServerRun()
+    run.starting_step, logger.run, logger.offline = starting_step, run, False
+    logger._log_what_the_run_lost("online")
+    assert run.logged == logged_again
+    run.logged.clear()
+    for step in (7, 8, 9):
+        logger.log_metrics({"x": 0.0}, step)
+    assert run.logged == logged_after
+
+
+@pytest.mark.parametrize("settings", ["same", "other"])
+def test_a_resume_after_a_crash_keeps_what_the_run_logged_past_the_checkpoint_only_with_the_same_settings(
+        corpus, tmp_path, offline, capsys, settings):
+    """A crash in step 6 after step 5 was logged, the last checkpoint step 4's: the resume continued the same wandb
+    run, where wandb keeps a step's first value, so with another learning rate step 5 showed the crashed attempt's
+    loss, not this one's (metrics.jsonl and TensorBoard had this one's). With the same settings the crashed
+    attempt's step 5 is this one's too, and is not logged twice; with others this attempt logs to a run of its own,
+    as a rollback does."""
+    from trainer import train
+
+    args = ("logger=wandb", "trainer.max_steps=6", "checkpoint.every_n_steps=4",
+            *faulty("raise", at_call=6), f"+task.once={tmp_path}/once")  # (dies the first time only)
+    with pytest.raises(RuntimeError, match="boom"):
+        train(compose_cfg(tiny_overrides(corpus, *args)), tmp_path)
+    first = run_id(tmp_path)
+    assert [r["step"] for r in history(tmp_path)] == [1, 2, 3, 4, 5]
+    capsys.readouterr()
+    other = ("optim.lr=1e-4",) if settings == "other" else ()
+    train(compose_cfg(tiny_overrides(corpus, *args, *other, "resume=auto")), tmp_path)
+    runs = runs_by_first_step(tmp_path)
+    losses = [e["train/loss"] for e in read_metrics(tmp_path) if "train/loss" in e]
+    err = capsys.readouterr().err
+    if settings == "same":
+        assert [[r["step"] for r in run["rows"]] for run in runs] == [[1, 2, 3, 4, 5], [6]]
+        assert {run["id"] for run in runs} == {first}
+        assert [r["train/loss"] for run in runs for r in run["rows"]] == losses
+        assert "other settings" not in err and "did not hold" not in err
+    else:
+        old, new = runs
+        assert old["id"] == first and [r["step"] for r in old["rows"]] == [1, 2, 3, 4, 5]
+        assert new["id"] != first and [r["train/loss"] for r in new["rows"]] == losses[-2:]
+        assert [r["step"] for r in new["rows"]] == [5, 6]
+        assert new["notes"] == f"Rolled back to step 4 of run {first}, which keeps the branch this run left."
+        assert f"run {first} holds steps 5 to 5 of an attempt with other settings" in err
 
 
 def test_a_run_started_from_another_runs_checkpoint_logs_to_a_wandb_run_of_its_own(corpus, tmp_path, offline, capsys):

@@ -1,72 +1,20 @@
-"""Read back what wandb wrote offline: the `run-<id>.wandb` files under `<dir>/wandb/*run-*/`.
-
-A `.wandb` file is a LevelDB-style log (https://github.com/google/leveldb/blob/main/doc/log_format.md)
-of protobuf `wandb_internal_pb2.Record`s, as written by wandb's own datastore:
-
-    header := ident ":W&B" (4 bytes), magic 0xBEE1 (uint16 LE), version 0 (uint8)
-    then 32 KiB blocks of records; a block's last < 7 bytes are zero padding
-    record := checksum (uint32 LE), length (uint16 LE), type (uint8), data[length]
-    type   := FULL=1 | FIRST=2 | MIDDLE=3 | LAST=4 (a Record split across blocks is FIRST MIDDLE* LAST)
-
-The checksum is zlib's CRC-32 of the type byte followed by the data (not LevelDB's masked crc32c).
-"""
+"""Read back what wandb wrote offline: the `run-<id>.wandb` files under `<dir>/wandb/*run-*/`, read with the
+framework's own reader of them (trainer/tracking/wandb_files.py, which says their format)."""
 
 from __future__ import annotations
 
 import json
 import re
-import struct
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
-HEADER = struct.Struct("<4sHB")
-RECORD_HEADER = struct.Struct("<IHB")
-IDENT, MAGIC, VERSION = b":W&B", 0xBEE1, 0
-BLOCK = 32 * 1024
-FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+from trainer.tracking.wandb_files import records as _records
 
 
 def read_records(path: str | Path) -> list:
     """Every `Record` in one `.wandb` file, in order. A torn record at the end (a killed run) is dropped."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = Path(path).read_bytes()
-    if len(data) < HEADER.size:
-        return []  # not written yet
-    ident, magic, version = HEADER.unpack_from(data, 0)
-    if (ident, magic, version) != (IDENT, MAGIC, VERSION):
-        raise ValueError(f"{path}: not a wandb log (header {ident!r}, {magic:#x}, {version})")
-    records, pending, pos = [], None, HEADER.size
-    while pos + RECORD_HEADER.size <= len(data):
-        if BLOCK - pos % BLOCK < RECORD_HEADER.size:  # trailer padding: the next record starts a block
-            pos += BLOCK - pos % BLOCK
-            continue
-        checksum, length, kind = RECORD_HEADER.unpack_from(data, pos)
-        payload = data[pos + RECORD_HEADER.size: pos + RECORD_HEADER.size + length]
-        if len(payload) < length:
-            break  # torn write at the end of the file
-        if zlib.crc32(bytes([kind]) + payload) != checksum:
-            raise ValueError(f"{path}: bad checksum at byte {pos}")
-        pos += RECORD_HEADER.size + length
-        if kind == FULL:
-            pending = None
-            chunks = [payload]
-        elif kind == FIRST:
-            pending = [payload]
-            continue
-        elif kind in (MIDDLE, LAST) and pending is not None:
-            pending.append(payload)
-            if kind == MIDDLE:
-                continue
-            chunks, pending = pending, None
-        else:
-            raise ValueError(f"{path}: unexpected record type {kind} at byte {pos}")
-        record = pb.Record()
-        record.ParseFromString(b"".join(chunks))
-        records.append(record)
-    return records
+    return [record for _, record in _records(path)]
 
 
 def wandb_files(run_dir: str | Path) -> list[Path]:
@@ -96,17 +44,18 @@ def finished_records(path: str | Path, timeout: float = 10.0) -> list:
         time.sleep(0.05)
 
 
-def run_records(run_dir: str | Path) -> list[list]:
-    """The finished records of each `.wandb` file under `run_dir`, oldest file first."""
+def run_records(run_dir: str | Path, killed: tuple[Path, ...] = ()) -> list[list]:
+    """The finished records of each `.wandb` file under `run_dir`, oldest file first; `killed`: files of a killed
+    run, which will never hold an `exit` record (read as they are)."""
     files = wandb_files(run_dir)
     if not files:
         raise FileNotFoundError(f"no run-*.wandb file under {run_dir}")
-    return [finished_records(f) for f in files]
+    return [read_records(f) if f in killed else finished_records(f) for f in files]
 
 
-def records(run_dir: str | Path, kind: str) -> list:
+def records(run_dir: str | Path, kind: str, killed: tuple[Path, ...] = ()) -> list:
     """The records of one kind ("history", "summary", "environment", "stats", ...) of every file."""
-    return [r for found in run_records(run_dir) for r in found if r.WhichOneof("record_type") == kind]
+    return [r for found in run_records(run_dir, killed) for r in found if r.WhichOneof("record_type") == kind]
 
 
 def _decode(items) -> dict[str, Any]:
@@ -126,14 +75,14 @@ def _public(values: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in values.items() if not k.startswith("_")}
 
 
-def history(run_dir: str | Path) -> list[dict[str, Any]]:
+def history(run_dir: str | Path, killed: tuple[Path, ...] = ()) -> list[dict[str, Any]]:
     """One dict per history row, in order: {"step": N, metric: value, ...}.
 
     Values logged at the same step (several `run.log(..., step=N)` calls) share one row; media
     such as `wandb.Html` appear as their file reference ({"_type": "html-file", "path": ...}).
     """
     rows = []
-    for r in records(run_dir, "history"):
+    for r in records(run_dir, "history", killed):
         values = _decode(r.history.item)
         step = r.history.step.num if r.history.HasField("step") else values.get("_step")
         rows.append({"step": step, **_public(values)})

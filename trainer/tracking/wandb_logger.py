@@ -35,6 +35,11 @@ ON_ROLLBACK = ("new_run", "fork", "rewind")
 # from, or null}. A rollback's new run is in no checkpoint until the branch saves one; killed before that, the next
 # resume loads the same checkpoint and its id, the old run's, where wandb would drop the branch's steps.
 LAST_RUN = "trainer_last_run.json"
+# Settings that change no number a run logs at a step (where and how often it logs and saves): two attempts that
+# differ only in these log the same values at the same steps. Every other difference (the world's size included: its
+# numbers agree to rounding only) makes the steps an earlier attempt logged past the checkpoint another branch's.
+SAME_NUMBERS = ("logger.", "checkpoint.", "trainer.progress", "trainer.log_every", "trainer.eval_every",
+                "world.hang_timeout", "precision.reason", "resume", "hydra.")
 
 
 class WandbLogger(NullLogger):
@@ -67,6 +72,7 @@ class WandbLogger(NullLogger):
                             "tags": [str(t) for t in tags or ()] or None}
         self.mode = mode
         self.dir = Path(dir if dir is not None else run_dir)
+        self.metrics = Path(run_dir) / "metrics.jsonl"  # what a resume logs again where the run lost it
         self.run_id = new_run_id()  # known before the run starts, so state_dict() works at any time
         self.run = None
         self.offline = False  # set when the run starts
@@ -77,6 +83,9 @@ class WandbLogger(NullLogger):
         # checkpoint), "how": new_run | fork | rewind}.
         self._branch: dict[str, Any] | None = None
         self._resumed_from: list | None = None  # [run id, step] of the checkpoint this attempt continues (rewind)
+        # Resuming the same run: the last step it holds from an attempt with this one's settings. Those steps are not
+        # logged again (wandb would drop them, warning each time: the run keeps a step's first value).
+        self._held: int | None = None
 
     # -- starting the run --------------------------------------------------------------------------
     def _start(self, config: dict[str, Any] | None = None) -> None:
@@ -87,6 +96,7 @@ class WandbLogger(NullLogger):
         if mode in ("online", "run") and not has_credentials(wandb.setup().settings.base_url):
             mode, self._sync_hint = "offline", "no W&B credentials: set WANDB_API_KEY or run `wandb login`"
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._check_what_the_run_holds(config)
         try:
             self.run = self._init(mode, config)
         except Exception as exc:  # noqa: BLE001 - wandb raises several types for a bad key or no network
@@ -97,15 +107,71 @@ class WandbLogger(NullLogger):
             self.run = self._init_offline_after_failure(config)
         self.offline = mode in ("offline", "dryrun")
         self._say_where_the_branch_logs()
-        self._record_the_run()
+        self._log_what_the_run_lost(mode)
+        self._record_the_run(config)
 
-    def _record_the_run(self) -> None:
+    def _check_what_the_run_holds(self, config: dict[str, Any] | None) -> None:
+        """Resuming the run the checkpoint names: the steps it holds past the checkpoint (an attempt that stopped
+        without saving at its last step: a crash, a kill -9, a lost node) are that attempt's. With the same settings
+        they are this attempt's numbers too, and stay; with others they are another branch's, and this attempt logs
+        where a rollback's would (on_rollback), since continuing the run would show them instead of its own."""
+        if self._resumed_from is None or self._branch is not None:
+            return
+        from trainer.tracking.wandb_files import logged_up_to
+
+        step, self._held = self._resumed_from[1], logged_up_to(self.dir / "wandb", self.run_id)
+        if self._held is None or self._held <= step:
+            return
+        last = self._last_run()
+        if last.get("run_id") != self.run_id or last.get("settings") in (None, settings_digest(config)):
+            return  # the same settings, or not known (a run dir from before the record held them): continued
+        self._branch = {"run": self.run_id, "step": step, "how": self.on_rollback, "held": self._held}
+        self._held = None
+        if self.on_rollback != "rewind":
+            self.run_id = new_run_id()
+
+    def _log_what_the_run_lost(self, mode: str) -> None:
+        """Resuming the same run: log again, from metrics.jsonl, the steps up to the checkpoint that the run does not
+        hold. A process killed at once (kill -9, the OOM killer, a lost node) takes the records wandb's service had
+        not written yet with it, often many steps before the checkpoint. Online, what the run holds is the server's
+        word (the step a resumed run starts at); offline, the files a sync uploads. Scalars only: the text and images
+        of eval samples of those steps are in samples.jsonl and samples/."""
+        if self._resumed_from is None or self._branch is not None or mode == "disabled":
+            return
+        if not self.offline:
+            start = self.run.starting_step  # (0: a run the server does not have)
+            self._held = start - 1 if start else -1
+        elif self._held is None:
+            return  # no file of the run here: its earlier attempts logged elsewhere (online, or another wandb dir)
+        held = self._held
+        rows: dict[int, dict[str, Any]] = {}
+        try:
+            lines = self.metrics.read_text().splitlines() if self.metrics.is_file() else []
+        except OSError:
+            return
+        for line in lines:
+            try:
+                event = json.loads(line)
+                step = int(event.pop("step"))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # (a torn line: the rewind keeps none, but a file from elsewhere may have one)
+            if held < step <= self._resumed_from[1]:
+                rows.setdefault(step, {}).update(event)
+        for step in sorted(rows):
+            self.run.log(rows[step], step=step)
+        if rows:
+            print(f"wandb: run {self.run_id} did not hold steps {min(rows)} to {self._resumed_from[1]} (the checkpoint's "
+                  "step): a process stopped at once loses the records wandb had not written yet. They are logged "
+                  f"again from metrics.jsonl ({len(rows)} rows).", file=sys.stderr, flush=True)
+
+    def _record_the_run(self, config: dict[str, Any] | None) -> None:
         from trainer.io import atomic_write_bytes
 
         branch = self._branch
         start = [branch["run"], branch["step"]] if branch and branch["step"] is not None else self._resumed_from
+        record = {"run_id": self.run_id, "from": start, "settings": settings_digest(config)}
         try:
-            atomic_write_bytes(self.dir / "wandb" / LAST_RUN, json.dumps({"run_id": self.run_id, "from": start}).encode())
+            atomic_write_bytes(self.dir / "wandb" / LAST_RUN, json.dumps(record).encode())
         except OSError:
             pass  # (wandb itself has just written there; a resume without the record continues the checkpoint's run)
 
@@ -173,18 +239,22 @@ class WandbLogger(NullLogger):
         if branch is None:
             return
         old, step, how = branch["run"], branch["step"], branch["how"]
+        what = f"the rollback to step {step}"
+        if branch.get("held") is not None:  # (a resume of the same checkpoint with other settings)
+            what = (f"run {old} holds steps {step + 1} to {branch['held']} of an attempt with other settings than this "
+                    f"job's, which stopped before it saved them: this resume from step {step}")
         if step is None:
             say = (f"wandb: this run starts from a checkpoint of wandb run {old}, another run's record: it logs to a run "
                    f"of its own, {self.run_id}.")
         elif how == "rewind":
-            say = (f"wandb: the rollback to step {step} rewinds run {old} to that step (logger.wandb.on_rollback=rewind, "
+            say = (f"wandb: {what} rewinds run {old} to that step (logger.wandb.on_rollback=rewind, "
                    "a preview feature of W&B's server, which archives the history it cuts).")
         elif how == "fork":
-            say = (f"wandb: the rollback to step {step} logs to run {self.run_id}, forked from run {old} at that step "
+            say = (f"wandb: {what} logs to run {self.run_id}, forked from run {old} at that step "
                    f"(logger.wandb.on_rollback=fork, a preview feature of W&B's server); run {old} keeps the branch "
                    "it leaves.")
         else:
-            say = (f"wandb: the rollback to step {step} logs to a new run, {self.run_id}; run {old} keeps the branch it "
+            say = (f"wandb: {what} logs to a new run, {self.run_id}; run {old} keeps the branch it "
                    "leaves (wandb ignores a step below a run's last, so continuing it would drop this branch's "
                    f"first steps). logger.wandb.on_rollback=fork starts the new run with {old}'s history up to step "
                    f"{step}, on a W&B server with that preview feature.")
@@ -203,8 +273,14 @@ class WandbLogger(NullLogger):
         else:
             self.run.config.update(config, allow_val_change=True)
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def _held_already(self, step: int) -> bool:
+        """Whether the run holds `step` from an attempt with these settings (resuming it): not logged again."""
         self._ensure_started()
+        return self._held is not None and step <= self._held
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self._held_already(step):
+            return
         self.run.log(dict(metrics), step=step)
 
     def log_text(self, key: str, text: str, step: int) -> None:
@@ -213,7 +289,8 @@ class WandbLogger(NullLogger):
 
         import wandb
 
-        self._ensure_started()
+        if self._held_already(step):
+            return
         text = redact_text(text, self._config)
         panel = wandb.Html(f'<pre style="white-space: pre-wrap">{html.escape(text)}</pre>', inject=False)
         self.run.log({key: panel}, step=step)
@@ -223,7 +300,8 @@ class WandbLogger(NullLogger):
 
         from trainer.tracking.images import to_hwc_uint8
 
-        self._ensure_started()
+        if self._held_already(step):
+            return
         self.run.log({key: wandb.Image(to_hwc_uint8(image).numpy())}, step=step)
 
     def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:
@@ -298,6 +376,18 @@ def has_credentials(base_url: str) -> bool:
     except (OSError, netrc.NetrcParseError):
         return False
     return bool(entry and entry[2])
+
+
+def settings_digest(config: dict[str, Any] | None) -> str | None:
+    """A digest of the settings that shape a run's numbers (all but `SAME_NUMBERS`); None without a config."""
+    import hashlib
+
+    from trainer.checkpoint.settings import flat
+
+    if config is None:
+        return None
+    shaping = sorted((k, repr(v)) for k, v in flat(config).items() if not k.startswith(SAME_NUMBERS))
+    return hashlib.sha256(json.dumps(shaping).encode()).hexdigest()[:16]
 
 
 def new_run_id() -> str:
