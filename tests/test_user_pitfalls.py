@@ -615,6 +615,40 @@ def test_the_lr_range_test_suggests_an_lr_in_its_range(tmp_path):
     assert len(losses) >= 4 and min(losses) < losses[0]  # it learned somewhere in the sweep
 
 
+def test_the_lr_range_test_picks_from_the_fall_not_from_a_wiggle_of_the_flat_start():
+    """The steepest fall of the smoothed loss was looked for everywhere past the first steps: on little or noisy
+    data a dip in the flat start (two low losses while the average holds few) was steeper than the real fall, and
+    was suggested. Only a fall beyond the curve's own noise counts now; with none, the test says so."""
+    import math
+    import random
+
+    from trainer.entry.tuning import BETA, suggest
+
+    def smoothed(raw):  # (find_lr's smoothing)
+        avg, out = 0.0, []
+        for i, loss in enumerate(raw):
+            avg = BETA * avg + (1 - BETA) * loss
+            out.append(avg / (1 - BETA ** (i + 1)))
+        return out
+
+    n, rng = 40, random.Random(1)
+    lrs = [1e-5 * (10 / 1e-5) ** (i / (n - 1)) for i in range(n)]
+    raw = [5 + rng.gauss(0, 0.3) for _ in range(n)]  # flat at 5, noise 0.3
+    raw[5], raw[6] = 3.0, 2.5  # the dip
+    for i in range(22, n):  # the fall: from step 22, to 2 at step 34
+        raw[i] = max(2.0, 5 - 3 * (i - 22) / 12) + rng.gauss(0, 0.3)
+    smooth = smoothed(raw)
+
+    def slope(j):
+        return (smooth[j + 1] - smooth[j - 1]) / math.log(lrs[j + 1] / lrs[j - 1])
+
+    assert min(range(4, n - 1), key=slope) in (5, 6)  # (the dip is the steepest point of the curve)
+    pick, lowest, fell = suggest(lrs, raw, smooth)
+    assert fell and 22 <= pick <= lowest
+    flat = [5 + rng.gauss(0, 0.3) for _ in range(n)]  # no fall at all: said
+    assert suggest(lrs, flat, smoothed(flat))[2] is False
+
+
 def test_the_lr_range_test_scales_an_optimizers_other_rates_as_it_tested_them(tmp_path):
     """optim=muon's AdamW group (optim.adamw_lr) rose with optim.lr during the test, but only optim.lr was
     suggested: the run then paired the picked Muon rate with the old AdamW rate, a point the test never tried."""

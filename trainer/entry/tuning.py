@@ -281,7 +281,7 @@ def find_lr(cfg: DictConfig, run_dir: Path) -> float | None:
         batches = iter(train_loader(trainer.data.train, trainer.sampler(), trainer.data.num_workers, be.device,
                                     trainer.cfg.seed))
         trainer.model.train()
-        tried, smooth, avg, best = [], [], 0.0, math.inf
+        tried, raw, smooth, avg, best = [], [], [], 0.0, math.inf
         for i, lr in enumerate(lrs):
             micro = [be.to_device(next(batches)) for _ in range(trainer.cfg.grad_accum_steps)]
             n_global, _ = trainer.sync_counts(micro)
@@ -295,9 +295,10 @@ def find_lr(cfg: DictConfig, run_dir: Path) -> float | None:
             loss = float(be.all_reduce(out["loss_sum"].detach().double())) / replicas / float(n_global)
             if not math.isfinite(loss):
                 break
-            avg = 0.98 * avg + 0.02 * loss
-            value = avg / (1 - 0.98 ** (i + 1))  # debiased, as Lightning's and fastai's
+            avg = BETA * avg + (1 - BETA) * loss
+            value = avg / (1 - BETA ** (i + 1))  # debiased, as Lightning's and fastai's
             tried.append(lr)
+            raw.append(loss)
             smooth.append(value)
             best = min(best, value)
             if value > 4 * best:
@@ -305,15 +306,15 @@ def find_lr(cfg: DictConfig, run_dir: Path) -> float | None:
         if len(tried) < 5:
             raise ConfigError(f"the loss diverged within {len(tried)} steps of tune.min_lr={opts.min_lr}: lower "
                               "tune.min_lr.")
-        # Steepest descent of the smoothed loss against log(lr), past the first steps (their average is short).
-        skip = min(max(len(tried) // 10, 1), len(tried) - 3)
-        slopes = [(smooth[j + 1] - smooth[j - 1]) / math.log(tried[j + 1] / tried[j - 1])
-                  for j in range(skip, len(tried) - 1)]
-        pick = skip + min(range(len(slopes)), key=slopes.__getitem__)
-        lowest = min(range(len(smooth)), key=smooth.__getitem__)
+        pick, lowest, fell = suggest(tried, raw, smooth)
         if be.is_main:
             for j in range(0, len(tried), max(len(tried) // 10, 1)):
                 print(f"lr={tried[j]:.3g}  loss={smooth[j]:.4f}", flush=True)
+            if not fell:
+                print("warning: the smoothed loss never fell by more than its own noise in this test (3 standard "
+                      "deviations of the losses about it), so the steepest fall below may be a wiggle of a flat "
+                      "curve. Give the test more signal: more tune.steps, a larger data.batch_size, or a range "
+                      "that reaches where the loss falls (tune.min_lr, tune.max_lr).", flush=True)
             ended = ("the loss diverged past lr=" f"{tried[-1]:.3g}") if len(tried) < len(lrs) else \
                 f"it ran up to tune.max_lr={opts.max_lr}"
             # An optimizer's other rates (optim=muon's adamw_lr) rose with optim.lr in the test: keep their ratio.
@@ -326,6 +327,37 @@ def find_lr(cfg: DictConfig, run_dir: Path) -> float | None:
         return tried[pick]
     finally:
         trainer.backend.teardown(wait_for_peers=done)
+
+
+BETA = 0.98  # the smoothing of the test's losses (an exponential average, as Lightning's and fastai's)
+
+
+def suggest(tried: list[float], raw: list[float], smooth: list[float]) -> tuple[int, int, bool]:
+    """(the suggestion's index, the lowest smoothed loss's index, whether the loss fell beyond its noise).
+
+    The suggestion is where the smoothed loss falls fastest against log(lr), past the first steps (their average
+    is short), among the points where it has fallen below its start by more than the noise of both. Before that
+    the curve is flat, and on little or noisy data its wiggles there can be steeper than the fall itself (a rate
+    picked from the noise: Lightning's lr_find can do that). The noise: the spread of the losses from one step to
+    the next up to the lowest point (the median absolute difference: the fall's trend, a few steps long, barely
+    moves it), times what the debiased average of j + 1 of them keeps of it. Where the loss never fell beyond that,
+    the steepest point of the whole curve, and False."""
+    n = len(tried)
+    skip = min(max(n // 10, 1), n - 3)
+    lowest = min(range(n), key=smooth.__getitem__)
+    steps = sorted(abs(b - a) for a, b in zip(raw[:max(lowest, 2)], raw[1:max(lowest, 2) + 1]))
+    # (a difference of two has sqrt(2) sigma, and the median of its absolute value is 0.6745 of that)
+    sigma = steps[len(steps) // 2] / (0.6745 * math.sqrt(2))
+
+    def noise(j: int) -> float:  # of smooth[j]: its weights are (1 - BETA) BETA^(j - k) / (1 - BETA^(j + 1))
+        return sigma * (1 - BETA) / (1 - BETA ** (j + 1)) * math.sqrt((1 - BETA ** (2 * j + 2)) / (1 - BETA ** 2))
+
+    def slope(j: int) -> float:
+        return (smooth[j + 1] - smooth[j - 1]) / math.log(tried[j + 1] / tried[j - 1])
+
+    fell = [j for j in range(skip, min(lowest, n - 2) + 1)
+            if smooth[skip] - smooth[j + 1] > 3 * (noise(skip) + noise(j + 1))]
+    return min(fell or range(skip, n - 1), key=slope), lowest, bool(fell)
 
 
 def _report(opts: DictConfig, overrides: list[str], why: str) -> None:
