@@ -38,8 +38,10 @@ LAST_RUN = "trainer_last_run.json"
 # Settings that change no number a run logs at a step (where and how often it logs and saves): two attempts that
 # differ only in these log the same values at the same steps. Every other difference (the world's size included: its
 # numbers agree to rounding only) makes the steps an earlier attempt logged past the checkpoint another branch's.
-SAME_NUMBERS = ("logger.", "checkpoint.", "trainer.progress", "trainer.log_every", "trainer.eval_every",
-                "world.hang_timeout", "precision.reason", "resume", "hydra.")
+# {section: its keys of that kind, or None for all of them}.
+SAME_NUMBERS = {"logger": None, "checkpoint": None, "resume": None, "hydra": None,
+                "trainer": ("progress", "log_every", "eval_every", "eval_every_epochs"),
+                "world": ("hang_timeout",), "precision": ("reason",)}
 
 
 class WandbLogger(NullLogger):
@@ -382,12 +384,16 @@ def settings_digest(config: dict[str, Any] | None) -> str | None:
     """A digest of the settings that shape a run's numbers (all but `SAME_NUMBERS`); None without a config."""
     import hashlib
 
-    from trainer.checkpoint.settings import flat
-
     if config is None:
         return None
-    shaping = sorted((k, repr(v)) for k, v in flat(config).items() if not k.startswith(SAME_NUMBERS))
-    return hashlib.sha256(json.dumps(shaping).encode()).hexdigest()[:16]
+    shaping = {}
+    for section, value in config.items():
+        left_out = SAME_NUMBERS.get(section, ())
+        if left_out is None:
+            continue
+        shaping[section] = ({k: v for k, v in value.items() if k not in left_out} if isinstance(value, dict)
+                            else value)
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 
 def new_run_id() -> str:
