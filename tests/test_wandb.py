@@ -329,7 +329,7 @@ def test_a_resume_logs_again_the_steps_a_killed_process_took_with_it(corpus, tmp
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7, 8]
     logged = {e["step"]: e["train/loss"] for e in read_metrics(tmp_path) if "train/loss" in e}
     assert {r["step"]: r["train/loss"] for r in rows} == logged
-    assert "did not hold steps 3 to 6 (the checkpoint's step)" in capsys.readouterr().err
+    assert "did not hold steps 3 to 6 (up to the checkpoint's)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("starting_step", "logged_again", "logged_after"), [(4, [4, 5, 6], [7, 8, 9]), (9, [], [9])])
@@ -357,6 +357,32 @@ def test_online_the_server_says_which_steps_a_resumed_run_holds(tmp_path, starti
     for step in (7, 8, 9):
         logger.log_metrics({"x": 0.0}, step)
     assert run.logged == logged_after
+
+
+def test_online_a_resume_does_not_log_again_what_an_offline_attempt_holds_for_wandb_sync(tmp_path, offline):
+    """An attempt without a connection logged steps 1-5 offline (`wandb sync` uploads them later); the next attempt,
+    online, found the server without the run: what the offline files hold is not logged a second time."""
+    first = WandbLogger(run_dir=tmp_path, mode="offline")
+    first.load_state_dict({"run_id": "abcdefgh"})
+    for step in range(1, 6):
+        first.log_metrics({"train/loss": 1 / step}, step)
+    first.finish({})
+    history(tmp_path)  # (waits until wandb's service has written the file out)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "train/loss": 1 / s}) + "\n"
+                                                    for s in range(1, 7)))
+    logger = WandbLogger(run_dir=tmp_path)
+    logger.load_state_dict({"run_id": "abcdefgh"})
+    logger.rewind(6)
+
+    class ServerRun:
+        starting_step, logged = 0, []
+
+        def log(self, row, step):
+            self.logged.append(step)
+
+    logger.run, logger.offline = ServerRun(), False
+    logger._log_what_the_run_lost("online")
+    assert logger.run.logged == [6]
 
 
 @pytest.mark.parametrize("settings", ["same", "other"])
@@ -392,7 +418,7 @@ def test_a_resume_after_a_crash_keeps_what_the_run_logged_past_the_checkpoint_on
         assert new["id"] != first and [r["train/loss"] for r in new["rows"]] == losses[-2:]
         assert [r["step"] for r in new["rows"]] == [5, 6]
         assert new["notes"] == f"Rolled back to step 4 of run {first}, which keeps the branch this run left."
-        assert f"run {first} holds steps 5 to 5 of an attempt with other settings" in err
+        assert f"run {first} holds step 5 of an attempt with other settings" in err
 
 
 def test_a_run_started_from_another_runs_checkpoint_logs_to_a_wandb_run_of_its_own(corpus, tmp_path, offline, capsys):

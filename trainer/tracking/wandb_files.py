@@ -100,15 +100,17 @@ def last_step(path: str | Path) -> int | None:
     return None
 
 
-def files_of(wandb_dir: str | Path, run_id: str) -> list[Path]:
-    """The `.wandb` files of run `run_id` under `wandb_dir` (one per wandb.init: each attempt that logged to it)."""
-    return sorted(Path(wandb_dir).glob(f"*run-*-{run_id}*/run-{run_id}.wandb"))
+def files_of(wandb_dir: str | Path, run_id: str, offline: bool = False) -> list[Path]:
+    """The `.wandb` files of run `run_id` under `wandb_dir` (one per wandb.init: each attempt that logged to it);
+    `offline`: only those of attempts that logged offline (`offline-run-*`), which reach the server by `wandb sync`."""
+    return sorted(Path(wandb_dir).glob(f"{'offline-' if offline else '*'}run-*-{run_id}*/run-{run_id}.wandb"))
 
 
-def logged_up_to(wandb_dir: str | Path, run_id: str) -> int | None:
-    """The last step run `run_id` holds in this machine's files: None without a file of it here, -1 when they hold
-    no step. A file that cannot be read counts as holding none: a resume then logs those steps again."""
-    files = files_of(wandb_dir, run_id)
+def logged_up_to(wandb_dir: str | Path, run_id: str, offline: bool = False) -> int | None:
+    """The last step run `run_id` holds in this machine's files (`files_of`): None without a file of it here, -1
+    when they hold no step. A file that cannot be read counts as holding none: a resume then logs those steps
+    again."""
+    files = files_of(wandb_dir, run_id, offline)
     if not files:
         return None
     steps = [-1]

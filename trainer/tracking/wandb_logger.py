@@ -140,9 +140,12 @@ class WandbLogger(NullLogger):
         of eval samples of those steps are in samples.jsonl and samples/."""
         if self._resumed_from is None or self._branch is not None or mode == "disabled":
             return
-        if not self.offline:
+        if not self.offline:  # (and what attempts logged offline, whose files `wandb sync` is to upload)
+            from trainer.tracking.wandb_files import logged_up_to
+
             start = self.run.starting_step  # (0: a run the server does not have)
-            self._held = start - 1 if start else -1
+            offline = logged_up_to(self.dir / "wandb", self.run_id, offline=True)
+            self._held = max(start - 1 if start else -1, -1 if offline is None else offline)
         elif self._held is None:
             return  # no file of the run here: its earlier attempts logged elsewhere (online, or another wandb dir)
         held = self._held
@@ -162,9 +165,9 @@ class WandbLogger(NullLogger):
         for step in sorted(rows):
             self.run.log(rows[step], step=step)
         if rows:
-            print(f"wandb: run {self.run_id} did not hold steps {min(rows)} to {self._resumed_from[1]} (the checkpoint's "
-                  "step): a process stopped at once loses the records wandb had not written yet. They are logged "
-                  f"again from metrics.jsonl ({len(rows)} rows).", file=sys.stderr, flush=True)
+            print(f"wandb: run {self.run_id} did not hold {_steps(min(rows), self._resumed_from[1])} (up to the "
+                  "checkpoint's): a process stopped at once loses the records wandb had not written yet. They are "
+                  f"logged again from metrics.jsonl ({len(rows)} rows).", file=sys.stderr, flush=True)
 
     def _record_the_run(self, config: dict[str, Any] | None) -> None:
         from trainer.io import atomic_write_bytes
@@ -243,8 +246,8 @@ class WandbLogger(NullLogger):
         old, step, how = branch["run"], branch["step"], branch["how"]
         what = f"the rollback to step {step}"
         if branch.get("held") is not None:  # (a resume of the same checkpoint with other settings)
-            what = (f"run {old} holds steps {step + 1} to {branch['held']} of an attempt with other settings than this "
-                    f"job's, which stopped before it saved them: this resume from step {step}")
+            what = (f"run {old} holds {_steps(step + 1, branch['held'])} of an attempt with other settings than this "
+                    f"job's, which stopped before it saved a checkpoint there: this resume from step {step}")
         if step is None:
             say = (f"wandb: this run starts from a checkpoint of wandb run {old}, another run's record: it logs to a run "
                    f"of its own, {self.run_id}.")
@@ -378,6 +381,10 @@ def has_credentials(base_url: str) -> bool:
     except (OSError, netrc.NetrcParseError):
         return False
     return bool(entry and entry[2])
+
+
+def _steps(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first} to {last}"
 
 
 def settings_digest(config: dict[str, Any] | None) -> str | None:
