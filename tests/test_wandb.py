@@ -308,6 +308,88 @@ def test_a_rollback_killed_before_its_first_checkpoint_resumes_into_its_own_run(
     assert [losses[5], losses[6]] == [e["train/loss"] for e in read_metrics(tmp_path) if "train/loss" in e][-2:]
 
 
+def test_a_rollback_killed_before_its_wandb_file_held_a_row_resumes_its_run_from_the_checkpoint(corpus, tmp_path,
+                                                                                                 offline, capsys):
+    """wandb writes its file in 32 KiB blocks, so a process killed early leaves the rollback's run holding no row:
+    the resume took that for a run that had lost steps 1-4 and logged them into the branch's run, which starts after
+    step 4 (they are the old run's), saying the run had lost them."""
+    from trainer import train
+    from trainer.tracking.wandb_files import history_step, records
+
+    args = ("logger=wandb", "trainer.max_steps=6", "checkpoint.every_n_steps=2", "checkpoint.keep_last=5")
+    train(compose_cfg(tiny_overrides(corpus, *args)), tmp_path)
+    first = run_id(tmp_path)
+    rollback = tiny_overrides(corpus, *args, "optim.lr=1e-4", *faulty("raise", at_call=2), f"+task.once={tmp_path}/once")
+    with pytest.raises(RuntimeError, match="boom"):
+        train(compose_cfg([*rollback, f"resume={tmp_path}/checkpoints/step_00000004"]), tmp_path)
+    (branch,) = [p for p in tmp_path.glob("wandb/*run-*/run-*.wandb") if first not in p.name]
+    cut = next(end for end, record in records(branch) if record.WhichOneof("record_type") == "run")
+    branch.write_bytes(branch.read_bytes()[:cut])  # (what a kill leaves: the run's record, no row yet)
+    capsys.readouterr()
+    train(compose_cfg([*rollback, "resume=auto"]), tmp_path)
+    assert [history_step(r) for f in sorted(tmp_path.glob(f"wandb/*run-*/{branch.name}")) for _, r in records(f)
+            if history_step(r) is not None] == [5, 6]
+    assert "did not hold" not in capsys.readouterr().err
+
+
+def test_a_rewind_killed_before_its_first_checkpoint_rewinds_again(corpus, tmp_path, offline):
+    """on_rollback=rewind cuts the run at the checkpoint on the server, but its files from before the cut still
+    held the branch left (to step 6): the resume of the killed rewind took those for the run's and logged nothing
+    up to step 6 (the steps of the old learning rate stayed), or, synced, left steps missing after the cut."""
+    from trainer import train
+
+    args = ("logger=wandb", "trainer.max_steps=6", "checkpoint.every_n_steps=2", "checkpoint.keep_last=5",
+            "logger.wandb.on_rollback=rewind")
+    train(compose_cfg(tiny_overrides(corpus, *args)), tmp_path)
+    first = run_id(tmp_path)
+    rollback = tiny_overrides(corpus, *args, "optim.lr=1e-4", *faulty("raise", at_call=2), f"+task.once={tmp_path}/once")
+    with pytest.raises(RuntimeError, match="boom"):
+        train(compose_cfg([*rollback, f"resume={tmp_path}/checkpoints/step_00000004"]), tmp_path)
+    train(compose_cfg([*rollback, "resume=auto"]), tmp_path)
+    *_, resumed = runs_by_first_step(tmp_path)
+    assert resumed["id"] == first and resumed["branch_point"] == (first, 4)  # (wandb's resume_from, again)
+    assert [r["step"] for r in resumed["rows"]] == [5, 6]
+    assert [r["train/loss"] for r in resumed["rows"]] == [e["train/loss"] for e in read_metrics(tmp_path)
+                                                          if "train/loss" in e][-2:]
+
+
+def test_the_record_of_the_last_attempt_is_the_run_dirs_own_when_runs_share_a_wandb_dir(corpus, tmp_path, offline):
+    """Runs sharing logger.wandb.dir shared the record of which run the last attempt logged to, and with which
+    settings: another run in between overwrote it, and a resume with another learning rate kept the crashed
+    attempt's rows past the checkpoint."""
+    from trainer import train
+
+    args = ("logger=wandb", "trainer.max_steps=6", "checkpoint.every_n_steps=4", f"logger.wandb.dir={tmp_path}/w")
+    crash = (*faulty("raise", at_call=6), f"+task.once={tmp_path}/once")
+    with pytest.raises(RuntimeError, match="boom"):
+        train(compose_cfg(tiny_overrides(corpus, *args, *crash)), tmp_path / "a")
+    train(compose_cfg(tiny_overrides(corpus, *args, "trainer.max_steps=2")), tmp_path / "b")
+    train(compose_cfg(tiny_overrides(corpus, *args, *crash, "optim.lr=1e-4", "resume=auto")), tmp_path / "a")
+    ids = {p.stem.removeprefix("run-") for p in (tmp_path / "w").glob("wandb/*run-*/run-*.wandb")}
+    assert len(ids) == 3  # a's first run, b's, and the run a's resume logs to
+
+
+def test_what_counts_as_other_settings_for_the_rows_a_run_holds():
+    """Rounding-only and where-it-goes settings keep the rows; what changes the numbers, or the steps that have
+    rows (wandb cannot put a row below a run's last), does not."""
+    from trainer.tracking.wandb_logger import settings_digest
+
+    base = {"trainer": {"max_steps": 8, "log_every": 1, "eval_every": 0, "peak_tflops": None, "progress": "bar"},
+            "world": {"nproc_per_node": 1, "threads": 1, "max_restarts": 0}, "optim": {"lr": 1e-3, "fused": True},
+            "data": {"batch_size": 4, "num_workers": 0}, "logger": {"wandb": {"project": "p"}}, "resume": None}
+
+    def changed(section, key, value):
+        return settings_digest({**base, section: {**base[section], key: value}}) != settings_digest(base)
+
+    assert not any(changed(*c) for c in [("trainer", "peak_tflops", 100.0), ("trainer", "progress", "off"),
+                                          ("world", "threads", 2), ("world", "max_restarts", 3),
+                                          ("optim", "fused", False), ("data", "num_workers", 2),
+                                          ("logger", "wandb", {"project": "q"})])
+    assert all(changed(*c) for c in [("optim", "lr", 1e-4), ("trainer", "max_steps", 16), ("trainer", "log_every", 5),
+                                     ("trainer", "eval_every", 2), ("data", "batch_size", 8),
+                                     ("world", "nproc_per_node", 2)])
+
+
 def test_a_resume_logs_again_the_steps_a_killed_process_took_with_it(corpus, tmp_path, offline, capsys):
     """kill -9 (the OOM killer, a lost node) takes the records wandb's service had not written yet with it: the
     run's .wandb file ends steps before the process died (here after step 2, of 6). The resume from step 6's

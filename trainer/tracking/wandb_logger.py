@@ -31,17 +31,24 @@ MODES = (None, "online", "offline", "disabled")
 # What a rollback (a resume from a checkpoint older than the run's last step) logs to. wandb ignores a step below the
 # run's last, so continuing the same run would drop the new branch's steps up to there and show the old branch's.
 ON_ROLLBACK = ("new_run", "fork", "rewind")
-# In <dir>/wandb/: {"run_id": the run the last attempt logged to, "from": [run id, step] of the checkpoint it started
-# from, or null}. A rollback's new run is in no checkpoint until the branch saves one; killed before that, the next
-# resume loads the same checkpoint and its id, the old run's, where wandb would drop the branch's steps.
+# In <run dir>/wandb/ (the run dir's own, wherever logger.wandb.dir puts wandb's files): {"run_id": the run the last
+# attempt logged to, "from": [run id, step] of the checkpoint it started from, or null, "how": null, or how it
+# branched there (new_run, fork, rewind), "first": the first step that run holds of this run dir's line (a branch's
+# run starts after its checkpoint), "settings": settings_digest of its config}. A rollback's new run is in no
+# checkpoint until the branch saves one; killed before that, the next resume loads the same checkpoint and its id,
+# the old run's, where wandb would drop the branch's steps.
 LAST_RUN = "trainer_last_run.json"
-# Settings that change no number a run logs at a step (where and how often it logs and saves): two attempts that
-# differ only in these log the same values at the same steps. Every other difference (the world's size included: its
-# numbers agree to rounding only) makes the steps an earlier attempt logged past the checkpoint another branch's.
+# Settings that change no number a run logs, nor the steps it logs them at (where it saves and logs to, how it shows
+# progress, timeouts), or change them by rounding only (threads, kernels, compilation, loader workers, the eval's
+# batch; timings and MFU differ between any two attempts anyway): two attempts that differ only in these log the same
+# rows. Every other difference makes the rows an earlier attempt logged past the checkpoint another branch's, since
+# wandb cannot put a row below a run's last (trainer.log_every and eval_every change which steps have rows).
 # {section: its keys of that kind, or None for all of them}.
 SAME_NUMBERS = {"logger": None, "checkpoint": None, "resume": None, "hydra": None,
-                "trainer": ("progress", "log_every", "eval_every", "eval_every_epochs"),
-                "world": ("hang_timeout",), "precision": ("reason",)}
+                "trainer": ("progress", "peak_tflops", "eval_batch_size", "compile", "compile_backend", "compile_mode",
+                            "compile_options"),
+                "world": ("hang_timeout", "max_restarts", "rdzv_timeout", "threads"),
+                "data": ("num_workers", "cache_dir"), "optim": ("fused", "foreach"), "precision": ("reason",)}
 
 
 class WandbLogger(NullLogger):
@@ -75,6 +82,7 @@ class WandbLogger(NullLogger):
         self.mode = mode
         self.dir = Path(dir if dir is not None else run_dir)
         self.metrics = Path(run_dir) / "metrics.jsonl"  # what a resume logs again where the run lost it
+        self.record = Path(run_dir) / "wandb" / LAST_RUN
         self.run_id = new_run_id()  # known before the run starts, so state_dict() works at any time
         self.run = None
         self.offline = False  # set when the run starts
@@ -88,6 +96,7 @@ class WandbLogger(NullLogger):
         # Resuming the same run: the last step it holds from an attempt with this one's settings. Those steps are not
         # logged again (wandb would drop them, warning each time: the run keeps a step's first value).
         self._held: int | None = None
+        self._first = 0  # the first step the run continued holds of this line (LAST_RUN's "first")
 
     # -- starting the run --------------------------------------------------------------------------
     def _start(self, config: dict[str, Any] | None = None) -> None:
@@ -160,7 +169,7 @@ class WandbLogger(NullLogger):
                 step = int(event.pop("step"))
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # (a torn line: the rewind keeps none, but a file from elsewhere may have one)
-            if held < step <= self._resumed_from[1]:
+            if max(held, self._first - 1) < step <= self._resumed_from[1]:
                 rows.setdefault(step, {}).update(event)
         for step in sorted(rows):
             self.run.log(rows[step], step=step)
@@ -173,16 +182,20 @@ class WandbLogger(NullLogger):
         from trainer.io import atomic_write_bytes
 
         branch = self._branch
-        start = [branch["run"], branch["step"]] if branch and branch["step"] is not None else self._resumed_from
-        record = {"run_id": self.run_id, "from": start, "settings": settings_digest(config)}
+        if branch is not None and branch["step"] is not None:
+            start, how = [branch["run"], branch["step"]], branch["how"]
+            first = self._first if how == "rewind" else branch["step"] + 1
+        else:
+            start, how, first = self._resumed_from, None, self._first
+        record = {"run_id": self.run_id, "from": start, "how": how, "first": first, "settings": settings_digest(config)}
         try:
-            atomic_write_bytes(self.dir / "wandb" / LAST_RUN, json.dumps(record).encode())
+            atomic_write_bytes(self.record, json.dumps(record).encode())
         except OSError:
             pass  # (wandb itself has just written there; a resume without the record continues the checkpoint's run)
 
     def _last_run(self) -> dict[str, Any]:
         try:
-            record = json.loads((self.dir / "wandb" / LAST_RUN).read_text())
+            record = json.loads(self.record.read_text())
         except (OSError, ValueError):
             return {}
         return record if isinstance(record, dict) else {}
@@ -346,13 +359,25 @@ class WandbLogger(NullLogger):
         killed before its branch saved a checkpoint): then that one."""
         if self.run is not None:
             return
+        last = self._last_run()
         if self._branch is not None and self._branch["step"] is None:
             self._branch["step"] = step
+            self._first = self._first_of(last)  # (a rewind's run keeps its history up to the step)
         elif self._branch is None and self._loaded:
             self._resumed_from = [self.run_id, step]
-            last = self._last_run()
             if last.get("from") == self._resumed_from and isinstance(last.get("run_id"), str) and last["run_id"]:
+                if last.get("how") == "rewind" and last["run_id"] == self.run_id:
+                    # A rewind killed before its checkpoint: the server cut the run at `step` and holds what that
+                    # attempt logged after it; the run's files from before the cut still hold the branch it left.
+                    # Rewinding again cuts both.
+                    self._branch = {"run": self.run_id, "step": step, "how": "rewind"}
                 self.run_id = last["run_id"]
+            self._first = self._first_of(last)
+
+    def _first_of(self, last: dict[str, Any]) -> int:
+        """The first step the run this attempt logs to holds of the line (0: not recorded, the run's start)."""
+        first = last.get("first")
+        return first if last.get("run_id") == self.run_id and isinstance(first, int) else 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id}
