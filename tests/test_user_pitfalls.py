@@ -649,13 +649,27 @@ def test_the_lr_range_test_picks_from_the_fall_not_from_a_wiggle_of_the_flat_sta
     assert suggest(lrs, flat, smoothed(flat))[2] is False
 
 
+def test_an_lr_range_test_that_never_left_its_noise_suggests_nothing(tmp_path):
+    """tune.max_lr=1e-6: the loss never moved, yet the test suggested its steepest wiggle (1.5e-7), exit 0, and wrote
+    it to save=lr.txt, from where a script trained at a rate that does nothing."""
+    from conftest import run_here
+
+    (tmp_path / "lr.txt").write_text("optim.lr=0.003\n")  # (an earlier test's: kept)
+    r = run_here("tune", "lr", "debug=smoke", "tune.steps=20", "tune.max_lr=1e-6", f"save={tmp_path / 'lr.txt'}",
+                 cwd=tmp_path)
+    assert r.returncode == 2
+    assert "never fell by more than its own noise" in r.stderr and "nothing is suggested" in r.stderr
+    assert "Traceback" not in r.stderr and not re.search(r"^optim.lr=", r.stdout, re.M)
+    assert (tmp_path / "lr.txt").read_text() == "optim.lr=0.003\n"
+
+
 def test_the_lr_range_test_scales_an_optimizers_other_rates_as_it_tested_them(tmp_path):
     """optim=muon's AdamW group (optim.adamw_lr) rose with optim.lr during the test, but only optim.lr was
     suggested: the run then paired the picked Muon rate with the old AdamW rate, a point the test never tried."""
     from conftest import run_here
 
     r = run_here("tune", "lr", "debug=smoke", "optim=muon", "optim.lr=0.005", "optim.adamw_lr=1e-3",
-                 "tune.steps=10", f"save={tmp_path / 'lr.txt'}", cwd=tmp_path)
+                 "tune.steps=20", f"save={tmp_path / 'lr.txt'}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     lr, adamw_lr = re.search(r"^optim.lr=(\S+) optim.adamw_lr=(\S+): where", r.stdout, re.M).groups()
     assert adamw_lr == f"{float(lr) * 1e-3 / 0.005:.3g}"  # (their ratio in the test: 1e-3 / 0.005)

@@ -310,11 +310,16 @@ def find_lr(cfg: DictConfig, run_dir: Path) -> float | None:
         if be.is_main:
             for j in range(0, len(tried), max(len(tried) // 10, 1)):
                 print(f"lr={tried[j]:.3g}  loss={smooth[j]:.4f}", flush=True)
-            if not fell:
-                print("warning: the smoothed loss never fell by more than its own noise in this test (3 standard "
-                      "deviations of the losses about it), so the steepest fall below may be a wiggle of a flat "
-                      "curve. Give the test more signal: more tune.steps, a larger data.batch_size, or a range "
-                      "that reaches where the loss falls (tune.min_lr, tune.max_lr).", flush=True)
+        if not fell:  # (every rank saw the same curve: every rank stops here)
+            from trainer.errors import UserError
+
+            kept = f", and save={opts.save} was left as it was" if opts.save else ""
+            raise UserError(f"tune lr: the smoothed loss never fell by more than its own noise in this test (3 standard "
+                            f"deviations of the losses about it), so its steepest point, lr={tried[pick]:.3g}, would "
+                            f"be a pick from the noise: nothing is suggested{kept}. Give the test more signal: more "
+                            "tune.steps, a larger data.batch_size, or a range that reaches where the loss falls "
+                            f"(tune.min_lr={opts.min_lr}, tune.max_lr={opts.max_lr}).")
+        if be.is_main:
             ended = ("the loss diverged past lr=" f"{tried[-1]:.3g}") if len(tried) < len(lrs) else \
                 f"it ran up to tune.max_lr={opts.max_lr}"
             # An optimizer's other rates (optim=muon's adamw_lr) rose with optim.lr in the test: keep their ratio.
@@ -338,16 +343,18 @@ def suggest(tried: list[float], raw: list[float], smooth: list[float]) -> tuple[
     The suggestion is where the smoothed loss falls fastest against log(lr), past the first steps (their average
     is short), among the points where it has fallen below its start by more than the noise of both. Before that
     the curve is flat, and on little or noisy data its wiggles there can be steeper than the fall itself (a rate
-    picked from the noise: Lightning's lr_find can do that). The noise: the spread of the losses from one step to
-    the next up to the lowest point (the median absolute difference: the fall's trend, a few steps long, barely
-    moves it), times what the debiased average of j + 1 of them keeps of it. Where the loss never fell beyond that,
+    picked from the noise: Lightning's lr_find can do that). The noise: the spread of the losses about a straight
+    line through their neighbours, up to the lowest point (the median absolute second difference: a fall, even one
+    spanning the whole test, is nearly straight from one step to the next), times what the debiased average of
+    j + 1 of them keeps of it. Where the loss never fell beyond that,
     the steepest point of the whole curve, and False."""
     n = len(tried)
     skip = min(max(n // 10, 1), n - 3)
     lowest = min(range(n), key=smooth.__getitem__)
-    steps = sorted(abs(b - a) for a, b in zip(raw[:max(lowest, 2)], raw[1:max(lowest, 2) + 1]))
-    # (a difference of two has sqrt(2) sigma, and the median of its absolute value is 0.6745 of that)
-    sigma = steps[len(steps) // 2] / (0.6745 * math.sqrt(2))
+    end = max(lowest, 2)
+    bends = sorted(abs(raw[i + 1] - 2 * raw[i] + raw[i - 1]) for i in range(1, end))
+    # (a second difference of independent losses has sqrt(6) sigma, the median of its absolute value 0.6745 of that)
+    sigma = bends[len(bends) // 2] / (0.6745 * math.sqrt(6))
 
     def noise(j: int) -> float:  # of smooth[j]: its weights are (1 - BETA) BETA^(j - k) / (1 - BETA^(j + 1))
         return sigma * (1 - BETA) / (1 - BETA ** (j + 1)) * math.sqrt((1 - BETA ** (2 * j + 2)) / (1 - BETA ** 2))
