@@ -346,8 +346,8 @@ def suggest(tried: list[float], raw: list[float], smooth: list[float]) -> tuple[
     picked from the noise: Lightning's lr_find can do that). The noise: the spread of the losses about a straight
     line through their neighbours, up to the lowest point (the median absolute second difference: a fall, even one
     spanning the whole test, is nearly straight from one step to the next), times what the debiased average of
-    j + 1 of them keeps of it. Where the loss never fell beyond that,
-    the steepest point of the whole curve, and False."""
+    j + 1 of them keeps of it. Where the loss never fell beyond that, the steepest point of the whole curve, and
+    False."""
     n = len(tried)
     skip = min(max(n // 10, 1), n - 3)
     lowest = min(range(n), key=smooth.__getitem__)
