@@ -1110,6 +1110,36 @@ def test_a_registered_state_with_numpy_scalars_round_trips_and_an_array_is_one_p
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_00000003"]
 
 
+def test_a_registered_state_comes_back_as_saved_where_the_fresh_object_has_none_or_fewer_keys(tmp_path):
+    """A fresh object's best score None, later (step, loss); its counts by label {"cat": 0}, later with "dog" too:
+    rt.load_state gave back the checkpoint's encoding of the tuple ({'__tuple__': [...]}) and dropped "dog", with no
+    error."""
+    import trainer
+
+    class Stats:
+        def __init__(self):
+            self.best, self.counts, self.by_id = None, {"cat": 0}, None
+
+        def state_dict(self):
+            return {"best": self.best, "counts": dict(self.counts), "by_id": self.by_id}
+
+        def load_state_dict(self, state):
+            self.best, self.counts, self.by_id = state["best"], dict(state["counts"]), state["by_id"]
+
+    saved = Stats()
+    saved.best, saved.counts, saved.by_id = (5, 0.125), {"cat": 3, "dog": 4}, {7: [(1, "a")]}
+    rt = trainer.Runtime("single", "fp32")
+    rt.setup(nn.Linear(1, 1))
+    rt.register("stats", saved)
+    rt.save_state(tmp_path / "ck", step=3)
+    back = Stats()
+    other = trainer.Runtime("single", "fp32")
+    other.setup(nn.Linear(1, 1))
+    other.register("stats", back)
+    other.load_state(tmp_path / "ck")
+    assert back.state_dict() == saved.state_dict()
+
+
 def test_a_scheduler_that_rt_step_steps_must_be_registered_to_be_saved(tmp_path, capsys):
     """rt.step(optimizer, scheduler) with a scheduler never registered: save_state left it out, and a resume started
     the schedule over (the learning rate back at its first value, the weights off the uninterrupted run's) without

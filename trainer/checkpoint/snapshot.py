@@ -235,16 +235,17 @@ def conform(tree: Any, like: Any, chunks: dict[str, list[Stored]], where: str, p
     """`tree` (from state.json) turned back into live values shaped like `like` (the live state_dict):
     tensors assembled for this rank, containers and plain values checked against the live ones.
 
-    Keys the live state has must be in the checkpoint; keys it lacks are ignored. Where the live state has
-    an empty container (lists whose length the checkpoint decides, such as one RNG state per rank), the
-    checkpoint's values are taken after a check of their kind only."""
+    Keys the live state has must be in the checkpoint; keys it lacks are ignored, but in a mapping of plain values
+    (a registered object's counts by label: its keys are the data). Where the live state has an empty container
+    (lists whose length the checkpoint decides, such as one RNG state per rank) or None (a value not set yet: a
+    best score), the checkpoint's values are taken after a check of their kind only."""
     label = path or "<root>"
+    if like is None:  # (a tuple, a mapping with keys other than strings: rebuilt as saved, not left in their encoding)
+        return _free(tree, chunks, where, path)
     if isinstance(tree, dict) and TENSOR in tree:
         ref = tree[TENSOR]
         if isinstance(like, torch.Tensor):
             return assemble(ref, chunks.get(ref, []) if isinstance(ref, str) else [], like, where)
-        if like is None:
-            return _free(tree, chunks, where, path)
         raise CheckpointError(f"{where}: '{label}' is a tensor in the checkpoint but {type(like).__name__} here.")
     if isinstance(like, torch.Tensor):
         raise CheckpointError(f"{where}: '{label}' is {type(tree).__name__} in the checkpoint but a tensor here.")
@@ -257,8 +258,13 @@ def conform(tree: Any, like: Any, chunks: dict[str, list[Stored]], where: str, p
         missing = [str(k) for k in like if k not in items and str(k) not in items]
         if missing:
             raise CheckpointError(f"{where}: '{label}' lacks {', '.join(missing[:5])}.")
-        return {k: conform(items[k] if k in items else items[str(k)], v, chunks, where, f"{path}/{k}")
-                for k, v in like.items()}
+        out = {k: conform(items[k] if k in items else items[str(k)], v, chunks, where, f"{path}/{k}")
+               for k, v in like.items()}
+        if all(v is None or isinstance(v, (bool, int, float, str)) for v in like.values()):
+            known = {str(k) for k in like}
+            out.update({k: _free(v, chunks, where, f"{path}/{k}") for k, v in items.items()
+                        if k not in like and str(k) not in known})
+        return out
     if isinstance(like, (list, tuple)):
         seq = tree.get(TUPLE) if isinstance(tree, dict) and TUPLE in tree else tree
         if not isinstance(seq, list):
