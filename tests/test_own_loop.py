@@ -1140,6 +1140,39 @@ def test_a_registered_state_comes_back_as_saved_where_the_fresh_object_has_none_
     assert back.state_dict() == saved.state_dict()
 
 
+def test_saving_checkpoints_into_the_run_dir_never_moves_the_run_dir(tmp_path):
+    """`rt.save_state(run_dir, step)` (as `accelerator.save_state(output_dir)`): a second run's first save set the
+    earlier run's checkpoints aside by moving the whole dir, with the running run's metrics.jsonl (open) and its lock
+    in it. It is refused now, nothing moved, and says where to save instead."""
+    import torch.nn.functional as F
+
+    import trainer
+
+    def run(seed, fail=False):
+        rt = trainer.Runtime("single", "fp32", run_dir=tmp_path)
+        torch.manual_seed(seed)
+        model = nn.Linear(4, 1)
+        model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+        try:
+            for step, (x, y) in enumerate(rt.loader(data, batch_size=4), 1):
+                with rt.accumulate(model):
+                    rt.backward(F.mse_loss(model(x), y))
+                rt.step(opt)
+                rt.log({"loss": float(step)}, step)
+                if step % 2 == 0:
+                    rt.save_state(tmp_path, step)
+        finally:
+            rt.end()
+
+    run(0)
+    with pytest.raises(UserError, match=r"beside a run's own files \(.*metrics.jsonl.*\).*nothing was written or moved"):
+        run(1)
+    assert not any(p.name.startswith(tmp_path.name + ".prev") for p in tmp_path.parent.iterdir())
+    assert {p.name for p in tmp_path.glob("step_*")} == {"step_00000002", "step_00000004"}
+    assert (tmp_path / "metrics.jsonl").is_file() and (tmp_path / "metrics.prev.jsonl").is_file()
+
+
 def test_a_scheduler_that_rt_step_steps_must_be_registered_to_be_saved(tmp_path, capsys):
     """rt.step(optimizer, scheduler) with a scheduler never registered: save_state left it out, and a resume started
     the schedule over (the learning rate back at its first value, the weights off the uninterrupted run's) without

@@ -48,6 +48,8 @@ from trainer.parallel.strategy import SingleDevice
 from trainer.task import split_loss
 
 WORLDS = ("single", "ddp", "fsdp", "deepspeed")
+# What a run dir holds beside checkpoints, which no directory of checkpoints alone does.
+RUN_FILES = (".lock", "metrics.jsonl", "samples.jsonl", "config.yaml", "run_info.json", "model.safetensors")
 
 
 def _strategy(world: str | Strategy, options: dict[str, Any]) -> Strategy:
@@ -931,28 +933,37 @@ class Runtime:
         if key in self._saved_into:
             return
         self._saved_into.add(key)
-        failed = None
+        failed = None  # (a user's mistake or a storage error, and its paragraph)
         if self.backend.is_main and key not in self._loaded_from and directory.is_dir() and \
                 Checkpointer(directory).complete():
-            from trainer.io import one_attempt
+            run_files = sorted(n for n in RUN_FILES if (directory / n).exists())
+            if run_files:  # (moving the dir aside would move this run's open files, and its lock, with it)
+                failed = ("user", f"rt.save_state({str(directory)!r}): it holds checkpoints this process loaded none "
+                          f"of (an earlier run's) beside a run's own files ({', '.join(run_files)}), which moving those "
+                          "checkpoints aside would move too; nothing was written or moved. Save into a directory for "
+                          f"checkpoints alone (rt.save_state({str(directory / 'checkpoints')!r}, step)), or "
+                          "rt.load_state(DIR) first to continue that run.")
+            else:
+                from trainer.io import one_attempt
 
-            try:
-                same = self.run_dir is not None and directory.parent.resolve() == Path(self.run_dir).resolve()
-                with one_attempt(directory.parent, number=self._fresh_attempt if same else None):
-                    moved = set_aside(directory)  # (under the number metrics.prev-N took at the first rt.log)
-                _note(f"rt.save_state({str(directory)!r}): it held checkpoints this process loaded none of (an earlier "
-                      f"run's, or a branch it left): they are kept in {moved}, and this run's start there. "
-                      "rt.load_state(DIR) before the first save continues a run instead")
-            except OSError as e:
-                failed = (f"rt.save_state({str(directory)!r}): it holds checkpoints this process loaded none of, which "
-                          f"could not be moved aside ({e.strerror or e}); nothing was written. Make it writable, or "
-                          "save into a directory of this run's own.")
+                try:
+                    same = self.run_dir is not None and directory.parent.resolve() == Path(self.run_dir).resolve()
+                    with one_attempt(directory.parent, number=self._fresh_attempt if same else None):
+                        moved = set_aside(directory)  # (under the number metrics.prev-N took at the first rt.log)
+                    _note(f"rt.save_state({str(directory)!r}): it held checkpoints this process loaded none of (an "
+                          f"earlier run's, or a branch it left): they are kept in {moved}, and this run's start there. "
+                          "rt.load_state(DIR) before the first save continues a run instead")
+                except OSError as e:
+                    failed = ("storage", f"rt.save_state({str(directory)!r}): it holds checkpoints this process loaded "
+                              f"none of, which could not be moved aside ({e.strerror or e}); nothing was written. Make "
+                              "it writable, or save into a directory of this run's own.")
         if self.backend.distributed:  # (no rank writes into the dir before it is moved; every rank stops alike)
             failed = self.backend.broadcast_object(failed)
         if failed is not None:
             from trainer.errors import StorageError
 
-            raise StorageError(failed)
+            kind, why = failed
+            raise (UserError if kind == "user" else StorageError)(why)
 
     def load_state(self, path: str | os.PathLike) -> int | None:
         """Load a checkpoint of save_state (a `step_*` dir, or the newest complete one under `path`): under any
