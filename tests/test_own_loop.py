@@ -1173,6 +1173,37 @@ def test_saving_checkpoints_into_the_run_dir_never_moves_the_run_dir(tmp_path):
     assert (tmp_path / "metrics.jsonl").is_file() and (tmp_path / "metrics.prev.jsonl").is_file()
 
 
+def test_a_new_run_in_the_run_dir_keeps_the_earlier_runs_exported_weights(tmp_path, capsys):
+    """A second run of the same loop in the same run dir set the earlier run's metrics aside (metrics.prev.jsonl) but
+    its rt.save_model replaced the earlier run's model.safetensors: those weights were gone."""
+    import torch.nn.functional as F
+
+    import trainer
+
+    def run(steps):
+        rt = trainer.Runtime("single", "fp32", run_dir=tmp_path)
+        model = nn.Linear(4, 1)
+        model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+        for step, (x, y) in enumerate(rt.loader(data, batch_size=4), 1):
+            with rt.accumulate(model):
+                rt.backward(F.mse_loss(model(x), y))
+            rt.step(opt)
+            rt.log({"loss": float(step)}, step)
+            if step == steps:
+                break
+        rt.save_model(model, tmp_path)
+        rt.end()
+        return load_weights(tmp_path / "model.safetensors")
+
+    first = run(6)
+    second = run(3)
+    kept = load_weights(tmp_path / "export.prev" / "model.safetensors")
+    assert kept.keys() == first.keys() and all(torch.equal(kept[k], first[k]) for k in first)
+    assert not all(torch.equal(second[k], first[k]) for k in first)
+    assert f"weights are kept in {tmp_path / 'export.prev'}" in capsys.readouterr().err
+
+
 def test_a_scheduler_that_rt_step_steps_must_be_registered_to_be_saved(tmp_path, capsys):
     """rt.step(optimizer, scheduler) with a scheduler never registered: save_state left it out, and a resume started
     the schedule over (the learning rate back at its first value, the weights off the uninterrupted run's) without

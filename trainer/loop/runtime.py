@@ -1249,10 +1249,15 @@ class Runtime:
         for metrics.prev-N.jsonl, tensorboard.prev-N/ and the checkpoints the first save sets aside; the name
         metrics.jsonl takes."""
         from trainer.io import free_name, one_attempt
+        from trainer.models.export import set_aside
 
         with one_attempt(self.run_dir) as self._fresh_attempt:
             aside = free_name(metrics, ".prev", before_suffix=True)  # (the name start_fresh gives it)
             self.loggers.start_fresh()
+            # The earlier run's exported weights (rt.save_model into the run dir), which this run's would replace.
+            export = set_aside(self.run_dir)
+        if export is not None:
+            print(f"note: rt.log: the earlier run's exported weights are kept in {export}.", file=sys.stderr, flush=True)
         return aside
 
     def _hold_run_dir(self, run_dir: Path, alone: bool):
