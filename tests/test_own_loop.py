@@ -1204,6 +1204,22 @@ def test_a_new_run_in_the_run_dir_keeps_the_earlier_runs_exported_weights(tmp_pa
     assert f"weights are kept in {tmp_path / 'export.prev'}" in capsys.readouterr().err
 
 
+def test_save_model_writes_inside_its_directory_or_refuses(tmp_path):
+    """rt.save_model(model, d, name="../../escape") wrote escape.safetensors two directories above d, and a directory
+    under a file was a NotADirectoryError traceback."""
+    import trainer
+
+    rt = trainer.Runtime("single", "fp32")
+    model = rt.setup(nn.Linear(2, 2))
+    (tmp_path / "FILE").write_text("")
+    for args, says in [((tmp_path / "a" / "b", "1GB", "../../escape"), "without a directory part"),
+                       ((tmp_path / "FILE" / "exp",), "FILE is not a directory; nothing was written"),
+                       ((None,), "is a path")]:
+        with pytest.raises(UserError, match=says):
+            rt.save_model(model, *args)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["FILE"]
+
+
 def test_a_scheduler_that_rt_step_steps_must_be_registered_to_be_saved(tmp_path, capsys):
     """rt.step(optimizer, scheduler) with a scheduler never registered: save_state left it out, and a resume started
     the schedule over (the learning rate back at its first value, the weights off the uninterrupted run's) without

@@ -1130,10 +1130,24 @@ class Runtime:
         if not isinstance(model, nn.Module):
             raise UserError(f"rt.save_model got a {type(model).__name__}: pass the model (what rt.setup returned, or "
                             "the module itself); an optimizer's and the rest of the run's state go in rt.save_state.")
+        if not isinstance(directory, (str, os.PathLike)):
+            raise UserError(f"rt.save_model(model, {directory!r}): the directory to write is a path (a str or a "
+                            f"pathlib.Path), not a {type(directory).__name__}.")
         if Path(directory).exists() and not Path(directory).is_dir():
             raise UserError(f"rt.save_model({str(directory)!r}, ...): that path is a file; save_model writes a "
                             "directory (model.safetensors and, for a Hugging Face model, config.json). Pass a "
                             "directory, new or existing.")
+        if not (isinstance(name, str) and name and name not in (".", "..") and not set(name) & {"/", "\\", "\0"}):
+            raise UserError(f"rt.save_model(..., name={name!r}): the name of the weights file (<name>.safetensors) is "
+                            "a file name, without a directory part (which would write outside the directory given): "
+                            "give the directory as the second argument, and a plain name (the default, 'model', is "
+                            "the one from_pretrained reads).")
+        from trainer.io import unwritable
+
+        problem = unwritable(Path(directory))
+        if problem is not None:
+            raise UserError(f"rt.save_model({str(directory)!r}, ...): {problem}; nothing was written. Pass a directory "
+                            "this process can write.")
         megabytes = _megabytes(max_shard_size)  # (checked before the gathering: every rank refuses it alike)
         self._all_ranks_here("save_model")
         tensors = self.strategy.full_state_dict(self.strategy.model_state_dict(model))
