@@ -1220,6 +1220,60 @@ def test_save_model_writes_inside_its_directory_or_refuses(tmp_path):
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["FILE"]
 
 
+def _one_model_loop(accum: int = 1):
+    import trainer
+
+    rt = trainer.Runtime("single", "fp32", grad_accum_steps=accum)
+    model = nn.Linear(4, 1)
+    model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return rt, model, opt, torch.randn(4, 4)
+
+
+def test_a_backward_of_ones_own_where_rt_backward_does_more_is_refused():
+    """`loss.backward()` in place of `rt.backward(loss)` under grad_accum_steps=4 trained on the unscaled sum of the
+    micro-batches' losses (4 times a big batch's gradients), with no error; under fp16 it was torch's "Attempted
+    unscale_ but _scale is None" traceback."""
+    rt, model, opt, x = _one_model_loop(accum=4)
+    for _ in range(4):
+        with rt.accumulate(model):
+            model(x).pow(2).mean().backward()
+    before = model.weight.detach().clone()
+    with pytest.raises(UserError, match=r"backward of your own.*loss must be scaled by 1/4.*Nothing was updated"):
+        rt.step(opt)
+    assert torch.equal(model.weight, before)
+    rt, model, opt, x = _one_model_loop(accum=1)  # (where rt.backward would only call it: the same update)
+    model(x).pow(2).mean().backward()
+    assert rt.step(opt)
+
+
+def test_a_zero_grad_inside_an_accumulation_block_is_refused_at_its_backward():
+    """model.zero_grad() inside the block of a step's second micro-batch, before its backward: the first micro-batch's
+    gradients were thrown away with no error (only a zero_grad before entering the block was caught)."""
+    rt, model, opt, x = _one_model_loop(accum=2)
+    with rt.accumulate(model):
+        rt.backward(model(x).pow(2).mean())
+    with pytest.raises(UserError, match=r"zeroed in the middle of an accumulation \(before micro-step 2 of 2's"), \
+            rt.accumulate(model):
+        model.zero_grad()
+        rt.backward(model(x).pow(2).mean())
+
+
+def test_a_scheduler_stepped_besides_rt_step_or_of_another_optimizer_is_refused():
+    """A scheduler.step() left over after rt.step(opt, sched) ran the schedule twice a step (10 steps: the learning
+    rate at its end, 0); a scheduler of another optimizer passed with this one never moved this one's rate."""
+    rt, model, opt, x = _one_model_loop()
+    sched = torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.0, total_iters=10)
+    other = torch.optim.lr_scheduler.LinearLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0), 1.0, 0.0)
+    rt.backward(model(x).pow(2).mean())
+    with pytest.raises(UserError, match="schedules another optimizer"):
+        rt.step(opt, other)
+    rt.step(opt, sched)
+    sched.step()  # (left over from a plain loop)
+    rt.backward(model(x).pow(2).mean())
+    with pytest.raises(UserError, match=r"stepped 1 time\(s\) outside rt.step"):
+        rt.step(opt, sched)
+
+
 def test_a_scheduler_that_rt_step_steps_must_be_registered_to_be_saved(tmp_path, capsys):
     """rt.step(optimizer, scheduler) with a scheduler never registered: save_state left it out, and a resume started
     the schedule over (the learning rate back at its first value, the weights off the uninterrupted run's) without

@@ -190,6 +190,9 @@ class Runtime:
         self.stateful: dict[str, Any] = {}
         self._ended = False  # rt.end() was called: the trackers are finished
         self._schedulers: list[Any] = []  # the schedulers rt.step has stepped (save_state refuses one not registered)
+        self._scheduled: dict[int, int] = {}  # each of those schedulers' last_epoch after rt.step stepped it
+        self._backwards = 0  # rt.backward calls so far, and their count at each optimizer's last rt.step (by id)
+        self._backwards_at_step: dict[int, int] = {}
         self._originals: dict[int, tuple[str, str]] = {}  # id of a set-up model's original parameter -> (model, name)
         self._set_up: set[int] = set()  # ids of the modules set up (original and wrapped)
         self._micro = 0  # micro-steps taken in accumulate() (the step boundary is every grad_accum_steps-th)
@@ -198,6 +201,7 @@ class Runtime:
         self._lr_moves, self._lr_moved_before = 0, 0  # micro-steps of this step that saw it change; steps before, running
         self._in_accumulate = False
         self._continues_step = False  # the micro-step in accumulate() is not its step's first
+        self._this_micro = 1  # which micro-step of its step that is
         self._backward_here = False  # a backward ran in that micro-step
         self.sync_gradients = True  # whether this micro-step ends an optimizer step (gradients are synced)
         self._pending_reduce: set[str] = set()  # models whose gradients the strategy must still average (ddp x tp)
@@ -527,6 +531,7 @@ class Runtime:
                 self._lr_moves = 0
             else:
                 self._check_lr_kept()
+        self._this_micro = self._micro + 1  # (1-based, for what a check says)
         if self._micro > 0:  # not the step's first micro-step: the earlier ones' gradients must still be there
             self._check_not_zeroed(models)
         boundary = self._micro + 1 >= self.grad_accum_steps if last is None else last
@@ -575,9 +580,9 @@ class Runtime:
             params = [p for p in m.parameters() if p.requires_grad]
             if params and all(p.grad is None for p in params):
                 raise UserError(f"the gradients of {self._name_of(m)!r} were zeroed in the middle of an accumulation "
-                                f"(before micro-step {self._micro + 1} of {self.grad_accum_steps}): "
-                                "rt.step(optimizer) zeroes them at the step boundary; "
-                                "do not call optimizer.zero_grad() yourself.")
+                                f"(before micro-step {self._this_micro} of {self.grad_accum_steps}'s backward): the "
+                                "earlier micro-steps' gradients are lost. rt.step(optimizer) zeroes them at the step "
+                                "boundary; do not zero them yourself (optimizer.zero_grad(), model.zero_grad()).")
 
     def backward(self, loss: torch.Tensor, scale: float | torch.Tensor | None = None) -> None:
         """`loss` x `scale` backward, with fp16's loss scaling. `scale` defaults to 1 / grad_accum_steps (a mean
@@ -611,7 +616,10 @@ class Runtime:
                             "Reduce it first (`loss.mean()`, or `.sum()` divided by the batch's count).")
         if scale is None:
             scale = 1.0 / self.grad_accum_steps
+        if self._continues_step and not self._backward_here:  # (a zero_grad() inside this micro-step's block)
+            self._check_not_zeroed(self._cycle_models or tuple(self.models.values()))
         self._backward_here = True
+        self._backwards += 1
         self.strategy.backward(loss * scale if not (isinstance(scale, float) and scale == 1.0) else loss)
         if self.sync_gradients and self.strategy.reduces_gradients:
             self._pending_reduce.update(self.models)
@@ -636,6 +644,7 @@ class Runtime:
             return loss, sums
         scale = 1.0 / self.grad_accum_steps if scale is None else scale
         self._backward_here = True
+        self._backwards += 1
         loss, sums = self.strategy.pipeline.forward_backward(batch, loss_fn, scale, self.autocast, mean=mean)
         if self.sync_gradients and self.strategy.reduces_gradients:
             self._pending_reduce.update(self.models)
@@ -707,6 +716,8 @@ class Runtime:
             models, opts = {name}, [opt for m, opt in self.optimizers.values() if m == name]
         else:
             models, opts = self._owners(params)
+        for opt in opts:
+            self._check_backward_was_ours(opt, "rt.clip_grad_norm_")
         self._synced(models)
         for opt in opts:
             self.strategy.unscale_(opt)  # (what self.unscale_ does once its model is synced, as it is now)
@@ -731,6 +742,9 @@ class Runtime:
                    else "has no step(): pass a learning-rate scheduler, or None")
             raise UserError(f"rt.step(optimizer, scheduler): the {type(scheduler).__name__} given as the scheduler "
                             f"{why}. Nothing was updated.")
+        if scheduler is not None:
+            self._check_scheduler(optimizer, owner, scheduler)
+        self._check_backward_was_ours(optimizer, "rt.step")
         self._synced([owner])
         if self._replicas_checked is not None and owner not in self._replicas_checked:
             self._check_replicas_agree(owner)
@@ -739,12 +753,52 @@ class Runtime:
             self._schedulers.append(scheduler)
         if applied and scheduler is not None:
             scheduler.step()
+        if scheduler is not None:
+            self._scheduled[id(scheduler)] = getattr(scheduler, "last_epoch", None)
+        self._backwards_at_step[id(optimizer)] = self._backwards
         if self._watched:  # (DeepSpeed's engine steps without the optimizer hook that beats)
             watchdog.progress()
         if zero_grad:  # (the optimizer's own zero_grad, or DeepSpeed's no-op: not the check on the user's calls)
             zero = optimizer.zero_grad
             (zero.own if isinstance(zero, _CheckedZeroGrad) else zero)(set_to_none=True)
         return applied
+
+    def _check_backward_was_ours(self, optimizer: torch.optim.Optimizer, call: str) -> None:
+        """At a step boundary, gradients with no rt.backward since this optimizer's last step came from a backward
+        of the user's own (`loss.backward()`): the same gradients where rt.backward would only call it, but not under
+        accumulation (each micro-batch's loss unscaled: the step's gradients grad_accum_steps times a big batch's),
+        fp16 (no loss scale: the scaler's unscale fails) or tensor parallelism under DDP (never averaged)."""
+        if self._backwards != self._backwards_at_step.get(id(optimizer), 0) or not (
+                self.grad_accum_steps > 1 or self.precision.scaler is not None or self.strategy.reduces_gradients):
+            return
+        owner = next((m for m, o in self.optimizers.values() if o is optimizer), None)
+        if owner is None or not any(p.grad is not None for p in self._trainable(owner)):
+            return
+        why = (f"with grad_accum_steps={self.grad_accum_steps} each micro-batch's loss must be scaled by 1/"
+               f"{self.grad_accum_steps}" if self.grad_accum_steps > 1 else "under fp16 the loss must carry the loss "
+               "scale" if self.precision.scaler is not None else "tensor parallelism's gradients must be averaged "
+               "over the data-parallel ranks afterwards")
+        raise UserError(f"{call}: the gradients of {owner!r} come from a backward of your own (`loss.backward()`), "
+                        f"not rt.backward(loss): {why}, which rt.backward does. Call `rt.backward(loss)` in place of "
+                        "`loss.backward()`. Nothing was updated.")
+
+    def _check_scheduler(self, optimizer: torch.optim.Optimizer, owner: str, scheduler) -> None:
+        """The scheduler rt.step steps must be the optimizer's, and stepped by rt.step alone: a scheduler.step() of
+        the loop's own besides (left over from a plain loop, or every micro-batch) runs the schedule faster."""
+        other = getattr(scheduler, "optimizer", optimizer)
+        if other is not optimizer:
+            of = next((m for m, o in self.optimizers.values() if o is other), None)
+            raise UserError(f"rt.step(optimizer, scheduler): the {type(scheduler).__name__} schedules "
+                            f"{'the optimizer of ' + repr(of) if of else 'another optimizer'}, not the one of {owner!r} "
+                            "given with it, whose learning rate it would never move. Pass each optimizer with its own "
+                            "scheduler. Nothing was updated.")
+        seen = self._scheduled.get(id(scheduler))
+        now = getattr(scheduler, "last_epoch", None)
+        if seen is not None and now is not None and now != seen:
+            raise UserError(f"rt.step(optimizer, scheduler): the {type(scheduler).__name__} of {owner!r} was stepped "
+                            f"{now - seen} time(s) outside rt.step since rt.step last stepped it (a scheduler.step() of "
+                            "your own besides): the schedule would run that much faster. rt.step steps it once per "
+                            "applied update; remove the other call. Nothing was updated.")
 
     def no_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         if enabled and self._replicas_checked is not None:  # (a loop that steps unsynced on purpose: local SGD)
@@ -977,6 +1031,7 @@ class Runtime:
                             "checkpoint's weights. Call `model, optimizer = rt.setup(model, optimizer)` first, then "
                             "rt.load_state (Accelerate's order too: prepare, then load_state).")
         self._all_ranks_here("load_state", self._checkpointed_names())
+        self._scheduled.clear()  # (a registered scheduler's position is the checkpoint's now)
         path = Path(path)
         numbered = re.fullmatch(r"step_([0-9]+)", path.name)  # (save_state names them step_00000005: 8 digits)
         if (step_of(path) >= 0 or numbered) and not path.is_dir():
