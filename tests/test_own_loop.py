@@ -1214,7 +1214,7 @@ def test_save_model_writes_inside_its_directory_or_refuses(tmp_path):
     (tmp_path / "FILE").write_text("")
     for args, says in [((tmp_path / "a" / "b", "1GB", "../../escape"), "without a directory part"),
                        ((tmp_path / "FILE" / "exp",), "FILE is not a directory; nothing was written"),
-                       ((None,), "is a path")]:
+                       ((None,), "expected a path")]:
         with pytest.raises(UserError, match=says):
             rt.save_model(model, *args)
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["FILE"]
@@ -1272,6 +1272,37 @@ def test_a_scheduler_stepped_besides_rt_step_or_of_another_optimizer_is_refused(
     rt.backward(model(x).pow(2).mean())
     with pytest.raises(UserError, match=r"stepped 1 time\(s\) outside rt.step"):
         rt.step(opt, sched)
+
+
+@pytest.mark.parametrize(("call", "says"), [
+    (lambda rt, m, tmp: trainer_runtime(threads="abc"), "threads='abc'"),
+    (lambda rt, m, tmp: trainer_runtime(threads=0), "threads=0"),
+    (lambda rt, m, tmp: trainer_runtime(seed="1"), "seed='1'"),
+    (lambda rt, m, tmp: trainer_runtime(run_dir=5), "run_dir=...\\): expected a path"),
+    (lambda rt, m, tmp: rt.save_state(None, 1), "expected a path"),
+    (lambda rt, m, tmp: rt.load_state(123), "expected a path"),
+    (lambda rt, m, tmp: rt.reduce("abc"), "takes a tensor or a number"),
+    (lambda rt, m, tmp: rt.gather([1.0, 2.0]), "takes a tensor"),
+    (lambda rt, m, tmp: rt.register(5, torch.optim.SGD(m.parameters(), lr=1.0)), "non-empty string"),
+    (lambda rt, m, tmp: rt.loader(torch.utils.data.TensorDataset(torch.zeros(4, 1)), 2, shuffle="no"), "shuffle='no'"),
+    (lambda rt, m, tmp: rt.accumulate(m, last="no"), "last='no'"),
+    (lambda rt, m, tmp: rt.clip_grad_norm_(m, -1.0), "max_norm=-1.0"),
+])
+def test_a_wrong_argument_to_the_runtime_is_one_paragraph(tmp_path, call, says):
+    """Each was a traceback from inside the framework or torch (threads, run_dir, paths, reduce, gather), an error at
+    a later call (seed, register), or silently taken ("no" as True: shuffled, ended the step; a negative max_norm
+    flipped the gradients)."""
+    rt = trainer_runtime()
+    model = rt.setup(nn.Linear(1, 1))
+    with pytest.raises(UserError, match=says):
+        call(rt, model, tmp_path)
+    assert rt.gather(1.5).tolist() == [1.5]  # (a plain number: one row per rank, as rt.reduce takes one)
+
+
+def trainer_runtime(**kwargs):
+    import trainer
+
+    return trainer.Runtime("single", "fp32", **kwargs)
 
 
 def test_a_scheduler_that_rt_step_steps_must_be_registered_to_be_saved(tmp_path, capsys):

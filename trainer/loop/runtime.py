@@ -118,6 +118,13 @@ class Runtime:
         device, threads = device or "auto", "auto" if threads is None else threads
         if not isinstance(grad_accum_steps, int) or isinstance(grad_accum_steps, bool) or grad_accum_steps < 1:
             raise UserError(f"Runtime(grad_accum_steps={grad_accum_steps!r}) is invalid: expected an integer >= 1.")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):  # (failed at the first batch)
+            raise UserError(f"Runtime(seed={seed!r}) is invalid: expected an integer.")
+        if threads != "auto" and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise UserError(f"Runtime(threads={threads!r}) is invalid: expected 'auto' or an integer >= 1 (the CPU "
+                            "threads each process computes with).")
+        if run_dir is not None:
+            _path_arg("Runtime(run_dir=...)", run_dir)
         if backend is None:
             usable_device(device, named="world.device={!r}" if launched is not None else "Runtime(device={!r})")
         self.backend = backend or Backend(device=device, threads=threads)
@@ -458,6 +465,8 @@ class Runtime:
     def register(self, name: str, obj: Any) -> Any:
         """Checkpoint `obj` (anything with state_dict/load_state_dict: a scheduler, a custom counter) under `name`
         in save_state/load_state."""
+        if not isinstance(name, str) or not name:
+            raise UserError(f"Runtime.register({name!r}, ...): the name to save it under is a non-empty string.")
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise UserError(f"Runtime.register({name!r}): a {type(obj).__name__} has no state_dict/load_state_dict.")
         if name in self.stateful or name in ("trainer", "optimizer", "rng", "loggers", "precision"):
@@ -473,6 +482,8 @@ class Runtime:
         a map-style dataset and False for an IterableDataset (read in its own order)."""
         _not_a_loader(dataset, "loader")
         _loader_args("loader", batch_size=batch_size, num_workers=num_workers)
+        if shuffle is not None and not isinstance(shuffle, bool):  # ("no" shuffled)
+            raise UserError(f"rt.loader(shuffle={shuffle!r}): expected True, False or None (the dataset's kind decides).")
         from trainer.data.streaming import is_stream, sized
 
         if shuffle is None:
@@ -511,6 +522,9 @@ class Runtime:
         """One micro-step: gradients are synced between ranks only in the last of every `grad_accum_steps`
         (DDP's no_sync, FSDP's set_requires_gradient_sync); `rt.step` steps only then. `last` says whether this
         micro-step ends the step, where the loop knows (the Trainer does); by default every grad_accum_steps-th."""
+        if last is not None and not isinstance(last, bool):  # ("no" ended the step)
+            raise UserError(f"rt.accumulate(..., last={last!r}): expected True, False or None (every "
+                            "grad_accum_steps-th micro-step ends a step).")
         if models and last is None:  # (a loop of one's own: the Trainer passes its set-up model, with last=)
             self._check_set_up(models, "rt.accumulate")
         models = models or tuple(self.models.values())
@@ -702,6 +716,10 @@ class Runtime:
         """Clip the true (unscaled, synced) gradients of a model or parameters to `max_norm` over every rank and
         mesh; None only measures. Returns the total norm before clipping, on the device."""
         self._check_at_boundary("rt.clip_grad_norm_")
+        if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
+                                     or not max_norm >= 0):  # (a negative one flipped the gradients)
+            raise UserError(f"rt.clip_grad_norm_(model, max_norm={max_norm!r}): expected a number >= 0 (None only "
+                            "measures the norm).")
         if isinstance(target, torch.Tensor):
             target = [target]
         elif not isinstance(target, nn.Module):
@@ -869,13 +887,21 @@ class Runtime:
         number (on one process as on several)."""
         if op not in ("sum", "mean", "max", "min"):
             raise UserError(f"rt.reduce(op={op!r}): expected sum, mean, max or min.")
+        if not isinstance(value, torch.Tensor) and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise UserError(f"rt.reduce got a {type(value).__name__}: it takes a tensor or a number (an int or a "
+                            "float), the same kind on every rank.")
         out = self.backend.all_reduce(value, op="sum" if op == "mean" else op)
         out = out / self.world_size if op == "mean" else out
         return out.item() if isinstance(out, torch.Tensor) and not isinstance(value, torch.Tensor) else out
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor` (same shape on all), concatenated along dim 0 in rank order, on every rank. A number
-        (a 0-dim tensor: a loss) is one row per rank, on one process as on several."""
+        (a 0-dim tensor: a loss) is one row per rank, on one process as on several; so is a plain number."""
+        if isinstance(tensor, (int, float)) and not isinstance(tensor, bool):
+            tensor = torch.tensor(tensor, device=self.device)
+        if not isinstance(tensor, torch.Tensor):
+            raise UserError(f"rt.gather got a {type(tensor).__name__}: it takes a tensor (the same shape on every "
+                            "rank) or a number; for other objects, gather them as tensors (torch.tensor(values)).")
         tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
         if self.backend.distributed:  # (gloo aborts the process on unequal shapes: say which, in one paragraph)
             shapes = self.backend.gather_object((tuple(tensor.shape), str(tensor.dtype)))
@@ -934,6 +960,7 @@ class Runtime:
                                  every_component=True)
 
     def save_state(self, directory: str | os.PathLike, step: int, keep_last: int | None = None) -> Path:
+        _path_arg("rt.save_state(directory, step)", directory)
         """Checkpoint every model, optimizer, loader and registered object, and each rank's RNG, as
         `directory/step_<step>` (atomic, pickle-free; the `keep_last` newest are kept: default checkpoint.keep_last
         under launch, where null keeps every one, else 2). Every rank must call it, at a step boundary."""
@@ -1023,6 +1050,8 @@ class Runtime:
         """Load a checkpoint of save_state (a `step_*` dir, or the newest complete one under `path`): under any
         strategy and world size. Returns its step, or None when `path` holds no checkpoint yet. Every rank."""
         from trainer.checkpoint.store import MANIFEST, Checkpointer, step_of
+
+        _path_arg("rt.load_state(path)", path)
 
         # Refused whether or not a checkpoint is there yet: a first run (nothing to load) would otherwise pass, and
         # its restart be refused. (With a checkpoint, the load compared its weights with no model: "not in the model".)
@@ -1185,9 +1214,7 @@ class Runtime:
         if not isinstance(model, nn.Module):
             raise UserError(f"rt.save_model got a {type(model).__name__}: pass the model (what rt.setup returned, or "
                             "the module itself); an optimizer's and the rest of the run's state go in rt.save_state.")
-        if not isinstance(directory, (str, os.PathLike)):
-            raise UserError(f"rt.save_model(model, {directory!r}): the directory to write is a path (a str or a "
-                            f"pathlib.Path), not a {type(directory).__name__}.")
+        _path_arg("rt.save_model(model, directory)", directory)
         if Path(directory).exists() and not Path(directory).is_dir():
             raise UserError(f"rt.save_model({str(directory)!r}, ...): that path is a file; save_model writes a "
                             "directory (model.safetensors and, for a Hugging Face model, config.json). Pass a "
@@ -1451,6 +1478,12 @@ def _not_a_loader(dataset: Any, what: str) -> None:
                         "same global batches on any number of processes, resumable). Pass the DataLoader's dataset: "
                         f"rt.{what}(loader.dataset, batch_size=..., ...), where Accelerate has "
                         "accelerator.prepare(DataLoader(...)).")
+
+
+def _path_arg(call: str, value: Any) -> None:
+    """A path argument (a str or a pathlib.Path): anything else was a TypeError traceback from deep inside."""
+    if not isinstance(value, (str, os.PathLike)) or isinstance(value, str) and not value:
+        raise UserError(f"{call}: expected a path (a str or a pathlib.Path), got {value!r}.")
 
 
 def _loader_args(what: str, **counts: Any) -> None:
