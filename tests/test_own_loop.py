@@ -1305,6 +1305,18 @@ def trainer_runtime(**kwargs):
     return trainer.Runtime("single", "fp32", **kwargs)
 
 
+def test_load_state_of_a_dir_whose_checkpoints_are_one_level_down_says_where_they_are(tmp_path, capsys):
+    """rt.load_state(run_dir) with the checkpoints in run_dir/ckpt returned None (a fresh start) without a word."""
+    rt = trainer_runtime()
+    rt.setup(nn.Linear(1, 1))
+    rt.save_state(tmp_path / "ckpt", 1)
+    rt.end()
+    rt = trainer_runtime()
+    rt.setup(nn.Linear(1, 1))
+    assert rt.load_state(tmp_path) is None
+    assert f"but {tmp_path / 'ckpt'} holds some: pass that directory" in capsys.readouterr().err
+
+
 def test_a_scheduler_that_rt_step_steps_must_be_registered_to_be_saved(tmp_path, capsys):
     """rt.step(optimizer, scheduler) with a scheduler never registered: save_state left it out, and a resume started
     the schedule over (the learning rate back at its first value, the weights off the uninterrupted run's) without

@@ -1075,6 +1075,10 @@ class Runtime:
         if not (path / MANIFEST).exists():
             found = Checkpointer(path).complete() if path.is_dir() else []
             if not found:
+                below = sorted({str(p.parent.parent) for p in path.glob("*/step_*/" + MANIFEST)}) if path.is_dir() else []
+                if below and self.backend.is_main:  # (a fresh start is what it returns: say where checkpoints are)
+                    _note(f"rt.load_state({str(path)!r}): no checkpoint there (a fresh start), but {', '.join(below)} "
+                          "holds some: pass that directory to continue from its newest")
                 return None
             path = found[-1]
         # The trackers continue their runs (the wandb run id) on a restart: a load before this process logged, of a
