@@ -1758,6 +1758,18 @@ def test_a_parameter_the_forward_leaves_unused_under_ddp_is_named_with_the_setti
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.parametrize(("mode", "says"), [("freeze", "2 of its parameters were frozen since its first step"),
+                                            ("unfreeze", "2 of its parameters were unfrozen since its first step")])
+def test_changing_what_a_ddp_model_trains_after_its_first_step_is_one_paragraph(tmp_path, mode, says):
+    """Freezing a layer of a DDP model after its first step: torch's "Expected to have finished reduction" traceback
+    at the next forward, after a step whose gradients were partly unaveraged. Unfreezing one: DDP never averages it,
+    and each rank stepped it on its own gradients, silently."""
+    r = launch("world=ddp", "world.nproc_per_node=2", SCRIPT, mode)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert says in r.stderr and "Nothing was updated" in r.stderr  # (2: the layer's weight and bias)
+    assert "Traceback" not in r.stderr
+
+
 def test_a_mistake_in_a_plain_python_script_is_one_paragraph_with_the_scripts_line(tmp_path):
     """`python SCRIPT.py` (or torchrun): a UserError printed a traceback through the framework, where under launch it
     is one paragraph. Now it is the paragraph and the script's line that made the call; TRAINER_DEBUG=1 shows all."""

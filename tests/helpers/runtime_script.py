@@ -263,6 +263,19 @@ def unused(rt: trainer.Runtime) -> None:
     rt.end()
 
 
+def refreeze(rt: trainer.Runtime, unfreeze: bool) -> None:
+    """Two steps of a two-layer model under DDP, one layer's requires_grad changed between them."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    model[0].requires_grad_(not unfreeze)
+    model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in range(2):
+        if step == 1:
+            rt.unwrap(model)[0].requires_grad_(unfreeze)
+        rt.backward(model(torch.ones(2, 4) * (rt.rank + 1)).sum())
+        rt.step(opt)
+    rt.end()
+
+
 def teacher(rt: trainer.Runtime) -> None:
     torch.manual_seed(rt.rank)  # each rank's own teacher weights: rank 0's must reach every rank
     frozen, student = nn.Linear(4, 4).requires_grad_(False), nn.Linear(4, 4)
@@ -300,5 +313,7 @@ if __name__ == "__main__":
      "slow_phases": lambda: slow_phases(runtime, float(args[0])),
      "single": lambda: runtime.end(),
      "unused": lambda: unused(runtime),
+     "freeze": lambda: refreeze(runtime, unfreeze=False),
+     "unfreeze": lambda: refreeze(runtime, unfreeze=True),
      "teacher": lambda: teacher(runtime),
      "rank_shaped": lambda: rank_shaped(runtime)}[mode]()

@@ -216,6 +216,7 @@ class Runtime:
         # DDP models whose first step found every rank's gradients equal. Checked in a script's own loop only: the
         # framework's Trainer runs what it wrapped, and the batch-size finder steps unsynced on purpose.
         self._replicas_checked: set[str] | None = set() if backend is None else None
+        self._ddp_trainable: dict[str, int] = {}  # a DDP model's count of trainable parameters at its first step
         self.position = RunPosition()
         self._checkpointer = None
         # A gloo group of its own for the barrier that checks every rank called save_state (made now, on every
@@ -763,6 +764,8 @@ class Runtime:
         if scheduler is not None:
             self._check_scheduler(optimizer, owner, scheduler)
         self._check_backward_was_ours(optimizer, "rt.step")
+        if isinstance(self.models[owner], nn.parallel.DistributedDataParallel) and self.backend.distributed:
+            self._check_ddp_trainable(owner)
         self._synced([owner])
         if self._replicas_checked is not None and owner not in self._replicas_checked:
             self._check_replicas_agree(owner)
@@ -799,6 +802,26 @@ class Runtime:
         raise UserError(f"{call}: the gradients of {owner!r} come from a backward of your own (`loss.backward()`), "
                         f"not rt.backward(loss): {why}, which rt.backward does. Call `rt.backward(loss)` in place of "
                         "`loss.backward()`. Nothing was updated.")
+
+    def _check_ddp_trainable(self, name: str) -> None:
+        """DistributedDataParallel averages the gradients of the parameters that required them when it was built, and
+        (without find_unused_parameters) waits for each of them in every backward: a parameter unfrozen since is
+        never averaged (each rank steps it on its own gradient, silently), and one frozen since leaves its bucket
+        unreduced, then torch's "Expected to have finished reduction" at the next forward."""
+        model = self.models[name]
+        now = sum(p.requires_grad for p in self._listed.get(name) or model.parameters())
+        first = self._ddp_trainable.setdefault(name, now)
+        if now > first or (now < first and not model.find_unused_parameters):
+            what = (f"{now - first} of its parameters were unfrozen since its first step: DistributedDataParallel "
+                    "averages only those that required gradients when rt.setup wrapped it, so each rank would step "
+                    "those on its own gradients. Unfreeze them before rt.setup (frozen ones can be left out of the "
+                    "optimizer), or set the model up again" if now > first else
+                    f"{first - now} of its parameters were frozen since its first step: DistributedDataParallel waits "
+                    "for their gradients, so the gradients it buckets with them were not averaged in this step, and "
+                    "its next forward would fail. Freeze them before rt.setup, or let DDP look for unused parameters: "
+                    "Runtime('ddp', world_options={'find_unused_parameters': True}) (under launch: "
+                    "world.find_unused_parameters=true)")
+            raise UserError(f"rt.step: the DDP model {name!r}: {what}. Nothing was updated.")
 
     def _check_scheduler(self, optimizer: torch.optim.Optimizer, owner: str, scheduler) -> None:
         """The scheduler rt.step steps must be the optimizer's, and stepped by rt.step alone: a scheduler.step() of
