@@ -144,14 +144,15 @@ def test_export_shards_above_the_size_limit(corpus, tmp_path):
     assert not (tmp_path / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("mode", ["min", "max"])
-def test_best_checkpoint_by_metric_is_the_best_eval_and_survives_pruning(corpus, tmp_path, mode):
+@pytest.mark.parametrize(("mode", "save_final"), [("min", True), ("max", True), ("min", False)])
+def test_best_checkpoint_by_metric_is_the_best_eval_and_survives_pruning(corpus, tmp_path, mode, save_final):
     """Every eval is compared, and one that beats the best is saved whether or not a checkpoint was due (evals at
     3 and 6, checkpoints every 2 steps: best.json named only evals that fell on a checkpoint step, the worst under
-    max). The best survives pruning to keep_last=1."""
+    max). The best survives pruning to keep_last=1. With checkpoint.save_final=false the final eval was never
+    ranked: the checkpoint due at the last step was saved before it, and best.json named step 6's, a worse one."""
     events = train_in_process(corpus, tmp_path, "trainer.max_steps=8", "trainer.eval_every=3", "optim.lr=3e-2",
                               "checkpoint.every_n_steps=2", "checkpoint.keep_last=1", "checkpoint.best_metric=val/loss",
-                              f"checkpoint.best_mode={mode}")
+                              f"checkpoint.best_mode={mode}", f"checkpoint.save_final={save_final}")
     best = json.loads((tmp_path / "checkpoints" / "best.json").read_text())
     val = {e["step"]: e["val/loss"] for e in events if "val/loss" in e}
     assert sorted(val) == [3, 6, 8]

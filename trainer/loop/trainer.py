@@ -377,7 +377,7 @@ class Trainer:
             progress.write(f"compiling the model ({', '.join(f'{k}={v}' for k, v in how.items())}): the first steps "
                            "take longer.")
         try:
-            evaluated_at, final = None, {}
+            evaluated_at, final, deferred = None, {}, False
             while not self.finished:
                 batches = [be.to_device(next(batches_iter)) for _ in range(cfg.grad_accum_steps)]
                 n_global, stop = self.sync_counts(batches)
@@ -402,7 +402,10 @@ class Trainer:
                 better = self._improves(evaluated)  # (first: a best_metric the evals lack is said, the step saved)
                 saving = (self._checkpoint_due() or better) and not (
                     self.finished and self.checkpointer.save_final)
-                if saving:
+                # (checkpoint.save_final=false: a checkpoint due at the last step waits for the final eval after the
+                # loop, so that it is ranked with it: saved without, a better last eval named no best)
+                deferred = saving and self.finished and evaluated is None
+                if saving and not deferred:
                     self.save_checkpoint(evaluated)
                 if evaluated is not None or saving:
                     meter.restart()  # eval and saving are not training throughput
@@ -414,6 +417,8 @@ class Trainer:
             self.callbacks.on_fit_end(self, final)
             if self.checkpointer.save_final:
                 self._improves(final)  # (a best_metric the evals lack: said once the final checkpoint is saved)
+                self.save_checkpoint(final, wait=True)
+            elif deferred or self._improves(final):  # (the final eval is ranked as every eval is: saved if it beats)
                 self.save_checkpoint(final, wait=True)
             self.checkpointer.close()  # surfaces a failed background save
         except BaseException:
