@@ -274,6 +274,8 @@ def test_eval_on_two_processes_of_another_checkpoint_with_other_eval_settings(re
 def test_eval_mistakes_are_one_paragraph(reference, tmp_path):
     from test_errors import assert_clean_error
 
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
     for args, needle in ((["eval"], "usage: python -m trainer eval RUN_DIR"),
                          (["eval", str(tmp_path)], "is not a run dir"),
                          (["eval", str(reference), "checkpoint=best"], "no checkpoints/best.json"),
@@ -302,6 +304,11 @@ def test_eval_mistakes_are_one_paragraph(reference, tmp_path):
                          # an output path that cannot be a file, refused before the sampling (an IsADirectoryError
                          # traceback after it)
                          (["sample", str(reference), f"out={tmp_path}"], f"out={tmp_path}: {tmp_path} is a directory"),
+                         # a file sample would replace with a PNG: the run's export (then not loadable), a file of
+                         # the user's that is no image (was overwritten, exit 0)
+                         (["sample", str(reference), f"out={reference / 'model.safetensors'}"],
+                          "that file is the run's own"),
+                         (["sample", str(reference), f"out={notes}"], "that file exists and is not a PNG image"),
                          # a place no file can be made in, even by root (whom the permission bits let through: a
                          # PermissionError traceback after the sampling)
                          (["sample", str(reference), "out=/proc/x.png"], "out=/proc/x.png: "),
@@ -312,6 +319,7 @@ def test_eval_mistakes_are_one_paragraph(reference, tmp_path):
         r = (run_here if "world.tp=2" in args else run_main)(*args, cwd=tmp_path)  # (that one builds the Trainer)
         assert_clean_error(r, needle)
         assert "This script runs as one process" not in r.stderr
+    assert notes.read_text() == "mine"
 
 
 def test_a_missing_task_state_that_the_export_lists_is_one_paragraph(diffusion_reference, tmp_path):
@@ -385,6 +393,7 @@ def test_a_checkpoint_given_for_a_run_dir_is_named_as_one_and_never_written_over
 
 def test_sample_writes_the_grid_from_the_ema_weights_and_needs_nothing_else(diffusion_reference, tmp_path):
     out = tmp_path / "grid.png"
+    out.write_bytes(b"\x89PNG\r\n\x1a\n" + b"an earlier sample")  # (a PNG of an earlier sample: replaced)
     r = run_main("sample", str(diffusion_reference), f"out={out}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert f"image: {out}" in r.stdout

@@ -247,6 +247,22 @@ def _user_errors(fn):
     return inner
 
 
+def _replaces(path: Path, run: Path) -> str | None:
+    """Why writing the sample to `path` would destroy something (None: it would not): a file of the run dir (its
+    export, config, a training sample's image), or a file that is not a PNG image (a regenerated sample's PNG may be
+    replaced)."""
+    if not path.is_file():
+        return None
+    if path.resolve().is_relative_to(run.resolve()):
+        return ("that file is the run's own (its weights, its records, a training sample's image), which the sample "
+                "would replace; give a path of its own (outside the run dir, or a new name under it)")
+    with open(path, "rb") as f:
+        if f.read(8) != b"\x89PNG\r\n\x1a\n":
+            return ("that file exists and is not a PNG image, which the sample would replace; give a new path (or "
+                    "move the file first)")
+    return None
+
+
 def _secrets_of(cfg) -> set[str]:
     """What must not be printed, as training redacts it: the environment's secrets and the config's (its values
     resolved where they can be)."""
@@ -390,7 +406,7 @@ def sample(argv: list[str]) -> int:
     if "out" in opts:  # (before the sampling, not after it)
         from trainer.io import output_file_problem
 
-        problem = output_file_problem(opts["out"])
+        problem = output_file_problem(opts["out"]) or _replaces(Path(opts["out"]), run)
         if problem:
             raise ConfigError(f"out={opts['out']}: {problem}.")
     secrets = _secrets_of(config_yaml(run)) | secret_values(task_keys)
@@ -441,11 +457,14 @@ def sample(argv: list[str]) -> int:
                     "output (for lm: add task.sample_tokens=200; for diffusion and gan: task.num_samples=16).",
                     secrets), file=sys.stderr)
         return 0
+    images = [name for name, value in out.items() if is_image(value)]
     for name, value in out.items():
         if isinstance(value, str):
             print(printable(scrub(value, secrets)))
         elif is_image(value):
-            path = Path(opts.get("out", run / "samples" / (f"{stem}.png" if name == "image" else f"{stem}_{name}.png")))
+            path = Path(opts.get("out", run / "samples" / f"{stem}.png"))
+            if name != "image" and (len(images) > 1 or "out" not in opts):  # (each image a file of its own)
+                path = path.with_name(f"{path.stem}_{name}{path.suffix}")
             atomic_write_bytes(path, png_bytes(value))
             print(scrub(f"{name}: {path}", secrets))
         else:
