@@ -429,6 +429,11 @@ def test_sample_of_a_checkpoint_equals_the_exports_and_works_on_a_run_not_finish
 
         with pytest.raises(ConfigError, match=r"trainer.load\(device='cuda'\) is invalid here: .* no CUDA device"):
             trainer.load(run, checkpoint="latest", device="cuda")
+    import trainer
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"trainer.load\(ema='false'\): expected True"):  # (loaded the EMA's)
+        trainer.load(run, ema="false")
     named = run_main("sample", str(run), f"checkpoint={first.name}", f"out={tmp_path / 'named.png'}", cwd=tmp_path)
     assert named.returncode == 0 and (tmp_path / "named.png").read_bytes() == grid.read_bytes()  # (its name will do)
     assert_clean_error(run_main("sample", str(run), "checkpoint=latest", "device_map=auto", cwd=tmp_path),

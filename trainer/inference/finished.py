@@ -325,6 +325,8 @@ def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "c
     from trainer.checkpoint.store import MANIFEST, step_of
     from trainer.parallel.backend import usable_device
 
+    if not isinstance(ema, bool):  # (ema="false" loaded the EMA's weights: a string is true)
+        raise ConfigError(f"trainer.load(ema={ema!r}): expected True (the EMA's weights) or False (the raw ones).")
     device = usable_device(device, named="trainer.load(device={!r})")  # (before anything is read: no CUDA here, ...)
     given = Path(run_dir).expanduser()
     # A checkpoint's own dir: a run dir has no manifest; a run's step_N without one is a save that was cut off,
