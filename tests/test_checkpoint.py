@@ -162,6 +162,17 @@ def test_best_checkpoint_by_metric_is_the_best_eval_and_survives_pruning(corpus,
     assert f"step_{best_step:08d}" in kept and "step_00000008" in kept and len(kept) <= 2
 
 
+def test_a_nan_best_metric_is_said_once_not_ranked_in_silence(tmp_path, capsys):
+    """A best_metric NaN at every eval (diffusion's diversity on too few samples) kept no best.json, exit 0, without a
+    word; `eval checkpoint=best` then blamed a run without evals."""
+    from trainer.checkpoint.store import Checkpointer
+
+    ck = Checkpointer(tmp_path, best_metric="val/diversity", best_mode="max")
+    assert not ck.improves({"val/diversity": float("nan")}) and not ck.improves({"val/diversity": float("nan")})
+    assert capsys.readouterr().out.count("checkpoint.best_metric=val/diversity is NaN in this eval") == 1
+    assert ck.improves({"val/diversity": 0.5})
+
+
 def test_a_best_ranked_by_another_metric_is_ranked_anew_after_a_resume(tmp_path):
     """Resumed with checkpoint.best_metric=val/bpb after val/loss: the val/loss best (3.55) was compared with val/bpb's
     values (~5), never beaten, and `eval checkpoint=best` kept naming the worst checkpoint by val/bpb. Checkpoints

@@ -119,6 +119,7 @@ class Checkpointer:
         self.every_n_steps, self.keep_last, self.save_final = every_n_steps, keep_last, save_final
         self.async_save, self._pool, self._pending = async_save, None, None
         self.best_metric, self.best_mode = best_metric, best_mode
+        self._said_nan = False  # (a NaN best_metric, said once)
         self.best: tuple[float, str] | None = None  # (metric value, checkpoint name); in checkpoints too
         # (metric, mode, checkpoint) of a resumed best ranked by another best_metric or best_mode: set aside
         self.reranked: tuple[str | None, str, str] | None = None
@@ -160,6 +161,12 @@ class Checkpointer:
         # A NaN is never the best, and any number beats a NaN best (one recorded before this rule): every comparison
         # with a NaN is false, so a NaN first eval stayed "best" for the rest of the run.
         if math.isnan(value):
+            if not self._said_nan and self.backend.is_main:  # (once: a run of NaN evals said nothing at all)
+                self._said_nan = True
+                print(f"note: checkpoint.best_metric={self.best_metric} is NaN in this eval, and a NaN is never the "
+                      "best: no best checkpoint is kept for it (best.json) until an eval gives a number. A metric "
+                      "undefined on this eval's samples (too few of them) stays NaN: pick another, or evaluate more "
+                      "samples.", flush=True)
             return False
         if self.best is None or math.isnan(self.best[0]):
             return True

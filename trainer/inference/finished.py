@@ -673,7 +673,8 @@ def checkpoint_of(run_dir: str | Path, which: str = "latest") -> Path:
         if not os.path.lexists(best):
             metric = OmegaConf.select(config_yaml(path), "checkpoint.best_metric", default=None)
             why = (f"no eval has ranked a checkpoint by checkpoint.best_metric={metric} yet (it was set after the "
-                   "run's last eval, or the run stopped before its first one); an eval after it writes it" if metric else
+                   "run's last eval, the run stopped before its first one, or the metric was NaN at every eval, which "
+                   "is never the best); an eval after it that gives a number writes it" if metric else
                    "it was trained without checkpoint.best_metric")
             raise ConfigError(f"{path} has no checkpoints/best.json: {why}. Use checkpoint=latest or a checkpoint's "
                               "path.")
