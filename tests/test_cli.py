@@ -351,3 +351,11 @@ def test_a_yaml_mistake_is_the_same_error_with_the_parse_cache(tmp_path):
                 OmegaConf.load(f)
             errors.append((type(info.value), str(info.value)))
     assert errors[0] == errors[1]
+
+
+@pytest.mark.parametrize("command", ["eval", "sample", "config", "tune", "launch"])
+def test_every_command_answers_help_with_its_usage(tmp_path, command):
+    """`eval --help` (and sample, config, tune) printed its usage as an error, exit 2; env and check answered."""
+    r = run_main(command, "--help", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith(f"usage: python -m trainer {command} "), r.stdout + r.stderr
+    assert not r.stderr

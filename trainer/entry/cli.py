@@ -677,6 +677,11 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] and argv[0] in COMMANDS:
         from trainer.entry import commands
 
+        # `COMMAND --help` (before a launched script's own arguments): its usage, exit 0
+        asked = argv[1:next((i for i, a in enumerate(argv) if a.endswith(".py")), len(argv))]
+        if commands.usage(argv[0]) and any(a in ("-h", "--help") for a in asked):
+            print(f"usage: {commands.usage(argv[0])}")
+            sys.exit(0)
         try:
             code = commands.COMMANDS[argv[0]](argv[1:])
         except UserError as err:  # (a command's own mistakes are one paragraph as the training command's are)

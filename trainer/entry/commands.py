@@ -304,9 +304,7 @@ def evaluate(argv: list[str]) -> int:
         refuse_relative_data_elsewhere,
     )
 
-    usage = ("python -m trainer eval RUN_DIR [checkpoint=latest|best|PATH] [device_map=auto max_memory.cpu=SIZE "
-             "offload_dir=DIR] [KEY=VALUE ...]")
-    run_dir, opts, overrides = _run_and_options(argv, usage, ("checkpoint",))
+    run_dir, opts, overrides = _run_and_options(argv, EVAL_USAGE, ("checkpoint",))
     placement, overrides = cli_options(overrides)
     cfg = config_of(run_dir, overrides)
     secrets = _secrets_of(cfg)
@@ -389,8 +387,7 @@ def sample(argv: list[str]) -> int:
     from trainer.redaction import scrub, secret_values
     from trainer.tracking.images import is_image, png_bytes
 
-    usage = ("python -m trainer sample RUN_DIR [checkpoint=latest|best|PATH] [ema=true|false] [out=PATH] "
-             "[device_map=auto max_memory.cpu=SIZE offload_dir=DIR show_map=true] [task.KEY=VALUE ...]")
+    usage = SAMPLE_USAGE
     run_dir, opts, rest = _run_and_options(argv, usage, ("checkpoint", "ema", "out"))
     placement, rest = cli_options(rest)
     wrong = [a for a in rest if not a.startswith("task.") or "=" not in a]  # (only those: the rest are fine)
@@ -532,7 +529,7 @@ def launch_parts(argv: list[str]):
     from trainer.config.compose import load, prepare
     from trainer.errors import ConfigError
 
-    usage = "python -m trainer launch [KEY=VALUE ...] SCRIPT.py [ARGS ...]"
+    usage = LAUNCH_USAGE
     py = next((i for i, a in enumerate(argv) if a.endswith(".py") and not a.startswith("-")), None)
     if py is not None and any(a.startswith("-") for a in argv[:py]):  # accelerate launch --num_processes 2 ...
         from trainer.config.flags import refuse_foreign_flags
@@ -594,6 +591,22 @@ def _read_by_launch(key: str) -> bool:
 
 
 SCRIPT_ENV = "TRAINER_SCRIPT"  # the script and its arguments, for trainer.entry.run.script on every rank
+
+EVAL_USAGE = ("python -m trainer eval RUN_DIR [checkpoint=latest|best|PATH] [device_map=auto max_memory.cpu=SIZE "
+              "offload_dir=DIR] [KEY=VALUE ...]")
+SAMPLE_USAGE = ("python -m trainer sample RUN_DIR [checkpoint=latest|best|PATH] [ema=true|false] [out=PATH] "
+                "[device_map=auto max_memory.cpu=SIZE offload_dir=DIR show_map=true] [task.KEY=VALUE ...]")
+LAUNCH_USAGE = "python -m trainer launch [KEY=VALUE ...] SCRIPT.py [ARGS ...]"
+
+
+def usage(command: str) -> str | None:
+    """The usage line `python -m trainer COMMAND --help` prints (env and check print their own)."""
+    from trainer.config.machine import USAGE as CONFIG_USAGE
+    from trainer.entry.tuning import USAGE as TUNE_USAGE
+
+    return {"eval": EVAL_USAGE, "sample": SAMPLE_USAGE, "launch": LAUNCH_USAGE, "config": CONFIG_USAGE,
+            "tune": TUNE_USAGE}.get(command)
+
 
 COMMANDS = {"env": env, "check": check, "eval": evaluate, "sample": sample, "config": config, "tune": tune,
             "launch": launch}
