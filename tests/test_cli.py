@@ -359,3 +359,9 @@ def test_every_command_answers_help_with_its_usage(tmp_path, command):
     r = run_main(command, "--help", cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.startswith(f"usage: python -m trainer {command} "), r.stdout + r.stderr
     assert not r.stderr
+
+
+def test_a_misspelt_command_is_named(tmp_path):
+    """`evl RUN` said "'evl' is not an override: write KEY=VALUE", naming no command."""
+    r = run_main("evl", str(tmp_path), cwd=tmp_path)
+    assert r.returncode == 2 and "'evl' is neither a command nor an override" in r.stderr and "Did you mean eval?" in r.stderr

@@ -674,6 +674,14 @@ def remove_if_unused(run_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] and argv[0] not in COMMANDS and "=" not in argv[0] and not argv[0].startswith(("-", "~", "+")):
+        from trainer.errors import ConfigError, suggest
+
+        hint = suggest(argv[0], COMMANDS)  # (`evl RUN`: "'evl' is not an override" named no command)
+        if hint:
+            report(ConfigError(f"{argv[0]!r} is neither a command nor an override (KEY=VALUE).{hint} The commands: "
+                               f"{', '.join(COMMANDS)}; training takes overrides alone."))
+            sys.exit(ConfigError.exit_code)
     if argv[:1] and argv[0] in COMMANDS:
         from trainer.entry import commands
 
