@@ -703,7 +703,7 @@ def test_the_finders_take_your_own_config_dir_and_say_it_in_the_command_they_sug
     `python -m trainer --config-dir DIR tune ...` too: a recipe of one's own could not be tuned."""
     from conftest import run_here
 
-    r = run_here("tune", "lr", "--config-dir", str(CONF), "recipe=classify", "tune.steps=10", cwd=tmp_path)
+    r = run_here("tune", "lr", "--config-dir", str(CONF), "recipe=classify", "tune.steps=30", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert f"Run with: python -m trainer --config-dir {CONF} recipe=classify optim.lr=" in r.stdout
 

@@ -236,7 +236,7 @@ def conform(tree: Any, like: Any, chunks: dict[str, list[Stored]], where: str, p
     tensors assembled for this rank, containers and plain values checked against the live ones.
 
     Keys the live state has must be in the checkpoint; keys it lacks are ignored, but in a mapping of plain values
-    (a registered object's counts by label: its keys are the data). Where the live state has an empty container
+    inside a component's state (a registered object's counts by label: its keys are the data). Where the live state has an empty container
     (lists whose length the checkpoint decides, such as one RNG state per rank) or None (a value not set yet: a
     best score), the checkpoint's values are taken after a check of their kind only."""
     label = path or "<root>"
@@ -260,10 +260,12 @@ def conform(tree: Any, like: Any, chunks: dict[str, list[Stored]], where: str, p
             raise CheckpointError(f"{where}: '{label}' lacks {', '.join(missing[:5])}.")
         out = {k: conform(items[k] if k in items else items[str(k)], v, chunks, where, f"{path}/{k}")
                for k, v in like.items()}
-        if all(v is None or isinstance(v, (bool, int, float, str)) for v in like.values()):
+        # Below a component's own state (its keys are its schema: one it dropped stays behind), a mapping of plain
+        # values is data (counts by label), whose saved keys all come back.
+        if path.count("/") >= 2 and all(_plain_json(v) for v in like.values()):
             known = {str(k) for k in like}
             out.update({k: _free(v, chunks, where, f"{path}/{k}") for k, v in items.items()
-                        if k not in like and str(k) not in known})
+                        if k not in like and str(k) not in known and _plain_json(v)})
         return out
     if isinstance(like, (list, tuple)):
         seq = tree.get(TUPLE) if isinstance(tree, dict) and TUPLE in tree else tree
@@ -279,6 +281,10 @@ def conform(tree: Any, like: Any, chunks: dict[str, list[Stored]], where: str, p
                            f"{path}/{i}") for i, v in enumerate(seq)]
         return tuple(out) if isinstance(like, tuple) else out
     return _plain(tree, like, where, label)
+
+
+def _plain_json(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def _items(tree: dict, where: str, label: str):
