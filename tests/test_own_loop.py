@@ -1317,6 +1317,22 @@ def test_load_state_of_a_dir_whose_checkpoints_are_one_level_down_says_where_the
     assert f"but {tmp_path / 'ckpt'} holds some: pass that directory" in capsys.readouterr().err
 
 
+def test_a_registered_scheduler_loads_from_a_checkpoint_numbered_by_epoch(tmp_path):
+    """One checkpoint an epoch, `rt.save_state(dir, epoch)`, with the scheduler stepped every batch: the save went
+    through and the load refused it ("scheduler.last_epoch=16 is not a position within step 2"), the run's work
+    unreachable. A loop's own step numbers its checkpoints; it bounds no schedule."""
+    rt, model, opt, x = _one_model_loop()
+    sched = rt.register("scheduler", torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)))
+    for _ in range(8):
+        rt.backward(model(x).pow(2).mean())
+        rt.step(opt, sched)
+    rt.save_state(tmp_path, 1)  # (epoch 1, eight updates in)
+    rt.end()
+    rt, model, opt, x = _one_model_loop()
+    back = rt.register("scheduler", torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)))
+    assert rt.load_state(tmp_path) == 1 and back.last_epoch == 8
+
+
 def test_a_scheduler_that_rt_step_steps_must_be_registered_to_be_saved(tmp_path, capsys):
     """rt.step(optimizer, scheduler) with a scheduler never registered: save_state left it out, and a resume started
     the schedule over (the learning rate back at its first value, the weights off the uninterrupted run's) without

@@ -346,7 +346,8 @@ class CheckpointManager:
                 c.check_state(state[name], f"{where}: {name}")
         if resume:
             self.run.check_state(state["trainer"], where)
-            _check_schedule(state.get("scheduler"), state["trainer"]["step"], where)
+            # (a loop of one's own numbers its checkpoints itself, by epoch or by update: its step bounds nothing)
+            _check_schedule(state.get("scheduler"), None if self.every_component else state["trainer"]["step"], where)
         rngs = state["rng"]
         if self.backend.rank < len(rngs):
             _check_rng(rngs[self.backend.rank], where)
@@ -354,11 +355,12 @@ class CheckpointManager:
 
 
 
-def _check_schedule(state: Any, step: int, where: str) -> None:
+def _check_schedule(state: Any, step: int | None, where: str) -> None:
     """The schedule's position is a step the run has reached (a negative one would run the LR backwards)."""
     position = state.get("last_epoch") if isinstance(state, dict) else None
-    if isinstance(position, int) and not 0 <= position <= step:
-        raise CheckpointError(f"{where}: scheduler.last_epoch={position} is not a position within step {step}.")
+    if isinstance(position, int) and not 0 <= position <= (position if step is None else step):
+        raise CheckpointError(f"{where}: scheduler.last_epoch={position} is not a position "
+                              f"{'within step ' + str(step) if step is not None else 'a schedule reaches'}.")
 
 
 def _check_rng(state: dict, where: str) -> None:
