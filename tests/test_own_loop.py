@@ -1333,6 +1333,31 @@ def test_a_registered_scheduler_loads_from_a_checkpoint_numbered_by_epoch(tmp_pa
     assert rt.load_state(tmp_path) == 1 and back.last_epoch == 8
 
 
+def test_a_loop_that_skips_a_batch_still_steps_under_accumulation_and_fp16():
+    """A batch skipped (no backward), then rt.step anyway, as a loop over bad batches does: under fp16 the second
+    rt.step with no backward between was torch's "step() has already been called since the last update()"; under
+    accumulation a skipped first micro-batch was refused as gradients zeroed in the middle of the step."""
+    import trainer
+
+    rt = trainer.Runtime("single", "fp16")
+    model = nn.Linear(4, 1)
+    model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(4, 4)
+    for skip in (False, True, True, False):
+        if not skip:
+            with rt.autocast():
+                rt.backward(model(x).pow(2).mean())
+        rt.clip_grad_norm_(model, 1.0)
+        rt.step(opt)
+    rt, model, opt, x = _one_model_loop(accum=2)
+    before = model.weight.detach().clone()
+    with rt.accumulate(model):
+        pass  # (the step's first micro-batch, skipped)
+    with rt.accumulate(model):
+        rt.backward(model(x).pow(2).mean())
+    assert rt.step(opt) and not torch.equal(model.weight, before)
+
+
 def test_a_scheduler_that_rt_step_steps_must_be_registered_to_be_saved(tmp_path, capsys):
     """rt.step(optimizer, scheduler) with a scheduler never registered: save_state left it out, and a resume started
     the schedule over (the learning rate back at its first value, the weights off the uninterrupted run's) without

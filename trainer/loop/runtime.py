@@ -199,6 +199,7 @@ class Runtime:
         self._schedulers: list[Any] = []  # the schedulers rt.step has stepped (save_state refuses one not registered)
         self._scheduled: dict[int, int] = {}  # each of those schedulers' last_epoch after rt.step stepped it
         self._backwards = 0  # rt.backward calls so far, and their count at each optimizer's last rt.step (by id)
+        self._backwards_at_step_start = 0  # (and at the first micro-step of the step under way)
         self._backwards_at_step: dict[int, int] = {}
         self._originals: dict[int, tuple[str, str]] = {}  # id of a set-up model's original parameter -> (model, name)
         self._set_up: set[int] = set()  # ids of the modules set up (original and wrapped)
@@ -547,8 +548,10 @@ class Runtime:
             else:
                 self._check_lr_kept()
         self._this_micro = self._micro + 1  # (1-based, for what a check says)
-        if self._micro > 0:  # not the step's first micro-step: the earlier ones' gradients must still be there
-            self._check_not_zeroed(models)
+        if self._micro == 0:
+            self._backwards_at_step_start = self._backwards
+        elif self._backwards != self._backwards_at_step_start:  # (a step whose earlier micro-steps had a backward:
+            self._check_not_zeroed(models)                      # their gradients must still be there)
         boundary = self._micro + 1 >= self.grad_accum_steps if last is None else last
         self._continues_step, self._backward_here = self._micro > 0, False  # (what a zero_grad here would lose)
         self._micro = 0 if boundary else self._micro + 1
@@ -631,8 +634,8 @@ class Runtime:
                             "Reduce it first (`loss.mean()`, or `.sum()` divided by the batch's count).")
         if scale is None:
             scale = 1.0 / self.grad_accum_steps
-        if self._continues_step and not self._backward_here:  # (a zero_grad() inside this micro-step's block)
-            self._check_not_zeroed(self._cycle_models or tuple(self.models.values()))
+        if self._continues_step and not self._backward_here and self._backwards != self._backwards_at_step_start:
+            self._check_not_zeroed(self._cycle_models or tuple(self.models.values()))  # (a zero_grad() in the block)
         self._backward_here = True
         self._backwards += 1
         self.strategy.backward(loss * scale if not (isinstance(scale, float) and scale == 1.0) else loss)

@@ -161,10 +161,24 @@ class FP16(FP32):
         """Once per step (clipping and a user's own call may both ask; GradScaler refuses a second time)."""
         from torch.amp.grad_scaler import OptState
 
-        if self.scaler._per_optimizer_states[id(optimizer)]["stage"] is not OptState.UNSCALED:
+        self._settle_if_stepped(optimizer)
+        if _has_grads(optimizer) and self.scaler._per_optimizer_states[id(optimizer)]["stage"] is not OptState.UNSCALED:
             self.scaler.unscale_(optimizer)
 
+    def _settle_if_stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer stepped again with no backward between (a loop that skipped a batch and still steps): the
+        update the last step left due comes now, as a backward would have made it (GradScaler refuses a second step
+        before it)."""
+        from torch.amp.grad_scaler import OptState
+
+        if self._update_due and self.scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.STEPPED:
+            self._settle()
+
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        self._settle_if_stepped(optimizer)
+        if not _has_grads(optimizer):  # (no gradient to check or unscale: the optimizer skips every parameter)
+            optimizer.step()
+            return True
         self.scaler.step(optimizer)
         self._update_due = True
         # Whether it was applied: this optimizer's own overflow flags, which GradScaler.step already waited for
@@ -179,6 +193,10 @@ class FP16(FP32):
     def load_state_dict(self, state: dict) -> None:
         self._update_due = False
         super().load_state_dict(state)
+
+
+def _has_grads(optimizer: torch.optim.Optimizer) -> bool:
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
 class _ShardedGradScaler(torch.amp.GradScaler):
