@@ -401,6 +401,26 @@ def test_sample_writes_the_grid_from_the_ema_weights_and_needs_nothing_else(diff
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24]) > (8, 8)
 
 
+def test_sample_replaces_an_earlier_sample_under_the_run_dir_but_never_a_training_image(diffusion_reference, tmp_path):
+    """`sample RUN out=RUN/samples/mine.png` a second time was refused as "the run's own" file (sample without out=
+    replaces samples/sample.png every time); a training eval's image there is the run's, and is refused."""
+    import json
+    import shutil
+
+    from test_errors import assert_clean_error
+
+    run = tmp_path / "run"
+    shutil.copytree(diffusion_reference, run)
+    for _ in range(2):
+        r = run_main("sample", str(run), f"out={run / 'samples' / 'mine.png'}", cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+    trained = next(json.loads(line)["image"] for line in (run / "samples.jsonl").read_text().splitlines()
+                   if "image" in json.loads(line))
+    before = (run / trained).read_bytes()
+    assert_clean_error(run_main("sample", str(run), f"out={run / trained}", cwd=tmp_path), "that file is the run's own")
+    assert (run / trained).read_bytes() == before
+
+
 def test_sample_of_a_checkpoint_equals_the_exports_and_works_on_a_run_not_finished(diffusion_reference, tmp_path):
     """`sample RUN checkpoint=latest|best|PATH`, as eval takes it: the final checkpoint's grid and metrics are the
     export's, byte for byte (its EMA weights and its task state, the data normaliser, by default); a run with no

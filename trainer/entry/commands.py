@@ -253,7 +253,9 @@ def _replaces(path: Path, run: Path) -> str | None:
     replaced)."""
     if not path.is_file():
         return None
-    if path.resolve().is_relative_to(run.resolve()):
+    resolved, samples = path.resolve(), (run / "samples").resolve()
+    if resolved.is_relative_to(run.resolve()) and (not resolved.is_relative_to(samples) or
+                                                   resolved in _training_images(run)):
         return ("that file is the run's own (its weights, its records, a training sample's image), which the sample "
                 "would replace; give a path of its own (outside the run dir, or a new name under it)")
     with open(path, "rb") as f:
@@ -261,6 +263,25 @@ def _replaces(path: Path, run: Path) -> str | None:
             return ("that file exists and is not a PNG image, which the sample would replace; give a new path (or "
                     "move the file first)")
     return None
+
+
+def _training_images(run: Path) -> set[Path]:
+    """The images the run's evals wrote (samples.jsonl lists them), which a `sample out=` must not replace."""
+    import json
+
+    found = set()
+    try:
+        lines = (run / "samples.jsonl").read_text().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        try:
+            image = json.loads(line).get("image")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(image, str):
+            found.add((run / image).resolve())
+    return found
 
 
 def _secrets_of(cfg) -> set[str]:
