@@ -1126,18 +1126,28 @@ def test_a_registered_state_comes_back_as_saved_where_the_fresh_object_has_none_
         def load_state_dict(self, state):
             self.best, self.counts, self.by_id = state["best"], dict(state["counts"]), state["by_id"]
 
-    saved = Stats()
+    class Counts(dict):  # (its whole state the mapping: {"cat": 0} fresh)
+        def state_dict(self):
+            return dict(self)
+
+        def load_state_dict(self, state):
+            self.clear()
+            self.update(state)
+
+    saved, counts = Stats(), Counts(cat=2, dog=1)
     saved.best, saved.counts, saved.by_id = (5, 0.125), {"cat": 3, "dog": 4}, {7: [(1, "a")]}
     rt = trainer.Runtime("single", "fp32")
     rt.setup(nn.Linear(1, 1))
     rt.register("stats", saved)
+    rt.register("counts", counts)
     rt.save_state(tmp_path / "ck", step=3)
-    back = Stats()
+    back, back_counts = Stats(), Counts(cat=0)
     other = trainer.Runtime("single", "fp32")
     other.setup(nn.Linear(1, 1))
     other.register("stats", back)
+    other.register("counts", back_counts)
     other.load_state(tmp_path / "ck")
-    assert back.state_dict() == saved.state_dict()
+    assert back.state_dict() == saved.state_dict() and back_counts == {"cat": 2, "dog": 1}
 
 
 def test_saving_checkpoints_into_the_run_dir_never_moves_the_run_dir(tmp_path):

@@ -327,7 +327,11 @@ class CheckpointManager:
         model_state = {k: snapshot.assemble(k, loaded.model[k], v, where) for k, v in live_model.items()}
         like["optimizer"] = self.parts.optimizer_template(tree["optimizer"])
         try:
-            state = snapshot.conform({k: tree[k] for k in like}, like, loaded.state, where)
+            # A loop's own objects (rt.register: a class of neither the framework's nor torch's) may keep their
+            # whole state as data, a mapping whose saved keys all come back.
+            own = frozenset(f"/{n}" for n, c in self.components.items() if self.every_component and
+                            type(c).__module__.partition(".")[0] not in ("trainer", "torch"))
+            state = snapshot.conform({k: tree[k] for k in like}, like, loaded.state, where, open_roots=own)
         except CheckpointError as e:
             if "'/optimizer/" in str(e) and "' lacks " in str(e):  # (its state's or settings' keys: another class's)
                 muon = any(type(opt).__name__ == "MuonAdamW" for _, opt in self.parts.optimizers.values())

@@ -231,12 +231,14 @@ def _tiling_fault(boxes: list[list[tuple[int, int]]], shape: tuple[int, ...]) ->
 
 
 # -- the tree against the live state ------------------------------------------------------------------------
-def conform(tree: Any, like: Any, chunks: dict[str, list[Stored]], where: str, path: str = "") -> Any:
+def conform(tree: Any, like: Any, chunks: dict[str, list[Stored]], where: str, path: str = "",
+            open_roots: frozenset[str] = frozenset()) -> Any:
     """`tree` (from state.json) turned back into live values shaped like `like` (the live state_dict):
     tensors assembled for this rank, containers and plain values checked against the live ones.
 
     Keys the live state has must be in the checkpoint; keys it lacks are ignored, but in a mapping of plain values
-    inside a component's state (a registered object's counts by label: its keys are the data). Where the live state has an empty container
+    inside a component's state (a registered object's counts by label: its keys are the data), or at the top of one
+    of `open_roots` (a user's own object, whose whole state may be such a mapping). Where the live state has an empty container
     (lists whose length the checkpoint decides, such as one RNG state per rank) or None (a value not set yet: a
     best score), the checkpoint's values are taken after a check of their kind only."""
     label = path or "<root>"
@@ -258,11 +260,11 @@ def conform(tree: Any, like: Any, chunks: dict[str, list[Stored]], where: str, p
         missing = [str(k) for k in like if k not in items and str(k) not in items]
         if missing:
             raise CheckpointError(f"{where}: '{label}' lacks {', '.join(missing[:5])}.")
-        out = {k: conform(items[k] if k in items else items[str(k)], v, chunks, where, f"{path}/{k}")
+        out = {k: conform(items[k] if k in items else items[str(k)], v, chunks, where, f"{path}/{k}", open_roots)
                for k, v in like.items()}
         # Below a component's own state (its keys are its schema: one it dropped stays behind), a mapping of plain
         # values is data (counts by label), whose saved keys all come back.
-        if path.count("/") >= 2 and all(_plain_json(v) for v in like.values()):
+        if (path.count("/") >= 2 or path in open_roots) and all(_plain_json(v) for v in like.values()):
             known = {str(k) for k in like}
             out.update({k: _free(v, chunks, where, f"{path}/{k}") for k, v in items.items()
                         if k not in like and str(k) not in known and _plain_json(v)})
@@ -278,7 +280,7 @@ def conform(tree: Any, like: Any, chunks: dict[str, list[Stored]], where: str, p
         else:
             # A list of like items (one per rank, one per parameter group): each checked against the first.
             out = [conform(v, like[i] if i < len(like) and len(like) == len(seq) else like[0], chunks, where,
-                           f"{path}/{i}") for i, v in enumerate(seq)]
+                           f"{path}/{i}", open_roots) for i, v in enumerate(seq)]
         return tuple(out) if isinstance(like, tuple) else out
     return _plain(tree, like, where, label)
 
