@@ -1297,9 +1297,12 @@ def test_a_scheduler_stepped_besides_rt_step_or_of_another_optimizer_is_refused(
     (lambda rt, m, tmp: rt.loader(torch.utils.data.TensorDataset(torch.zeros(4, 1)), 2, shuffle="no"), "shuffle='no'"),
     (lambda rt, m, tmp: rt.accumulate(m, last="no"), "last='no'"),
     (lambda rt, m, tmp: rt.clip_grad_norm_(m, -1.0), "max_norm=-1.0"),
+    (lambda rt, m, tmp: __import__("trainer").Runtime("fsdp", world_options={"reshard_after_forward": "no"}),
+     "world.reshard_after_forward='no' is invalid: expected a bool"),
 ])
 def test_a_wrong_argument_to_the_runtime_is_one_paragraph(tmp_path, call, says):
-    """Each was a traceback from inside the framework or torch (threads, run_dir, paths, reduce, gather), an error at
+    """Each was a traceback from inside the framework or torch (threads, run_dir, paths, reduce, gather, a world
+    option of the wrong kind), an error at
     a later call (seed, register), or silently taken ("no" as True: shuffled, ended the step; a negative max_norm
     flipped the gradients)."""
     rt = trainer_runtime()

@@ -59,9 +59,15 @@ def _strategy(world: str | Strategy, options: dict[str, Any]) -> Strategy:
 
     if world not in WORLDS:
         raise UserError(f"Runtime(world={world!r}) is invalid: expected one of {', '.join(WORLDS)} (or a Strategy).")
+    from trainer.config.targets import check_scalar_types
+
     classes = {"single": "SingleDevice", "ddp": "DDP", "fsdp": "FSDP", "deepspeed": "DeepSpeed"}
+    cls = getattr(strategies, classes[world])
+    # (a string where a bool or a number goes, reshard_after_forward="no": torch's traceback at rt.setup, as the CLI
+    # refuses world.KEY=VALUE of the wrong kind)
+    check_scalar_types(f"Runtime({world!r}, world_options=...): world", cls, options)
     try:
-        return getattr(strategies, classes[world])(**options)
+        return cls(**options)
     except TypeError as e:
         raise UserError(f"Runtime(world={world!r}, world_options={options!r}): {e}. The options are the keys of "
                         f"conf/world/{world}.yaml but the launch keys.") from None
