@@ -498,7 +498,7 @@ def test_load_of_a_run_continued_past_its_export_says_the_weights_are_the_export
 
 
 def test_sample_prints_the_lm_text(corpus, tmp_path):
-    """The run's task settings by default, task.KEY=VALUE to change them; a run whose task samples nothing
+    """The run's task settings by default, task.KEY=VALUE to change them (task.seed: another draw); a run whose task samples nothing
     (debug=smoke: task.sample_tokens=0) says so and how to ask for text; a key the task lacks is an error."""
     from trainer import compose, train
 
@@ -508,6 +508,9 @@ def test_sample_prints_the_lm_text(corpus, tmp_path):
     assert r.stdout.startswith("def ") and len(r.stdout.strip()) >= 30
     longer = run_main("sample", str(tmp_path / "run"), "task.sample_tokens=60", cwd=tmp_path)
     assert longer.stdout.startswith(r.stdout.strip()[:30]) and len(longer.stdout.strip()) > len(r.stdout.strip())
+    # Another draw of the sampler (its seed was fixed at 0: one sample per temperature), and the same one again.
+    seeded = [run_main("sample", str(tmp_path / "run"), f"task.seed={seed}", cwd=tmp_path).stdout for seed in (0, 7, 7)]
+    assert seeded[0] == r.stdout and seeded[1] == seeded[2] != seeded[0]
     none = run_main("sample", str(tmp_path / "run"), "task.sample_tokens=0", cwd=tmp_path)
     assert none.returncode == 0 and not none.stdout and "task.sample_tokens=200" in none.stderr
     assert "the task sampled nothing: task.sample_tokens=0 asks for no output" in none.stderr

@@ -18,7 +18,7 @@ class LanguageModeling:
 
     def __init__(self, sample_prompt: str = "def ", sample_tokens: int = 200, temperature: float = 0.8,
                  top_k: int | None = 40, vocab_size: int | None = None, seq_len: int | None = None,
-                 data_seq_len: int | None = None, tokenizer: str | None = None):
+                 data_seq_len: int | None = None, tokenizer: str | None = None, seed: int = 0):
         # The recipe passes the model's vocab_size and seq_len and the data's seq_len (interpolations), so
         # mismatches are one paragraph at start instead of an IndexError in the middle of a step.
         if vocab_size is not None and vocab_size < 256 and not tokenizer:  # (a tokenizer's size: the data checks it)
@@ -32,6 +32,7 @@ class LanguageModeling:
         _check_sampling(sample_prompt, sample_tokens, temperature, top_k)
         self.sample_prompt, self.sample_tokens = sample_prompt, sample_tokens
         self.temperature, self.top_k = temperature, top_k
+        self.seed = seed  # the sampler's own generator: every eval's sample draws alike (`sample task.seed=N`: others)
 
     def num_targets(self, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
         return batch[1].numel()
@@ -50,7 +51,7 @@ class LanguageModeling:
         if self.sample_tokens <= 0:
             return ""
         prompt = torch.tensor([list(self.sample_prompt.encode())], dtype=torch.long, device=device)
-        g = torch.Generator(device=device).manual_seed(0)
+        g = torch.Generator(device=device).manual_seed(self.seed)
         out = model.generate(prompt, self.sample_tokens, temperature=self.temperature, top_k=self.top_k, generator=g)
         return bytes(out[0].tolist()).decode("utf-8", errors="replace")
 
