@@ -365,3 +365,11 @@ def test_a_misspelt_command_is_named(tmp_path):
     """`evl RUN` said "'evl' is not an override: write KEY=VALUE", naming no command."""
     r = run_main("evl", str(tmp_path), cwd=tmp_path)
     assert r.returncode == 2 and "'evl' is neither a command nor an override" in r.stderr and "Did you mean eval?" in r.stderr
+
+
+def test_version_names_the_framework(tmp_path):
+    """`python -m trainer --version` printed Hydra's version ("Hydra 1.3.8")."""
+    from trainer import __version__
+
+    r = run_main("--version", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith(f"trainer {__version__} (torch ")

@@ -674,6 +674,13 @@ def remove_if_unused(run_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--version"]:  # (Hydra's own flag printed "Hydra 1.3.8")
+        from trainer import __version__
+        from trainer.entry.commands import _version
+
+        print(f"trainer {__version__} (torch {_version('torch')}, hydra-core {_version('hydra-core')}; python -m trainer "
+              "env gives the rest)")
+        sys.exit(0)
     if argv[:1] and argv[0] not in COMMANDS and "=" not in argv[0] and not argv[0].startswith(("-", "~", "+")):
         from trainer.errors import ConfigError, suggest
 
