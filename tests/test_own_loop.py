@@ -1824,6 +1824,15 @@ def test_changing_what_a_ddp_model_trains_after_its_first_step_is_one_paragraph(
     assert "Traceback" not in r.stderr
 
 
+def test_a_model_left_out_of_setup_is_refused_at_its_optimizers_first_step_on_several_processes(tmp_path):
+    """A discriminator never set up, stepped by its own optimizer on 2 DDP ranks: each rank stepped its copy on its own
+    gradients, and the copies drifted apart with no word."""
+    r = launch("world=ddp", "world.nproc_per_node=2", SCRIPT, "not_set_up")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "steps 2 parameters of no model set up here" in r.stderr and "stepped the discriminator" not in r.stdout
+    assert "Traceback" not in r.stderr
+
+
 def test_a_mistake_in_a_plain_python_script_is_one_paragraph_with_the_scripts_line(tmp_path):
     """`python SCRIPT.py` (or torchrun): a UserError printed a traceback through the framework, where under launch it
     is one paragraph. Now it is the paragraph and the script's line that made the call; TRAINER_DEBUG=1 shows all."""

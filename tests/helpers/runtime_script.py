@@ -276,6 +276,18 @@ def refreeze(rt: trainer.Runtime, unfreeze: bool) -> None:
     rt.end()
 
 
+def not_set_up(rt: trainer.Runtime) -> None:
+    """A generator set up, a discriminator left out of rt.setup and stepped by its own optimizer."""
+    gen, disc = nn.Linear(4, 4), nn.Linear(4, 1)
+    gen, opt_g = rt.setup(gen, torch.optim.SGD(gen.parameters(), lr=0.1))
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.1)
+    x = torch.ones(2, 4) * (rt.rank + 1)
+    disc(gen(x).detach()).sum().backward()
+    opt_d.step()
+    say(f"rank {rt.rank} stepped the discriminator")
+    rt.end()
+
+
 def teacher(rt: trainer.Runtime) -> None:
     torch.manual_seed(rt.rank)  # each rank's own teacher weights: rank 0's must reach every rank
     frozen, student = nn.Linear(4, 4).requires_grad_(False), nn.Linear(4, 4)
@@ -314,6 +326,7 @@ if __name__ == "__main__":
      "single": lambda: runtime.end(),
      "unused": lambda: unused(runtime),
      "freeze": lambda: refreeze(runtime, unfreeze=False),
+     "not_set_up": lambda: not_set_up(runtime),
      "unfreeze": lambda: refreeze(runtime, unfreeze=True),
      "teacher": lambda: teacher(runtime),
      "rank_shaped": lambda: rank_shaped(runtime)}[mode]()

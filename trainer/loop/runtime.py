@@ -313,7 +313,8 @@ class Runtime:
         # and nothing the model uses (it trained nothing, without a word). Any optimizer's step checks. (Weak
         # references: a parameter freed lets its id go to a new one, which is no stale parameter.)
         self._replaced.update({id(p): weakref.ref(p) for p in before if id(p) not in now})
-        if self._replaced and self._stale_hook is None:
+        # (on several processes, any optimizer's first step also checks that it steps a set-up model's parameters)
+        if (self._replaced or self.backend.distributed) and self._stale_hook is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
             self._stale_hook = register_optimizer_step_pre_hook(self._refuse_a_stale_optimizer)
@@ -344,13 +345,32 @@ class Runtime:
         stale = next((p for g in optimizer.param_groups for p in g["params"]
                       if (ref := self._replaced.get(id(p))) is not None and ref() is p), None)
         if stale is None:
-            self._current_optimizers.add(optimizer)  # (checked once: its parameters are the model's)
+            if self._steps_a_set_up_model(optimizer):
+                self._current_optimizers.add(optimizer)  # (checked once: its parameters are the model's)
             return
         name, param = self._originals[id(stale)]
         raise UserError(f"this {type(optimizer).__name__} holds the parameters of {name!r} from before rt.setup "
                         f"sharded them ({param}): its steps would change nothing the model uses. Set it up with the "
                         "model, `model, opt = rt.setup(model, opt)` (or rt.setup(opt) before its first step), which "
                         "points it at the sharded parameters.")
+
+    def _steps_a_set_up_model(self, optimizer: torch.optim.Optimizer) -> bool:
+        """On several processes, an optimizer stepping parameters of no set-up model (a model left out of rt.setup)
+        steps each rank's copy on that rank's gradients alone: the copies drift apart, silently. Refused; True when
+        its parameters are all a set-up model's (False: some have no gradient yet, checked again at its next step).
+        DeepSpeed's engine steps flat partitions of its own, no model's parameters: not checked there."""
+        if not self.backend.distributed or type(self.strategy).__name__ == "DeepSpeed":
+            return True
+        ours = {id(p) for m in self.models.values() for p in m.parameters()}
+        outside = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in ours]
+        foreign = [p for p in outside if p.grad is not None]
+        if foreign:
+            raise UserError(f"this {type(optimizer).__name__} steps {len(foreign)} parameters of no model set up "
+                            f"here (the first of shape {list(foreign[0].shape)}): on {self.backend.world_size} "
+                            "processes each rank would step its own copy on its own gradients, and the copies drift "
+                            "apart (only a set-up model's gradients are averaged). Set that model up with it: `model, "
+                            "opt = rt.setup(model, opt)`. Nothing was updated.")
+        return not outside
 
     def _register_model(self, wrapped: nn.Module, name: str | None, originals: dict[int, str],
                         original: nn.Module | None = None) -> nn.Module:
