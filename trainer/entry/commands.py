@@ -258,8 +258,10 @@ def _replaces(path: Path, run: Path) -> str | None:
                                                    resolved in _training_images(run)):
         return ("that file is the run's own (its weights, its records, a training sample's image), which the sample "
                 "would replace; give a path of its own (outside the run dir, or a new name under it)")
+    from trainer.tracking.images import PNG_SIGNATURE
+
     with open(path, "rb") as f:
-        if f.read(8) != b"\x89PNG\r\n\x1a\n":
+        if f.read(len(PNG_SIGNATURE)) != PNG_SIGNATURE:
             return ("that file exists and is not a PNG image, which the sample would replace; give a new path (or "
                     "move the file first)")
     return None

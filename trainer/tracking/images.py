@@ -25,6 +25,9 @@ def to_hwc_uint8(image: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"  # (the first 8 bytes of every PNG file)
+
+
 def png_bytes(image: torch.Tensor) -> bytes:
     """The image (any layout `to_hwc_uint8` takes) as a PNG file's bytes (8-bit gray, RGB or RGBA)."""
     t = to_hwc_uint8(image)
@@ -35,7 +38,7 @@ def png_bytes(image: torch.Tensor) -> bytes:
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, color, 0, 0, 0))
+    return (PNG_SIGNATURE + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, color, 0, 0, 0))
             + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
 
 
