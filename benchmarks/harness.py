@@ -4,6 +4,7 @@ description and load."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import platform
 import shutil
@@ -279,6 +280,7 @@ def quick_corpus() -> list[str]:
     import textwrap
 
     path = Path(tempfile.mkdtemp(prefix="bench-corpus-")) / "corpus.txt"
+    atexit.register(shutil.rmtree, path.parent, True)  # (the benchmark's runs read it until this process ends)
     path.write_bytes(Path(argparse.__file__).read_bytes() + Path(textwrap.__file__).read_bytes())
     return ["data=text", f"data.path={path}"]
 

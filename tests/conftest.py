@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,8 @@ sys.path.insert(0, str(HELPERS))
 os.environ["TRAINER_CACHE_DIR"] = tempfile.mkdtemp(prefix="trainer-test-cache-")
 # This machine's defaults (python -m trainer config) would change what every test composes: none here.
 os.environ["TRAINER_CONFIG_HOME"] = tempfile.mkdtemp(prefix="trainer-test-config-")
+# (removed at the session's end: pytest_sessionfinish)
+SCRATCH = [os.environ["TRAINER_CACHE_DIR"], os.environ["TRAINER_CONFIG_HOME"]]
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.pop("WANDB_API_KEY", None)
 # Every process the tests start writes its Python stacks on SIGABRT: what a test that gives up on a hung process
@@ -28,6 +31,13 @@ os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 # Lets subprocesses import tests/helpers/faulty.py (task._target_=faulty.Faulty).
 FAULTY_ENV = {"PYTHONPATH": f"{ROOT}:{HELPERS}"}
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """The session's throwaway directories go with it (each xdist worker, and the controller, made its own):
+    a suite run left a dozen in the temp dir for good."""
+    for path in SCRATCH:
+        shutil.rmtree(path, ignore_errors=True)
+
 
 def pytest_xdist_auto_num_workers(config) -> int | None:
     """`make test`'s `-n auto`: one worker more than the cores. Tests wait on the processes they start (a launch's
@@ -51,6 +61,7 @@ def corpus() -> Path:
 
     path = Path(tempfile.mkdtemp(prefix="trainer-corpus-")) / "corpus.txt"
     path.write_bytes(Path(argparse.__file__).read_bytes() + Path(textwrap.__file__).read_bytes())
+    SCRATCH.append(str(path.parent))
     return path
 
 

@@ -90,15 +90,21 @@ def _processes_with_marker(marker: str) -> list[int]:
 
 
 def test_a_crashing_rank_fails_the_job_once_and_leaves_no_process(corpus, tmp_path):
+    """...and nothing in the temp dir: the workers' error files (torchelastic's per-launch directory, which torch
+    never removes) and the hang watchdog's files go with the launch."""
     key, value = "TRAINER_TEST_MARKER", uuid.uuid4().hex
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     r = run_cli(*tiny_overrides(corpus, *DDP2, "task._target_=faulty.Faulty"), "+task.rank=1", "+task.at_call=3",
-                f"hydra.run.dir={tmp_path}", env={**FAULTY_ENV, key: value})
+                f"hydra.run.dir={tmp_path / 'run'}", env={**FAULTY_ENV, key: value, "TMPDIR": str(scratch),
+                                                          "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
     assert r.returncode == 1
     output = r.stdout + r.stderr
     assert output.count("boom from the faulty task on rank 1") == 1, output
     assert "worker rank 1 failed" in r.stderr
     assert _processes_with_marker(f"{key}={value}") == []
-    assert not (tmp_path / "model.safetensors").exists()
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+    assert sorted(p.name for p in scratch.iterdir()) == []
 
 
 def test_a_mistake_only_the_workers_find_exits_2_and_leaves_no_run_dir(corpus, tmp_path):

@@ -105,6 +105,21 @@ def test_wandb_run_mirrors_the_training_run(corpus, tmp_path, offline):
     assert len(set(run_ids(tmp_path))) == 1
 
 
+def test_ddp_training_logs_one_run_and_leaves_nothing_in_the_temp_dir(corpus, tmp_path, offline):
+    """Under DDP, rank 0 logs; wandb's temp dirs (media, artifacts: removed as the interpreter exits) went with a
+    worker's os._exit and stayed in the temp dir, two for every run. (A fresh interpreter: wandb, which this suite's
+    processes have imported already, makes them as it is imported.)"""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    r = run_cli(*tiny_overrides(corpus, "logger=wandb", "world=ddp", "world.nproc_per_node=2"),
+                f"hydra.run.dir={tmp_path / 'run'}", fresh=True,
+                env={"TMPDIR": str(scratch), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+    assert r.returncode == 0, r.stderr
+    assert [row["step"] for row in history(tmp_path / "run") if "train/loss" in row] == list(range(1, 21))
+    assert len(set(run_ids(tmp_path / "run"))) == 1
+    assert sorted(p.name for p in scratch.iterdir()) == []
+
+
 def test_cli_without_credentials_logs_offline_and_says_how_to_sync(corpus, tmp_path, monkeypatch, no_stdin, own_service):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)

@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import runpy
 import sys
+import tempfile
 
 from trainer.entry.worker import PRELOAD as WORKER_PRELOAD
 
@@ -44,6 +45,7 @@ def main(module: str, args: list[str], cwd: str, env: dict, path: list[str], out
     server = _own_forkserver()
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None  # (read from this environment's TMPDIR at its first use, as a fresh interpreter does)
     sys.argv = [module, *args]
     code = 0
     try:

@@ -20,6 +20,8 @@
     runtime_script.py teacher                        a frozen teacher set up beside a student (distillation): prints
                                                      each rank's teacher weight sum and the student's after a step
     runtime_script.py rank_shaped                    a model whose width depends on the rank (a mistake)
+    runtime_script.py at_exit OUT [fail]             registers an atexit handler writing OUT/rank{R}.txt, then
+                                                     ends (fail: rank 1 raises first)
 """
 
 from __future__ import annotations
@@ -307,6 +309,16 @@ def rank_shaped(rt: trainer.Runtime) -> None:
     rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def at_exit(rt: trainer.Runtime, out: str, fail: bool) -> None:
+    import atexit
+    from pathlib import Path
+
+    atexit.register(Path(out, f"rank{rt.rank}.txt").write_text, "ran")
+    if fail and rt.rank == 1:
+        raise RuntimeError("rank 1 fails after registering its handler")
+    rt.end()
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     runtime = trainer.Runtime("single" if mode == "single" else None)  # (single: a world that is one process)
@@ -325,6 +337,7 @@ if __name__ == "__main__":
      "slow_phases": lambda: slow_phases(runtime, float(args[0])),
      "single": lambda: runtime.end(),
      "unused": lambda: unused(runtime),
+     "at_exit": lambda: at_exit(runtime, args[0], args[1:] == ["fail"]),
      "freeze": lambda: refreeze(runtime, unfreeze=False),
      "not_set_up": lambda: not_set_up(runtime),
      "unfreeze": lambda: refreeze(runtime, unfreeze=True),

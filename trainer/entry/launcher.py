@@ -193,7 +193,7 @@ def launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
 
 
 def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -238,6 +238,8 @@ def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
     # The agent logs every failed worker ("failed (exitcode: 3) local_rank: ..."); we report the failure
     # ourselves, once, as the worker's own message (or its traceback), so drop that line.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_drop_worker_failed_line)
+    # Where the workers' hang watchdogs share their progress and, after a hang, their stacks (trainer/loop/watchdog.py).
+    hang_dir = tempfile.mkdtemp(prefix="trainer-hang-")
     config = LaunchConfig(
         min_nodes=w.nnodes, max_nodes=w.nnodes, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs,
@@ -246,6 +248,9 @@ def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
         # preemption notice, too. Not in torch's default list, it would kill this process and orphan the workers.
         signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
         start_method="forkserver",
+        # The workers' error files, which the failure report reads. Left to torch, each launch would leave a
+        # torchelastic_* directory in the temp dir for good (torchrun's does); this one goes with hang_dir.
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(hang_dir, "elastic")),
     )
     # Workers of each restart get a fresh rendezvous store. The agent's shared store outlives restarts
     # and keeps the previous attempt's gloo addresses, which restarted workers then fail to reach.
@@ -254,8 +259,7 @@ def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
     os.environ[RUN_DIR_ENV] = str(run_dir)
     os.environ[ENTRY_ENV] = entry.__name__  # (the worker finds it in trainer.entry.run.ENTRY_POINTS)
     os.environ[LAUNCHER_ENV] = str(os.getpid())
-    # Where the workers' hang watchdogs share their progress and, after a hang, their stacks (trainer/loop/watchdog.py).
-    hang_dir = os.environ[watchdog.HANG_DIR_ENV] = tempfile.mkdtemp(prefix="trainer-hang-")
+    os.environ[watchdog.HANG_DIR_ENV] = hang_dir
     before = _newest_checkpoint(run_dir)
     try:
         elastic_launch(config, entrypoint=forked)(dict(os.environ), worker.Streams())  # (this launch's stdout, stderr)

@@ -150,8 +150,13 @@ def _let_go_of_forkserver() -> None:
 
 
 def _flush() -> None:
+    """What the interpreter runs as it exits, which a worker's os._exit (ours, or multiprocessing's after a worker
+    returns) skips: the atexit handlers. A user's script registers its own (as under torchrun); wandb's and tempfile's
+    remove their temp dirs, which each DDP run with logger=wandb otherwise left behind."""
+    import atexit
     import logging
 
+    atexit._run_exitfuncs()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
