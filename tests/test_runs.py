@@ -133,7 +133,9 @@ def test_a_fresh_restart_sets_the_earlier_events_aside_instead_of_appending(corp
     assert [e["step"] for e in read_metrics(tmp_path) if "train/loss" in e] == list(range(1, 21))
     prev = [json.loads(line)["step"] for line in (tmp_path / "metrics.prev.jsonl").read_text().splitlines()]
     assert prev == [1, 2, 3, 4]
-    assert (tmp_path / "config.prev.yaml").is_file()  # (the earlier attempt's record too)
+    assert (tmp_path / "config.prev.yaml").is_file()  # (the earlier attempt's records too: its command)
+    assert "resume=auto" not in json.loads((tmp_path / "run_info.prev.json").read_text())["command"]
+    assert "resume=auto" in json.loads((tmp_path / "run_info.json").read_text())["command"]
 
 
 def test_a_fresh_start_in_a_dir_with_a_config_yaml_of_the_users_keeps_it(corpus, tmp_path):

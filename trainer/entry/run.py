@@ -470,8 +470,9 @@ def set_earlier_attempt_aside(run_dir: Path, cfg: DictConfig, loggers, is_main: 
                               checkpoints: Path | None = None) -> None:
     """A run dir's run starting over (no checkpoint found, or another run's checkpoint): what its earlier attempt
     wrote is kept beside, never overwritten, spliced into or pruned: its events (metrics.prev.jsonl), exported
-    weights (export.prev/: with checkpoint.save_final=false their only copy), config.yaml (config.prev.yaml) and,
-    given `checkpoints`, its checkpoints (checkpoints.prev/)."""
+    weights (export.prev/: with checkpoint.save_final=false their only copy), config.yaml (config.prev.yaml),
+    run_info.json (run_info.prev.json: the command it ran) and, given `checkpoints`, its checkpoints
+    (checkpoints.prev/)."""
     from trainer.errors import StorageError
     from trainer.models.export import set_aside
 
@@ -493,6 +494,9 @@ def set_earlier_attempt_aside(run_dir: Path, cfg: DictConfig, loggers, is_main: 
         earlier = run_dir / "config.yaml"
         if earlier.is_file() and not earlier.is_symlink() and earlier.read_text() != config_text(cfg):
             earlier.replace(free_name(earlier, ".prev", before_suffix=True))
+        info = run_dir / "run_info.json"  # (this start writes its own once it trains)
+        if info.is_file() and not info.is_symlink():
+            info.replace(free_name(info, ".prev", before_suffix=True))
         moved = ckpt.set_aside(checkpoints) if checkpoints is not None and ckpt.Checkpointer(checkpoints).complete() else None
     except OSError as e:
         raise StorageError(f"could not move the earlier attempt's files in {run_dir} aside ({e.strerror or e}); "
