@@ -53,6 +53,20 @@ def test_ema_equals_the_closed_form_over_the_raw_weights(corpus, tmp_path, warmu
     assert series(events, "val_ema/loss") and series(events, "val/loss")
 
 
+def test_the_ema_eval_under_fsdp_keeping_gathered_weights_evaluates_the_ema(corpus, tmp_path):
+    """world.reshard_after_forward=false (ZeRO-2) keeps the weights an eval's forward gathered; the EMA's eval,
+    right after the raw one, ran on them: val_ema/* was val/*. Its numbers are now those of the default reshard
+    (the same arithmetic: equal), and not the raw weights' (the EMA lags them)."""
+    ema = ("ema.enabled=true", "ema.decay=0.9", "trainer.eval_every=10", "world=fsdp", "world.nproc_per_node=1")
+    evals = {}
+    for keep in (False, True):
+        events = train_in_process(corpus, tmp_path / str(keep), *ema, f"world.reshard_after_forward={not keep}")
+        evals[keep] = [(e["step"], e["val/loss"], e["val_ema/loss"]) for e in events if "val_ema/loss" in e]
+    assert [s for s, _, _ in evals[True]] == [10, 20]
+    assert evals[True] == evals[False]
+    assert all(raw != averaged for _, raw, averaged in evals[True])
+
+
 def test_ema_skips_steps_the_scaler_skipped(corpus, tmp_path):
     train_in_process(corpus, tmp_path, "precision=fp16", "precision.init_scale=1e30", "trainer.max_steps=12",
                      "ema.enabled=true")

@@ -117,12 +117,25 @@ class EMA:
             return
         params = self._local(p.detach() for p in self.params)
         backup = [p.clone() for p in params]
+        _drop_gathered(self.model)
         with torch.no_grad():
             for p, s in zip(params, self._local(self.shadow)):
                 p.copy_(s)
         try:
             yield
         finally:
+            _drop_gathered(self.model)
             with torch.no_grad():
                 for p, b in zip(params, backup):
                     p.copy_(b)
+
+
+def _drop_gathered(model: nn.Module) -> None:
+    """Free the whole parameters FSDP2 gathered, so that the next forward gathers the shards written since. With
+    world.reshard_after_forward=false (ZeRO-2) a forward without a backward (an eval's) keeps them, and the EMA's
+    eval then ran on the raw weights gathered by the eval before it (val_ema/* equal to val/*)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
