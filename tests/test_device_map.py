@@ -111,6 +111,22 @@ def test_dict_map_and_ema_equal_full_load(run, full, tmp_path):
         assert not torch.equal(ema(x), logits)
 
 
+def test_a_tied_weight_a_dict_map_splits_over_disk_stays_where_it_is_read_and_is_counted_there(run, full, tmp_path):
+    """The embedding on disk, the head it shares its weight with on the CPU: the weight stays on the CPU (read
+    once, never streamed), as the map now says; it was reported on disk and counted twice in the totals."""
+    x, logits, generated = full
+    model = trainer.load(run, device_map={"": "cpu", "tok_emb": "disk"}, offload_dir=tmp_path)
+    placed, weight = model.device_map, model.tok_emb.weight
+    assert weight is model.head.weight and weight.device.type == "cpu"
+    assert placed["tok_emb"] == "disk" and placed.sizes["tok_emb"] == 0
+    assert placed.sizes["head"] == weight.numel() * weight.element_size()
+    tensors = {id(t): t for t in trainer.load(run).state_dict(keep_vars=True).values()}  # (the tied weight once)
+    assert sum(placed.sizes.values()) == sum(t.numel() * t.element_size() for t in tensors.values())
+    got_logits, got_generated = outputs(model, x)
+    assert torch.equal(got_logits, logits) and torch.equal(got_generated, generated)
+    assert placed.bytes_read == 0 and "disk 0.0 MiB" in str(placed).split("total:")[1]
+
+
 def test_placement_over_gpus_follows_max_memory(run):
     """GPUs in order, then the CPU, then disk; balanced evens the GPUs out. A plan only: no GPU here."""
     from trainer.inference.device_map import params_on_meta

@@ -258,7 +258,6 @@ def dispatch(model: nn.Module, read, device_map: str | Mapping, caps: dict[str, 
     if isinstance(device_map, Mapping):
         mapping = check_map(model, device_map)
         units = units_of(model, tuple(mapping))
-        sizes, ties = unit_sizes(model, units)
         placement = _from_dict(units, mapping)
     else:
         if device_map not in STRATEGIES:
@@ -269,6 +268,20 @@ def dispatch(model: nn.Module, read, device_map: str | Mapping, caps: dict[str, 
         sizes, ties = unit_sizes(model, units)
         placement = plan(units, sizes, ties, caps, device_map)
     _check_gpus(placement)
+    # Where each tensor lives: on the device of a unit that holds it and is not on disk, else in a disk file. A
+    # weight tied between a unit on disk and one elsewhere (a dict map's embedding on disk, its head not) stays
+    # with the other, read once; `sizes` becomes the bytes each unit holds so, which the map reports.
+    state = model.state_dict(keep_vars=True)
+    holders: dict[int, list[str]] = {}
+    for key, t in state.items():
+        holders.setdefault(id(t), []).append(key)
+    sizes = dict.fromkeys(units, 0)
+    for keys in holders.values():
+        owners = [_owner(k, units) for k in keys]
+        resident = [o for o in owners if o is None or placement[o] != DISK]
+        for o in (resident[:1] if resident else dict.fromkeys(owners)):  # (each disk unit streams its own copy)
+            if o is not None:
+                sizes[o] += state[keys[0]].numel() * state[keys[0]].element_size()
     disk_units = [u for u in units if placement[u] == DISK and sizes[u]]
     if disk_units and offload_dir is None:
         raise ConfigError(f"the device map puts {len(disk_units)} units on disk ({', '.join(disk_units[:3])}"
@@ -282,12 +295,6 @@ def dispatch(model: nn.Module, read, device_map: str | Mapping, caps: dict[str, 
             return main
         device = placement[unit]
         return torch.device(CPU if device == DISK else device)
-
-    # Where each tensor lives: on the device of a unit that holds it and is not on disk, else in a disk file.
-    state = model.state_dict(keep_vars=True)
-    holders: dict[int, list[str]] = {}
-    for key, t in state.items():
-        holders.setdefault(id(t), []).append(key)
 
     def refs(keys: list[str]) -> list[tuple[nn.Module, str, bool, torch.Tensor]]:
         out = []
