@@ -60,6 +60,15 @@ def test_torchrun_launch_matches_self_launch(corpus, tmp_path, reference):
     assert_same_run(tmp_path, reference)
 
 
+def test_world_single_under_torchrun_is_one_paragraph_in_the_clis_terms(corpus, tmp_path):
+    """It was the Python API's paragraph (Runtime(<SingleDevice object at 0x...>), use Runtime('ddp'))."""
+    r = run_cli("--standalone", "--nproc_per_node=2", "-m", "trainer", *tiny_overrides(corpus, "world=single"),
+                f"hydra.run.dir={tmp_path / 'run'}", module="torch.distributed.run", env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode != 0
+    assert "world=single was started on 2 processes" in r.stderr and "Use world=ddp" in r.stderr, r.stderr
+    assert "Runtime(" not in r.stderr and " object at 0x" not in r.stderr
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

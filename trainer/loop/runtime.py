@@ -137,6 +137,11 @@ class Runtime:
         self.strategy = strategy
         made_group = not torch.distributed.is_initialized()  # (a group the caller made is the caller's to end)
         self.backend.setup(process_group=strategy.needs_process_group)
+        if isinstance(strategy, SingleDevice) and self.backend.world_size > 1 and backend is not None:  # (a run's)
+            raise UserError(f"world=single was started on {self.backend.world_size} processes (rank "
+                            f"{self.backend.rank}, by torchrun or another launcher): each would train a copy of its "
+                            "own on its share of the batches, their gradients never averaged. Use world=ddp (or "
+                            "world=fsdp) under a launcher, or start it as one process: python -m trainer ...")
         if isinstance(strategy, SingleDevice) and self.backend.world_size > 1:
             raise UserError(f"Runtime({world!r}) was started on {self.backend.world_size} processes (rank "
                             f"{self.backend.rank}): each would train a copy of its own on its share of the batches, "
