@@ -182,13 +182,20 @@ def _read_only_dir(tmp_path: Path) -> Path:
     (["device_map.blocks.9=cpu"], ["'blocks.9'", "not a module of GPT", "Did you mean"]),
     (["device_map=everywhere"], ["device_map='everywhere'", "auto, balanced, sequential"]),
     (["max_memory.cpu=2GB", "offload_dir={tmp}/missing"], ["offload_dir=", "does not exist", "mkdir"]),
-    (["max_memory.cpu=2GB", "offload_dir={ro}"], ["offload_dir=", "is not writable"]),
+    (["max_memory.cpu=2GB", "offload_dir={ro}"], ["offload_dir=", "could not make a directory in it"]),
+    (["device_map.blocks=cuda:99"], ["puts 'blocks' on cuda:99", "GPU"]),  # (not a module the map leaves out)
     (["max_memory.cpu=two gigs"], ["max_memory.cpu='two gigs' is not a size", "2GiB"]),
     (["max_memory.gpu=2GB"], ["'gpu' is not a device", "cuda:N"]),
 ])
 def test_mistakes_are_one_paragraph(run, tmp_path, args, needles):
     args = [a.format(tmp=tmp_path, ro=_read_only_dir(tmp_path)) for a in args]
     assert_clean_error(run_here("sample", str(run), *args, *SAMPLE), *needles)
+
+
+def test_eval_with_a_device_map_refuses_world_overrides_it_would_ignore(run):
+    """It evaluated on this one process, world=ddp world.nproc_per_node=2 ignored without a word."""
+    assert_clean_error(run_here("eval", str(run), "device_map=auto", "world=ddp", "world.nproc_per_node=2"),
+                       "eval with device_map runs in this one process", "world=ddp world.nproc_per_node=2 does not apply")
 
 
 def test_the_readme_example_runs(run):

@@ -340,6 +340,11 @@ def evaluate(argv: list[str]) -> int:
             if "checkpoint" in opts:
                 raise ConfigError("eval with device_map reads the run's export (its final weights), not a checkpoint: "
                                   "leave out checkpoint=, or leave out device_map, max_memory and offload_dir.")
+            world = [o for o in overrides if o.split("=", 1)[0].lstrip("+~").split(".")[0] == "world"]
+            if world:  # (they were ignored: one process evaluated, without a word)
+                raise ConfigError(f"eval with device_map runs in this one process, the model placed over its devices: "
+                                  f"{' '.join(world)} does not apply. Leave out the world overrides, or leave out "
+                                  "device_map, max_memory and offload_dir to evaluate on world's processes.")
             task_keys = {a.split("=", 1)[0][len("task."):]: yaml_value(a) for a in overrides if a.startswith("task.")}
             evaluate_dispatched(run_dir, cfg, task_keys, _show(placement), bool(placement.get("show_map")))
             return 0

@@ -237,8 +237,9 @@ def offload_scratch(offload_dir: str | os.PathLike) -> Path:
                           f"{fix}")
     try:
         return Path(tempfile.mkdtemp(prefix="trainer-offload-", dir=p))
-    except OSError as e:
-        raise ConfigError(f"offload_dir={offload_dir} is not writable ({e.strerror or e}). {fix}") from None
+    except OSError as e:  # (a read-only place, or one such as /proc where no directory can be made)
+        raise ConfigError(f"offload_dir={offload_dir}: could not make a directory in it ({e.strerror or e}). "
+                          f"{fix}") from None
 
 
 def _write(fd: int, data: torch.Tensor, offset: int) -> None:
@@ -257,6 +258,7 @@ def dispatch(model: nn.Module, read, device_map: str | Mapping, caps: dict[str, 
     model.eval()
     if isinstance(device_map, Mapping):
         mapping = check_map(model, device_map)
+        _check_gpus(mapping)  # (before a module it leaves out is named: a GPU this machine lacks comes first)
         units = units_of(model, tuple(mapping))
         placement = _from_dict(units, mapping)
     else:
