@@ -214,11 +214,20 @@ def unfinished(tmp_path: Path) -> Path:
     return run
 
 
-def a_checkpoint(tmp_path: Path) -> Path:
-    """A checkpoint dir (its model.safetensors holds one rank's part under a sharded strategy): refused, not read."""
+def a_sharded_checkpoint(tmp_path: Path) -> Path:
+    """A checkpoint dir whose weights are split over two ranks' files (each model.safetensors holds one rank's
+    part): refused, not read."""
+    import hashlib
+    import shutil
+
     from trainer.checkpoint.store import Checkpointer
 
-    return Checkpointer(tmp_path / "checkpoints").save(1, {"w": torch.zeros(2)}, {"trainer": {"step": 1}})
+    path = Checkpointer(tmp_path / "checkpoints").save(1, {"w": torch.zeros(2)}, {"trainer": {"step": 1}})
+    shutil.copy(path / "model.safetensors", path / "model.rank00001.safetensors")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["model.rank00001.safetensors"] = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    return path
 
 
 def pickled(tmp_path: Path) -> Path:
@@ -236,7 +245,8 @@ def pickled(tmp_path: Path) -> Path:
     ([lambda tmp: f"finetune.weights={pickled(tmp)}"], ["pytorch_model.bin is a pickle file", "never unpickles",
                                                         "safetensors.torch"]),
     ([lambda tmp: f"finetune.weights={unfinished(tmp)}"], ["run dir without an export", "resume=auto"]),
-    ([lambda tmp: f"finetune.weights={a_checkpoint(tmp)}"], ["is a checkpoint, not a model", "resume="]),
+    ([lambda tmp: f"finetune.weights={a_sharded_checkpoint(tmp)}"], ["weights are split over its ranks' files",
+                                                                    "resume=", "trainer.load("]),
     (["finetune.lora.rank=4", "finetune.lora.targets=[q_proj]"], ["'q_proj', which is no linear layer of GPT",
                                                                   "qkv"]),
     (["finetune.lora.rank=4", "finetune.lora.targets=[head]"], ["adapts head, whose weight is shared"]),
@@ -248,6 +258,28 @@ def test_finetune_mistakes_are_one_paragraph_before_any_worker(corpus, tmp_path,
                                  *extra), f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert_clean_error(r, *needles)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_refused_for_changed_data_starts_over_from_its_checkpoints_weights_as_the_refusal_says(corpus, tmp_path):
+    """The refusal named finetune.weights=CHECKPOINT_OR_RUN_DIR, and finetune.weights=CHECKPOINT was refused ("is a
+    checkpoint, not a model"), as is an unfinished run dir: a circle. A checkpoint of one file is the whole weights:
+    a run from it starts at them exactly."""
+    data = tmp_path / "data.txt"
+    data.write_bytes(corpus.read_bytes()[:8192])
+    base = ("trainer.max_steps=4", "checkpoint.every_n_steps=2")
+    assert run_here(*tiny_overrides(data, *base), f"hydra.run.dir={tmp_path / 'first'}").returncode == 0
+    ckpt = tmp_path / "first" / "checkpoints" / "step_00000002"
+    data.write_bytes(b"Z" + data.read_bytes()[1:])  # edited in place
+    r = run_here(*tiny_overrides(data, *base), f"resume={ckpt}", f"hydra.run.dir={tmp_path / 'resumed'}")
+    assert_clean_error(r, "other data than this run's", "finetune.weights=CHECKPOINT")
+    r = run_here(*tiny_overrides(data, "trainer.max_steps=2", f"finetune.weights={ckpt}"),
+                 f"hydra.run.dir={tmp_path / 'again'}")
+    assert r.returncode == 0, r.stderr
+    import trainer
+
+    start = trainer.load(ckpt).state_dict()
+    got = built(data, tmp_path / "built", f"finetune.weights={ckpt}").raw_model.state_dict()
+    assert got.keys() == start.keys() and all(torch.equal(got[k], start[k]) for k in start)
 
 
 def test_weights_from_the_runs_own_dir_are_refused_before_anything_there_changes(corpus, tmp_path, pretrained):

@@ -308,7 +308,8 @@ class Data:
                 f"{where}: the checkpoint was trained on other data than this run's: the training set's contents "
                 f"differ ({type(self.train).__name__} fingerprint {now[:16]} vs {str(saved)[:16]}; a file edited in "
                 "place, or another one at data.path). Resume with the data it was trained on, or start a new run from "
-                "its weights (finetune.weights=CHECKPOINT_OR_RUN_DIR)."
+                "its weights on this data (finetune.weights=CHECKPOINT, which keeps none of its optimizer state or "
+                "position)."
             )
         # The next two of the checkpoint's global batches, as positions of this run's stream.
         stream = GlobalBatchSampler(len(self.train), state["global_batch"], seed=sampler.seed, shuffle=self.shuffle,

@@ -83,11 +83,18 @@ def files_of(path: str | os.PathLike, label: str = "finetune.weights=", name: st
             raise CheckpointError(f"{label}{path} is not a .safetensors file. Give a safetensors file, or "
                                   "the directory of a model or of a finished run.")
         return [p]
-    # (before its model.safetensors, which holds one rank's part of a sharded run, unverified here)
-    if (p / "manifest.json").is_file() and (p / "state.json").is_file():
-        raise ConfigError(f"{label}{path} is a checkpoint, not a model: continue that run with "
-                          f"resume={path}, or start from the run's export (finetune.weights=RUN_DIR, the directory "
-                          "above checkpoints/).")
+    if (p / "manifest.json").is_file() and (p / "state.json").is_file():  # a checkpoint: its files verified first
+        from trainer.checkpoint.store import verify
+
+        model_files = [f for f in verify(p)["files"] if f.startswith("model")]
+        if name == "model" and model_files == ["model.safetensors"]:  # (one file: the whole weights, of any world)
+            return [p / "model.safetensors"]
+        raise ConfigError(f"{label}{path} is a checkpoint whose weights are split over its ranks' files "
+                          f"({', '.join(sorted(model_files)[:3])}, ...): continue that run with resume={path}, or "
+                          "start from the run's export (finetune.weights=RUN_DIR, the directory above checkpoints/, "
+                          "once the run finished), or from its weights written whole: python -c \"import trainer, "
+                          f"safetensors.torch as st; st.save_file(trainer.load('{path}').state_dict(), 'w.safetensors')\" "
+                          "then finetune.weights=w.safetensors.")
     if (p / f"{name}.safetensors").is_file():
         return [p / f"{name}.safetensors"]
     index = p / f"{name}.safetensors.index.json"
