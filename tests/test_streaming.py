@@ -213,6 +213,19 @@ def test_what_a_stream_cannot_honour_is_refused_before_anything_runs(tmp_path, t
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(("target", "says"), [("dicts", "dicts with keys x, y"),
+                                             ("inputs_only", "single torch.int64 tensors of shape (4, 32)")])
+def test_samples_the_lm_task_does_not_take_are_one_paragraph_and_no_run_dir(tmp_path, target, says):
+    """A stream of dicts was a KeyError in the lm task's num_targets, a stream of inputs alone an unpacking
+    error in its loss: tracebacks, exit 1, the run dir left."""
+    from test_errors import assert_clean_error
+
+    r = run_here("debug=smoke", f"data._target_=stream_data.{target}", "data.shuffle=false", "trainer.max_steps=2",
+                 f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env=FAULTY_ENV)
+    assert_clean_error(r, "the lm task takes batches (x, y) of token ids", f"this data's batches are {says}")
+    assert not (tmp_path / "run").exists()
+
+
 def test_epochs_of_a_stream_read_in_parts_by_several_readers_are_refused(tmp_path):
     """Each reader starts its own part over when it ends: with files of 3000 and 1000 bytes, "1 epoch" read the
     small file several times and the large one not to its end, and said "1.00 passes"."""

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, DataError
 
 
 class LanguageModeling:
@@ -35,10 +35,10 @@ class LanguageModeling:
         self.seed = seed  # the sampler's own generator: every eval's sample draws alike (`sample task.seed=N`: others)
 
     def num_targets(self, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
-        return batch[1].numel()
+        return _tokens(batch)[1].numel()
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch
+        x, y = _tokens(batch)
         logits = model(x)
         # Summed, not averaged: the trainer divides by the number of targets in the global batch.
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1), reduction="sum")
@@ -54,6 +54,27 @@ class LanguageModeling:
         g = torch.Generator(device=device).manual_seed(self.seed)
         out = model.generate(prompt, self.sample_tokens, temperature=self.temperature, top_k=self.top_k, generator=g)
         return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+
+
+def _tokens(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch as (x, y), token ids; a dataset of other samples (dicts, lone tensors, floats) is one paragraph,
+    not a KeyError or an unpacking error in the middle of a step."""
+    if (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)
+            and not any(t.dtype.is_floating_point or t.dtype.is_complex for t in batch)):
+        return batch[0], batch[1]
+    if isinstance(batch, dict):
+        what = f"dicts with keys {', '.join(map(str, batch))}"
+    elif isinstance(batch, (tuple, list)):
+        what = f"{type(batch).__name__}s of {len(batch)}: " + ", ".join(
+            f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__ for t in batch)
+    elif isinstance(batch, torch.Tensor):
+        what = f"single {batch.dtype} tensors of shape {tuple(batch.shape)}"
+    else:
+        what = type(batch).__name__
+    raise DataError(f"the lm task takes batches (x, y) of token ids (two integer tensors, inputs and next-token "
+                    f"targets, as data=text's samples are), and this data's batches are {what}. Make the dataset "
+                    "yield (x, y) pairs of token ids, or give a task of your own (task._target_=...; see \"Your own "
+                    "model, data and loss\" in the README).")
 
 
 def _check_sampling(prompt, tokens, temperature, top_k) -> None:

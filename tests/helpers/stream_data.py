@@ -181,3 +181,23 @@ class QuietNoisyMap(NoisyMap):
     """NoisyMap saying it draws nothing (it does, to show the seeding is skipped)."""
 
     random_draws = False
+
+
+class _Reshaped(Stream):
+    """Stream's windows as dicts {"x", "y"} or as the input alone: samples the lm task does not take."""
+
+    def __init__(self, seq_len: int, shape: str):
+        super().__init__(seq_len)
+        self.shape = shape
+
+    def __iter__(self):
+        for x, y in super().__iter__():
+            yield {"x": x, "y": y} if self.shape == "dicts" else x
+
+
+def dicts(seq_len: int = 256, cache_dir: str | None = None, val_every: int = 20):
+    return _Reshaped(seq_len, "dicts"), None
+
+
+def inputs_only(seq_len: int = 256, cache_dir: str | None = None, val_every: int = 20):
+    return _Reshaped(seq_len, "inputs"), None
