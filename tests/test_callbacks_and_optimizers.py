@@ -28,6 +28,16 @@ def test_early_stopping_stops_with_a_final_checkpoint_and_the_run_stays_finished
     assert read_metrics(tmp_path)[-1]["step"] == 6
 
 
+def test_early_stopping_that_no_eval_before_the_end_checks_is_said_once(corpus, tmp_path, capsys):
+    """trainer.eval_every=0 (debug=smoke's): the callback could never stop the run, and nothing said so."""
+    train_in_process(corpus, tmp_path / "never", "callbacks=early_stopping", "trainer.eval_every=0",
+                     "trainer.max_steps=4")
+    assert capsys.readouterr().out.count("warning: callbacks.early_stopping can never stop this run") == 1
+    train_in_process(corpus, tmp_path / "checked", "callbacks=early_stopping", "trainer.eval_every=2",
+                     "trainer.max_steps=4")
+    assert "can never stop" not in capsys.readouterr().out
+
+
 def test_early_stopping_resumed_on_another_metric_starts_its_best_over(corpus, tmp_path, capsys):
     """A resume with callbacks.early_stopping.monitor changed kept the old metric's best and count: "val/bpb has
     not improved on 3.40" where 3.40 was the best val/loss. Its best and count start over, and it says so."""

@@ -208,6 +208,19 @@ def warn_long_warmup(scheduler: DictConfig, max_steps: int, say) -> None:
             "rate is still rising when it ends and never reaches optim.lr. Lower scheduler.warmup_steps.")
 
 
+def warn_unchecked_early_stopping(trainer: Trainer, say) -> None:
+    """One line when early stopping can never stop the run: it is checked at the evals, and the only one is the
+    final eval (trainer.eval_every=0, debug=smoke's, or not below the run's steps)."""
+    from trainer.loop.callbacks import EarlyStopping
+
+    every, steps = trainer.cfg.eval_every, trainer.cfg.max_steps
+    names = [n for n, cb in trainer.callbacks.callbacks.items() if isinstance(cb, EarlyStopping)]
+    if names and (every <= 0 or every >= steps):
+        say(f"warning: callbacks.{names[0]} can never stop this run: it is checked at each eval, and with "
+            f"trainer.eval_every={every} ({steps} steps) the only eval is the final one. Set trainer.eval_every to a "
+            "number of steps below the run's.")
+
+
 def preflight(cfg: DictConfig, run_dir: Path, device: str = "auto") -> None:
     """Build what can fail from a config mistake, cheaply, before any worker process starts:
     the strategy, the model on the meta device (no memory), the task, the precision and the datasets
@@ -756,6 +769,7 @@ def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     backend, loggers, cfg = trainer.backend, trainer.loggers, trainer.config
     say = print if backend.is_main else (lambda *a, **k: None)
     warn_long_warmup(cfg.scheduler, trainer.cfg.max_steps, say)  # (a training run's: eval builds the same Trainer)
+    warn_unchecked_early_stopping(trainer, say)
     # From here to the end (teardown included), no progress for world.hang_timeout s stops the job (exit 70).
     watch = watchdog.start(trainer.launch.hang_timeout, run_dir, backend.info)
     try:
