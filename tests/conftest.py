@@ -74,6 +74,15 @@ def small_corpus(corpus) -> Path:
     return path
 
 
+@pytest.fixture
+def scratch_tmpdir():
+    """An empty directory for a process's TMPDIR, with a short path: multiprocessing's forkserver puts a socket
+    there, and a socket's path has at most 107 bytes (tmp_path under an xdist worker's directory has more)."""
+    path = Path(tempfile.mkdtemp(prefix="t-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def tiny_overrides(corpus: Path, *extra: str) -> list[str]:
     return [*TINY, "data=text", f"data.path={corpus}", *extra]
 

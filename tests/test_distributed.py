@@ -98,12 +98,11 @@ def _processes_with_marker(marker: str) -> list[int]:
     return pids
 
 
-def test_a_crashing_rank_fails_the_job_once_and_leaves_no_process(corpus, tmp_path):
+def test_a_crashing_rank_fails_the_job_once_and_leaves_no_process(corpus, tmp_path, scratch_tmpdir):
     """...and nothing in the temp dir: the workers' error files (torchelastic's per-launch directory, which torch
     never removes) and the hang watchdog's files go with the launch."""
     key, value = "TRAINER_TEST_MARKER", uuid.uuid4().hex
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
+    scratch = scratch_tmpdir
     r = run_cli(*tiny_overrides(corpus, *DDP2, "task._target_=faulty.Faulty"), "+task.rank=1", "+task.at_call=3",
                 f"hydra.run.dir={tmp_path / 'run'}", env={**FAULTY_ENV, key: value, "TMPDIR": str(scratch),
                                                           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})

@@ -105,12 +105,11 @@ def test_wandb_run_mirrors_the_training_run(corpus, tmp_path, offline):
     assert len(set(run_ids(tmp_path))) == 1
 
 
-def test_ddp_training_logs_one_run_and_leaves_nothing_in_the_temp_dir(corpus, tmp_path, offline):
+def test_ddp_training_logs_one_run_and_leaves_nothing_in_the_temp_dir(corpus, tmp_path, offline, scratch_tmpdir):
     """Under DDP, rank 0 logs; wandb's temp dirs (media, artifacts: removed as the interpreter exits) went with a
     worker's os._exit and stayed in the temp dir, two for every run. (A fresh interpreter: wandb, which this suite's
     processes have imported already, makes them as it is imported.)"""
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
+    scratch = scratch_tmpdir
     r = run_cli(*tiny_overrides(corpus, "logger=wandb", "world=ddp", "world.nproc_per_node=2"),
                 f"hydra.run.dir={tmp_path / 'run'}", fresh=True,
                 env={"TMPDIR": str(scratch), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
