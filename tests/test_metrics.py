@@ -81,3 +81,33 @@ def test_a_metric_over_the_whole_val_set_equals_one_process_computing_it(tmp_pat
     # scores could swap, which moves the AUROC by 1 / (positives x negatives).
     positives = int((y == 0).sum())
     assert final["val/auroc"] == pytest.approx(expected, abs=1 / (positives * (len(y) - positives)))
+
+
+def test_the_runs_training_time_and_targets_keep_the_steps_before_an_eval_or_save_in_a_log_window(monkeypatch):
+    """An eval or a save inside a log window started the window over, dropping its steps so far from the run's
+    totals (summary/train_time_s, the checkpoints' `trained`): saving every 7 steps and logging every 13 counted a
+    third of the time and the tokens. A clock of our own: each step takes 1 s, each eval or save 10 s."""
+    from trainer.loop import metrics
+
+    now = [0.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
+    meter, windows = metrics.Throughput(), []
+    for step in range(1, 40):
+        now[0] += 1.0
+        meter.add(128)
+        if step % 13 == 0:
+            windows.append(meter.window(4))
+        if step % 7 == 0:
+            now[0] += 10.0  # (an eval or a save)
+            meter.restart()
+    assert meter.totals() == (39.0, 39 * 128.0)
+    assert all(w["step_time_ms"] == 1000.0 and w["targets_per_s"] == 128.0 for w in windows)
+
+
+def test_the_summary_counts_every_step_trained_with_saves_between_logs(corpus, tmp_path):
+    from conftest import train_in_process
+
+    train_in_process(corpus, tmp_path, "trainer.max_steps=30", "trainer.log_every=13", "checkpoint.every_n_steps=7",
+                     "checkpoint.async_save=false")
+    state = json.loads((tmp_path / "checkpoints" / "step_00000028" / "state.json").read_text())["trainer"]
+    assert state["trained"]["targets"] == 28 * 4 * 32  # (debug=smoke: 4 x 32 tokens a step)

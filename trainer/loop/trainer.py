@@ -449,12 +449,13 @@ class Trainer:
         return {**metrics, **final, **summary}
 
     def trained(self) -> dict[str, Any]:
-        """The run's training so far, over every attempt: steps, and the seconds and targets of its logged windows."""
+        """The run's training so far, over every attempt: steps, and their seconds and targets (up to the last step)."""
         meter, before = self._meter, self.trained_before
         if meter is None:
             return dict(before)
-        return {"steps": before["steps"] + self.step - self._fit_from, "seconds": before["seconds"] + meter.run_seconds,
-                "targets": before["targets"] + meter.run_targets}
+        seconds, targets = meter.totals()
+        return {"steps": before["steps"] + self.step - self._fit_from, "seconds": before["seconds"] + seconds,
+                "targets": before["targets"] + targets}
 
     def count_from_here(self) -> None:
         """A run started from another run's checkpoint: its summary counts its own training, not that run's."""
