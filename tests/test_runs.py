@@ -753,6 +753,41 @@ def test_a_full_disk_under_metrics_jsonl_stops_with_exit_74_and_the_command_that
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
+def test_a_metrics_line_the_disk_fills_up_under_is_cut_back_not_left_torn(tmp_path):
+    """A full disk that took half a line (the file's last line ended mid-number) left metrics.jsonl unreadable
+    line by line until a resume cut it off: a run not resumed, a dashboard or pandas met a torn line."""
+    import errno
+
+    from trainer.errors import StorageError
+    from trainer.tracking.loggers import JsonlLogger
+
+    logger = JsonlLogger(tmp_path)
+    logger.log_metrics({"train/loss": 2.5}, 1)
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    real = logger._file
+
+    class HalfThenFull:  # what a filling disk does: a short write, then ENOSPC
+        fileno = real.fileno
+
+        def flush(self):
+            pass
+
+        def write(self, data):
+            if getattr(self, "wrote", False):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.wrote = True
+            return real.write(data[:len(data) // 2])
+
+    logger._file = HalfThenFull()
+    with pytest.raises(StorageError, match="at step 2 .No space left on device"):
+        logger.log_metrics({"train/loss": 2.25, "train/step_time_ms": 3.139}, 2)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+    logger._file = real
+    logger.log_metrics({"train/loss": 2.0}, 3)  # (room again: the next line lands whole after the last good one)
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 3]
+    logger.finish({})
+
+
 def test_a_preempted_sweep_says_the_command_that_continues_the_whole_sweep(corpus, tmp_path):
     """A sweep (-m) without hydra.sweep.dir preempted in its first point: its message said to rerun the same
     command with resume=auto, which starts every point anew in a new timestamped sweep dir (and the command for the

@@ -65,7 +65,7 @@ class JsonlLogger(NullLogger):
         self.samples_path = Path(run_dir) / "samples.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            self._file = open(self.path, "a")
+            self._file = _appending(self.path)
         except OSError as e:  # (a directory in its place, a read-only file: a traceback before the first step)
             from trainer.errors import StorageError
 
@@ -75,8 +75,7 @@ class JsonlLogger(NullLogger):
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         try:
-            self._file.write(json.dumps({"step": step, **metrics}) + "\n")
-            self._file.flush()
+            _append(self._file, json.dumps({"step": step, **metrics}) + "\n")
         except OSError as e:
             raise _unwritable(self.path, e, step) from None
 
@@ -97,8 +96,8 @@ class JsonlLogger(NullLogger):
 
     def _sample(self, event: dict) -> None:
         try:
-            with open(self.samples_path, "a") as f:
-                f.write(json.dumps(event) + "\n")
+            with _appending(self.samples_path) as f:
+                _append(f, json.dumps(event) + "\n")
         except OSError as e:
             raise _unwritable(self.samples_path, e, event["step"]) from None
 
@@ -112,7 +111,7 @@ class JsonlLogger(NullLogger):
                 keep = [ln for ln in path.read_text().splitlines(keepends=True)
                         if ln.strip() and _step_of(ln) is not None and _step_of(ln) <= step]
                 atomic_write_text(path, "".join(keep))
-        self._file = open(self.path, "a")
+        self._file = _appending(self.path)
 
     def take_branch(self, after: int, suffix: str, upto: int, run_dir: Path) -> None:
         self.rewind(after)
@@ -124,7 +123,7 @@ class JsonlLogger(NullLogger):
                          if ln.strip() and _step_of(ln) is not None and after < _step_of(ln) <= upto]
                 with open(path, "a") as f:
                     f.writelines(ln if ln.endswith("\n") else ln + "\n" for ln in lines)
-        self._file = open(self.path, "a")
+        self._file = _appending(self.path)
 
     def start_fresh(self) -> None:
         """Keep an earlier attempt's events as `metrics.prev.jsonl` (and `samples.prev.jsonl`; where those exist, as
@@ -135,7 +134,7 @@ class JsonlLogger(NullLogger):
         for path in (self.path, self.samples_path):
             if path.exists() and path.stat().st_size:
                 path.replace(free_name(path, ".prev", before_suffix=True))
-        self._file = open(self.path, "a")
+        self._file = _appending(self.path)
 
     def keep_copy(self) -> list[Path]:
         import shutil
@@ -155,6 +154,27 @@ class JsonlLogger(NullLogger):
             self._file.close()
         except OSError:  # (its buffered line could not be written either: the write that failed said so)
             pass
+
+
+def _appending(path: Path):
+    """The file opened to append, unbuffered: each line goes to the file in the write `_append` makes."""
+    return open(path, "ab", buffering=0)
+
+
+def _append(f, line: str) -> None:
+    """`line` appended whole, or not at all: a write that fails part way (a full disk) is cut back to where the file
+    ended, so that no reader (a dashboard, pandas, a run that is not resumed) meets a torn last line."""
+    data = memoryview(line.encode())
+    end = os.fstat(f.fileno()).st_size
+    try:
+        while data:
+            data = data[f.write(data):]
+    except OSError:
+        try:
+            os.ftruncate(f.fileno(), end)
+        except OSError:
+            pass
+        raise
 
 
 def _unwritable(path: Path, e: OSError, step: int):
