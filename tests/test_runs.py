@@ -138,6 +138,17 @@ def test_a_fresh_restart_sets_the_earlier_events_aside_instead_of_appending(corp
     assert "resume=auto" in json.loads((tmp_path / "run_info.json").read_text())["command"]
 
 
+def test_a_fresh_start_keeps_an_export_json_it_cannot_read_with_the_weights_beside_it(corpus, tmp_path):
+    """An export.json that lists no files (damaged, or a file of the user's own) was overwritten by the new run's,
+    while the weights beside it were kept in export.prev/."""
+    (tmp_path / "model.safetensors").write_text("mine")
+    (tmp_path / "export.json").write_text('{"mine": 1}')
+    train_in_process(corpus, tmp_path, "trainer.max_steps=1")
+    assert (tmp_path / "export.prev" / "export.json").read_text() == '{"mine": 1}'
+    assert (tmp_path / "export.prev" / "model.safetensors").read_text() == "mine"
+    assert json.loads((tmp_path / "export.json").read_text())["step"] == 1
+
+
 def test_a_fresh_start_in_a_dir_with_a_config_yaml_of_the_users_keeps_it(corpus, tmp_path):
     """hydra.run.dir at a project dir of one's own: its metrics and weights were set aside, its config.yaml
     overwritten."""

@@ -216,15 +216,14 @@ _EXPORTED = ("model.safetensors", "model_ema.safetensors", "model.safetensors.in
 
 def set_aside(run_dir: Path) -> Path | None:
     """An earlier attempt's export moved into `export.prev/` (then `export.prev-2/`, ...), where a fresh start in the
-    same run dir would overwrite it: export.json and the files it lists, or, without it (an export cut short), the
-    files an export writes. Returns the directory, or None when there was nothing to move."""
+    same run dir would overwrite it: export.json and the files it lists, and the files an export writes (those
+    alone of an export cut short). Returns the directory, or None when there was nothing to move."""
     import os
 
     names = {n for n in _EXPORTED if (run_dir / n).is_file()}
     names |= {p.name for p in run_dir.glob("model*-of-*.safetensors")}
     listed = listed_files(run_dir)
-    if listed is not None:
-        names |= {"export.json", *listed}
+    names |= {"export.json", *(listed or ())}  # (one that lists nothing readable is kept too: a damaged one, or yours)
     present = sorted(n for n in names if (run_dir / n).is_file() and not (run_dir / n).is_symlink()
                      and not ("/" in n and (run_dir / n).parent.is_symlink()))
     if not present:
