@@ -138,6 +138,24 @@ def test_a_fresh_restart_sets_the_earlier_events_aside_instead_of_appending(corp
     assert "resume=auto" in json.loads((tmp_path / "run_info.json").read_text())["command"]
 
 
+def test_a_stop_signal_during_the_final_export_ends_a_finished_run_as_finished(corpus, tmp_path, monkeypatch, capsys):
+    """A SIGTERM while the export was written (the export goes on to the end) exited 75, "preempted ... rerun to
+    finish", and a scheduler requeued a finished job."""
+    import signal
+
+    import trainer.entry.run as run
+
+    def export_then_signalled(trainer, cfg, run_dir):
+        exporting(trainer, cfg, run_dir)
+        trainer.preemption.requested, trainer.preemption.signum = True, signal.SIGTERM  # (as its handler records)
+
+    exporting = run.export
+    monkeypatch.setattr(run, "export", export_then_signalled)
+    final = train_in_process(corpus, tmp_path, "trainer.max_steps=2")
+    assert final[-1]["step"] == 2 and json.loads((tmp_path / "export.json").read_text())["step"] == 2
+    assert "note: SIGTERM came while the weights were exported; the export was completed" in capsys.readouterr().out
+
+
 def test_a_fresh_start_keeps_an_export_json_it_cannot_read_with_the_weights_beside_it(corpus, tmp_path):
     """An export.json that lists no files (damaged, or a file of the user's own) was overwritten by the new run's,
     while the weights beside it were kept in export.prev/."""

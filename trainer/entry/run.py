@@ -836,7 +836,7 @@ def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
         try:
             final = trainer.fit()
             export(trainer, cfg, run_dir)
-            trainer.stop_if_preempted("while the weights were exported")
+            trainer.note_late_stop("while the weights were exported")
         except BaseException as e:
             # Every rank stops at the same step boundary on preemption: they can leave together.
             finished = isinstance(e, Preempted)

@@ -352,11 +352,12 @@ class Trainer:
         raise Preempted(f"preempted by {self._cause()} at step {self.step}; checkpoint saved to {path}. "
                         "Rerun the same command with resume=auto to continue.")
 
-    def stop_if_preempted(self, when: str) -> None:
-        """A stop signal that came after the loop (the end's checkpoint is complete): still exit 75."""
-        if self.preemption.requested:
-            raise Preempted(f"preempted by {self._cause()} {when}; the run's final checkpoint (step {self.step}) is "
-                            "complete. Rerun the same command with resume=auto to finish.")
+    def note_late_stop(self, when: str) -> None:
+        """A stop signal that came after the loop, while the export was written (which a signal does not cut short):
+        the run is complete, so it ends as one, saying so. (It exited 75, "rerun to finish", and a scheduler requeued
+        a finished job, whose rerun found nothing to do.)"""
+        if self.preemption.requested and self.backend.is_main:
+            print(f"note: {self._cause()} came {when}; the export was completed, so the run is finished.", flush=True)
 
     def _cause(self) -> str:
         signum = self.preemption.signum
