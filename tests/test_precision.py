@@ -120,8 +120,9 @@ def test_resume_in_another_mode_works_and_says_so(corpus, tmp_path, capsys, trai
     capsys.readouterr()
     events = train_in_process(corpus, tmp_path, f"precision={now}", "trainer.max_steps=6", f"resume={trained[saved]}")
     out = capsys.readouterr().out
+    fresh = "; fp16's loss scale starts over, at precision.init_scale=65536" if now == "fp16" else ""
     assert (f"note: the checkpoint was trained in {saved} (set in the config); this run uses {now} "
-            "(set in the config)") in out.splitlines()
+            f"(set in the config){fresh}") in out.splitlines()
     assert [e["step"] for e in events if "train/loss" in e] == [5, 6]
     assert all(math.isfinite(x) for x in series(events, "train/loss"))
 

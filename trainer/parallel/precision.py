@@ -84,8 +84,10 @@ class FP32:
             from trainer.parallel.backend import is_main_process
 
             if is_main_process():
+                fresh = (f"; fp16's loss scale starts over, at precision.init_scale={self.scaler.get_scale():g}"
+                         if self.scaler is not None and not state["scaler"] else "")
                 print(f"note: the checkpoint was trained in {state['name']} ({state['reason']}); "
-                      f"this run uses {self.name} ({self.reason})", flush=True)
+                      f"this run uses {self.name} ({self.reason}){fresh}", flush=True)
 
 
 class BF16(FP32):
