@@ -206,6 +206,28 @@ def test_a_misspelt_mode_fails_with_the_valid_ones(tmp_path):
         WandbLogger(run_dir=tmp_path, mode="ofline")
 
 
+@pytest.mark.parametrize(("key", "value", "says"), [
+    ("project", ["p"], "logger.wandb.project=['p'] is invalid: expected a name"),
+    ("group", {"a": 1}, "logger.wandb.group={'a': 1} is invalid"),
+    ("entity", True, "logger.wandb.entity=True is invalid"),
+    ("tags", [["a"]], "logger.wandb.tags holds ['a']: expected a list of words")])
+def test_a_name_of_the_wrong_type_is_one_paragraph_before_the_run(tmp_path, key, value, says):
+    """wandb.init's pydantic traceback, exit 1, after the run dir was made (tags=[[a]] became the tag "['a']")."""
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        WandbLogger(run_dir=tmp_path, **{key: value})
+    assert WandbLogger(run_dir=tmp_path, name=123).init_kwargs["name"] == "123"  # (a number is a name)
+
+
+def test_a_wrong_wandb_name_leaves_no_run_dir(corpus, tmp_path, offline):
+    from test_errors import assert_clean_error
+
+    r = run_cli(*tiny_overrides(corpus, "logger=wandb", "logger.wandb.project=[p]"), f"hydra.run.dir={tmp_path / 'r'}")
+    assert_clean_error(r, "logger.wandb.project=['p'] is invalid")
+    assert not (tmp_path / "r").exists()
+
+
 def test_your_own_loop_logs_to_the_trackers_log_with_names(tmp_path, offline):
     """`Runtime(log_with="wandb", run_dir=...)`: metrics.jsonl and the wandb run get the same metrics; an unknown
     tracker is one UserError naming the valid ones."""

@@ -77,7 +77,13 @@ class WandbLogger(NullLogger):
             raise ConfigError(f"logger.wandb.on_rollback={on_rollback!r} is invalid: expected new_run (the rollback's "
                               "branch logs to a run of its own), fork or rewind (W&B's preview features).")
         self.on_rollback = on_rollback
-        self.init_kwargs = {"project": project, "entity": entity, "name": name, "group": group,
+        named = {"project": project, "entity": entity, "name": name, "group": group}
+        for key, value in [*named.items(), *(("tags", t) for t in tags or ())]:  # (wandb.init's pydantic traceback,
+            if not (value is None or isinstance(value, (str, int, float))) or isinstance(value, bool):  # a run dir left)
+                raise ConfigError(f"logger.wandb.tags holds {value!r}: expected a list of words (tags=[a,b])."
+                                  if key == "tags" else
+                                  f"logger.wandb.{key}={value!r} is invalid: expected a name (a string) or null.")
+        self.init_kwargs = {**{k: None if v is None else str(v) for k, v in named.items()},
                             "tags": [str(t) for t in tags or ()] or None}
         self.mode = mode
         self.dir = Path(dir if dir is not None else run_dir)
