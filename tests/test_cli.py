@@ -74,6 +74,18 @@ def test_help_and_cfg_job_do_not_train(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.parametrize(("args", "says"), [
+    (("--help", "world=dpp"), "world=dpp is not an option of config group 'world'"),
+    (("--info", "lr=1"), "unknown config key 'lr'. Did you mean optim.lr=1?"),
+    (("--hydra-help", "optim.betas=[0.9"), "the value of optim.betas does not parse")])
+def test_help_with_a_mistaken_override_is_the_runs_paragraph(tmp_path, args, says):
+    """--help, --info and --hydra-help compose the config with the overrides given: a mistake there was Hydra's
+    traceback, exit 1, where a run or --cfg job gives one paragraph."""
+    from test_errors import assert_clean_error
+
+    assert_clean_error(run_here(*args, cwd=tmp_path), says)
+
+
 # Options that belong to a recipe other than lm compose with it; `smoke` is picked by debug=smoke itself.
 RECIPE_OF = {("recipe", "diffusion"): "diffusion", ("model", "unet"): "diffusion", ("data", "digits"): "diffusion",
              ("recipe", "gan"): "gan", ("model", "gan"): "gan"}

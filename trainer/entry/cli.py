@@ -50,7 +50,10 @@ def precheck(argv: list[str]):
 
     args, _ = get_args_parser().parse_known_args(argv)
     known = Precomposed()
-    if args.help or args.hydra_help or args.info or args.shell_completion:
+    if args.shell_completion:
+        return known
+    if args.help or args.hydra_help or args.info:  # (they compose the config too: a mistake was Hydra's traceback)
+        compose_with_hydra(args.overrides, args.config_dir)
         return known
     if args.resolve and not args.cfg:  # (Hydra's own refusal was a ValueError traceback, exit 1)
         raise ConfigError("--resolve resolves the interpolations of the config that --cfg prints, so it goes with --cfg "
