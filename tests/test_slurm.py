@@ -150,6 +150,25 @@ def test_two_nodes_started_with_different_settings_stop_naming_them_before_train
     assert not (tmp_path / "shared" / "checkpoints").exists() and not (tmp_path / "shared" / "metrics.jsonl").exists()
 
 
+def test_two_nodes_writing_two_run_dirs_stop_naming_both_before_training(corpus, tmp_path):
+    """Global rank 0 writes the run, and the rendezvous ranks the nodes by host name, not world.node_rank: nodes given
+    two run dirs (the default outputs/DATE/TIME of nodes started in different seconds, or a disk of each node's own)
+    split the run, node 0 saying `done:` for a dir holding only its config. Now both refuse, naming both dirs."""
+    port = str(_free_port())
+    with contextlib.ExitStack() as stack:
+        nodes = [stack.enter_context(start_cli(
+            *tiny_overrides(corpus, "world=ddp", "world.nproc_per_node=1", "world.nnodes=2", f"world.node_rank={rank}",
+                            f"world.rdzv_endpoint=127.0.0.1:{port}"),
+            f"hydra.run.dir={tmp_path / f'node{rank}'}")) for rank in (0, 1)]
+        done = [node.wait(timeout=240) for node in nodes]
+    for r in done:
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert "the nodes of this job do not write one run dir" in r.stderr and "Nothing was trained" in r.stderr
+        assert f"writes {tmp_path / 'node0'}, where node 0's launcher locked" in r.stderr, r.stderr
+        assert f"writes {tmp_path / 'node1'}, which is another path" in r.stderr, r.stderr
+    assert not (tmp_path / "node0" / "metrics.jsonl").exists() and not (tmp_path / "node1" / "metrics.jsonl").exists()
+
+
 needs_submitit = pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
                                     reason="needs hydra-submitit-launcher (pip install -e '.[slurm]')")
 

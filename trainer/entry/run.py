@@ -253,17 +253,30 @@ NODE_LOCAL = ("world.node_rank", "world.nnodes", "world.threads", "world.nproc_p
               "trainer.progress")
 
 
-def refuse_nodes_that_differ(cfg: DictConfig, backend: Backend) -> None:
+def refuse_nodes_that_differ(cfg: DictConfig, backend: Backend, run_dir: Path) -> None:
     """Every rank's config against rank 0's, once at the start (one gather): each node's launcher composes its own
     command line, and nodes started with other settings (optim.lr, precision, trainer.max_steps) trained
-    different things without a word, or hung at the first step one of them did not take."""
+    different things without a word, or hung at the first step one of them did not take. And on several nodes,
+    their run dirs: one dir, which node 0's launcher locked (see `_run_dir_seen`)."""
     if not backend.distributed:
         return
     from trainer.checkpoint.settings import flat
 
     mine = {k: v for k, v in flat(OmegaConf.to_container(cfg, resolve=True)).items()
             if not any(k == n or k.startswith(n + ".") for n in NODE_LOCAL)}
-    every = backend.gather_object(mine)
+    every = backend.gather_object((mine, _run_dir_seen(run_dir, backend.world_size)))
+    seen = [s for _, s in every]
+    if len({lock for _, _, lock in seen}) > 1:
+        other = next(s for s in seen if s[2] != seen[0][2])
+        (host, path, _), (other_host, other_path, _) = (seen[0], other) if seen[0][2] else (other, seen[0])
+        raise ConfigError(f"the nodes of this job do not write one run dir: {host} writes {path}, where node 0's "
+                          f"launcher locked the run dir for the job, and {other_host} writes {other_path}, which "
+                          f"{'is another path' if other_path != path else 'is another dir by the same path (a disk of its own)'} "
+                          "without that lock. Global rank 0, which writes the run's files, is on whichever node the "
+                          "rendezvous ranks first. Give every node's command the same hydra.run.dir=DIR, on a "
+                          "filesystem they all reach (the default outputs/DATE/TIME differs between nodes started in "
+                          "different seconds). Nothing was trained.")
+    every = [m for m, _ in every]
     differ = sorted({k for other in every[1:] for k in set(other) | set(every[0]) if other.get(k) != every[0].get(k)})
     if differ:
         first = next(r for r, other in enumerate(every) if any(other.get(k) != every[0].get(k) for k in differ))
@@ -273,6 +286,26 @@ def refuse_nodes_that_differ(cfg: DictConfig, backend: Backend) -> None:
                           "the same command line, apart from world.node_rank and what is its own (world.threads, "
                           "data.path, data.num_workers, ...). Nothing was trained. Start them again with the same "
                           "overrides (precision=auto may choose differently on nodes of other hardware: name one).")
+
+
+def _run_dir_seen(run_dir: Path, world_size: int) -> tuple[str, str, str | None]:
+    """(host, run dir, the lock record seen there) of this rank, where the job spans nodes under this framework's
+    launcher: node 0's launcher took the run dir's lock, writing its record (trainer/runlock.py), before any worker
+    started, so every rank of a job writing one run dir reads the same record; else (host, dir, None) alike."""
+    import os
+    import socket
+
+    from trainer.entry.worker import LAUNCHER_ENV
+    from trainer.runlock import LOCK
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if local >= world_size or LAUNCHER_ENV not in os.environ:  # (one node; or torchrun's, which locks nothing)
+        return "", "", None
+    try:
+        record = (run_dir / LOCK).read_text(errors="replace").strip()
+    except OSError:
+        record = ""
+    return socket.gethostname(), str(run_dir.resolve()), record
 
 
 def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
@@ -285,7 +318,7 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
     strategy = build_strategy(cfg.world)
     backend.setup(process_group=strategy.needs_process_group)
     try:
-        refuse_nodes_that_differ(cfg, backend)
+        refuse_nodes_that_differ(cfg, backend, run_dir)
         from trainer.parallel.precision import AUTO_TARGET, emulation_note, resolve_auto
 
         # precision=auto, unless the CLI resolved it already: rank 0 chooses, every rank computes in its choice.
