@@ -86,6 +86,16 @@ def test_help_with_a_mistaken_override_is_the_runs_paragraph(tmp_path, args, say
     assert_clean_error(run_here(*args, cwd=tmp_path), says)
 
 
+def test_a_sweep_points_missing_data_file_stops_the_sweep_before_any_point_runs(corpus, tmp_path):
+    """Each point builds its datasets when it starts: the missing file of point 1 was found after point 0 had run."""
+    from test_errors import assert_clean_error
+
+    r = run_here("-m", *tiny_overrides(corpus), f"data.path={corpus},{tmp_path / 'missing.txt'}",
+                 f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert_clean_error(r, f"data.path='{tmp_path / 'missing.txt'}' does not exist (point 1 of the sweep's 2)")
+    assert not (tmp_path / "sweep").exists()
+
+
 # Options that belong to a recipe other than lm compose with it; `smoke` is picked by debug=smoke itself.
 RECIPE_OF = {("recipe", "diffusion"): "diffusion", ("model", "unet"): "diffusion", ("data", "digits"): "diffusion",
              ("recipe", "gan"): "gan", ("model", "gan"): "gan"}

@@ -75,7 +75,7 @@ def precheck(argv: list[str]):
     inert = []  # (a sweep's points that do not read an ema.* setting given: the EMA off there)
     shared = []  # (each point's logger.tensorboard.dir, where it is one fixed path)
     try:
-        for overrides in jobs:
+        for point, overrides in enumerate(jobs):
             cfg, sources = compose_with_hydra(overrides, args.config_dir, sources=True)
             known.mode = cfg.hydra.mode
             known.launcher = str(OmegaConf.select(cfg, "hydra.launcher._target_", default="") or "")
@@ -100,6 +100,8 @@ def precheck(argv: list[str]):
                 from trainer.config.schema import refuse_one_process_on_nodes
 
                 refuse_one_process_on_nodes(cfg.world)
+                if args.multirun:
+                    _check_data_path(cfg, point, len(jobs))
         fixed = next((d for d in shared if d is not None and shared.count(d) > 1), None)
         if fixed is not None:  # (the second point was refused once the first had run: "holds the run .../0")
             raise ConfigError(f"logger.tensorboard.dir={fixed} is one dir for {shared.count(fixed)} points of this sweep: "
@@ -118,6 +120,26 @@ def precheck(argv: list[str]):
         err.args = (scrub(str(err), secret_values()),)
         raise
     return known
+
+
+# The shipped datasets that read the local files data.path names (trainer/data/files.py).
+_READS_FILES = ("trainer.recipes.lm.data.text_file", "trainer.recipes.lm.data.text_stream",
+                "trainer.recipes.lm.data.hf_text")
+
+
+def _check_data_path(cfg, point: int, points: int) -> None:
+    """A sweep point's data.path that does not exist, found before the first point runs: each point's datasets are
+    built when it starts, so a later point's missing file stopped the sweep after the points before it had run."""
+    import glob
+
+    from trainer.errors import DataError
+
+    data = cfg.get("data") or {}
+    path = data.get("path") if data.get("_target_") in _READS_FILES else None
+    if isinstance(path, str) and path.strip() and not glob.has_magic(path) \
+            and not os.path.exists(os.path.expanduser(path)):
+        raise DataError(f"data.path={path!r} does not exist (point {point} of the sweep's {points}): nothing was "
+                        "run. Point data.path at a readable file, a directory of them or a glob pattern.")
 
 
 def check_config_dir(path: Path, given: str) -> None:
