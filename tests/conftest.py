@@ -17,12 +17,17 @@ ROOT = Path(__file__).resolve().parents[1]
 # are imported by their names, here and in every process a test starts (FAULTY_ENV).
 HELPERS = ROOT / "tests" / "helpers"
 sys.path.insert(0, str(HELPERS))
-# Dataset caches of the whole session go to one throwaway place (inherited by subprocesses).
-os.environ["TRAINER_CACHE_DIR"] = tempfile.mkdtemp(prefix="trainer-test-cache-")
-# This machine's defaults (python -m trainer config) would change what every test composes: none here.
-os.environ["TRAINER_CONFIG_HOME"] = tempfile.mkdtemp(prefix="trainer-test-config-")
-# (removed at the session's end: pytest_sessionfinish)
-SCRATCH = [os.environ["TRAINER_CACHE_DIR"], os.environ["TRAINER_CONFIG_HOME"]]
+# Dataset caches of the whole session go to one throwaway place (inherited by subprocesses), and this machine's
+# defaults (python -m trainer config), which would change what every test composes, to an empty one. Made by each
+# pytest process (the controller, each xdist worker) and removed at its session's end (pytest_sessionfinish); a
+# process a test starts imports this module too (unpickling a function of a test module) and keeps its session's.
+_SESSION = os.environ.get("PYTEST_XDIST_WORKER", "controller")
+SCRATCH: list[str] = []
+if os.environ.get("TRAINER_TEST_SCRATCH_OF") != _SESSION:
+    os.environ["TRAINER_CACHE_DIR"] = tempfile.mkdtemp(prefix="trainer-test-cache-")
+    os.environ["TRAINER_CONFIG_HOME"] = tempfile.mkdtemp(prefix="trainer-test-config-")
+    os.environ["TRAINER_TEST_SCRATCH_OF"] = _SESSION
+    SCRATCH += [os.environ["TRAINER_CACHE_DIR"], os.environ["TRAINER_CONFIG_HOME"]]
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.pop("WANDB_API_KEY", None)
 # Every process the tests start writes its Python stacks on SIGABRT: what a test that gives up on a hung process
