@@ -77,7 +77,9 @@ def test_help_and_cfg_job_do_not_train(tmp_path):
 @pytest.mark.parametrize(("args", "says"), [
     (("--help", "world=dpp"), "world=dpp is not an option of config group 'world'"),
     (("--info", "lr=1"), "unknown config key 'lr'. Did you mean optim.lr=1?"),
-    (("--hydra-help", "optim.betas=[0.9"), "the value of optim.betas does not parse")])
+    (("--help", "optim.betas=[0.9"), "the value of optim.betas does not parse"),
+    (("--help", "-m", "optim.lr=1e-3,2e-3"), "--help shows one job's config, so it does not go with -m"),
+    (("--hydra-help", "optim.lr=1e-3"), "--hydra-help shows Hydra's own options and takes none of the job's")])
 def test_help_with_a_mistaken_override_is_the_runs_paragraph(tmp_path, args, says):
     """--help, --info and --hydra-help compose the config with the overrides given: a mistake there was Hydra's
     traceback, exit 1, where a run or --cfg job gives one paragraph."""

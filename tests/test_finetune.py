@@ -230,6 +230,14 @@ def a_sharded_checkpoint(tmp_path: Path) -> Path:
     return path
 
 
+def a_lora_checkpoint(tmp_path: Path) -> Path:
+    """A LoRA run's checkpoint: its model file holds the adapters alone (the base is the run's finetune.weights)."""
+    from trainer.checkpoint.store import Checkpointer
+
+    return Checkpointer(tmp_path / "checkpoints").save(1, {"blocks.0.attn.qkv.lora_A": torch.zeros(2, 2)},
+                                                       {"trainer": {"step": 1}})
+
+
 def pickled(tmp_path: Path) -> Path:
     d = tmp_path / "hub"
     d.mkdir()
@@ -246,7 +254,9 @@ def pickled(tmp_path: Path) -> Path:
                                                         "safetensors.torch"]),
     ([lambda tmp: f"finetune.weights={unfinished(tmp)}"], ["run dir without an export", "resume=auto"]),
     ([lambda tmp: f"finetune.weights={a_sharded_checkpoint(tmp)}"], ["weights are split over its ranks' files",
-                                                                    "resume=", "trainer.load("]),
+                                                                    "resume=", "st.save_model(trainer.load("]),
+    ([lambda tmp: f"finetune.weights={a_lora_checkpoint(tmp)}"], ["is a checkpoint of a LoRA run", "adapters alone",
+                                                                 "finetune.weights=RUN_DIR"]),
     (["finetune.lora.rank=4", "finetune.lora.targets=[q_proj]"], ["'q_proj', which is no linear layer of GPT",
                                                                   "qkv"]),
     (["finetune.lora.rank=4", "finetune.lora.targets=[head]"], ["adapts head, whose weight is shared"]),

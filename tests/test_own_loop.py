@@ -1824,15 +1824,16 @@ def test_changing_what_a_ddp_model_trains_after_its_first_step_is_one_paragraph(
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("fail", [False, True], ids=["ends", "fails"])
-def test_a_launched_scripts_atexit_handlers_run_on_every_rank_as_under_torchrun(tmp_path, fail):
+@pytest.mark.parametrize(("how", "code"), [("", 0), ("fail", 1), ("exit3", 3)], ids=["ends", "fails", "sys_exit"])
+def test_a_launched_scripts_atexit_handlers_run_on_every_rank_as_under_torchrun(tmp_path, how, code):
     """A worker leaves by os._exit (gloo's C++ teardown can abort a finished job), which skipped the interpreter's
     atexit handlers: a script's own never ran under `launch`, as they do under torchrun. A failing rank runs its
-    handlers too (its peer is stopped by the launcher: its own may not run)."""
-    r = launch("world=ddp", "world.nproc_per_node=2", SCRIPT, "at_exit", str(tmp_path), *(["fail"] if fail else []))
-    assert r.returncode == (1 if fail else 0), r.stdout + r.stderr
+    handlers too (its peer is stopped by the launcher: its own may not run), and so does one ending with
+    sys.exit(N)."""
+    r = launch("world=ddp", "world.nproc_per_node=2", SCRIPT, "at_exit", str(tmp_path), *([how] if how else []))
+    assert r.returncode == code, r.stdout + r.stderr
     assert (tmp_path / "rank1.txt").read_text() == "ran"
-    if not fail:
+    if how != "fail":
         assert (tmp_path / "rank0.txt").read_text() == "ran"
 
 

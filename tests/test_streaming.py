@@ -226,6 +226,18 @@ def test_samples_the_lm_task_does_not_take_are_one_paragraph_and_no_run_dir(tmp_
     assert not (tmp_path / "run").exists()
 
 
+def test_int32_token_ids_train_as_int64_ones_do(tmp_path):
+    """int32 ids (a numpy memmap's) passed the batch check, then were torch's traceback in cross_entropy."""
+    args = ("debug=smoke", "data.shuffle=false", "trainer.max_steps=2", "trainer.eval_every=0")
+    runs = {}
+    for target in ("windows", "int32_ids"):
+        r = run_here(*args, f"data._target_=stream_data.{target}", f"hydra.run.dir={tmp_path / target}", cwd=tmp_path,
+                     env=FAULTY_ENV)
+        assert r.returncode == 0, r.stderr
+        runs[target] = [e["train/loss"] for e in read_metrics(tmp_path / target) if "train/loss" in e]
+    assert runs["int32_ids"] == runs["windows"] and len(runs["windows"]) == 2
+
+
 def test_epochs_of_a_stream_read_in_parts_by_several_readers_are_refused(tmp_path):
     """Each reader starts its own part over when it ends: with files of 3000 and 1000 bytes, "1 epoch" read the
     small file several times and the large one not to its end, and said "1.00 passes"."""

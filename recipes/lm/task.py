@@ -60,8 +60,9 @@ def _tokens(batch) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch as (x, y), token ids; a dataset of other samples (dicts, lone tensors, floats) is one paragraph,
     not a KeyError or an unpacking error in the middle of a step."""
     if (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)
-            and not any(t.dtype.is_floating_point or t.dtype.is_complex for t in batch)):
-        return batch[0], batch[1]
+            and not any(t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool for t in batch)):
+        return batch[0].long(), batch[1].long()  # (int32 or uint8 ids, a memmap's: the embedding takes int64; a no-op
+        # for int64)
     if isinstance(batch, dict):
         what = f"dicts with keys {', '.join(map(str, batch))}"
     elif isinstance(batch, (tuple, list)):

@@ -20,8 +20,9 @@
     runtime_script.py teacher                        a frozen teacher set up beside a student (distillation): prints
                                                      each rank's teacher weight sum and the student's after a step
     runtime_script.py rank_shaped                    a model whose width depends on the rank (a mistake)
-    runtime_script.py at_exit OUT [fail]             registers an atexit handler writing OUT/rank{R}.txt, then
-                                                     ends (fail: rank 1 raises first)
+    runtime_script.py at_exit OUT [fail|exit3]       registers an atexit handler writing OUT/rank{R}.txt, then
+                                                     ends (fail: rank 1 raises first; exit3: rank 1 ends with
+                                                     sys.exit(3))
 """
 
 from __future__ import annotations
@@ -309,14 +310,16 @@ def rank_shaped(rt: trainer.Runtime) -> None:
     rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def at_exit(rt: trainer.Runtime, out: str, fail: bool) -> None:
+def at_exit(rt: trainer.Runtime, out: str, fail: str) -> None:
     import atexit
     from pathlib import Path
 
     atexit.register(Path(out, f"rank{rt.rank}.txt").write_text, "ran")
-    if fail and rt.rank == 1:
+    if fail == "fail" and rt.rank == 1:
         raise RuntimeError("rank 1 fails after registering its handler")
     rt.end()
+    if fail == "exit3" and rt.rank == 1:
+        sys.exit(3)
 
 
 if __name__ == "__main__":
@@ -337,7 +340,7 @@ if __name__ == "__main__":
      "slow_phases": lambda: slow_phases(runtime, float(args[0])),
      "single": lambda: runtime.end(),
      "unused": lambda: unused(runtime),
-     "at_exit": lambda: at_exit(runtime, args[0], args[1:] == ["fail"]),
+     "at_exit": lambda: at_exit(runtime, args[0], (args[1:] or [""])[0]),
      "freeze": lambda: refreeze(runtime, unfreeze=False),
      "not_set_up": lambda: not_set_up(runtime),
      "unfreeze": lambda: refreeze(runtime, unfreeze=True),

@@ -184,7 +184,8 @@ class QuietNoisyMap(NoisyMap):
 
 
 class _Reshaped(Stream):
-    """Stream's windows as dicts {"x", "y"} or as the input alone: samples the lm task does not take."""
+    """Stream's windows as dicts {"x", "y"} or as the input alone (samples the lm task does not take), or as int32
+    ids (a memmap's, which it takes)."""
 
     def __init__(self, seq_len: int, shape: str):
         super().__init__(seq_len)
@@ -192,11 +193,15 @@ class _Reshaped(Stream):
 
     def __iter__(self):
         for x, y in super().__iter__():
-            yield {"x": x, "y": y} if self.shape == "dicts" else x
+            yield {"x": x, "y": y} if self.shape == "dicts" else (x.int(), y.int()) if self.shape == "int32" else x
 
 
 def dicts(seq_len: int = 256, cache_dir: str | None = None, val_every: int = 20):
     return _Reshaped(seq_len, "dicts"), None
+
+
+def int32_ids(seq_len: int = 256, cache_dir: str | None = None, val_every: int = 20):
+    return _Reshaped(seq_len, "int32"), None
 
 
 def inputs_only(seq_len: int = 256, cache_dir: str | None = None, val_every: int = 20):

@@ -52,7 +52,18 @@ def precheck(argv: list[str]):
     known = Precomposed()
     if args.shell_completion:
         return known
-    if args.help or args.hydra_help or args.info:  # (they compose the config too: a mistake was Hydra's traceback)
+    if args.hydra_help:  # (Hydra's own options: it composes without the job's config, so a job's key fails there)
+        job = [o for o in args.overrides if not o.lstrip("+~").startswith("hydra")]
+        if job:
+            raise ConfigError(f"--hydra-help shows Hydra's own options and takes none of the job's overrides "
+                              f"({' '.join(job)}): run python -m trainer --hydra-help alone, or --help with them.")
+        return known
+    if args.help or args.info:  # (they compose the config too: a mistake was Hydra's traceback)
+        if args.multirun:  # (Hydra composes the help's one config from a sweep's values: its traceback)
+            first = sweep_jobs(args.overrides)[0]
+            raise ConfigError(f"{'--help' if args.help else '--info'} shows one job's config, so it does not go with -m "
+                              f"(a sweep). Drop -m, with each swept key at one of its values: python -m trainer "
+                              f"{'--help' if args.help else '--info'} {' '.join(first)}".rstrip() + ".")
         compose_with_hydra(args.overrides, args.config_dir)
         return known
     if args.resolve and not args.cfg:  # (Hydra's own refusal was a ValueError traceback, exit 1)
@@ -100,7 +111,7 @@ def precheck(argv: list[str]):
                 from trainer.config.schema import refuse_one_process_on_nodes
 
                 refuse_one_process_on_nodes(cfg.world)
-                if args.multirun:
+                if args.multirun and "slurm" not in known.launcher.lower():  # (a cluster's nodes see other files)
                     _check_data_path(cfg, point, len(jobs))
         fixed = next((d for d in shared if d is not None and shared.count(d) > 1), None)
         if fixed is not None:  # (the second point was refused once the first had run: "holds the run .../0")

@@ -120,7 +120,13 @@ def forked(launcher_env: dict[str, str], streams: Streams | None = None) -> int:
     env = worker_environment(launcher_env, _BOOT_ENV, dict(os.environ))
     os.environ.clear()
     os.environ.update(env)
-    code = main()
+    try:
+        code = main()
+    except SystemExit as e:  # (a launched script's sys.exit(N): leaving through here runs its atexit handlers too)
+        code = e.code if isinstance(e.code, int) or e.code is None else 1
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr, flush=True)
+        code = code or 0
     if code:
         exit_now(code)  # (the error is in torchelastic's error file; the exit code says which kind)
     _flush()

@@ -86,15 +86,20 @@ def files_of(path: str | os.PathLike, label: str = "finetune.weights=", name: st
     if (p / "manifest.json").is_file() and (p / "state.json").is_file():  # a checkpoint: its files verified first
         from trainer.checkpoint.store import verify
 
-        model_files = [f for f in verify(p)["files"] if f.startswith("model")]
+        model_files = sorted(f for f in verify(p)["files"] if f.startswith("model"))
+        whole = (f"or from its weights written whole: python -c \"import trainer, safetensors.torch as st; "
+                 f"st.save_model(trainer.load('{path}'), 'w.safetensors')\" then finetune.weights=w.safetensors.")
         if name == "model" and model_files == ["model.safetensors"]:  # (one file: the whole weights, of any world)
+            if _adapters_only(p / "model.safetensors"):
+                raise ConfigError(f"{label}{path} is a checkpoint of a LoRA run: its model file holds the adapters "
+                                  f"alone (the base is that run's own finetune.weights). Continue that run with "
+                                  f"resume={path}, or start from the run's export (finetune.weights=RUN_DIR, the "
+                                  f"adapters merged into the base, once the run finished), {whole}")
             return [p / "model.safetensors"]
-        raise ConfigError(f"{label}{path} is a checkpoint whose weights are split over its ranks' files "
-                          f"({', '.join(sorted(model_files)[:3])}, ...): continue that run with resume={path}, or "
-                          "start from the run's export (finetune.weights=RUN_DIR, the directory above checkpoints/, "
-                          "once the run finished), or from its weights written whole: python -c \"import trainer, "
-                          f"safetensors.torch as st; st.save_file(trainer.load('{path}').state_dict(), 'w.safetensors')\" "
-                          "then finetune.weights=w.safetensors.")
+        shown = ", ".join(model_files[:3]) + (", ..." if len(model_files) > 3 else "")
+        raise ConfigError(f"{label}{path} is a checkpoint whose weights are split over its ranks' files ({shown}): "
+                          f"continue that run with resume={path}, or start from the run's export "
+                          f"(finetune.weights=RUN_DIR, the directory above checkpoints/, once the run finished), {whole}")
     if (p / f"{name}.safetensors").is_file():
         return [p / f"{name}.safetensors"]
     index = p / f"{name}.safetensors.index.json"
@@ -109,6 +114,13 @@ def files_of(path: str | os.PathLike, label: str = "finetune.weights=", name: st
                               "or pass one of its checkpoints as resume=PATH.")
     raise ConfigError(f"{label}{path} has no {name}.safetensors or {name}.safetensors.index.json. Give a "
                       ".safetensors file, a Hugging Face model directory, or a finished run dir.")
+
+
+def _adapters_only(path: Path) -> bool:
+    """Whether a safetensors file holds LoRA adapters alone (a LoRA run's checkpoint: its base is not saved there)."""
+    reader, _, entries = tensorfile.map_safetensors(path, follow_links=True)
+    reader._file.close()
+    return bool(entries) and all(".lora_" in key for key in entries)
 
 
 def _shards(index: Path, label: str = "finetune.weights=") -> list[Path]:
