@@ -111,3 +111,17 @@ def test_the_summary_counts_every_step_trained_with_saves_between_logs(corpus, t
                      "checkpoint.async_save=false")
     state = json.loads((tmp_path / "checkpoints" / "step_00000028" / "state.json").read_text())["trainer"]
     assert state["trained"]["targets"] == 28 * 4 * 32  # (debug=smoke: 4 x 32 tokens a step)
+
+
+def test_a_parameter_the_forward_leaves_unused_under_ddp_is_one_paragraph_naming_it(tmp_path):
+    """DDP's "Expected to have finished reduction in the prior iteration" traceback at step 2, naming parameter
+    indices; the fix it named was DDP's keyword, not the framework's setting. With that setting the run trains."""
+    from test_errors import assert_clean_error
+
+    args = ("--config-dir", CONF, "recipe=classify", "model._target_=classify.WithUnused", "world=ddp",
+            "world.nproc_per_node=2", "data.batch_size=4", "trainer.max_steps=4")
+    r = run_cli(*args, f"hydra.run.dir={tmp_path / 'refused'}", env=FAULTY_ENV)
+    assert_clean_error(r, "trainable parameters its forward left without a gradient (extra.weight, extra.bias)",
+                       "world.find_unused_parameters=true")
+    r = run_cli(*args, "world.find_unused_parameters=true", f"hydra.run.dir={tmp_path / 'trained'}", env=FAULTY_ENV)
+    assert r.returncode == 0, r.stderr

@@ -13,6 +13,14 @@ class MLP(torch.nn.Module):
         return self.net(x)
 
 
+class WithUnused(MLP):
+    """An MLP with a layer its forward never uses (a mistake under DDP without world.find_unused_parameters)."""
+
+    def __init__(self, hidden: int = 32, classes: int = 3):
+        super().__init__(hidden, classes)
+        self.extra = torch.nn.Linear(2, 1)
+
+
 def blobs(n: int = 300, val: int = 61):
     """Three Gaussian blobs; val has an odd size so that 2 ranks split it unevenly."""
     g = torch.Generator().manual_seed(0)

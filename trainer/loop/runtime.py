@@ -86,6 +86,30 @@ def _precision(precision: Any, device_type: str, sharded: bool):
     return modes.MODES[precision](device_type, sharded=sharded)
 
 
+# What DistributedDataParallel raises at the forward after a backward that left trainable parameters without a
+# gradient (without find_unused_parameters): the step before ran on gradients its buckets never averaged.
+UNUSED_BY_DDP = "Expected to have finished reduction in the prior iteration"
+
+
+def _unused_parameters(model: nn.Module, torch_says: str) -> UserError:
+    """DDP's unused-parameter error as one paragraph naming the parameters (torch names their indices among the
+    trainable ones)."""
+    import re
+
+    trainable = [n for n, p in getattr(model, "module", model).named_parameters() if p.requires_grad]
+    found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", torch_says)
+    indices = [int(i) for i in found.group(1).split()] if found else []
+    names = [trainable[i] for i in indices if i < len(trainable)]
+    listed = (", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")) if names else \
+        "torch does not say which"
+    return UserError(f"the model has trainable parameters its forward left without a gradient ({listed}): "
+                     "DistributedDataParallel waits for those in every backward, and the gradients it buckets with "
+                     "them were never averaged, so the run stopped at the next forward. Turn on its search for them, "
+                     "world.find_unused_parameters=true (world.static_graph=true where the same ones are unused every "
+                     "step; Runtime('ddp', world_options={...}) in a loop of your own), or freeze them "
+                     "(requires_grad_(False)). No checkpoint was written since the last one.")
+
+
 class Runtime:
     """Everything a training loop needs from the framework, for one process of a job.
 
@@ -688,7 +712,12 @@ class Runtime:
         divided by the global target count) and the microbatches' losses are summed."""
         if self.strategy.pipeline is None:
             with self.autocast():
-                loss, sums = split_loss(loss_fn(model, batch))
+                try:
+                    loss, sums = split_loss(loss_fn(model, batch))
+                except RuntimeError as e:
+                    if UNUSED_BY_DDP not in str(e):
+                        raise
+                    raise _unused_parameters(model, str(e)) from None
             self._backward(loss, scale, summed=not mean)
             return loss, sums
         scale = 1.0 / self.grad_accum_steps if scale is None else scale
