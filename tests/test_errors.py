@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -568,3 +569,17 @@ def test_compose_and_train_from_python_name_what_they_take(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer.train takes the config trainer.compose returns .* not a dict"):
         trainer.train({"trainer": {"max_steps": 1}}, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("given", "says"), [
+    (["precision=bf16", "precision.init_scale=1024"], "precision.init_scale is a setting of precision=fp16, which this "
+                                                      "run does not choose: add precision=fp16"),
+    (["optim.momentum=0.9"], "optim.momentum is a setting of optim=muon and optim=sgd")])
+def test_a_key_of_a_group_option_not_chosen_names_the_option(given, says):
+    """It said "To add a new key on purpose, write +precision.init_scale=VALUE", which bf16 then refused, offering
+    its internal keys."""
+    from trainer.config.compose import compose
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        compose(["debug=smoke", *given])

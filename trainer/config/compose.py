@@ -373,6 +373,29 @@ def _unchosen_option(key: str, composed: DictConfig | None) -> str | None:
             f"{group}=[{option},...]) and keep {key}=... as it is.")
 
 
+def _key_of_other_options(key: str) -> str | None:
+    """The message for a key of a group option the run does not choose (precision.init_scale, fp16's, under
+    precision=bf16): the generic one offered +precision.init_scale, which the chosen option then refuses."""
+    import importlib.resources
+
+    group, _, rest = key.partition(".")
+    leaf = rest.split(".", 1)[0]
+    if not leaf or group in _config.LIST_GROUPS:
+        return None
+    having = []
+    for option in group_options(group):
+        try:
+            node = yaml.safe_load(importlib.resources.files(CONFIG_MODULE).joinpath(group, f"{option}.yaml").read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(node, dict) and leaf in node:
+            having.append(option)
+    if not having:
+        return None
+    return (f"{key} is a setting of {' and '.join(f'{group}={o}' for o in having)}, which this run does not choose: add "
+            f"{group}={having[0]} and keep {key}=... as it is.")
+
+
 def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> ConfigError:
     """Turn a Hydra/OmegaConf composition error into a ConfigError naming the key and the fix."""
     from hydra.errors import MissingConfigException
@@ -450,7 +473,7 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
             return ConfigError(f"unknown config key '{key}': this Hugging Face model's config calls it {own_name}. "
                                f"Set model.{own_name}={value if value is not None else 'VALUE'} (model.{leaf} is the lm "
                                "recipe's name, read where a config such as debug=smoke sets it).")
-        unchosen = _unchosen_option(key, composed)
+        unchosen = _unchosen_option(key, composed) or (None if elsewhere else _key_of_other_options(key))
         if unchosen:  # (the `+` the generic message proposes would add a settings node with no logger behind it)
             return ConfigError(unchosen)
         # The sections the framework reads itself take no key of one's own (schema._known_keys refuses it).
