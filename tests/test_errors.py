@@ -129,6 +129,8 @@ def test_a_number_as_text_and_resolve_without_cfg_are_one_paragraph_saying_the_f
     (["checkpoint.best_metric=loss"], ["checkpoint.best_metric='loss'", "val/"]),
     (["checkpoint.best_metric=val_ema/loss"], ["checkpoint.best_metric='val_ema/loss'", "ema.enabled=true"]),
     (["world.device=cuda"], ["world.device='cuda'", "no CUDA device"]),
+    (["world.device=cpu:3"], ["world.device='cpu:3' is invalid: expected auto, cpu, cuda, cuda:N or mps"]),  # (was
+    # taken without a word: a CPU has no index)
     (["trainer.nonfinite_check=log", "trainer.nonfinite=skip"], ["trainer.nonfinite_check='log'", "nonfinite=skip"]),
     (["trainer.nonfinite_check=sometimes"], ["trainer.nonfinite_check='sometimes'", "auto, step or log"]),
     (["--config-dir", "nosuch"], ["--config-dir nosuch: there is no such directory"]),  # (was Hydra's, and a warning)

@@ -466,8 +466,9 @@ def _validate_world(world: DictConfig, batch_size: Any = None, precision: Any = 
                    "Pass node 0's address, e.g. world.rdzv_endpoint=node0:29500.")
     if slurm.leaves_topology_to_slurm(w.nnodes, w.node_rank, w.rdzv_endpoint):
         slurm.topology(os.environ)  # under SLURM the launcher reads the job's variables: refuse bad ones now
-    _check(w.device == "auto" or w.device.split(":")[0] in ("cpu", "cuda", "mps"), "world.device", w.device,
-           "auto, cpu or cuda")
+    kind, _, index = str(w.device).partition(":")
+    _check(w.device == "auto" or (kind in ("cuda", "mps") and (not index or index.isdigit())) or w.device == "cpu",
+           "world.device", w.device, "auto, cpu, cuda, cuda:N or mps (a CPU has no index)")
     from trainer.parallel.layout import (  # the layout's own checks, before workers start
         check_degree,
         check_pipeline,
