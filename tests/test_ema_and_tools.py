@@ -67,12 +67,15 @@ def test_the_ema_eval_under_fsdp_keeping_gathered_weights_evaluates_the_ema(corp
     assert all(raw != averaged for _, raw, averaged in evals[True])
 
 
-def test_ema_skips_steps_the_scaler_skipped(corpus, tmp_path):
+def test_ema_skips_steps_the_scaler_skipped(corpus, tmp_path, capsys):
+    """...and the summary line counts them (they were only in metrics.jsonl)."""
     train_in_process(corpus, tmp_path, "precision=fp16", "precision.init_scale=1e30", "trainer.max_steps=12",
                      "ema.enabled=true")
     skipped = int(series(read_metrics(tmp_path), "train/skipped_steps")[-1])
     state = json.loads((tmp_path / "checkpoints" / "step_00000012" / "state.json").read_text())
     assert skipped >= 3 and state["ema"]["num_updates"] == 12 - skipped
+    assert f" skipped_steps={skipped}" in next(ln for ln in capsys.readouterr().out.splitlines()
+                                               if ln.startswith("summary: "))
 
 
 def test_env_prints_versions_devices_and_the_default_config(tmp_path):

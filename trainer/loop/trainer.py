@@ -471,6 +471,8 @@ class Trainer:
         rate = trained["targets"] / trained["seconds"]
         out = {"summary/steps": trained["steps"], "summary/train_time_s": trained["seconds"],
                f"summary/{self.target_unit}_per_s": rate}
+        if self.skipped_steps:  # (fp16's overflowed steps, or nonfinite=skip's: counted in the steps, not applied)
+            out["summary/skipped_steps"] = int(self.skipped_steps)
         if self.cost:
             out.update({k.replace("train/", "summary/"): v for k, v in self.cost.metrics(rate).items()})
         return out
