@@ -573,6 +573,22 @@ def test_resume_notes_do_not_report_precision_autos_timing_text(tmp_path):
     assert changed_settings(tmp_path, now) == [("trainer.max_steps", 10, 20)]
 
 
+def test_a_resume_into_another_world_counts_the_keys_only_one_option_has(tmp_path):
+    """world=single resumed on world=ddp listed every DDP key as `world.bucket_cap_mb: None -> 25`, keys the single
+    run never had; a changed key both have is still named."""
+    from omegaconf import OmegaConf
+
+    from trainer.checkpoint.manager import resume_notes
+    from trainer.checkpoint.store import Checkpointer
+
+    (tmp_path / "config.yaml").write_text("world:\n  _target_: trainer.parallel.SingleDevice\n  threads: auto\n")
+    now = OmegaConf.create({"world": {"_target_": "trainer.parallel.DDP", "threads": 2, "bucket_cap_mb": 25,
+                                      "static_graph": False}})
+    (note,) = resume_notes(tmp_path, now, Checkpointer(tmp_path / "checkpoints"))
+    assert note.endswith("world._target_: 'trainer.parallel.SingleDevice' -> 'trainer.parallel.DDP'; world.threads: "
+                         "'auto' -> 2; world: 2 settings only one of the two options has"), note
+
+
 # -- what a run reads must be its own (item 6) --------------------------------------------------------------
 def test_a_symlinked_checkpoint_from_another_run_is_not_one_of_this_runs(stopped, tmp_path):
     from trainer.checkpoint.store import Checkpointer

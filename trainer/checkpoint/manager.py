@@ -651,10 +651,20 @@ def resume_notes(path: Path, cfg: DictConfig, checkpointer: ckpt.Checkpointer) -
     """What a user should know after a resume: the settings that changed, and newer checkpoints left behind."""
     notes = []
     changed = changed_settings(path, cfg)
+    # A section whose option changed (world: single -> ddp) has keys only one side has: said as one count, not
+    # each as `None -> 25`.
+    swapped = {k.rpartition(".")[0] for k, _, _ in changed if k.endswith("._target_")}
+    one_sided = [k for k, a, b in changed if k.rpartition(".")[0] in swapped and not k.endswith("._target_")
+                 and (a is None or b is None)]
+    shown = [f"{k}: {a!r} -> {b!r}" for k, a, b in changed if k not in one_sided]
+    for section in sorted(swapped):
+        n = sum(k.rpartition(".")[0] == section for k in one_sided)
+        if n:
+            shown.append(f"{section}: {n} setting{'s' if n > 1 else ''} only one of the two options has")
     if changed:
         notes.append("resume: these settings differ from the checkpoint's and apply from here on (optimizer and "
                      "schedule settings included: the schedule keeps its position and takes the new shape): "
-                     + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed))
+                     + "; ".join(shown))
     if checkpointer.reranked is not None and checkpointer.best_metric is not None:
         metric, mode, name = checkpointer.reranked
         notes.append(f"resume: the best checkpoint was ranked by {metric} ({mode}) and this run ranks by "
