@@ -1046,10 +1046,10 @@ class Runtime:
                                  every_component=True)
 
     def save_state(self, directory: str | os.PathLike, step: int, keep_last: int | None = None) -> Path:
-        _path_arg("rt.save_state(directory, step)", directory)
         """Checkpoint every model, optimizer, loader and registered object, and each rank's RNG, as
         `directory/step_<step>` (atomic, pickle-free; the `keep_last` newest are kept: default checkpoint.keep_last
         under launch, where null keeps every one, else 2). Every rank must call it, at a step boundary."""
+        _path_arg("rt.save_state(directory, step)", directory)
         if not is_count(step):
             raise UserError(f"rt.save_state(directory, step={step!r}): the step must be a whole number >= 0 (the "
                             "checkpoint is named step_<step>, and rt.load_state takes the newest by it).")
