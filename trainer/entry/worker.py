@@ -123,10 +123,11 @@ def forked(launcher_env: dict[str, str], streams: Streams | None = None) -> int:
     try:
         code = main()
     except SystemExit as e:  # (a launched script's sys.exit(N): leaving through here runs its atexit handlers too)
-        code = e.code if isinstance(e.code, int) or e.code is None else 1
-        if not isinstance(e.code, int) and e.code is not None:
+        if isinstance(e.code, int) or e.code is None:
+            code = e.code or 0
+        else:  # (sys.exit("message"): printed, exit 1, as the interpreter does)
             print(e.code, file=sys.stderr, flush=True)
-        code = code or 0
+            code = 1
     if code:
         exit_now(code)  # (the error is in torchelastic's error file; the exit code says which kind)
     _flush()
