@@ -53,11 +53,14 @@ def test_the_python_api_starts_the_processes_the_config_asks_for(corpus, tmp_pat
 
 
 def test_torchrun_launch_matches_self_launch(corpus, tmp_path, reference):
+    """And a world.nproc_per_node torchrun overrules is said (it trained on torchrun's 2 without a word)."""
     r = run_cli("--standalone", "--nproc_per_node=2", "-m", "trainer",
-                *tiny_overrides(corpus, *SHARED, "world=ddp", "data.batch_size=4"), f"hydra.run.dir={tmp_path}",
-                module="torch.distributed.run", env={"OMP_NUM_THREADS": "1"})
+                *tiny_overrides(corpus, *SHARED, "world=ddp", "world.nproc_per_node=3", "data.batch_size=4"),
+                f"hydra.run.dir={tmp_path}", module="torch.distributed.run", env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr
     assert_same_run(tmp_path, reference)
+    assert r.stdout.count("note: world.nproc_per_node=3 did not decide this job's processes: torchrun started it, "
+                          "2 process(es) per node and 2 in all") == 1, r.stdout
 
 
 def test_world_single_under_torchrun_is_one_paragraph_in_the_clis_terms(corpus, tmp_path):

@@ -66,11 +66,33 @@ def run(cfg: DictConfig, run_dir: Path, entry: Callable | None = None, topology=
     entry = entry or train
     if in_torchrun():  # we are torchrun's rank 0: hand the config to the other ranks
         _share_config([OmegaConf.to_container(cfg), str(run_dir), entry.__name__])
+        note = torchrun_decides(cfg.world)
+        if note:
+            print(note, flush=True)
     else:
         w = topology or launch_topology(cfg.world, say=print)
         if starts_workers(cfg, w):
             return launch(cfg, run_dir, entry, w)
     return entry(cfg, run_dir)
+
+
+def torchrun_decides(world: DictConfig) -> str | None:
+    """A note for world's process counts that torchrun, which started this job, overrules: a user who gave
+    world.nproc_per_node=4 to a job torchrun started on 2 processes per node trained on 2 without a word."""
+    from trainer.config.schema import launch_config
+
+    w = launch_config(world)
+    local, size = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), int(os.environ.get("WORLD_SIZE", 1))
+    said = []
+    if w.nproc_per_node not in ("auto", local):
+        said.append(f"world.nproc_per_node={w.nproc_per_node}")
+    if w.nnodes != 1 and w.nnodes * local != size:
+        said.append(f"world.nnodes={w.nnodes}")
+    if not said:
+        return None
+    return (f"note: {' and '.join(said)} did not decide this job's processes: torchrun started it, {local} process(es) "
+            f"per node and {size} in all (its --nproc_per_node and --nnodes), and the run uses those. Give torchrun "
+            "the counts, or start the run with python -m trainer, which starts what world asks for.")
 
 
 def starts_workers(cfg: DictConfig, w=None) -> bool:
