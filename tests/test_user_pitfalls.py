@@ -507,6 +507,12 @@ def test_a_mistake_in_a_hand_edited_machine_defaults_file_is_named_there_and_env
         f"defaults ({tmp_path / 'home' / 'machine' / 'default.yaml'}" in r.stderr, r.stderr
     r = run_here("env", cwd=tmp_path)
     assert r.returncode == 0 and "- torch" in r.stdout and "(not composed: world=ddpp is not an option" in r.stdout
+    # A key the config lacks was "machine/default.yaml sets ...": a path relative to nothing the user knows.
+    (tmp_path / "home" / "machine" / "default.yaml").write_text("# @package _global_\ntrainer:\n  max_stepz: 3\n")
+    r = run_here("debug=smoke", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert r.returncode == 2 and f"this machine's defaults file {tmp_path / 'home' / 'machine' / 'default.yaml'} " \
+        "(python -m trainer config) sets trainer.max_stepz, a key the config does not have" in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_machine_defaults_hold_beside_a_config_dir(tmp_path, monkeypatch):

@@ -519,7 +519,12 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
         # The file's keys reached the top level (its header is there): the key itself is the mistake.
         groups = [o for o in overrides if "=" in o and "." not in o.split("=")[0] and not o.startswith(m.group(1))]
         near = nearest_keys(str(full), _composed(groups, config_dir))
-        return ConfigError(f"{m.group(1)}/{m.group(2)}.yaml sets {full}, a key the config does not have."
+        where = f"{m.group(1)}/{m.group(2)}.yaml"
+        if where == "machine/default.yaml":  # (the user's file, by its path: `python -m trainer config` wrote it)
+            from trainer.config.machine import shown_file
+
+            where = f"this machine's defaults file {shown_file()} (python -m trainer config)"
+        return ConfigError(f"{where} sets {full}, a key the config does not have."
                            + (f" Did you mean {near[0]}?" if near else "")
                            + " python -m trainer --cfg job lists the keys there are.")
     if m and re.search(r"Key '[^']+' not in '", first):
