@@ -428,6 +428,7 @@ def test_a_node_that_never_comes_ends_the_run_with_one_paragraph(corpus, tmp_pat
     error = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(error) == 1, r.stderr
     assert endpoint in error[0] and "2 nodes" in error[0] and "world.rdzv_timeout=3" in error[0], error[0]
+    assert not (tmp_path / "run").exists()  # nothing trained: no run dir left (node 1's was an empty one Hydra made)
 
 
 def test_node_0_with_a_rendezvous_host_it_cannot_resolve_says_so_at_once(corpus, tmp_path):

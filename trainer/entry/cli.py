@@ -553,6 +553,9 @@ def _run_job(cfg: DictConfig) -> float | None:
 
             if isinstance(err, RendezvousFailed) and lock is not None and lock.held:  # the nodes never met: a new
                 remove_if_unused(run_dir)                                              # run's dir holds only records
+            elif isinstance(err, RendezvousFailed):  # another node's launcher, which writes nothing there: the empty
+                with contextlib.suppress(OSError):  # dir Hydra made goes (not one node 0 has written into, sharing it)
+                    run_dir.rmdir()
             _say_how_to_continue(run_dir, continue_command(run_dir))
         sys.exit(err.exit_code)
     except OSError as e:
