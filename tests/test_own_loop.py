@@ -1472,6 +1472,10 @@ def test_accelerate_launch_flags_and_hydra_settings_before_the_script_are_named(
     assert_clean_error(r, "would do nothing. Did you mean trainer.grad_accum_steps?")
     r = run_main("launch", "world=ddp", "nproc_per_node=2", "ga.py", cwd=tmp_path)  # a world setting, its section left out
     assert_clean_error(r, "would do nothing. Did you mean world.nproc_per_node=2?")
+    # The README's `launch recipes/lm/own_loop.py`, outside a clone (a pip install): the installed copy is named.
+    r = run_main("launch", "recipes/lm/own_loop.py", "--data", "ga.py", cwd=tmp_path)
+    assert_clean_error(r, "the script recipes/lm/own_loop.py is not a file. This trainer's copy of it is "
+                       f"{ROOT / 'recipes' / 'lm' / 'own_loop.py'} (the README's recipes/ paths are a clone's).")
 
 
 def _line_of(text: str) -> int:

@@ -573,7 +573,8 @@ def launch_parts(argv: list[str]):
                           "hydra.* settings do nothing there. Give your script the directory it writes to (e.g. "
                           "trainer.Runtime(run_dir=DIR) for metrics, rt.save_state(DIR, step) for checkpoints).")
     if not script.is_file():
-        raise ConfigError(f"python -m trainer launch: the script {script} is not a file. usage: {usage}")
+        raise ConfigError(f"python -m trainer launch: the script {script} is not a file.{_installed_copy(script)} "
+                          f"usage: {usage}")
     try:  # (before any worker starts: each would print the same SyntaxError traceback)
         compile(script.read_bytes(), str(script), "exec")
     except (SyntaxError, ValueError) as e:  # (ValueError: null bytes, a binary file)
@@ -599,6 +600,17 @@ def launch_parts(argv: list[str]):
 # What trainer.Runtime() takes from `launch`'s overrides (trainer/loop/runtime.py), and debug=, which sets some of them.
 READ_BY_LAUNCH = ("world", "precision", "trainer.grad_accum_steps", "trainer.seed", "checkpoint.keep_last", "logger",
                   "debug")
+
+
+def _installed_copy(script: Path) -> str:
+    """' This trainer's copy of it is ...' for the README's recipes/... scripts run outside the clone (a pip install
+    carries the recipes as the package trainer.recipes), else ''."""
+    if script.is_absolute() or script.parts[:1] != ("recipes",):
+        return ""
+    import trainer.recipes
+
+    copy = Path(trainer.recipes.__file__).parent.joinpath(*script.parts[1:])
+    return f" This trainer's copy of it is {copy} (the README's recipes/ paths are a clone's)." if copy.is_file() else ""
 
 
 def _section_of(key: str, given: str) -> str:
