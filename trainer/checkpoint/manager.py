@@ -38,8 +38,12 @@ class Parts:
     def __init__(self, strategy, models: dict[str, torch.nn.Module],
                  optimizers: dict[str, tuple[str, torch.optim.Optimizer]],
                  left_out: dict[str, frozenset[str]] | None = None,
-                 after_load: Callable[[torch.nn.Module], None] | None = None):
+                 after_load: Callable[[torch.nn.Module], None] | None = None, config_hyperparameters: bool = True):
         self.strategy, self.models, self.optimizers = strategy, models, optimizers
+        # The Trainer's optimizer hyperparameters (betas, weight decay) are its config's, which a resume may change;
+        # a loop of one's own gets the checkpoint's back, as torch's load_state_dict gives them (OneCycleLR cycles
+        # the momentum or beta1: the fresh scheduler's first value made the resumed run another one).
+        self.config_hyperparameters = config_hyperparameters
         # What a model needs after its tensors are loaded (LoRA: the scale this run configured, not the checkpoint's;
         # trainer/models/finetune.py's after_load, which the loop passes).
         self.after_load = after_load
@@ -102,10 +106,13 @@ class Parts:
                 _check_optimizer(state[name], like[name], f"{where} (optimizer {name})")
 
     def load_optimizer_state(self, state: Any) -> None:
-        """The optimizers' moments and step counts from `state`; their hyperparameters (betas, weight decay, ...)
-        stay this run's config's. (The LR follows the schedule: see trainer/loop/schedule.py.)"""
+        """The optimizers' moments, step counts and learning rates from `state`; their other hyperparameters (betas,
+        weight decay, ...) stay this run's config's where `config_hyperparameters`, else are the checkpoint's too.
+        How the step is computed (fused, foreach: the strategy may choose it) stays this run's either way."""
         for name, (model, opt) in self.optimizers.items():
-            hyper = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in opt.param_groups]
+            live = (lambda k: k not in ("params", "lr", "initial_lr")) if self.config_hyperparameters else \
+                (lambda k: k in ("fused", "foreach", "capturable", "differentiable"))
+            hyper = [{k: v for k, v in g.items() if live(k)} for g in opt.param_groups]
             self.strategy.load_optimizer_state_dict(self.models[model], opt, state if self.single else state[name])
             for group, h in zip(opt.param_groups, hyper):
                 group.update(h)

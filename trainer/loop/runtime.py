@@ -1037,7 +1037,8 @@ class Runtime:
                                               sharded=self.strategy.sharded)
         self._checkpointer.keep_last = keep_last
         parts = Parts(self.strategy, self.models, self.optimizers,
-                      {name: frozen_keys(m) for name, m in self.models.items()}, after_load=after_load)
+                      {name: frozen_keys(m) for name, m in self.models.items()}, after_load=after_load,
+                      config_hyperparameters=False)
         # Beside the user's: the trackers' run, and the precision's state (fp16's loss scale: a resume that started
         # it over at 65536 skipped steps again, and the resumed run was not the uninterrupted one).
         own = {"loggers": _TrackerState(self),
