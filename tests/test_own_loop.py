@@ -629,6 +629,48 @@ def test_a_scheduler_stepped_every_micro_batch_is_refused_and_one_stepped_with_t
             sched4.step()
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # (torch's, at the habit's start)
+@pytest.mark.parametrize("accum", [2, 4])
+def test_a_registered_step_scheduler_stepped_every_micro_batch_is_refused(accum):
+    """A StepLR (or MultiStepLR) stepped by the loop every micro-batch, the Accelerate way, moves the learning rate
+    at most once a step, which the rate check cannot tell from an epoch's scheduler: it ran the schedule
+    grad_accum_steps times too fast without a word (last_epoch 20 after 10 optimizer steps). Its count tells:
+    refused at the third step boundary, before that update; stepped when rt.step returns True, or where epochs of a
+    few micro-batches end, it runs."""
+    import trainer
+
+    def fresh():
+        rt = trainer.Runtime("single", "fp32", grad_accum_steps=accum)
+        model = nn.Linear(2, 1)
+        model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return rt, model, opt, rt.register("scheduler", torch.optim.lr_scheduler.StepLR(opt, step_size=10))
+
+    def micro_step(rt, model, opt) -> bool:
+        with rt.accumulate(model):
+            rt.backward(model(torch.ones(1, 2)).sum())
+        return rt.step(opt)
+
+    rt, model, opt, sched = fresh()
+    for _ in range(6 * accum):  # stepped after applied updates only: 6 steps, 6 scheduler steps
+        if micro_step(rt, model, opt):
+            sched.step()
+    for micro in range(1, 6 * accum + 1):  # an epoch's scheduler, epochs of 3 micro-batches (5 at accum 4)
+        micro_step(rt, model, opt)
+        if micro % (3 if accum == 2 else 5) == 0:
+            sched.step()
+    assert sched.last_epoch == 6 + 6 * accum // (3 if accum == 2 else 5)
+
+    rt, model, opt, sched = fresh()
+    for _ in range(2 * accum + accum - 1):  # every micro-batch: two steps' worth, then the third's first micro-steps
+        micro_step(rt, model, opt)
+        sched.step()
+    before = model.weight.detach().clone()
+    with pytest.raises(UserError, match=rf"the StepLR registered as 'scheduler' \(the optimizer of 'model'\) moved "
+                                        rf"{accum} times between optimizer steps, 2 steps running.*Nothing was updated"):
+        micro_step(rt, model, opt)
+    assert torch.equal(model.weight, before) and sched.last_epoch == 3 * accum - 1
+
+
 def test_zero_grad_in_the_middle_of_an_accumulation_is_refused(rt):
     """In every form that throws away earlier micro-batches: the optimizer's zero_grad after a micro-step that is
     not the last, inside the next micro-step before its backward, or with set_to_none=False (zeros, not None), each

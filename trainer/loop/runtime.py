@@ -233,6 +233,9 @@ class Runtime:
         self._ended = False  # rt.end() was called: the trackers are finished
         self._schedulers: list[Any] = []  # the schedulers rt.step has stepped (save_state refuses one not registered)
         self._scheduled: dict[int, int] = {}  # each of those schedulers' last_epoch after rt.step stepped it
+        # A registered scheduler the loop steps itself: (its last_epoch at its optimizer's last step boundary, how
+        # many boundaries running it moved grad_accum_steps times since the one before).
+        self._stepped_by_loop: dict[int, tuple[int, int]] = {}
         self._backwards = 0  # rt.backward calls so far, and their count at each optimizer's last rt.step (by id)
         self._backwards_at_step_start = 0  # (and at the first micro-step of the step under way)
         self._backwards_at_step: dict[int, int] = {}
@@ -826,6 +829,8 @@ class Runtime:
                             f"{why}. Nothing was updated.")
         if scheduler is not None:
             self._check_scheduler(optimizer, owner, scheduler)
+        if self.grad_accum_steps > 1:
+            self._check_loop_schedulers(optimizer, owner, scheduler)
         self._check_backward_was_ours(optimizer, "rt.step")
         if isinstance(self.models[owner], nn.parallel.DistributedDataParallel) and self.backend.distributed:
             self._check_ddp_trainable(owner)
@@ -903,6 +908,29 @@ class Runtime:
                             f"{now - seen} time(s) outside rt.step since rt.step last stepped it (a scheduler.step() of "
                             "your own besides): the schedule would run that much faster. rt.step steps it once per "
                             "applied update; remove the other call. Nothing was updated.")
+
+    def _check_loop_schedulers(self, optimizer: torch.optim.Optimizer, owner: str, passed) -> None:
+        """A registered scheduler of `optimizer` that the loop steps itself must not step every micro-batch, as
+        Accelerate's loops do (its prepared scheduler skips those calls): here it is the user's own object and would
+        run the schedule grad_accum_steps times too fast. A StepLR or MultiStepLR moves the learning rate at most once
+        a step that way, which `_check_lr_kept` cannot tell from an epoch's scheduler: its count can. Refused once it
+        moved exactly grad_accum_steps times between step boundaries, two boundaries running (an epoch's scheduler,
+        stepped where epochs end, would need epochs of one micro-batch)."""
+        for name, sched in self.stateful.items():
+            if (not isinstance(sched, torch.optim.lr_scheduler.LRScheduler) or sched is passed
+                    or getattr(sched, "optimizer", None) is not optimizer):
+                continue
+            before, running = self._stepped_by_loop.get(id(sched), (None, 0))
+            now = sched.last_epoch
+            running = running + 1 if before is not None and now - before == self.grad_accum_steps else 0
+            self._stepped_by_loop[id(sched)] = (now, running)
+            if running >= 2:
+                raise UserError(f"the {type(sched).__name__} registered as {name!r} (the optimizer of {owner!r}) moved "
+                                f"{self.grad_accum_steps} times between optimizer steps, {running} steps running: a "
+                                "scheduler.step() called every micro-batch (as Accelerate's loops do, where the "
+                                "prepared scheduler skips it) runs the schedule grad_accum_steps times too fast here. "
+                                f"Pass it to rt.step(optimizer, {name}), which steps it once per optimizer step, or "
+                                "call its step() only when rt.step returns True. Nothing was updated.")
 
     def no_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         if enabled and self._replicas_checked is not None:  # (a loop that steps unsynced on purpose: local SGD)
