@@ -671,6 +671,39 @@ def test_a_registered_step_scheduler_stepped_every_micro_batch_is_refused(accum)
     assert torch.equal(model.weight, before) and sched.last_epoch == 3 * accum - 1
 
 
+def test_a_loop_that_ends_in_the_middle_of_an_accumulation_says_what_it_never_applied(tmp_path, capfd):
+    """A DataLoader of the loop's own, 5 micro-batches an epoch with grad_accum_steps=2: the last one's gradients were
+    never applied, and rt.save_model and rt.end() said nothing. A note names them and the way to step on them;
+    passing last=True to the epoch's last micro-batch applies them (the same update as a big batch of the two)."""
+    import trainer
+
+    def run(last: bool):
+        rt = trainer.Runtime("single", "fp32", grad_accum_steps=2)
+        torch.manual_seed(0)
+        model = nn.Linear(2, 1)
+        model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        batches = [torch.full((1, 2), float(i)) for i in range(5)]
+        for i, x in enumerate(batches):
+            with rt.accumulate(model, last=(i == len(batches) - 1) if last else None):
+                rt.backward(model(x).sum())
+            rt.step(opt)
+        rt.save_model(model, tmp_path / f"last_{last}")
+        rt.end()
+        return model
+
+    run(last=False)
+    err = capfd.readouterr().err
+    assert err.count("note: the loop's last 1 micro-batch(es) were never applied: it ended after micro-step 1 of 2 "
+                     "of a step") == 1 and "rt.accumulate(model, last=i == len(loader) - 1)" in err, err
+    model = run(last=True)
+    assert "never applied" not in capfd.readouterr().err
+    torch.manual_seed(0)  # by hand: two steps of two micro-batches, then the fifth alone (its loss halved, as each is)
+    w = nn.Linear(2, 1).weight.detach().clone()
+    for xs in ([0.0, 1.0], [2.0, 3.0], [4.0]):
+        w -= 0.1 * torch.full((1, 2), sum(xs) / 2)
+    assert torch.allclose(model.weight, w, rtol=0, atol=1e-6)
+
+
 def test_zero_grad_in_the_middle_of_an_accumulation_is_refused(rt):
     """In every form that throws away earlier micro-batches: the optimizer's zero_grad after a micro-step that is
     not the last, inside the next micro-step before its backward, or with set_to_none=False (zeros, not None), each

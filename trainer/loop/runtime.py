@@ -236,6 +236,7 @@ class Runtime:
         # A registered scheduler the loop steps itself: (its last_epoch at its optimizer's last step boundary, how
         # many boundaries running it moved grad_accum_steps times since the one before).
         self._stepped_by_loop: dict[int, tuple[int, int]] = {}
+        self._said_unapplied = False  # (the note of a loop that ended mid-accumulation: once)
         self._backwards = 0  # rt.backward calls so far, and their count at each optimizer's last rt.step (by id)
         self._backwards_at_step_start = 0  # (and at the first micro-step of the step under way)
         self._backwards_at_step: dict[int, int] = {}
@@ -1330,6 +1331,7 @@ class Runtime:
         must call it (shards are gathered)."""
         from trainer.models.export import export_model, is_peft_model, write_hf_config, write_peft_adapter
 
+        self._say_unapplied()
         if not isinstance(model, nn.Module):
             raise UserError(f"rt.save_model got a {type(model).__name__}: pass the model (what rt.setup returned, or "
                             "the module itself); an optimizer's and the rest of the run's state go in rt.save_state.")
@@ -1495,8 +1497,24 @@ class Runtime:
             weakref.finalize(self, held.release)  # (a Runtime dropped without rt.end(), in a notebook)
         return held
 
+    def _say_unapplied(self) -> None:
+        """A note (once) where the loop ended in the middle of an accumulation whose micro-steps had backwards: a
+        DataLoader of the loop's own whose epoch is not a multiple of grad_accum_steps micro-batches leaves its last
+        ones' gradients unapplied (Accelerate's prepared loader ends the step there; `rt.loader`'s epochs are whole
+        steps)."""
+        if self._micro == 0 or self._backwards == self._backwards_at_step_start or self._said_unapplied:
+            return
+        self._said_unapplied = True
+        if self.backend.is_main:
+            _note(f"the loop's last {self._micro} micro-batch(es) were never applied: it ended after micro-step "
+                  f"{self._micro} of {self.grad_accum_steps} of a step (a DataLoader of your own whose epoch is not a "
+                  f"multiple of {self.grad_accum_steps} micro-batches). To step on them, pass last=True to the last "
+                  "micro-batch's rt.accumulate (`rt.accumulate(model, last=i == len(loader) - 1)`), or use "
+                  "rt.loader, whose epochs are whole steps")
+
     def end(self) -> None:
         """Finish the trackers and leave the process group (every rank, at the end of the script)."""
+        self._say_unapplied()
         self._ended = True
         if self._watched:  # (what the script does after its loop is its own: no longer watched for hangs)
             watchdog.disarm()
