@@ -1986,6 +1986,11 @@ def test_a_mistake_in_a_plain_python_script_is_one_paragraph_with_the_scripts_li
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
                        env={**env, "TRAINER_DEBUG": "1"})
     assert "Traceback" in r.stderr and "UserError" in r.stderr
+    # Accelerator's keywords, the first line an Accelerate user writes: refused before the paragraph's hook was set.
+    script.write_text("import trainer\nrt = trainer.Runtime(mixed_precision='bf16', gradient_accumulation_steps=2)\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.startswith("error: "), r.stderr
+    assert "mixed_precision is Accelerate's" in r.stderr and f"(at {script}:2: rt = trainer.Runtime(" in r.stderr
 
 
 def test_an_optimizer_left_out_of_setup_under_fsdp_is_refused_at_its_first_step():

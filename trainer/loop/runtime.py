@@ -126,13 +126,13 @@ class Runtime:
                  threads: int | str | None = None, world_options: dict[str, Any] | None = None,
                  log_with: list[str] | str | None = None, run_dir: str | os.PathLike | None = None,
                  backend: Backend | None = None, **unknown: Any):
-        if unknown:  # (Accelerator's keywords were a bare TypeError)
-            _refuse_keywords(unknown)
         # Under `launch`, what the script passes wins and the job's config gives the rest (it once gave all of it:
         # Runtime(grad_accum_steps=2) ran with the config's 1, and Runtime(precision=...) dropped the job's world).
         launched = launched_config() if backend is None else None
         if launched is None and backend is None:
             _one_paragraph_errors()  # (under launch, the worker reports them: exit 2)
+        if unknown:  # (Accelerator's keywords were a bare TypeError)
+            _refuse_keywords(unknown)
         if launched is not None and world is None:
             from trainer.config.instantiate import build_strategy
 
