@@ -704,6 +704,47 @@ def test_a_loop_that_ends_in_the_middle_of_an_accumulation_says_what_it_never_ap
     assert torch.allclose(model.weight, w, rtol=0, atol=1e-6)
 
 
+def test_under_fp16_a_clip_of_ones_own_before_unscaling_is_refused_and_after_it_is_rt_s_clip():
+    """torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) under fp16 measured the loss-scaled norm (37,532) and
+    cut the true gradients to a sliver, silently. Refused at rt.step, before the update; after rt.unscale_(optimizer)
+    the same call is the update rt.clip_grad_norm_ gives."""
+    import trainer
+
+    def fresh():
+        rt = trainer.Runtime("single", "fp16", grad_accum_steps=2)
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return rt, model, opt
+
+    def grads(rt, model):
+        for x in (torch.ones(2, 4), torch.full((2, 4), 3.0)):
+            with rt.accumulate(model):
+                rt.backward(model(x).pow(2).mean())
+
+    rt, model, opt = fresh()
+    grads(rt, model)
+    before = model.weight.detach().clone()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(UserError, match=r"gradients of 'model' were changed in place .* while they still carried "
+                                        r"fp16's loss scale.*rt.unscale_\(optimizer\).*Nothing was updated"):
+        rt.step(opt)
+    assert torch.equal(model.weight, before)
+
+    ways = []
+    for way in ("rt", "unscale, then torch's"):
+        rt, model, opt = fresh()
+        grads(rt, model)
+        if way == "rt":
+            rt.clip_grad_norm_(model, 1.0)
+        else:
+            rt.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        assert rt.step(opt) is True
+        ways.append(model.weight.detach().clone())
+    assert torch.equal(ways[0], ways[1]) and not torch.equal(ways[0], before)
+
+
 def test_zero_grad_in_the_middle_of_an_accumulation_is_refused(rt):
     """In every form that throws away earlier micro-batches: the optimizer's zero_grad after a micro-step that is
     not the last, inside the next micro-step before its backward, or with set_to_none=False (zeros, not None), each

@@ -237,6 +237,9 @@ class Runtime:
         # many boundaries running it moved grad_accum_steps times since the one before).
         self._stepped_by_loop: dict[int, tuple[int, int]] = {}
         self._said_unapplied = False  # (the note of a loop that ended mid-accumulation: once)
+        # fp16: each model's first gradient and its version after the step's last backward, until rt.unscale_ (or
+        # rt.clip_grad_norm_) unscales them: changed in place before that, they were changed while still scaled.
+        self._scaled: dict[str, tuple[torch.Tensor, int]] = {}
         self._backwards = 0  # rt.backward calls so far, and their count at each optimizer's last rt.step (by id)
         self._backwards_at_step_start = 0  # (and at the first micro-step of the step under way)
         self._backwards_at_step: dict[int, int] = {}
@@ -700,6 +703,11 @@ class Runtime:
         self.strategy.backward(loss * scale if not (isinstance(scale, float) and scale == 1.0) else loss)
         if self.sync_gradients and self.strategy.reduces_gradients:
             self._pending_reduce.update(self.models)
+        if self.sync_gradients and self.precision.scaler is not None:
+            for name in self.models:
+                grad = next((p.grad for p in self._trainable(name) if p.grad is not None), None)
+                if grad is not None:
+                    self._scaled[name] = (grad, grad._version)
         if self._watched:
             watchdog.progress()
 
@@ -778,6 +786,7 @@ class Runtime:
         model = next((m for m, o in self.optimizers.values() if o is optimizer), None)
         if model is not None:
             self._synced([model])
+            self._scaled.pop(model, None)
         self.strategy.unscale_(optimizer)
 
     def clip_grad_norm_(self, target, max_norm: float | None) -> torch.Tensor:
@@ -807,6 +816,8 @@ class Runtime:
         self._synced(models)
         for opt in opts:
             self.strategy.unscale_(opt)  # (what self.unscale_ does once its model is synced, as it is now)
+        for name in models if self._scaled else ():
+            self._scaled.pop(name, None)
         return self.strategy.clip_grad_norm_(params, max_norm)
 
     def step(self, optimizer: torch.optim.Optimizer, scheduler=None, *, zero_grad: bool = True) -> bool:
@@ -833,6 +844,8 @@ class Runtime:
         if self.grad_accum_steps > 1:
             self._check_loop_schedulers(optimizer, owner, scheduler)
         self._check_backward_was_ours(optimizer, "rt.step")
+        if self._scaled:
+            self._check_not_changed_while_scaled(owner)
         if isinstance(self.models[owner], nn.parallel.DistributedDataParallel) and self.backend.distributed:
             self._check_ddp_trainable(owner)
         self._synced([owner])
@@ -909,6 +922,19 @@ class Runtime:
                             f"{now - seen} time(s) outside rt.step since rt.step last stepped it (a scheduler.step() of "
                             "your own besides): the schedule would run that much faster. rt.step steps it once per "
                             "applied update; remove the other call. Nothing was updated.")
+
+    def _check_not_changed_while_scaled(self, owner: str) -> None:
+        """fp16: gradients changed in place after the step's last backward and before anything unscaled them were
+        changed while they still carried the loss scale: `torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`
+        of the loop's own measures the scaled norm (thousands) and clips the true gradients to almost nothing,
+        silently (Accelerate's loops have the same trap)."""
+        grad, version = self._scaled.pop(owner, (None, None))
+        if grad is not None and grad._version != version:
+            raise UserError(f"rt.step: the gradients of {owner!r} were changed in place (a torch.nn.utils."
+                            "clip_grad_norm_ of your own?) while they still carried fp16's loss scale, so a clip "
+                            "measured the scaled norm and cut the true gradients to a sliver of max_norm. Clip with "
+                            "rt.clip_grad_norm_(model, max_norm), which unscales first, or call rt.unscale_(optimizer) "
+                            "before changing them yourself. Nothing was updated.")
 
     def _check_loop_schedulers(self, optimizer: torch.optim.Optimizer, owner: str, passed) -> None:
         """A registered scheduler of `optimizer` that the loop steps itself must not step every micro-batch, as
