@@ -1570,6 +1570,36 @@ def test_a_schedule_that_moves_betas_or_momentum_resumes_as_the_uninterrupted_lo
     assert {k: v for k, v in opt.param_groups[0].items() if k != "params"} == saved
 
 
+def test_a_checkpoint_without_its_manifest_is_named_not_skipped_silently(tmp_path, capfd):
+    """A step dir whose manifest.json is gone (a copy that stopped before it, a damaged disk): rt.load_state(DIR)
+    started the loop fresh, or from an older step, without a word, and rt.load_state(that step) returned None, a
+    fresh start, for a checkpoint named by hand."""
+    import trainer
+
+    def fresh():
+        rt = trainer.Runtime("single", "fp32")
+        model = nn.Linear(1, 1)
+        model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return rt, model, opt
+
+    rt, model, opt = fresh()
+    for step in (2, 4):
+        rt.backward(model(torch.ones(1, 1)).sum())
+        rt.step(opt)
+        rt.save_state(tmp_path, step)
+    (tmp_path / "step_00000004" / "manifest.json").unlink()
+    capfd.readouterr()
+    assert fresh()[0].load_state(tmp_path) == 2
+    err = capfd.readouterr().err
+    assert "step_00000004 has no readable manifest.json" in err and "skipped, so it loads step_00000002" in err, err
+    with pytest.raises(CheckpointError, match=r"step_00000004'\): that checkpoint has no manifest.json.*Nothing was "
+                                              r"loaded"):
+        fresh()[0].load_state(tmp_path / "step_00000004")
+    (tmp_path / "step_00000002" / "manifest.json").unlink()
+    assert fresh()[0].load_state(tmp_path) is None
+    assert "step_00000002, step_00000004 have no readable manifest.json" in capfd.readouterr().err
+
+
 def test_load_state_before_the_loader_and_registered_objects_exist_is_refused(tmp_path):
     """An Accelerate habit, load right after setup: the checkpoint's loader and scheduler states were skipped
     without a word, and the run restarted its epoch and its learning rate. Refused, having changed nothing; loaded

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from trainer.checkpoint.store import is_count
-from trainer.errors import ConfigError, UserError
+from trainer.errors import CheckpointError, ConfigError, UserError
 from trainer.loop import watchdog
 from trainer.loop.loaders import EvalLoader, Loader, RunPosition
 from trainer.parallel import Strategy, unwrap
@@ -1214,8 +1214,19 @@ class Runtime:
         if path.exists() and not path.is_dir():
             raise UserError(f"rt.load_state({str(path)!r}) is a file: pass a checkpoint save_state wrote (a step_* "
                             "directory) or the directory save_state wrote them into.")
+        if not (path / MANIFEST).exists() and step_of(path) >= 0 and path.is_dir():  # (it was a fresh start: None)
+            raise CheckpointError(f"rt.load_state({str(path)!r}): that checkpoint has no manifest.json, which a save "
+                                  "writes last: it is incomplete (a save or copy that stopped before it) or damaged, "
+                                  f"so it cannot be loaded. Pass its directory ({path.parent}) for the newest complete "
+                                  "one there. Nothing was loaded.")
         if not (path / MANIFEST).exists():
             found = Checkpointer(path).complete() if path.is_dir() else []
+            damaged = [p.name for p in (Checkpointer(path).unreadable() if path.is_dir() else [])
+                       if not found or step_of(p) > step_of(found[-1])]
+            if damaged and self.backend.is_main:  # (it was a fresh start, or an older step, without a word)
+                _note(f"rt.load_state({str(path)!r}): {', '.join(damaged)} {'has' if len(damaged) == 1 else 'have'} no "
+                      "readable manifest.json (a save or copy that stopped before it, or a damaged checkpoint): "
+                      f"skipped, so {'the loop starts fresh' if not found else 'it loads ' + found[-1].name}")
             if not found:
                 below = sorted({str(p.parent.parent) for p in path.glob("*/step_*/" + MANIFEST)}) if path.is_dir() else []
                 if below and self.backend.is_main:  # (a fresh start is what it returns: say where checkpoints are)
@@ -1270,7 +1281,7 @@ class Runtime:
 
     def _say_loaded_lrs(self, built: dict[str, tuple]) -> None:
         """An optimizer built with another learning rate than its checkpoint's takes the checkpoint's (as torch's
-        load_state_dict does; its other settings stay the script's): said, where a restart with a new rate had it
+        load_state_dict does, with its other settings): said, where a restart with a new rate had it
         ignored without a word (the Trainer applies a new optim.lr and says so). Under a scheduler, its base rates
         (`initial_lr`) are compared: the rate itself is the schedule's, mid-way."""
         for name, (_, opt) in self.optimizers.items():
