@@ -301,6 +301,9 @@ def test_eval_mistakes_are_one_paragraph(reference, tmp_path):
                          (["sample", str(reference), "task.temperature=abc"], "task.temperature='abc' is invalid: expected a number"),
                          (["sample", str(reference), "task.top_k=0"], "task.top_k=0 is not an integer >= 1 or null"),
                          (["sample", str(reference), "task.sample_prompt=123"], "task.sample_prompt=123 is not text"),
+                         # (a reshape of 0 elements; in training, at the first eval's sample, after its steps)
+                         (["sample", str(reference), "task.sample_prompt=''", "task.sample_tokens=5"],
+                          "task.sample_prompt is empty: the model continues a prompt"),
                          # an output path that cannot be a file, refused before the sampling (an IsADirectoryError
                          # traceback after it)
                          (["sample", str(reference), f"out={tmp_path}"], f"out={tmp_path}: {tmp_path} is a directory"),

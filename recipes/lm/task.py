@@ -87,6 +87,10 @@ def _check_sampling(prompt, tokens, temperature, top_k) -> None:
     problems = []
     if not isinstance(prompt, str):
         problems.append(f"task.sample_prompt={prompt!r} is not text (quote a number: task.sample_prompt=\"'123'\")")
+    elif not prompt and isinstance(tokens, int) and tokens > 0:  # (a reshape of 0 elements at the first eval's sample)
+        problems.append("task.sample_prompt is empty: the model continues a prompt, at least one character (its "
+                        "tokens are bytes, with no start-of-text token to begin from); give one, e.g. "
+                        "task.sample_prompt=The, or task.sample_tokens=0 for no sample")
     if not (isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0):
         problems.append(f"task.sample_tokens={tokens!r} is not an integer >= 0 (0: no sample)")
     if not (number(temperature) and temperature >= 0):
