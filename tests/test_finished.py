@@ -424,7 +424,8 @@ def test_sample_replaces_an_earlier_sample_under_the_run_dir_but_never_a_trainin
     assert (run / trained).read_bytes() == before
 
 
-def test_sample_of_a_checkpoint_equals_the_exports_and_works_on_a_run_not_finished(diffusion_reference, tmp_path):
+def test_sample_of_a_checkpoint_equals_the_exports_and_works_on_a_run_not_finished(diffusion_reference, reference,
+                                                                                  tmp_path):
     """`sample RUN checkpoint=latest|best|PATH`, as eval takes it: the final checkpoint's grid and metrics are the
     export's, byte for byte (its EMA weights and its task state, the data normaliser, by default); a run with no
     export yet (still training, or preempted) samples from its checkpoints, and an earlier checkpoint differs."""
@@ -462,6 +463,18 @@ def test_sample_of_a_checkpoint_equals_the_exports_and_works_on_a_run_not_finish
     assert_clean_error(run_main("sample", str(run), "checkpoint=latest", "device_map=auto", cwd=tmp_path),
                        "sample with device_map reads the run's export")
     assert_clean_error(run_main("sample", str(run), f"checkpoint={run / 'nope'}", cwd=tmp_path), str(run / "nope"))
+    # Another run's checkpoint: sampled with this run's task and written over this run's sample_step_N.png (another
+    # model's: a traceback, or its text printed as this run's). Another model is refused; the same model takes out=.
+    before = {p: p.read_bytes() for p in (diffusion_reference / "samples").glob("*.png")}
+    assert_clean_error(run_main("sample", str(diffusion_reference), f"checkpoint={first}", cwd=tmp_path),
+                       f"checkpoint={first} is another run's ({run}): its sample would go into {diffusion_reference}")
+    lm = sorted((reference / "checkpoints").glob("step_*"))[-1]
+    assert_clean_error(run_main("sample", str(diffusion_reference), f"checkpoint={lm}", cwd=tmp_path),
+                       f"is another run's ({reference}), whose model differs from {diffusion_reference}'s")
+    assert {p: p.read_bytes() for p in (diffusion_reference / "samples").glob("*.png")} == before
+    other = run_main("sample", str(diffusion_reference), f"checkpoint={first}", f"out={tmp_path / 'other.png'}",
+                     cwd=tmp_path)
+    assert other.returncode == 0 and (tmp_path / "other.png").read_bytes() == grid.read_bytes(), other.stderr
 
 
 def test_a_quoted_path_option_is_unquoted_as_hydra_unquotes_an_override(diffusion_reference, tmp_path):

@@ -442,6 +442,7 @@ def sample(argv: list[str]) -> int:
         stem = "sample"
         if "checkpoint" in opts:  # the checkpoint's task state too; its EMA where it has one, unless ema= says
             task, chosen = load_task(run, task_keys), checkpoint_of(run, opts["checkpoint"])
+            _refuse_another_runs(run, chosen, out_given="out" in opts)
             ema = flag_value("ema", opts["ema"]) if "ema" in opts else None
             try:
                 model = checkpoint_model(chosen, ema, task).to(device).eval()
@@ -600,6 +601,35 @@ def launch_parts(argv: list[str]):
 # What trainer.Runtime() takes from `launch`'s overrides (trainer/loop/runtime.py), and debug=, which sets some of them.
 READ_BY_LAUNCH = ("world", "precision", "trainer.grad_accum_steps", "trainer.seed", "checkpoint.keep_last", "logger",
                   "debug")
+
+
+def _refuse_another_runs(run: Path, checkpoint: Path, out_given: bool) -> None:
+    """`sample RUN checkpoint=` a checkpoint outside RUN: the task is RUN's and the sample goes under RUN by the
+    checkpoint's step, so another model's checkpoint sampled with RUN's task (a traceback, or another run's text
+    printed as this one's) and wrote over RUN's own samples/sample_step_N.png. Refused where its model differs from
+    RUN's; else taken only with out= (where the sample goes is then the user's)."""
+    from omegaconf import OmegaConf
+
+    from trainer.checkpoint.store import run_of_checkpoint
+    from trainer.errors import ConfigError
+    from trainer.inference.finished import config_yaml
+
+    if checkpoint.resolve().is_relative_to(run.resolve()):
+        return
+    owner = run_of_checkpoint(checkpoint) or checkpoint
+    try:
+        theirs = OmegaConf.to_container(OmegaConf.load(checkpoint / "config.yaml").get("model"), resolve=True)
+        ours = OmegaConf.to_container(config_yaml(run).get("model"), resolve=True)
+    except Exception:  # (a damaged config: the load below names it)
+        return
+    own = f"`python -m trainer sample {owner} checkpoint={checkpoint}`"
+    if theirs != ours:
+        raise ConfigError(f"checkpoint={checkpoint} is another run's ({owner}), whose model differs from {run}'s, and "
+                          f"sample takes {run}'s task: sample it from its own run, {own}. Nothing was written.")
+    if not out_given:
+        raise ConfigError(f"checkpoint={checkpoint} is another run's ({owner}): its sample would go into {run}/samples "
+                          f"as {run}'s own step {checkpoint.name}. Sample it from its own run, {own}, or give "
+                          "out=FILE for this run's task's sample of it. Nothing was written.")
 
 
 def _installed_copy(script: Path) -> str:
