@@ -268,6 +268,8 @@ def test_finetune_mistakes_are_one_paragraph_before_any_worker(corpus, tmp_path,
                                  *extra), f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert_clean_error(r, *needles)
     assert not (tmp_path / "run").exists()
+    # (a LoRA run's checkpoint was offered trainer.load(CHECKPOINT), which refuses it: no model is whole in it)
+    assert "a LoRA run" not in r.stderr or "trainer.load('" not in r.stderr, r.stderr
 
 
 def test_a_run_refused_for_changed_data_starts_over_from_its_checkpoints_weights_as_the_refusal_says(corpus, tmp_path):
