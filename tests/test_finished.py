@@ -22,6 +22,22 @@ def test_load_gives_the_model_with_its_final_or_ema_weights(reference):
         assert all(torch.equal(model.state_dict()[k], weights[k]) for k in weights)
 
 
+def test_a_load_closes_the_files_it_read(reference):
+    """Each trainer.load left its files to the collector: a ResourceWarning (unclosed file) per file read, an error
+    under pytest -W error."""
+    import gc
+    import warnings
+
+    import trainer
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.load(reference)
+        trainer.load(reference, checkpoint="latest")
+        gc.collect()
+    assert not [str(w.message) for w in seen if issubclass(w.category, ResourceWarning)]
+
+
 def test_load_of_a_checkpoint_gives_its_model_with_its_weights_or_its_ema(reference, tmp_path):
     """Lightning's load_from_checkpoint: trainer.load(RUN_DIR, checkpoint=latest|best|PATH), or a checkpoint's own
     path. It refused a checkpoint, so a run stopped before its export, or its best step, had no model to load."""

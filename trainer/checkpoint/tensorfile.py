@@ -124,6 +124,20 @@ class FileReader:
     def __len__(self) -> int:
         return self.size
 
+    def close(self) -> None:
+        self._file.close()
+
+    def __del__(self) -> None:  # (a reader a load holds for its lazy tensors goes with the load: closed, not left to
+        file = getattr(self, "_file", None)  # the file object's own finaliser, which warns of an unclosed file)
+        if file is not None:
+            file.close()
+
+    def __enter__(self) -> FileReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def read(self, begin: int, end: int) -> torch.Tensor:
         """Bytes [begin, end) as a new uint8 tensor."""
         out = torch.empty(end - begin, dtype=torch.uint8)
@@ -189,7 +203,10 @@ def map_file(path: str | os.PathLike, follow_links: bool = True, max_size: int |
     try:
         if max_size is not None and size > max_size:
             raise ValueError(f"{path} is {size} bytes, more than the {max_size} such a file may have")
-        return bytearray(FileReader(os.dup(fd), size, path).read(0, size).numpy()) if size else bytearray()
+        if not size:
+            return bytearray()
+        with FileReader(os.dup(fd), size, path) as reader:  # (closed here, not by the collector: a ResourceWarning)
+            return bytearray(reader.read(0, size).numpy())
     finally:
         os.close(fd)
 
@@ -197,7 +214,8 @@ def map_file(path: str | os.PathLike, follow_links: bool = True, max_size: int |
 def file_sha256(path: str | os.PathLike) -> str:
     """sha256 of the regular file at `path`, read a block at a time."""
     fd, size = _open_regular(path, True)
-    return FileReader(fd, size, path).sha256()
+    with FileReader(fd, size, path) as reader:
+        return reader.sha256()
 
 
 def map_safetensors(path: str | os.PathLike, follow_links: bool = False
