@@ -75,6 +75,7 @@ def test_lora_trains_only_its_adapters_and_exports_them_merged_and_alone(corpus,
     config = json.loads((lora_single / "adapter" / "adapter_config.json").read_text())
     assert not (lora_single / "adapter_config.json").exists()  # (from_pretrained would apply it to the merge again)
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 16.0
+    assert config["base_model_name_or_path"] == str(pretrained)  # (was null: peft applies it to any base silently)
     assert merged.keys() == base.keys()
     for k in base:
         layer = k.removesuffix(".weight")

@@ -482,6 +482,8 @@ def export(trainer: Trainer, cfg: DictConfig, run_dir: Path) -> None:
 
     ccfg: CheckpointConfig = typed(CheckpointConfig, cfg.get("checkpoint"))
     model_config = redact(OmegaConf.to_container(cfg.model, resolve=True))
+    base = OmegaConf.select(cfg, "finetune.weights", default=None)  # (a LoRA adapter's base, by its absolute path)
+    base = str(Path(base).expanduser().absolute()) if isinstance(base, str) and base else None
     if trainer.backend.is_main:  # an earlier export's temp files (.model.safetensors.XXXX.tmp: a process killed while
         for stale in run_dir.glob(".*.tmp"):  # it wrote them, whole copies of the weights), kept for good otherwise
             if stale.is_file() and not stale.is_symlink():  # (this run holds the run dir: no other writer's)
@@ -496,7 +498,7 @@ def export(trainer: Trainer, cfg: DictConfig, run_dir: Path) -> None:
                 continue
             tensors = trainer.strategy.full_state_dict(state)
             if trainer.backend.is_main:
-                files += export_model(tensors, run_dir, name, model_config, ccfg.max_shard_mb)
+                files += export_model(tensors, run_dir, name, model_config, ccfg.max_shard_mb, base)
         if trainer.backend.is_main:
             if trainer.ema is None:  # an earlier export's EMA weights (ema.enabled turned off on a resume): not these
                 remove_export(run_dir, "model_ema")

@@ -36,10 +36,11 @@ def listed_name(name: object) -> bool:
 
 
 def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, model_config: dict | None,
-                 max_shard_mb: float) -> list[str]:
+                 max_shard_mb: float, base: str | None = None) -> list[str]:
     """Write `tensors` (whole, on the CPU) as `<name>.safetensors` or as shards with an index, and `model_config`
-    as model_config.json (None: no such file; rt.save_model does not know how the model was built). Returns the
-    names of the files written."""
+    as model_config.json (None: no such file; rt.save_model does not know how the model was built). `base`: the
+    weights a LoRA run's adapters were trained on (its adapter_config.json names them: peft would apply the adapter
+    to any base without a word). Returns the names of the files written."""
     from trainer.models.lora import adapters_in, merge
 
     # What an earlier export of this name left (a single file, or shards and their index): removed once this one is
@@ -50,7 +51,7 @@ def export_model(tensors: dict[str, torch.Tensor], run_dir: Path, name: str, mod
                                                           if n in {Path(f).name for f in ADAPTER_FILES}}
     adapter_files = []
     if adapters_in(tensors):
-        tensors, adapter, adapter_config = merge(tensors)
+        tensors, adapter, adapter_config = merge(tensors, base)
         if name == "model":
             (run_dir / ADAPTER_DIR).mkdir(exist_ok=True)
             atomic_save_safetensors(run_dir / ADAPTER_FILES[0], adapter, metadata={"format": "pt"})

@@ -110,9 +110,11 @@ def adapters_in(tensors: dict[str, torch.Tensor]) -> list[str]:
     return [k[: -len(".lora_A")] for k in tensors if k.endswith(".lora_A")]
 
 
-def merge(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+def merge(tensors: dict[str, torch.Tensor], base: str | None = None
+          ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
     """(the weights with every adapter merged, W + scale B A, keyed as the plain model; the adapter alone in peft's
-    layout; peft's adapter_config.json) of a whole state dict on the CPU."""
+    layout; peft's adapter_config.json, naming `base`, the weights the adapters were trained on, as
+    base_model_name_or_path) of a whole state dict on the CPU."""
     layers = adapters_in(tensors)
     merged = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[-1] not in ADAPTER_KEYS}
     adapter, ranks, alphas = {}, set(), set()
@@ -126,5 +128,5 @@ def merge(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], di
         alphas.add(scale * a.shape[0])
     config = {"peft_type": "LORA", "r": max(ranks, default=0), "lora_alpha": max(alphas, default=0.0),
               "target_modules": layers, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-              "inference_mode": True, "base_model_name_or_path": None, "task_type": None}
+              "inference_mode": True, "base_model_name_or_path": base, "task_type": None}
     return merged, adapter, config
