@@ -109,6 +109,11 @@ def test_dict_map_and_ema_equal_full_load(run, full, tmp_path):
     with torch.no_grad():
         assert torch.equal(ema(x), trainer.load(run, ema=True)(x))
         assert not torch.equal(ema(x), logits)
+    # A device alone, as transformers takes it (was refused as "not a strategy or a map"): the whole model there.
+    for device in ("cpu", "disk"):
+        model = trainer.load(run, device_map=device, offload_dir=tmp_path)
+        assert set(model.device_map.values()) == {device}
+        assert all(torch.equal(a, b) for a, b in zip(outputs(model, x), (logits, generated)))
 
 
 def test_a_tied_weight_a_dict_map_splits_over_disk_stays_where_it_is_read_and_is_counted_there(run, full, tmp_path):
@@ -180,7 +185,7 @@ def _read_only_dir(tmp_path: Path) -> Path:
     (["max_memory.cpu=1KB", "offload_dir={tmp}"], ["does not fit max_memory", "two units in flight", "Raise max_memory.cpu"]),
     (["max_memory.cpu=10KB"], ["does not fit max_memory", "offload_dir=DIR"]),
     (["device_map.blocks.9=cpu"], ["'blocks.9'", "not a module of GPT", "Did you mean"]),
-    (["device_map=everywhere"], ["device_map='everywhere'", "auto, balanced, sequential"]),
+    (["device_map=everywhere"], ["device_map='everywhere'", "auto, balanced, sequential, a device"]),
     (["max_memory.cpu=2GB", "offload_dir={tmp}/missing"], ["offload_dir=", "does not exist", "mkdir"]),
     (["max_memory.cpu=2GB", "offload_dir={ro}"], ["offload_dir=", "could not make a directory in it"]),
     (["device_map.blocks=cuda:99"], ["puts 'blocks' on cuda:99", "GPU"]),  # (not a module the map leaves out)

@@ -54,6 +54,7 @@ from trainer.inference.placement import (
     _owner,
     budgets,
     check_map,
+    device_name,
     plan,
     unit_sizes,
     units_of,
@@ -248,6 +249,15 @@ def _write(fd: int, data: torch.Tensor, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
+
+def _names_a_device(name: str) -> bool:
+    """Whether `name` is a device a map can name (cpu, disk, cuda, cuda:N, mps), whether or not this machine has it."""
+    try:
+        device_name(name, "device_map")
+    except ConfigError:
+        return False
+    return True
+
 @torch.no_grad()
 def dispatch(model: nn.Module, read, device_map: str | Mapping, caps: dict[str, int],
              offload_dir: str | os.PathLike | None, copy=None) -> nn.Module:
@@ -256,6 +266,8 @@ def dispatch(model: nn.Module, read, device_map: str | Mapping, caps: dict[str, 
     given, copies a tensor's bytes into an offload file without reading them into memory when the file holds
     them in `dtype`. Returns the model, in eval mode, with `model.device_map`."""
     model.eval()
+    if isinstance(device_map, str) and device_map not in STRATEGIES and _names_a_device(device_map):
+        device_map = {"": device_map}  # (transformers' device_map="cpu": the whole model there)
     if isinstance(device_map, Mapping):
         mapping = check_map(model, device_map)
         _check_gpus(mapping)  # (before a module it leaves out is named: a GPU this machine lacks comes first)
@@ -263,8 +275,9 @@ def dispatch(model: nn.Module, read, device_map: str | Mapping, caps: dict[str, 
         placement = _from_dict(units, mapping)
     else:
         if device_map not in STRATEGIES:
-            raise ConfigError(f"device_map={device_map!r} is not a strategy or a map: write auto, balanced, "
-                              "sequential, or {module: device} ({'blocks.0': 'cpu', '': 'disk'}).")
+            raise ConfigError(f"device_map={device_map!r} is not a strategy, a device or a map: write auto, "
+                              "balanced, sequential, a device (cpu, cuda:0, disk: the whole model there), or "
+                              "{module: device} ({'blocks.0': 'cpu', '': 'disk'}).")
         mapping = {}
         units = units_of(model)
         sizes, ties = unit_sizes(model, units)
