@@ -303,6 +303,12 @@ def test_every_earlier_attempt_keeps_its_events_and_its_only_copy_of_the_weights
     assert (tmp_path / "model.safetensors").read_bytes() == weights[2]
     assert sorted(p.name for p in (tmp_path / "export.prev").iterdir()) == ["export.json", "model.safetensors",
                                                                             "model_config.json"]
+    # and loads as an export (it was "not a run dir (no config.yaml)"), the first attempt's weights
+    import trainer
+    from safetensors.torch import load as load_bytes
+
+    kept = trainer.load(tmp_path / "export.prev").state_dict()
+    assert all(torch.equal(kept[k], v) for k, v in load_bytes(weights[0]).items())
 
 
 def test_a_resume_with_ema_turned_off_leaves_no_earlier_ema_export_to_load(corpus, tmp_path):

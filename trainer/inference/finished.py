@@ -35,7 +35,9 @@ MAX_CONFIG_BYTES = 64 << 10
 MAX_INDEX_BYTES = 16 << 20  # a sharded index: ~100 KB for the largest models
 
 
-def _run_dir(run_dir: str | Path) -> Path:
+def _run_dir(run_dir: str | Path, export_alone: bool = False) -> Path:
+    """`run_dir` checked as a run's dir; `export_alone`: an export without its run will do (model_config.json and
+    export.json: an earlier export a fresh start set aside as RUN/export.prev, which trainer.load reads)."""
     from trainer.checkpoint.store import run_of_checkpoint
 
     path = Path(run_dir).expanduser()
@@ -47,6 +49,8 @@ def _run_dir(run_dir: str | Path) -> Path:
                           f"resume={path} continues training from it.")
     if not os.path.lexists(path):
         raise ConfigError(f"{path} does not exist. Pass the directory a run wrote, e.g. outputs/2026-01-01/12-00-00.")
+    if export_alone and all(os.path.lexists(path / f) for f in ("model_config.json", "export.json")):
+        return path
     if not os.path.lexists(path / "config.yaml"):
         raise ConfigError(f"{path} is not a run dir (it has no config.yaml). Pass the directory a run wrote, e.g. "
                           "outputs/2026-01-01/12-00-00.")
@@ -360,7 +364,7 @@ def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "c
 
         return load_dispatched(given, device_map={"": str(torch.device(device))}, max_memory=None, offload_dir=None,
                                ema=ema)
-    path = _run_dir(run_dir)
+    path = _run_dir(run_dir, export_alone=True)
     source, fix = path / "model_config.json", _reexport(path)
     model = model_of(path)
     if ema and not has_ema(path):
