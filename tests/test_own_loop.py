@@ -659,6 +659,11 @@ def test_a_registered_step_scheduler_stepped_every_micro_batch_is_refused(accum)
         if micro % (3 if accum == 2 else 5) == 0:
             sched.step()
     assert sched.last_epoch == 6 + 6 * accum // (3 if accum == 2 else 5)
+    chained = rt.register("chained", torch.optim.lr_scheduler.ChainedScheduler(  # (no count of its own: was an
+        [torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)]))                      # AttributeError at rt.step)
+    for _ in range(3 * accum):
+        if micro_step(rt, model, opt):
+            chained.step()
 
     rt, model, opt, sched = fresh()
     for _ in range(2 * accum + accum - 1):  # every micro-batch: two steps' worth, then the third's first micro-steps

@@ -947,8 +947,10 @@ class Runtime:
             if (not isinstance(sched, torch.optim.lr_scheduler.LRScheduler) or sched is passed
                     or getattr(sched, "optimizer", None) is not optimizer):
                 continue
+            now = getattr(sched, "last_epoch", None)  # (a ChainedScheduler has none: its parts are counted, if registered)
+            if not isinstance(now, int):
+                continue
             before, running = self._stepped_by_loop.get(id(sched), (None, 0))
-            now = sched.last_epoch
             running = running + 1 if before is not None and now - before == self.grad_accum_steps else 0
             self._stepped_by_loop[id(sched)] = (now, running)
             if running >= 2:
