@@ -177,6 +177,14 @@ def test_accelerators_keywords_and_a_misspelt_one_are_told_the_runtimes_names():
         trainer.Runtime(mixed_precision="bf16", gradient_accumulation_steps=2)
     with pytest.raises(UserError, match=r"grad_acum_steps is not one of its keywords \(Did you mean grad_accum_steps"):
         trainer.Runtime(grad_acum_steps=2)
+    # Their attributes and methods under other names here were AttributeErrors: each names the Runtime's.
+    rt = trainer.Runtime("single", "fp32")
+    for name, ours in (("num_processes", "rt.world_size"), ("process_index", "rt.rank"),
+                       ("local_process_index", "rt.local_rank"), ("prepare", "rt.setup(model, optimizer)"),
+                       ("all_gather", "rt.gather(tensor)"), ("is_global_zero", "rt.is_main_process")):
+        with pytest.raises(UserError, match=rf"rt.{name} is (Accelerate|Fabric)'s: here .*{re.escape(ours)}"):
+            getattr(rt, name)
+    assert (rt.local_rank, rt.is_local_main_process, hasattr(rt, "no_such_name")) == (0, True, False)
 
 
 def test_a_file_as_run_dir_and_an_eval_loader_over_an_endless_stream_are_refused_in_a_paragraph(tmp_path):

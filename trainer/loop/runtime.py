@@ -283,6 +283,24 @@ class Runtime:
     def is_main_process(self) -> bool:
         return self.backend.is_main
 
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its machine (the device it uses: cuda:local_rank)."""
+        return self.backend.info.local_rank
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """The first process of each machine: the one to touch machine-local files (a cache, a download)."""
+        return self.backend.info.local_rank == 0
+
+    def __getattr__(self, name: str):
+        """Accelerate's and Fabric's names for what the Runtime calls otherwise: one paragraph naming ours, not an
+        AttributeError (only reached for a name the Runtime lacks)."""
+        ours = OTHER_NAMES.get(name)
+        if ours is None or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        raise UserError(f"rt.{name} is {ours[0]}'s: here {ours[1]} (see the README's 'Coming from Accelerate').")
+
     def print(self, *args, **kwargs) -> None:
         """print, on the main process only (flushed unless flush=False is given, as accelerator.print passes it)."""
         if self.backend.is_main:
@@ -1579,6 +1597,35 @@ def _note(line: str) -> None:
 ACCELERATE_KEYWORDS = {"mixed_precision": "precision='bf16' (or 'fp16', 'fp32', 'auto')",
                        "gradient_accumulation_steps": "grad_accum_steps=N",
                        "project_dir": "run_dir=DIR", "logging_dir": "run_dir=DIR", "cpu": "device='cpu'"}
+
+
+# Accelerator's and Fabric's attributes and methods the Runtime has under another name, or does another way.
+OTHER_NAMES = {
+    "num_processes": ("Accelerate", "rt.world_size"), "process_index": ("Accelerate", "rt.rank"),
+    "local_process_index": ("Accelerate", "rt.local_rank"), "global_rank": ("Fabric", "rt.rank"),
+    "is_global_zero": ("Fabric", "rt.is_main_process"),
+    "prepare": ("Accelerate", "`model, optimizer = rt.setup(model, optimizer)` for models and optimizers, "
+                "`rt.loader(dataset, batch_size=...)` for data, `rt.register('scheduler', scheduler)` for a scheduler"),
+    "prepare_model": ("Accelerate", "rt.setup(model)"), "prepare_optimizer": ("Accelerate", "rt.setup(model, optimizer)"),
+    "prepare_data_loader": ("Accelerate", "rt.loader(dataset, batch_size=...)"),
+    "prepare_scheduler": ("Accelerate", "rt.register('scheduler', scheduler), and rt.step(optimizer, scheduler)"),
+    "setup_module": ("Fabric", "rt.setup(model)"), "setup_optimizers": ("Fabric", "rt.setup(model, optimizer)"),
+    "setup_dataloaders": ("Fabric", "rt.loader(dataset, batch_size=...)"),
+    "gradient_accumulation_steps": ("Accelerate", "rt.grad_accum_steps"),
+    "mixed_precision": ("Accelerate", "rt.precision"), "all_gather": ("Fabric", "rt.gather(tensor)"),
+    "all_reduce": ("Fabric", "rt.reduce(tensor, 'mean')"), "barrier": ("Fabric", "rt.wait_for_everyone()"),
+    "clip_gradients": ("Fabric", "rt.clip_grad_norm_(model, max_norm)"),
+    "no_backward_sync": ("Fabric", "`with rt.accumulate(model):`, which syncs only at the step's last micro-batch"),
+    "save": ("Accelerate and Fabric", "rt.save_state(dir, step) for a checkpoint, rt.save_model(model, dir) for "
+             "weights"),
+    "load": ("Fabric", "step = rt.load_state(dir)"),
+    "optimizer_step_was_skipped": ("Accelerate", "rt.step(optimizer)'s return value (False: fp16 skipped it)"),
+    "set_seed": ("Accelerate", "trainer.Runtime(seed=N)"), "seed_everything": ("Fabric", "trainer.Runtime(seed=N)"),
+    "skip_first_batches": ("Accelerate", "nothing: rt.loader's state is in rt.save_state, and rt.load_state "
+                           "continues its epoch where the checkpoint left it"),
+    "get_tracker": ("Accelerate", "rt.log({...}, step=s) to every tracker of Runtime(log_with=...)"),
+    "launch": ("Fabric", "python -m trainer launch [world=ddp world.nproc_per_node=N] SCRIPT.py"),
+}
 
 
 def _refuse_keywords(unknown: dict[str, Any]) -> None:
