@@ -722,8 +722,9 @@ class Runtime:
         if self.sync_gradients and self.strategy.reduces_gradients:
             self._pending_reduce.update(self.models)
         if self.sync_gradients and self.precision.scaler is not None:
-            for name in self.models:
-                grad = next((p.grad for p in self._trainable(name) if p.grad is not None), None)
+            for name, model in self.models.items():  # (the first gradient: one parameter looked at, as a rule)
+                grad = next((p.grad for p in self._listed.get(name) or model.parameters()
+                             if p.requires_grad and p.grad is not None), None)
                 if grad is not None:
                     self._scaled[name] = (grad, grad._version)
         if self._watched:
