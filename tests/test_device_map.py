@@ -110,9 +110,9 @@ def test_dict_map_and_ema_equal_full_load(run, full, tmp_path):
         assert torch.equal(ema(x), trainer.load(run, ema=True)(x))
         assert not torch.equal(ema(x), logits)
     # A device alone, as transformers takes it (was refused as "not a strategy or a map"): the whole model there.
-    for device in ("cpu", "disk"):
+    for device in ("cpu", "disk", torch.device("cpu")):
         model = trainer.load(run, device_map=device, offload_dir=tmp_path)
-        assert set(model.device_map.values()) == {device}
+        assert set(model.device_map.values()) == {str(device)}
         assert all(torch.equal(a, b) for a, b in zip(outputs(model, x), (logits, generated)))
 
 

@@ -70,6 +70,7 @@ def test_world_single_under_torchrun_is_one_paragraph_in_the_clis_terms(corpus, 
     assert r.returncode != 0
     assert "world=single was started on 2 processes" in r.stderr and "Use world=ddp" in r.stderr, r.stderr
     assert "Runtime(" not in r.stderr and " object at 0x" not in r.stderr
+    assert "did not decide this job's processes" not in r.stdout  # (world=single's own 1, never given: no note)
 
 
 def _free_port() -> int:

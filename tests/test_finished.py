@@ -491,6 +491,17 @@ def test_sample_of_a_checkpoint_equals_the_exports_and_works_on_a_run_not_finish
     other = run_main("sample", str(diffusion_reference), f"checkpoint={first}", f"out={tmp_path / 'other.png'}",
                      cwd=tmp_path)
     assert other.returncode == 0 and (tmp_path / "other.png").read_bytes() == grid.read_bytes(), other.stderr
+    # A run whose checkpoints/ is a link to another disk: its own checkpoints are its own.
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    for p in run.iterdir():
+        if p.name != "checkpoints":
+            (shutil.copytree if p.is_dir() else shutil.copy2)(p, linked / p.name)
+    (linked / "checkpoints").symlink_to(run / "checkpoints")
+    own = run_main("sample", str(linked), "checkpoint=latest", cwd=tmp_path)
+    newest = sorted((run / "checkpoints").glob("step_*"))[-1].name
+    assert own.returncode == 0, own.stderr
+    assert (linked / "samples" / f"sample_{newest}.png").read_bytes() == (tmp_path / "latest.png").read_bytes()
 
 
 def test_a_quoted_path_option_is_unquoted_as_hydra_unquotes_an_override(diffusion_reference, tmp_path):

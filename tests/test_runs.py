@@ -304,8 +304,9 @@ def test_every_earlier_attempt_keeps_its_events_and_its_only_copy_of_the_weights
     assert sorted(p.name for p in (tmp_path / "export.prev").iterdir()) == ["export.json", "model.safetensors",
                                                                             "model_config.json"]
     # and loads as an export (it was "not a run dir (no config.yaml)"), the first attempt's weights
-    import trainer
     from safetensors.torch import load as load_bytes
+
+    import trainer
 
     kept = trainer.load(tmp_path / "export.prev").state_dict()
     assert all(torch.equal(kept[k], v) for k, v in load_bytes(weights[0]).items())

@@ -614,9 +614,10 @@ def _refuse_another_runs(run: Path, checkpoint: Path, out_given: bool) -> None:
     from trainer.errors import ConfigError
     from trainer.inference.finished import config_yaml
 
-    if checkpoint.resolve().is_relative_to(run.resolve()):
+    owner = run_of_checkpoint(checkpoint)  # (RUN/checkpoints/step_N as given: its checkpoints/ may be a link elsewhere)
+    if checkpoint.resolve().is_relative_to(run.resolve()) or (owner is not None and owner.resolve() == run.resolve()):
         return
-    owner = run_of_checkpoint(checkpoint) or checkpoint
+    owner = owner or checkpoint
     try:
         theirs = OmegaConf.to_container(OmegaConf.load(checkpoint / "config.yaml").get("model"), resolve=True)
         ours = OmegaConf.to_container(config_yaml(run).get("model"), resolve=True)

@@ -80,7 +80,10 @@ def torchrun_decides(world: DictConfig) -> str | None:
     """A note for world's process counts that torchrun, which started this job, overrules: a user who gave
     world.nproc_per_node=4 to a job torchrun started on 2 processes per node trained on 2 without a word."""
     from trainer.config.schema import launch_config
+    from trainer.config.targets import locate
 
+    if not locate("world", world._target_).distributed:  # (world=single on several processes is refused next)
+        return None
     w = launch_config(world)
     local, size = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), int(os.environ.get("WORLD_SIZE", 1))
     said = []

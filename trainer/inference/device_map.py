@@ -250,8 +250,9 @@ def _write(fd: int, data: torch.Tensor, offset: int) -> None:
 
 
 
-def _names_a_device(name: str) -> bool:
-    """Whether `name` is a device a map can name (cpu, disk, cuda, cuda:N, mps), whether or not this machine has it."""
+def _names_a_device(name) -> bool:
+    """Whether `name` is a device a map can name (cpu, disk, cuda, cuda:N, a GPU index, a torch.device), whether or
+    not this machine has it."""
     try:
         device_name(name, "device_map")
     except ConfigError:
@@ -266,8 +267,8 @@ def dispatch(model: nn.Module, read, device_map: str | Mapping, caps: dict[str, 
     given, copies a tensor's bytes into an offload file without reading them into memory when the file holds
     them in `dtype`. Returns the model, in eval mode, with `model.device_map`."""
     model.eval()
-    if isinstance(device_map, str) and device_map not in STRATEGIES and _names_a_device(device_map):
-        device_map = {"": device_map}  # (transformers' device_map="cpu": the whole model there)
+    if not isinstance(device_map, Mapping) and device_map not in STRATEGIES and _names_a_device(device_map):
+        device_map = {"": device_map}  # (transformers' device_map="cpu" or 0: the whole model there)
     if isinstance(device_map, Mapping):
         mapping = check_map(model, device_map)
         _check_gpus(mapping)  # (before a module it leaves out is named: a GPU this machine lacks comes first)

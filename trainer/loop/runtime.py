@@ -240,6 +240,7 @@ class Runtime:
         # fp16: each model's first gradient and its version after the step's last backward, until rt.unscale_ (or
         # rt.clip_grad_norm_) unscales them: changed in place before that, they were changed while still scaled.
         self._scaled: dict[str, tuple[torch.Tensor, int]] = {}
+        self._said_scaled = False  # (that warning: once)
         self._backwards = 0  # rt.backward calls so far, and their count at each optimizer's last rt.step (by id)
         self._backwards_at_step_start = 0  # (and at the first micro-step of the step under way)
         self._backwards_at_step: dict[int, int] = {}
@@ -725,8 +726,8 @@ class Runtime:
             for name, model in self.models.items():  # (the first gradient: one parameter looked at, as a rule)
                 grad = next((p.grad for p in self._listed.get(name) or model.parameters()
                              if p.requires_grad and p.grad is not None), None)
-                if grad is not None:
-                    self._scaled[name] = (grad, grad._version)
+                if grad is not None and not self.strategy.shards_parameters:  # (an in-place edit of a sharded
+                    self._scaled[name] = (grad, grad._version)                 # DTensor gradient moves no version)
         if self._watched:
             watchdog.progress()
 
@@ -864,7 +865,7 @@ class Runtime:
             self._check_loop_schedulers(optimizer, owner, scheduler)
         self._check_backward_was_ours(optimizer, "rt.step")
         if self._scaled:
-            self._check_not_changed_while_scaled(owner)
+            self._say_changed_while_scaled(owner)
         if isinstance(self.models[owner], nn.parallel.DistributedDataParallel) and self.backend.distributed:
             self._check_ddp_trainable(owner)
         self._synced([owner])
@@ -942,18 +943,24 @@ class Runtime:
                             "your own besides): the schedule would run that much faster. rt.step steps it once per "
                             "applied update; remove the other call. Nothing was updated.")
 
-    def _check_not_changed_while_scaled(self, owner: str) -> None:
+    def _say_changed_while_scaled(self, owner: str) -> None:
         """fp16: gradients changed in place after the step's last backward and before anything unscaled them were
-        changed while they still carried the loss scale: `torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`
-        of the loop's own measures the scaled norm (thousands) and clips the true gradients to almost nothing,
-        silently (Accelerate's loops have the same trap)."""
+        changed while they still carried the loss scale. A `torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`
+        of the loop's own then measures the scaled norm (thousands) and clips the true gradients to almost nothing,
+        silently (Accelerate's loops have the same trap); an edit that does not depend on the scale (zeroing some
+        rows, dividing by a count) is right. The two cannot be told apart from here: a warning, once, not a refusal.
+        (Single process and DDP: an in-place edit of FSDP's sharded gradients moves no version to see.)"""
         grad, version = self._scaled.pop(owner, (None, None))
-        if grad is not None and grad._version != version:
-            raise UserError(f"rt.step: the gradients of {owner!r} were changed in place (a torch.nn.utils."
-                            "clip_grad_norm_ of your own?) while they still carried fp16's loss scale, so a clip "
-                            "measured the scaled norm and cut the true gradients to a sliver of max_norm. Clip with "
-                            "rt.clip_grad_norm_(model, max_norm), which unscales first, or call rt.unscale_(optimizer) "
-                            "before changing them yourself. Nothing was updated.")
+        if grad is None or grad._version == version or self._said_scaled:
+            return
+        self._said_scaled = True
+        if self.backend.is_main:
+            print(f"warning: the gradients of {owner!r} were changed in place while they still carried fp16's loss "
+                  "scale (before rt.unscale_ or rt.clip_grad_norm_). If that was a clip of your own "
+                  "(torch.nn.utils.clip_grad_norm_), it measured the scaled norm and cut the true gradients to a "
+                  "sliver of max_norm: clip with rt.clip_grad_norm_(model, max_norm), which unscales first. An edit "
+                  "that does not depend on the scale is right; call rt.unscale_(optimizer) before it to make this "
+                  "warning go.", file=sys.stderr, flush=True)
 
     def _check_loop_schedulers(self, optimizer: torch.optim.Optimizer, owner: str, passed) -> None:
         """A registered scheduler of `optimizer` that the loop steps itself must not step every micro-batch, as
@@ -1389,7 +1396,6 @@ class Runtime:
         must call it (shards are gathered)."""
         from trainer.models.export import export_model, is_peft_model, write_hf_config, write_peft_adapter
 
-        self._say_unapplied()
         if not isinstance(model, nn.Module):
             raise UserError(f"rt.save_model got a {type(model).__name__}: pass the model (what rt.setup returned, or "
                             "the module itself); an optimizer's and the rest of the run's state go in rt.save_state.")
