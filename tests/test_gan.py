@@ -52,9 +52,22 @@ def test_the_gan_learns_its_two_steps_and_draws_grids(gan_reference):
 
 
 def test_the_gan_on_2_ddp_processes_equals_one(gan_reference, tmp_path):
-    r = run_cli(*GAN, "world=ddp", "world.nproc_per_node=2", "data.batch_size=8", f"hydra.run.dir={tmp_path}")
+    """Early stopping and the best checkpoint watching a sample metric (val_ema/class_match, which the main rank
+    alone computes): the other rank lacked it, stopped for a monitor "not among the metrics" and the job hung until
+    world.hang_timeout (exit 70)."""
+    import json
+
+    r = run_cli(*GAN, "world=ddp", "world.nproc_per_node=2", "data.batch_size=8", f"hydra.run.dir={tmp_path}",
+                "callbacks=early_stopping", "callbacks.early_stopping.monitor=val_ema/class_match",
+                "callbacks.early_stopping.mode=max", "callbacks.early_stopping.patience=5",
+                "checkpoint.best_metric=val_ema/class_match", "checkpoint.best_mode=max", "world.hang_timeout=30")
     assert r.returncode == 0, r.stderr
     assert_same(tmp_path, gan_reference)
+    matches = {e["step"]: e["val_ema/class_match"] for e in read_metrics(tmp_path) if "val_ema/class_match" in e}
+    assert matches == {e["step"]: e["val_ema/class_match"] for e in read_metrics(gan_reference)
+                       if "val_ema/class_match" in e} and len(matches) == 2
+    best = json.loads((tmp_path / "checkpoints" / "best.json").read_text())
+    assert best["value"] == max(matches.values()), best
 
 
 def test_the_gan_resumes_bit_identically_after_sigkill(gan_reference, tmp_path):

@@ -275,13 +275,20 @@ class Trainer:
                     metrics.update(self.evaluate(prefix="val_ema"))
             samples = self.sample()
         prefix = "val_ema" if self.ema is not None else "val"
+        numbers = {f"{prefix}/{name}": float(value) for name, value in samples.items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool)}
+        if self.backend.distributed and hasattr(self.task, "sample"):
+            # The main rank alone samples: every rank's early stopping and best checkpoint read these too (a rank
+            # without them stopped for a monitor "not among the metrics" while the others trained on: a hang).
+            numbers = self.backend.broadcast_object(numbers if self.backend.is_main else None)
+        metrics.update(numbers)
         for name, value in samples.items():
-            key = f"{prefix if isinstance(value, (int, float)) else 'val'}/{name}"
+            key = f"val/{name}"
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                continue  # (a metric: above)
             if isinstance(value, str):
                 self.loggers.log_text(key, value, self.step)
                 progress.write(f"--- {name} at step {self.step} ---\n{printable(redact_text(value))}\n---")
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                metrics[key] = float(value)
             elif is_image(value):
                 self.loggers.log_image(key, value, self.step)
             else:
