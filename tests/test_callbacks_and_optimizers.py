@@ -292,6 +292,20 @@ def test_a_part_given_a_setting_its_own_optimizer_does_not_take_is_one_paragraph
     r = run_here("recipe=gan", "debug=smoke", "+optim.discriminator._target_=torch.optim.Adagrad",
                  "+optim.discriminator.momentum=0.9", f"hydra.run.dir={tmp_path / 'run'}")
     assert_clean_error(r, "optim.discriminator.momentum is not an option of optim.discriminator._target_=Adagrad")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("recipe", "setting", "says"), [
+    # (a TypeError traceback from the schedule's function, its run dir left; and silently ignored on gan)
+    ("diffusion", "+scheduler.generator.warmup_steps=5", "it has one optimizer, optim, whose schedule is scheduler's"),
+    ("gan", "+scheduler.critic.warmup_steps=5", "its optimizers are optim.generator, optim.discriminator"),
+])
+def test_a_schedule_part_of_no_optimizer_is_one_paragraph(tmp_path, recipe, setting, says):
+    from test_errors import assert_clean_error
+
+    r = run_here(f"recipe={recipe}", "debug=smoke", setting, f"hydra.run.dir={tmp_path / 'run'}")
+    assert_clean_error(r, f"scheduler.{setting.split('.')[1]} names no optimizer of this run", says)
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_warmup_longer_than_the_run_is_named_when_it_trains_and_not_when_it_is_evaluated(corpus, tmp_path):
@@ -301,6 +315,10 @@ def test_a_warmup_longer_than_the_run_is_named_when_it_trains_and_not_when_it_is
     r = run_here(*tiny_overrides(corpus, "trainer.max_steps=4", "scheduler.warmup_steps=6"), f"hydra.run.dir={run}")
     assert r.returncode == 0, r.stderr
     assert "warning: scheduler.warmup_steps=6 is not shorter than the run (4 steps)" in r.stdout
+    r = run_here("recipe=gan", "debug=smoke", "trainer.max_steps=2", "+scheduler.generator.warmup_steps=3",
+                 f"hydra.run.dir={tmp_path / 'gan'}")  # (a part's own warmup was not looked at)
+    assert r.returncode == 0 and "warning: scheduler.generator.warmup_steps=3 is not shorter than the run (2 steps)" \
+        in r.stdout and "never reaches optim.generator.lr" in r.stdout, r.stdout + r.stderr
     r = run_main("eval", str(run), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "is not shorter than the run" not in r.stdout + r.stderr  # (an eval repeated it: it builds the same Trainer)

@@ -96,9 +96,17 @@ def build_optimizers(cfg: DictConfig, model: torch.nn.Module, rt: Runtime, say=p
 
 def build_schedulers(cfg: DictConfig, optimizer, total_steps: int):
     """The schedule of each optimizer: `scheduler`, with scheduler.NAME's changes for optimizer NAME."""
+    nodes = per_part(cfg)
+    names = list(optimizer) if isinstance(optimizer, dict) else []
+    extra = [n for n in nodes if n is not None and n not in names]
+    if extra:  # (one optimizer: a TypeError from the schedule's function; several: silently ignored)
+        have = (f"its optimizers are {', '.join(f'optim.{n}' for n in names)}" if names else
+                "it has one optimizer, optim, whose schedule is scheduler's own keys (scheduler.warmup_steps=...)")
+        raise ConfigError(f"scheduler.{extra[0]} names no optimizer of this run: scheduler.NAME changes the schedule "
+                          f"of optim.NAME, and {have}. Remove scheduler.{extra[0]}, or set the key on the schedule "
+                          "it means.")
     if not isinstance(optimizer, dict):
         return build_node("scheduler", cfg)(optimizer, total_steps=total_steps)
-    nodes = per_part(cfg)
     base = OmegaConf.masked_copy(cfg, [k for k in cfg if not isinstance(cfg[k], DictConfig)])
     return {name: build_node(f"scheduler.{name}", nodes.get(name, base))(opt, total_steps=total_steps)
             for name, opt in optimizer.items()}
@@ -201,11 +209,16 @@ def epochs_after_resume(trainer, every_n_epochs: int | None, say) -> None:
 
 
 def warn_long_warmup(scheduler: DictConfig, max_steps: int, say) -> None:
-    """One line when the warmup does not end before the run does: the learning rate never reaches optim.lr."""
-    warmup = scheduler.get("warmup_steps") or 0
-    if warmup >= max_steps:
-        say(f"warning: scheduler.warmup_steps={warmup} is not shorter than the run ({max_steps} steps): the learning "
-            "rate is still rising when it ends and never reaches optim.lr. Lower scheduler.warmup_steps.")
+    """One line when the warmup does not end before the run does (each optimizer's schedule: scheduler.NAME's too):
+    the learning rate never reaches optim.lr."""
+    own = [(name, node) for name, node in scheduler.items() if isinstance(node, DictConfig) and "warmup_steps" in node]
+    for name, node in [(None, scheduler), *own]:
+        key = f"scheduler.{name}.warmup_steps" if name else "scheduler.warmup_steps"
+        warmup = node.get("warmup_steps") or 0
+        if warmup >= max_steps:
+            say(f"warning: {key}={warmup} is not shorter than the run ({max_steps} steps): the learning rate is "
+                f"still rising when it ends and never reaches {'optim.' + name + '.lr' if name else 'optim.lr'}. "
+                f"Lower {key}.")
 
 
 def warn_unchecked_early_stopping(trainer: Trainer, say) -> None:
