@@ -94,6 +94,9 @@ def test_a_number_as_text_and_resolve_without_cfg_are_one_paragraph_saying_the_f
     # Values that used to crash mid-run or pass silently (issues 16 and 18): one paragraph before anything runs.
     (["optim.betas=0.9"], ["optim.betas=0.9", "two numbers in [0, 1)"]),
     (["recipe=gan", "optim.discriminator._target_=torch.optim.SGD"], ["write +optim.discriminator._target_=VALUE"]),
+    # (read by no part, each setting its own: the run trained at the recipe's rates, optim.lr=-1 too)
+    (["recipe=gan", "optim.lr=0.1"], ["every part of optim sets its own lr",
+                                      "optim.generator.lr=0.1 optim.discriminator.lr=0.1"]),
     (["finetune.lora.rank=4", "finetune.lora.targets=qkv"], ["finetune.lora.targets=qkv is not a list",
                                                             "finetune.lora.targets=[qkv]"]),
     (["optim.betas=[0.9,1.5]"], ["optim.betas=[0.9, 1.5]"]),

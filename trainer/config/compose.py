@@ -132,12 +132,29 @@ def check_read(cfg: DictConfig, overrides: list[str], sweep: bool = False) -> li
     sweep is refused only when none of its points reads them (trainer/entry/cli.py)."""
     keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
     _one_value_per_hf_size(cfg, overrides)
+    if not sweep:
+        _refuse_what_every_part_overrides(cfg, overrides)
     given = [k for k in keys if k.startswith("ema.") and k != "ema.enabled"]
     if not given or (cfg.get("ema") or {}).get("enabled", False):
         return []
     if sweep:
         return given
     raise ConfigError(inert_message(given))
+
+
+def _refuse_what_every_part_overrides(cfg: DictConfig, overrides: list[str]) -> None:
+    """`recipe=gan optim.lr=0.1`: every part (optim.generator, optim.discriminator) sets its own lr, so the base
+    optim.lr is read by none, and the run trained at the recipe's rates without a word (optim.lr=-1 too)."""
+    for override in overrides:
+        key, sep, value = override.lstrip("+").partition("=")
+        section, _, leaf = key.partition(".")
+        node = cfg.get(section) if section in ("optim", "scheduler") and sep and leaf and "." not in leaf else None
+        parts = [k for k, v in node.items() if isinstance(v, DictConfig)] if isinstance(node, DictConfig) else []
+        if parts and leaf not in parts and all(leaf in node[p] for p in parts):
+            each = " ".join(f"{section}.{p}.{leaf}={value}" for p in parts)
+            raise ConfigError(f"{key}={value}: every part of {section} sets its own {leaf} ("
+                              f"{', '.join(f'{section}.{p}.{leaf}' for p in parts)}), so {key} is read by none of "
+                              f"them. Set the parts' instead: {each}.")
 
 
 def check_top_level_adds(cfg: DictConfig, overrides: list[str]) -> None:
