@@ -114,6 +114,9 @@ def test_check_refuses_a_precision_its_tolerances_are_not_for(tmp_path):
 
     assert_clean_error(run_here("check", "precision=bf16", cwd=tmp_path), "check compares its runs to fp32's rounding",
                        "without precision=")
+    # A recipe: "model.n_layer is a setting of model=gpt_medium", check's own setting, as if the user had given it.
+    assert_clean_error(run_here("check", "recipe=gan", cwd=tmp_path), "check recipe=gan: check trains its own tiny GPT",
+                       "python -m trainer recipe=gan debug=smoke")
 
 
 def test_check_fails_loudly_when_an_equivalence_breaks(capsys, monkeypatch):

@@ -115,12 +115,17 @@ def check(argv: list[str]) -> int:
               "exit 0 if all do")
         return 0
     from trainer.config.compose import load as compose
+    from trainer.errors import ConfigError
 
+    chosen = [a for a in argv if a.lstrip("+").split("=", 1)[0] in ("recipe", "model", "data", "task")]
+    if chosen:  # (recipe=gan was "model.n_layer is a setting of model=gpt_medium": check's own setting, not the user's)
+        raise ConfigError(f"check {' '.join(chosen)}: check trains its own tiny GPT on its own text, the same on every "
+                          "machine, to test this machine and world (its overrides are the world's: world=ddp "
+                          "world.nproc_per_node=2). To try a recipe, run it: python -m trainer "
+                          f"{' '.join(chosen)} debug=smoke.")
     cfg = compose([*CHECK_SETTINGS, "data.path=check", *argv], targets=False)  # (a mistake: one paragraph, first)
     chosen = str(cfg.precision.get("_target_", "")).rsplit(".", 1)[-1]
     if chosen != "FP32":  # (bf16's rounding, 1e-2, read as failures of the fp32 tolerances: a working machine "broken")
-        from trainer.errors import ConfigError
-
         raise ConfigError(f"check compares its runs to fp32's rounding (1e-5 on a CPU), and precision="
                           f"{chosen.lower()} rounds each of them differently, by far more: its runs would read as "
                           "failures on a machine that works. Run `python -m trainer check` without precision= (its "
