@@ -21,7 +21,10 @@ class Generator(nn.Module):
 
     def forward(self, z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         onehot = nn.functional.one_hot(labels, CLASSES).to(z.dtype)
-        return torch.sigmoid(self.net(torch.cat([z, onehot], 1))).view(-1, 1, 8, 8)  # images in [0, 1]
+        # Images in [0, 1]. Each part returns a tensor of its own, not a view (FSDP2 warns of a wrapped module's
+        # view output, whose in-place use could break its backward): the sigmoid after the reshape, and the logit
+        # as a sum over its one column (exact), not a squeeze.
+        return torch.sigmoid(self.net(torch.cat([z, onehot], 1)).view(-1, 1, 8, 8))
 
 
 class Discriminator(nn.Module):
@@ -32,7 +35,7 @@ class Discriminator(nn.Module):
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         onehot = nn.functional.one_hot(labels, CLASSES).to(images.dtype)
-        return self.net(torch.cat([images.flatten(1) * 2 - 1, onehot], 1)).squeeze(-1)  # a logit per image
+        return self.net(torch.cat([images.flatten(1) * 2 - 1, onehot], 1)).sum(-1)  # a logit per image
 
 
 class GAN(nn.Module):
