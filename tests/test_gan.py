@@ -47,6 +47,8 @@ def test_the_gan_learns_its_two_steps_and_draws_grids(gan_reference):
     state = (gan_reference / "checkpoints" / "step_00000008" / "state.json").read_text()
     assert '"generator"' in state and '"discriminator"' in state
     assert {"train/loss", "train/d_loss", "train/lr"} <= set(first)
+    # Each part's rate (only the generator's was logged): optim.generator.lr 1e-3, discriminator 2e-4, one schedule.
+    assert first["train/lr"] == first["train/lr_generator"] == pytest.approx(5 * first["train/lr_discriminator"])
     assert any("val_ema/class_match" in e for e in events)  # the sample metric (from the EMA weights)
     assert sorted(p.name for p in (gan_reference / "samples").glob("*.png")) == ["step_4.png", "step_8.png"]
 

@@ -196,6 +196,9 @@ class Trainer:
         """The task's own step (trainer/loop/custom_step.py): it steps its optimizers; the rest is the Trainer's."""
         step = TrainingStep(self, batches, n_global)
         lr = self.scheduler.get_last_lr()[0]  # (the first optimizer's, before its schedule steps)
+        # Each part's rate too (as Lightning's LearningRateMonitor logs every optimizer's): train/lr_discriminator.
+        part_lrs = {f"train/lr_{name}": s.get_last_lr()[0] for name, s in self.scheduler.schedulers.items()} \
+            if isinstance(self.scheduler, Schedules) else {}
         loss, sums = split_loss(self.task.training_step(step))
         applied = bool(step.applied) and all(step.applied.values())
         self.guard.record(applied, self.step + 1)
@@ -206,7 +209,8 @@ class Trainer:
         else:
             self.skipped_steps += 1
         return {"loss_sum": loss.detach(), "grad_norm": step.grad_norm(),
-                "sums": {k: torch.as_tensor(v).detach().double() for k, v in sums.items()}, "lr": lr}
+                "sums": {k: torch.as_tensor(v).detach().double() for k, v in sums.items()}, "lr": lr,
+                "part_lrs": part_lrs}
 
     # -- eval ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -333,6 +337,7 @@ class Trainer:
             "train/loss": loss,
             **{f"train/{n}": v for n, v in zip(names, others)},
             "train/lr": out["lr"],  # the rate the step used (Lightning's LearningRateMonitor's), not the next one
+            **out.get("part_lrs", {}),
             "train/grad_norm": float(out["grad_norm"]),
             **({} if unit == "samples" else {f"train/{unit}_per_s": rates["targets_per_s"]}),
             "train/samples_per_s": rates["samples_per_s"],
