@@ -94,6 +94,13 @@ def test_a_number_as_text_and_resolve_without_cfg_are_one_paragraph_saying_the_f
     # Values that used to crash mid-run or pass silently (issues 16 and 18): one paragraph before anything runs.
     (["optim.betas=0.9"], ["optim.betas=0.9", "two numbers in [0, 1)"]),
     (["recipe=gan", "optim.discriminator._target_=torch.optim.SGD"], ["write +optim.discriminator._target_=VALUE"]),
+    # Settings of pipeline stages on a run without them (world.pp forgotten: a plain DDP run, microbatches=3 not
+    # dividing the batch and all), and a compile the pipeline's schedule never reaches (compile: true on record).
+    (["world=ddp", "world.microbatches=3"], ["world.microbatches=3 is invalid: expected null with world.pp=1",
+                                             "Add world.pp=N"]),
+    (["world=ddp", "world.pp_schedule=GPipe"], ["world.pp_schedule='GPipe' is invalid: expected 1F1B (the default)"]),
+    (["world=ddp", "world.nproc_per_node=2", "world.pp=2", "model.n_layer=2", "trainer.compile=true"],
+     ["trainer.compile=True is invalid: expected false with world.pp=2", "would compile nothing"]),
     # (read by no part, each setting its own: the run trained at the recipe's rates, optim.lr=-1 too)
     (["recipe=gan", "optim.lr=0.1"], ["every part of optim sets its own lr",
                                       "optim.generator.lr=0.1 optim.discriminator.lr=0.1"]),

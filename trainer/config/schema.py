@@ -328,6 +328,22 @@ def validate(cfg: DictConfig) -> None:
     _check(weights is None or pp == 1, "world.pp", pp, f"1 with finetune.weights={weights}",
            "Pipeline stages cannot load pretrained weights yet (each stage would take its own part of the files), "
            "nor evaluate a run that started from them: use world=ddp, world=fsdp or world.tp for it.")
+    # Settings of pipeline stages that a run without them never reads (a plain DDP run, when world.pp was forgotten).
+    mb = _plain(cfg.world.get("microbatches"))
+    _check(pp != 1 or mb is None, "world.microbatches", mb, "null with world.pp=1",
+           "It cuts each micro-batch into pieces for the pipeline's stages, and a run of one stage has none, so it "
+           "would do nothing. Add world.pp=N (N stages), or leave it out.")
+    schedule = _plain(cfg.world.get("pp_schedule"))
+    _check(pp != 1 or schedule is None or str(schedule).lower() == "1f1b", "world.pp_schedule", schedule,
+           "1F1B (the default) with world.pp=1",
+           "It orders the pipeline's stages, and a run of one stage has none, so it would do nothing. Add "
+           "world.pp=N (N stages), or leave it out.")
+    # The schedule runs the stage modules itself: torch.compile of the whole model never ran (a compile: true on record).
+    compiled = bool((cfg.get("trainer") or {}).get("compile"))
+    _check(pp == 1 or not compiled, "trainer.compile", compiled, f"false with world.pp={pp}",
+           "The pipeline's schedule calls each stage's modules itself, which a compile of the whole model never "
+           "reaches: it would compile nothing. Leave trainer.compile out under world.pp, or train without stages "
+           "(world.tp, world=fsdp) to compile.")
     rank = ((cfg.get("finetune") or {}).get("lora") or {}).get("rank") or 0
     _check(rank == 0 or pp == 1, "world.pp", pp, f"1 with finetune.lora.rank={rank}",
            "Pipeline stages cannot carry LoRA adapters yet (each stage holds only its own blocks), nor evaluate a "

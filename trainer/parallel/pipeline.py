@@ -36,7 +36,7 @@ from trainer.parallel.layout import SINGLE_STAGE, stages_per_rank
 
 HOW_TO = ("Give the model class a `_pp_plan`: {'embed': [modules the method `embed` uses], 'blocks': 'name of "
           "the ModuleList of blocks', 'logits': [modules the method `logits` uses]}, with forward(x) == "
-          "logits(blocks(embed(x))) (see trainer/recipes/lm/model.py), or run without world.pp.")
+          "logits(blocks(embed(x))) (see the module trainer.recipes.lm.model, recipes/lm/model.py in a clone), or run without world.pp.")
 
 
 class Elsewhere(nn.Module):

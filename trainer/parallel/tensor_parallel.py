@@ -24,7 +24,7 @@ from trainer.errors import ConfigError
 from trainer.parallel.materialize import retie, tied_parameters
 
 HOW_TO = ("Give the model class a `_tp_plan` dict of module paths to 'colwise' / 'rowwise', e.g. "
-          "{'blocks.*.mlp.0': 'colwise', 'blocks.*.mlp.2': 'rowwise'} (see trainer/recipes/lm/model.py), "
+          "{'blocks.*.mlp.0': 'colwise', 'blocks.*.mlp.2': 'rowwise'} (see the module trainer.recipes.lm.model, recipes/lm/model.py in a clone), "
           "or run without world.tp.")
 
 # transformers' style -> (torch style, its keyword arguments). Placements are named, not built, so that this
