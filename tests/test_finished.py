@@ -30,6 +30,7 @@ def test_a_load_closes_the_files_it_read(reference):
 
     import trainer
 
+    gc.collect()  # (what earlier tests of this process left is theirs)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         trainer.load(reference)

@@ -824,6 +824,26 @@ def test_a_metrics_line_the_disk_fills_up_under_is_cut_back_not_left_torn(tmp_pa
     logger.finish({})
 
 
+def test_a_metrics_logger_never_finished_closes_its_file_when_dropped(tmp_path):
+    """A run refused after its loggers were made (a resume onto changed data) never finishes them: trainer.train in
+    a notebook held metrics.jsonl open until the collector closed it, with a ResourceWarning (an error under -W
+    error; it failed an unrelated test that collected it)."""
+    import gc
+    import warnings
+
+    from trainer.tracking.loggers import JsonlLogger
+
+    gc.collect()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        logger = JsonlLogger(tmp_path)
+        logger.log_metrics({"train/loss": 2.5}, 1)
+        del logger
+        gc.collect()
+    assert not [str(w.message) for w in seen if issubclass(w.category, ResourceWarning)]
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["step"] == 1
+
+
 def test_a_preempted_sweep_says_the_command_that_continues_the_whole_sweep(corpus, tmp_path):
     """A sweep (-m) without hydra.sweep.dir preempted in its first point: its message said to rerun the same
     command with resume=auto, which starts every point anew in a new timestamped sweep dir (and the command for the

@@ -155,6 +155,14 @@ class JsonlLogger(NullLogger):
         except OSError:  # (its buffered line could not be written either: the write that failed said so)
             pass
 
+    def __del__(self) -> None:  # (a run refused after its loggers were made never finishes them: trainer.train in a
+        file = getattr(self, "_file", None)  # notebook held the file open, then the collector warned of it)
+        if file is not None:
+            try:
+                file.close()
+            except OSError:
+                pass
+
 
 def _appending(path: Path):
     """The file opened to append, unbuffered: each line goes to the file in the write `_append` makes."""
