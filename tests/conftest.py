@@ -49,7 +49,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 # the other workers had finished. Only the order changes; a name no longer here just keeps its place.
 LONGEST = ("test_readme.py::test_readme_walkthrough", "test_benchmark_smoke.py::test_quick_benchmark",
            "test_slurm.py::test_a_submitit_sweep", "test_reliability.py::test_a_sigkilled_launcher",
-           "test_diffusion_units.py::test_a_few_hundred_steps", "test_ema_and_tools.py::test_check_reports_each",
+           "test_diffusion_units.py::test_150_steps", "test_ema_and_tools.py::test_check_reports_each",
            "test_pipeline.py::test_pipeline_with_data_or_tensor_parallelism", "test_wandb.py::test_ddp_training_logs",
            "test_slurm.py::test_a_failed_submitit_point", "test_readme.py::test_the_quickstart_runs",
            "test_user_pitfalls.py::test_the_batch_size_finder_agrees", "test_own_loop.py::test_a_launched_loop_that_hangs")

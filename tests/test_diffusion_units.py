@@ -446,7 +446,9 @@ def test_a_negative_or_fractional_sample_count_is_refused_by_both_image_tasks():
 # -- a short fit ---------------------------------------------------------------------------------------
 
 
-def test_a_few_hundred_steps_lower_the_loss(split):
+def test_150_steps_lower_the_loss(split):
+    """The held-out loss falls to 0.48 of its start in 150 steps (0.51 at 100, 0.44 at 300; Intel Xeon): under 0.6
+    with room for another CPU's rounding."""
     train, val = split
     task = Diffusion(num_samples=50, sample_steps=16)
     task.setup(train, val)
@@ -463,7 +465,7 @@ def test_a_few_hundred_steps_lower_the_loss(split):
             return flow_matching_losses(model, x0, val.labels, *fixed).mean().item()
 
     before, start = val_loss(), time.time()
-    for _ in range(300):
+    for _ in range(150):
         idx = torch.randint(len(train), (64,), generator=g).tolist()
         loss = task.loss(model, train.__getitems__(idx)) / 64
         opt.zero_grad(set_to_none=True)
