@@ -44,21 +44,6 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-# The longest tests (8-45 s each on 2 cores), started first. xdist hands tests out in collection order, and these sit
-# in modules late in the alphabet (test_readme, test_slurm, test_wandb): started last, one of them ran on alone while
-# the other workers had finished. Only the order changes; a name no longer here just keeps its place.
-LONGEST = ("test_readme.py::test_readme_walkthrough", "test_benchmark_smoke.py::test_quick_benchmark",
-           "test_slurm.py::test_a_submitit_sweep", "test_reliability.py::test_a_sigkilled_launcher",
-           "test_diffusion_units.py::test_150_steps", "test_ema_and_tools.py::test_check_reports_each",
-           "test_pipeline.py::test_pipeline_with_data_or_tensor_parallelism", "test_wandb.py::test_ddp_training_logs",
-           "test_slurm.py::test_a_failed_submitit_point", "test_readme.py::test_the_quickstart_runs",
-           "test_user_pitfalls.py::test_the_batch_size_finder_agrees", "test_own_loop.py::test_a_launched_loop_that_hangs")
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    items.sort(key=lambda item: not any(name in item.nodeid for name in LONGEST))  # (stable: the rest keep order)
-
-
 def pytest_xdist_auto_num_workers(config) -> int | None:
     """`make test`'s `-n auto`: one worker more than the cores. Tests wait on the processes they start (a launch's
     rendezvous and its workers' exit, a signalled job); with one worker per core the 2 cores sat idle 12% of the
