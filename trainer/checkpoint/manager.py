@@ -109,9 +109,9 @@ class Parts:
         """The optimizers' moments, step counts and learning rates from `state`; their other hyperparameters (betas,
         weight decay, ...) stay this run's config's where `config_hyperparameters`, else are the checkpoint's too.
         How the step is computed (fused, foreach: the strategy may choose it) stays this run's either way."""
+        live = (lambda k: k not in ("params", "lr", "initial_lr")) if self.config_hyperparameters else \
+            (lambda k: k in ("fused", "foreach", "capturable", "differentiable"))
         for name, (model, opt) in self.optimizers.items():
-            live = (lambda k: k not in ("params", "lr", "initial_lr")) if self.config_hyperparameters else \
-                (lambda k: k in ("fused", "foreach", "capturable", "differentiable"))
             hyper = [{k: v for k, v in g.items() if live(k)} for g in opt.param_groups]
             self.strategy.load_optimizer_state_dict(self.models[model], opt, state if self.single else state[name])
             for group, h in zip(opt.param_groups, hyper):

@@ -616,17 +616,17 @@ def _refuse_another_runs(run: Path, checkpoint: Path, out_given: bool) -> None:
     from omegaconf import OmegaConf
 
     from trainer.checkpoint.store import run_of_checkpoint
-    from trainer.errors import ConfigError
-    from trainer.inference.finished import config_yaml
+    from trainer.errors import CheckpointError, ConfigError
+    from trainer.inference.finished import checked_config, config_yaml
 
     owner = run_of_checkpoint(checkpoint)  # (RUN/checkpoints/step_N as given: its checkpoints/ may be a link elsewhere)
     if checkpoint.resolve().is_relative_to(run.resolve()) or (owner is not None and owner.resolve() == run.resolve()):
         return
     owner = owner or checkpoint
-    try:
-        theirs = OmegaConf.to_container(OmegaConf.load(checkpoint / "config.yaml").get("model"), resolve=True)
+    try:  # (read by the checkpoint reader's limits: the checkpoint is not verified yet)
+        theirs = OmegaConf.to_container(checked_config(checkpoint / "config.yaml", "").get("model"), resolve=True)
         ours = OmegaConf.to_container(config_yaml(run).get("model"), resolve=True)
-    except Exception:  # (a damaged config: the load below names it)
+    except (CheckpointError, ConfigError, ValueError):  # (a damaged or missing config: the load below names it)
         return
     own = f"`python -m trainer sample {owner} checkpoint={checkpoint}`"
     if theirs != ours:

@@ -249,7 +249,6 @@ def _write(fd: int, data: torch.Tensor, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-
 def _names_a_device(name) -> bool:
     """Whether `name` is a device a map can name (cpu, disk, cuda, cuda:N, a GPU index, a torch.device), whether or
     not this machine has it."""
@@ -258,6 +257,7 @@ def _names_a_device(name) -> bool:
     except ConfigError:
         return False
     return True
+
 
 @torch.no_grad()
 def dispatch(model: nn.Module, read, device_map: str | Mapping, caps: dict[str, int],

@@ -117,10 +117,14 @@ def _json_object(path: Path, max_size: int, fix: str) -> dict:
 def config_yaml(run_dir: str | Path) -> DictConfig:
     """The run's config.yaml, checked like a checkpoint's (no anchors or aliases, depth- and size-limited) and
     a mapping."""
+    path = _run_dir(run_dir)
+    return checked_config(path / "config.yaml", _restore_config(path))
+
+
+def checked_config(source: Path, fix: str) -> DictConfig:
+    """A config.yaml (a run's or a checkpoint's) read by the checkpoint reader's rules, as a config."""
     from trainer.checkpoint.store import _check_config
 
-    path = _run_dir(run_dir)
-    source, fix = path / "config.yaml", _restore_config(path)
     raw = _read(source, MAX_CONFIG_BYTES, fix)
     try:
         _check_config(raw, source)

@@ -722,12 +722,13 @@ class Runtime:
         self.strategy.backward(loss * scale if not (isinstance(scale, float) and scale == 1.0) else loss)
         if self.sync_gradients and self.strategy.reduces_gradients:
             self._pending_reduce.update(self.models)
-        if self.sync_gradients and self.precision.scaler is not None:
+        # (not where parameters are sharded: an in-place edit of a DTensor gradient moves no version to compare)
+        if self.sync_gradients and self.precision.scaler is not None and not self.strategy.shards_parameters:
             for name, model in self.models.items():  # (the first gradient: one parameter looked at, as a rule)
                 grad = next((p.grad for p in self._listed.get(name) or model.parameters()
                              if p.requires_grad and p.grad is not None), None)
-                if grad is not None and not self.strategy.shards_parameters:  # (an in-place edit of a sharded
-                    self._scaled[name] = (grad, grad._version)                 # DTensor gradient moves no version)
+                if grad is not None:
+                    self._scaled[name] = (grad, grad._version)
         if self._watched:
             watchdog.progress()
 
@@ -1248,8 +1249,9 @@ class Runtime:
                                   f"so it cannot be loaded. Pass its directory ({path.parent}) for the newest complete "
                                   "one there. Nothing was loaded.")
         if not (path / MANIFEST).exists():
-            found = Checkpointer(path).complete() if path.is_dir() else []
-            damaged = [p.name for p in (Checkpointer(path).unreadable() if path.is_dir() else [])
+            there = Checkpointer(path) if path.is_dir() else None
+            found = there.complete() if there else []
+            damaged = [p.name for p in (there.unreadable() if there else [])
                        if not found or step_of(p) > step_of(found[-1])]
             if damaged and self.backend.is_main:  # (it was a fresh start, or an older step, without a word)
                 _note(f"rt.load_state({str(path)!r}): {', '.join(damaged)} {'has' if len(damaged) == 1 else 'have'} no "

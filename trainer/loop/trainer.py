@@ -287,9 +287,9 @@ class Trainer:
             numbers = self.backend.broadcast_object(numbers if self.backend.is_main else None)
         metrics.update(numbers)
         for name, value in samples.items():
-            key = f"val/{name}"
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 continue  # (a metric: above)
+            key = f"val/{name}"
             if isinstance(value, str):
                 self.loggers.log_text(key, value, self.step)
                 progress.write(f"--- {name} at step {self.step} ---\n{printable(redact_text(value))}\n---")
