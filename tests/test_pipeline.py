@@ -16,6 +16,7 @@ from conftest import (
     SHARED,
     assert_identical,
     assert_same_run,
+    compose_cfg,
     faulty,
     load_weights,
     once_per_run,
@@ -244,3 +245,12 @@ def test_noise_drawn_in_compiled_code_compiles_once_for_every_micro_batch_and_bl
             noise.rand(4)
         assert noise._state["positions"] is not None and noise._state["draws"] == 0  # the outer entry's state
     assert noise._state["positions"] is None
+
+
+def test_a_schedule_in_any_case_is_recorded_as_torch_spells_it(corpus):
+    """`world.pp_schedule=interleaved1f1b` is taken and recorded as `Interleaved1F1B`: a resume spelling it
+    `1F1B`-style or not is the same setting (config.yaml would otherwise list it as changed)."""
+    from trainer.config.compose import prepare
+
+    cfg = prepare(compose_cfg(tiny_overrides(corpus, *PP2, "world.pp_schedule=interleaved1f1b")), targets=False)
+    assert cfg.world.pp_schedule == "Interleaved1F1B"

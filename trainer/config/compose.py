@@ -94,9 +94,10 @@ def resolve(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"{key} is required but not set. Pass it on the command line, e.g. {key}=VALUE.") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{getattr(e, 'full_key', '')}: {str(e).splitlines()[0]}") from None
-    from trainer.config.schema import agree_hf_sizes
+    from trainer.config.schema import agree_hf_sizes, spell_as_torch
 
     agree_hf_sizes(container)
+    spell_as_torch(container)
     resolved = OmegaConf.create(container)
     OmegaConf.set_struct(resolved, True)
     return resolved

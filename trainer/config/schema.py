@@ -514,6 +514,17 @@ HF_SIZE_ALIASES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_head
 HF_CAUSAL_LM = "trainer.models.hf.causal_lm"
 
 
+def spell_as_torch(container: dict) -> None:
+    """`world.pp_schedule` is taken in any case (`1f1b`) and recorded as torch spells it, so that a resume that
+    spells it otherwise is not a changed setting."""
+    world = container.get("world")
+    if isinstance(world, dict) and isinstance(world.get("pp_schedule"), str):
+        from trainer.parallel.layout import SCHEDULES
+
+        given = world["pp_schedule"]
+        world["pp_schedule"] = next((s for s in SCHEDULES if s.lower() == given.lower()), given)
+
+
 def agree_hf_sizes(container: dict) -> None:
     """A Hugging Face model's config given both a size key of its own and the lm recipe's name for it, differing
     (`model.num_hidden_layers=4` beside debug=smoke's `n_layer: 1`): the model's own key is what the user asked
