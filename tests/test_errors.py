@@ -107,6 +107,9 @@ def test_a_number_as_text_and_resolve_without_cfg_are_one_paragraph_saying_the_f
     (["finetune.lora.rank=4", "finetune.lora.targets=qkv"], ["finetune.lora.targets=qkv is not a list",
                                                             "finetune.lora.targets=[qkv]"]),
     (["optim.betas=[0.9,1.5]"], ["optim.betas=[0.9, 1.5]"]),
+    # (a count meant for a switch: OmegaConf took any number but 0 as true, and checkpointed every block)
+    (["trainer.activation_checkpointing=2"], ["trainer.activation_checkpointing=2: trainer.activation_checkpointing "
+                                              "is a switch, not a number", "trainer.activation_checkpointing=true"]),
     (["optim.eps=-1"], ["optim.eps=-1", ">= 0"]),
     (["optim.weight_decay=-1"], ["optim.weight_decay=-1"]),
     (["optim._target_=torch.optim.SGD"], ["optim.betas, optim.eps are not options of optim._target_=SGD", "momentum"]),

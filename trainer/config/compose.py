@@ -133,6 +133,7 @@ def check_read(cfg: DictConfig, overrides: list[str], sweep: bool = False) -> li
     sweep is refused only when none of its points reads them (trainer/entry/cli.py)."""
     keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
     _one_value_per_hf_size(cfg, overrides)
+    _refuse_counts_for_switches(cfg, overrides)
     if not sweep:
         _refuse_what_every_part_overrides(cfg, overrides)
     given = [k for k in keys if k.startswith("ema.") and k != "ema.enabled"]
@@ -141,6 +142,25 @@ def check_read(cfg: DictConfig, overrides: list[str], sweep: bool = False) -> li
     if sweep:
         return given
     raise ConfigError(inert_message(given))
+
+
+def _refuse_counts_for_switches(cfg: DictConfig, overrides: list[str]) -> None:
+    """`trainer.activation_checkpointing=2`: OmegaConf takes any number but 0 as true for a true/false setting, so
+    a count meant for one (every 2nd block, as other frameworks' checkpointing options take) switched it on
+    without a word. 0 and 1 stay the switch's values."""
+    from omegaconf.nodes import BooleanNode
+
+    for override in overrides:
+        key, sep, value = override.lstrip("+~").partition("=")
+        if not sep or value.strip() in ("0", "1") or not re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?",
+                                                                      value.strip()):
+            continue
+        section, _, leaf = key.rpartition(".")
+        parent = OmegaConf.select(cfg, section) if section else cfg
+        if isinstance(parent, DictConfig) and isinstance(parent._get_node(leaf, throw_on_missing_key=False),
+                                                         BooleanNode):
+            raise ConfigError(f"{key}={value}: {key} is a switch, not a number (any number other than 0 would "
+                              f"have switched it on). Pass {key}=true or {key}=false.")
 
 
 def _refuse_what_every_part_overrides(cfg: DictConfig, overrides: list[str]) -> None:
