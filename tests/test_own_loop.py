@@ -2090,6 +2090,39 @@ def test_a_mistake_in_a_plain_python_script_is_one_paragraph_with_the_scripts_li
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.startswith("error: "), r.stderr
     assert "mixed_precision is Accelerate's" in r.stderr and f"(at {script}:2: rt = trainer.Runtime(" in r.stderr
+    # Refused after Runtime(run_dir=) made its dir: the new dir goes with the script (it held the lock and an empty
+    # metrics.jsonl).
+    script.write_text("import torch, trainer\nrt = trainer.Runtime(run_dir='new')\n"
+                      "rt.setup(torch.nn.Linear(2, 2), 'adam')\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 1 and r.stderr.startswith("error: Runtime.setup got a str"), r.stderr
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_run_dir_the_runtime_made_stays_once_the_script_ends_or_writes_there(tmp_path):
+    """The other side of the rule above: a dir that was there before stays as it was, rt.end() keeps the dir it
+    made, even empty, and a dir with a logged step stays without rt.end() (a script that forgot it)."""
+    import gc
+
+    import trainer
+
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "notes.txt").write_text("mine")
+    rt = trainer.Runtime(run_dir=earlier)
+    with pytest.raises(UserError, match="Runtime.setup got a str"):
+        rt.setup(nn.Linear(2, 2), "adam")
+    del rt
+    gc.collect()
+    assert sorted(p.name for p in earlier.iterdir()) == [".lock", "metrics.jsonl", "notes.txt"]
+    for name, finish in (("ended", lambda rt: rt.end()), ("logged", lambda rt: rt.log({"loss": 1.0}, step=1))):
+        rt = trainer.Runtime(run_dir=tmp_path / name)
+        finish(rt)
+        if name == "logged":
+            rt.loggers.finish({})  # (its file closed, as rt.end() would; the Runtime itself not ended)
+        del rt
+        gc.collect()
+        assert (tmp_path / name / "metrics.jsonl").exists(), name
 
 
 def test_an_optimizer_left_out_of_setup_under_fsdp_is_refused_at_its_first_step():

@@ -148,6 +148,20 @@ def hold(run_dir: Path, chosen_by: str) -> Hold:
     return Hold(run_dir)
 
 
+def remove_if_unused(run_dir: Path, records: set[str]) -> None:
+    """Remove a run dir that holds nothing but `records` (the files of a start that went no further) and empty
+    metrics files: a job refused or failed before it trained leaves no dir behind, and never an earlier result."""
+    import shutil
+
+    if not Path(run_dir).is_dir():
+        return
+    for p in Path(run_dir).iterdir():
+        if p.name in records or (p.name in ("metrics.jsonl", "samples.jsonl") and p.stat().st_size == 0):
+            continue
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def _in_use(run_dir: Path, holder: str, chosen_by: str = "hydra.run.dir") -> str:
     return (f"run dir {run_dir} is in use by {holder}: two jobs in one run dir would interleave their metrics and "
             f"checkpoints. Wait for it to end (or stop it), or give this job its own {chosen_by}. Nothing in the "

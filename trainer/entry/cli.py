@@ -699,16 +699,10 @@ def _say_how_to_continue(run_dir: Path, command: str) -> None:
 def remove_if_unused(run_dir: Path) -> None:
     """A run that failed before it trained leaves no run dir behind (but never touches earlier results: the
     dir goes only if it holds nothing but the records of this attempt's start)."""
-    import shutil
+    from trainer import runlock
 
-    if not run_dir.is_dir():
-        return
-    records = {".hydra", ".lock", "config.yaml", "run_info.json", f"{Path(sys.argv[0]).stem}.log", "cli.log"}
-    for p in run_dir.iterdir():
-        if p.name in records or (p.name in ("metrics.jsonl", "samples.jsonl") and p.stat().st_size == 0):
-            continue
-        return
-    shutil.rmtree(run_dir, ignore_errors=True)
+    runlock.remove_if_unused(run_dir, {".hydra", ".lock", "config.yaml", "run_info.json",
+                                       f"{Path(sys.argv[0]).stem}.log", "cli.log"})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -174,8 +174,17 @@ class Runtime:
         # One job per run dir, as the CLI's (trainer/runlock.py): two scripts writing one run_dir at once
         # interleaved their metrics.jsonl, tracker files and checkpoints there. The main rank holds it until rt.end().
         self._run_dir_hold = None
+        self._unused_dir = None  # a run dir this Runtime made, removed at exit if the script never got to use it
         if backend is None and run_dir is not None:
+            made = not Path(run_dir).exists()
             self._run_dir_hold = self._hold_run_dir(Path(run_dir), alone=launched is None and made_group)
+            if made and self._run_dir_hold is not None:
+                # A script refused after this (rt.setup of a wrong object, a mistake in its own code before its
+                # first rt.log) left a new dir holding the lock and an empty metrics.jsonl. rt.end() keeps the dir;
+                # so does anything written there.
+                from trainer import runlock
+
+                self._unused_dir = weakref.finalize(self, runlock.remove_if_unused, Path(run_dir), {runlock.LOCK})
         if launched is not None and precision is None:
             from trainer.config.instantiate import build_node
             from trainer.parallel.precision import AUTO_TARGET, resolve_auto
@@ -1582,6 +1591,8 @@ class Runtime:
         """Finish the trackers and leave the process group (every rank, at the end of the script)."""
         self._say_unapplied()
         self._ended = True
+        if self._unused_dir is not None:
+            self._unused_dir.detach()
         if self._watched:  # (what the script does after its loop is its own: no longer watched for hangs)
             watchdog.disarm()
         if self.backend.is_main:
