@@ -111,6 +111,47 @@ def test_a_run_dir_whose_workers_outlived_their_launcher_is_refused(tmp_path):
     RunDirLock(tmp_path).acquire().release()  # once it is gone, the run dir is free
 
 
+def test_a_link_in_the_locks_place_is_replaced_never_written_through(tmp_path):
+    """`RUN/.lock` a symbolic link (planted, or left by a copy of links): the job's record (PID and host) was written
+    over the file it named, truncating it."""
+    from trainer.runlock import RunDirLock
+
+    precious = tmp_path / "precious.txt"
+    precious.write_text("precious data")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".lock").symlink_to(precious)
+    assert RunDirLock(tmp_path / "run").holder() is None
+    lock = RunDirLock(tmp_path / "run").acquire()
+    try:
+        assert precious.read_text() == "precious data"
+        assert not (tmp_path / "run" / ".lock").is_symlink() and str(os.getpid()) in (tmp_path / "run" / ".lock").read_text()
+    finally:
+        lock.release()
+
+
+def test_two_run_dirs_whose_checkpoints_link_to_one_directory_cannot_train_at_once(corpus, tmp_path):
+    """`RUN/checkpoints` linked to a big scratch disk, by two run dirs to the same directory: each job held its own
+    run dir's lock, and each pruned and replaced the other's checkpoints (both runs' work lost). The directory a
+    linked checkpoints/ resolves to is held with the run dir; the second job is refused, changing nothing."""
+    from trainer.runlock import RunDirLock
+
+    shared = tmp_path / "scratch"
+    shared.mkdir()
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "checkpoints").symlink_to(shared)
+    lock = RunDirLock(tmp_path / "a").acquire()
+    try:
+        r = run_here(*tiny_overrides(corpus, "trainer.max_steps=2"), f"hydra.run.dir={tmp_path / 'b'}")
+        assert_clean_error(r, f"{tmp_path / 'b' / 'checkpoints'} links to {shared}, whose checkpoints another job is "
+                              "writing now", "Nothing in the run dir was changed.")
+        assert sorted(p.name for p in (tmp_path / "b").iterdir()) == [".lock", "checkpoints"]  # (the refused job's)
+        assert (tmp_path / "b" / ".lock").read_text() == "" and not any(shared.iterdir())
+    finally:
+        lock.release()
+    RunDirLock(tmp_path / "b").acquire().release()  # free once the other job's lock is
+
+
 def test_a_deleted_lock_file_does_not_let_a_second_job_into_a_live_run_dir(corpus, tmp_path):
     """A single-process job held .lock alone (only workers also held the run dir): `rm RUN/.lock`, as a cleanup of
     "stale" locks does, let a second job in; it moved the live job's checkpoints aside and trained in its place."""

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
@@ -35,6 +36,7 @@ class RunDirLock:
         self.chosen_by = chosen_by  # (what names the run dir, for the refusal's way out)
         self._fd: int | None = None
         self._dir_fd: int | None = None  # the run dir's own shared flock, beside .lock's
+        self._linked_fd: int | None = None  # the directory a linked checkpoints/ resolves to (`_hold_linked`)
 
     def _record(self) -> str:
         return f"{os.getpid()} {socket.gethostname()} {self.job or ''}".strip()
@@ -43,7 +45,10 @@ class RunDirLock:
         """(who, job) of the job holding the lock, or None when nobody does."""
         if not self.path.is_file():
             return None
-        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:  # (a link in its place: no lock of a job's)
+            return None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -57,7 +62,15 @@ class RunDirLock:
 
     def acquire(self) -> RunDirLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            # A link in .lock's place: followed, the job's record was written over the file it names (truncated,
+            # whatever it was). The link goes; what it names is never opened.
+            self.path.unlink()
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -72,6 +85,11 @@ class RunDirLock:
                 f"run dir {self.path.parent} is still written by the processes of another job ({lingering}), although "
                 f"its {LOCK} is free (their launcher is gone, or the file was deleted). Stop them (kill PID), or wait "
                 "for them to end, then rerun; two jobs in one run dir would interleave their metrics and checkpoints.")
+        try:
+            self._hold_linked()
+        except BaseException:
+            os.close(fd)
+            raise
         os.ftruncate(fd, 0)
         os.write(fd, self._record().encode())
         self._fd = fd
@@ -82,6 +100,29 @@ class RunDirLock:
         fcntl.flock(self._dir_fd, fcntl.LOCK_SH)
         _HELD[_key(self.path.parent)] = [self, 1]
         return self
+
+    def _hold_linked(self) -> None:
+        """A checkpoints/ that links to a directory elsewhere (a big scratch disk) is the job's too: two run dirs
+        linking to one directory, each with a lock of its own, pruned and replaced each other's checkpoints, and
+        both runs' work was lost. Its directory is held (an exclusive flock) for as long as the run dir's lock."""
+        link = self.path.parent / "checkpoints"
+        try:
+            target = link.resolve(strict=True)
+        except (OSError, RuntimeError):  # (none yet, or a loop of links: the checkpointer says so)
+            return
+        if target == link.parent.resolve() / "checkpoints" or not target.is_dir():
+            return
+        fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(
+                f"{link} links to {target}, whose checkpoints another job is writing now (its run dir's checkpoints/ "
+                "links there too): two jobs in one checkpoints dir would prune and replace each other's checkpoints. "
+                f"Give each run dir a checkpoints dir of its own (link {link} to a directory of its own, e.g. under "
+                f"{target.parent}), or wait for the other job to end. Nothing in the run dir was changed.") from None
+        self._linked_fd = fd
 
     def check_same_job(self) -> None:
         """For the launchers of nodes other than 0, which share node 0's lock: refuse a run dir that another job
@@ -104,7 +145,9 @@ class RunDirLock:
                 del _HELD[_key(self.path.parent)]
             os.close(self._fd)  # closing releases the lock; the file stays (harmless, hidden)
             os.close(self._dir_fd)
-            self._fd = self._dir_fd = None
+            if self._linked_fd is not None:
+                os.close(self._linked_fd)
+            self._fd = self._dir_fd = self._linked_fd = None
 
 
 # The run dirs this process holds the lock of: a second holder in the same process (the CLI's job calling
