@@ -152,6 +152,23 @@ def test_two_run_dirs_whose_checkpoints_link_to_one_directory_cannot_train_at_on
     RunDirLock(tmp_path / "b").acquire().release()  # free once the other job's lock is
 
 
+def test_a_data_cache_that_cannot_be_written_is_exit_74_naming_it_and_leaves_no_run_dir(corpus, tmp_path, monkeypatch):
+    """A full disk (or a read-only HOME) under the data cache was exit 2, "could not build 'data': ...text_file
+    raised OSError", pointing at the recipe's code, where the README's 74 is "could not write (disk full)"."""
+    import errno
+
+    import trainer.recipes.lm.data as lm_data
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(lm_data, "atomic_write_bytes", full)
+    r = run_here(*tiny_overrides(corpus), f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert_clean_error(r, f"could not write the data cache {tmp_path / 'cache'}", "(No space left on device)",
+                       "data.cache_dir=DIR (or TRAINER_CACHE_DIR=DIR for every run)", code=74)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_deleted_lock_file_does_not_let_a_second_job_into_a_live_run_dir(corpus, tmp_path):
     """A single-process job held .lock alone (only workers also held the run dir): `rm RUN/.lock`, as a cleanup of
     "stale" locks does, let a second job in; it moved the live job's checkpoints aside and trained in its place."""

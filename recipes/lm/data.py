@@ -76,12 +76,15 @@ def default_cache_dir() -> Path:
 
 
 def _build(cache: Path, parts: dict[str, bytes], meta: dict) -> None:
-    for name, data in parts.items():
-        atomic_write_bytes(cache / f"{name}.bin", data)
-    # The contents' digest: a resume checks that the run trains on the bytes its checkpoint was trained on (a file
-    # edited in place, same size, other text, is other data), hashed once here, where the bytes are in memory.
-    digests = {f"{name}_sha256": hashlib.sha256(data).hexdigest() for name, data in parts.items()}
-    atomic_write_json(cache / "meta.json", {**meta, **digests})  # written last: marks the cache complete
+    from trainer.data.files import writing_cache
+
+    with writing_cache(cache):
+        for name, data in parts.items():
+            atomic_write_bytes(cache / f"{name}.bin", data)
+        # The contents' digest: a resume checks that the run trains on the bytes its checkpoint was trained on (a
+        # file edited in place, same size, other text, is other data), hashed once here, where the bytes are in memory.
+        digests = {f"{name}_sha256": hashlib.sha256(data).hexdigest() for name, data in parts.items()}
+        atomic_write_json(cache / "meta.json", {**meta, **digests})  # written last: marks the cache complete
 
 
 def _splits(cache: Path, seq_len: int) -> tuple[TokenWindows, TokenWindows | None]:

@@ -12,7 +12,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.config.schema import LOADER_KEYS, strategy_options
-from trainer.errors import CheckpointError, ConfigError, DataError, UserError, debug_enabled
+from trainer.errors import ConfigError, DataError, TrainerExit, UserError, debug_enabled
 
 
 def build_node(section: str, node: Any, *args, **kwargs) -> Any:
@@ -29,7 +29,7 @@ def build_node(section: str, node: Any, *args, **kwargs) -> Any:
         detail = " ".join(lines).rstrip(".") if lines else type(cause).__name__
         if len(detail) > 1000:  # (a repr of a whole config, say: the start says what failed)
             detail = detail[:1000] + " ..."
-        if isinstance(cause, DataError | ConfigError | CheckpointError):
+        if isinstance(cause, TrainerExit):  # (a paragraph of its own already: a DataError, a full disk's)
             raise cause from None
         target = node.get("_target_", "?")
         at = raised_at(cause)

@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import glob
 import os
 from pathlib import Path
 
-from trainer.errors import DataError
+from trainer.errors import DataError, StorageError
+
+# What a write into a data cache fails with when the place is full or cannot be written (a read-only HOME).
+_CANNOT_WRITE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
+
+
+@contextlib.contextmanager
+def writing_cache(cache: Path):
+    """Building a data cache (the token files every run reads): a full disk or a place that cannot be written is
+    StorageError (exit 74) naming the cache and where else to put it, not 'could not build data' pointing at the
+    recipe's code. Only errors of files under the cache's parent count: an input that cannot be read is the data's."""
+    try:
+        yield
+    except OSError as e:
+        where = Path(e.filename) if e.filename else None
+        ours = where is None or Path(cache).parent in (where, *where.parents)
+        if e.errno not in _CANNOT_WRITE or not ours:
+            raise
+        raise StorageError(f"could not write the data cache {cache} ({e.strerror}): the token files are built there "
+                           "once and read by every run. Free space there, or put the cache elsewhere: "
+                           "data.cache_dir=DIR (or TRAINER_CACHE_DIR=DIR for every run).") from None
 
 
 def local_files(path: str, hint: str, suffixes=None, key: str = "data.path") -> list[Path]:

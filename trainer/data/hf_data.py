@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.data.files import local_files
+from trainer.data.files import local_files, writing_cache
 from trainer.errors import DataError
 
 FORMAT = 3  # bump when the cache layout or the encoding changes (2: text files keep their line breaks; 3: a val fraction of 2+ documents is at least one)
@@ -298,7 +298,8 @@ def tokenize_corpus(path: str, files: list[Path], fmt: str, encoder: Encoder, ca
         if not (cache / "meta.json").exists():
             if is_main_process():
                 say(f"data: tokenising {str(path)!r} once into {cache}")
-            with offline_datasets(f"data.path={str(path)!r} (Hugging Face datasets files)") as datasets:
+            with offline_datasets(f"data.path={str(path)!r} (Hugging Face datasets files)") as datasets, \
+                    writing_cache(cache):
                 _build(datasets, files, fmt, text_column, encoder, val_fraction, cache)
         elif is_main_process():
             _record_digests(cache)

@@ -32,7 +32,15 @@ from trainer.config.compose import (
     sweep_jobs,
 )
 from trainer.config.targets import check_hydra_hooks
-from trainer.errors import ConfigError, NonFiniteError, TrainerExit, UserError, debug_enabled, report
+from trainer.errors import (
+    ConfigError,
+    NonFiniteError,
+    StorageError,
+    TrainerExit,
+    UserError,
+    debug_enabled,
+    report,
+)
 from trainer.redaction import override_secrets, redact, scrub, secret_values
 
 COMMANDS = ("env", "check", "eval", "sample", "config", "tune", "launch")  # trainer/entry/commands.py
@@ -528,10 +536,10 @@ def _run_job(cfg: DictConfig) -> float | None:
         except WorkerFailed as wf:
             code = wf.report()
             _say_what_the_sweep_skips()
-            if wf.exitcode not in (UserError.exit_code, NonFiniteError.exit_code):  # rerunning would not help
-                _say_how_to_continue(run_dir, continue_command(run_dir))
-            elif wf.exitcode == UserError.exit_code and lock is not None and lock.held:
-                remove_if_unused(run_dir)  # a mistake the workers found: the dir goes if it holds only its records
+            if wf.exitcode in (UserError.exit_code, StorageError.exit_code) and lock is not None and lock.held:
+                remove_if_unused(run_dir)  # a mistake (or a full disk) before training: the dir goes if it holds
+            if wf.exitcode not in (UserError.exit_code, NonFiniteError.exit_code):  # only its records
+                _say_how_to_continue(run_dir, continue_command(run_dir))  # (rerunning would not help those)
             sys.exit(code)
         except KeyboardInterrupt:
             print("interrupted: stopped all processes.", file=sys.stderr, flush=True)
@@ -550,6 +558,9 @@ def _run_job(cfg: DictConfig) -> float | None:
                 remove_if_unused(run_dir)
         elif started and not isinstance(err, NonFiniteError):  # preempted, disk full (a NaN would come back)
             from trainer.entry.launcher import RendezvousFailed
+
+            if isinstance(err, StorageError) and lock is not None and lock.held:  # (a full disk before the first
+                remove_if_unused(run_dir)                                          # step: only records there)
 
             if isinstance(err, RendezvousFailed) and lock is not None and lock.held:  # the nodes never met: a new
                 remove_if_unused(run_dir)                                              # run's dir holds only records
