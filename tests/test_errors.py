@@ -159,7 +159,7 @@ def test_a_number_as_text_and_resolve_without_cfg_are_one_paragraph_saying_the_f
      ["Did you mean callbacks.early_stopping.patience=2?"]),
     (["+callbacks.early_stopping.patience=3"], ["Choose it: callbacks=early_stopping"]),
     (["+logger.mine.x=1"], ["logger.mine=", "The options of logger are none, tensorboard, wandb"]),
-    (["optim=muon", "optim.adamw_lr=abc"], ["optim.adamw_lr='abc' is invalid: expected a number"]),  # (a traceback,
+    (["optim=muon", "optim.adamw_lr=abc"], ["optim.adamw_lr='abc' is invalid: expected a finite number > 0"]),  # (a traceback,
     (["optim=muon", "optim.ns_steps=abc"], ["optim.ns_steps='abc' is invalid: expected an integer"]),  # a run dir left)
     (["world=deepspeed", "world.stage=7", "--cfg", "job"], ["world.stage=7 is invalid: expected 1, 2 or 3"]),
     (["ema.decay=0.99", "ema.warmup=true"], ["ema.decay, ema.warmup: the EMA is off", "Add ema.enabled=true"]),
@@ -186,6 +186,28 @@ def test_a_number_as_text_and_resolve_without_cfg_are_one_paragraph_saying_the_f
                                                "calls it num_hidden_layers. Set model.num_hidden_layers=2"]),
     # A top-level key of one's own that nothing reads, named as a section's setting: trained at the default lr.
     (["+lr=1e-3"], ["+lr=1e-3 adds a top-level key of its own, which nothing reads", "Set it there: optim.lr=1e-3."]),
+    # From a sweep of bad values for every key: each was a traceback once the run started (finetune's keys, the
+    # optimizer's, integers past 64 bits: some at the last eval), trained nonsense without a word (momentum 2.5, a
+    # backend never used), forked until the machine stopped (num_workers), or waited for the first eval (monitor).
+    (["+finetune.lora.foo=1"], ["finetune.lora.foo is not a setting of `finetune.lora`", "Remove +finetune.lora.foo"]),
+    (["trainer.seed=99999999999999999999"], ["trainer.seed=99999999999999999999 is invalid: expected an integer that "
+                                             "fits in 64 bits"]),
+    (["optim.betas=null"], ["optim.betas=null is invalid", "leave the key out: ~optim.betas"]),
+    (["optim.foreach=true"], ["optim.foreach=True is invalid: expected false or null with optim.fused=true"]),
+    (["optim=sgd", "optim.momentum=0"], ["optim.momentum=0 is invalid: expected a number in (0, 1) with "
+                                         "optim.nesterov=true"]),
+    (["optim=sgd", "optim.momentum=2.5"], ["optim.momentum=2.5 is invalid: expected a number in [0, 1)"]),
+    (["optim=muon", "optim.ns_steps=0"], ["optim.ns_steps=0 is invalid: expected an integer in [1, 100)"]),
+    (["optim=muon", "optim.adamw_lr=0"], ["optim.adamw_lr=0 is invalid: expected a finite number > 0"]),
+    (["optim.fused=abc"], ["optim.fused='abc' is invalid: expected true or false"]),
+    (["trainer.compile_backend=eager"], ["trainer.compile_backend='eager' is invalid: expected unset while "
+                                         "trainer.compile=false"]),
+    (["data.num_workers=99999"], ["data.num_workers=99999 is invalid: expected an integer in [0, "]),
+    (["callbacks=early_stopping", "callbacks.early_stopping.monitor=loss"],
+     ["callbacks.early_stopping.monitor='loss' is invalid: expected a metric logged at eval"]),
+    (["callbacks=early_stopping", "callbacks.early_stopping.monitor=val_ema/loss"], ["only an EMA's evals log val_ema/"]),
+    (["optim=5"], ["optim=5 is not an option of optim: choose one of adam, adamw, muon, sgd by its name"]),
+    (["logger=[1,2]"], ["logger=[1,2] is not an option of logger", "(several: logger=[tensorboard,...])"]),
 ])
 def test_config_mistakes(tmp_path, args, needles):
     # Most mistakes end before Hydra writes anything: checked in this process (`run_main`, the same
@@ -196,6 +218,23 @@ def test_config_mistakes(tmp_path, args, needles):
     r = (run_here if inside_the_job else run_main)(*args, "hydra.run.dir=run", cwd=tmp_path)
     assert_clean_error(r, *needles)
     assert [p.name for p in tmp_path.iterdir() if p.name != "notes.txt"] == []  # no run dir, no half-written files
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["data.batch_size=5000"], "data.batch_size=5000 is more than the 115 samples of the training split"),
+    (["recipe=diffusion", "model.in_channels=0"], "model.in_channels=0: the UNet's sizes are positive integers"),
+    (["recipe=diffusion", "task.num_classes=0"], "task.num_classes=0 must be an integer >= 1"),
+    (["recipe=gan", "model.hidden=0"], "model.hidden=0: the GAN's sizes are positive integers"),
+])
+def test_values_the_data_or_the_recipes_code_refuses_are_one_paragraph_before_the_first_step(small_corpus, tmp_path,
+                                                                                            args, needle):
+    """A batch larger than the training split (a list of its indices per batch: 10^20 of them filled the memory),
+    and the diffusion and GAN recipes' sizes (0 classes or channels failed in the first step; a GAN of width 0
+    trained at loss ln 2 without a word)."""
+    data = [f"data.path={small_corpus}", "data=text"] if "recipe=lm" in args or not args[0].startswith("recipe=") else []
+    r = run_here("debug=smoke", *data, *args, "hydra.run.dir=run", cwd=tmp_path)
+    assert_clean_error(r, needle)
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_top_level_key_of_ones_own_is_taken_when_something_reads_it_or_it_names_no_setting():
@@ -223,7 +262,7 @@ def test_early_stopping_and_a_best_checkpoint_without_a_val_split_are_refused(tm
     checkpoint.best_metric never acted, exit 0, no word."""
     (tmp_path / "notes.txt").write_text("x" * 400)
     r = run_here("debug=smoke", "data=text", f"data.path={tmp_path / 'notes.txt'}", "data.seq_len=256",
-                 "callbacks=early_stopping", "checkpoint.best_metric=val/loss", "hydra.run.dir=run", cwd=tmp_path)
+                 "data.batch_size=1", "callbacks=early_stopping", "checkpoint.best_metric=val/loss", "hydra.run.dir=run", cwd=tmp_path)
     assert_clean_error(r, "checkpoint.best_metric and callbacks=early_stopping act on the evals' metrics",
                        "built no val split", "data=text keeps the end of its text as val")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

@@ -66,6 +66,11 @@ class UNet(nn.Module):
     def __init__(self, channels: int = 32, num_classes: int = 10, time_dim: int = 64, emb_dim: int = 128,
                  in_channels: int = 1, image_size: int = 8):
         super().__init__()
+        sizes = {"channels": channels, "num_classes": num_classes, "time_dim": time_dim, "emb_dim": emb_dim,
+                 "in_channels": in_channels, "image_size": image_size}
+        bad = [f"model.{k}={v!r}" for k, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+        if bad:  # (0 classes or channels failed in the first step, or trained a model of nothing)
+            raise ValueError(f"{', '.join(bad)}: the UNet's sizes are positive integers")
         if image_size % 2:
             raise ValueError(f"model.image_size={image_size} must be even (one 2x downsampling)")
         c, c2 = channels, 2 * channels

@@ -195,8 +195,13 @@ class Diffusion:
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 0:
             raise ConfigError(f"task.num_samples={num_samples!r} must be an integer >= 0 (0: no samples at eval; "
                               "64 is the default).")
-        if sample_steps < 1:
-            raise ConfigError(f"task.sample_steps={sample_steps} must be at least 1 (32 is the default).")
+        if isinstance(sample_steps, bool) or not isinstance(sample_steps, int) or sample_steps < 1:
+            raise ConfigError(f"task.sample_steps={sample_steps!r} must be an integer >= 1 (32 is the default).")
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+            raise ConfigError(f"task.num_classes={num_classes!r} must be an integer >= 1: the model's classes (its "
+                              "'no label' class is this index).")
+        if isinstance(upscale, bool) or not isinstance(upscale, int) or upscale < 1:
+            raise ConfigError(f"task.upscale={upscale!r} must be an integer >= 1 (the sample grid's pixels per pixel).")
         self.num_samples, self.sample_steps, self.guidance, self.seed = num_samples, sample_steps, guidance, seed
         self.label_dropout, self.num_classes, self.upscale = label_dropout, num_classes, upscale
         self.normalizer = Normalizer(min_std=min_std)

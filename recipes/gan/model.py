@@ -43,6 +43,10 @@ class GAN(nn.Module):
 
     def __init__(self, z_dim: int = 32, hidden: int = 256):
         super().__init__()
+        bad = [f"model.{k}={v!r}" for k, v in (("z_dim", z_dim), ("hidden", hidden))
+               if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+        if bad:  # (hidden=0 trained a discriminator of zero-size layers, loss ln 2, without a word)
+            raise ValueError(f"{', '.join(bad)}: the GAN's sizes are positive integers")
         self.z_dim = z_dim
         self.generator = Generator(z_dim, hidden)
         self.discriminator = Discriminator(hidden)

@@ -434,6 +434,26 @@ def _key_of_other_options(key: str) -> str | None:
             f"{group}={having[0]} and keep {key}=... as it is.")
 
 
+def _group_given_no_name(overrides: list[str]) -> ConfigError | None:
+    """`optim=5`, `world=null`, `logger=[1,2]`: a config group given something other than its options' names."""
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if not key.strip():
+            return ConfigError(f"{override!r} has no key: an override is KEY=VALUE.")
+        options = group_options(key) if "." not in key else []
+        try:
+            given = yaml.safe_load(value) if value else None
+        except yaml.YAMLError:
+            continue
+        names = isinstance(given, str) or (isinstance(given, list) and all(isinstance(x, str) for x in given))
+        if options and not names:
+            real = [o for o in options if o != "none"] or options
+            several = f" (several: {key}=[{real[0]},...])" if key in _config.LIST_GROUPS else ""
+            return ConfigError(f"{key}={value} is not an option of {key}: choose one of {', '.join(options)} by its "
+                               f"name{several}, or set one of its settings with {key}.KEY=VALUE.")
+    return None
+
+
 def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> ConfigError:
     """Turn a Hydra/OmegaConf composition error into a ConfigError naming the key and the fix."""
     from hydra.errors import MissingConfigException
@@ -451,6 +471,10 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
         quote = " (a `${...}` inside a `{...}` or `[...]` needs quotes: key: '${...}')" if "${" in line else ""
         return ConfigError(f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: not valid YAML ({what}). "
                            f"Fix that file{quote}.")
+    if "Config group override must be a string or a list" in msg or "is not iterable" in msg:
+        named = _group_given_no_name(overrides)  # (Hydra's own words named neither the group nor its options)
+        if named is not None:
+            return named
     appended = re.search(r"Could not append to config\. An item is already at '([^']+)'", msg)
     if appended:  # (+optim.lr=1: `+` adds a key; this one is there already)
         key = appended.group(1)

@@ -200,10 +200,14 @@ def _known_keys(cfg: DictConfig) -> None:
     does not have: one paragraph here, where it was a ConfigKeyError traceback once the run dir was made."""
     import dataclasses
 
-    for section, schema in (("trainer", TrainerConfig), ("checkpoint", CheckpointConfig), ("ema", EMAConfig)):
-        node = cfg.get(section)
+    sections = [("trainer", TrainerConfig), ("checkpoint", CheckpointConfig), ("ema", EMAConfig),
+                ("finetune", FinetuneConfig), ("finetune.lora", LoRAConfig)]  # (finetune's: a traceback once training)
+    for section, schema in sections:
+        node = OmegaConf.select(cfg, section, default=None)
+        if not isinstance(node, DictConfig):  # (a section given a value of its own: the type check names it)
+            continue
         fields = [f.name for f in dataclasses.fields(schema)]
-        unknown = [k for k in (node or {}) if k not in fields]
+        unknown = [k for k in node if k not in fields]
         if unknown:
             raise ConfigError(f"{section}.{unknown[0]} is not a setting of `{section}`, which the framework reads "
                               f"itself.{suggest(unknown[0], fields)} Its settings: {', '.join(fields)}. Remove "
@@ -226,6 +230,8 @@ def _typed_sections(cfg: DictConfig) -> None:
             raise ConfigError(f"{section}={_plain(node)!r} is invalid: expected the `{section}` settings, each set as "
                               f"{section}.KEY=VALUE. See them with: python -m trainer --cfg job")
     _known_keys(cfg)  # (a key a section lacks: named with the keys it has)
+    if cfg.get("finetune") is not None:
+        sections += (("finetune", FinetuneConfig),)
     for section, schema in sections:
         try:
             typed(schema, cfg.get(section))
@@ -235,9 +241,23 @@ def _typed_sections(cfg: DictConfig) -> None:
                               "trainer --cfg job") from None
 
 
+def _int64_only(tree: Any, path: str = "") -> None:
+    """An integer beyond 64 bits anywhere in the config's plain tree (trainer.seed=99999999999999999999): torch and
+    Python's C code take none, and each key failed in its own way, some after training (an OverflowError traceback
+    at the last eval)."""
+    if isinstance(tree, dict | list):
+        for key, value in (tree.items() if isinstance(tree, dict) else enumerate(tree)):
+            if not (path == "" and key == "hydra"):
+                _int64_only(value, f"{path}.{key}" if path else str(key))
+        return
+    _check(not _is_int(tree) or -2**63 <= tree < 2**63, path, tree,
+           f"an integer that fits in 64 bits (at most {2**63 - 1})")
+
+
 def validate(cfg: DictConfig) -> None:
     """Check the types and ranges of what the framework reads, before any process group starts or any
     file is written. Torch-free, so `--cfg job` runs it too."""
+    _int64_only(OmegaConf.to_container(cfg, resolve=False))
     _typed_sections(cfg)
     t = cfg.trainer
     _check(t.max_steps >= 1 if t.max_steps is not None else t.max_epochs is not None, "trainer.max_steps", t.max_steps,
@@ -257,6 +277,8 @@ def validate(cfg: DictConfig) -> None:
     _check(t.eval_samples is None or t.eval_samples >= 1, "trainer.eval_samples", t.eval_samples, "an integer >= 1, or null")
     _check(t.eval_batch_size is None or t.eval_batch_size >= 1, "trainer.eval_batch_size", t.eval_batch_size,
            "an integer >= 1, or null (= data.batch_size)")
+    _check(t.compile or t.compile_backend == "inductor", "trainer.compile_backend", t.compile_backend,
+           "unset while trainer.compile=false", "Add trainer.compile=true to compile with it.")
     if t.compile_mode is not None or t.compile_options:  # (the names themselves are checked against torch's lists)
         key = "trainer.compile_mode" if t.compile_mode is not None else "trainer.compile_options"
         value = t.compile_mode if t.compile_mode is not None else _plain(t.compile_options)
@@ -283,6 +305,14 @@ def validate(cfg: DictConfig) -> None:
     _check(not (c.best_metric or "").startswith("val_ema/") or e.enabled, "checkpoint.best_metric", c.best_metric,
            "a val/ metric without ema.enabled=true (only an EMA's evals log val_ema/)", "Or turn the EMA on.")
     _check(c.max_shard_mb > 0, "checkpoint.max_shard_mb", c.max_shard_mb, "a number > 0")
+    stopping = (cfg.get("callbacks") or {}).get("early_stopping")
+    if isinstance(stopping, DictConfig) and stopping.get("_target_") == "trainer.loop.callbacks.EarlyStopping":
+        # (its own constructor refuses the rest when the run builds it; these were found only at the first eval)
+        monitor = _plain(stopping.get("monitor", "val/loss"))
+        _check(isinstance(monitor, str) and monitor.startswith(("val/", "val_ema/")), "callbacks.early_stopping.monitor",
+               monitor, "a metric logged at eval, e.g. val/loss, val_ema/loss or a sample metric (val/class_match)")
+        _check(not monitor.startswith("val_ema/") or e.enabled, "callbacks.early_stopping.monitor", monitor,
+               "a val/ metric without ema.enabled=true (only an EMA's evals log val_ema/)", "Or turn the EMA on.")
     _check(0.0 <= e.decay < 1.0, "ema.decay", e.decay, "a number in [0, 1), e.g. 0.999")
     _check(e.update_every >= 1, "ema.update_every", e.update_every, "an integer >= 1")
 
@@ -387,6 +417,12 @@ def _validate_data(d: DictConfig) -> None:
     _check(_is_int(bs) and bs >= 1, "data.batch_size", bs, "an integer >= 1 (the per-process micro-batch)")
     nw = d.get("num_workers", 0)
     _check(_is_int(nw) and nw >= 0, "data.num_workers", nw, "an integer >= 0")
+    # Each is a process of its own, per training process, and torch starts as many as asked (only warning):
+    # 99999999999999999999 forked until the machine stopped. Far above any machine's useful count is refused.
+    most = max(256, 8 * len(os.sched_getaffinity(0)))
+    _check(nw <= most, "data.num_workers", nw, f"an integer in [0, {most}]",
+           f"Each is a loader process of its own in every training process (this machine has "
+           f"{len(os.sched_getaffinity(0))} cores); a few per process is usual.")
     _check(isinstance(d.get("shuffle", True), bool), "data.shuffle", d.get("shuffle"), "true or false")
     if "seq_len" in d:
         _check(_is_int(d.seq_len) and d.seq_len >= 1, "data.seq_len", d.seq_len, "an integer >= 1")
@@ -430,9 +466,27 @@ def _validate_optim(o: DictConfig, where: str = "optim") -> None:
         b = _plain(o.betas)
         _check(isinstance(b, (list, tuple)) and len(b) == 2 and all(_is_number(x) and 0 <= x < 1 for x in b),
                f"{where}.betas", b, "two numbers in [0, 1), e.g. [0.9, 0.95]")
-    for key in ("eps", "weight_decay", "momentum"):
+    if "betas" in o and o.get("betas") is None:  # (torch was called with betas=None: a TypeError traceback)
+        raise ConfigError(f"{where}.betas=null is invalid: expected two numbers in [0, 1), e.g. [0.9, 0.95]. To use "
+                          f"the optimizer's default, leave the key out: ~{where}.betas.")
+    for key in ("eps", "weight_decay"):
         v = o.get(key)
         _check(v is None or (_is_number(v) and 0 <= v < math.inf), f"{where}.{key}", _plain(v), "a finite number >= 0")
+    v = o.get("adamw_lr")  # (optim=muon's rate for what Muon does not take)
+    _check(v is None or (_is_number(v) and 0 < v < math.inf), f"{where}.adamw_lr", _plain(v), "a finite number > 0")
+    momentum = o.get("momentum")
+    _check(momentum is None or (_is_number(momentum) and 0 <= momentum < 1), f"{where}.momentum", _plain(momentum),
+           "a number in [0, 1), e.g. 0.9")
+    _check(not o.get("nesterov") or not _is_number(momentum) or momentum > 0, f"{where}.momentum", momentum,
+           f"a number in (0, 1) with {where}.nesterov=true", f"Or {where}.nesterov=false.")
+    if "ns_steps" in o:
+        _check(_is_int(o.ns_steps) and 1 <= o.ns_steps < 100, f"{where}.ns_steps", _plain(o.ns_steps),
+               "an integer in [1, 100) (Newton-Schulz iterations; 5 is usual)")
+    for key in ("fused", "foreach", "capturable", "differentiable", "maximize", "amsgrad", "nesterov"):
+        _check(not isinstance(o.get(key), str | int | float | ListConfig | DictConfig) or isinstance(o.get(key), bool),
+               f"{where}.{key}", _plain(o.get(key)), "true or false (or null)")
+    _check(not (o.get("fused") and o.get("foreach")), f"{where}.foreach", True, f"false or null with {where}.fused=true",
+           f"torch runs one kernel or the other: {where}.fused=false to use foreach.")
 
 
 def _validate_scheduler(s: DictConfig, where: str = "scheduler") -> None:

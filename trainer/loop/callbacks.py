@@ -101,6 +101,9 @@ class EarlyStopping(Callback):
     row. As Lightning's: mode=min for a loss, max for an accuracy."""
 
     def __init__(self, monitor: str = "val/loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0):
+        if not isinstance(monitor, str) or not monitor.startswith(("val/", "val_ema/")):  # (found at the first eval)
+            raise ConfigError(f"callbacks.early_stopping.monitor={monitor!r} is invalid: expected a metric logged at "
+                              "eval, e.g. val/loss, val_ema/loss or a sample metric (val/class_match).")
         if mode not in ("min", "max"):
             raise ConfigError(f"callbacks.early_stopping.mode={mode!r} is invalid: expected 'min' or 'max'.")
         if not isinstance(patience, int) or patience < 1:
