@@ -154,7 +154,8 @@ def test_the_plain_loop_runs_the_model_it_holds_now(compile):
     from benchmarks.loop import PlainLoop
     from trainer import build_data
 
-    cfg = compose([*COMMON, *TINY, "precision=fp32", "trainer.max_steps=2", "trainer.compile_backend=eager"])
+    cfg = compose([*COMMON, *TINY, "precision=fp32", "trainer.max_steps=2", "trainer.compile=true",
+                   "trainer.compile_backend=eager"])  # (the backend PlainLoop's compile="model" uses)
     train, _ = build_data(cfg.data)
     loop = PlainLoop(cfg, train, torch.device("cpu"), bf16=False, compile=compile)  # (compiled: dynamo, no codegen)
 

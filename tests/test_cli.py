@@ -397,3 +397,24 @@ def test_version_names_the_framework(tmp_path):
 
     r = run_main("--version", cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.startswith(f"trainer {__version__} (torch ")
+
+
+def test_ctrl_c_before_training_is_exit_130_without_a_traceback_and_leaves_no_new_run_dir(corpus, tmp_path,
+                                                                                        monkeypatch):
+    """Ctrl-C in a run's first seconds (torch importing, Hydra composing) was a KeyboardInterrupt traceback and exit
+    -2; a moment later (the run dir made, no step yet) exit 130 with a run dir of records left behind."""
+    import trainer.entry.cli as cli
+    import trainer.entry.launcher as launcher
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(cli, "precheck", interrupted)  # (while composing)
+        r = run_here(*tiny_overrides(corpus), f"hydra.run.dir={tmp_path / 'a'}")
+    assert (r.returncode, r.stderr) == (130, "interrupted: stopped before training started.\n")
+    assert not (tmp_path / "a").exists()
+    monkeypatch.setattr(launcher, "run", interrupted)  # (the run dir made, before the first step)
+    r = run_here(*tiny_overrides(corpus), f"hydra.run.dir={tmp_path / 'b'}")
+    assert r.returncode == 130 and "Traceback" not in r.stderr and "interrupted: stopped all processes." in r.stderr
+    assert not (tmp_path / "b").exists()

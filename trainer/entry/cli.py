@@ -544,6 +544,8 @@ def _run_job(cfg: DictConfig) -> float | None:
         except KeyboardInterrupt:
             print("interrupted: stopped all processes.", file=sys.stderr, flush=True)
             _say_what_the_sweep_skips()
+            if lock is not None and lock.held:  # (before the first step: a new run's dir holds only its records)
+                remove_if_unused(run_dir)
             _say_how_to_continue(run_dir, continue_command(run_dir))
             sys.exit(130)
         print(f"done: {run_dir}", flush=True)
@@ -767,6 +769,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout, sys.stderr = ScrubbedStream(sys.stdout, secrets), ScrubbedStream(sys.stderr, secrets)
     try:
         _compose_and_run(argv)
+    except KeyboardInterrupt:  # (Ctrl-C while torch imports or Hydra composes: a traceback and exit -2 before)
+        if debug_enabled():
+            raise
+        print("interrupted: stopped before training started.", file=sys.stderr, flush=True)
+        sys.exit(130)
     finally:
         sys.stdout, sys.stderr = streams
 
