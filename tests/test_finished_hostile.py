@@ -202,6 +202,24 @@ def test_eval_names_a_later_checkpoint_it_passes_over(runs, tmp_path, capsys):
     shutil.rmtree(checkpoints / "step_00000007"), shutil.rmtree(checkpoints / "step_00000009")
     assert checkpoint_of(run, "latest") == checkpoints / "step_00000002"
     assert "note" not in capsys.readouterr().err
+    # A checkpoint completed between the listing and the look at later steps (a run still saving, read in a loop)
+    # is not damaged: "no readable manifest.json" was said of it.
+    from trainer.checkpoint.store import Checkpointer
+
+    listed = Checkpointer.complete
+
+    def completed_after_the_listing(self):
+        done = listed(self)
+        if not hasattr(completed_after_the_listing, "listed"):
+            completed_after_the_listing.listed = True
+            return [p for p in done if p.name != "step_00000004"]
+        return done
+
+    shutil.copytree(checkpoints / "step_00000002", checkpoints / "step_00000004")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Checkpointer, "complete", completed_after_the_listing)
+        assert checkpoint_of(run, "latest") == checkpoints / "step_00000002"
+    assert "no readable manifest" not in capsys.readouterr().err
 
 
 def test_sample_redacts_a_secret_from_the_command_line_or_config_yaml(runs, tmp_path):

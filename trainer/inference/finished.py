@@ -663,6 +663,8 @@ def checkpoint_of(run_dir: str | Path, which: str = "latest") -> Path:
         # resume=auto passes over it; said, so that a number is never read as the later step's.
         passed = sorted((p for p in checkpoints.iterdir() if step_of(p) > step_of(found[-1]) and not p.is_symlink()
                          and p not in found), key=step_of)
+        if passed:  # (one complete now was completed after the listing, by a run still saving: not damaged)
+            passed = [p for p in passed if p not in Checkpointer(checkpoints).complete()]
         for p in passed:
             print(f"note: {p} has no readable manifest.json (a save cut off, or a copy made half-way): skipped; "
                   f"evaluating {found[-1].name}.", file=sys.stderr)
