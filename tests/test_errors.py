@@ -225,11 +225,12 @@ def test_config_mistakes(tmp_path, args, needles):
     (["recipe=diffusion", "model.in_channels=0"], "model.in_channels=0: the UNet's sizes are positive integers"),
     (["recipe=diffusion", "task.num_classes=0"], "task.num_classes=0 must be an integer >= 1"),
     (["recipe=gan", "model.hidden=0"], "model.hidden=0: the GAN's sizes are positive integers"),
+    (["data=text_stream", "data.val_path=''"], "data.val_path='' is empty"),  # (taken as none: no val, no word)
 ])
 def test_values_the_data_or_the_recipes_code_refuses_are_one_paragraph_before_the_first_step(small_corpus, tmp_path,
                                                                                             args, needle):
     """A batch larger than the training split (a list of its indices per batch: 10^20 of them filled the memory),
-    and the diffusion and GAN recipes' sizes (0 classes or channels failed in the first step; a GAN of width 0
+    an empty val path, and the diffusion and GAN recipes' sizes (0 classes or channels failed in the first step; a GAN of width 0
     trained at loss ln 2 without a word)."""
     data = [f"data.path={small_corpus}", "data=text"] if "recipe=lm" in args or not args[0].startswith("recipe=") else []
     r = run_here("debug=smoke", *data, *args, "hydra.run.dir=run", cwd=tmp_path)

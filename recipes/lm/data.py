@@ -289,7 +289,8 @@ def text_stream(path: str, seq_len: int = 256, by_file: bool = False, val_path: 
         short = next(f for f, w in zip(files, train.windows) if w == 0)
         raise DataError(f"data.by_file=true, but {short} has fewer than data.seq_len + 1 = {seq_len + 1} bytes: a "
                         "reader given only such files would get no sample. Remove it or set data.by_file=false.")
-    val = _text_splits(val_path, seq_len, cache_dir, 0.0, "data.val_path")[0] if val_path else None
+    # (an empty string is a path given empty, not "none": the run had no validation without a word)
+    val = _text_splits(val_path, seq_len, cache_dir, 0.0, "data.val_path")[0] if val_path is not None else None
     return train, val
 
 
