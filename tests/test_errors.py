@@ -226,13 +226,15 @@ def test_config_mistakes(tmp_path, args, needles):
     (["recipe=diffusion", "task.num_classes=0"], "task.num_classes=0 must be an integer >= 1"),
     (["recipe=gan", "model.hidden=0"], "model.hidden=0: the GAN's sizes are positive integers"),
     (["data=text_stream", "data.val_path=''"], "data.val_path='' is empty"),  # (taken as none: no val, no word)
+    (["data=stdlib", "data.val_every=1000000000"], "data.val_every=1000000000 put none of the standard library's"),
 ])
 def test_values_the_data_or_the_recipes_code_refuses_are_one_paragraph_before_the_first_step(small_corpus, tmp_path,
                                                                                             args, needle):
     """A batch larger than the training split (a list of its indices per batch: 10^20 of them filled the memory),
     an empty val path, and the diffusion and GAN recipes' sizes (0 classes or channels failed in the first step; a GAN of width 0
     trained at loss ln 2 without a word)."""
-    data = [f"data.path={small_corpus}", "data=text"] if "recipe=lm" in args or not args[0].startswith("recipe=") else []
+    data = [f"data.path={small_corpus}", "data=text"] if not any(a.startswith(("recipe=", "data=")) for a in args) \
+        else [f"data.path={small_corpus}"] if "data=text_stream" in args else []
     r = run_here("debug=smoke", *data, *args, "hydra.run.dir=run", cwd=tmp_path)
     assert_clean_error(r, needle)
     assert not (tmp_path / "run").exists()

@@ -110,6 +110,9 @@ def stdlib_corpus(seq_len: int = 256, cache_dir: str | None = None, val_every: i
     Whole files go to the validation split when crc32(relative path) % val_every == 0, so the
     split is deterministic and val text is never seen in training.
     """
+    if isinstance(val_every, bool) or not isinstance(val_every, int) or val_every < 2:
+        raise DataError(f"data.val_every={val_every!r} must be an integer >= 2: one file in val_every goes to the "
+                        "val split (20 is the default).")
     # Keyed on the interpreter and where its stdlib lives, not on a listing of ~2000 files: listing
     # them cost ~0.5 s at every start. An installed stdlib does not change under a given version.
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -125,6 +128,9 @@ def stdlib_corpus(seq_len: int = 256, cache_dir: str | None = None, val_every: i
             for p in files:
                 rel = str(p.relative_to(root))
                 (val if zlib.crc32(rel.encode()) % val_every == 0 else train).extend(p.read_bytes() + b"\n")
+            if not val:  # (the run had no val split, and no eval, without a word)
+                raise DataError(f"data.val_every={val_every} put none of the standard library's {len(files)} files in "
+                                "the val split: use a smaller one (20 is the default).")
             _build(cache, {"train": bytes(train), "val": bytes(val)},
                    {"source": str(root), "files": len(files), "train_bytes": len(train), "val_bytes": len(val)})
     return _splits(cache, seq_len)
