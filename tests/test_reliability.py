@@ -933,3 +933,19 @@ def test_a_fresh_start_sets_checkpoints_aside_in_the_same_collectives_on_every_r
     assert rank0[0] == rank1[0], (rank0, rank1)
     assert rank0[1] == [f"starting fresh (resume=None): the earlier checkpoints of this run dir are kept in "
                         f"{tmp_path / 'checkpoints.prev'}."]
+
+
+def test_a_fresh_start_over_a_linked_checkpoints_dir_says_where_its_checkpoints_now_go(corpus, tmp_path):
+    """resume=null in a run dir whose checkpoints/ links to another disk: the link is set aside with the earlier
+    checkpoints, and the new run's went to a new checkpoints/ on the run dir's disk, without a word."""
+    scratch, run = tmp_path / "scratch", tmp_path / "run"
+    scratch.mkdir()
+    run.mkdir()
+    (run / "checkpoints").symlink_to(scratch)
+    args = (*tiny_overrides(corpus, "trainer.max_steps=2"), f"hydra.run.dir={run}")
+    assert run_here(*args).returncode == 0
+    r = run_here(*args, "resume=null")
+    assert r.returncode == 0, r.stderr
+    assert f"note: {run / 'checkpoints'} was a link to {scratch}, set aside with those checkpoints" in r.stdout + r.stderr
+    assert (run / "checkpoints.prev").is_symlink() and [p.name for p in scratch.iterdir()] == ["step_00000002"]
+    assert not (run / "checkpoints").is_symlink() and (run / "checkpoints" / "step_00000002").is_dir()

@@ -527,13 +527,18 @@ def resume(trainer, cfg: DictConfig, say) -> Path | None:
                "checkpoints.prev/), or give this job a run dir of its own."))
     # resume=null in a run dir that has checkpoints: start fresh, and keep the earlier attempt's. Rank 0 decides for
     # all: a rank that looked after rank 0 had moved them would skip the broadcast and leave rank 0 waiting in it.
+    directory = trainer.checkpointer.dir
+    linked = os.readlink(directory) if trainer.backend.is_main and directory.is_symlink() else None
     aside = trainer.backend.broadcast_object(
-        (ckpt.set_aside(trainer.checkpointer.dir) if trainer.checkpointer.complete() or
-         trainer.checkpointer.unreadable() else None)
+        (ckpt.set_aside(directory) if trainer.checkpointer.complete() or trainer.checkpointer.unreadable() else None)
         if trainer.backend.is_main else None)
     if aside is not None:
         say(f"starting fresh (resume={cfg.get('resume')}): the earlier checkpoints of this run dir are kept in "
             f"{aside}.")
+    if aside is not None and linked is not None:  # (the run moved off the disk the link chose, without a word)
+        say(f"note: {directory} was a link to {linked}, set aside with those checkpoints: this run's go to a new "
+            f"checkpoints/ in {directory.parent}, on its disk. To keep them on the other disk, stop this run, link "
+            f"{directory} to a new directory there, and run it again.")
     elif cfg.get("resume") == "auto":
         say(f"resume=auto: no complete checkpoint in {trainer.checkpointer.dir}; starting fresh.")
     return None
