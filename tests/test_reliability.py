@@ -949,3 +949,30 @@ def test_a_fresh_start_over_a_linked_checkpoints_dir_says_where_its_checkpoints_
     assert f"note: {run / 'checkpoints'} was a link to {scratch}, set aside with those checkpoints" in r.stdout + r.stderr
     assert (run / "checkpoints.prev").is_symlink() and [p.name for p in scratch.iterdir()] == ["step_00000002"]
     assert not (run / "checkpoints").is_symlink() and (run / "checkpoints" / "step_00000002").is_dir()
+
+
+def test_trainer_train_refuses_what_the_cli_refuses_a_run_dir_and_a_config_changed_after_compose(corpus, stopped,
+                                                                                                 tmp_path, monkeypatch):
+    """trainer.train(cfg, RUN/checkpoints/step_N) trained inside the checkpoint (its config.yaml rewritten, its
+    weights moved: the checkpoint no longer loaded), `RUN/checkpoints` wrote a run among them, "" into the current
+    directory; and a config changed after compose (max_steps = -3) trained. The CLI refuses each."""
+    import shutil
+
+    from trainer import compose, train
+    from trainer.errors import ConfigError
+
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    step = sorted((run / "checkpoints").glob("step_*"))[-1]
+    before = {p: p.read_bytes() for p in step.iterdir()}
+    cfg = compose(tiny_overrides(corpus, "trainer.max_steps=2"))
+    for where, needle in ((step, "is a checkpoint of the run"), (run / "checkpoints", "is inside the checkpoints of"),
+                          ("", "is empty: it would be the current directory")):
+        monkeypatch.chdir(tmp_path)
+        with pytest.raises(ConfigError, match=needle):
+            train(cfg, where)
+    assert {p: p.read_bytes() for p in step.iterdir()} == before and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    cfg.trainer.max_steps = -3
+    with pytest.raises(ConfigError, match="trainer.max_steps=-3 is invalid"):
+        train(cfg, tmp_path / "new")
+    assert not (tmp_path / "new").exists()

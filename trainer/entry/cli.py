@@ -222,27 +222,10 @@ def check_output_dir(cfg: DictConfig, multirun: bool) -> None:
         text = str(OmegaConf.select(cfg, key, throw_on_missing=True))
     except Exception:  # (an interpolation only Hydra's runtime resolves: left to it)
         return
-    from trainer.checkpoint.store import run_of_checkpoint
+    from trainer.entry.rundir import refuse_as_run_dir
     from trainer.io import unwritable
 
-    if not text.strip():  # (Path("") is the current directory: the run's files went among the user's own)
-        raise ConfigError(f"{key}={text!r} is empty: it would be the current directory, among your own files. Give "
-                          f"the run a directory of its own ({key}=DIR), or leave {key} out for a new dated one.")
-    run = run_of_checkpoint(Path(text))
-    if run is not None:
-        raise ConfigError(f"{key}={text} is a checkpoint of the run {run}: a run there would write over it. To "
-                          f"continue that run from it: hydra.run.dir={run} resume={text}; for a new run from its "
-                          "weights, another hydra.run.dir with resume=PATH or finetune.weights of a run dir.")
-    given = Path(text).expanduser().absolute()
-    inside = next((p for p in (given, *given.parents) if p.name in ("checkpoints", "checkpoints.prev") or
-                   p.name.startswith("checkpoints.prev-")), None)
-    run = inside.parent if inside is not None else None
-    if run is not None and (run / "config.yaml").is_file() and any((run / f).is_file() for f in ("metrics.jsonl",
-                                                                                              "run_info.json")):
-        # (a run's own checkpoints dir, or a dir in it)
-        raise ConfigError(f"{key}={text} is inside the checkpoints of the run {run}, which that run manages "
-                          "(it prunes them and, at a fresh start, moves them aside, and this run's files with them). "
-                          f"Give this run a directory of its own ({key}=DIR).")
+    refuse_as_run_dir(text, key, f"leave {key} out for a new dated one")
     why = unwritable(Path(text))
     if why:
         raise ConfigError(f"{key}={text} cannot be made: {why}. Choose another with {key}=DIR (or outputs=DIR for "

@@ -9,11 +9,13 @@ workers, `check`, the tests and the benchmarks all go through them; Hydra never 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.manager import resume, set_abandoned_branch_aside
@@ -762,6 +764,20 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     if not isinstance(cfg, DictConfig):  # (a dict, or a list of overrides: compose builds the config they mean)
         raise ConfigError(f"trainer.train takes the config trainer.compose returns (an omegaconf DictConfig), not a "
                           f"{type(cfg).__name__}: trainer.train(trainer.compose(['recipe=lm', ...]), run_dir).")
+    if not isinstance(run_dir, str | os.PathLike):
+        raise ConfigError(f"trainer.train(cfg, run_dir): run_dir={run_dir!r} is not a path: pass the directory the "
+                          "run writes (new or existing).")
+    from trainer.config.schema import validate
+    from trainer.entry.rundir import refuse_as_run_dir
+
+    # What the CLI checks before a run, as a notebook may change the config after compose (cfg.trainer.max_steps =
+    # -3 trained; a batch size of 0 was a ZeroDivisionError) or name a checkpoint as the run dir (trained over it).
+    refuse_as_run_dir(os.fspath(run_dir), "run_dir", "pass a new one")
+    try:
+        validate(cfg)
+    except (OmegaConfBaseException, KeyError, AttributeError) as e:  # (a config missing a section compose gives)
+        raise ConfigError(f"trainer.train: the config lacks what a run reads ({type(e).__name__}: {e}). Build it "
+                          "with trainer.compose([...]) and change its values, not its sections.") from None
     # One job per run dir, as the CLI's (trainer/runlock.py): two notebooks training into one dir interleaved
     # their metrics and checkpoints. A worker's launcher holds it for the job; the CLI's job here already does.
     owned = None if launcher.in_torchrun() else runlock.hold(Path(run_dir), "run_dir (trainer.train's second argument)")

@@ -23,6 +23,33 @@ from typing import Any
 from trainer.checkpoint.settings import comparable, flat, read_config, with_added
 
 
+def refuse_as_run_dir(text: str, key: str, otherwise: str) -> None:
+    """A ConfigError for a path no run may write into (`key` named it): empty (the current directory, among the
+    user's own files), a checkpoint of a run, or inside a run's checkpoints dir (which that run prunes and moves
+    aside). `otherwise` is the way out besides another dir."""
+    from trainer.checkpoint.store import run_of_checkpoint
+    from trainer.errors import ConfigError
+
+    if not str(text).strip():  # (Path("") is the current directory: the run's files went among the user's own)
+        raise ConfigError(f"{key}={str(text)!r} is empty: it would be the current directory, among your own files. "
+                          f"Give the run a directory of its own ({key}=DIR), or {otherwise}.")
+    run = run_of_checkpoint(Path(text))
+    if run is not None:
+        raise ConfigError(f"{key}={text} is a checkpoint of the run {run}: a run there would write over it. To "
+                          f"continue that run from it: hydra.run.dir={run} resume={text}; for a new run from its "
+                          "weights, another hydra.run.dir with resume=PATH or finetune.weights of a run dir.")
+    given = Path(text).expanduser().absolute()
+    inside = next((p for p in (given, *given.parents) if p.name in ("checkpoints", "checkpoints.prev") or
+                   p.name.startswith("checkpoints.prev-")), None)
+    run = inside.parent if inside is not None else None
+    if run is not None and (run / "config.yaml").is_file() and any((run / f).is_file() for f in ("metrics.jsonl",
+                                                                                              "run_info.json")):
+        # (a run's own checkpoints dir, or a dir in it)
+        raise ConfigError(f"{key}={text} is inside the checkpoints of the run {run}, which that run manages "
+                          "(it prunes them and, at a fresh start, moves them aside, and this run's files with them). "
+                          f"Give this run a directory of its own ({key}=DIR).")
+
+
 # -- which run resume=auto continues (what counts as the same run: trainer/checkpoint/settings.py) ------------
 def is_finished(run_dir: Path) -> bool:
     try:
