@@ -191,6 +191,9 @@ def _read_only_dir(tmp_path: Path) -> Path:
     (["device_map.blocks=cuda:99"], ["puts 'blocks' on cuda:99", "GPU"]),  # (not a module the map leaves out)
     (["max_memory.cpu=two gigs"], ["max_memory.cpu='two gigs' is not a size", "2GiB"]),
     (["max_memory.gpu=2GB"], ["'gpu' is not a device", "cuda:N"]),
+    # (a placement of nothing: an AttributeError traceback, 'GPT' object has no attribute 'device_map')
+    (["device_map="], ["device_map= is empty: give device_map a value"]),
+    (["max_memory=null"], ["max_memory=null is empty: give max_memory a value"]),
 ])
 def test_mistakes_are_one_paragraph(run, tmp_path, args, needles):
     args = [a.format(tmp=tmp_path, ro=_read_only_dir(tmp_path)) for a in args]

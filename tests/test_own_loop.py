@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from conftest import ROOT, load_weights, read_metrics, run_cli, run_here, series
+from conftest import ROOT, load_weights, read_metrics, run_cli, run_here, series, tiny_overrides
 
 from trainer.errors import CheckpointError, UserError
 
@@ -2234,3 +2234,30 @@ def test_what_a_new_runs_first_log_and_first_save_set_aside_takes_one_number(tmp
         rt.end()
     assert (tmp_path / "metrics.prev-2.jsonl").is_file() and (tmp_path / "checkpoints.prev-2" / "step_00000001").is_dir()
     assert not (tmp_path / "checkpoints.prev").exists()
+
+
+def test_save_state_and_save_model_refuse_another_runs_files(corpus, tmp_path):
+    """rt.save_model into a `python -m trainer` run's dir replaced its exported weights (trainer.load then refused
+    them), into one of its checkpoints broke that checkpoint; rt.save_state into its checkpoints/ set them aside (its
+    resume found none it could continue), into a checkpoint nested a step in it. Each is refused, nothing changed;
+    the Runtime's own run_dir, and a plain dir, are written as before."""
+    import trainer
+
+    run = tmp_path / "run"
+    assert run_here(*tiny_overrides(corpus, "trainer.max_steps=2"), f"hydra.run.dir={run}").returncode == 0
+    step = run / "checkpoints" / "step_00000002"
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"}
+    rt = trainer.Runtime()
+    model = rt.setup(nn.Linear(2, 2))
+    for call, where, needle in ((rt.save_model, run, "is the run dir of a `python -m trainer` run"),
+                                (rt.save_model, step, "is inside the checkpoint"),
+                                (lambda m, d: rt.save_state(d, 1), run / "checkpoints", "is the run dir of"),
+                                (lambda m, d: rt.save_state(d, 1), step, "is inside the checkpoint"),
+                                (lambda m, d: rt.save_state(d, 1), run, "is the run dir of")):
+        with pytest.raises(UserError, match=needle):
+            call(model, where)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"} == before
+    rt.save_model(model, tmp_path / "mine")
+    rt.save_state(tmp_path / "mine" / "checkpoints", 1)
+    assert (tmp_path / "mine" / "model.safetensors").is_file() and (tmp_path / "mine" / "checkpoints" / "step_00000001").is_dir()
+    rt.end()

@@ -736,6 +736,24 @@ def test_a_finder_mistake_is_one_paragraph(tmp_path, args, says):
     assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_a_finders_save_replaces_only_a_file_a_finder_wrote(tmp_path):
+    """`tune lr save=RUN/config.yaml` (or a script) replaced that file with `optim.lr=...`: the run no longer
+    evaluated. A file of one line of overrides (an earlier finder's) is still replaced; anything else is refused
+    before the sweep, unchanged."""
+    from conftest import run_here
+
+    from trainer.entry.tuning import _not_a_tune_file
+
+    (tmp_path / "config.yaml").write_text("trainer:\n  max_steps: 3\n")
+    r = run_here("tune", "lr", "debug=smoke", f"save={tmp_path / 'config.yaml'}", cwd=tmp_path)
+    assert r.returncode == 2 and "that file exists and is not one a finder wrote" in r.stderr, r.stderr
+    assert (tmp_path / "config.yaml").read_text() == "trainer:\n  max_steps: 3\n"
+    (tmp_path / "lr.txt").write_text("optim.lr=0.0119\n")
+    (tmp_path / "both.txt").write_text("data.batch_size=16 trainer.grad_accum_steps=2\n")
+    assert _not_a_tune_file(tmp_path / "lr.txt") is None and _not_a_tune_file(tmp_path / "both.txt") is None
+    assert _not_a_tune_file(tmp_path / "new.txt") is None
+
+
 def test_data_drawn_from_torchs_generator_is_the_same_at_every_build(tmp_path):
     """A data factory that calls torch.randn (the README's regress recipe) drew from an unseeded generator: two
     runs of one config trained on different data, and so did the ranks of one run."""

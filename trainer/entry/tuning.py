@@ -81,7 +81,7 @@ def prepare(argv: list[str]) -> DictConfig:
             settings[name] = _value(arg)
         elif key == "save" and sep:
             save = str(Path(path_value("save", value)).expanduser().resolve())
-            problem = output_file_problem(save)  # (before the sweep, not after it)
+            problem = output_file_problem(save) or _not_a_tune_file(Path(save))  # (before the sweep, not after it)
             if problem:
                 raise ConfigError(f"save={value}: {problem}.")
         else:
@@ -93,6 +93,24 @@ def prepare(argv: list[str]) -> DictConfig:
         cfg.logger = {}  # a finder logs nothing anywhere
         cfg.tune = {**settings, "what": what, "save": save, "overrides": overrides, "config_dir": config_dir}
     return cfg
+
+
+def _not_a_tune_file(path: Path) -> str | None:
+    """Why `save=` may not replace the file at `path`: only a file a finder wrote (one line of KEY=VALUE overrides)
+    is rewritten. A run's config.yaml or a script given there was replaced by `optim.lr=...` (the run no longer
+    evaluated)."""
+    import re
+
+    if not path.is_file():
+        return None
+    try:
+        text = path.read_text() if path.stat().st_size <= 4096 else None
+    except (OSError, UnicodeDecodeError):
+        text = None
+    if text is not None and re.fullmatch(r"[\w.+~/-]+=\S+( [\w.+~/-]+=\S+)*\n?", text):
+        return None
+    return ("that file exists and is not one a finder wrote (a line of KEY=VALUE overrides): it would be replaced. "
+            "Give a new path (e.g. save=best_lr.txt), or move that file first")
 
 
 def _value(override: str) -> Any:

@@ -430,6 +430,11 @@ def cli_options(args: list[str]) -> tuple[dict[str, Any], list[str]]:
             entries[sub] = value if head == "max_memory" else yaml_value(arg)
         else:
             out[head] = yaml_value(arg)
+            if out[head] is None:  # (`device_map=` or `=null`: a placement of nothing, a traceback at the load)
+                raise ConfigError(f"{arg} is empty: give {head} a value ("
+                                  + ("auto, a device such as cpu or cuda:0, or a map MODULE: DEVICE" if head == "device_map"
+                                     else "a map DEVICE: SIZE, e.g. 'max_memory={cpu: 2GB}'")
+                                  + f"), or leave {head} out.")
     if list(out) == ["show_map"]:  # the map of the default placement, or nothing asked
         out = {"show_map": True, "device_map": "auto"} if out["show_map"] else {}
     return out, rest

@@ -1139,6 +1139,29 @@ class Runtime:
         return CheckpointManager(self._checkpointer, parts, self.position, {**self.stateful, **own},
                                  every_component=True)
 
+    def _refuse_another_runs(self, directory: Path, call: str, what: str) -> None:
+        """`directory` of rt.save_state or rt.save_model inside a checkpoint, or a `python -m trainer` run's dir (or
+        its checkpoints/) other than this Runtime's run_dir: the saves replaced that run's exported weights or its
+        last checkpoint, or set its checkpoints aside, and the run no longer loaded or resumed."""
+        from trainer.checkpoint.store import MANIFEST, step_of
+
+        given = directory.expanduser().absolute()
+        for p in (given, *given.parents):
+            if step_of(p) >= 0 and (p / MANIFEST).is_file():
+                raise UserError(f"{call}({str(directory)!r}): that is inside the checkpoint {p}, whose files its "
+                                f"manifest lists and checks: writing {what} there would damage it. Pass a directory "
+                                "of its own.")
+        if self.run_dir is not None and given.resolve().is_relative_to(Path(self.run_dir).resolve()):
+            return  # (this run's own dir: an earlier attempt's files there are set aside, not lost)
+        for run in (given, given.parent) if given.name.startswith("checkpoints") else (given,):
+            cli_run = (run / "export.json").is_file() or ((run / "config.yaml").is_file() and (
+                (run / ".hydra").is_dir() or (run / "run_info.json").is_file()))
+            if cli_run:
+                raise UserError(f"{call}({str(directory)!r}): {run} is the run dir of a `python -m trainer` run, "
+                                f"whose exported weights and checkpoints its eval, sample and resume read: {what} "
+                                "written there would replace or set them aside. Pass a directory of its own (or, to "
+                                "continue that run, `python -m trainer` with its hydra.run.dir and resume=auto).")
+
     def save_state(self, directory: str | os.PathLike, step: int, keep_last: int | None = None) -> Path:
         """Checkpoint every model, optimizer, loader and registered object, and each rank's RNG, as
         `directory/step_<step>` (atomic, pickle-free; the `keep_last` newest are kept: default checkpoint.keep_last
@@ -1158,6 +1181,7 @@ class Runtime:
         if Path(directory).exists() and not Path(directory).is_dir():
             raise UserError(f"rt.save_state({str(directory)!r}) is a file: pass a directory, which save_state writes "
                             "its checkpoints into (step_<step>), as rt.load_state reads them.")
+        self._refuse_another_runs(Path(directory), "rt.save_state", "checkpoints")
         unregistered = [type(sc).__name__ for sc in self._schedulers
                         if not any(sc is obj for obj in self.stateful.values())]
         if unregistered:  # (every rank steps the same schedulers: refused on each, before anything is written)
@@ -1420,6 +1444,7 @@ class Runtime:
                             "a file name, without a directory part (which would write outside the directory given): "
                             "give the directory as the second argument, and a plain name (the default, 'model', is "
                             "the one from_pretrained reads).")
+        self._refuse_another_runs(Path(directory), "rt.save_model", "weights")
         from trainer.io import unwritable
 
         problem = unwritable(Path(directory))
