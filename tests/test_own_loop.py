@@ -2261,3 +2261,23 @@ def test_save_state_and_save_model_refuse_another_runs_files(corpus, tmp_path):
     rt.save_state(tmp_path / "mine" / "checkpoints", 1)
     assert (tmp_path / "mine" / "model.safetensors").is_file() and (tmp_path / "mine" / "checkpoints" / "step_00000001").is_dir()
     rt.end()
+
+
+def test_an_optimizer_in_the_schedulers_place_and_a_metric_named_step_are_refused(tmp_path):
+    """rt.step(opt, opt) updated twice (update/(lr*grad) = 2.0), rt.step(opt_g, opt_d) stepped the second as the
+    first's schedule; rt.log({"step": 5}, step=0) wrote {"step": 5.0} as the record's step."""
+    import trainer
+
+    rt = trainer.Runtime(run_dir=tmp_path / "run")
+    torch.manual_seed(0)
+    net = nn.Linear(2, 1)
+    model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in model.parameters()]
+    rt.backward(model(torch.ones(4, 2)).sum())
+    with pytest.raises(UserError, match="the second argument is an optimizer .*the same optimizer, updated twice"):
+        rt.step(opt, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with pytest.raises(UserError, match="a metric named 'step' would replace the step"):
+        rt.log({"step": 5, "loss": 1.0}, step=0)
+    rt.end()
+    assert read_metrics(tmp_path / "run") == []

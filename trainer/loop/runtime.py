@@ -938,6 +938,12 @@ class Runtime:
     def _check_scheduler(self, optimizer: torch.optim.Optimizer, owner: str, scheduler) -> None:
         """The scheduler rt.step steps must be the optimizer's, and stepped by rt.step alone: a scheduler.step() of
         the loop's own besides (left over from a plain loop, or every micro-batch) runs the schedule faster."""
+        if isinstance(scheduler, torch.optim.Optimizer):  # (stepped as the first one's schedule: a second update)
+            raise UserError(f"rt.step(optimizer, scheduler): the second argument is an optimizer "
+                            f"({type(scheduler).__name__}), which rt.step would step as the first one's scheduler"
+                            + (": the same optimizer, updated twice" if scheduler is optimizer else "") + ". Step each "
+                            "optimizer in a call of its own: rt.step(opt_a), rt.step(opt_b) (or rt.step(opt, "
+                            "scheduler) with its scheduler). Nothing was updated.")
         other = getattr(scheduler, "optimizer", optimizer)
         if other is not optimizer:
             of = next((m for m, o in self.optimizers.values() if o is other), None)
@@ -1517,6 +1523,9 @@ class Runtime:
         if not is_count(step):
             raise UserError(f"rt.log(..., step={step!r}): the step must be a whole number >= 0.")
         step = operator.index(step)
+        if "step" in metrics:  # (metrics.jsonl's own key: {"step": 5} replaced the record's step)
+            raise UserError("rt.log: a metric named 'step' would replace the step of metrics.jsonl's record: the "
+                            "step is rt.log's second argument. Name the metric otherwise (e.g. 'train/step').")
         for key, value in metrics.items():  # (float() of these raised a bare ValueError on the main rank alone)
             if isinstance(value, (str, bytes)) or (isinstance(value, torch.Tensor) and value.numel() != 1) or not (
                     isinstance(value, torch.Tensor) or hasattr(value, "__float__")):
