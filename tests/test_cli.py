@@ -418,3 +418,12 @@ def test_ctrl_c_before_training_is_exit_130_without_a_traceback_and_leaves_no_ne
     r = run_here(*tiny_overrides(corpus), f"hydra.run.dir={tmp_path / 'b'}")
     assert r.returncode == 130 and "Traceback" not in r.stderr and "interrupted: stopped all processes." in r.stderr
     assert not (tmp_path / "b").exists()
+
+
+def test_a_machines_defaults_keep_the_last_choice_of_a_group_given_twice():
+    """`python -m trainer config precision=bf16 precision=fp32` saved both choices, and every later run took the
+    first (bf16), where a run's command line takes the last."""
+    from trainer.config.machine import render
+
+    saved = yaml.safe_load(render(["precision=bf16", "world=ddp", "precision=fp32"]))
+    assert saved["defaults"] == [{"override /world": "ddp"}, {"override /precision": "fp32"}]

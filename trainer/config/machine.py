@@ -99,6 +99,8 @@ def render(overrides: list[str]) -> str:
                                   "outputs=DIR, and keep settings by their dotted keys (world.nproc_per_node=2, "
                                   f"optim.lr=1e-3); {what}. Nothing was saved."
                                   + ("" if key in others else suggest(key, [*GROUPS, "outputs"])))
+            # (given twice, the last choice, as on a run's command line: both were saved, and the first won)
+            defaults[:] = [d for d in defaults if f"override /{key}" not in d]
             defaults.append({f"override /{key}": yaml_value(override)})
         else:
             OmegaConf.update(values, key, yaml_value(override), force_add=True)
