@@ -705,3 +705,14 @@ def test_eval_of_a_run_finished_without_a_final_checkpoint_says_which_step_it_ev
     assert r.returncode == 0, r.stderr
     assert "newest checkpoint is step_00000003, before its final step 4 (checkpoint.save_final=false)" in r.stderr
     assert f"python -m trainer eval {run} device_map=auto" in r.stderr
+
+
+def test_load_refuses_what_is_not_a_path():
+    """trainer.load(None) or load(5) was a TypeError from pathlib, load("") loaded whatever run the current directory
+    held, and offload_dir=5 a TypeError from the placement."""
+    import trainer
+    from trainer.errors import ConfigError
+
+    for kwargs in ({"run_dir": None}, {"run_dir": 5}, {"run_dir": ""}, {"run_dir": "RUN", "offload_dir": 5}):
+        with pytest.raises(ConfigError, match=r"trainer.load\((run_dir|offload_dir)=.*expected a path"):
+            trainer.load(**kwargs)

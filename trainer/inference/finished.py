@@ -336,6 +336,11 @@ def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "c
     if not isinstance(ema, bool):  # (ema="false" loaded the EMA's weights: a string is true)
         raise ConfigError(f"trainer.load(ema={ema!r}): expected True (the EMA's weights) or False (the raw ones).")
     device = usable_device(device, named="trainer.load(device={!r})")  # (before anything is read: no CUDA here, ...)
+    for name, value in (("run_dir", run_dir), ("offload_dir", offload_dir)):  # (None, 5: a bare TypeError)
+        if (value is not None or name == "run_dir") and (not isinstance(value, str | os.PathLike) or not str(value)):
+            raise ConfigError(f"trainer.load({name}={value!r}): expected a path (a str or a pathlib.Path)"
+                              + (": a run dir, a checkpoint of one, or a Hugging Face model directory." if name ==
+                                 "run_dir" else ", where the weights that do not fit go."))
     given = Path(run_dir).expanduser()
     # A checkpoint's own dir: a run dir has no manifest; a run's step_N without one is a save that was cut off,
     # which the reader names as such.

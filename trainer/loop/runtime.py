@@ -77,6 +77,10 @@ def _precision(precision: Any, device_type: str, sharded: bool):
     from trainer.parallel import precision as modes
 
     if not isinstance(precision, str):
+        if not (callable(getattr(precision, "autocast", None)) and hasattr(precision, "scaler")):
+            # (Runtime(precision=torch.float16) was taken, and the first rt.autocast() an AttributeError)
+            raise UserError(f"Runtime(precision={precision!r}) is invalid: expected one of 'auto', "
+                            f"{', '.join(repr(m) for m in modes.MODES)} (a name, not a dtype).")
         return precision
     if precision == "auto":
         return modes.auto(device_type, sharded=sharded)
@@ -133,6 +137,13 @@ class Runtime:
             _one_paragraph_errors()  # (under launch, the worker reports them: exit 2)
         if unknown:  # (Accelerator's keywords were a bare TypeError)
             _refuse_keywords(unknown)
+        if world_options is not None and not isinstance(world_options, dict):  # ("tp=2" was a bare ValueError)
+            raise UserError(f"Runtime(world_options={world_options!r}) is invalid: expected a dict of the strategy's "
+                            "options, e.g. world_options={'tp': 2}.")
+        if log_with is not None and not (isinstance(log_with, str) or (
+                isinstance(log_with, list | tuple) and all(isinstance(n, str) for n in log_with))):
+            raise UserError(f"Runtime(log_with={log_with!r}) is invalid: expected a tracker's name or a list of them "
+                            "('wandb', 'tensorboard').")
         if launched is not None and world is None:
             from trainer.config.instantiate import build_strategy
 
@@ -724,6 +735,10 @@ class Runtime:
                             "Reduce it first (`loss.mean()`, or `.sum()` divided by the batch's count).")
         if scale is None:
             scale = 1.0 / self.grad_accum_steps
+        elif not ((isinstance(scale, int | float) and not isinstance(scale, bool) and 0 < scale < math.inf) or (
+                isinstance(scale, torch.Tensor) and scale.numel() == 1)):  # (nan made every parameter NaN, silently)
+            raise UserError(f"rt.backward(loss, scale={scale!r}): expected a finite number > 0 (or a one-element "
+                            f"tensor), what the loss is multiplied by; None gives 1/grad_accum_steps.")
         if self._continues_step and not self._backward_here and self._backwards != self._backwards_at_step_start:
             self._check_not_zeroed(self._cycle_models or tuple(self.models.values()))  # (a zero_grad() in the block)
         self._backward_here = True
@@ -1755,6 +1770,10 @@ def _not_a_loader(dataset: Any, what: str) -> None:
                         "same global batches on any number of processes, resumable). Pass the DataLoader's dataset: "
                         f"rt.{what}(loader.dataset, batch_size=..., ...), where Accelerate has "
                         "accelerator.prepare(DataLoader(...)).")
+    if not isinstance(dataset, torch.utils.data.IterableDataset) and not (hasattr(dataset, "__len__") and (
+            hasattr(dataset, "__getitem__") or hasattr(dataset, "__getitems__"))):  # (None: a bare TypeError)
+        raise UserError(f"rt.{what} got a {type(dataset).__name__}: it takes a dataset, a map-style one (__len__ and "
+                        "__getitem__: a torch Dataset, a list of samples) or an IterableDataset (a stream).")
 
 
 def _path_arg(call: str, value: Any) -> None:
