@@ -117,6 +117,10 @@ def test_check_refuses_a_precision_its_tolerances_are_not_for(tmp_path):
     # A recipe: "model.n_layer is a setting of model=gpt_medium", check's own setting, as if the user had given it.
     assert_clean_error(run_here("check", "recipe=gan", cwd=tmp_path), "check recipe=gan: check trains its own tiny GPT",
                        "python -m trainer recipe=gan debug=smoke")
+    # A setting of the run's own: five checks ran, then "resume='/tmp/trainer-check-.../step_00000006' does not
+    # exist", a path the user never gave.
+    assert_clean_error(run_here("check", "trainer.max_steps=1", cwd=tmp_path), "check trainer.max_steps=1: check "
+                       "trains its own tiny GPT with its own schedule", "its overrides are the world's")
 
 
 def test_check_fails_loudly_when_an_equivalence_breaks(capsys, monkeypatch):

@@ -124,6 +124,13 @@ def check(argv: list[str]) -> int:
                           "world.nproc_per_node=2). To try a recipe, run it: python -m trainer "
                           f"{' '.join(chosen)} debug=smoke.")
     cfg = compose([*CHECK_SETTINGS, "data.path=check", *argv], targets=False)  # (a mistake: one paragraph, first)
+    others = [a for a in argv if "=" in a and not a.startswith("-") and
+              a.lstrip("+~").split("=", 1)[0].split(".", 1)[0] not in ("world", "precision", "hydra")]
+    if others:  # (trainer.max_steps=1 ran five of its checks, then refused a resume path the user never gave)
+        raise ConfigError(f"check {' '.join(others)}: check trains its own tiny GPT with its own schedule, the same on "
+                          "every machine, and compares its runs; its overrides are the world's (world=ddp "
+                          "world.nproc_per_node=2, world.threads=1). To try settings of your own, run them: python -m "
+                          f"trainer {' '.join(others)} debug=smoke.")
     chosen = str(cfg.precision.get("_target_", "")).rsplit(".", 1)[-1]
     if chosen != "FP32":  # (bf16's rounding, 1e-2, read as failures of the fp32 tolerances: a working machine "broken")
         raise ConfigError(f"check compares its runs to fp32's rounding (1e-5 on a CPU), and precision="
