@@ -2240,7 +2240,8 @@ def test_save_state_and_save_model_refuse_another_runs_files(corpus, tmp_path):
     """rt.save_model into a `python -m trainer` run's dir replaced its exported weights (trainer.load then refused
     them), into one of its checkpoints broke that checkpoint; rt.save_state into its checkpoints/ set them aside (its
     resume found none it could continue), into a checkpoint nested a step in it. Each is refused, nothing changed;
-    the Runtime's own run_dir, and a plain dir, are written as before."""
+    the Runtime's own run_dir, and a plain dir, are written as before. (Beside: a weights name given with its
+    .safetensors, and setup names that are not strings.)"""
     import trainer
 
     run = tmp_path / "run"
@@ -2258,6 +2259,10 @@ def test_save_state_and_save_model_refuse_another_runs_files(corpus, tmp_path):
             call(model, where)
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"} == before
     rt.save_model(model, tmp_path / "mine")
+    rt.save_model(model, tmp_path / "named", name="weights.safetensors")  # (it wrote weights.safetensors.safetensors)
+    assert sorted(p.name for p in (tmp_path / "named").iterdir()) == ["weights.safetensors"]
+    with pytest.raises(UserError, match=r"names=\[1, 2\]\): expected a list of names"):  # (refused only at a resume)
+        rt.setup(nn.Linear(2, 2), nn.Linear(2, 2), names=[1, 2])
     rt.save_state(tmp_path / "mine" / "checkpoints", 1)
     assert (tmp_path / "mine" / "model.safetensors").is_file() and (tmp_path / "mine" / "checkpoints" / "step_00000001").is_dir()
     rt.end()

@@ -343,6 +343,9 @@ class Runtime:
         Returns the objects in the order given (one object: just it). Models and optimizers are named for
         checkpoints in the order they are set up ("model", "model_1", ...; "optimizer", "optimizer_1", ...)
         unless `names` says otherwise; a name is also how `save_state` keys them."""
+        if names is not None and (isinstance(names, str) or not all(isinstance(n, str) and n for n in names)):
+            raise UserError(f"Runtime.setup(..., names={names!r}): expected a list of names (non-empty strings), one "
+                            "for each object: what save_state keys them by.")  # ([1, 2] failed only at a resume)
         names = list(names) if names is not None else [None] * len(objects)
         if len(names) != len(objects):
             raise UserError(f"Runtime.setup: {len(names)} names for {len(objects)} objects.")
@@ -1465,6 +1468,8 @@ class Runtime:
                             "a file name, without a directory part (which would write outside the directory given): "
                             "give the directory as the second argument, and a plain name (the default, 'model', is "
                             "the one from_pretrained reads).")
+        if name.endswith(".safetensors") and name != ".safetensors":  # (it wrote model.safetensors.safetensors)
+            name = name[: -len(".safetensors")]
         self._refuse_another_runs(Path(directory), "rt.save_model", "weights")
         from trainer.io import unwritable
 
