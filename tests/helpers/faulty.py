@@ -60,11 +60,12 @@ class Faulty:
         """Count a training call and act when it is the chosen one; True: this call's loss must be NaN."""
         self.calls += training
         armed = not self.first_attempt_only or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
-        if self.once is not None and self.calls == self.at_call:
+        on_rank = int(os.environ.get("RANK", 0)) == self.rank
+        # (the chosen rank alone: another rank reaching the call first made the marker, and the fault never fired)
+        if self.once is not None and on_rank and self.calls == self.at_call:
             armed = armed and not os.path.exists(self.once)
             if armed:
                 open(self.once, "w").close()
-        on_rank = int(os.environ.get("RANK", 0)) == self.rank
         if on_rank and self.action == "nan_always" and self.calls >= self.at_call:
             return True
         if armed and on_rank and self.calls == self.at_call:
