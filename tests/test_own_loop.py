@@ -2270,7 +2270,8 @@ def test_save_state_and_save_model_refuse_another_runs_files(corpus, tmp_path):
 
 def test_an_optimizer_in_the_schedulers_place_and_a_metric_named_step_are_refused(tmp_path):
     """rt.step(opt, opt) updated twice (update/(lr*grad) = 2.0), rt.step(opt_g, opt_d) stepped the second as the
-    first's schedule; rt.log({"step": 5}, step=0) wrote {"step": 5.0} as the record's step."""
+    first's schedule; rt.log({"step": 5}, step=0) wrote {"step": 5.0} as the record's step. And a step after
+    rt.end() (whose process group is gone) is refused, as rt.log's was."""
     import trainer
 
     rt = trainer.Runtime(run_dir=tmp_path / "run")
@@ -2286,6 +2287,8 @@ def test_an_optimizer_in_the_schedulers_place_and_a_metric_named_step_are_refuse
         rt.log({"step": 5, "loss": 1.0}, step=0)
     rt.end()
     assert read_metrics(tmp_path / "run") == []
+    with pytest.raises(UserError, match=r"rt.step after rt.end\(\): the run is finished"):  # (its group left)
+        rt.step(opt)
 
 
 @pytest.mark.parametrize("call, needle", [

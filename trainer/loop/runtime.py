@@ -343,6 +343,7 @@ class Runtime:
         Returns the objects in the order given (one object: just it). Models and optimizers are named for
         checkpoints in the order they are set up ("model", "model_1", ...; "optimizer", "optimizer_1", ...)
         unless `names` says otherwise; a name is also how `save_state` keys them."""
+        self._not_ended("rt.setup")
         if names is not None and (isinstance(names, str) or not all(isinstance(n, str) and n for n in names)):
             raise UserError(f"Runtime.setup(..., names={names!r}): expected a list of names (non-empty strings), one "
                             "for each object: what save_state keys them by.")  # ([1, 2] failed only at a resume)
@@ -709,6 +710,7 @@ class Runtime:
     def backward(self, loss: torch.Tensor, scale: float | torch.Tensor | None = None) -> None:
         """`loss` x `scale` backward, with fp16's loss scaling. `scale` defaults to 1 / grad_accum_steps (a mean
         loss per micro-batch becomes the mean over the step's micro-batches, as in Accelerate)."""
+        self._not_ended("rt.backward")
         self._backward(loss, scale)
 
     def _backward(self, loss: torch.Tensor, scale: float | torch.Tensor | None, summed: bool = False) -> None:
@@ -872,6 +874,7 @@ class Runtime:
         """At a step boundary: the optimizer's step (fp16: unless the loss scaler skips it), then the scheduler's
         (only after a real update), then zero the gradients. Mid-accumulation: nothing. Returns whether the
         update was applied."""
+        self._not_ended("rt.step")
         if not self.sync_gradients:
             return False
         owner = next((m for m, o in self.optimizers.values() if o is optimizer), None)
@@ -1190,6 +1193,7 @@ class Runtime:
         """Checkpoint every model, optimizer, loader and registered object, and each rank's RNG, as
         `directory/step_<step>` (atomic, pickle-free; the `keep_last` newest are kept: default checkpoint.keep_last
         under launch, where null keeps every one, else 2). Every rank must call it, at a step boundary."""
+        self._not_ended("rt.save_state")
         _path_arg("rt.save_state(directory, step)", directory)
         if not is_count(step):
             raise UserError(f"rt.save_state(directory, step={step!r}): the step must be a whole number >= 0 (the "
@@ -1277,6 +1281,7 @@ class Runtime:
     def load_state(self, path: str | os.PathLike) -> int | None:
         """Load a checkpoint of save_state (a `step_*` dir, or the newest complete one under `path`): under any
         strategy and world size. Returns its step, or None when `path` holds no checkpoint yet. Every rank."""
+        self._not_ended("rt.load_state")
         from trainer.checkpoint.store import MANIFEST, Checkpointer, step_of
 
         _path_arg("rt.load_state(path)", path)
@@ -1625,6 +1630,13 @@ class Runtime:
         if held is not None:
             weakref.finalize(self, held.release)  # (a Runtime dropped without rt.end(), in a notebook)
         return held
+
+    def _not_ended(self, call: str) -> None:
+        """After rt.end() the process group is gone (a collective of several processes would fail, or wait) and the
+        trackers are finished: the loop's calls come before it."""
+        if self._ended:
+            raise UserError(f"{call} after rt.end(): the run is finished (its process group left, its trackers "
+                            "closed). rt.end() comes last in the script, after the loop and its saves.")
 
     def _say_unapplied(self) -> None:
         """A note (once) where the loop ended in the middle of an accumulation whose micro-steps had backwards: a
