@@ -2289,6 +2289,9 @@ def test_an_optimizer_in_the_schedulers_place_and_a_metric_named_step_are_refuse
     assert read_metrics(tmp_path / "run") == []
     with pytest.raises(UserError, match=r"rt.step after rt.end\(\): the run is finished"):  # (its group left)
         rt.step(opt)
+    with pytest.raises(UserError, match="rt.save_state before anything was set up or registered"):
+        trainer.Runtime().save_state(tmp_path / "empty", 1)  # (a checkpoint of nothing but the RNG)
+    assert not (tmp_path / "empty").exists()
 
 
 @pytest.mark.parametrize("call, needle", [

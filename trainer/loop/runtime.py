@@ -1210,6 +1210,10 @@ class Runtime:
             raise UserError(f"rt.save_state({str(directory)!r}) is a file: pass a directory, which save_state writes "
                             "its checkpoints into (step_<step>), as rt.load_state reads them.")
         self._refuse_another_runs(Path(directory), "rt.save_state", "checkpoints")
+        if not (self.models or self.optimizers or self.stateful):  # (it wrote a checkpoint of nothing but the RNG)
+            raise UserError("rt.save_state before anything was set up or registered: the checkpoint would hold no "
+                            "model, optimizer or loader. Call it after rt.setup(model, optimizer) (and rt.register of "
+                            "what else the loop needs back).")
         unregistered = [type(sc).__name__ for sc in self._schedulers
                         if not any(sc is obj for obj in self.stateful.values())]
         if unregistered:  # (every rank steps the same schedulers: refused on each, before anything is written)
