@@ -2298,10 +2298,12 @@ def test_an_optimizer_in_the_schedulers_place_and_a_metric_named_step_are_refuse
     (lambda trainer: trainer.Runtime(precision=torch.float16), "Runtime(precision=torch.float16) is invalid"),
     (lambda trainer: trainer.Runtime(world_options="tp=2"), "Runtime(world_options='tp=2') is invalid: expected a dict"),
     (lambda trainer: trainer.Runtime(log_with=5), "Runtime(log_with=5) is invalid"),
+    (lambda trainer: trainer.Runtime(""), "Runtime(world='') is empty"),
     (lambda trainer: trainer.Runtime().loader(None, batch_size=4), "rt.loader got a NoneType: it takes a dataset"),
     (lambda trainer: _backward_scaled(trainer, float("nan")), "rt.backward(loss, scale=nan): expected a finite number > 0"),
     (lambda trainer: _backward_scaled(trainer, "x"), "rt.backward(loss, scale='x'): expected a finite number > 0"),
-], ids=["precision_dtype", "world_options_text", "log_with_number", "loader_none", "scale_nan", "scale_text"])
+], ids=["precision_dtype", "world_options_text", "log_with_number", "world_empty", "loader_none", "scale_nan",
+        "scale_text"])
 def test_wrong_arguments_to_the_runtime_are_one_paragraph_not_torchs_error(call, needle):
     """From a sweep of the API: each was a raw AttributeError, ValueError or TypeError from inside (a dtype as the
     precision failed only at the first rt.autocast), or, for scale=nan, every parameter NaN without a word."""

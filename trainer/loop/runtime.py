@@ -137,6 +137,9 @@ class Runtime:
             _one_paragraph_errors()  # (under launch, the worker reports them: exit 2)
         if unknown:  # (Accelerator's keywords were a bare TypeError)
             _refuse_keywords(unknown)
+        if isinstance(world, str) and not world.strip():  # (taken as single without a word)
+            raise UserError("Runtime(world='') is empty: pass 'single', 'ddp', 'fsdp' or 'deepspeed' (or leave it "
+                            "out: under launch the job's world=, else single).")
         if world_options is not None and not isinstance(world_options, dict):  # ("tp=2" was a bare ValueError)
             raise UserError(f"Runtime(world_options={world_options!r}) is invalid: expected a dict of the strategy's "
                             "options, e.g. world_options={'tp': 2}.")
