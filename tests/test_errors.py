@@ -208,6 +208,8 @@ def test_a_number_as_text_and_resolve_without_cfg_are_one_paragraph_saying_the_f
     (["callbacks=early_stopping", "callbacks.early_stopping.monitor=val_ema/loss"], ["only an EMA's evals log val_ema/"]),
     (["optim=5"], ["optim=5 is not an option of optim: choose one of adam, adamw, muon, sgd by its name"]),
     (["logger=[1,2]"], ["logger=[1,2] is not an option of logger", "(several: logger=[tensorboard,...])"]),
+    # (read as a part's node: "optim.eps.a is not an option of optim.eps._target_=AdamW")
+    (["optim.eps={a:1}"], ["optim.eps={'a': 1} is invalid: eps is a setting, a value (optim.eps=VALUE)"]),
 ])
 def test_config_mistakes(tmp_path, args, needles):
     # Most mistakes end before Hydra writes anything: checked in this process (`run_main`, the same

@@ -347,6 +347,8 @@ def validate(cfg: DictConfig) -> None:
                               + (hint or (checkpoints_beside(given) if given is not None else "")))
     _validate_data(cfg.data)
     _validate_finetune(cfg.get("finetune"))
+    for section in ("optim", "scheduler"):
+        _refuse_settings_as_parts(section, cfg[section])
     for name, node in per_part(cfg.optim).items():
         _validate_optim(node, f"optim.{name}" if name else "optim")
     for name, node in per_part(cfg.scheduler).items():
@@ -487,6 +489,23 @@ def _validate_optim(o: DictConfig, where: str = "optim") -> None:
                f"{where}.{key}", o.get(key), "true or false (or null)")
     _check(not (o.get("fused") and o.get("foreach")), f"{where}.foreach", True, f"false or null with {where}.fused=true",
            f"torch runs one kernel or the other: {where}.fused=false to use foreach.")
+
+
+# Settings of torch's optimizers and the framework's schedules: a part of a task is never named so.
+SETTINGS = {"lr", "eps", "betas", "weight_decay", "momentum", "dampening", "nesterov", "amsgrad", "foreach", "fused",
+            "maximize", "capturable", "differentiable", "alpha", "rho", "lambd", "initial_accumulator_value",
+            "lr_decay", "adamw_lr", "ns_steps", "warmup_steps", "min_lr_ratio", "total_steps"}
+
+
+def _refuse_settings_as_parts(section: str, node: DictConfig) -> None:
+    """`optim.eps={a: 1}`: a mapping under a setting's name is a wrong value, not a part's node (a task with parts
+    has `optim.generator: {...}`); it read as a part named eps ("optim.eps.a is not an option of
+    optim.eps._target_=AdamW")."""
+    for key, value in node.items():
+        if isinstance(value, DictConfig) and key in SETTINGS:
+            raise ConfigError(f"{section}.{key}={_plain(value)} is invalid: {key} is a setting, a value "
+                              f"({section}.{key}=VALUE), not a mapping. (A task with parts, each with its own "
+                              f"optimizer, sets {section}.PART.{key}=VALUE.)")
 
 
 def _validate_scheduler(s: DictConfig, where: str = "scheduler") -> None:
