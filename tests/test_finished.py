@@ -716,3 +716,11 @@ def test_load_refuses_what_is_not_a_path():
     for kwargs in ({"run_dir": None}, {"run_dir": 5}, {"run_dir": ""}, {"run_dir": "RUN", "offload_dir": 5}):
         with pytest.raises(ConfigError, match=r"trainer.load\((run_dir|offload_dir)=.*expected a path"):
             trainer.load(**kwargs)
+
+
+def test_sample_of_a_text_task_says_out_was_not_written(reference, tmp_path):
+    """`sample LM_RUN out=x.txt` printed the text and wrote nothing, without a word: out= is where an image goes."""
+    r = run_main("sample", str(reference), "out=x.txt", "task.sample_tokens=5", "task.sample_prompt=ab", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
+    assert "note: out=x.txt was not written: out= is where an image sample goes" in r.stderr
+    assert not (tmp_path / "x.txt").exists()

@@ -507,6 +507,9 @@ def sample(argv: list[str]) -> int:
             print(scrub(f"{name}: {path}", secrets))
         else:
             print(scrub(f"{name}: {value:.4g}" if isinstance(value, float) else f"{name}: {value}", secrets))
+    if "out" in opts and not images:  # (the lm task's text: out= was ignored without a word, no file written)
+        print(f"note: out={opts['out']} was not written: out= is where an image sample goes, and this task's sample is "
+              "text, printed above (to keep it in a file: python -m trainer sample ... > FILE).", file=sys.stderr)
     return 0
 
 
