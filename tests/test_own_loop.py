@@ -2318,3 +2318,15 @@ def _backward_scaled(trainer, scale):
     rt = trainer.Runtime()
     model = rt.setup(nn.Linear(2, 1))
     rt.backward(model(torch.ones(1, 2)).sum(), scale=scale)
+
+
+def test_a_launched_scripts_crash_shows_the_scripts_traceback_alone(tmp_path):
+    """`launch SCRIPT` whose script raised showed a dozen frames of the CLI, the launcher and runpy before the
+    script's own; its traceback now starts at the script (exit 1, as a crash); TRAINER_DEBUG=1 shows all."""
+    script = tmp_path / "bad.py"
+    script.write_text("import torch\n\n\ndef f():\n    raise ValueError('boom in my script')\n\n\nf()\n")
+    r = run_cli("launch", str(script), cwd=tmp_path)
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines[0] == "Traceback (most recent call last):" and lines[1].startswith(f'  File "{script}", line 8')
+    assert lines[-1] == "ValueError: boom in my script" and "trainer/entry" not in r.stderr

@@ -735,6 +735,7 @@ def script(cfg: DictConfig, run_dir: str | Path) -> None:
     import sys
 
     from trainer.entry.commands import SCRIPT_ENV
+    from trainer.errors import TrainerExit
     from trainer.loop.runtime import LAUNCH_ENV
 
     path, *args = json.loads(os.environ[SCRIPT_ENV])
@@ -747,12 +748,34 @@ def script(cfg: DictConfig, run_dir: str | Path) -> None:
     watchdog.arm(launch_config(cfg.world).hang_timeout, run_dir)
     try:
         runpy.run_path(path, run_name="__main__")
+    except (TrainerExit, SystemExit, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        _script_crashed(e, path, alone=ours)
+        raise
     finally:
         watchdog.disarm()
         sys.argv = argv
         sys.path.remove(str(Path(path).parent))
         if ours:
             os.environ.pop(LAUNCH_ENV, None)
+
+
+def _script_crashed(e: Exception, path: str, alone: bool) -> None:
+    """A launched script's own crash, in one process: its traceback from the script's first frame, exit 1 (the
+    launcher's, runpy's and the CLI's frames came first, a dozen lines that are not the script's). On several
+    processes the launcher reports each rank's as it does a run's."""
+    import traceback
+
+    from trainer.errors import debug_enabled
+
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != path:
+        tb = tb.tb_next
+    if not alone or tb is None or debug_enabled():
+        return
+    traceback.print_exception(type(e), e, tb)
+    sys.exit(1)
 
 
 def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
