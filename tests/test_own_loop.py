@@ -2330,3 +2330,6 @@ def test_a_launched_scripts_crash_shows_the_scripts_traceback_alone(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert lines[0] == "Traceback (most recent call last):" and lines[1].startswith(f'  File "{script}", line 8')
     assert lines[-1] == "ValueError: boom in my script" and "trainer/entry" not in r.stderr
+    r = run_cli("launch", "world=ddp", "world.nproc_per_node=2", str(script), cwd=tmp_path)  # (each worker's, reported)
+    assert r.returncode == 1 and "ValueError: boom in my script" in r.stderr, r.stderr
+    assert f'File "{script}", line 8' in r.stderr and "trainer/entry" not in r.stderr and "runpy" not in r.stderr

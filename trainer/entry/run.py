@@ -751,7 +751,7 @@ def script(cfg: DictConfig, run_dir: str | Path) -> None:
     except (TrainerExit, SystemExit, KeyboardInterrupt):
         raise
     except Exception as e:
-        _script_crashed(e, path, alone=ours)
+        _script_crashed(e, alone=ours)
         raise
     finally:
         watchdog.disarm()
@@ -761,21 +761,32 @@ def script(cfg: DictConfig, run_dir: str | Path) -> None:
             os.environ.pop(LAUNCH_ENV, None)
 
 
-def _script_crashed(e: Exception, path: str, alone: bool) -> None:
-    """A launched script's own crash, in one process: its traceback from the script's first frame, exit 1 (the
-    launcher's, runpy's and the CLI's frames came first, a dozen lines that are not the script's). On several
-    processes the launcher reports each rank's as it does a run's."""
+def script_traceback(e: BaseException) -> str | None:
+    """The traceback of a launched script's own exception from the script's first frame (the CLI's, the
+    launcher's, the worker's and runpy's frames came first: a dozen lines that are not the script's); None where
+    it did not pass through the script, or TRAINER_DEBUG=1 asks for all."""
+    import json
+    import os
     import traceback
 
+    from trainer.entry.commands import SCRIPT_ENV
     from trainer.errors import debug_enabled
 
-    tb = e.__traceback__
+    if SCRIPT_ENV not in os.environ or debug_enabled():
+        return None
+    path, tb = json.loads(os.environ[SCRIPT_ENV])[0], e.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename != path:
         tb = tb.tb_next
-    if not alone or tb is None or debug_enabled():
-        return
-    traceback.print_exception(type(e), e, tb)
-    sys.exit(1)
+    return "".join(traceback.format_exception(type(e), e, tb)) if tb is not None else None
+
+
+def _script_crashed(e: Exception, alone: bool) -> None:
+    """A launched script's own crash in one process: its traceback (`script_traceback`), exit 1. On several
+    processes each worker records its own so (trainer/entry/worker.py), and the launcher reports it."""
+    shown = script_traceback(e) if alone else None
+    if shown is not None:
+        print(shown, end="", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:

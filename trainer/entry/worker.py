@@ -47,7 +47,9 @@ def run_worker(cfg: DictConfig, run_dir: Path, entry) -> int:
         _record(f"error: {e}", "", e.exit_code)
         return e.exit_code
     except Exception as e:  # noqa: BLE001 - reported once by the parent, with its traceback
-        _record(f"{type(e).__name__}: {e}", traceback.format_exc(), 1)
+        from trainer.entry.run import script_traceback
+
+        _record(f"{type(e).__name__}: {e}", script_traceback(e) or traceback.format_exc(), 1)
         return 1
 
 
