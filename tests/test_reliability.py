@@ -133,6 +133,7 @@ def test_two_run_dirs_whose_checkpoints_link_to_one_directory_cannot_train_at_on
     """`RUN/checkpoints` linked to a big scratch disk, by two run dirs to the same directory: each job held its own
     run dir's lock, and each pruned and replaced the other's checkpoints (both runs' work lost). The directory a
     linked checkpoints/ resolves to is held with the run dir; the second job is refused, changing nothing."""
+    from trainer.errors import ConfigError
     from trainer.runlock import RunDirLock
 
     shared = tmp_path / "scratch"
@@ -143,13 +144,23 @@ def test_two_run_dirs_whose_checkpoints_link_to_one_directory_cannot_train_at_on
     lock = RunDirLock(tmp_path / "a").acquire()
     try:
         r = run_here(*tiny_overrides(corpus, "trainer.max_steps=2"), f"hydra.run.dir={tmp_path / 'b'}")
-        assert_clean_error(r, f"{tmp_path / 'b' / 'checkpoints'} links to {shared}, whose checkpoints another job is "
+        assert_clean_error(r, f"{tmp_path / 'b' / 'checkpoints'} leads to {shared}, whose checkpoints another job is "
                               "writing now", "Nothing in the run dir was changed.")
         assert sorted(p.name for p in (tmp_path / "b").iterdir()) == [".lock", "checkpoints"]  # (the refused job's)
         assert (tmp_path / "b" / ".lock").read_text() == "" and not any(shared.iterdir())
     finally:
         lock.release()
     RunDirLock(tmp_path / "b").acquire().release()  # free once the other job's lock is
+    # A link to a running job's own (real) checkpoints/ (found by a review: only links were held).
+    (tmp_path / "c" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "checkpoints").symlink_to(tmp_path / "c" / "checkpoints")
+    lock = RunDirLock(tmp_path / "c").acquire()
+    try:
+        with pytest.raises(ConfigError, match="whose checkpoints another job is writing now"):
+            RunDirLock(tmp_path / "d").acquire()
+    finally:
+        lock.release()
 
 
 def test_a_data_cache_that_cannot_be_written_is_exit_74_naming_it_and_leaves_no_run_dir(corpus, tmp_path, monkeypatch):
@@ -976,3 +987,28 @@ def test_trainer_train_refuses_what_the_cli_refuses_a_run_dir_and_a_config_chang
     with pytest.raises(ConfigError, match="trainer.max_steps=-3 is invalid"):
         train(cfg, tmp_path / "new")
     assert not (tmp_path / "new").exists()
+
+
+def test_a_linked_checkpoints_dir_on_a_disk_without_directory_locks_does_not_stop_the_run(tmp_path, monkeypatch):
+    """NFS refuses an exclusive flock of a directory opened read-only (EBADF), Lustre without -o flock gives ENOSYS:
+    the lock of a linked checkpoints/ made every run with one there fail to start. It goes on without that lock."""
+    import errno
+    import fcntl
+
+    from trainer import runlock
+
+    scratch = tmp_path / "nfs"
+    scratch.mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").symlink_to(scratch)
+    real_flock = fcntl.flock
+
+    def no_directory_locks(fd, op):
+        if os.fstat(fd).st_ino == scratch.stat().st_ino:
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(runlock.fcntl, "flock", no_directory_locks)
+    lock = runlock.RunDirLock(tmp_path / "run").acquire()
+    assert lock.held
+    lock.release()

@@ -102,26 +102,35 @@ class RunDirLock:
         return self
 
     def _hold_linked(self) -> None:
-        """A checkpoints/ that links to a directory elsewhere (a big scratch disk) is the job's too: two run dirs
-        linking to one directory, each with a lock of its own, pruned and replaced each other's checkpoints, and
-        both runs' work was lost. Its directory is held (an exclusive flock) for as long as the run dir's lock."""
+        """The directory `checkpoints/` resolves to is the job's too, held (an exclusive flock) for as long as the run
+        dir's lock: two run dirs whose checkpoints/ led to one directory (a link to a big scratch disk, twice; or a
+        link to a running job's own checkpoints/), each with a lock of its own, pruned and replaced each other's
+        checkpoints, and both runs' work was lost. A link is also refused where the run dir holding its target
+        directory is another job's."""
         link = self.path.parent / "checkpoints"
         try:
             target = link.resolve(strict=True)
         except (OSError, RuntimeError):  # (none yet, or a loop of links: the checkpointer says so)
             return
-        if target == link.parent.resolve() / "checkpoints" or not target.is_dir():
+        if not target.is_dir():
             return
+        held = RunDirLock(target.parent).holder() if link.is_symlink() and target.name == "checkpoints" and \
+            target.parent.resolve() != self.path.parent.resolve() else None
         fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
         try:
+            if held is not None:
+                raise BlockingIOError
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             raise ConfigError(
-                f"{link} links to {target}, whose checkpoints another job is writing now (its run dir's checkpoints/ "
-                "links there too): two jobs in one checkpoints dir would prune and replace each other's checkpoints. "
-                f"Give each run dir a checkpoints dir of its own (link {link} to a directory of its own, e.g. under "
-                f"{target.parent}), or wait for the other job to end. Nothing in the run dir was changed.") from None
+                f"{link} leads to {target}, whose checkpoints another job is writing now: two jobs in one checkpoints "
+                "dir would prune and replace each other's checkpoints. Give each run dir a checkpoints dir of its own "
+                f"(link {link} to a directory of its own, e.g. under {target.parent}), or wait for the other job to "
+                "end. Nothing in the run dir was changed.") from None
+        except OSError:  # (a file system without flock on directories, NFS or Lustre: the run goes on unguarded)
+            os.close(fd)
+            return
         self._linked_fd = fd
 
     def check_same_job(self) -> None:
