@@ -2115,6 +2115,13 @@ def test_a_run_dir_the_runtime_made_stays_once_the_script_ends_or_writes_there(t
     del rt
     gc.collect()
     assert sorted(p.name for p in earlier.iterdir()) == [".lock", "metrics.jsonl", "notes.txt"]
+    def trained_in_a_function():  # (dropped before the script writes there: the dir stays until the exit)
+        trainer.Runtime(run_dir=tmp_path / "dropped")
+
+    trained_in_a_function()
+    gc.collect()
+    assert (tmp_path / "dropped").is_dir()
+    (tmp_path / "dropped" / "model.pt").write_bytes(b"the script's own")
     for name, finish in (("ended", lambda rt: rt.end()), ("logged", lambda rt: rt.log({"loss": 1.0}, step=1))):
         rt = trainer.Runtime(run_dir=tmp_path / name)
         finish(rt)

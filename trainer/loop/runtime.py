@@ -196,9 +196,17 @@ class Runtime:
                 # A script refused after this (rt.setup of a wrong object, a mistake in its own code before its
                 # first rt.log) left a new dir holding the lock and an empty metrics.jsonl. rt.end() keeps the dir;
                 # so does anything written there.
+                # At the process's exit, not when this object goes (a function's Runtime, dropped before the
+                # script wrote its own files there, took the dir from under it).
+                import atexit
+
                 from trainer import runlock
 
-                self._unused_dir = weakref.finalize(self, runlock.remove_if_unused, Path(run_dir), {runlock.LOCK})
+                def remove_unused(path: Path = Path(run_dir)) -> None:
+                    runlock.remove_if_unused(path, {runlock.LOCK})
+
+                atexit.register(remove_unused)
+                self._unused_dir = remove_unused
         if launched is not None and precision is None:
             from trainer.config.instantiate import build_node
             from trainer.parallel.precision import AUTO_TARGET, resolve_auto
@@ -1665,7 +1673,9 @@ class Runtime:
         self._say_unapplied()
         self._ended = True
         if self._unused_dir is not None:
-            self._unused_dir.detach()
+            import atexit
+
+            atexit.unregister(self._unused_dir)
         if self._watched:  # (what the script does after its loop is its own: no longer watched for hangs)
             watchdog.disarm()
         if self.backend.is_main:
