@@ -2266,6 +2266,10 @@ def test_save_state_and_save_model_refuse_another_runs_files(corpus, tmp_path):
             call(model, where)
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"} == before
     rt.save_model(model, tmp_path / "mine")
+    app = tmp_path / "app"  # (a Hydra app's own dir, .hydra/ and a config.yaml of its own: no run of ours)
+    (app / ".hydra").mkdir(parents=True)
+    (app / "config.yaml").write_text("lr: 0.1\n")
+    rt.save_model(model, app)
     rt.save_model(model, tmp_path / "named", name="weights.safetensors")  # (it wrote weights.safetensors.safetensors)
     assert sorted(p.name for p in (tmp_path / "named").iterdir()) == ["weights.safetensors"]
     with pytest.raises(UserError, match=r"names=\[1, 2\]\): expected a list of names"):  # (refused only at a resume)

@@ -1192,13 +1192,15 @@ class Runtime:
         if self.run_dir is not None and given.resolve().is_relative_to(Path(self.run_dir).resolve()):
             return  # (this run's own dir: an earlier attempt's files there are set aside, not lost)
         for run in (given, given.parent) if given.name.startswith("checkpoints") else (given,):
-            cli_run = (run / "export.json").is_file() or ((run / "config.yaml").is_file() and (
-                (run / ".hydra").is_dir() or (run / "run_info.json").is_file()))
+            # (what the framework's runs write: not a Hydra app's own .hydra/ and config.yaml)
+            cli_run = (run / "run_info.json").is_file() or ((run / "export.json").is_file() and
+                                                            (run / "model_config.json").is_file())
             if cli_run:
                 raise UserError(f"{call}({str(directory)!r}): {run} is the run dir of a `python -m trainer` run, "
                                 f"whose exported weights and checkpoints its eval, sample and resume read: {what} "
-                                "written there would replace or set them aside. Pass a directory of its own (or, to "
-                                "continue that run, `python -m trainer` with its hydra.run.dir and resume=auto).")
+                                "written there would replace or set them aside. Pass a directory of its own; to "
+                                f"write there as this script's own run, give it as trainer.Runtime(run_dir={str(run)!r}) "
+                                "(the earlier files are then set aside, not replaced).")
 
     def save_state(self, directory: str | os.PathLike, step: int, keep_last: int | None = None) -> Path:
         """Checkpoint every model, optimizer, loader and registered object, and each rank's RNG, as
