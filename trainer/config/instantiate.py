@@ -81,13 +81,8 @@ def build_data(cfg: DictConfig) -> tuple[Any, Any]:
 
     if is_stream(train):
         check_stream(train, cfg)
-    n, batch = sized(train), cfg.get("batch_size")
-    if n == 0:
+    if sized(train) == 0:
         raise DataError(f"the training split built by data._target_={cfg._target_!r} is empty.")
-    if n is not None and isinstance(batch, int) and batch > n:  # (a list of 10^20 indices filled the memory)
-        raise DataError(f"data.batch_size={batch} is more than the {n} samples of the training split built by "
-                        f"data._target_={cfg._target_!r}: every batch would hold samples twice or more. Use "
-                        f"data.batch_size={n} or less (it is per process and micro-step), or more data.")
     return train, val
 
 

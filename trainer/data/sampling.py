@@ -259,6 +259,17 @@ class Data:
         """Equal iff the training order would continue the same (map-style: a hash of the next global batches)."""
         return streaming.fingerprint(self.train) if self.streaming else sampler.fingerprint()
 
+    def check_batch(self) -> None:
+        """Training only (an eval, and the batch size finder, choose their own batches): a micro-batch larger than
+        the training split would hold samples twice or more (a list of 10^20 indices filled the memory)."""
+        from trainer.errors import DataError
+
+        n = streaming.sized(self.train)
+        if n is not None and self.batch_size > n:
+            raise DataError(f"data.batch_size={self.batch_size} is more than the {n} samples of the training split: "
+                            f"every batch would hold samples twice or more. Use data.batch_size={n} or less (it is "
+                            "per process and micro-step), or more data.")
+
     def check_readers(self, data_parallel: int) -> None:
         """Training only (an eval reads no part): a stream read in parts needs a part for every reader, and one that
         says how many it has (`num_parts`: text_stream's files) is refused here, before the first step, where the

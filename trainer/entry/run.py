@@ -872,6 +872,7 @@ def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     watch = watchdog.start(trainer.launch.hang_timeout, run_dir, backend.info)
     try:
         trainer.data.check_readers(trainer.strategy.dp_size)  # (a training run's: eval builds the same Trainer)
+        trainer.data.check_batch()
         # Setting the run dir up for this start: a full disk or a read-only place is one paragraph (exit 74).
         with _run_dir_writes(run_dir):
             trainer.checkpointer.check_writable()  # (before the resume, which may set an earlier attempt's files aside)

@@ -291,6 +291,7 @@ def find_lr(cfg: DictConfig, run_dir: Path) -> float | None:
     be, opts = trainer.backend, cfg.tune
     done = False
     try:
+        trainer.data.check_batch()  # (the range test trains on the config's batches)
         base = float(cfg.optim.lr)
         lrs = [opts.min_lr * (opts.max_lr / opts.min_lr) ** (i / (opts.steps - 1)) for i in range(opts.steps)]
         # The schedule of the test replaces the run's (warmup, cosine): step i runs at lrs[i].
