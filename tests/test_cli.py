@@ -399,10 +399,9 @@ def test_version_names_the_framework(tmp_path):
     assert r.returncode == 0 and r.stdout.startswith(f"trainer {__version__} (torch ")
 
 
-def test_ctrl_c_before_training_is_exit_130_without_a_traceback_and_leaves_no_new_run_dir(corpus, tmp_path,
-                                                                                        monkeypatch):
+def test_ctrl_c_before_training_is_exit_130_without_a_traceback(corpus, tmp_path, monkeypatch):
     """Ctrl-C in a run's first seconds (torch importing, Hydra composing) was a KeyboardInterrupt traceback and exit
-    -2; a moment later (the run dir made, no step yet) exit 130 with a run dir of records left behind."""
+    -2, where a moment later (the run dir made) it is exit 130 and one line."""
     import trainer.entry.cli as cli
     import trainer.entry.launcher as launcher
 
@@ -414,10 +413,10 @@ def test_ctrl_c_before_training_is_exit_130_without_a_traceback_and_leaves_no_ne
         r = run_here(*tiny_overrides(corpus), f"hydra.run.dir={tmp_path / 'a'}")
     assert (r.returncode, r.stderr) == (130, "interrupted: stopped before training started.\n")
     assert not (tmp_path / "a").exists()
-    monkeypatch.setattr(launcher, "run", interrupted)  # (the run dir made, before the first step)
+    monkeypatch.setattr(launcher, "run", interrupted)  # (the run dir made: its records stay, a run that was stopped)
     r = run_here(*tiny_overrides(corpus), f"hydra.run.dir={tmp_path / 'b'}")
     assert r.returncode == 130 and "Traceback" not in r.stderr and "interrupted: stopped all processes." in r.stderr
-    assert not (tmp_path / "b").exists()
+    assert (tmp_path / "b" / "config.yaml").is_file()
 
 
 def test_a_machines_defaults_keep_the_last_choice_of_a_group_given_twice():

@@ -2296,8 +2296,9 @@ def test_an_optimizer_in_the_schedulers_place_and_a_metric_named_step_are_refuse
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     with pytest.raises(UserError, match="a metric named 'step' would replace the step"):
         rt.log({"step": 5, "loss": 1.0}, step=0)
+    rt.log({"step": 0, "loss": 1.0}, step=0)  # (Accelerate's habit, the same step twice: taken)
     rt.end()
-    assert read_metrics(tmp_path / "run") == []
+    assert [e["step"] for e in read_metrics(tmp_path / "run")] == [0]
     with pytest.raises(UserError, match=r"rt.step after rt.end\(\): the run is finished"):  # (its group left)
         rt.step(opt)
     with pytest.raises(UserError, match="rt.save_state before anything was set up or registered"):
@@ -2311,8 +2312,8 @@ def test_an_optimizer_in_the_schedulers_place_and_a_metric_named_step_are_refuse
     (lambda trainer: trainer.Runtime(log_with=5), "Runtime(log_with=5) is invalid"),
     (lambda trainer: trainer.Runtime(""), "Runtime(world='') is empty"),
     (lambda trainer: trainer.Runtime().loader(None, batch_size=4), "rt.loader got a NoneType: it takes a dataset"),
-    (lambda trainer: _backward_scaled(trainer, float("nan")), "rt.backward(loss, scale=nan): expected a finite number > 0"),
-    (lambda trainer: _backward_scaled(trainer, "x"), "rt.backward(loss, scale='x'): expected a finite number > 0"),
+    (lambda trainer: _backward_scaled(trainer, float("nan")), "rt.backward(loss, scale=nan): expected a finite number"),
+    (lambda trainer: _backward_scaled(trainer, "x"), "rt.backward(loss, scale='x'): expected a finite number"),
 ], ids=["precision_dtype", "world_options_text", "log_with_number", "world_empty", "loader_none", "scale_nan",
         "scale_text"])
 def test_wrong_arguments_to_the_runtime_are_one_paragraph_not_torchs_error(call, needle):
@@ -2323,6 +2324,17 @@ def test_wrong_arguments_to_the_runtime_are_one_paragraph_not_torchs_error(call,
     with pytest.raises(UserError) as refused:
         call(trainer)
     assert needle in str(refused.value)
+
+
+def test_a_backward_scale_of_any_finite_number_is_taken():
+    """Gradient ascent (-1), a deliberate zero backward and numpy's scalars are legitimate scales (a review found
+    the first check refused them)."""
+    import numpy as np
+
+    import trainer
+
+    for scale in (-1.0, 0, np.float32(0.5), torch.tensor(2.0)):
+        _backward_scaled(trainer, scale)
 
 
 def _backward_scaled(trainer, scale):

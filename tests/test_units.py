@@ -471,3 +471,16 @@ def test_a_full_disk_under_safetensors_is_an_oserror_with_its_errno_and_leaves_n
         atomic_save_safetensors(tmp_path / "model.safetensors", {"w": torch.zeros(2)})
     assert e.value.errno == errno.ENOSPC and "model.safetensors" in str(e.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_large_seed_shuffles_and_a_small_one_keeps_its_order():
+    """trainer.seed=1732881234567890 (a timestamp in microseconds) overflowed the sampler's generator at the first
+    batch, a traceback: its seed times 1,000,003 passed 64 bits. Seeds below that keep the order they always had."""
+    import torch
+
+    from trainer.data.sampling import GlobalBatchSampler
+
+    order = GlobalBatchSampler(50, 4, seed=1732881234567890).indices(0, 50)
+    assert sorted(order) == list(range(50))
+    g = torch.Generator().manual_seed(7 * 1_000_003)
+    assert GlobalBatchSampler(50, 4, seed=7).indices(0, 50) == torch.randperm(50, generator=g).tolist()

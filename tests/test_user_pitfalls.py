@@ -763,6 +763,9 @@ def test_a_finders_save_replaces_only_a_file_a_finder_wrote(tmp_path):
     (tmp_path / "both.txt").write_text("data.batch_size=16 trainer.grad_accum_steps=2\n")
     assert _not_a_tune_file(tmp_path / "lr.txt") is None and _not_a_tune_file(tmp_path / "both.txt") is None
     assert _not_a_tune_file(tmp_path / "new.txt") is None
+    (tmp_path / "empty.txt").write_text("")  # (mktemp's: found by a review)
+    (tmp_path / "spaced.txt").write_text("optim.lr=0.0119 \n")
+    assert _not_a_tune_file(tmp_path / "empty.txt") is None and _not_a_tune_file(tmp_path / "spaced.txt") is None
 
 
 def test_data_drawn_from_torchs_generator_is_the_same_at_every_build(tmp_path):

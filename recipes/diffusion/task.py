@@ -220,6 +220,10 @@ class Diffusion:
         all ranks share one normaliser, computed once (`write_records` keeps it beside the run's weights). Then the reference distances of the
         sample metrics (every rank: cheap, deterministic)."""
         self.train_images, self.train_labels = _all_samples(train)
+        if len(self.train_labels) and int(self.train_labels.max()) >= self.num_classes:  # (an IndexError in a step)
+            raise ConfigError(f"task.num_classes={self.num_classes} (model.num_classes, which it follows) is fewer than "
+                              f"the data's labels, 0 to {int(self.train_labels.max())}: give the model a class for "
+                              f"each, model.num_classes={int(self.train_labels.max()) + 1}.")
         if run_dir is None:
             self.normalizer.fit(self.train_images)
         else:

@@ -152,8 +152,8 @@ def _refuse_counts_for_switches(cfg: DictConfig, overrides: list[str]) -> None:
 
     for override in overrides:
         key, sep, value = override.lstrip("+~").partition("=")
-        if not sep or value.strip() in ("0", "1") or not re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?",
-                                                                      value.strip()):
+        number = value.strip().strip("'\"")  # (quoted, '2' was taken as true as well)
+        if not sep or number in ("0", "1") or not re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", number):
             continue
         section, _, leaf = key.rpartition(".")
         parent = OmegaConf.select(cfg, section) if section else cfg

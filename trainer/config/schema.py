@@ -275,8 +275,6 @@ def validate(cfg: DictConfig) -> None:
     _check(t.eval_samples is None or t.eval_samples >= 1, "trainer.eval_samples", t.eval_samples, "an integer >= 1, or null")
     _check(t.eval_batch_size is None or t.eval_batch_size >= 1, "trainer.eval_batch_size", t.eval_batch_size,
            "an integer >= 1, or null (= data.batch_size)")
-    _check(t.compile or t.compile_backend == "inductor", "trainer.compile_backend", t.compile_backend,
-           "unset while trainer.compile=false", "Add trainer.compile=true to compile with it.")
     if t.compile_mode is not None or t.compile_options:  # (the names themselves are checked against torch's lists)
         key = "trainer.compile_mode" if t.compile_mode is not None else "trainer.compile_options"
         value = t.compile_mode if t.compile_mode is not None else _plain(t.compile_options)

@@ -89,7 +89,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
         samples: 400 MB a rank, and two epochs are kept), and every full garbage collection walked it."""
         if epoch not in self._perms:
             if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                # (within a generator's 64 bits: a seed past ~9.2e12 overflowed it at the first batch; below, the same)
+                g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
                 perm = torch.randperm(self.n, generator=g)
             else:
                 perm = torch.arange(self.n)

@@ -527,8 +527,6 @@ def _run_job(cfg: DictConfig) -> float | None:
         except KeyboardInterrupt:
             print("interrupted: stopped all processes.", file=sys.stderr, flush=True)
             _say_what_the_sweep_skips()
-            if lock is not None and lock.held:  # (before the first step: a new run's dir holds only its records)
-                remove_if_unused(run_dir)
             _say_how_to_continue(run_dir, continue_command(run_dir))
             sys.exit(130)
         print(f"done: {run_dir}", flush=True)

@@ -107,8 +107,8 @@ def _not_a_tune_file(path: Path) -> str | None:
         text = path.read_text() if path.stat().st_size <= 4096 else None
     except (OSError, UnicodeDecodeError):
         text = None
-    if text is not None and re.fullmatch(r"[\w.+~/-]+=\S+( [\w.+~/-]+=\S+)*\n?", text):
-        return None
+    if text is not None and (not text.strip() or re.fullmatch(r"[\w.+~/-]+=\S+( [\w.+~/-]+=\S+)*", text.strip())):
+        return None  # (an empty file too: mktemp's)
     return ("that file exists and is not one a finder wrote (a line of KEY=VALUE overrides): it would be replaced. "
             "Give a new path (e.g. save=best_lr.txt), or move that file first")
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import operator
 import os
 import re
@@ -751,10 +752,10 @@ class Runtime:
                             "Reduce it first (`loss.mean()`, or `.sum()` divided by the batch's count).")
         if scale is None:
             scale = 1.0 / self.grad_accum_steps
-        elif not ((isinstance(scale, int | float) and not isinstance(scale, bool) and 0 < scale < math.inf) or (
+        elif not ((isinstance(scale, numbers.Real) and not isinstance(scale, bool) and math.isfinite(scale)) or (
                 isinstance(scale, torch.Tensor) and scale.numel() == 1)):  # (nan made every parameter NaN, silently)
-            raise UserError(f"rt.backward(loss, scale={scale!r}): expected a finite number > 0 (or a one-element "
-                            f"tensor), what the loss is multiplied by; None gives 1/grad_accum_steps.")
+            raise UserError(f"rt.backward(loss, scale={scale!r}): expected a finite number (or a one-element tensor), "
+                            f"what the loss is multiplied by; None gives 1/grad_accum_steps.")
         if self._continues_step and not self._backward_here and self._backwards != self._backwards_at_step_start:
             self._check_not_zeroed(self._cycle_models or tuple(self.models.values()))  # (a zero_grad() in the block)
         self._backward_here = True
@@ -1298,7 +1299,6 @@ class Runtime:
     def load_state(self, path: str | os.PathLike) -> int | None:
         """Load a checkpoint of save_state (a `step_*` dir, or the newest complete one under `path`): under any
         strategy and world size. Returns its step, or None when `path` holds no checkpoint yet. Every rank."""
-        self._not_ended("rt.load_state")
         from trainer.checkpoint.store import MANIFEST, Checkpointer, step_of
 
         _path_arg("rt.load_state(path)", path)
@@ -1565,7 +1565,8 @@ class Runtime:
         if not is_count(step):
             raise UserError(f"rt.log(..., step={step!r}): the step must be a whole number >= 0.")
         step = operator.index(step)
-        if "step" in metrics:  # (metrics.jsonl's own key: {"step": 5} replaced the record's step)
+        if "step" in metrics and not (isinstance(metrics["step"], int | float | torch.Tensor) and
+                                      float(metrics["step"]) == step):  # ({"step": 5} replaced the record's step)
             raise UserError("rt.log: a metric named 'step' would replace the step of metrics.jsonl's record: the "
                             "step is rt.log's second argument. Name the metric otherwise (e.g. 'train/step').")
         for key, value in metrics.items():  # (float() of these raised a bare ValueError on the main rank alone)
