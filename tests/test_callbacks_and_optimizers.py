@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import checkpoints, read_metrics, run_here, series, train_in_process
+from conftest import checkpoints, read_metrics, run_here, series, tiny_overrides, train_in_process
 
 
 def test_early_stopping_stops_with_a_final_checkpoint_and_the_run_stays_finished(corpus, tmp_path, capsys):
@@ -322,3 +322,27 @@ def test_a_warmup_longer_than_the_run_is_named_when_it_trains_and_not_when_it_is
     r = run_main("eval", str(run), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "is not shorter than the run" not in r.stdout + r.stderr  # (an eval repeated it: it builds the same Trainer)
+
+
+def test_a_callbacks_mistakes_never_cost_the_trained_run(corpus, tmp_path):
+    """From a sweep of the extension points: a callback whose on_fit_end raised ran before the final save (all the
+    steps trained, no checkpoint, no export); a state a checkpoint cannot hold was found at the final save (the
+    run lost); a callback with state_dict but no load_state_dict started over at every resume, silently."""
+    from test_errors import assert_clean_error
+
+    run = tmp_path / "fit_end"
+    with pytest.raises(RuntimeError, match="a callback's bug at the end of fit"):
+        run_here_raising(corpus, run, "+callbacks.odd._target_=odd_callbacks.RaisesAtFitEnd")
+    assert (run / "checkpoints" / "step_00000004").is_dir()  # (the final checkpoint: resume=auto exports it)
+    for name, needle in (("StateWithoutLoad", "has state_dict but no load_state_dict"),
+                         ("StateOfAnObject", "cannot checkpoint a value of type object at '/callbacks/odd/obj'")):
+        r = run_here(*tiny_overrides(corpus, "trainer.max_steps=4"), f"+callbacks.odd._target_=odd_callbacks.{name}",
+                     f"hydra.run.dir={tmp_path / name}")
+        assert_clean_error(r, needle)
+        assert not (tmp_path / name).exists()  # (refused before the first step)
+
+
+def run_here_raising(corpus, run, *extra):
+    from trainer import compose, train
+
+    train(compose(tiny_overrides(corpus, "trainer.max_steps=4", *extra)), run)

@@ -52,6 +52,12 @@ class Callbacks(Callback):
         for name, cb in self.callbacks.items():
             if not any(callable(getattr(cb, h, None)) for h in HOOKS):
                 raise ConfigError(f"callbacks.{name} ({type(cb).__name__}) has none of the hooks {', '.join(HOOKS)}.")
+            saves, loads = hasattr(cb, "state_dict"), hasattr(cb, "load_state_dict")
+            if saves != loads:  # (its state was saved and never given back at a resume: started over in silence)
+                raise ConfigError(f"callbacks.{name} ({type(cb).__name__}) has {'state_dict' if saves else 'load_state_dict'}"
+                                  f" but no {'load_state_dict' if saves else 'state_dict'}: a checkpoint keeps a "
+                                  "callback's state with the one and a resume gives it back with the other. Define "
+                                  "both (or neither, for a callback without state).")
 
     def _each(self, hook: str, *args) -> None:
         for cb in self.callbacks.values():

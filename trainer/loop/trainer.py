@@ -91,6 +91,7 @@ class Trainer:
         parts = Parts(strategy, {"model": model}, {name: ("model", opt) for name, opt in self.optimizers.items()},
                       {"model": frozen_keys(model)}, after_load=after_load)
         self.checkpoints = CheckpointManager(self.checkpointer, parts, self, self.components)
+        self._check_user_states()
         # Run state (in checkpoints).
         self.step = 0  # optimizer steps done (skipped fp16/nonfinite steps included)
         self.trained_on: str | None = None  # an eval's checkpoint's training-set fingerprint (checkpoint/manager.py)
@@ -375,6 +376,17 @@ class Trainer:
         signum = self.preemption.signum
         return signal.Signals(signum).name if signum else "a signal to another rank"
 
+    def _check_user_states(self) -> None:
+        """The task's and the callbacks' state_dict() as a checkpoint takes it, before the first step: one that holds
+        what a checkpoint cannot (an object, a numpy array) was found at the first save, the final one where a run
+        saves none before, and the whole run was lost."""
+        from trainer.checkpoint.snapshot import flatten
+
+        for name in ("task", "callbacks"):
+            component = self.components.get(name)
+            if component is not None and callable(getattr(component, "state_dict", None)):
+                flatten(component.state_dict(), {}, False, f"/{name}")
+
     def fit(self) -> dict[str, float]:
         cfg, be = self.cfg, self.backend
         progress = Progress(cfg.max_steps, self.step, cfg.progress, self.target_unit) if be.is_main else NullProgress()
@@ -427,13 +439,14 @@ class Trainer:
                 progress.write(f"stopping at step {self.step}: {self.stop_reason}", always=True)
             if evaluated_at != self.step:  # (a stop requested at an eval: that eval is the final one)
                 final = self._eval_and_log(progress)
-            self.callbacks.on_fit_end(self, final)
             if self.checkpointer.save_final:
                 self._improves(final)  # (a best_metric the evals lack: said once the final checkpoint is saved)
                 self.save_checkpoint(final, wait=True)
             elif deferred or self._improves(final):  # (the final eval is ranked as every eval is: saved if it beats)
                 self.save_checkpoint(final, wait=True)
             self.checkpointer.close()  # surfaces a failed background save
+            # After the final save, as Lightning's: a hook that raised there lost the whole run (no checkpoint).
+            self.callbacks.on_fit_end(self, final)
         except BaseException:
             try:  # finish a save in flight, but keep the original error
                 self.checkpointer.close()
