@@ -346,3 +346,12 @@ def run_here_raising(corpus, run, *extra):
     from trainer import compose, train
 
     train(compose(tiny_overrides(corpus, "trainer.max_steps=4", *extra)), run)
+
+
+def test_an_optimizer_of_ones_own_without_a_key_the_config_leaves_null(corpus, tmp_path):
+    """optim=sgd sets `foreach: null`; an optimizer class of a user's own without that parameter was refused
+    ("Remove the key with ~optim.foreach"), and Hydra refuses removing a null key: it could not be used at all. A
+    null the class does not take is left out of the call, as data's are."""
+    r = run_here(*tiny_overrides(corpus, "trainer.max_steps=2"), "optim=sgd", "optim._target_=odd_callbacks.PlainSGD",
+                 "~optim.momentum", "~optim.nesterov", f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 0, r.stderr

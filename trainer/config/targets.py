@@ -87,7 +87,8 @@ def check_targets(cfg: DictConfig) -> None:
             special = ("_target_", "_partial_", "_args_", "_recursive_", "_convert_")
             parts = [k for k in node if isinstance(node[k], DictConfig)] if key in ("optim", "scheduler") else []
             keys = {k: node[k] for k in node if k not in special and k not in parts}
-            if key == "data":  # (build_data leaves these out of the call)
+            if key in ("data", "optim"):  # (their builders leave these out of the call: a null is no value, and Hydra
+                # cannot remove a null key, so an optimizer of one's own without `foreach` could not be used at all)
                 keys = {k: v for k, v in keys.items() if k not in unused_nulls(obj, keys)}
             check_keywords(key, obj, keys, extra_ok=extra)
             if key in ("world", "task", "model", "data", "optim", "scheduler"):  # (else first used inside the

@@ -71,6 +71,11 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, say=print) -> torch
     rates = {k: float(v) for k, v in cfg.items() if (k == "lr" or str(k).endswith("_lr")) and type(v) is int}
     if rates:
         cfg = OmegaConf.merge(cfg, rates)
+    from trainer.config.targets import locate, unused_nulls
+
+    nulls = unused_nulls(locate("optim", cfg._target_), {k: v for k, v in cfg.items() if not str(k).startswith("_")})
+    if nulls:  # (an optimizer of one's own without the config's `foreach: null`: left out of the call)
+        cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in nulls])
     factory = build_node("optim", cfg)
     grouping = getattr(getattr(factory, "func", factory), "param_groups", None)
     if grouping is not None:
