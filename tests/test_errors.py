@@ -229,6 +229,9 @@ def test_config_mistakes(tmp_path, args, needles):
                                                   "than the data's labels, 0 to 9"),  # (an IndexError in a step)
     (["recipe=gan", "model.hidden=0"], "model.hidden=0: the GAN's sizes are positive integers"),
     (["data=text_stream", "data.val_path=''"], "data.val_path='' is empty"),  # (taken as none: no val, no word)
+    # (an AttributeError deep in the strategy, and at the first step)
+    (["model._target_=odd_callbacks.not_a_module"], "returned a value of type object, not a torch.nn.Module"),
+    (["task._target_=odd_callbacks.TaskWithoutNumTargets"], "(TaskWithoutNumTargets) has no num_targets()"),
     (["data=stdlib", "data.val_every=1000000000"], "data.val_every=1000000000 put none of the standard library's"),
 ])
 def test_values_the_data_or_the_recipes_code_refuses_are_one_paragraph_before_the_first_step(small_corpus, tmp_path,

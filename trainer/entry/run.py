@@ -256,10 +256,10 @@ def preflight(cfg: DictConfig, run_dir: Path, device: str = "auto") -> None:
     from trainer.parallel.materialize import SkipMetaInit
 
     with torch.device("meta"), SkipMetaInit():
-        model = factory(lambda: build_node("model", cfg.model), cfg.get("finetune"))()
+        model = factory(lambda: _model(cfg.model), cfg.get("finetune"))()
         strategy.check_model(model)
     check(model, cfg.get("finetune"))  # pretrained weights that do not fit the model: before any worker starts
-    build_node("task", cfg.task)
+    _task(cfg.task)
     build_data(cfg.data)
     for node in (cfg.logger or {}).values():  # trackers' constructors validate and start nothing
         if node is not None:
@@ -328,6 +328,30 @@ def _run_dir_seen(run_dir: Path, world_size: int) -> tuple[str, str, str | None]
     return socket.gethostname(), str(run_dir.resolve()), record
 
 
+def _model(node: DictConfig) -> torch.nn.Module:
+    """`model._target_`'s model, which must be a torch module (a plain class's object was an AttributeError deep in
+    the strategy, 'NotModule' object has no attribute 'to')."""
+    model = build_node("model", node)
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model._target_={node.get('_target_')} returned a value of type {type(model).__name__}, "
+                          "not a torch.nn.Module: the model is a module (its parameters are what trains). Point it "
+                          "at an nn.Module subclass, or a function returning one.")
+    return model
+
+
+def _task(node: DictConfig):
+    """`task._target_`'s task, with the methods a run calls (a task without them was an AttributeError or a
+    TypeError at the first step): num_targets, and loss unless it has a training_step of its own."""
+    task = build_node("task", node)
+    missing = [m for m in ("num_targets", "loss") if not callable(getattr(task, m, None))
+               and not (m == "loss" and callable(getattr(task, "training_step", None)))]
+    if missing:
+        raise ConfigError(f"task._target_={node.get('_target_')} ({type(task).__name__}) has no {' and no '.join(missing)}"
+                          f"(): a task gives num_targets(batch), what a batch's loss is averaged over, and loss(model, "
+                          "batch) (or a training_step of its own). See the README, Your own model, data and loss.")
+    return task
+
+
 def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
     """The Trainer a run of `cfg` starts from, on this process (joining the process group if there is one).
     Leave the group with `trainer.backend.teardown()` (`train` does)."""
@@ -360,7 +384,7 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
         # The same seed on every rank for what the task and the data draw while they are built (a dataset made with
         # torch.randn): the same data on every rank, and at every run of this config.
         seed_everything(tcfg.seed)
-        task = build_node("task", cfg.task)
+        task = _task(cfg.task)
         train_data, val_data = build_data(cfg.data)
         _check_evals_have_data(cfg, val_data)
         if hasattr(task, "setup"):  # e.g. fit a normaliser on the training split (see trainer/task.py)
@@ -370,7 +394,7 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
         # Same seed on every rank: identical initial weights.
         from trainer.models import finetune
 
-        model = rt.build_model(finetune.factory(lambda: build_node("model", cfg.model), cfg.get("finetune")),
+        model = rt.build_model(finetune.factory(lambda: _model(cfg.model), cfg.get("finetune")),
                                tcfg.activation_checkpointing)
         weights_source = finetune.start(model, cfg.get("finetune"), tcfg.seed, backend.is_main)  # pretrained, LoRA
         raw_model = unwrap(model)
