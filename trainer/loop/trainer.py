@@ -376,6 +376,18 @@ class Trainer:
         signum = self.preemption.signum
         return signal.Signals(signum).name if signum else "a signal to another rank"
 
+    def _check_no_parameters_appeared(self) -> None:
+        """After this process's first step: parameters the model made in its forward (a layer built lazily there)
+        are in no optimizer, so they never trained, while the export kept their random weights (and trainer.load
+        then called the files another run's)."""
+        known = {id(p) for p in self.params}
+        born = [n for n, p in unwrap(self.model).named_parameters() if p.requires_grad and id(p) not in known]
+        if born:
+            raise UserError(f"the model made parameters in its forward ({', '.join(born[:4])}"
+                            f"{', ...' if len(born) > 4 else ''}): they are in no optimizer, so they would never "
+                            f"train. Build every layer in the model's __init__ (a size known only from the data: "
+                            "pass it as a model setting). Nothing was saved.")
+
     def _check_user_states(self) -> None:
         """The task's and the callbacks' state_dict() as a checkpoint takes it, before the first step: one that holds
         what a checkpoint cannot (an object, a numpy array) was found at the first save, the final one where a run
@@ -410,6 +422,8 @@ class Trainer:
                     self._preempted(first_step)
                 out = self.train_step(batches, n_global)
                 watchdog.beat()  # progress, for the hang watchdog (world.hang_timeout)
+                if self.step == first_step:
+                    self._check_no_parameters_appeared()
                 self.step += 1
                 self.samples_seen += self.global_batch
                 meter.add(n_global)
