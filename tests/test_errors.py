@@ -90,6 +90,9 @@ def test_a_number_as_text_and_resolve_without_cfg_are_one_paragraph_saying_the_f
     (["data=text"], ["data.path is required"]),
     (["model._target_=os.system"], ["model._target_='os.system' is refused", "blocklist"]),
     (["model._target_=trainer.recipes.lm.model.GTP"], ["cannot be imported"]),
+    # (a module that exists and raised while importing: the reason was "Are you sure that module is installed?")
+    (["model._target_=broken_module.Linear"], ["its module raised while being imported (RuntimeError('a bug at the "
+                                               "top of the module'))"]),
     (["+model.n_layr=2"], ["model.n_layr is not an option of model._target_=GPT", "Did you mean n_layer?"]),
     # Values that used to crash mid-run or pass silently (issues 16 and 18): one paragraph before anything runs.
     (["optim.betas=0.9"], ["optim.betas=0.9", "two numbers in [0, 1)"]),

@@ -6,6 +6,7 @@ before any process starts or any file is written."""
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -60,6 +61,13 @@ def locate(key: str, target: Any, field: str = "_target_") -> Any:
             raise ConfigError(f"{key}.{field}={target!r} moved to {moved!r} when trainer's modules became packages. "
                               f"Write {key}.{field}={moved}.") from None
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        # A module that exists and raised while importing (a NameError in it): Hydra's message holds that error
+        # above its last line, "Are you sure that module ... is installed?", which alone blamed the install.
+        raised = [ln for ln in lines if re.match(r"\w+(Error|Exception)\(", ln) and
+                  not ln.startswith(("ModuleNotFoundError", "ImportError"))]
+        if raised:
+            raise ConfigError(f"{key}.{field}={target!r}: its module raised while being imported ({raised[0]}). Fix "
+                              "that module (python -c 'import MODULE' shows where).") from None
         reason = lines[-1] if lines else type(e).__name__
         raise ConfigError(
             f"{key}.{field}={target!r} cannot be imported ({reason}). Check the spelling, and that its "
