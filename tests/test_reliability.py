@@ -970,7 +970,7 @@ def test_trainer_train_refuses_what_the_cli_refuses_a_run_dir_and_a_config_chang
     import shutil
 
     from trainer import compose, train
-    from trainer.errors import ConfigError
+    from trainer.errors import ConfigError, DataError
 
     run = tmp_path / "run"
     shutil.copytree(stopped, run)
@@ -985,6 +985,10 @@ def test_trainer_train_refuses_what_the_cli_refuses_a_run_dir_and_a_config_chang
     assert {p: p.read_bytes() for p in step.iterdir()} == before and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     cfg.trainer.max_steps = -3
     with pytest.raises(ConfigError, match="trainer.max_steps=-3 is invalid"):
+        train(cfg, tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+    cfg.trainer.max_steps, cfg.data.batch_size = 2, 100_000  # (refused once the data is read: the new dir goes too)
+    with pytest.raises(DataError, match="data.batch_size=100000 is more than the"):
         train(cfg, tmp_path / "new")
     assert not (tmp_path / "new").exists()
 

@@ -30,7 +30,7 @@ from trainer.config.schema import (
 )
 from trainer.config.targets import compile_args
 from trainer.data.sampling import Data, epoch_length
-from trainer.errors import CheckpointError, ConfigError, Preempted, StorageError
+from trainer.errors import CheckpointError, ConfigError, Preempted, StorageError, UserError
 from trainer.io import one_attempt
 from trainer.loop import watchdog
 from trainer.loop.callbacks import Callbacks
@@ -843,11 +843,16 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
                           "with trainer.compose([...]) and change its values, not its sections.") from None
     # One job per run dir, as the CLI's (trainer/runlock.py): two notebooks training into one dir interleaved
     # their metrics and checkpoints. A worker's launcher holds it for the job; the CLI's job here already does.
+    made = not Path(run_dir).exists()
     owned = None if launcher.in_torchrun() else runlock.hold(Path(run_dir), "run_dir (trainer.train's second argument)")
     try:
         if launcher.starts_workers(cfg):  # trainer.train(cfg) of a world of several processes
             return launcher.run(cfg, Path(run_dir)) or {}
         return train_here(cfg, run_dir)
+    except UserError:
+        if made and owned is not None:  # (a refused run left its new dir with the lock alone, where the CLI's goes)
+            runlock.remove_if_unused(Path(run_dir), {runlock.LOCK, "config.yaml", "run_info.json"})
+        raise
     finally:
         if owned is not None:
             owned.release()
