@@ -355,3 +355,20 @@ def test_an_optimizer_of_ones_own_without_a_key_the_config_leaves_null(corpus, t
     r = run_here(*tiny_overrides(corpus, "trainer.max_steps=2"), "optim=sgd", "optim._target_=odd_callbacks.PlainSGD",
                  "~optim.momentum", "~optim.nesterov", f"hydra.run.dir={tmp_path / 'run'}")
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["+callbacks.odd._target_=odd_callbacks.EvalEndWithoutMetrics"],
+     "callbacks.odd.on_eval_end (EvalEndWithoutMetrics) must take (trainer, metrics)"),
+    (["scheduler._target_=torch.optim.lr_scheduler.StepLR", "+scheduler.step_size=3", "~scheduler.warmup_steps",
+      "~scheduler.min_lr_ratio"], "is called as f(optimizer, total_steps=N) with its keys given, and it cannot be"),
+], ids=["hook_signature", "torch_scheduler"])
+def test_a_hook_or_a_schedule_of_ones_own_that_cannot_be_called_is_one_paragraph_before_the_first_step(
+        corpus, tmp_path, extra, needle):
+    """A hook without its metrics argument was a TypeError at the first eval (the steps so far unsaved); a torch
+    scheduler given as scheduler._target_ a TypeError about total_steps from inside the build."""
+    from test_errors import assert_clean_error
+
+    r = run_here(*tiny_overrides(corpus, "trainer.max_steps=2"), *extra, f"hydra.run.dir={tmp_path / 'run'}")
+    assert_clean_error(r, needle)
+    assert not (tmp_path / "run").exists()

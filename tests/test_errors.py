@@ -235,6 +235,7 @@ def test_config_mistakes(tmp_path, args, needles):
     # (an AttributeError deep in the strategy, and at the first step)
     (["model._target_=odd_callbacks.not_a_module"], "returned a value of type object, not a torch.nn.Module"),
     (["task._target_=odd_callbacks.TaskWithoutNumTargets"], "(TaskWithoutNumTargets) has no num_targets()"),
+    (["task._target_=odd_callbacks.OldSetup"], "the task's setup (OldSetup.setup) must take (train, val, run_dir)"),
     # (never trained: in no optimizer; the export kept its random weights, and trainer.load blamed the files)
     (["model._target_=odd_callbacks.LazyLayer"], "the model made parameters in its forward (head.weight, head.bias)"),
     (["data=stdlib", "data.val_every=1000000000"], "data.val_every=1000000000 put none of the standard library's"),

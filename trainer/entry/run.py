@@ -113,10 +113,34 @@ def build_schedulers(cfg: DictConfig, optimizer, total_steps: int):
                           f"of optim.NAME, and {have}. Remove scheduler.{extra[0]}, or set the key on the schedule "
                           "it means.")
     if not isinstance(optimizer, dict):
-        return build_node("scheduler", cfg)(optimizer, total_steps=total_steps)
+        return _schedule("scheduler", cfg, optimizer, total_steps)
     base = OmegaConf.masked_copy(cfg, [k for k in cfg if not isinstance(cfg[k], DictConfig)])
-    return {name: build_node(f"scheduler.{name}", nodes.get(name, base))(opt, total_steps=total_steps)
+    return {name: _schedule(f"scheduler.{name}", nodes.get(name, base), opt, total_steps)
             for name, opt in optimizer.items()}
+
+
+def _schedule(section: str, node: DictConfig, optimizer, total_steps: int):
+    """`section._target_` called as a schedule is: f(optimizer, total_steps=N), partial over its keys. A torch
+    scheduler of its own (StepLR) takes no total_steps: that was a bare TypeError; one returning no scheduler was
+    an AttributeError at the first step."""
+    import inspect
+
+    make = build_node(section, node)
+    try:
+        inspect.signature(make).bind(optimizer, total_steps=total_steps)
+    except TypeError as e:
+        raise ConfigError(f"{section}._target_={node.get('_target_')} is called as f(optimizer, total_steps=N) with "
+                          f"its keys given, and it cannot be ({e}). A torch scheduler (StepLR, ...) takes no "
+                          "total_steps: wrap it in a function of yours, def make(optimizer, total_steps, **keys): "
+                          "return StepLR(optimizer, **keys), and point _target_ at that.") from None
+    except ValueError:  # (no signature to read: called as it is)
+        pass
+    scheduler = make(optimizer, total_steps=total_steps)
+    if not (callable(getattr(scheduler, "get_last_lr", None)) and callable(getattr(scheduler, "state_dict", None))):
+        raise ConfigError(f"{section}._target_={node.get('_target_')} returned a {type(scheduler).__name__}, not a "
+                          "learning-rate scheduler (a torch.optim.lr_scheduler.LRScheduler, with get_last_lr and "
+                          "state_dict: the run steps it, logs its rate and checkpoints it).")
+    return scheduler
 
 
 def _check_evals_have_data(cfg: DictConfig, val_data) -> None:
@@ -388,6 +412,16 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
         train_data, val_data = build_data(cfg.data)
         _check_evals_have_data(cfg, val_data)
         if hasattr(task, "setup"):  # e.g. fit a normaliser on the training split (see trainer/task.py)
+            import inspect
+
+            try:  # (setup(self, train, val), the signature before run_dir: a bare TypeError)
+                inspect.signature(task.setup).bind(train_data, val_data, run_dir)
+            except TypeError:
+                raise ConfigError(f"the task's setup ({type(task).__name__}.setup) must take (train, val, run_dir): "
+                                  "run_dir is where a task keeps records of its own (None outside a run). Add the "
+                                  "parameter, e.g. def setup(self, train, val, run_dir=None).") from None
+            except ValueError:
+                pass
             task.setup(train_data, val_data, run_dir)
         if hasattr(task, "training_step"):  # its forwards reach one part of the model at a time
             strategy.expect_unused_parameters()
