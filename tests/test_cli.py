@@ -426,3 +426,15 @@ def test_a_machines_defaults_keep_the_last_choice_of_a_group_given_twice():
 
     saved = yaml.safe_load(render(["precision=bf16", "world=ddp", "precision=fp32"]))
     assert saved["defaults"] == [{"override /world": "ddp"}, {"override /precision": "fp32"}]
+
+
+def test_compose_from_python_refuses_a_config_dir_file_named_as_a_shipped_one(tmp_path):
+    """trainer.compose(['recipe=lm'], config_dir=D) with D/recipe/lm.yaml of one's own returned the shipped recipe,
+    without a word (the CLI's --config-dir refuses it)."""
+    import trainer
+    from trainer.errors import ConfigError
+
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "lm.yaml").write_text("# @package _global_\n")
+    with pytest.raises(ConfigError, match="recipe/lm.yaml, which the framework ships under the same name"):
+        trainer.compose(["recipe=lm"], config_dir=str(tmp_path))

@@ -116,6 +116,9 @@ def load(overrides: list[str], config_dir: str | None = None, targets: bool = Tr
     """`compose` + `prepare`, with composition errors explained."""
     from trainer.config.shortcuts import composing
 
+    if config_dir is not None:  # (trainer.compose(..., config_dir=D): a recipe/lm.yaml of D's was passed over)
+        check_config_dir(Path(str(config_dir)).expanduser(), str(config_dir))
+
     with composing():  # (check_choices composes again: each file read once)
         try:
             cfg = compose(overrides, config_dir)
@@ -731,3 +734,25 @@ def yaml_value(override: str) -> Any:
     except yaml.YAMLError as e:
         raise ConfigError(f"the value of {key} is not YAML ({str(e).splitlines()[0]}): quote a string, e.g. "
                           f"'{key}=\"...\"'.") from None
+
+
+def check_config_dir(path: Path, given: str) -> None:
+    """`--config-dir` exists, and none of its files has the name of one the framework ships: Hydra's search path
+    has the shipped configs first, so `model/gpt_tiny.yaml` of yours would be passed over without a word."""
+    import importlib.resources
+
+    if not path.is_dir():
+        kind = "a file, not a directory" if path.exists() else "there is no such directory"
+        raise ConfigError(f"--config-dir {given}: {kind}. Give the directory that holds "
+                          "your own config files (model/NAME.yaml, recipe/NAME.yaml, ...), or leave --config-dir out.")
+    shipped = Path(str(importlib.resources.files(CONFIG_MODULE)))
+    if path.resolve() == shipped.resolve():
+        return  # (the shipped dir itself, named from the repository)
+    # (the shipped files looked up in the user's dir, not the user's dir walked: it may be a whole project)
+    shadowed = sorted(str(rel) for rel in (f.relative_to(shipped) for f in shipped.rglob("*.yaml"))
+                      if len(rel.parts) > 1 and (path / rel).is_file())  # (a group's option, not a root file)
+    if shadowed:
+        listed = ", ".join(shadowed[:5]) + (f" and {len(shadowed) - 5} more" if len(shadowed) > 5 else "")
+        raise ConfigError(f"--config-dir {given} has {listed}, which the framework ships under the same name: the "
+                          "shipped file would be used and yours passed over. Give yours a name of its own (e.g. "
+                          f"{Path(shadowed[0]).parent}/my_{Path(shadowed[0]).name}) and select it with that name.")

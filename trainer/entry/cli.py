@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from trainer.config.compose import (
     CONFIG_MODULE,
     check_choices,
+    check_config_dir,
     check_read,
     check_top_level_adds,
     explain,
@@ -159,28 +160,6 @@ def _check_data_path(cfg, point: int, points: int) -> None:
             and not os.path.exists(os.path.expanduser(path)):
         raise DataError(f"data.path={path!r} does not exist (point {point} of the sweep's {points}): nothing was "
                         "run. Point data.path at a readable file, a directory of them or a glob pattern.")
-
-
-def check_config_dir(path: Path, given: str) -> None:
-    """`--config-dir` exists, and none of its files has the name of one the framework ships: Hydra's search path
-    has the shipped configs first, so `model/gpt_tiny.yaml` of yours would be passed over without a word."""
-    import importlib.resources
-
-    if not path.is_dir():
-        kind = "a file, not a directory" if path.exists() else "there is no such directory"
-        raise ConfigError(f"--config-dir {given}: {kind}. Give the directory that holds "
-                          "your own config files (model/NAME.yaml, recipe/NAME.yaml, ...), or leave --config-dir out.")
-    shipped = Path(str(importlib.resources.files(CONFIG_MODULE)))
-    if path.resolve() == shipped.resolve():
-        return  # (the shipped dir itself, named from the repository)
-    # (the shipped files looked up in the user's dir, not the user's dir walked: it may be a whole project)
-    shadowed = sorted(str(rel) for rel in (f.relative_to(shipped) for f in shipped.rglob("*.yaml"))
-                      if len(rel.parts) > 1 and (path / rel).is_file())  # (a group's option, not a root file)
-    if shadowed:
-        listed = ", ".join(shadowed[:5]) + (f" and {len(shadowed) - 5} more" if len(shadowed) > 5 else "")
-        raise ConfigError(f"--config-dir {given} has {listed}, which the framework ships under the same name: the "
-                          "shipped file would be used and yours passed over. Give yours a name of its own (e.g. "
-                          f"{Path(shadowed[0]).parent}/my_{Path(shadowed[0]).name}) and select it with that name.")
 
 
 @contextlib.contextmanager

@@ -67,7 +67,7 @@ def prepare(argv: list[str]) -> DictConfig:
     for arg in args:
         key, sep, value = arg.partition("=")
         if key == "--config-dir":  # your own config files, as `python -m trainer --config-dir DIR` takes them
-            from trainer.entry.cli import check_config_dir
+            from trainer.config.compose import check_config_dir
 
             config_dir = value if sep else next(args, None)
             if not config_dir:
