@@ -649,3 +649,12 @@ def test_a_key_of_a_group_option_not_chosen_names_the_option(given, says):
     from conftest import run_here
 
     assert_clean_error(run_here("debug=smoke", *given, "--cfg", "job"), says)
+
+
+def test_periodic_evals_without_a_val_split_are_said_once(tmp_path):
+    """trainer.eval_every=N where the data built no val split: the run had no evals, without a word."""
+    (tmp_path / "notes.txt").write_text("x" * 400)  # (too short to keep a val window of 257 bytes)
+    r = run_here("debug=smoke", "data=text", f"data.path={tmp_path / 'notes.txt'}", "data.seq_len=256",
+                 "data.batch_size=1", "trainer.max_steps=2", "trainer.eval_every=1", "hydra.run.dir=run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (r.stdout + r.stderr).count("built no val split, so this run has no evals") == 1

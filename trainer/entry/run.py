@@ -936,6 +936,12 @@ def train_here(cfg: DictConfig, run_dir: str | Path) -> dict[str, float]:
     say = print if backend.is_main else (lambda *a, **k: None)
     warn_long_warmup(cfg.scheduler, trainer.cfg.max_steps, say)  # (a training run's: eval builds the same Trainer)
     warn_unchecked_early_stopping(trainer, say)
+    from trainer.data.streaming import sized
+
+    val = trainer.data.val
+    if (val is None or sized(val) == 0) and (trainer.cfg.eval_every or trainer.cfg.eval_every_epochs):
+        say(f"note: data._target_={cfg.data.get('_target_')} built no val split, so this run has no evals (no val/ "
+            "metrics) whatever trainer.eval_every says.")  # (the run went on without them, without a word)
     # From here to the end (teardown included), no progress for world.hang_timeout s stops the job (exit 70).
     watch = watchdog.start(trainer.launch.hang_timeout, run_dir, backend.info)
     try:
