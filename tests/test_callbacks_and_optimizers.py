@@ -333,10 +333,10 @@ def test_a_callbacks_mistakes_never_cost_the_trained_run(corpus, tmp_path):
     run = tmp_path / "fit_end"
     with pytest.raises(RuntimeError, match="a callback's bug at the end of fit"):
         run_here_raising(corpus, run, "+callbacks.odd._target_=odd_callbacks.RaisesAtFitEnd")
-    assert (run / "checkpoints" / "step_00000004").is_dir()  # (the final checkpoint: resume=auto exports it)
+    assert (run / "checkpoints" / "step_00000002").is_dir()  # (the final checkpoint: resume=auto exports it)
     for name, needle in (("StateWithoutLoad", "has state_dict but no load_state_dict"),
                          ("StateOfAnObject", "cannot checkpoint a value of type object at '/callbacks/odd/obj'")):
-        r = run_here(*tiny_overrides(corpus, "trainer.max_steps=4"), f"+callbacks.odd._target_=odd_callbacks.{name}",
+        r = run_here(*tiny_overrides(corpus, "trainer.max_steps=2"), f"+callbacks.odd._target_=odd_callbacks.{name}",
                      f"hydra.run.dir={tmp_path / name}")
         assert_clean_error(r, needle)
         assert not (tmp_path / name).exists()  # (refused before the first step)
@@ -345,7 +345,7 @@ def test_a_callbacks_mistakes_never_cost_the_trained_run(corpus, tmp_path):
 def run_here_raising(corpus, run, *extra):
     from trainer import compose, train
 
-    train(compose(tiny_overrides(corpus, "trainer.max_steps=4", *extra)), run)
+    train(compose(tiny_overrides(corpus, "trainer.max_steps=2", *extra)), run)
 
 
 def test_an_optimizer_of_ones_own_without_a_key_the_config_leaves_null(corpus, tmp_path):

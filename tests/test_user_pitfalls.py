@@ -737,14 +737,19 @@ def test_a_finder_mistake_is_one_paragraph(tmp_path, args, says):
 
 
 def test_the_batch_size_finder_takes_a_config_whose_batch_is_larger_than_the_data(tmp_path):
-    """A batch larger than the training split is refused for training; the finder, which chooses the batch itself
-    (up to the split), was refused with it (a recipe's default of 128 on a small file)."""
-    from conftest import run_here
+    """A batch larger than the training split is refused for training; the finder, which builds the run (as here)
+    and chooses the batch itself up to the split, was refused with it (a recipe's default of 128 on a small file)."""
+    from trainer import build, compose
+    from trainer.errors import DataError
 
     (tmp_path / "small.txt").write_bytes(b"abcdefgh" * 16)  # (3 samples of 32 bytes for training)
-    r = run_here("tune", "batch_size", "debug=smoke", "data=text", f"data.path={tmp_path / 'small.txt'}",
-                 "data.seq_len=32", "data.batch_size=64", "tune.memory_mb=8000", cwd=tmp_path)
-    assert r.returncode == 0 and "the largest micro-batch that fits" in r.stdout, r.stderr
+    trainer = build(compose(["debug=smoke", "data=text", f"data.path={tmp_path / 'small.txt'}", "data.seq_len=32",
+                             "data.batch_size=64"]), tmp_path / "run")
+    try:
+        with pytest.raises(DataError, match="data.batch_size=64 is more than the 3 samples of the training split"):
+            trainer.data.check_batch()  # (where a training run starts, and the LR range test)
+    finally:
+        trainer.backend.teardown()
 
 
 def test_a_finders_save_replaces_only_a_file_a_finder_wrote(tmp_path):
