@@ -170,6 +170,20 @@ def compile_args(t: Any) -> dict[str, Any]:
     return {"backend": t.compile_backend, "mode": t.compile_mode, "options": options}
 
 
+def call_refused(fn: Any, *args, **kwargs) -> TypeError | None:
+    """Why a call of `fn` with these arguments would fail on its signature alone (None: it would not, or `fn` has no
+    signature to read): code of one's own checked before the run reaches that call."""
+    import inspect
+
+    try:
+        inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as e:
+        return e
+    except ValueError:
+        pass
+    return None
+
+
 def unused_nulls(target: Any, node: dict) -> set[str]:
     """The keys of `node` set to null that `target` does not take: a data config's `cache_dir: null` under your own
     `data._target_` (Hydra cannot remove a null key: ~data.cache_dir says it does not exist). They are left out

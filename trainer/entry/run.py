@@ -123,18 +123,15 @@ def _schedule(section: str, node: DictConfig, optimizer, total_steps: int):
     """`section._target_` called as a schedule is: f(optimizer, total_steps=N), partial over its keys. A torch
     scheduler of its own (StepLR) takes no total_steps: that was a bare TypeError; one returning no scheduler was
     an AttributeError at the first step."""
-    import inspect
+    from trainer.config.targets import call_refused
 
     make = build_node(section, node)
-    try:
-        inspect.signature(make).bind(optimizer, total_steps=total_steps)
-    except TypeError as e:
+    refused = call_refused(make, optimizer, total_steps=total_steps)
+    if refused is not None:
         raise ConfigError(f"{section}._target_={node.get('_target_')} is called as f(optimizer, total_steps=N) with "
-                          f"its keys given, and it cannot be ({e}). A torch scheduler (StepLR, ...) takes no "
+                          f"its keys given, and it cannot be ({refused}). A torch scheduler (StepLR, ...) takes no "
                           "total_steps: wrap it in a function of yours, def make(optimizer, total_steps, **keys): "
-                          "return StepLR(optimizer, **keys), and point _target_ at that.") from None
-    except ValueError:  # (no signature to read: called as it is)
-        pass
+                          "return StepLR(optimizer, **keys), and point _target_ at that.")
     scheduler = make(optimizer, total_steps=total_steps)
     if not (callable(getattr(scheduler, "get_last_lr", None)) and callable(getattr(scheduler, "state_dict", None))):
         raise ConfigError(f"{section}._target_={node.get('_target_')} returned a {type(scheduler).__name__}, not a "
@@ -412,16 +409,12 @@ def build(cfg: DictConfig, run_dir: str | Path, preemption=None) -> Trainer:
         train_data, val_data = build_data(cfg.data)
         _check_evals_have_data(cfg, val_data)
         if hasattr(task, "setup"):  # e.g. fit a normaliser on the training split (see trainer/task.py)
-            import inspect
+            from trainer.config.targets import call_refused
 
-            try:  # (setup(self, train, val), the signature before run_dir: a bare TypeError)
-                inspect.signature(task.setup).bind(train_data, val_data, run_dir)
-            except TypeError:
+            if call_refused(task.setup, train_data, val_data, run_dir):  # (setup(self, train, val): a TypeError)
                 raise ConfigError(f"the task's setup ({type(task).__name__}.setup) must take (train, val, run_dir): "
                                   "run_dir is where a task keeps records of its own (None outside a run). Add the "
-                                  "parameter, e.g. def setup(self, train, val, run_dir=None).") from None
-            except ValueError:
-                pass
+                                  "parameter, e.g. def setup(self, train, val, run_dir=None).")
             task.setup(train_data, val_data, run_dir)
         if hasattr(task, "training_step"):  # its forwards reach one part of the model at a time
             strategy.expect_unused_parameters()

@@ -14,10 +14,10 @@ the same step, with a final checkpoint and export as after the last step.
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any
 
+from trainer.config.targets import call_refused
 from trainer.errors import ConfigError
 
 HOOKS = ("on_step_end", "on_eval_end", "on_save", "on_fit_end")
@@ -55,15 +55,11 @@ class Callbacks(Callback):
                 raise ConfigError(f"callbacks.{name} ({type(cb).__name__}) has none of the hooks {', '.join(HOOKS)}.")
             for hook, args in (("on_step_end", 1), ("on_eval_end", 2), ("on_save", 2), ("on_fit_end", 2)):
                 fn = getattr(cb, hook, None)
-                if callable(fn):  # (a wrong signature was a bare TypeError at the first eval, the steps unsaved)
-                    try:
-                        inspect.signature(fn).bind(*[None] * args)
-                    except TypeError:
-                        takes = "trainer" if args == 1 else f"trainer, {'path' if hook == 'on_save' else 'metrics'}"
-                        raise ConfigError(f"callbacks.{name}.{hook} ({type(cb).__name__}) must take ({takes}): "
-                                          f"def {hook}(self, {takes}).") from None
-                    except ValueError:
-                        pass
+                # (a wrong signature was a bare TypeError at the first eval, the steps unsaved)
+                if callable(fn) and call_refused(fn, *[None] * args):
+                    takes = "trainer" if args == 1 else f"trainer, {'path' if hook == 'on_save' else 'metrics'}"
+                    raise ConfigError(f"callbacks.{name}.{hook} ({type(cb).__name__}) must take ({takes}): "
+                                      f"def {hook}(self, {takes}).")
             saves, loads = hasattr(cb, "state_dict"), hasattr(cb, "load_state_dict")
             if saves != loads:  # (its state was saved and never given back at a resume: started over in silence)
                 raise ConfigError(f"callbacks.{name} ({type(cb).__name__}) has {'state_dict' if saves else 'load_state_dict'}"
