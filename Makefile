@@ -24,7 +24,10 @@ $(VENV)/.installed: pyproject.toml
 train: venv
 	$(PY) -m trainer recipe=$(RECIPE) $(ARGS)
 
+# Where PYTHONDONTWRITEBYTECODE is set (the machines this project is built on set it), no process writes the .pyc files it compiles: each
+# xdist worker, forkserver and fresh interpreter of the suite compiled the same sources again. Compiled once here.
 test: venv
+	$(PY) -m compileall -qq -j 0 trainer recipes tests benchmarks || true
 	$(PY) -m pytest -q -n auto tests $(ARGS)
 
 # world=deepspeed's tests (pytest -m deepspeed): the deepspeed extra is installed first (after torch, without

@@ -361,6 +361,36 @@ def test_a_config_composed_with_each_file_parsed_once_is_the_config_composed_wit
     assert both() == plain
     assert not getattr(OmegaConf.load, "_parses_once", False)  # in force only inside
     assert "__deepcopy__" not in StructuredConfigSource.__dict__
+    from hydra._internal import defaults_list
+
+    assert not getattr(defaults_list._create_interpolation_map, "_where_used", False)
+
+
+@pytest.mark.parametrize("choice", [[], ["a=two"]])
+def test_a_defaults_list_interpolation_resolves_the_same_with_the_shortcuts(tmp_path, choice):
+    """`defaults_interpolated_where_they_are` builds Hydra's map of the choices made so far only for a defaults list
+    that holds an interpolation: a list that does (`- b: ${a}`, under a group too) picks what it picks without it."""
+    from hydra import compose, initialize_config_dir
+
+    from trainer.config import shortcuts
+
+    for group, option in (("a", "one"), ("a", "two"), ("b", "one"), ("b", "two"), ("c", "one"), ("c/d", "one"),
+                          ("c/d", "two")):
+        (tmp_path / group).mkdir(parents=True, exist_ok=True)
+        (tmp_path / group / f"{option}.yaml").write_text(f"picked: {group}/{option}\n")
+    (tmp_path / "c" / "one.yaml").write_text("defaults:\n  - d: ${a}\n  - _self_\nhere: c\n")
+    # (Hydra reads a list from its end: `a` is a known choice by the time c's own list is read)
+    (tmp_path / "config.yaml").write_text("defaults:\n  - c: one\n  - b: ${a}\n  - a: one\n  - _self_\n")
+
+    def composed():
+        with initialize_config_dir(str(tmp_path), version_base="1.3"):
+            return OmegaConf.to_container(compose("config", overrides=choice))
+
+    plain = composed()
+    with shortcuts.composing():
+        assert composed() == plain
+    picked = "two" if choice else "one"
+    assert plain["b"] == {"picked": f"b/{picked}"} and plain["c"]["d"] == {"picked": f"c/d/{picked}"}
 
 
 def test_a_yaml_mistake_is_the_same_error_with_the_parse_cache(tmp_path):
