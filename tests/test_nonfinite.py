@@ -33,7 +33,9 @@ def test_a_nan_stops_with_the_weights_from_before_it(corpus, tmp_path, trainers,
     from trainer.errors import NonFiniteError
 
     # log: step 6's NaN is on the device only; the host sees it at the checkpoint due at step 8.
-    expected = "at step 6 on rank 0; that update and the 2 after it" if check == "log" else "at step 6 on rank 0"
+    # step: the loss itself is read, and named (faulty's NaN is the loss's).
+    expected = "at step 6 on rank 0; that update and the 2 after it" if check == "log" else \
+        r"non-finite loss \(nan\) at step 6 on rank 0; .* A sample of the batch or the loss function can make"
     with pytest.raises(NonFiniteError, match=expected):
         train_in_process(corpus, tmp_path / "nan", *COMMON, f"trainer.nonfinite_check={check}", *NAN_AT_STEP_6)
     train_in_process(corpus, tmp_path / "five", *COMMON, "trainer.max_steps=5")
@@ -128,6 +130,21 @@ def test_no_device_sync_between_log_steps_on_cuda(corpus, tmp_path, monkeypatch)
     events = train_in_process(corpus, tmp_path, "world.device=cuda", "precision=bf16", "trainer.log_every=5",
                               "trainer.max_steps=10")
     assert len(series(events, "train/loss")) == 2
+
+
+def test_a_stop_names_the_loss_where_it_was_non_finite_and_else_the_gradient_norm():
+    """A NaN loss makes a NaN gradient norm, and the stop said only the norm (and offered only a lower rate)."""
+    from trainer.errors import NonFiniteError
+    from trainer.loop.nonfinite import NonFiniteGuard
+    from trainer.parallel.backend import Backend
+
+    guard = NonFiniteGuard("stop", "step", max_skips=10, backend=Backend(device="cpu"))
+    assert guard.allows(torch.tensor(1.0), 1, torch.tensor(float("nan")))  # (a finite norm: applied)
+    with pytest.raises(NonFiniteError, match=r"^non-finite loss \(inf\) at step 2 .* A sample of the batch or the "):
+        guard.allows(torch.tensor(float("nan")), 2, torch.tensor(float("inf")))
+    with pytest.raises(NonFiniteError) as stop:
+        guard.allows(torch.tensor(float("nan")), 3, torch.tensor(2.5))  # (an op's NaN gradient: the loss was finite)
+    assert str(stop.value).startswith("non-finite gradient norm (nan) at step 3") and "sample" not in str(stop.value)
 
 
 def test_guard_skips_on_the_device_names_the_first_bad_step_and_recovers_after_a_caught_stop():

@@ -33,6 +33,16 @@ FIX_SKIPPING = ("Lower optim.lr, clip gradients (trainer.grad_clip, or a lower v
                 "trainer.max_nonfinite_skips.")
 
 
+def _found(norm: float, loss: torch.Tensor | None) -> tuple[str, str]:
+    """What was non-finite, and a note: this rank's loss itself where it was (a sample or the loss function may then
+    be the cause, which no learning rate fixes), else the gradient norm. Read only once the norm is known bad."""
+    value = float(loss) if loss is not None else 0.0
+    if math.isfinite(value):
+        return f"non-finite gradient norm ({norm})", ""
+    return (f"non-finite loss ({value})", "A sample of the batch or the loss function can make a NaN/inf loss, as "
+            "can weights that diverged. ")
+
+
 def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer.step()` honours a `found_inf` tensor (torch sets this flag for fused optimizers)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
@@ -116,8 +126,9 @@ class NonFiniteGuard:
         if math.isfinite(norm):
             return True
         if self.policy == "stop":
-            raise NonFiniteError(f"non-finite gradient norm ({norm}) at step {step} on rank {self.backend.rank}; "
-                                 f"the update was not applied and any earlier checkpoint is intact. {FIX}")
+            found, note = _found(norm, loss)
+            raise NonFiniteError(f"{found} at step {step} on rank {self.backend.rank}; the update was not applied and "
+                                 f"any earlier checkpoint is intact. {note}{FIX}")
         return False
 
     def skip_on_device(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
