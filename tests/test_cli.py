@@ -366,6 +366,26 @@ def test_a_config_composed_with_each_file_parsed_once_is_the_config_composed_wit
     assert not getattr(defaults_list._create_interpolation_map, "_where_used", False)
 
 
+def test_the_store_is_shared_in_a_fresh_process_where_hydras_first_plugin_scan_comes_inside_the_shortcuts():
+    """Hydra's first plugin scan runs its core_plugins modules again and makes a new StructuredConfigSource class, so
+    the shortcut patched a class no source had in any fresh process (a command's own): each of `--help`'s ~100
+    compositions copied the whole ConfigStore (2 s). Checked in a fresh interpreter, where the scan comes inside."""
+    import subprocess
+    import sys
+
+    code = ("import copy\n"
+            "from hydra import compose, initialize_config_module\n"
+            "from hydra.core.global_hydra import GlobalHydra\n"
+            "import trainer.config.compose  # (the schema the config names)\n"
+            "from trainer.config.shortcuts import composing\n"
+            "with composing(), initialize_config_module('trainer.conf', version_base='1.3'):\n"
+            "    compose('config')\n"
+            "    source = GlobalHydra.instance().config_loader().repository.get_sources()[-1]\n"
+            "    print(type(source).__name__, copy.deepcopy(source).store is source.store)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["StructuredConfigSource", "True"], r.stdout + r.stderr
+
+
 @pytest.mark.parametrize("choice", [[], ["a=two"]])
 def test_a_defaults_list_interpolation_resolves_the_same_with_the_shortcuts(tmp_path, choice):
     """`defaults_interpolated_where_they_are` builds Hydra's map of the choices made so far only for a defaults list

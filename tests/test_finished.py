@@ -719,8 +719,22 @@ def test_load_refuses_what_is_not_a_path():
 
 
 def test_sample_of_a_text_task_says_out_was_not_written(reference, tmp_path):
-    """`sample LM_RUN out=x.txt` printed the text and wrote nothing, without a word: out= is where an image goes."""
-    r = run_main("sample", str(reference), "out=x.txt", "task.sample_tokens=5", "task.sample_prompt=ab", cwd=tmp_path)
+    """`sample LM_RUN out=x.png` printed the text and wrote nothing, without a word: out= is where an image goes."""
+    r = run_main("sample", str(reference), "out=x.png", "task.sample_tokens=5", "task.sample_prompt=ab", cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
-    assert "note: out=x.txt was not written: out= is where an image sample goes" in r.stderr
-    assert not (tmp_path / "x.txt").exists()
+    assert "note: out=x.png was not written: out= is where an image sample goes" in r.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_sample_out_of_another_format_is_refused_before_sampling(diffusion_reference, reference, tmp_path):
+    """`sample RUN out=x.jpg` wrote PNG bytes under a .jpg name (viewers that trust the suffix refuse it); out=x.txt of
+    a text task printed the text and wrote nothing. Both are one paragraph now, before the model is loaded."""
+    from test_errors import assert_clean_error
+
+    for run, out in ((diffusion_reference, "x.jpg"), (diffusion_reference, "grid"), (reference, "x.txt")):
+        assert_clean_error(run_main("sample", str(run), f"out={out}", cwd=tmp_path),
+                           f"out={out}: out= is where an image sample goes, and it is written as a PNG",
+                           "python -m trainer sample RUN_DIR > FILE")
+    assert list(tmp_path.iterdir()) == []
+    r = run_main("sample", str(diffusion_reference), "out=Grid.PNG", cwd=tmp_path)  # (the suffix in any case)
+    assert r.returncode == 0 and (tmp_path / "Grid.PNG").read_bytes()[:4] == b"\x89PNG", r.stderr

@@ -125,3 +125,28 @@ def test_a_parameter_the_forward_leaves_unused_under_ddp_is_one_paragraph_naming
                        "world.find_unused_parameters=true")
     r = run_cli(*args, "world.find_unused_parameters=true", f"hydra.run.dir={tmp_path / 'trained'}", env=FAULTY_ENV)
     assert r.returncode == 0, r.stderr
+
+
+def test_a_logger_of_ones_own_gets_every_logged_step_and_one_that_is_no_nulllogger_is_refused(corpus, tmp_path):
+    """README "A logger of your own": `+logger.mine._target_=...` is built with `run_dir=` and gets the config, each
+    logged step's metrics (the steps metrics.jsonl has) and the end. A class that does not subclass NullLogger failed
+    mid-run at the first call it lacks (a resume's rewind): one paragraph before anything runs, no run dir left."""
+    from conftest import run_here, tiny_overrides
+    from test_errors import assert_clean_error
+
+    run = tmp_path / "run"
+    r = run_here(*tiny_overrides(corpus, "trainer.max_steps=4", "optim.lr=0.003"), "+logger.mine._target_=own_logger.Recorder",
+                 f"hydra.run.dir={run}", env=FAULTY_ENV)
+    assert r.returncode == 0, r.stderr
+    events = [json.loads(line) for line in (run / "mine.jsonl").read_text().splitlines()]
+    assert events[0] == {"kind": "config", "lr": 0.003} and events[-1] == {"kind": "finish", "exit_code": 0}
+    logged = [e["step"] for e in events if e["kind"] == "metrics"]
+    assert logged == [e["step"] for e in read_metrics(run)] and 4 in logged
+    assert all("train/loss" in e["keys"] for e in events if e["kind"] == "metrics" and e["step"] == 1)
+
+    bad = tmp_path / "bad"
+    r = run_here(*tiny_overrides(corpus), "+logger.mine._target_=own_logger.NotALogger", f"hydra.run.dir={bad}",
+                 env=FAULTY_ENV)
+    assert_clean_error(r, "logger.mine (own_logger.NotALogger) built a NotALogger, which is not a "
+                       "trainer.tracking.loggers.NullLogger: subclass it")
+    assert not bad.exists()

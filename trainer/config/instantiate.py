@@ -174,7 +174,22 @@ def build_loggers(cfg: DictConfig, run_dir: Path, is_main: bool):
     if not is_main:
         return NullLogger()
     loggers = [JsonlLogger(run_dir)]
-    for node in (cfg or {}).values():
+    for name, node in (cfg or {}).items():
         if node is not None:
-            loggers.append(build_node("logger", node, run_dir=str(run_dir)))
+            loggers.append(build_logger(name, node, run_dir))
     return LoggerGroup(loggers)
+
+
+def build_logger(name: str, node: DictConfig, run_dir: Path):
+    """The `logger.NAME` section's logger. One of one's own must subclass NullLogger: the run calls every method of
+    it (a resume's `rewind`, a rollback's `take_branch`, ...), and a class without one failed there, mid-run."""
+    from trainer.tracking.loggers import NullLogger
+
+    logger = build_node(f"logger.{name}", node, run_dir=str(run_dir))
+    if not isinstance(logger, NullLogger):
+        raise ConfigError(f"logger.{name} ({node.get('_target_', '?')}) built a {type(logger).__name__}, which is not a "
+                          "trainer.tracking.loggers.NullLogger: subclass it and override what your logger keeps "
+                          "(log_metrics, log_text, log_image, log_config, finish; rewind for a resume; state_dict and "
+                          "load_state_dict for what it must keep across one), so that every call the run makes on a "
+                          "logger has a method (README: A logger of your own).")
+    return logger

@@ -78,6 +78,12 @@ def structured_configs_shared() -> Iterator[None]:
     `CachingConfigRepository`) shares the ConfigStore instead of copying all it holds. The copy exists so that
     the composition can replace the repository's sources; nothing writes into the store, and `ConfigStore.load`
     hands out a deep copy of each config it loads."""
+    from hydra.core.plugins import Plugins
+
+    # Hydra's first scan of its plugins runs each module of hydra._internal.core_plugins again, which makes a new
+    # StructuredConfigSource class: one patched before the scan was not the one the repository's source had, and
+    # every composition of a fresh process copied the whole store (--help composes ~100 times: 2 s, not 0.7).
+    Plugins.instance()
     from hydra._internal.core_plugins.structured_config_source import StructuredConfigSource
 
     if "__deepcopy__" in StructuredConfigSource.__dict__:  # (nested, or another Hydra's own copy)

@@ -279,6 +279,14 @@ def _replaces(path: Path, run: Path) -> str | None:
     return None
 
 
+def _not_png(path: Path) -> str | None:
+    """A name whose suffix promises another format (x.jpg held PNG bytes, which viewers that go by the suffix refuse)."""
+    if path.suffix.lower() == ".png":
+        return None
+    return ("out= is where an image sample goes, and it is written as a PNG: give a name ending in .png (a text "
+            "sample, the lm task's, is printed: python -m trainer sample RUN_DIR > FILE keeps it)")
+
+
 def _training_images(run: Path) -> set[Path]:
     """The images the run's evals wrote (samples.jsonl lists them), which a `sample out=` must not replace."""
     import json
@@ -443,7 +451,7 @@ def sample(argv: list[str]) -> int:
     if "out" in opts:  # (before the sampling, not after it)
         from trainer.io import output_file_problem
 
-        problem = output_file_problem(opts["out"]) or _replaces(Path(opts["out"]), run)
+        problem = output_file_problem(opts["out"]) or _replaces(Path(opts["out"]), run) or _not_png(Path(opts["out"]))
         if problem:
             raise ConfigError(f"out={opts['out']}: {problem}.")
     secrets = _secrets_of(config_yaml(run)) | secret_values(task_keys)

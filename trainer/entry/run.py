@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.manager import resume, set_abandoned_branch_aside
-from trainer.config.instantiate import build_data, build_loggers, build_node, build_strategy
+from trainer.config.instantiate import build_data, build_logger, build_loggers, build_node, build_strategy
 from trainer.config.schema import (
     CheckpointConfig,
     EMAConfig,
@@ -282,9 +282,9 @@ def preflight(cfg: DictConfig, run_dir: Path, device: str = "auto") -> None:
     check(model, cfg.get("finetune"))  # pretrained weights that do not fit the model: before any worker starts
     _task(cfg.task)
     build_data(cfg.data)
-    for node in (cfg.logger or {}).values():  # trackers' constructors validate and start nothing
+    for name, node in (cfg.logger or {}).items():  # trackers' constructors validate and start nothing
         if node is not None:
-            build_node("logger", node, run_dir=str(run_dir))
+            build_logger(name, node, run_dir)
 
 
 # Settings each node may have its own of: its rank, cores, workers and rendezvous address, where it reads its data
