@@ -99,6 +99,17 @@ def test_a_wrap_class_the_model_lacks_is_one_paragraph_naming_its_blocks():
         st.units(Net())
 
 
+def test_a_block_class_the_models_own_no_split_modules_lacks_names_that_not_world_wrap():
+    """A model whose `_no_split_modules` names a class it lacks (a copied Hugging Face declaration) was told "world.wrap
+    names Blok", a setting the user never gave, with world.wrap=[Blok] itself as the fix."""
+    with pytest.raises(ConfigError) as refused:
+        Strategy().units(Net(["Blok"]))
+    message = str(refused.value)
+    assert message.startswith("Net._no_split_modules names Blok, which the model does not contain") and \
+        "Did you mean Block?" in message and message.endswith("or override it: its repeated blocks: world.wrap=[Block].")
+    assert "world.wrap names" not in message
+
+
 @pytest.mark.parametrize(("override", "named"), [
     ("trainer.grad_accum_steps=0", "trainer.grad_accum_steps"),
     ("data.batch_size=-1", "data.batch_size"),

@@ -173,11 +173,20 @@ class Strategy:
             if unknown:
                 from trainer.errors import ConfigError, suggest
 
-                # The model's own repeated blocks, as the fix: its _no_split_modules, else its ModuleLists' children.
-                blocks = getattr(model, "_no_split_modules", None) or sorted(
+                # The model's own repeated blocks, as the fix: its _no_split_modules (where world.wrap was the mistake
+                # and they are right), else its ModuleLists' children.
+                declared = getattr(model, "_no_split_modules", None) if self.unit_classes is not None else None
+                blocks = [n for n in declared or () if n in present] or sorted(
                     {type(m).__name__ for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst})
                 fix = (f"Its repeated blocks: world.wrap=[{','.join(blocks)}]" if blocks else
                        "Name the class of its repeated blocks (world.wrap=[ClassName])")
+                if self.unit_classes is None:  # (the model's own declaration: world.wrap was never given)
+                    raise ConfigError(
+                        f"{type(model).__name__}._no_split_modules names {', '.join(unknown)}, which the model does not "
+                        f"contain, so its repeated blocks (FSDP's units, what activation checkpointing recomputes) "
+                        f"cannot be found.{suggest(unknown[0], present)} Its module classes: "
+                        f"{', '.join(sorted(present))}. Correct _no_split_modules in the model's class, or override it: "
+                        f"{fix[0].lower() + fix[1:]}.")
                 raise ConfigError(
                     f"world.wrap names {', '.join(unknown)}, which the model ({type(model).__name__}) does not "
                     f"contain.{suggest(unknown[0], present)} Its module classes: {', '.join(sorted(present))}. {fix}."
