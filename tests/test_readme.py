@@ -37,7 +37,8 @@ CHECKED_ONLY = {
 # test_the_quickstart_runs_from_a_fresh_shell runs it in a new shell, as a user would.
 NOT_RUN = ("make ", "source ")
 # Where the README trains for minutes, the walkthrough trains for steps.
-SHRINK = {"trainer.max_steps=50": "trainer.max_steps=5", "tune.memory_mb=4000": "tune.memory_mb=4000 tune.max_batch_size=64"}
+SHRINK = {"trainer.max_steps=50": "trainer.max_steps=5", "trainer.max_steps=200": "trainer.max_steps=5",
+          "trainer.max_steps=300": "trainer.max_steps=5", "tune.memory_mb=4000": "tune.memory_mb=4000 tune.max_batch_size=64"}
 
 
 def blocks(lang: str) -> list[tuple[int, str]]:
