@@ -356,6 +356,24 @@ def test_a_mistake_in_ones_own_model_or_task_is_one_paragraph_and_leaves_no_run_
     assert run_here(*right, cwd=tmp_path).returncode == 0  # (the same recipe, put right, trains)
 
 
+@pytest.mark.parametrize("task, says", [
+    ("FloatMetrics", r"FloatMetrics\.eval_metrics returned a float: it returns a dict of metric names to numbers"),
+    ("VectorScore", r"VectorScore\.score returned \{'error': Tensor of shape \[16\]\}: it returns a dict of metric"),
+])
+def test_a_task_method_returning_no_dict_of_numbers_is_one_paragraph_naming_the_method(tmp_path, task, says):
+    """A task's eval_metrics returning its number bare, or a score of a tensor per sample, was a traceback inside the
+    eval (`'float' object has no attribute 'update'`, `a Tensor with 16 elements cannot be converted to Scalar`)."""
+    from conftest import ROOT, run_here
+
+    run_dir = tmp_path / "run"
+    r = run_here("--config-dir", str(ROOT / "tests" / "conf"), "recipe=classify", "model._target_=own_mistakes.Linear",
+                 "~model.hidden", "+model.out=1", "data._target_=own_mistakes.points", f"task._target_=own_mistakes.{task}",
+                 "~task.loss", "trainer.max_steps=2", "trainer.eval_every=2", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    error = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and re.search(says, error[0]), r.stderr
+
+
 @pytest.mark.slow
 def test_an_unsupported_dataset_stops_a_ddp_run_before_its_workers(tmp_path):
     from conftest import FAULTY_ENV, run_cli

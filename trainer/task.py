@@ -7,6 +7,8 @@ makes gradient accumulation and data parallelism exact even when batches differ 
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
@@ -22,6 +24,25 @@ class Task(Protocol):
         that sum as "loss" and other additive sums (correct predictions, ...) under their own names. The
         Trainer reduces each sum over micro-batches and ranks exactly like the loss and logs it divided by
         the number of targets: {"loss": ..., "accuracy": n_correct} gives train/accuracy and val/accuracy."""
+
+
+def named_numbers(value: Any, method: str, task: Any) -> dict[str, Any]:
+    """A task method's metrics (`eval_metrics`, `score`): a dict of names to numbers (a one-element tensor counts),
+    else one paragraph naming the method. What it returned was a traceback inside the eval that read it."""
+    from trainer.errors import ConfigError
+
+    if isinstance(value, Mapping):
+        wrong = [(k, v) for k, v in value.items() if not isinstance(k, str) or isinstance(v, bool) or not (
+            isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and v.numel() == 1))]
+        if not wrong:
+            return dict(value)
+        key, v = wrong[0]
+        got = f"{{{key!r}: {type(v).__name__}{' of shape ' + str(list(v.shape)) if isinstance(v, torch.Tensor) else ''}}}"
+    else:
+        got = f"a {type(value).__name__}"
+    raise ConfigError(f"{type(task).__name__}.{method} returned {got:.120}: it returns a dict of metric names to "
+                      f"numbers (a float, or a tensor of one element), such as {{'bpb': 1.21}}, each logged as "
+                      f"val/NAME. trainer/task.py lists what a task's methods take and return.")
 
 
 # Optional attribute: target_unit, what num_targets counts ("tokens", "samples", "images"; default "targets"):
@@ -179,7 +200,8 @@ class EvalSums:
         """`prefix/loss` per target, the task's eval_metrics of it, each other sum per target, and the whole-set
         `scored` metrics, from the (reduced) totals."""
         loss = loss_sum / count
-        extra = self.task.eval_metrics(loss) if hasattr(self.task, "eval_metrics") else {}
+        extra = named_numbers(self.task.eval_metrics(loss), "eval_metrics", self.task) \
+            if hasattr(self.task, "eval_metrics") else {}
         extra.update({n: v / count for n, v in sums.items()})
         extra.update(scored or {})
         return {f"{prefix}/loss": loss, **{f"{prefix}/{k}": v for k, v in extra.items()}}

@@ -59,3 +59,35 @@ class PerSample(ZeroTargets):
     def loss(self, model, batch):
         x, y = batch
         return (model(x) - y) ** 2
+
+
+class FloatMetrics:
+    """A task whose eval_metrics returns a bare float (the metric), not a dict of it."""
+
+    def __init__(self):
+        from trainer.task import SupervisedTask
+
+        self.inner = SupervisedTask(loss="torch.nn.MSELoss")
+
+    def num_targets(self, batch):
+        return self.inner.num_targets(batch)
+
+    def loss(self, model, batch):
+        return self.inner.loss(model, batch)
+
+    def eval_metrics(self, mean_loss):
+        return mean_loss ** 0.5
+
+
+class VectorScore(FloatMetrics):
+    """A task whose score returns a metric per sample (a tensor of many elements) where one number is wanted."""
+
+    def eval_metrics(self, mean_loss):
+        return {"rmse": torch.tensor(mean_loss) ** 0.5}  # (a one-element tensor: taken)
+
+    def predict(self, model, batch):
+        x, y = batch
+        return {"error": (model(x) - y).abs().squeeze(-1)}
+
+    def score(self, outputs):
+        return {"error": outputs["error"]}

@@ -31,7 +31,7 @@ from trainer.loop.runtime import Runtime
 from trainer.models.finetune import after_load, frozen_keys
 from trainer.parallel import unwrap
 from trainer.redaction import redact_text
-from trainer.task import EvalSums, Task, split_loss
+from trainer.task import EvalSums, Task, named_numbers, split_loss
 from trainer.tracking.images import is_image
 from trainer.tracking.loggers import NullLogger
 from trainer.tracking.progress import NullProgress, Progress
@@ -253,7 +253,8 @@ class Trainer:
         each sample once (a rank's repeated lockstep batches are not among its rows). Computed on the main rank;
         every rank gets its result (early stopping and the best checkpoint read it)."""
         outputs = {name: self.backend.gather_samples(owned, torch.cat(parts)) for name, parts in sorted(rows.items())}
-        scored = {k: float(v) for k, v in self.task.score(outputs).items()} if self.backend.is_main else None
+        scored = {k: float(v) for k, v in named_numbers(self.task.score(outputs), "score", self.task).items()} \
+            if self.backend.is_main else None
         return self.backend.broadcast_object(scored)
 
     @torch.no_grad()
