@@ -36,7 +36,10 @@ FIX_SKIPPING = ("Lower optim.lr, clip gradients (trainer.grad_clip, or a lower v
 def _found(norm: float, loss: torch.Tensor | None) -> tuple[str, str]:
     """What was non-finite, and a note: this rank's loss itself where it was (a sample or the loss function may then
     be the cause, which no learning rate fixes), else the gradient norm. Read only once the norm is known bad."""
-    value = float(loss) if loss is not None else 0.0
+    try:
+        value = float(loss) if loss is not None else 0.0
+    except (TypeError, ValueError, RuntimeError):  # (a loss that is no scalar here: the stop must still be this one)
+        value = 0.0
     if math.isfinite(value):
         return f"non-finite gradient norm ({norm})", ""
     return (f"non-finite loss ({value})", "A sample of the batch or the loss function can make a NaN/inf loss, as "
