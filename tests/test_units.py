@@ -495,3 +495,17 @@ def test_a_large_seed_shuffles_and_a_small_one_keeps_its_order():
     assert sorted(order) == list(range(50))
     g = torch.Generator().manual_seed(7 * 1_000_003)
     assert GlobalBatchSampler(50, 4, seed=7).indices(0, 50) == torch.randperm(50, generator=g).tolist()
+
+
+def test_the_loader_worker_bound_reads_the_cores_where_the_os_has_no_affinity(monkeypatch):
+    """Config validation bounds data.num_workers by the cores; os.sched_getaffinity is Linux's alone, and reading it
+    directly made every config fail to validate elsewhere (macOS) with an AttributeError."""
+    import os
+
+    import trainer
+
+    monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert trainer.compose(["debug=smoke", "data.num_workers=500"]).data.num_workers == 500  # (8 x 64 = 512)
+    with pytest.raises(ConfigError, match=r"data.num_workers=513 is invalid: expected an integer in \[0, 512\]"):
+        trainer.compose(["debug=smoke", "data.num_workers=513"])

@@ -417,10 +417,13 @@ def _validate_data(d: DictConfig) -> None:
     _check(_is_int(nw) and nw >= 0, "data.num_workers", nw, "an integer >= 0")
     # Each is a process of its own, per training process, and torch starts as many as asked (only warning):
     # 99999999999999999999 forked until the machine stopped. Far above any machine's useful count is refused.
-    most = max(256, 8 * len(os.sched_getaffinity(0)))
+    from trainer.parallel.layout import available_cores
+
+    cores = available_cores()
+    most = max(256, 8 * cores)
     _check(nw <= most, "data.num_workers", nw, f"an integer in [0, {most}]",
-           f"Each is a loader process of its own in every training process (this machine has "
-           f"{len(os.sched_getaffinity(0))} cores); a few per process is usual.")
+           f"Each is a loader process of its own in every training process (this machine has {cores} cores); a few "
+           "per process is usual.")
     _check(isinstance(d.get("shuffle", True), bool), "data.shuffle", d.get("shuffle"), "true or false")
     if "seq_len" in d:
         _check(_is_int(d.seq_len) and d.seq_len >= 1, "data.seq_len", d.seq_len, "an integer >= 1")

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.parallel.layout import available_cores  # (also imported from here: trainer/entry/commands.py)
+
 
 def map_tensors(fn, batch: Any) -> Any:
     """`batch` with `fn` applied to each of its tensors, through mappings, lists, tuples and named tuples (what
@@ -62,13 +64,6 @@ def world_info() -> WorldInfo:
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
         restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
     )
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def default_pg_backend(device: torch.device | None = None) -> str:

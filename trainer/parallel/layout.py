@@ -129,3 +129,14 @@ class Layout:
             from trainer.parallel.tensor_parallel import parallelize
 
             parallelize(model, mesh["tp"])
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity, where the OS has one: a SLURM job's share, not the
+    machine's); torch-free, as config validation reads it too."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
