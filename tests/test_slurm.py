@@ -174,47 +174,34 @@ needs_submitit = pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydr
 
 
 @needs_submitit
-def test_a_submitit_sweep_rerun_with_its_values_in_another_order_continues_each_points_own_run(corpus, tmp_path):
-    """Under submitit each job's .hydra/ records are written into its numbered dir before the job runs, so the dir's
-    records named the job's point whatever run the dir held: a rerun with the values reordered continued dir 0 (lr
-    1e-3) at lr 2e-3 and dir 1 the other way round, said only in submitit's log. A run's config.yaml decides now."""
-    sweep = tmp_path / "sweep"
-    args = (*tiny_overrides(corpus, "checkpoint.every_n_steps=2"), f"hydra.sweep.dir={sweep}", "resume=auto")
-    assert run_here("-m", *args, "trainer.max_steps=2", "optim.lr=1e-3,2e-3", cwd=tmp_path).returncode == 0
-    # (and a new value in front: the 1e-3 point's job 2 has a dir of its own, holding only the records Hydra wrote
-    # for it, which matched: that point was trained again from step 0 there, its run in dir 0 left behind)
-    r = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", *args, "trainer.max_steps=3",
-                "optim.lr=5e-4,2e-3,1e-3", cwd=tmp_path, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    for job, lr in ((0, 1e-3), (1, 2e-3)):  # each dir continued its own point: the lr it was trained at
-        assert yaml.safe_load((sweep / str(job) / "config.yaml").read_text())["optim"]["lr"] == lr
-        assert [e["step"] for e in read_metrics(sweep / str(job)) if "train/loss" in e] == [1, 2, 3]
-    assert yaml.safe_load((sweep / "0-2" / "config.yaml").read_text())["optim"]["lr"] == 5e-4  # (the new point)
-    assert sorted(d.name for d in sweep.iterdir() if d.is_dir() and not d.name.startswith(".")) == ["0", "0-2", "1"]
-    # Each job was pickled by submitit and run in a process of its own, as on SLURM, to its export.
-    assert all((sweep / d / "model.safetensors").exists() for d in ("0", "0-2", "1"))
-    outs = sorted((sweep / ".submitit").glob("*/*_log.out"))
-    assert len(outs) == 3 and all("Job completed successfully" in p.read_text() for p in outs)
-    logs = "".join(p.read_text() for p in (sweep / ".submitit").glob("*/*_log.out"))
-    assert "optim.lr: 0.001 -> 0.002" not in logs and "optim.lr: 0.002 -> 0.001" not in logs
-
-
-@needs_submitit
-def test_a_submitit_sweep_of_the_run_s_length_reordered_continues_each_points_own_run(corpus, tmp_path):
-    """A swept key that a rerun may otherwise change (trainer.max_steps) is the point: the swept keys were read from
-    sys.argv, which in a submitit job is submitit's own, so max_steps=40 continued the 20-step run and the 20-step
-    point found the 40-step run "already finished". They are read from the sweep's multirun.yaml."""
+def test_a_submitit_sweep_rerun_reordered_with_a_new_point_in_front_continues_each_points_own_run(corpus, tmp_path):
+    """Two ways a sweep rerun under submitit, where each job runs in a process of its own as on SLURM, took another
+    point's run for its own:
+    - each job's .hydra/ records are written into its numbered dir before the job runs, so the dir's records named
+      the job's point whatever run the dir held: a rerun with the values reordered continued dir 0's run as dir 1's
+      point and the other way round, said only in submitit's log. A run's config.yaml decides now.
+    - the swept keys were read from sys.argv, which in a submitit job is submitit's own, so a swept key that a rerun
+      may otherwise change (trainer.max_steps) was read as a longer run: max_steps=4 continued the 2-step run and
+      the 2-step point found the 4-step run "already finished". They are read from the sweep's multirun.yaml.
+    (The rerun has a new value in front, as well: its job 0 is a new point, and dir 0 holds another.)"""
     sweep = tmp_path / "sweep"
     args = (*tiny_overrides(corpus, "checkpoint.every_n_steps=2"), f"hydra.sweep.dir={sweep}", "resume=auto")
     assert run_here("-m", *args, "trainer.max_steps=2,4", cwd=tmp_path).returncode == 0
-    r = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", *args, "trainer.max_steps=4,2",
+    r = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", *args, "trainer.max_steps=3,4,2",
                 cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    for job, steps in ((0, 2), (1, 4)):
-        assert yaml.safe_load((sweep / str(job) / "config.yaml").read_text())["trainer"]["max_steps"] == steps
-        assert [e["step"] for e in read_metrics(sweep / str(job)) if "train/loss" in e] == list(range(1, steps + 1))
-    logs = "".join(p.read_text() for p in (sweep / ".submitit").glob("*/*_log.out"))
-    assert logs.count("the run is already finished") == 2 and "continues in" in logs
+    # Each point's run where the first sweep left it (the 2- and 4-step runs were finished), the new one in 0-2.
+    for job, steps in (("0", 2), ("1", 4), ("0-2", 3)):
+        assert yaml.safe_load((sweep / job / "config.yaml").read_text())["trainer"]["max_steps"] == steps
+        assert [e["step"] for e in read_metrics(sweep / job) if "train/loss" in e] == list(range(1, steps + 1))
+    # (job 2's own numbered dir, which Hydra made for it empty, is not left behind)
+    assert sorted(d.name for d in sweep.iterdir() if d.is_dir() and not d.name.startswith(".")) == ["0", "0-2", "1"]
+    # Each job was pickled by submitit and run in a process of its own, as on SLURM, to its export.
+    assert (sweep / "0-2" / "model.safetensors").exists()
+    outs = sorted((sweep / ".submitit").glob("*/*_log.out"))
+    assert len(outs) == 3 and all("Job completed successfully" in p.read_text() for p in outs)
+    logs = "".join(p.read_text() for p in outs)
+    assert logs.count("the run is already finished") == 2 and "continues its run in" in logs, logs
 
 
 def _results_wait_of_a_second() -> None:
