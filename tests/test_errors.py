@@ -239,6 +239,8 @@ def test_config_mistakes(tmp_path, args, needles):
     # (never trained: in no optimizer; the export kept its random weights, and trainer.load blamed the files)
     (["model._target_=odd_callbacks.LazyLayer"], "the model made parameters in its forward (head.weight, head.bias)"),
     (["data=stdlib", "data.val_every=1000000000"], "data.val_every=1000000000 put none of the standard library's"),
+    # (torch's stack error, a traceback through the loader at the first batch, the run dir left)
+    (["data._target_=odd_callbacks.ragged"], "the samples of Ragged do not make one batch: torch's default_collate"),
 ])
 def test_values_the_data_or_the_recipes_code_refuses_are_one_paragraph_before_the_first_step(small_corpus, tmp_path,
                                                                                             args, needle):

@@ -687,28 +687,34 @@ def test_a_registered_step_scheduler_stepped_every_micro_batch_is_refused(accum)
 def test_a_loop_that_ends_in_the_middle_of_an_accumulation_says_what_it_never_applied(tmp_path, capfd):
     """A DataLoader of the loop's own, 5 micro-batches an epoch with grad_accum_steps=2: the last one's gradients were
     never applied, and rt.save_model and rt.end() said nothing. A note names them and the way to step on them;
-    passing last=True to the epoch's last micro-batch applies them (the same update as a big batch of the two)."""
+    passing last=True to the epoch's last micro-batch applies them (the same update as a big batch of the two), and
+    last=False before it leaves the steps to the count."""
     import trainer
+
+    batches = [torch.full((1, 2), float(i)) for i in range(5)]
 
     def run(last: bool):
         rt = trainer.Runtime("single", "fp32", grad_accum_steps=2)
         torch.manual_seed(0)
         model = nn.Linear(2, 1)
         model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        batches = [torch.full((1, 2), float(i)) for i in range(5)]
+        stepped = []
         for i, x in enumerate(batches):
             with rt.accumulate(model, last=(i == len(batches) - 1) if last else None):
-                rt.backward(model(x).sum())
-            rt.step(opt)
+                rt.backward((model(x) - 1).square().sum())
+            stepped.append(rt.step(opt))
         rt.save_model(model, tmp_path / f"last_{last}")
         rt.end()
-        return model
+        return model, stepped
 
-    run(last=False)
+    assert run(last=False)[1] == [False, True, False, True, False]
     err = capfd.readouterr().err  # (at rt.end(); not at the rt.save_model before it, where a loop may go on)
     assert err.count("note: the loop's last 1 micro-batch(es) were never applied: it ended after micro-step 1 of 2 "
                      "of a step") == 1 and "rt.accumulate(model, last=i == len(loader) - 1)" in err, err
-    model = run(last=True)
+    # last=False before the last micro-batch is no end of the data: the count still ends steps there (it once held
+    # every step back, and the epoch was one step of five micro-batches)
+    model, stepped = run(last=True)
+    assert stepped == [False, True, False, True, True]
     assert "never applied" not in capfd.readouterr().err
     rt = trainer.Runtime("single", "fp32", grad_accum_steps=2)  # a save in the middle of a step, the loop going on
     net = nn.Linear(2, 1)
@@ -722,10 +728,17 @@ def test_a_loop_that_ends_in_the_middle_of_an_accumulation_says_what_it_never_ap
     rt.end()
     assert "never applied" not in capfd.readouterr().err
     torch.manual_seed(0)  # by hand: two steps of two micro-batches, then the fifth alone (its loss halved, as each is)
-    w = nn.Linear(2, 1).weight.detach().clone()
-    for xs in ([0.0, 1.0], [2.0, 3.0], [4.0]):
-        w -= 0.1 * torch.full((1, 2), sum(xs) / 2)
-    assert torch.allclose(model.weight, w, rtol=0, atol=1e-6)
+    ref = nn.Linear(2, 1)
+    for step in (batches[0:2], batches[2:4], batches[4:]):
+        for x in step:
+            ((ref(x) - 1).square().sum() / 2).backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+    # (the same float operations in the same order: a few ulps at most, against 0.06 for one step of all five)
+    torch.testing.assert_close(model.weight, ref.weight, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(model.bias, ref.bias, rtol=1e-6, atol=1e-6)
 
 
 def test_under_fp16_a_clip_of_ones_own_before_unscaling_is_warned_of_and_after_it_is_rt_s_clip(capfd):
@@ -1811,6 +1824,35 @@ def test_two_accumulate_blocks_a_micro_batch_are_refused_one_block_of_both_steps
                                         r"`with rt\.accumulate\(gen, disc\):`"):
         with rt.accumulate(gen):
             pass
+
+
+def test_rt_loader_takes_a_collate_fn_and_says_why_it_takes_no_other_dataloader_argument(rt):
+    """Sequences of different lengths, Accelerate's usual NLP loop: rt.loader(..., collate_fn=pad) was a TypeError
+    traceback (only a collate_fn attribute on the dataset, undocumented, was taken), torch's default_collate refused
+    the unpadded samples with a traceback through the loader (from a worker: "Trying to resize storage"), and a
+    DataLoader with a collate_fn of its own was told to pass its dataset alone. drop_last was a TypeError too."""
+    from odd_callbacks import Ragged, pad
+    from torch.utils.data import DataLoader
+
+    class Padded(Ragged):  # the way that worked before: the dataset's own collate_fn attribute
+        collate_fn = staticmethod(pad)
+
+    for loader in (rt.loader, rt.eval_loader):  # the function given equals the dataset's own attribute, batch by batch
+        given = [tuple(t.tolist() for t in b) for b in loader(Ragged(), batch_size=4, collate_fn=pad)]
+        own = [tuple(t.tolist() for t in b) for b in loader(Padded(), batch_size=4)]
+        assert given == own and len(given) == 16, given
+    for workers in (0, 1):  # (in this process, and raised again by torch from a loader worker)
+        with pytest.raises(UserError, match=r"^the samples of Ragged do not make one batch: torch's default_collate, "
+                                            r"which stacks them, said .*give the dataset a `collate_fn`"):
+            next(iter(rt.loader(Ragged(), batch_size=4, num_workers=workers)))
+    with pytest.raises(UserError, match=r"rt.loader\(loader.dataset, batch_size=..., collate_fn=loader.collate_fn"):
+        rt.loader(DataLoader(Ragged(), batch_size=4, collate_fn=pad), batch_size=4)
+    with pytest.raises(UserError, match=r"rt.loader takes no drop_last: an epoch is whole steps"):
+        rt.loader(Ragged(), batch_size=4, drop_last=True)
+    with pytest.raises(UserError, match=r"rt.eval_loader\(colate_fn=...\): no such argument. Did you mean collate_fn"):
+        rt.eval_loader(Ragged(), batch_size=4, colate_fn=pad)
+    with pytest.raises(UserError, match=r"rt.loader\(collate_fn='pad'\): expected a function"):
+        rt.loader(Ragged(), batch_size=4, collate_fn="pad")
 
 
 def test_a_dataloader_given_to_rt_loader_and_a_tensor_to_rt_log_are_one_paragraph_each(rt):

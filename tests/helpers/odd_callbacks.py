@@ -79,3 +79,27 @@ class OldSetup(_language_modeling()):
 
     def setup(self, train, val):
         pass
+
+
+class Ragged(torch.utils.data.Dataset):
+    """Token sequences of three lengths (inputs and next-token targets): no batch of them stacks as they are."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        ids = torch.arange(i % 3 + 4) % 7
+        return ids[:-1], ids[1:]
+
+
+def ragged(**settings):
+    """data._target_: Ragged train and val splits (the data node's keys, a path, taken and unused)."""
+    return Ragged(), Ragged()
+
+
+def pad(samples):
+    """A collate_fn: Ragged's pairs padded to the longest with 0."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    xs, ys = zip(*samples)
+    return pad_sequence(xs, batch_first=True), pad_sequence(ys, batch_first=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,30 +123,66 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return hashlib.sha256(repr((self.n, ids)).encode()).hexdigest()[:16]
 
 
-def collate_fn_of(dataset: Dataset):
-    """How `dataset`'s samples make a batch: its own `collate_fn` attribute (a dataset that batches itself, via
-    __getitems__, says so), else torch's default_collate, which stacks them (DataLoader's own default)."""
-    from torch.utils.data import default_collate
+def collate_fn_of(dataset: Dataset, given: Callable | None = None):
+    """How `dataset`'s samples make a batch: the loop's own `given` function (rt.loader's collate_fn=), else the
+    dataset's `collate_fn` attribute (a dataset that batches itself, via __getitems__, says so), else torch's
+    default_collate, which stacks them (DataLoader's own default), its refusals said as the data's (Stacked)."""
+    return given or getattr(dataset, "collate_fn", None) or Stacked(type(dataset).__name__)
 
-    return getattr(dataset, "collate_fn", None) or default_collate
+
+class CollateError(DataError):
+    """Samples torch's default_collate cannot make one batch of. Raised in a loader worker, torch raises it again
+    in the rank as CollateError(the worker's traceback as text): the paragraph is then that text's last line's."""
+
+    def __init__(self, message: str):
+        if message.startswith("Caught ") and "\nOriginal Traceback" in message:
+            message = message.rstrip().rsplit(f"{type(self).__name__}: ", 1)[-1]
+        super().__init__(message)
 
 
-def in_process_batches(dataset: Dataset, batch_sampler) -> Iterator[Any]:
+class Stacked:
+    """torch's default_collate (a class, not a closure: a loader worker under spawn gets it pickled), whose
+    refusal of samples of different sizes or types was a traceback through the loader at the first batch."""
+
+    def __init__(self, dataset_name: str):
+        self.dataset_name = dataset_name
+
+    def __call__(self, samples: list) -> Any:
+        from torch.utils.data import default_collate
+
+        try:
+            return default_collate(samples)
+        except (RuntimeError, TypeError) as e:
+            # (in a loader worker, stacking into shared memory says "Trying to resize storage that is not resizable"
+            # of samples of different sizes; any other RuntimeError is torch's own, shared memory's, say)
+            if isinstance(e, RuntimeError) and not any(m in str(e) for m in ("equal size", "resize storage")):
+                raise
+            raise CollateError(
+                f"the samples of {self.dataset_name} do not make one batch: torch's default_collate, which stacks "
+                f"them, said \"{str(e).splitlines()[0]}\". Samples of different sizes (sequences of different "
+                "lengths) need a function that pads them: give the dataset a `collate_fn` attribute, a function of a "
+                "list of samples to one batch (rt.loader(..., collate_fn=...) in a loop of your own); or make every "
+                "sample the same size and kind (tensors, numbers, or dicts and tuples of them).") from None
+
+
+def in_process_batches(dataset: Dataset, batch_sampler, collate: Callable | None = None) -> Iterator[Any]:
     """What a DataLoader with num_workers=0 yields, without its per-batch bookkeeping (~30 us a step)."""
-    collate = collate_fn_of(dataset)
+    collate = collate_fn_of(dataset, collate)
     getitems = getattr(dataset, "__getitems__", None)
     for indices in batch_sampler:
         yield collate(getitems(indices) if getitems else [dataset[i] for i in indices])
 
 
 def train_loader(dataset: Dataset, sampler: GlobalBatchSampler | StreamLayout, num_workers: int,
-                 device: torch.device, seed: int, resume: dict | None = None):
+                 device: torch.device, seed: int, resume: dict | None = None, collate: Callable | None = None):
     """This rank's micro-batches from `sampler`'s position on: a map-style dataset's by index, a stream's read by
-    its readers (`resume`: the checkpoint's stream position, see trainer/data/streaming.py)."""
+    its readers (`resume`: the checkpoint's stream position, see trainer/data/streaming.py). `collate`: see
+    collate_fn_of."""
+    collate = collate_fn_of(dataset, collate)
     if isinstance(sampler, StreamLayout):
-        return streaming.StreamBatches(dataset, sampler, num_workers, device, seed, resume, collate_fn_of(dataset))
+        return streaming.StreamBatches(dataset, sampler, num_workers, device, seed, resume, collate)
     if num_workers == 0:
-        batches = in_process_batches(dataset, sampler)
+        batches = in_process_batches(dataset, sampler, collate)
         if device.type != "cuda":
             return batches
         # Page-locked, as a DataLoader's pin_memory=True leaves them: a non-blocking copy from there did not wait for
@@ -162,7 +198,7 @@ def train_loader(dataset: Dataset, sampler: GlobalBatchSampler | StreamLayout, n
         SeededSamples(dataset, seed),  # (in the rank's own process, the draws come from its checkpointed generators)
         batch_sampler=sampler,
         num_workers=num_workers,
-        collate_fn=collate_fn_of(dataset),
+        collate_fn=collate,
         pin_memory=device.type == "cuda",
         persistent_workers=num_workers > 0,
         # A private generator: creating the iterator must not consume the global RNG (exact resume).
@@ -172,7 +208,7 @@ def train_loader(dataset: Dataset, sampler: GlobalBatchSampler | StreamLayout, n
 
 
 def eval_loader(dataset: Dataset, batch_size: int, rank: int, world: int, limit: int | None,
-                num_workers: int, device: torch.device) -> DataLoader:
+                num_workers: int, device: torch.device, collate: Callable | None = None) -> DataLoader:
     """Each rank gets every world-th sample of the first `limit` samples: each counted exactly once."""
     n = len(dataset) if limit is None else min(limit, len(dataset))
     return DataLoader(
@@ -180,7 +216,7 @@ def eval_loader(dataset: Dataset, batch_size: int, rank: int, world: int, limit:
         batch_size=batch_size,
         sampler=range(rank, n, world),
         num_workers=num_workers,
-        collate_fn=collate_fn_of(dataset),
+        collate_fn=collate_fn_of(dataset, collate),
         pin_memory=device.type == "cuda",
         worker_init_fn=streaming.loader_worker_init,
         generator=torch.Generator().manual_seed(0),  # (its iterator draws a seed: not from the training's RNG)
@@ -188,20 +224,21 @@ def eval_loader(dataset: Dataset, batch_size: int, rank: int, world: int, limit:
 
 
 def eval_batches(dataset: Dataset, batch_size: int, rank: int, world: int, limit: int | None,
-                 device: torch.device, lockstep: bool = False) -> Iterator[tuple[Any, bool, list[int]]]:
+                 device: torch.device, lockstep: bool = False,
+                 collate: Callable | None = None) -> Iterator[tuple[Any, bool, list[int]]]:
     """(batch, counted, sample indices) for this rank's share of the eval samples. With `lockstep`, a rank
     with fewer batches than rank 0 repeats one, uncounted, until it has run as many (forwards that are
     collectives). A val stream (it has __len__: see config/instantiate.py's build_data) is read from its start at every eval."""
     n = len(dataset) if limit is None else min(limit, len(dataset))
     if is_stream(dataset):
-        collate = collate_fn_of(dataset)
+        collate = collate_fn_of(dataset, collate)
         mine = streaming.eval_batches(dataset, batch_size, rank, world, n, collate)
         first = lambda: next(streaming.eval_batches(dataset, batch_size, 0, 1, 1, collate))  # noqa: E731
     else:
         owned = list(range(rank, n, world))
         mine = ((batch, owned[i * batch_size : (i + 1) * batch_size]) for i, batch in
-                enumerate(eval_loader(dataset, batch_size, rank, world, limit, 0, device)))
-        first = lambda: (next(iter(eval_loader(dataset, batch_size, 0, 1, 1, 0, device))), [0])  # noqa: E731
+                enumerate(eval_loader(dataset, batch_size, rank, world, limit, 0, device, collate)))
+        first = lambda: (next(iter(eval_loader(dataset, batch_size, 0, 1, 1, 0, device, collate))), [0])  # noqa: E731
     batch, indices, count = None, [], 0
     for batch, indices in mine:
         count += 1
@@ -233,6 +270,7 @@ class Data:
     batch_size: int = 1  # per-process micro-batch
     shuffle: bool = True
     num_workers: int = 0
+    collate: Callable | None = None  # how samples make a batch (collate_fn_of): a loop's own rt.loader(collate_fn=)
 
     def __post_init__(self):
         self._reading: streaming.StreamBatches | None = None  # the stream being read, for position_state
@@ -252,7 +290,7 @@ class Data:
     def loader(self, sampler: GlobalBatchSampler | StreamLayout, device: torch.device, seed: int):
         """This rank's training micro-batches from `sampler` on; a stream's continue a loaded checkpoint's readers."""
         resume = self._resume if self._resume is not None and self._resume["position"] == sampler.start else None
-        batches = train_loader(self.train, sampler, self.num_workers, device, seed, resume)
+        batches = train_loader(self.train, sampler, self.num_workers, device, seed, resume, self.collate)
         self._reading = batches if self.streaming else None
         return batches
 

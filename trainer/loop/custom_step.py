@@ -49,7 +49,7 @@ class TrainingStep:
         b, dp = tr.data.batch_size, tr.strategy.dp_size
         for i, batch in enumerate(self.batches):
             first = tr.samples_seen + (i * dp + tr.strategy.dp_rank) * b
-            with self.rt.accumulate(self.model, last=i == len(self.batches) - 1), noise.for_samples(torch.arange(first, first + b), tr.cfg.seed):
+            with self.rt.micro_step(self.model, ends_step=i == len(self.batches) - 1), noise.for_samples(torch.arange(first, first + b), tr.cfg.seed):
                 yield batch
 
     def autocast(self) -> contextlib.AbstractContextManager:

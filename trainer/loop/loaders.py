@@ -49,12 +49,13 @@ class Loader:
     checkpointed): with __len__, an epoch is that many samples as above; without, a `for` never ends (stop at your
     step count)."""
 
-    def __init__(self, rt: Runtime, dataset, batch_size: int, shuffle: bool, num_workers: int, seed: int):
+    def __init__(self, rt: Runtime, dataset, batch_size: int, shuffle: bool, num_workers: int, seed: int,
+                 collate=None):
         from trainer.data.sampling import Data, GlobalBatchSampler
         from trainer.data.streaming import is_stream
 
         self.rt, self.dataset, self.batch_size = rt, dataset, batch_size
-        self.shuffle, self.num_workers, self.seed = shuffle, num_workers, seed
+        self.shuffle, self.num_workers, self.seed, self.collate = shuffle, num_workers, seed, collate
         self.samples_seen = 0  # stream positions consumed by all ranks together
         st = rt.strategy
         self.global_batch = batch_size * rt.grad_accum_steps * st.dp_size
@@ -63,7 +64,7 @@ class Loader:
                 raise UserError(f"rt.loader({type(dataset).__name__}, shuffle=True): an IterableDataset is read in its "
                                 "own order, which the framework cannot shuffle. Pass shuffle=False (and shuffle inside "
                                 "the dataset if the order matters: its set_epoch(n) is called before pass n).")
-            self._data, self._batches = Data(dataset, None, batch_size, False, num_workers), None
+            self._data, self._batches = Data(dataset, None, batch_size, False, num_workers, collate), None
         else:
             self._data = None
             self._stream = GlobalBatchSampler(len(dataset), batch_size, 1, st.dp_rank, st.dp_size, seed, shuffle)
@@ -114,7 +115,8 @@ class Loader:
             return
         sampler = GlobalBatchSampler(len(self.dataset), self.batch_size, 1, st.dp_rank, st.dp_size, self.seed,
                                      self.shuffle, start=self.samples_seen)
-        batches = iter(train_loader(self.dataset, sampler, self.num_workers, be.device, self.seed))
+        batches = iter(train_loader(self.dataset, sampler, self.num_workers, be.device, self.seed,
+                                    collate=self.collate))
         for _ in range(self._left_in_epoch()):
             batch = be.to_device(next(batches))
             self.samples_seen += self.batch_size * st.dp_size
@@ -194,8 +196,8 @@ class EvalLoader:
     (FSDP, tensor parallelism) a rank with fewer batches repeats one until all ranks ran as many; those repeats
     are the last rows of its outputs, and `Runtime.gather_for_metrics(outputs, loader)` drops them."""
 
-    def __init__(self, rt: Runtime, dataset, batch_size: int, limit: int | None = None):
-        self.rt, self.dataset, self.batch_size = rt, dataset, batch_size
+    def __init__(self, rt: Runtime, dataset, batch_size: int, limit: int | None = None, collate=None):
+        self.rt, self.dataset, self.batch_size, self.collate = rt, dataset, batch_size, collate
         self.n = len(dataset) if limit is None else min(limit, len(dataset))
         st = rt.strategy
         self.indices = list(range(st.dp_rank, self.n, st.dp_size))  # the samples this rank owns, in order
@@ -205,5 +207,5 @@ class EvalLoader:
 
         st, be = self.rt.strategy, self.rt.backend
         for batch, _counted, _indices in eval_batches(self.dataset, self.batch_size, st.dp_rank, st.dp_size, self.n,
-                                                      be.device, lockstep=st.collective_forward):
+                                                      be.device, st.collective_forward, self.collate):
             yield be.to_device(batch)

@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 
 from trainer.checkpoint.store import is_count
-from trainer.errors import CheckpointError, ConfigError, UserError
+from trainer.errors import CheckpointError, ConfigError, UserError, suggest
 from trainer.loop import watchdog
 from trainer.loop.loaders import EvalLoader, Loader, RunPosition
 from trainer.parallel import Strategy, unwrap
@@ -595,12 +595,16 @@ class Runtime:
 
     # -- data --------------------------------------------------------------------------------------------
     def loader(self, dataset, batch_size: int, shuffle: bool | None = None, num_workers: int = 0,
-               name: str | None = None) -> Loader:
+               name: str | None = None, collate_fn: Callable | None = None, **dataloader_args: Any) -> Loader:
         """This rank's micro-batches of `dataset` (`batch_size` per process and micro-step), on the device: the
         same global batches on any number of processes. Checkpointed by save_state. `shuffle` defaults to True for
-        a map-style dataset and False for an IterableDataset (read in its own order)."""
+        a map-style dataset and False for an IterableDataset (read in its own order). `collate_fn` makes a batch of
+        a list of samples, as a DataLoader's does (padding sequences of different lengths); by default the dataset's
+        own `collate_fn` attribute, else torch's default_collate."""
         _not_a_loader(dataset, "loader")
+        _not_dataloader_args("loader", dataloader_args)
         _loader_args("loader", batch_size=batch_size, num_workers=num_workers)
+        _collate_arg("loader", collate_fn)
         if shuffle is not None and not isinstance(shuffle, bool):  # ("no" shuffled)
             raise UserError(f"rt.loader(shuffle={shuffle!r}): expected True, False or None (the dataset's kind decides).")
         from trainer.data.streaming import is_stream, sized
@@ -617,63 +621,74 @@ class Runtime:
                             f"{'the run itself' if taken is None else 'rt.register'} (each loader's position is saved "
                             "under its name). Give the loader a name of its own, or leave name out for a free one.")
         # (a loader made again under its name, for a new phase, replaces the old one in save_state)
-        loader = Loader(self, dataset, batch_size, shuffle, num_workers, self.seed)
+        loader = Loader(self, dataset, batch_size, shuffle, num_workers, self.seed, collate_fn)
         self.stateful[name or self._free_name("loader", self.stateful)] = loader
         return loader
 
-    def eval_loader(self, dataset, batch_size: int, limit: int | None = None) -> EvalLoader:
-        """This rank's share of an eval set, each sample once (see EvalLoader; rt.gather_for_metrics)."""
+    def eval_loader(self, dataset, batch_size: int, limit: int | None = None, collate_fn: Callable | None = None,
+                    **dataloader_args: Any) -> EvalLoader:
+        """This rank's share of an eval set, each sample once (see EvalLoader; rt.gather_for_metrics); `collate_fn`
+        as rt.loader's."""
         _not_a_loader(dataset, "eval_loader")
+        _not_dataloader_args("eval_loader", dataloader_args)
         _loader_args("eval_loader", batch_size=batch_size, **({} if limit is None else {"limit": limit}))
+        _collate_arg("eval_loader", collate_fn)
         from trainer.data.streaming import sized
 
         if sized(dataset) is None:  # (len() raised a TypeError traceback)
             raise UserError(f"rt.eval_loader({type(dataset).__name__}, ...): a stream without __len__ has no end an "
                             "eval could split between the ranks and count each sample of once. Give the dataset a "
                             "__len__ (the samples of one pass; `limit` then takes the first of them).")
-        return EvalLoader(self, dataset, batch_size, limit)
+        return EvalLoader(self, dataset, batch_size, limit, collate_fn)
 
     # -- the step ------------------------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
         return self.precision.autocast()
 
     def accumulate(self, *models: nn.Module, last: bool | None = None) -> contextlib.AbstractContextManager:
-        """One micro-step: gradients are synced between ranks only in the last of every `grad_accum_steps`
-        (DDP's no_sync, FSDP's set_requires_gradient_sync); `rt.step` steps only then. `last` says whether this
-        micro-step ends the step, where the loop knows (the Trainer does); by default every grad_accum_steps-th."""
+        """One micro-step of a loop of one's own: gradients are synced between ranks only in the last of every
+        `grad_accum_steps` (DDP's no_sync, FSDP's set_requires_gradient_sync); `rt.step` steps only then. `last=True`
+        marks the loop's last micro-batch of its data (`i == len(loader) - 1`), which ends a step too, whatever the
+        count, as Accelerate's prepared loader does at its epoch's end; False or None: the count alone decides."""
         if last is not None and not isinstance(last, bool):  # ("no" ended the step)
-            raise UserError(f"rt.accumulate(..., last={last!r}): expected True, False or None (every "
-                            "grad_accum_steps-th micro-step ends a step).")
-        if models and last is None:  # (a loop of one's own: the Trainer passes its set-up model, with last=)
+            raise UserError(f"rt.accumulate(..., last={last!r}): expected True, False or None (True: the loop's last "
+                            "micro-batch of its data, which ends a step whatever the count).")
+        if models:
             self._check_set_up(models, "rt.accumulate")
         models = models or tuple(self.models.values())
-        if last is None:  # (a loop of one's own; the Trainer says where its steps end)
-            named = frozenset(map(id, models))
-            if self._micro > 0 and named != self._cycle:  # (a GAN's two blocks a micro-batch: one model never steps)
-                listed = [", ".join(str(self._name_of(m)) for m in ms) for ms in (models, self._cycle_models)]
-                raise UserError(f"rt.accumulate({listed[0]}) in the middle of an accumulation of {listed[1]} (before "
-                                f"its micro-step {self._micro + 1} of {self.grad_accum_steps}): each rt.accumulate "
-                                "call is one micro-step of the models it names, so two blocks a micro-batch would "
-                                "bring one model to its step boundary every micro-batch and the other never. Put "
-                                "both in one block a micro-batch, `with rt.accumulate(gen, disc):`, or give each "
-                                "model all its micro-batches in turn (as recipe=gan does).")
-            self._cycle, self._cycle_models = named, models
-            if self._micro == 0:
-                self._window_lrs = {id(o): _lrs(o) for o in self._optimizers_of(models)}
-                self._lr_moved_before = self._lr_moved_before + 1 if self._lr_moves else 0  # (steps running)
-                self._lr_moves = 0
-            else:
-                self._check_lr_kept()
+        named = frozenset(map(id, models))
+        if self._micro > 0 and named != self._cycle:  # (a GAN's two blocks a micro-batch: one model never steps)
+            listed = [", ".join(str(self._name_of(m)) for m in ms) for ms in (models, self._cycle_models)]
+            raise UserError(f"rt.accumulate({listed[0]}) in the middle of an accumulation of {listed[1]} (before "
+                            f"its micro-step {self._micro + 1} of {self.grad_accum_steps}): each rt.accumulate "
+                            "call is one micro-step of the models it names, so two blocks a micro-batch would "
+                            "bring one model to its step boundary every micro-batch and the other never. Put "
+                            "both in one block a micro-batch, `with rt.accumulate(gen, disc):`, or give each "
+                            "model all its micro-batches in turn (as recipe=gan does).")
+        self._cycle, self._cycle_models = named, models
+        if self._micro == 0:
+            self._window_lrs = {id(o): _lrs(o) for o in self._optimizers_of(models)}
+            self._lr_moved_before = self._lr_moved_before + 1 if self._lr_moves else 0  # (steps running)
+            self._lr_moves = 0
+        else:
+            self._check_lr_kept()
+        # (last=False is no end of the data: it must not hold a step back past its count, which made a loop that
+        # passed `last=i == len(loader) - 1` accumulate its whole epoch into one step, its gradient A times too large)
+        return self.micro_step(*models, ends_step=self._micro + 1 >= self.grad_accum_steps or last is True)
+
+    def micro_step(self, *models: nn.Module, ends_step: bool) -> contextlib.AbstractContextManager:
+        """One micro-step of a loop that knows where each step ends (the Trainer: a step is a list of micro-batches),
+        without `accumulate`'s count: `ends_step` says whether gradients sync here and `rt.step` steps."""
+        models = models or tuple(self.models.values())
         self._this_micro = self._micro + 1  # (1-based, for what a check says)
         if self._micro == 0:
             self._backwards_at_step_start = self._backwards
         elif self._backwards != self._backwards_at_step_start:  # (a step whose earlier micro-steps had a backward:
             self._check_not_zeroed(models)                      # their gradients must still be there)
-        boundary = self._micro + 1 >= self.grad_accum_steps if last is None else last
         self._continues_step, self._backward_here = self._micro > 0, False  # (what a zero_grad here would lose)
-        self._micro = 0 if boundary else self._micro + 1
-        self.sync_gradients = boundary
-        return _MicroStep(self, [self.strategy.no_sync(m, enabled=not boundary) for m in models])
+        self._micro = 0 if ends_step else self._micro + 1
+        self.sync_gradients = ends_step
+        return _MicroStep(self, [self.strategy.no_sync(m, enabled=not ends_step) for m in models])
 
     def _optimizers_of(self, models) -> list[torch.optim.Optimizer]:
         names = {self._name_of(m) for m in models}
@@ -1803,14 +1818,53 @@ def _not_a_loader(dataset: Any, what: str) -> None:
     """rt.loader takes a dataset and makes the batches; Accelerate's prepare takes a DataLoader (it was read as a
     dataset of batches, and failed at the first batch with a traceback)."""
     if isinstance(dataset, torch.utils.data.DataLoader):
+        from torch.utils.data import default_collate
+
+        own = dataset.collate_fn not in (default_collate, torch.utils.data.dataloader.default_convert)
         raise UserError(f"rt.{what} got a DataLoader: it takes the dataset and makes this rank's batches itself (the "
                         "same global batches on any number of processes, resumable). Pass the DataLoader's dataset: "
-                        f"rt.{what}(loader.dataset, batch_size=..., ...), where Accelerate has "
-                        "accelerator.prepare(DataLoader(...)).")
+                        f"rt.{what}(loader.dataset, batch_size=...{', collate_fn=loader.collate_fn' if own else ''}, "
+                        "...), where Accelerate has accelerator.prepare(DataLoader(...))"
+                        f"{' (this one has a collate_fn of its own, which the batches need too)' if own else ''}.")
     if not isinstance(dataset, torch.utils.data.IterableDataset) and not (hasattr(dataset, "__len__") and (
             hasattr(dataset, "__getitem__") or hasattr(dataset, "__getitems__"))):  # (None: a bare TypeError)
         raise UserError(f"rt.{what} got a {type(dataset).__name__}: it takes a dataset, a map-style one (__len__ and "
                         "__getitem__: a torch Dataset, a list of samples) or an IterableDataset (a stream).")
+
+
+# A DataLoader's arguments that rt.loader has no use for, and why (Accelerate's users pass them to their DataLoader).
+_DATALOADER_ARGS = {
+    "drop_last": "an epoch is whole steps: a global batch that reaches the end of the data is completed from the next "
+                 "epoch's order, so no batch is short and none is dropped",
+    "sampler": "the order is one global stream of samples, shuffled by `shuffle` and the Runtime's seed, the same on "
+               "any number of processes (a sampler of your own would make it depend on them); for another order, "
+               "reorder the dataset",
+    "batch_sampler": "the batches are `batch_size` samples of one global stream (see sampler)",
+    "pin_memory": "on CUDA the batches are page-locked already; elsewhere it does nothing",
+    "persistent_workers": "the workers persist across epochs already",
+    "generator": "the order is drawn from the Runtime's seed (Runtime(seed=...))",
+    "worker_init_fn": "the framework seeds the workers: a sample's random draws depend on its place in the stream, "
+                      "not on which process or worker reads it",
+}
+
+
+def _not_dataloader_args(what: str, args: dict) -> None:
+    """A DataLoader's keyword passed to rt.loader was a TypeError traceback: said with why it has no use here."""
+    if not args:
+        return
+    key = next(iter(args))
+    why = _DATALOADER_ARGS.get(key)
+    known = "dataset, batch_size, shuffle, num_workers, name, collate_fn" if what == "loader" else \
+        "dataset, batch_size, limit, collate_fn"
+    raise UserError(f"rt.{what}({key}=...): " + (f"rt.{what} takes no {key}: {why}." if why else
+                                                f"no such argument.{suggest(key, known.split(', '))}") +
+                    f" It takes {known}.")
+
+
+def _collate_arg(what: str, collate_fn: Any) -> None:
+    if collate_fn is not None and not callable(collate_fn):
+        raise UserError(f"rt.{what}(collate_fn={collate_fn!r}): expected a function that makes one batch of a list of "
+                        "samples (as a DataLoader's collate_fn), or None for the dataset's own or torch's default.")
 
 
 def _path_arg(call: str, value: Any) -> None:

@@ -168,7 +168,7 @@ class Trainer:
             # (trainer.noise) depends on it alone, not on how the global batch is split.
             first = self.samples_seen + (i * dp + self.strategy.dp_rank) * b
             # Gradients are synced only in the last micro-step's backward; earlier ones accumulate.
-            with rt.accumulate(model, last=i == len(batches) - 1), \
+            with rt.micro_step(model, ends_step=i == len(batches) - 1), \
                     noise.for_samples(torch.arange(first, first + b), self.cfg.seed):
                 loss, extra = rt.forward_backward(model, batch, self.loss_fn, scale=scale, mean=False)
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
