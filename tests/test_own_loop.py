@@ -1641,6 +1641,22 @@ def test_a_checkpoint_without_its_manifest_is_named_not_skipped_silently(tmp_pat
     assert "step_00000002, step_00000004 have no readable manifest.json" in capfd.readouterr().err
 
 
+def test_load_state_of_a_dir_that_does_not_exist_is_a_fresh_start_noted_only_beside_a_close_name(rt, tmp_path, capfd):
+    """A typo in the resume path (ckpts for the ckpt the loop saves to) returned None without a word, and every
+    restart trained from step 0; Accelerate raises there. A first run's dir that does not exist yet stays quiet."""
+    net = nn.Linear(2, 2)
+    rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    assert rt.load_state(tmp_path / "ckpts") is None  # (a first run: nothing saved anywhere yet)
+    rt.save_state(tmp_path / "ckpt", 1)
+    assert rt.load_state(tmp_path / "other") is None  # (no close name: a first run of another loop beside it)
+    assert "note:" not in capfd.readouterr().err
+    assert rt.load_state(tmp_path / "ckpts") is None
+    err = capfd.readouterr().err
+    assert f"rt.load_state('{tmp_path / 'ckpts'}'): no such directory, so the loop starts fresh (None), but " \
+           f"{tmp_path / 'ckpt'} beside it holds checkpoints" in err, err
+    assert rt.load_state(tmp_path / "ckpt") == 1
+
+
 def test_load_state_before_the_loader_and_registered_objects_exist_is_refused(tmp_path):
     """An Accelerate habit, load right after setup: the checkpoint's loader and scheduler states were skipped
     without a word, and the run restarted its epoch and its learning rate. Refused, having changed nothing; loaded

@@ -1356,6 +1356,8 @@ class Runtime:
                 if below and self.backend.is_main:  # (a fresh start is what it returns: say where checkpoints are)
                     _note(f"rt.load_state({str(path)!r}): no checkpoint there (a fresh start), but {', '.join(below)} "
                           "holds some: pass that directory to continue from its newest")
+                elif not path.exists() and self.backend.is_main:  # (a first run's dir: quiet, unless a typo's)
+                    _say_a_close_checkpoint_dir(path)
                 return None
             path = found[-1]
         # The trackers continue their runs (the wandb run id) on a restart: a load before this process logged, of a
@@ -1865,6 +1867,23 @@ def _collate_arg(what: str, collate_fn: Any) -> None:
     if collate_fn is not None and not callable(collate_fn):
         raise UserError(f"rt.{what}(collate_fn={collate_fn!r}): expected a function that makes one batch of a list of "
                         "samples (as a DataLoader's collate_fn), or None for the dataset's own or torch's default.")
+
+
+def _say_a_close_checkpoint_dir(path: Path) -> None:
+    """rt.load_state of a dir that does not exist is a first run's fresh start (None); where a sibling of a close name
+    holds checkpoints (`ckpts` for `ckpt`), the path is more likely a typo, which restarted the training every time."""
+    from trainer.checkpoint.store import MANIFEST
+
+    try:
+        holding = [d.name for d in path.parent.iterdir() if d.is_dir() and any(d.glob("step_*/" + MANIFEST))]
+    except OSError:  # (no parent, or one this process cannot list: nothing to say)
+        return
+    close = suggest(path.name, holding).removeprefix(" Did you mean ").rstrip("?")
+    if close:
+        dirs = ", ".join(str(path.parent / name) for name in close.split(", "))
+        _note(f"rt.load_state({str(path)!r}): no such directory, so the loop starts fresh (None), but {dirs} beside "
+              "it holds checkpoints: if that is where the loop saves, a typo here would start every run afresh; "
+              "load that path to continue from its newest")
 
 
 def _path_arg(call: str, value: Any) -> None:
