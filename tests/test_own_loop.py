@@ -177,6 +177,13 @@ def test_accelerators_keywords_and_a_misspelt_one_are_told_the_runtimes_names():
         trainer.Runtime(mixed_precision="bf16", gradient_accumulation_steps=2)
     with pytest.raises(UserError, match=r"grad_acum_steps is not one of its keywords \(Did you mean grad_accum_steps"):
         trainer.Runtime(grad_acum_steps=2)
+    with pytest.raises(UserError, match=r"expected one of auto, fp32, bf16, fp16 \('no' is Accelerate's name for fp32"):
+        trainer.Runtime("single", "no")  # (Accelerate's mixed_precision="no")
+    rt = trainer.Runtime("single", "fp32")  # names= counts the optimizers too, which the message said nothing of
+    gen, disc = nn.Linear(2, 2), nn.Linear(2, 2)
+    with pytest.raises(UserError, match=r"2 names for 4 objects: one name per object, models and optimizers alike"):
+        rt.setup(gen, disc, torch.optim.SGD(gen.parameters(), lr=0.1), torch.optim.SGD(disc.parameters(), lr=0.1),
+                 names=["gen", "disc"])
     # Their attributes and methods under other names here were AttributeErrors: each names the Runtime's.
     rt = trainer.Runtime("single", "fp32")
     for name, ours in (("num_processes", "rt.world_size"), ("process_index", "rt.rank"),
@@ -547,8 +554,17 @@ def test_a_checkpoint_of_another_optimizer_class_says_so(tmp_path):
     rt.save_state(tmp_path, 1)
     set_up(other := trainer.Runtime("single", "fp32"), torch.optim.SGD, lr=0.1, momentum=0.9)
     with pytest.raises(CheckpointError, match=r"'/optimizer/state/weight' lacks momentum_buffer. The optimizer it was saved with kept other "
-                                              r"state or settings: another optimizer class"):
+                                              r"state or settings: another optimizer class.*in a loop of one's own, "
+                                              r"model.load_state_dict\(safetensors.torch.load_file\(CHECKPOINT/model"):
         other.load_state(tmp_path)
+    # What it says to do: the weights alone, into a model that is then set up with the new optimizer.
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "step_00000001" / "model.safetensors")
+    model = nn.Linear(2, 2)
+    model.load_state_dict(saved)
+    trainer.Runtime("single", "fp32").setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
 
 
 def test_a_model_set_up_twice_is_refused(rt):
@@ -1717,6 +1733,11 @@ def test_accelerate_launch_flags_and_hydra_settings_before_the_script_are_named(
     assert_clean_error(r, "would do nothing. Did you mean trainer.grad_accum_steps?")
     r = run_main("launch", "world=ddp", "nproc_per_node=2", "ga.py", cwd=tmp_path)  # a world setting, its section left out
     assert_clean_error(r, "would do nothing. Did you mean world.nproc_per_node=2?")
+    # launch's overrides after the script are the script's arguments: it ran at precision=auto, without a word
+    r = run_main("launch", "ga.py", "precision=fp32", "--lr", "1", "optim.lr=2", cwd=tmp_path)
+    assert r.returncode == 0 and "ran" in r.stdout, r.stderr
+    assert r.stderr.startswith("note: precision=fp32 comes after the script, so the script gets it as its own argument "
+                               "(sys.argv) and launch does not: launch's overrides go before the script"), r.stderr
     # The README's `launch recipes/lm/own_loop.py`, outside a clone (a pip install): the installed copy is named.
     r = run_main("launch", "recipes/lm/own_loop.py", "--data", "ga.py", cwd=tmp_path)
     assert_clean_error(r, "the script recipes/lm/own_loop.py is not a file. This trainer's copy of it is "

@@ -345,7 +345,10 @@ class CheckpointManager:
                 raise CheckpointError(f"{e} The optimizer it was saved with kept other state or settings: another "
                                       "optimizer class (Adam's moments, SGD's momentum buffer), or the same one with "
                                       "other options (SGD without momentum keeps no buffer). Build the optimizer it was "
-                                      "saved with, or load the model's weights alone."
+                                      "saved with, or start from the model's weights alone with a new optimizer: "
+                                      "finetune.weights=CHECKPOINT on the command line; in a loop of one's own, "
+                                      "model.load_state_dict(safetensors.torch.load_file(CHECKPOINT/model.safetensors)) "
+                                      "before rt.setup (one file per model, named as rt.setup named it)."
                                       + (" With optim=muon: a checkpoint saved before 2026-11-28 kept Muon's state for "
                                          "the output layer of a Hugging Face model (get_output_embeddings()), which "
                                          "AdamW takes since; continue it with the version that saved it." if muon

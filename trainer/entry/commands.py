@@ -618,6 +618,12 @@ def launch_parts(argv: list[str]):
                           f"{', '.join(READ_BY_LAUNCH[:-1])} from these overrides, and nothing else, so "
                           f"{'these' if len(ignored) > 1 else 'this'} would do nothing.{typo} Give your script its own "
                           f"settings as its arguments, after it: {usage}.")
+    theirs = [a for a in args if "=" in a and not a.startswith("-") and _read_by_launch(a.split("=", 1)[0].lstrip("+~"))]
+    if theirs:  # (launch precision=fp32 was meant; the script got it in sys.argv and ran at precision=auto)
+        one = len(theirs) == 1
+        print(f"note: {' '.join(theirs)} {'comes' if one else 'come'} after the script, so the script gets "
+              f"{'it as its own argument' if one else 'them as its own arguments'} (sys.argv) and launch does not: "
+              f"launch's overrides go before the script ({usage}).", file=sys.stderr, flush=True)
     return prepare(load(overrides)), script, args
 
 

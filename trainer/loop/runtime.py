@@ -86,8 +86,10 @@ def _precision(precision: Any, device_type: str, sharded: bool):
     if precision == "auto":
         return modes.auto(device_type, sharded=sharded)
     if precision not in modes.MODES:
+        accelerates = {"no": " ('no' is Accelerate's name for fp32: precision='fp32')",
+                       "fp8": " (fp8 is not supported)"}.get(precision.lower(), "")
         raise UserError(f"Runtime(precision={precision!r}) is invalid: expected one of auto, "
-                        f"{', '.join(modes.MODES)}.")
+                        f"{', '.join(modes.MODES)}{accelerates}.")
     return modes.MODES[precision](device_type, sharded=sharded)
 
 
@@ -361,7 +363,9 @@ class Runtime:
                             "for each object: what save_state keys them by.")  # ([1, 2] failed only at a resume)
         names = list(names) if names is not None else [None] * len(objects)
         if len(names) != len(objects):
-            raise UserError(f"Runtime.setup: {len(names)} names for {len(objects)} objects.")
+            raise UserError(f"Runtime.setup: {len(names)} names for {len(objects)} objects: one name per object, models "
+                            "and optimizers alike, in the order given (rt.setup(gen, disc, opt_g, opt_d, names=['gen', "
+                            "'disc', 'opt_g', 'opt_d'])).")
         out = list(objects)
         for i, obj in enumerate(objects):
             if isinstance(obj, nn.Module):
