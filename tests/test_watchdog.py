@@ -142,6 +142,23 @@ def test_a_rank_in_a_torch_distributed_call_waits_in_that_collective():
     assert place.caller == "trainer/parallel/backend.py:150 in all_reduce, from trainer/loop/trainer.py:98 in sync_counts", place
 
 
+def test_a_loop_of_ones_own_waiting_inside_the_runtime_is_named_by_the_scripts_line_too():
+    """A launched script's rank waiting in rt.step's all-reduce was named by two framework frames alone
+    (parallel/precision.py, parallel/strategy.py): the script's line, which says which call, is added."""
+    script = [_std("runpy.py", 198, "_run_module_as_main"), _user("trainer/entry/worker.py", 80, "<module>", "__main__"),
+              _user("trainer/entry/run.py", 900, "script", "trainer.entry.run"), _std("runpy.py", 290, "run_path"),
+              _user("train.py", 41, "<module>", "__main__"),
+              _user("trainer/loop/runtime.py", 1000, "step", "trainer.loop.runtime"),
+              _user("trainer/parallel/strategy.py", 287, "clip", "trainer.parallel.strategy"),
+              _user("trainer/parallel/precision.py", 48, "unscale", "trainer.parallel.precision"),
+              _torch("distributed/distributed_c10d.py", 2806, "all_reduce")]
+    place = watchdog.where(script)
+    assert place.caller == ("trainer/parallel/precision.py:48 in unscale, from trainer/parallel/strategy.py:287 in clip, "
+                            "from train.py:41 in <module>"), place
+    # (the Trainer's own loop has no such line: its worker's __main__ is the framework's entry/worker.py)
+    assert "worker.py" not in watchdog.where(IN_ALL_REDUCE).caller
+
+
 def test_a_distributed_rank_in_backward_waits_in_the_gradient_all_reduce():
     place = watchdog.where(IN_BACKWARD, distributed=True)
     assert place.collective and "backward" in place.what, place

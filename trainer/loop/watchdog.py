@@ -106,6 +106,11 @@ def _library(f: Frame) -> bool:
     return "site-packages" in parts or "dist-packages" in parts or f.file.startswith(_STDLIB)
 
 
+def _framework(f: Frame) -> bool:
+    """A frame of this package's code (a launch worker's `__main__` is its entry/worker.py)."""
+    return f.module.split(".")[0] == "trainer" or os.path.abspath(f.file).startswith(_ROOT)
+
+
 def _short(path: str) -> str:
     """A path as a user reads it: relative to the current directory, to site-packages, or to the stdlib."""
     if path.startswith("<"):
@@ -138,7 +143,11 @@ def where(frames: list, distributed: bool = True) -> Place:
     own = [i for i, f in enumerate(frames) if not _library(f)]
 
     def caller(i: int, n: int = 2) -> str:
-        return ", from ".join(_at(frames[j]) for j in [j for j in reversed(own) if j < i][:n])
+        # The n innermost frames of the user's or the framework's code, and the user's innermost line where those
+        # are all the framework's (a loop of one's own waiting inside rt.step: the script's line says which call).
+        shown = [j for j in reversed(own) if j < i][:n]
+        users = [j for j in reversed(own) if j < i and not _framework(frames[j])][:1]
+        return ", from ".join(_at(frames[j]) for j in shown + [j for j in users if j not in shown])
 
     c10d = [i for i, f in enumerate(frames) if f.module == "torch.distributed.distributed_c10d"]
     if c10d:
