@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import (
     DDP2,
     FAULTY_ENV,
@@ -121,11 +122,52 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues_exactly(corpus, tmp_pat
     assert_identical(tmp_path, reference)
 
 
+NOISY_RECIPE = """# @package _global_
+defaults:
+  - override /precision: fp32
+model: {_target_: torch.nn.Linear, in_features: 4, out_features: 1}
+data: {_target_: noisy_samples.regression, batch_size: 8, shuffle: true, num_workers: 0}
+task: {_target_: trainer.task.SupervisedTask, loss: torch.nn.MSELoss}
+trainer: {max_steps: 10, eval_every: 0, log_every: 1, progress: "off"}
+scheduler: {warmup_steps: 2}
+optim: {lr: 0.05, weight_decay: 0.0}
+world: {threads: 1}
+"""
+
+
+@pytest.mark.parametrize(("world", "read"), [((), 37), (("world=ddp", "world.nproc_per_node=2", "data.batch_size=4"), 19)],
+                         ids=["single", "ddp2"])  # (the read of step 5's samples, 8 a step, or 4 a rank on 2 ranks)
+def test_a_sigterm_while_a_steps_samples_draw_random_numbers_resumes_exactly(tmp_path, world, read):
+    """A dataset drawing noise in __getitem__, in the rank's process (data.num_workers=0), SIGTERMed while it read
+    step 5's samples: the run stopped at step 4 after those draws, and its checkpoint kept generators past them, so
+    the resumed run drew other noise from step 5 on (its loss 0.614 against 0.475). It now stops at a step boundary
+    before the draws (the ranks, which agree on a stop at the step's count, take that step first). And numpy's
+    generator was never seeded: two runs of one config drew other noise from the first step."""
+    conf = tmp_path / "conf" / "recipe"
+    conf.mkdir(parents=True)
+    (conf / "noisy.yaml").write_text(NOISY_RECIPE)
+    args = ("--config-dir", str(tmp_path / "conf"), "recipe=noisy", *world)
+    cut = (f"+data.sigterm_at={read}", f"+data.once={tmp_path / 'signalled'}")
+    assert run_here(*args, "hydra.run.dir=whole", cwd=tmp_path, env=FAULTY_ENV).returncode == 0
+    r = run_cli(*args, *cut, "hydra.run.dir=cut", cwd=tmp_path, env=FAULTY_ENV)
+    assert r.returncode == 75 and "error: preempted by" in r.stderr, r.stdout + r.stderr
+    assert (tmp_path / "signalled").exists()
+    r = run_here(*args, *cut, "hydra.run.dir=cut", "resume=auto", cwd=tmp_path, env=FAULTY_ENV)
+    assert r.returncode == 0, r.stderr
+    whole, resumed = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "cut")
+    assert series(resumed, "train/loss") == series(whole, "train/loss")  # (bit for bit: the same draws, in order)
+    assert len(series(whole, "train/loss")) == 10
+    weights = [load_weights(tmp_path / d / "model.safetensors") for d in ("whole", "cut")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
 def test_ddp_preemption_of_one_rank_then_resume_is_exact(corpus, tmp_path, ddp_reference):
     args = [*tiny_overrides(corpus, *SHARED, *DDP2), f"hydra.run.dir={tmp_path}"]
     r = run_cli(*args, *faulty("sigusr1", 10, rank=1), env=FAULTY_ENV)  # only rank 1 gets the signal
     assert r.returncode == 75, r.stderr
-    assert checkpoints(tmp_path)[-1] == "step_00000010"  # both ranks stopped after the same step
+    # Both ranks stopped after the same step: the signal came in step 10's loss, the ranks agreed on the stop at step
+    # 11's count, after its samples were drawn, and took that step first (test_a_sigterm_while_a_steps_samples_...)
+    assert checkpoints(tmp_path)[-1] == "step_00000011"
     r = run_cli(*args, "resume=auto")
     assert r.returncode == 0, r.stderr
     assert_identical(tmp_path, ddp_reference[0])

@@ -180,12 +180,13 @@ def test_zero2_rank_killed_mid_run_restarts_and_ends_bit_identical(zero2, corpus
 @pytest.mark.deepspeed
 @needs_deepspeed
 def test_zero2_preempted_exits_75_with_a_checkpoint_and_resume_auto_ends_bit_identical(zero2, corpus, tmp_path):
-    # SIGTERM to rank 0 in step 6: every rank stops at that step boundary, saves, and exits 75. The rerun
+    # SIGTERM to rank 0 in step 6: the ranks agree on the stop at step 7's count, after its samples are drawn, take
+    # that step (a stop before it would checkpoint generators past its draws), save, and exit 75. The rerun
     # continues without the faulty task (it only wraps the same loss).
     run = [*tiny_overrides(corpus, *SHARED, *DS2, "world.stage=2", "data.batch_size=4"), f"hydra.run.dir={tmp_path}"]
     r = run_cli(*run, *faulty("sigterm", 6, rank=0), env=FAULTY_ENV)
     assert r.returncode == 75, r.stderr
-    assert "checkpoint saved to" in r.stderr and (tmp_path / "checkpoints" / "step_00000006").is_dir(), r.stderr
+    assert "checkpoint saved to" in r.stderr and (tmp_path / "checkpoints" / "step_00000007").is_dir(), r.stderr
     r = run_cli(*run, "resume=auto")
     assert r.returncode == 0, r.stderr
     assert_identical(tmp_path, zero2)

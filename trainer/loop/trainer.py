@@ -415,12 +415,17 @@ class Trainer:
             progress.write(f"compiling the model ({', '.join(f'{k}={v}' for k, v in how.items())}): the first steps "
                            "take longer.")
         try:
-            evaluated_at, final, deferred = None, {}, False
+            evaluated_at, final, deferred, stop = None, {}, False, False
             while not self.finished:
+                # A stop is taken here, before a step's batches are drawn: a dataset's random draws in this process
+                # (an augmentation, data.num_workers=0) then stay the checkpoint's, and the resume is exact. (Stopped
+                # after drawing them, the checkpoint kept generators past them: the resumed run drew other numbers.)
+                # The ranks agree on a stop at the step's count (sync_counts), so one asked after its draws takes
+                # that step first; one process alone reads its own flag.
+                if stop or (not be.distributed and self.preemption.requested):
+                    self._preempted(first_step)
                 batches = [be.to_device(next(batches_iter)) for _ in range(cfg.grad_accum_steps)]
                 n_global, stop = self.sync_counts(batches)
-                if stop:
-                    self._preempted(first_step)
                 out = self.train_step(batches, n_global)
                 watchdog.beat()  # progress, for the hang watchdog (world.hang_timeout)
                 if self.step == first_step:

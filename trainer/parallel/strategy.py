@@ -26,8 +26,13 @@ from trainer.parallel.layout import Layout
 
 
 def seed_everything(seed: int) -> None:
+    """Python's, torch's (every device's) and numpy's global generators (a dataset's augmentation may draw from any:
+    numpy's unseeded made two runs of one config draw other numbers; Lightning's and Accelerate's seed it too)."""
+    import numpy as np  # (a dependency: torch has imported it already)
+
     random.seed(seed)
     torch.manual_seed(seed)  # all devices
+    np.random.seed(seed % 2**32)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
