@@ -337,6 +337,21 @@ def test_an_unsupported_dataset_is_one_paragraph_and_leaves_no_run_dir(tmp_path,
     (["+data.flat=true"], r"prediction has shape \[16, 1\] and its target \[16\]: .* y.unsqueeze\(-1\)"),
     (["task._target_=own_mistakes.ZeroTargets", "~task.loss"], "counted 0 targets in step 1's whole batch"),
     (["task._target_=own_mistakes.PerSample", "~task.loss"], r"must be the SUM .* \[16, 1\]\. Sum it \(`.sum\(\)`, not"),
+    # (a TypeError traceback; torch's `new(): invalid data type 'str'`; a stack error at the first log; and train/
+    # grad_norm logged as the Trainer's, the task's dropped without a word)
+    (["task._target_=own_mistakes.Summing", "~task.loss", "+task.extra=no_loss"], r"returned a dict without 'loss' \(keys"),
+    (["task._target_=own_mistakes.Summing", "~task.loss", "+task.extra=string"], r"returned 'acc': a str\. Beside 'loss'"),
+    (["task._target_=own_mistakes.Summing", "~task.loss", "+task.extra=per_sample"],
+     r"returned 'err': a tensor of shape \[16, 1\]\. Beside 'loss', each entry is one number"),
+    (["task._target_=own_mistakes.Summing", "~task.loss", "+task.extra=reserved"],
+     r"a sum named 'grad_norm', which the Trainer logs itself as train/grad_norm"),
+    # (CrossEntropyLoss's own tracebacks: "0D or 1D target tensor expected", "expected target dtype to be Long")
+    (["model._target_=classify.MLP", "~model.out", "data._target_=own_mistakes.labels", "+data.kind=column",
+      "task.loss=torch.nn.CrossEntropyLoss"], r"its target \[16, 1\] \(int64\): CrossEntropyLoss takes class indices, "
+                                             r"integers of shape \[16\] \(a target of \[B, 1\] is y.squeeze\(-1\)\)"),
+    (["model._target_=classify.MLP", "~model.out", "data._target_=own_mistakes.labels", "+data.kind=float",
+      "task.loss=torch.nn.CrossEntropyLoss"], r"its target \[16\] \(float32\): .*\(float labels of class numbers are "
+                                             r"y.long\(\)\), or class probabilities"),
 ])
 def test_a_mistake_in_ones_own_model_or_task_is_one_paragraph_and_leaves_no_run_dir(tmp_path, mistake, says):
     """Each was a traceback (rc 1) leaving config.yaml and an empty metrics.jsonl, or, for a prediction that
@@ -357,21 +372,55 @@ def test_a_mistake_in_ones_own_model_or_task_is_one_paragraph_and_leaves_no_run_
 
 
 @pytest.mark.parametrize("task, says", [
-    ("FloatMetrics", r"FloatMetrics\.eval_metrics returned a float: it returns a dict of metric names to numbers"),
-    ("VectorScore", r"VectorScore\.score returned \{'error': Tensor of shape \[16\]\}: it returns a dict of metric"),
+    (["FloatMetrics"], r"FloatMetrics\.eval_metrics returned a float: it returns a dict of metric names to numbers"),
+    (["VectorScore"], r"VectorScore\.score returned \{'error': Tensor of shape \[16\]\}: it returns a dict of metric"),
+    # (it replaced val/loss, which best_metric then ranked; one sum's name replaced another's value)
+    (["EvalMistake", "+task.mistake=named_loss"], r"eval_metrics returned a metric named 'loss', which is the framework"),
+    (["EvalMistake", "+task.mistake=clash"], r"the val metric 'close' comes from two of its eval_metrics, its loss's sums"),
+    # (an AttributeError traceback: `'list' object has no attribute 'items'`; an IndexError in the gather)
+    (["EvalMistake", "+task.mistake=row_dicts"], r"EvalMistake\.predict returned a list for a batch of 16 samples: it "
+                                                 r"returns a dict of names to tensors with one row per sample"),
+    (["EvalMistake", "+task.mistake=short_rows"], r"predict returned \{'error': a tensor of shape \[2\]\} for a batch of 16"),
+    # (a TypeError traceback from the eval's logging)
+    (["EvalMistake", "+task.mistake=list_sample"], r"EvalMistake\.sample returned a list for 'sample': it returns text, "
+                                                   r"or a dict of named artefacts"),
+    # (found by the main rank alone, which samples and scores: the others are told, not left waiting for it)
+    (["EvalMistake", "+task.mistake=list_sample", "world=ddp", "world.nproc_per_node=2", "data.batch_size=8"],
+     r"EvalMistake\.sample returned a list for 'sample'"),
 ])
-def test_a_task_method_returning_no_dict_of_numbers_is_one_paragraph_naming_the_method(tmp_path, task, says):
+def test_a_task_method_returning_what_the_eval_cannot_take_is_one_paragraph_and_the_steps_are_saved(tmp_path, task,
+                                                                                                   says):
     """A task's eval_metrics returning its number bare, or a score of a tensor per sample, was a traceback inside the
-    eval (`'float' object has no attribute 'update'`, `a Tensor with 16 elements cannot be converted to Scalar`)."""
+    eval (`'float' object has no attribute 'update'`, `a Tensor with 16 elements cannot be converted to Scalar`), and
+    the steps before that first eval were lost (no checkpoint, no way to continue): they are saved now."""
     from conftest import ROOT, run_here
 
     run_dir = tmp_path / "run"
     r = run_here("--config-dir", str(ROOT / "tests" / "conf"), "recipe=classify", "model._target_=own_mistakes.Linear",
-                 "~model.hidden", "+model.out=1", "data._target_=own_mistakes.points", f"task._target_=own_mistakes.{task}",
-                 "~task.loss", "trainer.max_steps=2", "trainer.eval_every=2", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+                 "~model.hidden", "+model.out=1", "data._target_=own_mistakes.points",
+                 f"task._target_=own_mistakes.{task[0]}", *task[1:], "~task.loss", "trainer.max_steps=4",
+                 "trainer.eval_every=2", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     error = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert len(error) == 1 and re.search(says, error[0]), r.stderr
+    assert "The checkpoint of step 2 is saved: fix it and rerun with resume=auto" in error[0], error[0]
+    assert (run_dir / "checkpoints" / "step_00000002" / "manifest.json").is_file()
+
+
+def test_a_tasks_sums_and_metrics_of_tensors_and_numpy_numbers_are_logged_as_floats(tmp_path):
+    """eval_metrics' 0-dim tensor and numpy float32 passed the check and then failed in the JSON logger (`Object of
+    type Tensor is not JSON serializable`), a traceback at the first eval."""
+    from conftest import ROOT, read_metrics, run_here
+
+    run_dir = tmp_path / "run"
+    r = run_here("--config-dir", str(ROOT / "tests" / "conf"), "recipe=classify", "model._target_=own_mistakes.Linear",
+                 "~model.hidden", "+model.out=1", "data._target_=own_mistakes.points", "task._target_=own_mistakes.Summing",
+                 "~task.loss", "trainer.max_steps=2", "trainer.eval_every=2", "trainer.log_every=1",
+                 f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    val = [e for e in read_metrics(run_dir) if "val/rmse" in e][-1]
+    assert val["val/rmse"] == pytest.approx(val["val/loss"] ** 0.5, rel=1e-5) and isinstance(val["val/rmse_np"], float)
+    assert all(isinstance(e["train/close"], float) for e in read_metrics(run_dir) if "train/loss" in e)
 
 
 @pytest.mark.slow

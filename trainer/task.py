@@ -8,7 +8,7 @@ makes gradient accumulation and data parallelism exact even when batches differ 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -35,7 +35,11 @@ def named_numbers(value: Any, method: str, task: Any) -> dict[str, Any]:
         wrong = [(k, v) for k, v in value.items() if not isinstance(k, str) or isinstance(v, bool) or not (
             isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and v.numel() == 1))]
         if not wrong:
-            return dict(value)
+            if "loss" in value:  # (it replaced the val loss in the logs, and in what best_metric ranked)
+                raise ConfigError(f"{type(task).__name__}.{method} returned a metric named 'loss', which is the "
+                                  f"framework's own val/loss (the mean loss per target): name it otherwise.")
+            # (a tensor, or numpy's float32, was taken here and then failed in the JSON logger: plain floats)
+            return {k: float(v.item() if isinstance(v, torch.Tensor) else v) for k, v in value.items()}
         key, v = wrong[0]
         got = f"{{{key!r}: {type(v).__name__}{' of shape ' + str(list(v.shape)) if isinstance(v, torch.Tensor) else ''}}}"
     else:
@@ -136,11 +140,27 @@ class SupervisedTask:
         if not isinstance(pred, torch.Tensor) or (self.same_shape and isinstance(y, torch.Tensor)
                                                   and pred.shape != y.shape):
             raise self._misfit(pred, y)
+        if self.classification and isinstance(y, torch.Tensor) and (
+                y.shape != pred.shape if y.is_floating_point() else y.shape != pred.shape[:1] + pred.shape[2:]):
+            raise self._not_classes(pred, y)
         loss = self.loss_fn(pred, y)
         if not self.classification:
             return loss
-        return {"loss": loss, "accuracy": (pred.argmax(-1) == y).sum()}
+        labels = y.argmax(-1) if y.is_floating_point() else y  # (class probabilities: the likeliest class)
+        return {"loss": loss, "accuracy": (pred.argmax(-1) == labels).sum()}
 
+
+    def _not_classes(self, pred: torch.Tensor, y: torch.Tensor) -> Exception:
+        """Targets a classification loss cannot take (labels of [B, 1], float labels): torch's traceback before."""
+        from trainer.errors import ConfigError
+
+        indices = list(pred.shape[:1] + pred.shape[2:])
+        fix = " (a target of [B, 1] is y.squeeze(-1))" if list(y.shape) == [*indices, 1] else \
+            " (float labels of class numbers are y.long())" if y.is_floating_point() and list(y.shape) == indices else ""
+        return ConfigError(f"the model's prediction has shape {list(pred.shape)} and its target {list(y.shape)} "
+                           f"({str(y.dtype).removeprefix('torch.')}): {self.loss_name} takes class indices, integers of "
+                           f"shape {indices}{fix}, or class probabilities, floats of the prediction's shape. Fix the "
+                           "data's targets (data._target_) or the model's output (model._target_).")
 
     def _misfit(self, pred: Any, y: Any) -> Exception:
         from trainer.errors import ConfigError
@@ -157,14 +177,79 @@ class SupervisedTask:
                            "or a sum with keepdim=True.")
 
 
+# What the Trainer logs as train/NAME itself (with lr_PART and UNIT_per_s): a sum of the task's of one of these names
+# was dropped for its own without a word.
+RESERVED_TRAIN_NAMES = frozenset({"loss", "lr", "grad_norm", "step_time_ms", "skipped_steps", "peak_mem_mb", "mfu"})
+
+
 def split_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """What `task.loss` returned, as (the summed loss, the other additive sums by name)."""
+    """What `task.loss` returned, as (the summed loss, the other additive sums by name: each one number, summed
+    over the batch's targets like the loss; a string or a per-sample tensor was a traceback at the step or its log)."""
     if isinstance(out, dict):
+        from trainer.errors import ConfigError
+
         if "loss" not in out:
-            raise TypeError(f"task.loss() returned a dict without 'loss' (keys: {', '.join(out)}); put the summed "
-                            "loss under 'loss'.")
-        return out["loss"], {k: v for k, v in out.items() if k != "loss"}
+            raise ConfigError(f"task.loss() returned a dict without 'loss' (keys: {', '.join(map(str, out))}): put the "
+                              "summed loss under 'loss'; the other entries are sums logged per target beside it.")
+        extra = {k: v for k, v in out.items() if k != "loss"}
+        for k, v in extra.items():
+            if not isinstance(k, str) or isinstance(v, bool) or not (
+                    isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and v.numel() == 1)):
+                shown = f"a tensor of shape {list(v.shape)}" if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
+                raise ConfigError(f"task.loss() returned {k!r}: {shown}. Beside 'loss', each entry is one number, "
+                                  "a sum over the batch's targets (a count of correct predictions, say), which the "
+                                  "Trainer sums over micro-batches and ranks and logs per target as train/NAME and "
+                                  "val/NAME: sum a per-sample value (`.sum()`), and give metrics of the whole val set "
+                                  "through predict and score (trainer/task.py).")
+        return out["loss"], extra
     return out, {}
+
+
+def check_sample(samples: dict[str, Any], task: Any) -> dict[str, Any]:
+    """`task.sample`'s artefacts by name (its plain string is {"sample": text}): text, an image tensor ([H, W],
+    [H, W, C] or [C, H, W]) or a number each; anything else was a TypeError traceback in the middle of the eval."""
+    from trainer.errors import ConfigError
+    from trainer.tracking.images import is_image
+
+    for name, value in samples.items():
+        if isinstance(value, str) or is_image(value) or (isinstance(value, numbers.Real) and not isinstance(value, bool)):
+            continue
+        shown = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else \
+            f"a {type(value).__name__}"
+        raise ConfigError(f"{type(task).__name__}.sample returned {shown} for {name!r}: it returns text, or a dict of "
+                          "named artefacts, each text, an image tensor ([H, W], [H, W, C] or [C, H, W], values in [0, 1] "
+                          "for floats) or a number (a sample metric, logged as val/NAME). Several texts: one key each.")
+    return samples
+
+
+def _check_rows(out: Any, n: int, task: Any) -> None:
+    """`task.predict`'s rows of a batch of `n` samples: a dict of names to tensors of n rows (a list of row dicts, the
+    README's "rows" read literally, was an AttributeError traceback; too few rows an IndexError in the gather)."""
+    if isinstance(out, Mapping) and out and all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) and v.dim() >= 1 and len(v) == n for k, v in out.items()):
+        return
+    from trainer.errors import ConfigError
+
+    if isinstance(out, Mapping) and out:
+        key, v = next((k, v) for k, v in out.items() if not (isinstance(k, str) and isinstance(v, torch.Tensor) and
+                                                             v.dim() >= 1 and len(v) == n))
+        got = f"{{{key!r}: {f'a tensor of shape {list(v.shape)}' if isinstance(v, torch.Tensor) else type(v).__name__}}}"
+    else:
+        got = "an empty dict" if isinstance(out, Mapping) else f"a {type(out).__name__}"
+    raise ConfigError(f"{type(task).__name__}.predict returned {got} for a batch of {n} samples: it returns a dict of "
+                      f"names to tensors with one row per sample (first dimension {n}), such as {{'score': probs, "
+                      "'label': y}; score(outputs) then gets each name's rows of every val sample, concatenated in "
+                      "sample order.")
+
+
+def check_sum_names(names: Iterable[str]) -> None:
+    """The Trainer's first step: a sum of the task's under a name the Trainer logs itself was dropped for its own."""
+    from trainer.errors import ConfigError
+
+    for k in names:
+        if k in RESERVED_TRAIN_NAMES or k.startswith("lr_") or k.endswith("_per_s"):
+            raise ConfigError(f"task.loss() returned a sum named {k!r}, which the Trainer logs itself as train/{k} (and "
+                              "dropped this one for): name it otherwise.")
 
 
 class EvalSums:
@@ -191,6 +276,8 @@ class EvalSums:
         self.totals[1] += self.task.num_targets(batch)
         for name, value in extra.items():
             self.sums[name] = self.sums.get(name, 0) + torch.as_tensor(value).double()
+        if self.predicts:
+            _check_rows(out, len(indices), self.task)
         for name, value in out.items():
             self.rows.setdefault(name, []).append(value.detach().float())
         self.owned += indices
@@ -202,6 +289,13 @@ class EvalSums:
         loss = loss_sum / count
         extra = named_numbers(self.task.eval_metrics(loss), "eval_metrics", self.task) \
             if hasattr(self.task, "eval_metrics") else {}
-        extra.update({n: v / count for n, v in sums.items()})
-        extra.update(scored or {})
+        for more in ({n: v / count for n, v in sums.items()}, scored or {}):
+            clash = sorted(set(extra) & set(more))
+            if clash:  # (one replaced the other in the logs, without a word)
+                from trainer.errors import ConfigError
+
+                raise ConfigError(f"{type(self.task).__name__}: the val metric {clash[0]!r} comes from two of its "
+                                  "eval_metrics, its loss's sums and its score, and one would replace the other in "
+                                  f"{prefix}/{clash[0]}: name them apart.")
+            extra.update(more)
         return {f"{prefix}/loss": loss, **{f"{prefix}/{k}": v for k, v in extra.items()}}

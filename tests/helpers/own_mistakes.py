@@ -91,3 +91,61 @@ class VectorScore(FloatMetrics):
 
     def score(self, outputs):
         return {"error": outputs["error"]}
+
+
+def labels(kind: str):
+    """classify.blobs with its class labels as a user may hold them: [N, 1] ("column") or floats ("float")."""
+    from classify import blobs
+
+    def changed(ds):
+        x, y = ds.tensors
+        return TensorDataset(x, y.unsqueeze(-1) if kind == "column" else y.float())
+
+    return tuple(changed(ds) for ds in blobs())
+
+
+class Summing(FloatMetrics):
+    """A task whose loss returns a dict: `extra` says what beside the loss (each a mistake but "right")."""
+
+    def __init__(self, extra: str = "right"):
+        super().__init__()
+        self.extra = extra
+
+    def loss(self, model, batch):
+        x, y = batch
+        err = (model(x) - y).square()
+        more = {"no_loss": {}, "string": {"acc": "hi"}, "per_sample": {"err": err.detach()},
+                "reserved": {"grad_norm": err.sum().detach()}, "right": {"close": (err < 0.1).sum()}}[self.extra]
+        return {"mse": err.sum()} if self.extra == "no_loss" else {"loss": err.sum(), **more}
+
+    def eval_metrics(self, mean_loss):
+        import numpy as np
+
+        # A 0-dim tensor and numpy's float32: taken, and logged as floats (the JSON logger refused them once).
+        return {"rmse": torch.tensor(mean_loss) ** 0.5, "rmse_np": np.sqrt(np.float32(mean_loss))}
+
+
+class EvalMistake(Summing):
+    """A task whose eval-time methods return what the eval cannot take (`mistake`), found at the first eval."""
+
+    def __init__(self, mistake: str):
+        super().__init__()
+        self.mistake = mistake
+
+    def eval_metrics(self, mean_loss):
+        if self.mistake == "named_loss":
+            return {"loss": mean_loss}
+        return {"close": mean_loss} if self.mistake == "clash" else super().eval_metrics(mean_loss)
+
+    def predict(self, model, batch):
+        x, y = batch
+        err = (model(x) - y).abs().squeeze(-1)
+        if self.mistake == "row_dicts":
+            return [{"error": e} for e in err]
+        return {"error": err[:2]} if self.mistake == "short_rows" else {"error": err}
+
+    def score(self, outputs):
+        return {"max_error": float(outputs["error"].max())}
+
+    def sample(self, model, device):
+        return ["a text", "another"] if self.mistake == "list_sample" else {"text": "a text", "n": 1.5}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,7 @@ from trainer.loop.runtime import Runtime
 from trainer.models.finetune import after_load, frozen_keys
 from trainer.parallel import unwrap
 from trainer.redaction import redact_text
-from trainer.task import EvalSums, Task, named_numbers, split_loss
-from trainer.tracking.images import is_image
+from trainer.task import EvalSums, Task, check_sample, check_sum_names, named_numbers, split_loss
 from trainer.tracking.loggers import NullLogger
 from trainer.tracking.progress import NullProgress, Progress
 
@@ -253,9 +253,23 @@ class Trainer:
         each sample once (a rank's repeated lockstep batches are not among its rows). Computed on the main rank;
         every rank gets its result (early stopping and the best checkpoint read it)."""
         outputs = {name: self.backend.gather_samples(owned, torch.cat(parts)) for name, parts in sorted(rows.items())}
-        scored = {k: float(v) for k, v in named_numbers(self.task.score(outputs), "score", self.task).items()} \
-            if self.backend.is_main else None
-        return self.backend.broadcast_object(scored)
+        return self._from_main(lambda: named_numbers(self.task.score(outputs), "score", self.task))
+
+    def _from_main(self, compute: Callable[[], Any]) -> Any:
+        """What the main rank computes alone (a task's score, its sample's metrics), on every rank; a refusal of what
+        the task returned there is raised on every rank, where the others waited in the broadcast for ever."""
+        result = None
+        if self.backend.is_main:
+            try:
+                result = compute()
+            except ConfigError as e:
+                if not self.backend.distributed:
+                    raise
+                result = e
+        result = self.backend.broadcast_object(result)
+        if isinstance(result, ConfigError):
+            raise result
+        return result
 
     @torch.no_grad()
     def sample(self) -> dict[str, Any]:
@@ -274,19 +288,22 @@ class Trainer:
 
     def _eval_and_log(self, progress: Progress) -> dict[str, float]:
         self.guard.read(self.step)  # a run that hit a non-finite step stops before evaluating it
-        with rng.kept():  # (an eval's samples draw tokens; a loader's iterator draws a seed)
-            metrics = self.evaluate()
-            if self.ema is not None:
-                with self.ema.swapped_in():
-                    metrics.update(self.evaluate(prefix="val_ema"))
-            samples = self.sample()
         prefix = "val_ema" if self.ema is not None else "val"
-        numbers = {f"{prefix}/{name}": float(value) for name, value in samples.items()
-                   if isinstance(value, (int, float)) and not isinstance(value, bool)}
-        if self.backend.distributed and hasattr(self.task, "sample"):
+        try:
+            with rng.kept():  # (an eval's samples draw tokens; a loader's iterator draws a seed)
+                metrics = self.evaluate()
+                if self.ema is not None:
+                    with self.ema.swapped_in():
+                        metrics.update(self.evaluate(prefix="val_ema"))
+                samples = self.sample()
             # The main rank alone samples: every rank's early stopping and best checkpoint read these too (a rank
             # without them stopped for a monitor "not among the metrics" while the others trained on: a hang).
-            numbers = self.backend.broadcast_object(numbers if self.backend.is_main else None)
+            numbers = self._from_main(lambda: {
+                f"{prefix}/{name}": float(value) for name, value in check_sample(samples, self.task).items()
+                if isinstance(value, (int, float)) and not isinstance(value, bool)}) \
+                if hasattr(self.task, "sample") else {}
+        except ConfigError as e:  # what a task's method returned, refused at its first eval: the steps so far are kept
+            raise self._saved_before(e) from None
         metrics.update(numbers)
         for name, value in samples.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -295,11 +312,8 @@ class Trainer:
             if isinstance(value, str):
                 self.loggers.log_text(key, value, self.step)
                 progress.write(f"--- {name} at step {self.step} ---\n{printable(redact_text(value))}\n---")
-            elif is_image(value):
+            else:  # (an image: check_sample took nothing else)
                 self.loggers.log_image(key, value, self.step)
-            else:
-                raise TypeError(f"task.sample() returned {type(value).__name__} for '{name}': expected a string, "
-                                "an image tensor or a number.")
         if metrics:
             self.loggers.log_metrics(metrics, self.step)
             progress.write(f"step {self.step}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
@@ -430,6 +444,7 @@ class Trainer:
                 watchdog.beat()  # progress, for the hang watchdog (world.hang_timeout)
                 if self.step == first_step:
                     self._check_no_parameters_appeared()
+                    check_sum_names(out["sums"])
                 self.step += 1
                 self.samples_seen += self.global_batch
                 meter.add(n_global)
@@ -587,7 +602,7 @@ class Trainer:
         the error says so, where stopping at once lost every step (with eval_every=0, the whole run)."""
         if self.checkpointer.save_final or self.checkpointer.every_n_steps:
             self.save_checkpoint(None, wait=True)
-            return ConfigError(f"{error} The checkpoint of step {self.step} is saved: fix the setting and rerun with "
+            return ConfigError(f"{error} The checkpoint of step {self.step} is saved: fix it and rerun with "
                                "resume=auto to continue.")
         return error
 
