@@ -407,6 +407,22 @@ def test_a_task_method_returning_what_the_eval_cannot_take_is_one_paragraph_and_
     assert (run_dir / "checkpoints" / "step_00000002" / "manifest.json").is_file()
 
 
+@pytest.mark.parametrize("world", [(), ("world=ddp", "world.nproc_per_node=2", "data.batch_size=8")], ids=["one", "ddp"])
+def test_a_crash_in_ones_own_code_before_the_first_step_shows_its_line_and_leaves_no_run_dir(tmp_path, world):
+    """A forward of one's own raising at the first batch: its traceback is the user's to read, but the run dir it left
+    held only the start's records (config.yaml, run_info.json, .hydra/, an empty metrics.jsonl), as a refused run's
+    did before those were removed."""
+    from conftest import ROOT, run_here
+
+    run_dir = tmp_path / "run"
+    r = run_here("--config-dir", str(ROOT / "tests" / "conf"), "recipe=classify", "model._target_=own_mistakes.RaisesInForward",
+                 "~model.hidden", "+model.out=1", "data._target_=own_mistakes.points", "task.loss=torch.nn.MSELoss",
+                 *world, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert r.returncode == 1, r.stderr
+    assert "own_mistakes.py" in r.stderr and "ValueError: a bug in the forward of one's own model" in r.stderr, r.stderr
+    assert not run_dir.exists()
+
+
 def test_a_tasks_sums_and_metrics_of_tensors_and_numpy_numbers_are_logged_as_floats(tmp_path):
     """eval_metrics' 0-dim tensor and numpy float32 passed the check and then failed in the JSON logger (`Object of
     type Tensor is not JSON serializable`), a traceback at the first eval."""

@@ -149,3 +149,10 @@ class EvalMistake(Summing):
 
     def sample(self, model, device):
         return ["a text", "another"] if self.mistake == "list_sample" else {"text": "a text", "n": 1.5}
+
+
+class RaisesInForward(Linear):
+    """A bug in one's own forward, at the first batch."""
+
+    def forward(self, x):
+        raise ValueError("a bug in the forward of one's own model")

@@ -498,11 +498,17 @@ def _run_job(cfg: DictConfig) -> float | None:
         except WorkerFailed as wf:
             code = wf.report()
             _say_what_the_sweep_skips()
-            if wf.exitcode in (UserError.exit_code, StorageError.exit_code) and lock is not None and lock.held:
-                remove_if_unused(run_dir)  # a mistake (or a full disk) before training: the dir goes if it holds
+            if wf.exitcode in (1, UserError.exit_code, StorageError.exit_code) and lock is not None and lock.held:
+                remove_if_unused(run_dir)  # a mistake, a crash (or a full disk) before training: the dir goes if it holds
             if wf.exitcode not in (UserError.exit_code, NonFiniteError.exit_code):  # only its records
                 _say_how_to_continue(run_dir, continue_command(run_dir))  # (rerunning would not help those)
             sys.exit(code)
+        except Exception as e:
+            # A crash in code of one's own (a forward, a dataset, a collate_fn) before the first step: its traceback
+            # is the user's to read, and the dir goes as a refused run's does if it holds only its start's records.
+            if not isinstance(e, TrainerExit) and lock is not None and lock.held:
+                remove_if_unused(run_dir)
+            raise
         except KeyboardInterrupt:
             print("interrupted: stopped all processes.", file=sys.stderr, flush=True)
             _say_what_the_sweep_skips()
