@@ -143,6 +143,33 @@ def test_exported_weights_changed_since_the_run_wrote_them_are_refused_by_every_
     assert trainer.load(mine).training is False
 
 
+def test_load_after_the_models_own_code_changed_says_so(tmp_path, monkeypatch):
+    """A model class of one's own, changed after the run (another layer size): trainer.load called the export
+    damaged and said to rewrite it with resume=auto, which fails the same way; the code is named now."""
+    import sys
+
+    import trainer
+
+    model_code = "import torch\n\nclass Net(torch.nn.Sequential):\n    def __init__(self):\n        super().__init__(" \
+                 "torch.nn.Linear(2, {}), torch.nn.Linear({}, 1))\n"
+    (tmp_path / "changing_net.py").write_text(model_code.format(8, 8))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from conftest import ROOT
+
+    run = tmp_path / "run"
+    r = run_here("--config-dir", str(ROOT / "tests" / "conf"), "recipe=classify", "model._target_=changing_net.Net",
+                 "~model.hidden", "data._target_=own_mistakes.points", "task.loss=torch.nn.MSELoss", "trainer.max_steps=2",
+                 f"hydra.run.dir={run}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "changing_net.py").write_text(model_code.format(16, 16))  # (the class, edited since)
+    sys.modules.pop("changing_net", None)
+    from trainer.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"Either the code of changing_net\.Net, which builds it, changed since the run"):
+        trainer.load(run)
+    sys.modules.pop("changing_net", None)
+
+
 def test_load_refuses_a_model_config_that_runs_code(reference, tmp_path):
     import shutil
 

@@ -383,14 +383,18 @@ def load(run_dir: str | Path, ema: bool = False, device: str | torch.device = "c
     weights = exported_weights(path, name)
     in_stored_dtype(model, {k: v.dtype for k, v in weights.items()})
     problems = _mismatches(model.state_dict(), weights, f"{name}.safetensors")
+    # (a model of one's own is built by its code as it is now: a changed class was called a damaged export)
+    code = (f"the code of {type(model).__module__}.{type(model).__qualname__}, which builds it, changed since the run "
+            "(put back the code it trained with: its run_info.json records the git commit), or ")
     if problems:
         raise CheckpointError(f"the weights of {path} ({name}.safetensors) do not fit the model {source} builds: "
-                              f"{store.listed(problems)}. The two do not come from the same run, or one was edited. {fix}")
+                              f"{store.listed(problems)}. Either {code}the two files do not come from the same run or "
+                              f"one was edited. {fix}")
     try:
         model.load_state_dict(weights)
     except RuntimeError as e:
         raise CheckpointError(f"the weights of {path} ({name}.safetensors) do not fit the model {source} builds "
-                              f"({_one_line(e)}). {fix}") from None
+                              f"({_one_line(e)}). Either {code}the files were damaged. {fix}") from None
     return model.to(device).eval()
 
 
