@@ -1580,6 +1580,11 @@ def test_a_scheduler_that_rt_step_steps_must_be_registered_to_be_saved(tmp_path,
         rt2.gather_for_metrics(torch.zeros(8), train_loader)
     with pytest.raises(UserError, match=r"rt.backward takes the loss as one number.*a tensor of shape \[2, 1\]"):
         rt2.backward(model2(torch.ones(2, 1)))  # (torch's "grad can be implicitly created only for scalar outputs")
+    with pytest.raises(UserError, match=r"got an int\. Reduce it first"):  # ("got a int")
+        rt2.backward(3)
+    # (a loss without its graph was told to reduce itself, which gives it none)
+    with pytest.raises(UserError, match=r"got a tensor without a graph .*Compute it from the model's output"):
+        rt2.backward(model2(torch.ones(2, 1)).sum().detach())
     rt2.end()
     with pytest.raises(UserError, match=r"rt.log after rt.end\(\)"):
         rt2.log({"val/loss": 1.0}, step=1)

@@ -337,6 +337,7 @@ def test_an_unsupported_dataset_is_one_paragraph_and_leaves_no_run_dir(tmp_path,
     (["+data.flat=true"], r"prediction has shape \[16, 1\] and its target \[16\]: .* y.unsqueeze\(-1\)"),
     (["task._target_=own_mistakes.ZeroTargets", "~task.loss"], "counted 0 targets in step 1's whole batch"),
     (["task._target_=own_mistakes.PerSample", "~task.loss"], r"must be the SUM .* \[16, 1\]\. Sum it \(`.sum\(\)`, not"),
+    (["task._target_=own_mistakes.Detached", "~task.loss"], r"got a tensor without a graph .*\. Compute it from the model"),
     # (a TypeError traceback; torch's `new(): invalid data type 'str'`; a stack error at the first log; and train/
     # grad_norm logged as the Trainer's, the task's dropped without a word)
     (["task._target_=own_mistakes.Summing", "~task.loss", "+task.extra=no_loss"], r"returned a dict without 'loss' \(keys"),

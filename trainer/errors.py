@@ -74,6 +74,11 @@ def report(err: TrainerExit) -> None:
     print(f"error: {scrub(str(err), secret_values())}", file=sys.stderr, flush=True)
 
 
+def a_(name: str) -> str:
+    """`name` with its article: "a float", "an int" (a message naming what type a value was)."""
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
 def suggest(name: str, choices: Iterable[str], n: int = 3) -> str:
     """' Did you mean a, b?' for the closest names, or '' when nothing is close.
 

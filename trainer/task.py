@@ -14,6 +14,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
+from trainer.errors import a_
+
 
 class Task(Protocol):
     def num_targets(self, batch: Any) -> int | torch.Tensor:
@@ -43,7 +45,7 @@ def named_numbers(value: Any, method: str, task: Any) -> dict[str, Any]:
         key, v = wrong[0]
         got = f"{{{key!r}: {type(v).__name__}{' of shape ' + str(list(v.shape)) if isinstance(v, torch.Tensor) else ''}}}"
     else:
-        got = f"a {type(value).__name__}"
+        got = a_(type(value).__name__)
     raise ConfigError(f"{type(task).__name__}.{method} returned {got:.120}: it returns a dict of metric names to "
                       f"numbers (a float, or a tensor of one element), such as {{'bpb': 1.21}}, each logged as "
                       f"val/NAME. trainer/task.py lists what a task's methods take and return.")
@@ -125,8 +127,8 @@ class SupervisedTask:
                 "return (x, y) samples.")
         if isinstance(batch, (tuple, list)) and len(batch) == 2:
             return batch[0], batch[1]
-        what = f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else \
-            f"a {type(batch).__name__}"
+        what = f"{a_(type(batch).__name__)} of {len(batch)}" if isinstance(batch, (tuple, list)) else \
+            a_(type(batch).__name__)
         raise ConfigError(f"trainer.task.SupervisedTask takes batches (x, y), and this data's batches are {what}: "
                           "have the data return (x, y) samples, or dicts with task.input_key and task.target_key set, "
                           "or write a task of your own (README: Your own model, data and loss).")
@@ -195,7 +197,7 @@ def split_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         for k, v in extra.items():
             if not isinstance(k, str) or isinstance(v, bool) or not (
                     isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and v.numel() == 1)):
-                shown = f"a tensor of shape {list(v.shape)}" if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
+                shown = f"a tensor of shape {list(v.shape)}" if isinstance(v, torch.Tensor) else a_(type(v).__name__)
                 raise ConfigError(f"task.loss() returned {k!r}: {shown}. Beside 'loss', each entry is one number, "
                                   "a sum over the batch's targets (a count of correct predictions, say), which the "
                                   "Trainer sums over micro-batches and ranks and logs per target as train/NAME and "
@@ -215,7 +217,7 @@ def check_sample(samples: dict[str, Any], task: Any) -> dict[str, Any]:
         if isinstance(value, str) or is_image(value) or (isinstance(value, numbers.Real) and not isinstance(value, bool)):
             continue
         shown = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else \
-            f"a {type(value).__name__}"
+            a_(type(value).__name__)
         raise ConfigError(f"{type(task).__name__}.sample returned {shown} for {name!r}: it returns text, or a dict of "
                           "named artefacts, each text, an image tensor ([H, W], [H, W, C] or [C, H, W], values in [0, 1] "
                           "for floats) or a number (a sample metric, logged as val/NAME). Several texts: one key each.")
@@ -235,7 +237,7 @@ def _check_rows(out: Any, n: int, task: Any) -> None:
                                                              v.dim() >= 1 and len(v) == n))
         got = f"{{{key!r}: {f'a tensor of shape {list(v.shape)}' if isinstance(v, torch.Tensor) else type(v).__name__}}}"
     else:
-        got = "an empty dict" if isinstance(out, Mapping) else f"a {type(out).__name__}"
+        got = "an empty dict" if isinstance(out, Mapping) else a_(type(out).__name__)
     raise ConfigError(f"{type(task).__name__}.predict returned {got} for a batch of {n} samples: it returns a dict of "
                       f"names to tensors with one row per sample (first dimension {n}), such as {{'score': probs, "
                       "'label': y}; score(outputs) then gets each name's rows of every val sample, concatenated in "

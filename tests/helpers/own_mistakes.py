@@ -156,3 +156,10 @@ class RaisesInForward(Linear):
 
     def forward(self, x):
         raise ValueError("a bug in the forward of one's own model")
+
+
+class Detached(PerSample):
+    """A task whose summed loss lost its graph (.detach(), as a value logged and returned by mistake)."""
+
+    def loss(self, model, batch):
+        return super().loss(model, batch).sum().detach()

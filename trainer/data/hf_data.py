@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from trainer.data.files import local_files, writing_cache
-from trainer.errors import DataError
+from trainer.errors import DataError, a_
 
 FORMAT = 3  # bump when the cache layout or the encoding changes (2: text files keep their line breaks; 3: a val fraction of 2+ documents is at least one)
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text", ".text": "text",
@@ -244,7 +244,7 @@ def _bad_json_line(f: Path) -> tuple[int, str] | None:
                 except ValueError as e:
                     return n, str(e)
                 if not isinstance(value, dict):
-                    return n, f"a {type(value).__name__}, not an object"
+                    return n, f"{a_(type(value).__name__)}, not an object"
     except OSError:
         return None
     return None

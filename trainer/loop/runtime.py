@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 
 from trainer.checkpoint.store import is_count
-from trainer.errors import CheckpointError, ConfigError, UserError, suggest
+from trainer.errors import CheckpointError, ConfigError, UserError, a_, suggest
 from trainer.loop import watchdog
 from trainer.loop.loaders import EvalLoader, Loader, RunPosition
 from trainer.parallel import Strategy, unwrap
@@ -761,14 +761,21 @@ class Runtime:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             shown = (f"a tensor of shape {list(loss.shape)}" if loss.numel() != 1 else "a tensor without a graph "
                      "(computed under torch.no_grad, detached, or from no parameter)") \
-                if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
+                if isinstance(loss, torch.Tensor) else a_(type(loss).__name__)
+            # (a loss without a graph was told to reduce itself, which gives it none: say where the graph was lost)
+            graphless = isinstance(loss, torch.Tensor) and loss.numel() == 1
             if summed:  # (the advice above, a mean, would shrink this loss by the batch's size, silently)
                 raise UserError(f"the loss (the Trainer's: task.loss of task._target_) must be the SUM of the batch's "
                                 f"per-target losses as one number with its graph, a 0-dim tensor (or a dict with it "
-                                f"under 'loss'); got {shown}. Sum it (`.sum()`, not `.mean()`: the Trainer divides "
-                                "by the global batch's count of targets, task.num_targets).")
-            raise UserError(f"rt.backward takes the loss as one number with its graph, a 0-dim tensor; got {shown}. "
-                            "Reduce it first (`loss.mean()`, or `.sum()` divided by the batch's count).")
+                                f"under 'loss'); got {shown}. " + (
+                                    "Compute it from the model's output with torch's float operations (not .item(), "
+                                    ".detach(), .long() or torch.no_grad)." if graphless else
+                                    "Sum it (`.sum()`, not `.mean()`: the Trainer divides by the global batch's count "
+                                    "of targets, task.num_targets)."))
+            raise UserError(f"rt.backward takes the loss as one number with its graph, a 0-dim tensor; got {shown}. " + (
+                "Compute it from the model's output with torch's float operations (not .item(), .detach(), .long() or "
+                "torch.no_grad)." if graphless else "Reduce it first (`loss.mean()`, or `.sum()` divided by the "
+                "batch's count)."))
         if scale is None:
             scale = 1.0 / self.grad_accum_steps
         elif not ((isinstance(scale, numbers.Real) and not isinstance(scale, bool) and math.isfinite(scale)) or (

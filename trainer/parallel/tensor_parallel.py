@@ -20,7 +20,7 @@ from fnmatch import fnmatch
 
 import torch.nn as nn
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, a_
 from trainer.parallel.materialize import retie, tied_parameters
 
 HOW_TO = ("Give the model class a `_tp_plan` dict of module paths to 'colwise' / 'rowwise', e.g. "
@@ -149,7 +149,7 @@ def check_plan(model: nn.Module, tp: int) -> None:
             size = module.embedding_dim if kind == "colwise" else module.num_embeddings
         else:
             raise ConfigError(f"{type(model).__name__}'s tensor-parallel plan has '{name}': {style!r}, but {name} is "
-                              f"a {type(module).__name__}: colwise and rowwise split nn.Linear and nn.Embedding only "
+                              f"{a_(type(module).__name__)}: colwise and rowwise split nn.Linear and nn.Embedding only "
                               "(transformers' GPT-2 Conv1D has no DTensor split). Train it with world=fsdp and no "
                               "world.tp.")
         if size % tp:
