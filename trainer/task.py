@@ -211,10 +211,10 @@ def check_sample(samples: dict[str, Any], task: Any) -> dict[str, Any]:
     """`task.sample`'s artefacts by name (its plain string is {"sample": text}): text, an image tensor ([H, W],
     [H, W, C] or [C, H, W]) or a number each; anything else was a TypeError traceback in the middle of the eval."""
     from trainer.errors import ConfigError
-    from trainer.tracking.images import is_image
 
     for name, value in samples.items():
-        if isinstance(value, str) or is_image(value) or (isinstance(value, numbers.Real) and not isinstance(value, bool)):
+        image = isinstance(value, torch.Tensor) and value.dim() in (2, 3)  # (trainer/tracking/images.py's is_image)
+        if isinstance(value, str) or image or (isinstance(value, numbers.Real) and not isinstance(value, bool)):
             continue
         shown = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else \
             a_(type(value).__name__)

@@ -601,7 +601,10 @@ class Trainer:
         """A setting found wrong only at an eval (a metric the evals lack): the training so far is saved first, and
         the error says so, where stopping at once lost every step (with eval_every=0, the whole run)."""
         if self.checkpointer.save_final or self.checkpointer.every_n_steps:
-            self.save_checkpoint(None, wait=True)
+            if self.saved_step == self.step:  # (this step's is saved, or being saved: finished, not saved twice)
+                self.checkpoints.finish_pending()
+            else:
+                self.save_checkpoint(None, wait=True)
             return ConfigError(f"{error} The checkpoint of step {self.step} is saved: fix it and rerun with "
                                "resume=auto to continue.")
         return error
