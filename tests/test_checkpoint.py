@@ -148,11 +148,12 @@ def test_a_sigterm_while_a_steps_samples_draw_random_numbers_resumes_exactly(tmp
     (conf / "noisy.yaml").write_text(NOISY_RECIPE)
     args = ("--config-dir", str(tmp_path / "conf"), "recipe=noisy", *world)
     cut = (f"+data.sigterm_at={read}", f"+data.once={tmp_path / 'signalled'}")
-    assert run_here(*args, "hydra.run.dir=whole", cwd=tmp_path, env=FAULTY_ENV).returncode == 0
+    run = run_cli if world else run_here  # (workers: from run_cli's forkserver)
+    assert run(*args, "hydra.run.dir=whole", cwd=tmp_path, env=FAULTY_ENV).returncode == 0
     r = run_cli(*args, *cut, "hydra.run.dir=cut", cwd=tmp_path, env=FAULTY_ENV)
     assert r.returncode == 75 and "error: preempted by" in r.stderr, r.stdout + r.stderr
     assert (tmp_path / "signalled").exists()
-    r = run_here(*args, *cut, "hydra.run.dir=cut", "resume=auto", cwd=tmp_path, env=FAULTY_ENV)
+    r = run(*args, *cut, "hydra.run.dir=cut", "resume=auto", cwd=tmp_path, env=FAULTY_ENV)
     assert r.returncode == 0, r.stderr
     whole, resumed = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "cut")
     assert series(resumed, "train/loss") == series(whole, "train/loss")  # (bit for bit: the same draws, in order)

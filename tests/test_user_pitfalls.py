@@ -394,13 +394,14 @@ def test_a_task_method_returning_what_the_eval_cannot_take_is_one_paragraph_and_
     """A task's eval_metrics returning its number bare, or a score of a tensor per sample, was a traceback inside the
     eval (`'float' object has no attribute 'update'`, `a Tensor with 16 elements cannot be converted to Scalar`), and
     the steps before that first eval were lost (no checkpoint, no way to continue): they are saved now."""
-    from conftest import ROOT, run_here
+    from conftest import FAULTY_ENV, ROOT, run_cli, run_here
 
     run_dir = tmp_path / "run"
-    r = run_here("--config-dir", str(ROOT / "tests" / "conf"), "recipe=classify", "model._target_=own_mistakes.Linear",
-                 "~model.hidden", "+model.out=1", "data._target_=own_mistakes.points",
-                 f"task._target_=own_mistakes.{task[0]}", *task[1:], "~task.loss", "trainer.max_steps=4",
-                 "trainer.eval_every=2", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    run = run_cli if "world=ddp" in task else run_here  # (workers: from run_cli's forkserver)
+    r = run("--config-dir", str(ROOT / "tests" / "conf"), "recipe=classify", "model._target_=own_mistakes.Linear",
+            "~model.hidden", "+model.out=1", "data._target_=own_mistakes.points",
+            f"task._target_=own_mistakes.{task[0]}", *task[1:], "~task.loss", "trainer.max_steps=4",
+            "trainer.eval_every=2", f"hydra.run.dir={run_dir}", cwd=tmp_path, env=FAULTY_ENV)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     error = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert len(error) == 1 and re.search(says, error[0]), r.stderr
@@ -413,12 +414,13 @@ def test_a_crash_in_ones_own_code_before_the_first_step_shows_its_line_and_leave
     """A forward of one's own raising at the first batch: its traceback is the user's to read, but the run dir it left
     held only the start's records (config.yaml, run_info.json, .hydra/, an empty metrics.jsonl), as a refused run's
     did before those were removed."""
-    from conftest import ROOT, run_here
+    from conftest import FAULTY_ENV, ROOT, run_cli, run_here
 
     run_dir = tmp_path / "run"
-    r = run_here("--config-dir", str(ROOT / "tests" / "conf"), "recipe=classify", "model._target_=own_mistakes.RaisesInForward",
-                 "~model.hidden", "+model.out=1", "data._target_=own_mistakes.points", "task.loss=torch.nn.MSELoss",
-                 *world, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    r = (run_cli if world else run_here)(
+        "--config-dir", str(ROOT / "tests" / "conf"), "recipe=classify", "model._target_=own_mistakes.RaisesInForward",
+        "~model.hidden", "+model.out=1", "data._target_=own_mistakes.points", "task.loss=torch.nn.MSELoss", *world,
+        f"hydra.run.dir={run_dir}", cwd=tmp_path, env=FAULTY_ENV)
     assert r.returncode == 1, r.stderr
     assert "own_mistakes.py" in r.stderr and "ValueError: a bug in the forward of one's own model" in r.stderr, r.stderr
     assert not run_dir.exists()
