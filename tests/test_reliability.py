@@ -584,7 +584,8 @@ def test_a_checkpoint_whose_manifest_cannot_be_read_is_tried_first_and_never_pru
 # -- finding the run to continue (item 5) -------------------------------------------------------------------
 def test_resume_auto_finds_its_run_whatever_precision_auto_measured_and_after_raising_max_steps(tmp_path):
     """precision=auto records its probe's timing text, which differs at every start; a preempted run whose
-    max_steps or learning rate is raised on resume is still the same run."""
+    max_steps is raised on resume is still the same run. One of another learning rate is another experiment to
+    the search (a run named by hydra.run.dir takes it changed): it continued the other's run as its own."""
     import yaml
 
     from trainer.entry.rundir import find_run_to_continue
@@ -598,16 +599,17 @@ def test_resume_auto_finds_its_run_whatever_precision_auto_measured_and_after_ra
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     here = tmp_path / "outputs" / "2026-01-01" / "13-00-00"
     now = {**config, "resume": "auto", "trainer": {"max_steps": 90, "seed": 0},
-           "optim": {**config["optim"], "lr": 2e-3},
            "precision": {**config["precision"], "reason": "precision=auto: bf16 ran 0.02x as fast"}}
     assert find_run_to_continue(here, now) == run
+    assert find_run_to_continue(here, {**now, "optim": {**now["optim"], "lr": 2e-3}}) is None
     assert find_run_to_continue(here, {**now, "model": {"n_layer": 3}}) is None  # another experiment
     assert find_run_to_continue(here, {**now, "optim": {**now["optim"], "_target_": "torch.optim.SGD"}}) is None
 
 
 def test_resume_auto_of_two_runs_that_differ_in_the_learning_rate_continues_each_its_own(tmp_path):
     """Two preempted jobs of one command but for optim.lr: resume=auto continued the newest for both, swapping their
-    learning rates from then on. A run with every one of this job's settings comes first; else the newest."""
+    learning rates from then on. Each continues its own; a third rate continues neither (it continued the newest,
+    its steps at another rate, and that run's own job then began again from step 0)."""
     import os
 
     import yaml
@@ -629,7 +631,7 @@ def test_resume_auto_of_two_runs_that_differ_in_the_learning_rate_continues_each
     for cfg, want in ((a_cfg, a), (b_cfg, b)):
         job = {**cfg, "resume": "auto", "precision": {"reason": "measured now"}, "logger": {"wandb": {"name": "x"}}}
         assert find_run_to_continue(here, job) == want
-    assert find_run_to_continue(here, {**a_cfg, "optim": {"lr": 5e-4}}) == b  # neither: the newest, as before
+    assert find_run_to_continue(here, {**a_cfg, "optim": {"lr": 5e-4}}) is None  # neither: a new run
 
 
 def test_resume_notes_do_not_report_precision_autos_timing_text(tmp_path):

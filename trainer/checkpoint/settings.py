@@ -36,10 +36,18 @@ def resumable(key: str) -> bool:
     return key.startswith(RESUMABLE) and not key.endswith("_target_")
 
 
-def comparable(config: dict[str, Any]) -> dict[str, Any]:
-    """What must be equal for two configs to be one run: all but resume, Hydra's settings and `RESUMABLE`."""
+# What resume=auto's search for a run (no run dir named) needs equal besides: a job of another learning rate or
+# schedule is another experiment there. (Two jobs of one command but for optim.lr, the first killed: the second
+# continued the first's run at its own rate, and the first, requeued, began again from step 0.) A run named by
+# hydra.run.dir or resume=PATH takes them changed, and says so.
+FOUND_ALIKE = ("optim.", "scheduler.")
+
+
+def comparable(config: dict[str, Any], found: bool = False) -> dict[str, Any]:
+    """What must be equal for two configs to be one run: all but resume, Hydra's settings and `RESUMABLE`; `found`:
+    for a run resume=auto finds by itself, the `FOUND_ALIKE` settings too."""
     return {k: v for k, v in flat(with_added({k: v for k, v in config.items() if k not in ("resume", "hydra")})).items()
-            if not resumable(k)}
+            if not resumable(k) or (found and k.startswith(FOUND_ALIKE))}
 
 
 def read_config(path: Path) -> Any:

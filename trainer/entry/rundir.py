@@ -6,7 +6,8 @@ continues, and the command line that continues a run.
 * `resume=auto` without `hydra.run.dir`: the default run dir is new at every start (a timestamp), so
   there is nothing in it to resume. Then the run to continue is the newest unfinished run under the
   same outputs root (`outputs/*/*/`) whose config equals this job's, but for the settings a resume may
-  change (`RESUMABLE`) and for what is not a setting (`resume`, Hydra's, precision=auto's reason); one with
+  change (`RESUMABLE`, not the optimizer's and schedule's: `FOUND_ALIKE`) and for what is not a setting
+  (`resume`, Hydra's, precision=auto's reason); one with
   every setting of this job's comes before a newer one that differs in those. It is said in one line, and the
   job runs there.
 """
@@ -64,13 +65,13 @@ def find_run_to_continue(run_dir: Path, config: dict[str, Any], depth: int = 2,
     checkpoint, not finished (or finished short of this job's length), whose config.yaml equals `config` (as saved: resolved, redacted) but for the
     settings a resume may change. `run_dir` itself is one of them when it qualifies: this job has written nothing
     there yet, so a checkpoint in it is an earlier job's, one that started in the same second and was stopped."""
-    want = comparable(config)
+    want = comparable(config, found=True)
     runs = unfinished_runs(run_dir, depth) if runs is None else runs
-    found = [(cand, saved) for cand, saved in runs if comparable(saved) == want]
+    found = [(cand, saved) for cand, saved in runs if comparable(saved, found=True) == want]
     if not found:
         return None
-    # Of the runs this job may continue, one with all of its settings (two preempted jobs that differ in optim.lr
-    # each continue their own), else the newest.
+    # Of the runs this job may continue, one with all of its settings (two preempted jobs that differ in their
+    # periods or length each continue their own), else the newest.
     every = flat(with_added(_settings(config)))
     return max(found, key=lambda r: (flat(with_added(_settings(r[1]))) == every, r[0].stat().st_mtime))[0]
 
@@ -121,7 +122,7 @@ def nearest_other_run(runs: list[tuple[Path, dict]], config: dict[str, Any]) -> 
     if not runs:
         return None
     cand, saved = max(runs, key=lambda r: r[0].stat().st_mtime)
-    before, now = comparable(saved), comparable(config)
+    before, now = comparable(saved, found=True), comparable(config, found=True)
     differ = [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(before) | set(now))
               if before.get(k) != now.get(k)]
     listed = "; ".join(differ[:4]) + (f" (and {len(differ) - 4} more)" if len(differ) > 4 else "")
