@@ -129,10 +129,12 @@ def test_a_link_in_the_locks_place_is_replaced_never_written_through(tmp_path):
         lock.release()
 
 
-def test_two_run_dirs_whose_checkpoints_link_to_one_directory_cannot_train_at_once(corpus, tmp_path):
+def test_two_run_dirs_whose_checkpoints_link_to_one_directory_cannot_train_at_once_or_in_turn(corpus, tmp_path):
     """`RUN/checkpoints` linked to a big scratch disk, by two run dirs to the same directory: each job held its own
     run dir's lock, and each pruned and replaced the other's checkpoints (both runs' work lost). The directory a
-    linked checkpoints/ resolves to is held with the run dir; the second job is refused, changing nothing."""
+    linked checkpoints/ resolves to is held with the run dir; the second job is refused, changing nothing. In turn
+    too (`cp -r RUN COPY` copies the link): the copy's run pruned the original's checkpoints, and the original's
+    resume then took the copy's newest as its own and replaced its export with the copy's weights."""
     from trainer.errors import ConfigError
     from trainer.runlock import RunDirLock
 
@@ -147,12 +149,21 @@ def test_two_run_dirs_whose_checkpoints_link_to_one_directory_cannot_train_at_on
         assert_clean_error(r, f"{tmp_path / 'b' / 'checkpoints'} leads to {shared}, whose checkpoints another job is "
                               "writing now", "Nothing in the run dir was changed.")
         assert sorted(p.name for p in (tmp_path / "b").iterdir()) == [".lock", "checkpoints"]  # (the refused job's)
-        assert (tmp_path / "b" / ".lock").read_text() == "" and not any(shared.iterdir())
+        assert (tmp_path / "b" / ".lock").read_text() == "" and [p.name for p in shared.iterdir()] == ["linked_by.json"]
     finally:
         lock.release()
-    RunDirLock(tmp_path / "b").acquire().release()  # free once the other job's lock is
-    # A link to a running job's own (real) checkpoints/ (found by a review: only links were held).
+    with pytest.raises(ConfigError, match=f"leads to {shared}, which holds the checkpoints of the run dir "
+                                          f"{tmp_path / 'a'} too .*cp -rL"):  # (in turn: a is not running)
+        RunDirLock(tmp_path / "b").acquire()
+    RunDirLock(tmp_path / "a").acquire().release()  # (a, whose it is, goes on)
+    (tmp_path / "a").rename(tmp_path / "a_moved")  # a run dir moved or renamed: its links no longer lead there
+    RunDirLock(tmp_path / "b").acquire().release()  # (b's now)
+    with pytest.raises(ConfigError, match="which holds the checkpoints of the run dir"):
+        RunDirLock(tmp_path / "a_moved").acquire()
+    # A link to a running job's own (real) checkpoints/ (found by a review: only links were held); in turn, to a run
+    # dir's own checkpoints/ at all.
     (tmp_path / "c" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "c" / "config.yaml").write_text("trainer: {}\n")
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "checkpoints").symlink_to(tmp_path / "c" / "checkpoints")
     lock = RunDirLock(tmp_path / "c").acquire()
@@ -161,6 +172,8 @@ def test_two_run_dirs_whose_checkpoints_link_to_one_directory_cannot_train_at_on
             RunDirLock(tmp_path / "d").acquire()
     finally:
         lock.release()
+    with pytest.raises(ConfigError, match=f"which holds the checkpoints of the run dir {tmp_path / 'c'} too"):
+        RunDirLock(tmp_path / "d").acquire()
 
 
 def test_a_data_cache_that_cannot_be_written_is_exit_74_naming_it_and_leaves_no_run_dir(corpus, tmp_path, monkeypatch):
@@ -960,7 +973,8 @@ def test_a_fresh_start_over_a_linked_checkpoints_dir_says_where_its_checkpoints_
     r = run_here(*args, "resume=null")
     assert r.returncode == 0, r.stderr
     assert f"note: {run / 'checkpoints'} was a link to {scratch}, set aside with those checkpoints" in r.stdout + r.stderr
-    assert (run / "checkpoints.prev").is_symlink() and [p.name for p in scratch.iterdir()] == ["step_00000002"]
+    assert (run / "checkpoints.prev").is_symlink()
+    assert sorted(p.name for p in scratch.iterdir()) == ["linked_by.json", "step_00000002"]  # (and which run dir links it)
     assert not (run / "checkpoints").is_symlink() and (run / "checkpoints" / "step_00000002").is_dir()
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import socket
 from pathlib import Path
@@ -24,6 +25,7 @@ from pathlib import Path
 from trainer.errors import ConfigError
 
 LOCK = ".lock"
+LINKED_BY = "linked_by.json"  # in the directory a run dir's checkpoints/ link leads to: which run dir links it
 
 
 class RunDirLock:
@@ -131,7 +133,44 @@ class RunDirLock:
         except OSError:  # (a file system without flock on directories, NFS or Lustre: the run goes on unguarded)
             os.close(fd)
             return
+        try:
+            if link.is_symlink():
+                self._claim_linked(link, target)
+        except BaseException:
+            os.close(fd)
+            raise
         self._linked_fd = fd
+
+    def _claim_linked(self, link: Path, target: Path) -> None:
+        """A directory a linked checkpoints/ leads to is one run dir's, one job after another too: `cp -r RUN COPY`
+        copies the link, and the copy's run pruned the original's checkpoints, then the original's resume took the
+        copy's newer one as its own and replaced its export with the copy's weights. The target records the run dir
+        that links it (LINKED_BY); another run dir that still links there is refused. A run dir moved or renamed (the
+        one recorded no longer leads there) takes it over."""
+        from trainer.io import atomic_write_json
+
+        here = self.path.parent.resolve()
+        owner = target.parent if target.name == "checkpoints" and (target.parent / "config.yaml").is_file() else None
+        if owner is None:
+            try:
+                recorded = json.loads((target / LINKED_BY).read_text())["run_dir"]
+                owner = Path(recorded) if isinstance(recorded, str) else None
+            except (OSError, ValueError, KeyError, TypeError):
+                owner = None
+            if owner is not None:
+                try:
+                    owner = owner if (owner / "checkpoints").resolve(strict=True) == target else None
+                except (OSError, RuntimeError):
+                    owner = None  # (moved or renamed: the recorded run dir no longer leads there)
+        if owner is not None and owner.resolve() != here:
+            raise ConfigError(
+                f"{link} leads to {target}, which holds the checkpoints of the run dir {owner} too (a copy of a run dir "
+                "with cp -r keeps its links): a run in either would prune the other's checkpoints, and the other's "
+                "resume would take them as its own and replace its export. Give this run dir a checkpoints dir of its "
+                f"own: rm {link} && cp -r {target} NEW_DIR && ln -s NEW_DIR {link} (or copy run dirs with cp -rL, "
+                "which copies what a link leads to). Nothing in either run dir was changed.")
+        if owner is None:
+            atomic_write_json(target / LINKED_BY, {"run_dir": str(here)})
 
     def check_same_job(self) -> None:
         """For the launchers of nodes other than 0, which share node 0's lock: refuse a run dir that another job
