@@ -185,6 +185,34 @@ def test_resumed_training_continues_the_same_wandb_run(corpus, tmp_path, offline
     assert [r["step"] for r in history(tmp_path)] == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_copy_of_a_run_dir_continued_beside_it_logs_to_a_run_of_its_own(corpus, tmp_path, offline, capsys):
+    """`cp -r RUN COPY` and both continued: the copy's checkpoint names the original's wandb run, and both branches'
+    steps 5 and 6 went into that one run (wandb keeps a step's first row: one branch's were dropped). The copy's is a
+    run of its own now; the original, and a run dir moved (its old path gone), go on in theirs."""
+    import shutil
+
+    from trainer import train
+
+    args = ("logger=wandb", "trainer.max_steps=4", "checkpoint.every_n_steps=2")
+    run, copy, moved = tmp_path / "run", tmp_path / "copy", tmp_path / "moved"
+    train(compose_cfg(tiny_overrides(corpus, *args)), run)
+    first = run_id(run)
+    shutil.copytree(run, copy, symlinks=True)  # (as cp -r: wandb's latest-run link stays a link)
+    capsys.readouterr()
+    train(compose_cfg(tiny_overrides(corpus, *args, "trainer.max_steps=6", "optim.lr=1e-4", "resume=auto")), copy)
+    assert f"wandb: this copy of the run dir {run}, resumed from step 4, logs to a new run" in capsys.readouterr().err
+    found = runs_by_first_step(copy)
+    assert len(found) == 2, [(r['id'], [x['step'] for x in r['rows']]) for r in found]
+    old, new = found
+    assert old["id"] == first and new["id"] != first and [r["step"] for r in new["rows"]] == [5, 6]
+    assert new["notes"] == f"Continued from step 4 of run {first} in a copy of its run dir ({run}), where that run goes on."
+    train(compose_cfg(tiny_overrides(corpus, *args, "trainer.max_steps=6", "resume=auto")), run)
+    assert set(run_ids(run)) == {first} and [r["step"] for r in history(run)] == [1, 2, 3, 4, 5, 6]
+    shutil.move(run, moved)  # (a run dir moved: the same run goes on)
+    train(compose_cfg(tiny_overrides(corpus, *args, "trainer.max_steps=8", "resume=auto")), moved)
+    assert set(run_ids(moved)) == {first}
+
+
 def test_credentials_come_from_the_environment_or_netrc(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_IDENTITY_TOKEN_FILE", raising=False)

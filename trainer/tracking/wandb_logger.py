@@ -36,7 +36,8 @@ ON_ROLLBACK = ("new_run", "fork", "rewind")
 # branched there (new_run, fork, rewind), "first": the first step that run holds of this run dir's line (a branch's
 # run starts after its checkpoint), "settings": settings_digest of its config}. A rollback's new run is in no
 # checkpoint until the branch saves one; killed before that, the next resume loads the same checkpoint and its id,
-# the old run's, where wandb would drop the branch's steps.
+# the old run's, where wandb would drop the branch's steps. "run_dir": the run dir that wrote it, by which a copy of
+# the run dir (cp -r), continued beside its original, logs to a run of its own.
 LAST_RUN = "trainer_last_run.json"
 # Settings that change no number a run logs, nor the steps it logs them at (where it saves and logs to, how it shows
 # progress, timeouts), or change them by rounding only (threads, kernels, compilation, loader workers, the eval's
@@ -193,7 +194,8 @@ class WandbLogger(NullLogger):
             first = self._first if how == "rewind" else branch["step"] + 1
         else:
             start, how, first = self._resumed_from, None, self._first
-        record = {"run_id": self.run_id, "from": start, "how": how, "first": first, "settings": settings_digest(config)}
+        record = {"run_id": self.run_id, "from": start, "how": how, "first": first, "settings": settings_digest(config),
+                  "run_dir": str(self.record.parent.parent.resolve())}  # (a copy of the run dir is told by it)
         try:
             atomic_write_bytes(self.record, json.dumps(record).encode())
         except OSError:
@@ -241,6 +243,8 @@ class WandbLogger(NullLogger):
             return {"resume_from": moment}
         # A run of its own: its notes (the Overview tab) say where it comes from.
         return {"resume": "allow", "notes": (
+            f"Continued from step {branch['step']} of run {branch['run']} in a copy of its run dir "
+            f"({branch['copy_of']}), where that run goes on." if branch.get("copy_of") is not None else
             f"Rolled back to step {branch['step']} of run {branch['run']}, which keeps the branch this run left."
             if branch["step"] is not None else f"Started from a checkpoint of run {branch['run']}.")}
 
@@ -264,7 +268,9 @@ class WandbLogger(NullLogger):
             return
         old, step, how = branch["run"], branch["step"], branch["how"]
         what = f"the rollback to step {step}"
-        if branch.get("held") is not None:  # (a resume of the same checkpoint with other settings)
+        if branch.get("copy_of") is not None:
+            what = f"this copy of the run dir {branch['copy_of']}, resumed from step {step},"
+        elif branch.get("held") is not None:  # (a resume of the same checkpoint with other settings)
             what = (f"run {old} holds {_steps(step + 1, branch['held'])} of an attempt with other settings than this "
                     f"job's, which stopped before it saved a checkpoint there: this resume from step {step}")
         if step is None:
@@ -369,6 +375,13 @@ class WandbLogger(NullLogger):
         if self._branch is not None and self._branch["step"] is None:
             self._branch["step"] = step
             self._first = self._first_of(last)  # (a rewind's run keeps its history up to the step)
+        elif self._branch is None and self._loaded and self._copy_of(last) is not None:
+            # A copy of a run dir (cp -r) continued beside the original, which goes on logging to the run both
+            # checkpoints name: both branches' steps went into one run, and wandb dropped one's. The copy's is a
+            # run of its own, as a rollback's is (never a rewind of the original's run).
+            self._branch = {"run": self.run_id, "step": step, "how": "fork" if self.on_rollback == "fork" else "new_run",
+                            "copy_of": str(self._copy_of(last))}
+            self.run_id, self._loaded = new_run_id(), False
         elif self._branch is None and self._loaded:
             self._resumed_from = [self.run_id, step]
             if last.get("from") == self._resumed_from and isinstance(last.get("run_id"), str) and last["run_id"]:
@@ -379,6 +392,19 @@ class WandbLogger(NullLogger):
                     self._branch = {"run": self.run_id, "step": step, "how": "rewind"}
                 self.run_id = last["run_id"]
             self._first = self._first_of(last)
+
+    def _copy_of(self, last: dict[str, Any]) -> Path | None:
+        """The run dir this one is a copy of, where the record came from one that is still there and still logs to
+        the same run (a run dir moved, or copied and its original deleted, continues that run)."""
+        other, here = last.get("run_dir"), self.record.parent.parent.resolve()
+        if not isinstance(other, str) or Path(other) == here:
+            return None
+        try:
+            theirs = json.loads((Path(other) / "wandb" / LAST_RUN).read_text())
+        except (OSError, ValueError):
+            return None
+        same = isinstance(theirs, dict) and theirs.get("run_id") == last.get("run_id") and theirs.get("run_dir") == other
+        return Path(other) if same else None
 
     def _first_of(self, last: dict[str, Any]) -> int:
         """The first step the run this attempt logs to holds of the line (0: not recorded, the run's start)."""
