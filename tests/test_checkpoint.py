@@ -298,6 +298,23 @@ def test_sigusr1_to_the_launcher_stops_every_worker_with_a_checkpoint_that_resum
     assert series(got, "train/loss") == pytest.approx(series(ref, "train/loss"), rel=1e-5, abs=1e-5)
 
 
+def test_a_sigterm_to_every_process_of_the_job_saves_a_checkpoint_that_resumes_exactly(corpus, tmp_path, ddp_reference):
+    """timeout, `kill -- -PGID` and SLURM's --signal=TERM@120 signal every process of the job: the workers' forkserver
+    died of it at once and took every worker with it (their parent-death signal) before they saved, "the workers saved
+    no checkpoint", the steps since the last periodic one lost (the README's sbatch example lost up to 500)."""
+    import os
+
+    args = [*tiny_overrides(corpus, *SHARED, *DDP2), f"hydra.run.dir={tmp_path}"]
+    r = run_cli(*args, *faulty("sigterm_group", 9, rank=0), env=FAULTY_ENV, preexec=os.setsid)  # (a group of its own)
+    assert r.returncode == 75, r.stdout + r.stderr
+    # (the signal came in step 9; the ranks agreed on it at step 10's count and took that step first)
+    assert checkpoints(tmp_path)[-1] == "step_00000010", r.stderr
+    assert f"the workers saved a checkpoint ({tmp_path / 'checkpoints' / 'step_00000010'})" in r.stderr, r.stderr
+    r = run_cli(*args, "resume=auto")
+    assert r.returncode == 0, r.stderr
+    assert_identical(tmp_path, ddp_reference[0])
+
+
 @pytest.mark.parametrize("world", [(), DDP2])
 def test_a_stop_signal_before_the_first_step_exits_75(corpus, tmp_path, world):
     r = run_cli(*tiny_overrides(corpus, *world), f"hydra.run.dir={tmp_path}", *faulty("sigterm_at_build", 1),

@@ -753,15 +753,24 @@ def test_resume_auto_repairs_an_export_whose_files_changed(damage, corpus, stopp
 
 
 def test_after_a_stop_signal_the_launcher_says_what_the_workers_really_saved(stopped, tmp_path):
-    """It used to say "workers saved a checkpoint" whatever happened (a hung rank saves nothing)."""
+    """It used to say "workers saved a checkpoint" whatever happened (a hung rank saves nothing), and then whenever a
+    checkpoint was newer than the launch's, a periodic save of steps before the stop too."""
+    import json
+
+    from trainer.checkpoint.store import step_of
     from trainer.entry.launcher import _newest_checkpoint, _what_was_saved
 
     run_dir = _copy(stopped, tmp_path / "run")
     newest = _newest_checkpoint(run_dir)
-    assert _what_was_saved(run_dir, newest) == f"the workers saved no new checkpoint; the newest is {newest}."
+    assert _what_was_saved(run_dir, newest) == f"the workers saved no checkpoint where they stopped; the newest is {newest}."
     assert _what_was_saved(run_dir, run_dir / "checkpoints" / "step_00000004") == \
         f"the workers saved a checkpoint ({newest})."
     assert _what_was_saved(tmp_path / "empty", None) == "the workers saved no checkpoint (none was due yet)."
+    with open(run_dir / "metrics.jsonl", "a") as f:  # (steps logged past it: the stop's own save never came)
+        f.write(json.dumps({"step": step_of(newest) + 3, "train/loss": 1.0}) + "\n")
+    assert _what_was_saved(run_dir, run_dir / "checkpoints" / "step_00000004") == (
+        f"the workers saved no checkpoint where they stopped; the newest is {newest} (they had logged step "
+        f"{step_of(newest) + 3}: the steps after it are trained again).")
 
 
 def test_a_preemption_right_after_a_periodic_save_does_not_save_that_step_again(corpus, tmp_path):

@@ -2,7 +2,7 @@
 
 It wraps a real task (`base`: the lm recipe's by default; the other keys of `task` go to it).
 Actions: raise an exception, SIGKILL / SIGTERM / SIGUSR1 itself, SIGTERM, SIGUSR1 or SIGINT its parent (the
-launcher), return a NaN loss once ("nan_once") or from then on ("nan_always"), or SIGTERM itself while
+launcher), SIGTERM its whole process group ("sigterm_group": the job run in a session of its own), return a NaN loss once ("nan_once") or from then on ("nan_always"), or SIGTERM itself while
 it is being built ("sigterm_at_build": before any training step, in every process that builds it), or
 "block": write this process's PID into the FIFO `hold` (the test reads it: the job is now running), then
 block forever on `hold + ".release"` (a FIFO nobody writes): a job that is busy until the test acts on it; or
@@ -84,6 +84,9 @@ class Faulty:
                 from trainer.errors import ConfigError
 
                 raise ConfigError(f"task.action=refuse: a mistake found at training call {self.calls}.")
+            if self.action == "sigterm_group":  # every process of the job, as timeout, kill -- -PGID and SLURM do
+                os.killpg(os.getpgrp(), signal.SIGTERM)
+                return False
             # "_parent": the launcher, as a user or a scheduler signals it (a worker's parent is its forkserver).
             target = int(os.environ[LAUNCHER_ENV]) if self.action.endswith("_parent") else os.getpid()
             os.kill(target, {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1,

@@ -107,6 +107,9 @@ def _own_forkserver():
         code = 1
         try:
             os.close(alive_w)
+            # What the launcher's own forkserver imports first: it dies with this process (the launcher) and ignores
+            # the stop signals a whole process group gets, which the workers take (trainer/entry/forkserver_guard.py).
+            import trainer.entry.forkserver_guard  # noqa: F401
             forkserver.main(listener.fileno(), alive_r, [])
         except SystemExit as e:  # (the server loop ends so, at end-of-file on its pipe)
             code = e.code if isinstance(e.code, int) else 0

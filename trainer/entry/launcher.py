@@ -401,11 +401,20 @@ def _newest_checkpoint(run_dir: Path) -> Path | None:
 def _what_was_saved(run_dir: Path, before: Path | None) -> str:
     """What the workers left after a forwarded stop signal, read from the run dir (not assumed: a worker may have
     died before it could save)."""
+    from trainer.checkpoint.store import step_of
+    from trainer.tracking.loggers import last_step
+
     newest = _newest_checkpoint(run_dir)
-    if newest is not None and newest != before:
+    try:  # (a periodic save of an earlier step was called the stop's own: the steps after it were said saved)
+        logged = last_step(Path(run_dir) / "metrics.jsonl")
+    except OSError:
+        logged = None
+    if newest is not None and newest != before and (logged is None or step_of(newest) >= logged):
         return f"the workers saved a checkpoint ({newest})."
     if newest is not None:
-        return f"the workers saved no new checkpoint; the newest is {newest}."
+        past = f" (they had logged step {logged}: the steps after it are trained again)" if logged is not None and \
+            step_of(newest) < logged else ""
+        return f"the workers saved no checkpoint where they stopped; the newest is {newest}{past}."
     return "the workers saved no checkpoint (none was due yet)."
 
 

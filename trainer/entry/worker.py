@@ -119,6 +119,10 @@ def forked(launcher_env: dict[str, str], streams: Streams | None = None) -> int:
     # started with SIGINT ignored (a job that a non-interactive shell put in the background) passes that on to its
     # forkserver and to every worker, which then ignored it until the agent's SIGKILL, 30 s later.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # (and the stop signals the forkserver ignores, which a fork inherits: a worker takes them as a fresh process does,
+    # until the Trainer's preemption handler takes them over)
+    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
     env = worker_environment(launcher_env, _BOOT_ENV, dict(os.environ))
     os.environ.clear()
     os.environ.update(env)
