@@ -120,6 +120,16 @@ def planned_modules(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, s
     return out
 
 
+def planned_here(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, str, nn.Module]]:
+    """`planned_modules` (a key that matches nothing is an error, not torch's warning) but for the parts of the model
+    another pipeline stage holds: in their place a stage has a placeholder with nothing to split (an untied output
+    head on the first stage, the embedding on the last: Llama's under world.pp x world.tp was torch's
+    NotImplementedError "ColwiseParallel currently only support nn.Linear and nn.Embedding")."""
+    from trainer.parallel.pipeline import Elsewhere
+
+    return [(name, style, m) for name, style, m in planned_modules(model, plan) if not isinstance(m, Elsewhere)]
+
+
 def _heads(model: nn.Module) -> list[tuple[str, int]]:
     """The head counts a plan splits: each module's `n_head`, and a Hugging Face config's query and key/value
     heads (whose projections colwise splits)."""
@@ -241,7 +251,7 @@ def parallelize(model: nn.Module, tp_mesh) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     plan = plan_of(model)
-    found = planned_modules(model, plan)  # a key that matches nothing is an error, not torch's warning
+    found = planned_here(model, plan)
     build = _torch_styles()
     tied = tied_parameters(model)
     # Each matched module by its own path (torch's fnmatch-per-level matching would be the same; this way the
