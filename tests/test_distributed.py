@@ -73,6 +73,20 @@ def test_world_single_under_torchrun_is_one_paragraph_in_the_clis_terms(corpus, 
     assert "did not decide this job's processes" not in r.stdout  # (world=single's own 1, never given: no note)
 
 
+def test_a_model_world_tp_cannot_split_under_torchrun_is_rank_0s_paragraph_before_training(corpus, tmp_path):
+    """The launcher's checks before its workers start (the model against world.tp) never ran under torchrun: a split
+    that did not divide the heads trained into torch's reshape error in the first forward, a traceback on each rank."""
+    r = run_cli("--standalone", "--nproc_per_node=2", "-m", "trainer",
+                *tiny_overrides(corpus, "world=ddp", "world.tp=2", "model.n_head=1"), f"hydra.run.dir={tmp_path / 'run'}",
+                module="torch.distributed.run", env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode != 0  # (torchrun's own: 1 whatever its ranks' codes)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "world.tp=2" in errors[0] and "n_head" in errors[0], r.stderr
+    assert "is invalid for input of size" not in r.stderr and "recipes/lm/model.py" not in r.stderr  # (torchrun's own
+    # ChildFailedError block follows, as for any rank that exits non-zero)
+    assert not (tmp_path / "run").exists()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -53,7 +53,9 @@ def follow_torchrun_rank0() -> int:
     """Entry of torchrun ranks > 0: receive rank 0's resolved config and train."""
     from trainer.entry.run import ENTRY_POINTS
 
-    container, run_dir, entry = _share_config([None, None, None])
+    container, run_dir, entry, refused = _share_config([None, None, None, None])
+    if refused is not None:  # (rank 0 refused the config before training, and says why)
+        return refused
     return run_worker(OmegaConf.create(container), Path(run_dir), ENTRY_POINTS[entry])
 
 
@@ -65,7 +67,23 @@ def run(cfg: DictConfig, run_dir: Path, entry: Callable | None = None, topology=
 
     entry = entry or train
     if in_torchrun():  # we are torchrun's rank 0: hand the config to the other ranks
-        _share_config([OmegaConf.to_container(cfg), str(run_dir), entry.__name__])
+        # What the launcher checks before its workers start (the model against world.tp and world.pp, the task, the
+        # data), checked here once: under torchrun, where no launcher of ours runs, a tensor-parallel split that did
+        # not divide the heads was torch's reshape error in the first forward. The others stop with rank 0's code.
+        refused = None
+        if entry.__name__ != "script":
+            from trainer.config.schema import launch_config
+            from trainer.entry.run import preflight
+            from trainer.errors import UserError
+
+            try:
+                preflight(cfg, run_dir, launch_config(cfg.world).device)
+            except UserError as e:
+                refused = e
+        _share_config([OmegaConf.to_container(cfg), str(run_dir), entry.__name__,
+                       None if refused is None else refused.exit_code])
+        if refused is not None:
+            raise refused
         note = torchrun_decides(cfg.world)
         if note:
             print(note, flush=True)
