@@ -13,7 +13,7 @@ norms, accumulation, noise streams), so only the timing of a swapped run means a
 The parts:
     data       batches cut by the hand-written loop and copied with `.to(device)`, for the Trainer's loader
                (on CUDA: a DataLoader pinning each batch, then non-blocking copies)
-    contexts   `rt.accumulate` and the samples' noise stream entered as no-ops
+    contexts   `rt.micro_step` (the Trainer's accumulation) and the samples' noise stream entered as no-ops
     backward   `loss * scale` backward without the Runtime's checks and the strategy and precision layers
     clip       torch's `clip_grad_norm_` on the parameters, without the Runtime's bookkeeping
     guard      the non-finite guard off (no norm read on the CPU, no latch and found_inf on a GPU)
@@ -43,11 +43,11 @@ def swaps(trainer, plain, part: str) -> contextlib.ExitStack:
     stack = contextlib.ExitStack()
     chosen = PARTS if part == "all" else (part,)
     if "contexts" in chosen:
-        def accumulate(self, *models, last=None):
+        def micro_step(self, *models, ends_step):
             self.sync_gradients = True
             return contextlib.nullcontext()
 
-        stack.enter_context(mock.patch.object(Runtime, "accumulate", accumulate))
+        stack.enter_context(mock.patch.object(Runtime, "micro_step", micro_step))  # (the Trainer's accumulation)
         stack.enter_context(mock.patch.object(noise, "for_samples", lambda positions, seed: contextlib.nullcontext()))
     if "backward" in chosen:
         stack.enter_context(mock.patch.object(Runtime, "backward", lambda self, loss, scale=None: (loss * scale).backward()))

@@ -385,6 +385,8 @@ def test_a_mistake_in_ones_own_model_or_task_is_one_paragraph_and_leaves_no_run_
     # (a TypeError traceback from the eval's logging)
     (["EvalMistake", "+task.mistake=list_sample"], r"EvalMistake\.sample returned a list for 'sample': it returns text, "
                                                    r"or a dict of named artefacts"),
+    (["EvalMistake", "+task.mistake=sample_loss"], r"EvalMistake\.sample returned a metric 'loss', which the eval logs "
+                                                   r"itself as val/loss"),
     # (found by the main rank alone, which samples and scores: the others are told, not left waiting for it)
     (["EvalMistake", "+task.mistake=list_sample", "world=ddp", "world.nproc_per_node=2", "data.batch_size=8"],
      r"EvalMistake\.sample returned a list for 'sample'"),
@@ -439,7 +441,28 @@ def test_a_tasks_sums_and_metrics_of_tensors_and_numpy_numbers_are_logged_as_flo
     assert r.returncode == 0, r.stderr
     val = [e for e in read_metrics(run_dir) if "val/rmse" in e][-1]
     assert val["val/rmse"] == pytest.approx(val["val/loss"] ** 0.5, rel=1e-5) and isinstance(val["val/rmse_np"], float)
-    assert all(isinstance(e["train/close"], float) for e in read_metrics(run_dir) if "train/loss" in e)
+    assert val["val/quality"] == 0.5  # (numpy's float32 from sample: sent to the image logger, a ValueError)
+    assert all(isinstance(e["train/close"], float) for e in read_metrics(run_dir) if "train/loss" in e)  # (a [1]: a
+    # stack error at the first log)
+
+
+def test_classification_accuracy_reads_the_class_dimension_and_nll_takes_no_probabilities():
+    """CrossEntropyLoss of [B, C, d] against [B, d] (a sequence labeller) passed the label check and then failed in the
+    accuracy (argmax over the last dimension); NLLLoss of float probabilities passed it and failed in torch."""
+    import torch
+
+    from trainer.errors import ConfigError
+    from trainer.task import SupervisedTask
+
+    pred = torch.randn(4, 5, 7, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 5, (4, 7), generator=torch.Generator().manual_seed(1))
+    out = SupervisedTask("torch.nn.CrossEntropyLoss").loss(lambda x: pred, (torch.zeros(4), y))
+    assert out["accuracy"] == (pred.argmax(1) == y).sum()
+    soft = torch.softmax(torch.randn(4, 5), -1)
+    out = SupervisedTask("torch.nn.CrossEntropyLoss").loss(lambda x: pred[:, :, 0], (torch.zeros(4), soft))
+    assert out["accuracy"] == (pred[:, :, 0].argmax(1) == soft.argmax(1)).sum()
+    with pytest.raises(ConfigError, match=r"NLLLoss takes class indices, integers of shape \[4\]\. Fix"):
+        SupervisedTask("torch.nn.NLLLoss").loss(lambda x: pred[:, :, 0].log_softmax(-1), (torch.zeros(4), soft))
 
 
 @pytest.mark.slow

@@ -211,6 +211,12 @@ def test_a_copy_of_a_run_dir_continued_beside_it_logs_to_a_run_of_its_own(corpus
     shutil.move(run, moved)  # (a run dir moved: the same run goes on)
     train(compose_cfg(tiny_overrides(corpus, *args, "trainer.max_steps=8", "resume=auto")), moved)
     assert set(run_ids(moved)) == {first}
+    # Moved again, with a link left at the path it had (its record names that path, which leads to it still): the same
+    # directory, no copy of it.
+    shutil.move(moved, tmp_path / "elsewhere")
+    moved.symlink_to(tmp_path / "elsewhere")
+    train(compose_cfg(tiny_overrides(corpus, *args, "trainer.max_steps=10", "resume=auto")), moved)
+    assert set(run_ids(moved)) == {first}
 
 
 def test_credentials_come_from_the_environment_or_netrc(tmp_path, monkeypatch):

@@ -130,8 +130,10 @@ class RunDirLock:
                 "dir would prune and replace each other's checkpoints. Give each run dir a checkpoints dir of its own "
                 f"(link {link} to a directory of its own, e.g. under {target.parent}), or wait for the other job to "
                 "end. Nothing in the run dir was changed.") from None
-        except OSError:  # (a file system without flock on directories, NFS or Lustre: the run goes on unguarded)
-            os.close(fd)
+        except OSError:  # (a file system without flock on directories, NFS or Lustre: two jobs at once go unguarded;
+            os.close(fd)  # one after the other, the record below still tells a copy)
+            if link.is_symlink():
+                self._claim_linked(link, target)
             return
         try:
             if link.is_symlink():
@@ -162,7 +164,7 @@ class RunDirLock:
                     owner = owner if (owner / "checkpoints").resolve(strict=True) == target else None
                 except (OSError, RuntimeError):
                     owner = None  # (moved or renamed: the recorded run dir no longer leads there)
-        if owner is not None and owner.resolve() != here:
+        if owner is not None and owner.resolve() != here and not _same_dir(owner, here):  # (a bind mount: two paths)
             raise ConfigError(
                 f"{link} leads to {target}, which holds the checkpoints of the run dir {owner} too (a copy of a run dir "
                 "with cp -r keeps its links): a run in either would prune the other's checkpoints, and the other's "
@@ -170,7 +172,10 @@ class RunDirLock:
                 f"own: rm {link} && cp -r {target} NEW_DIR && ln -s NEW_DIR {link} (or copy run dirs with cp -rL, "
                 "which copies what a link leads to). Nothing in either run dir was changed.")
         if owner is None:
-            atomic_write_json(target / LINKED_BY, {"run_dir": str(here)})
+            try:
+                atomic_write_json(target / LINKED_BY, {"run_dir": str(here)})
+            except OSError:  # (a read-only store of checkpoints: no record, as before there was one)
+                pass
 
     def check_same_job(self) -> None:
         """For the launchers of nodes other than 0, which share node 0's lock: refuse a run dir that another job
@@ -251,6 +256,13 @@ def remove_if_unused(run_dir: Path, records: set[str]) -> None:
             continue
         return
     shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _in_use(run_dir: Path, holder: str, chosen_by: str = "hydra.run.dir") -> str:

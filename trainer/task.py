@@ -96,6 +96,7 @@ class SupervisedTask:
         cls = get_class(loss)
         self.loss_fn = cls(reduction="sum")
         self.classification = issubclass(cls, (nn.CrossEntropyLoss, nn.NLLLoss))
+        self.probabilities = issubclass(cls, nn.CrossEntropyLoss)  # (NLLLoss takes class indices only)
         # Losses of a prediction and a target of one shape, which torch broadcasts when they differ (MSE of [B, 1]
         # against [B] sums every pair, with a warning only) or refuses with a traceback (BCE).
         self.same_shape = issubclass(cls, (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss,
@@ -143,13 +144,15 @@ class SupervisedTask:
                                                   and pred.shape != y.shape):
             raise self._misfit(pred, y)
         if self.classification and isinstance(y, torch.Tensor) and (
-                y.shape != pred.shape if y.is_floating_point() else y.shape != pred.shape[:1] + pred.shape[2:]):
+                (y.shape != pred.shape or not self.probabilities) if y.is_floating_point()
+                else y.shape != pred.shape[:1] + pred.shape[2:]):
             raise self._not_classes(pred, y)
         loss = self.loss_fn(pred, y)
         if not self.classification:
             return loss
-        labels = y.argmax(-1) if y.is_floating_point() else y  # (class probabilities: the likeliest class)
-        return {"loss": loss, "accuracy": (pred.argmax(-1) == labels).sum()}
+        # The classes are dim 1 ([B, C], or [B, C, d1, ...] against [B, d1, ...]); probabilities: the likeliest.
+        labels = y.argmax(1) if y.is_floating_point() else y
+        return {"loss": loss, "accuracy": (pred.argmax(1) == labels).sum()}
 
 
     def _not_classes(self, pred: torch.Tensor, y: torch.Tensor) -> Exception:
@@ -161,8 +164,9 @@ class SupervisedTask:
             " (float labels of class numbers are y.long())" if y.is_floating_point() and list(y.shape) == indices else ""
         return ConfigError(f"the model's prediction has shape {list(pred.shape)} and its target {list(y.shape)} "
                            f"({str(y.dtype).removeprefix('torch.')}): {self.loss_name} takes class indices, integers of "
-                           f"shape {indices}{fix}, or class probabilities, floats of the prediction's shape. Fix the "
-                           "data's targets (data._target_) or the model's output (model._target_).")
+                           f"shape {indices}{fix}" + (", or class probabilities, floats of the prediction's shape"
+                                                      if self.probabilities else "") +
+                           ". Fix the data's targets (data._target_) or the model's output (model._target_).")
 
     def _misfit(self, pred: Any, y: Any) -> Exception:
         from trainer.errors import ConfigError
@@ -191,18 +195,22 @@ def split_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         from trainer.errors import ConfigError
 
         if "loss" not in out:
-            raise ConfigError(f"task.loss() returned a dict without 'loss' (keys: {', '.join(map(str, out))}): put the "
-                              "summed loss under 'loss'; the other entries are sums logged per target beside it.")
+            raise ConfigError(f"task.loss() (or the loss_fn given to rt.forward_backward) returned a dict without "
+                              f"'loss' (keys: {', '.join(map(str, out))}): put the summed loss under 'loss'; the other "
+                              "entries are sums reduced and logged per target beside it.")
         extra = {k: v for k, v in out.items() if k != "loss"}
         for k, v in extra.items():
             if not isinstance(k, str) or isinstance(v, bool) or not (
                     isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and v.numel() == 1)):
                 shown = f"a tensor of shape {list(v.shape)}" if isinstance(v, torch.Tensor) else a_(type(v).__name__)
-                raise ConfigError(f"task.loss() returned {k!r}: {shown}. Beside 'loss', each entry is one number, "
+                raise ConfigError(f"task.loss() (or rt.forward_backward's loss_fn) returned {k!r}: {shown}. Beside "
+                                  "'loss', each entry is one number, "
                                   "a sum over the batch's targets (a count of correct predictions, say), which the "
                                   "Trainer sums over micro-batches and ranks and logs per target as train/NAME and "
                                   "val/NAME: sum a per-sample value (`.sum()`), and give metrics of the whole val set "
                                   "through predict and score (trainer/task.py).")
+        # (a one-element tensor of shape [1] failed where the sums are stacked with the 0-dim loss, at the log)
+        extra = {k: v.reshape(()) if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
         return out["loss"], extra
     return out, {}
 
@@ -238,10 +246,12 @@ def _check_rows(out: Any, n: int, task: Any) -> None:
         got = f"{{{key!r}: {f'a tensor of shape {list(v.shape)}' if isinstance(v, torch.Tensor) else type(v).__name__}}}"
     else:
         got = "an empty dict" if isinstance(out, Mapping) else a_(type(out).__name__)
-    raise ConfigError(f"{type(task).__name__}.predict returned {got} for a batch of {n} samples: it returns a dict of "
-                      f"names to tensors with one row per sample (first dimension {n}), such as {{'score': probs, "
-                      "'label': y}; score(outputs) then gets each name's rows of every val sample, concatenated in "
-                      "sample order.")
+    error = ConfigError(f"{type(task).__name__}.predict returned {got} for a batch of {n} samples: it returns a dict of "
+                        f"names to tensors with one row per sample (first dimension {n}), such as {{'score': probs, "
+                        "'label': y}; score(outputs) then gets each name's rows of every val sample, concatenated in "
+                        "sample order.")
+    error.this_rank_only = True  # (another rank's batches may have passed: the Trainer saves nothing then)
+    raise error
 
 
 def check_sum_names(names: Iterable[str]) -> None:

@@ -115,7 +115,8 @@ class Summing(FloatMetrics):
         x, y = batch
         err = (model(x) - y).square()
         more = {"no_loss": {}, "string": {"acc": "hi"}, "per_sample": {"err": err.detach()},
-                "reserved": {"grad_norm": err.sum().detach()}, "right": {"close": (err < 0.1).sum()}}[self.extra]
+                "reserved": {"grad_norm": err.sum().detach()},
+                "right": {"close": (err < 0.1).sum(0)}}[self.extra]  # (a count of shape [1]: taken as one number)
         return {"mse": err.sum()} if self.extra == "no_loss" else {"loss": err.sum(), **more}
 
     def eval_metrics(self, mean_loss):
@@ -123,6 +124,11 @@ class Summing(FloatMetrics):
 
         # A 0-dim tensor and numpy's float32: taken, and logged as floats (the JSON logger refused them once).
         return {"rmse": torch.tensor(mean_loss) ** 0.5, "rmse_np": np.sqrt(np.float32(mean_loss))}
+
+    def sample(self, model, device):
+        import numpy as np
+
+        return {"text": "a text", "quality": np.float32(0.5)}  # (numpy's number: a metric, not an image)
 
 
 class EvalMistake(Summing):
@@ -148,6 +154,8 @@ class EvalMistake(Summing):
         return {"max_error": float(outputs["error"].max())}
 
     def sample(self, model, device):
+        if self.mistake == "sample_loss":
+            return {"loss": 1.0}
         return ["a text", "another"] if self.mistake == "list_sample" else {"text": "a text", "n": 1.5}
 
 

@@ -10,12 +10,21 @@ at once (their parent-death signal), before they could save the checkpoint the s
 workers take them as before (each worker puts their default back: trainer/entry/worker.py), and the forkserver still
 dies with its launcher."""
 
+import os
 import signal
 
 from trainer.parallel.backend import die_with_parent
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
+
+def _defaults() -> None:
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+
+
 die_with_parent()
 for _signum in STOP_SIGNALS:
     signal.signal(_signum, signal.SIG_IGN)
+# (each process it forks, a worker or anything else, takes them as a fresh process does from its first instruction)
+os.register_at_fork(after_in_child=_defaults)

@@ -74,14 +74,13 @@ def run(cfg: DictConfig, run_dir: Path, entry: Callable | None = None, topology=
         if entry.__name__ != "script":
             from trainer.config.schema import launch_config
             from trainer.entry.run import preflight
-            from trainer.errors import UserError
 
-            try:
-                preflight(cfg, run_dir, launch_config(cfg.world).device)
-            except UserError as e:
+            try:  # (torchrun's process count, not world's, which it overrules)
+                preflight(cfg, run_dir, launch_config(cfg.world).device, world_size=int(os.environ["WORLD_SIZE"]))
+            except Exception as e:  # noqa: BLE001 - whatever stops rank 0 stops the others, which wait for its word
                 refused = e
         _share_config([OmegaConf.to_container(cfg), str(run_dir), entry.__name__,
-                       None if refused is None else refused.exit_code])
+                       None if refused is None else getattr(refused, "exit_code", 1)])
         if refused is not None:
             raise refused
         note = torchrun_decides(cfg.world)

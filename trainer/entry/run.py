@@ -262,17 +262,19 @@ def warn_unchecked_early_stopping(trainer: Trainer, say) -> None:
             "number of steps below the run's.")
 
 
-def preflight(cfg: DictConfig, run_dir: Path, device: str = "auto") -> None:
+def preflight(cfg: DictConfig, run_dir: Path, device: str = "auto", world_size: int | None = None) -> None:
     """Build what can fail from a config mistake, cheaply, before any worker process starts:
     the strategy, the model on the meta device (no memory), the task, the precision and the datasets
-    (whose cache is then built once, here, for all workers)."""
+    (whose cache is then built once, here, for all workers). `world_size`: the job's processes where something else
+    decided them (torchrun), else world's."""
     from trainer.config.schema import nproc_per_node
 
     device = usable_device(device)  # (world.device, which the launcher has typed)
     strategy = build_strategy(cfg.world)
     precision = build_node("precision", cfg.precision, device_type=device.type, sharded=strategy.shards_parameters)
     launch = launch_config(cfg.world)
-    strategy.check_world(nproc_per_node(launch.nproc_per_node) * launch.nnodes, precision)  # (the config's own first)
+    strategy.check_world(world_size or nproc_per_node(launch.nproc_per_node) * launch.nnodes, precision)  # (the config's
+    # own first)
     from trainer.models.finetune import check, factory
     from trainer.parallel.materialize import SkipMetaInit
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -300,13 +301,18 @@ class Trainer:
             # without them stopped for a monitor "not among the metrics" while the others trained on: a hang).
             numbers = self._from_main(lambda: {
                 f"{prefix}/{name}": float(value) for name, value in check_sample(samples, self.task).items()
-                if isinstance(value, (int, float)) and not isinstance(value, bool)}) \
-                if hasattr(self.task, "sample") else {}
+                if _is_number(value)}) if hasattr(self.task, "sample") else {}
+            twice = sorted(set(numbers) & set(metrics))  # (on every rank: the numbers are the main rank's, sent)
+            if twice:  # (it replaced the eval's own, val/loss or a metric, in the logs and in what best_metric ranks)
+                raise ConfigError(f"{type(self.task).__name__}.sample returned a metric {twice[0].split('/', 1)[1]!r}, "
+                                  f"which the eval logs itself as {twice[0]}: name it otherwise.")
         except ConfigError as e:  # what a task's method returned, refused at its first eval: the steps so far are kept
+            if getattr(e, "this_rank_only", False) and self.backend.distributed:
+                raise  # (found by this rank alone, while the others wait in the eval's collectives: no save)
             raise self._saved_before(e) from None
         metrics.update(numbers)
         for name, value in samples.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if _is_number(value):
                 continue  # (a metric: above)
             key = f"val/{name}"
             if isinstance(value, str):
@@ -440,6 +446,8 @@ class Trainer:
                     self._preempted(first_step)
                 batches = [be.to_device(next(batches_iter)) for _ in range(cfg.grad_accum_steps)]
                 n_global, stop = self.sync_counts(batches)
+                if stop and self.step == first_step:  # (before this attempt trained anything: nothing to save, and
+                    self._preempted(first_step)       # the draws it drops are in no checkpoint)
                 out = self.train_step(batches, n_global)
                 watchdog.beat()  # progress, for the hang watchdog (world.hang_timeout)
                 if self.step == first_step:
@@ -634,3 +642,8 @@ def summary_line(summary: dict[str, float]) -> str:
     4 significant digits."""
     return "summary: " + " ".join(f"{k.split('/')[1]}={v if isinstance(v, int) else f'{v:.4g}'}"
                                   for k, v in summary.items())
+
+
+def _is_number(value: Any) -> bool:
+    """A sample metric: a number (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -397,7 +397,7 @@ class WandbLogger(NullLogger):
         """The run dir this one is a copy of, where the record came from one that is still there and still logs to
         the same run (a run dir moved, or copied and its original deleted, continues that run)."""
         other, here = last.get("run_dir"), self.record.parent.parent.resolve()
-        if not isinstance(other, str) or Path(other) == here:
+        if not isinstance(other, str) or Path(other) == here or _same_dir(other, here):  # (a path through a link)
             return None
         try:
             theirs = json.loads((Path(other) / "wandb" / LAST_RUN).read_text())
@@ -438,6 +438,13 @@ def has_credentials(base_url: str) -> bool:
     except (OSError, netrc.NetrcParseError):
         return False
     return bool(entry and entry[2])
+
+
+def _same_dir(a: str | Path, b: str | Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _steps(first: int, last: int) -> str:
