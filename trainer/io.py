@@ -126,6 +126,14 @@ def output_file_problem(path: str | os.PathLike) -> str | None:
     return unwritable(path.absolute().parent)
 
 
+def same_dir(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two paths are one directory (through links or a bind mount); False where either cannot be reached."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def first_existing(path: Path) -> Path:
     """`path` or its nearest ancestor that exists (a dangling link counts: it is in the way)."""
     path = Path(path).expanduser().absolute()

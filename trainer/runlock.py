@@ -149,7 +149,7 @@ class RunDirLock:
         copy's newer one as its own and replaced its export with the copy's weights. The target records the run dir
         that links it (LINKED_BY); another run dir that still links there is refused. A run dir moved or renamed (the
         one recorded no longer leads there) takes it over."""
-        from trainer.io import atomic_write_json
+        from trainer.io import atomic_write_json, same_dir
 
         here = self.path.parent.resolve()
         owner = target.parent if target.name == "checkpoints" and (target.parent / "config.yaml").is_file() else None
@@ -164,7 +164,7 @@ class RunDirLock:
                     owner = owner if (owner / "checkpoints").resolve(strict=True) == target else None
                 except (OSError, RuntimeError):
                     owner = None  # (moved or renamed: the recorded run dir no longer leads there)
-        if owner is not None and owner.resolve() != here and not _same_dir(owner, here):  # (a bind mount: two paths)
+        if owner is not None and not same_dir(owner, here):  # (by identity: a path through a link, a bind mount)
             raise ConfigError(
                 f"{link} leads to {target}, which holds the checkpoints of the run dir {owner} too (a copy of a run dir "
                 "with cp -r keeps its links): a run in either would prune the other's checkpoints, and the other's "
@@ -256,13 +256,6 @@ def remove_if_unused(run_dir: Path, records: set[str]) -> None:
             continue
         return
     shutil.rmtree(run_dir, ignore_errors=True)
-
-
-def _same_dir(a: Path, b: Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
 
 
 def _in_use(run_dir: Path, holder: str, chosen_by: str = "hydra.run.dir") -> str:

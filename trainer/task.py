@@ -28,14 +28,23 @@ class Task(Protocol):
         the number of targets: {"loss": ..., "accuracy": n_correct} gives train/accuracy and val/accuracy."""
 
 
+def is_number(value: Any) -> bool:
+    """A plain number (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _one_number(value: Any) -> bool:
+    """A number, or a tensor of one element: what a metric or a sum may be."""
+    return is_number(value) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+
+
 def named_numbers(value: Any, method: str, task: Any) -> dict[str, Any]:
     """A task method's metrics (`eval_metrics`, `score`): a dict of names to numbers (a one-element tensor counts),
     else one paragraph naming the method. What it returned was a traceback inside the eval that read it."""
     from trainer.errors import ConfigError
 
     if isinstance(value, Mapping):
-        wrong = [(k, v) for k, v in value.items() if not isinstance(k, str) or isinstance(v, bool) or not (
-            isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and v.numel() == 1))]
+        wrong = [(k, v) for k, v in value.items() if not isinstance(k, str) or not _one_number(v)]
         if not wrong:
             if "loss" in value:  # (it replaced the val loss in the logs, and in what best_metric ranked)
                 raise ConfigError(f"{type(task).__name__}.{method} returned a metric named 'loss', which is the "
@@ -154,7 +163,6 @@ class SupervisedTask:
         labels = y.argmax(1) if y.is_floating_point() else y
         return {"loss": loss, "accuracy": (pred.argmax(1) == labels).sum()}
 
-
     def _not_classes(self, pred: torch.Tensor, y: torch.Tensor) -> Exception:
         """Targets a classification loss cannot take (labels of [B, 1], float labels): torch's traceback before."""
         from trainer.errors import ConfigError
@@ -200,8 +208,7 @@ def split_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
                               "entries are sums reduced and logged per target beside it.")
         extra = {k: v for k, v in out.items() if k != "loss"}
         for k, v in extra.items():
-            if not isinstance(k, str) or isinstance(v, bool) or not (
-                    isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and v.numel() == 1)):
+            if not isinstance(k, str) or not _one_number(v):
                 shown = f"a tensor of shape {list(v.shape)}" if isinstance(v, torch.Tensor) else a_(type(v).__name__)
                 raise ConfigError(f"task.loss() (or rt.forward_backward's loss_fn) returned {k!r}: {shown}. Beside "
                                   "'loss', each entry is one number, "
@@ -222,7 +229,7 @@ def check_sample(samples: dict[str, Any], task: Any) -> dict[str, Any]:
 
     for name, value in samples.items():
         image = isinstance(value, torch.Tensor) and value.dim() in (2, 3)  # (trainer/tracking/images.py's is_image)
-        if isinstance(value, str) or image or (isinstance(value, numbers.Real) and not isinstance(value, bool)):
+        if isinstance(value, str) or image or is_number(value):
             continue
         shown = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else \
             a_(type(value).__name__)
@@ -235,17 +242,17 @@ def check_sample(samples: dict[str, Any], task: Any) -> dict[str, Any]:
 def _check_rows(out: Any, n: int, task: Any) -> None:
     """`task.predict`'s rows of a batch of `n` samples: a dict of names to tensors of n rows (a list of row dicts, the
     README's "rows" read literally, was an AttributeError traceback; too few rows an IndexError in the gather)."""
-    if isinstance(out, Mapping) and out and all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) and v.dim() >= 1 and len(v) == n for k, v in out.items()):
-        return
-    from trainer.errors import ConfigError
-
     if isinstance(out, Mapping) and out:
-        key, v = next((k, v) for k, v in out.items() if not (isinstance(k, str) and isinstance(v, torch.Tensor) and
-                                                             v.dim() >= 1 and len(v) == n))
+        bad = next(((k, v) for k, v in out.items() if not (isinstance(k, str) and isinstance(v, torch.Tensor) and
+                                                            v.dim() >= 1 and len(v) == n)), None)
+        if bad is None:
+            return
+        key, v = bad
         got = f"{{{key!r}: {f'a tensor of shape {list(v.shape)}' if isinstance(v, torch.Tensor) else type(v).__name__}}}"
     else:
         got = "an empty dict" if isinstance(out, Mapping) else a_(type(out).__name__)
+    from trainer.errors import ConfigError
+
     error = ConfigError(f"{type(task).__name__}.predict returned {got} for a batch of {n} samples: it returns a dict of "
                         f"names to tensors with one row per sample (first dimension {n}), such as {{'score': probs, "
                         "'label': y}; score(outputs) then gets each name's rows of every val sample, concatenated in "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +32,7 @@ from trainer.loop.runtime import Runtime
 from trainer.models.finetune import after_load, frozen_keys
 from trainer.parallel import unwrap
 from trainer.redaction import redact_text
-from trainer.task import EvalSums, Task, check_sample, check_sum_names, named_numbers, split_loss
+from trainer.task import EvalSums, Task, check_sample, check_sum_names, is_number, named_numbers, split_loss
 from trainer.tracking.loggers import NullLogger
 from trainer.tracking.progress import NullProgress, Progress
 
@@ -301,7 +300,7 @@ class Trainer:
             # without them stopped for a monitor "not among the metrics" while the others trained on: a hang).
             numbers = self._from_main(lambda: {
                 f"{prefix}/{name}": float(value) for name, value in check_sample(samples, self.task).items()
-                if _is_number(value)}) if hasattr(self.task, "sample") else {}
+                if is_number(value)}) if hasattr(self.task, "sample") else {}
             twice = sorted(set(numbers) & set(metrics))  # (on every rank: the numbers are the main rank's, sent)
             if twice:  # (it replaced the eval's own, val/loss or a metric, in the logs and in what best_metric ranks)
                 raise ConfigError(f"{type(self.task).__name__}.sample returned a metric {twice[0].split('/', 1)[1]!r}, "
@@ -312,7 +311,7 @@ class Trainer:
             raise self._saved_before(e) from None
         metrics.update(numbers)
         for name, value in samples.items():
-            if _is_number(value):
+            if is_number(value):
                 continue  # (a metric: above)
             key = f"val/{name}"
             if isinstance(value, str):
@@ -642,8 +641,3 @@ def summary_line(summary: dict[str, float]) -> str:
     4 significant digits."""
     return "summary: " + " ".join(f"{k.split('/')[1]}={v if isinstance(v, int) else f'{v:.4g}'}"
                                   for k, v in summary.items())
-
-
-def _is_number(value: Any) -> bool:
-    """A sample metric: a number (numpy's too), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)

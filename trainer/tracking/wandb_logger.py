@@ -375,12 +375,12 @@ class WandbLogger(NullLogger):
         if self._branch is not None and self._branch["step"] is None:
             self._branch["step"] = step
             self._first = self._first_of(last)  # (a rewind's run keeps its history up to the step)
-        elif self._branch is None and self._loaded and self._copy_of(last) is not None:
+        elif self._branch is None and self._loaded and (copy_of := self._copy_of(last)) is not None:
             # A copy of a run dir (cp -r) continued beside the original, which goes on logging to the run both
             # checkpoints name: both branches' steps went into one run, and wandb dropped one's. The copy's is a
             # run of its own, as a rollback's is (never a rewind of the original's run).
             self._branch = {"run": self.run_id, "step": step, "how": "fork" if self.on_rollback == "fork" else "new_run",
-                            "copy_of": str(self._copy_of(last))}
+                            "copy_of": str(copy_of)}
             self.run_id, self._loaded = new_run_id(), False
         elif self._branch is None and self._loaded:
             self._resumed_from = [self.run_id, step]
@@ -396,8 +396,10 @@ class WandbLogger(NullLogger):
     def _copy_of(self, last: dict[str, Any]) -> Path | None:
         """The run dir this one is a copy of, where the record came from one that is still there and still logs to
         the same run (a run dir moved, or copied and its original deleted, continues that run)."""
-        other, here = last.get("run_dir"), self.record.parent.parent.resolve()
-        if not isinstance(other, str) or Path(other) == here or _same_dir(other, here):  # (a path through a link)
+        from trainer.io import same_dir
+
+        other, here = last.get("run_dir"), self.record.parent.parent
+        if not isinstance(other, str) or same_dir(other, here):  # (by identity: a path through a link too)
             return None
         try:
             theirs = json.loads((Path(other) / "wandb" / LAST_RUN).read_text())
@@ -438,13 +440,6 @@ def has_credentials(base_url: str) -> bool:
     except (OSError, netrc.NetrcParseError):
         return False
     return bool(entry and entry[2])
-
-
-def _same_dir(a: str | Path, b: str | Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
 
 
 def _steps(first: int, last: int) -> str:
