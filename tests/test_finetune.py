@@ -87,10 +87,6 @@ def test_lora_trains_only_its_adapters_and_exports_them_merged_and_alone(corpus,
             assert torch.equal(merged[k], base[k]), k  # frozen
     assert sorted(config["target_modules"]) == sorted(f"blocks.0.{n}" for n in ("attn.qkv", "attn.proj", "mlp.0"))
     assert type(trainer.load(lora_single)).__name__ == "GPT"
-    from trainer.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="is a checkpoint of a LoRA run: it holds the adapters"):
-        trainer.load(lora_single, checkpoint="latest")  # (not the base weights: no model is whole in it)
     info = json.loads((lora_single / "run_info.json").read_text())
     assert info["finetune_weights"]["files"]["model.safetensors"]["sha256"] == \
         json.loads((pretrained / "export.json").read_text())["files"]["model.safetensors"]["sha256"]
@@ -269,8 +265,44 @@ def test_finetune_mistakes_are_one_paragraph_before_any_worker(corpus, tmp_path,
                                  *extra), f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert_clean_error(r, *needles)
     assert not (tmp_path / "run").exists()
-    # (a LoRA run's checkpoint was offered trainer.load(CHECKPOINT), which refuses it: no model is whole in it)
-    assert "a LoRA run" not in r.stderr or "trainer.load('" not in r.stderr, r.stderr
+
+
+def test_a_lora_checkpoint_loads_and_samples_as_the_runs_export_from_its_base(corpus, tmp_path, pretrained, lora_single):
+    """A LoRA checkpoint holds the adapters alone: `trainer.load(RUN, checkpoint=...)` and `sample RUN checkpoint=...`
+    refused it, so a preempted LoRA run could not be looked at until it finished. They rebuild the base from
+    finetune.weights (checked by sha256) as the run did: the final checkpoint gives the export's weights exactly."""
+    import trainer
+    from trainer import compose, train
+    from trainer.errors import CheckpointError
+
+    final = sorted((lora_single / "checkpoints").glob("step_*"))[-1]
+    assert final.name.endswith("4")  # (the last step's: what the export holds)
+    loaded, exported = trainer.load(lora_single, checkpoint="latest"), trainer.load(lora_single)
+    assert type(loaded) is type(exported)  # the plain model, the adapters merged as the export merges them
+    want = exported.state_dict()
+    got = loaded.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    said = [run_here("sample", str(lora_single), *c, "task.sample_tokens=12", cwd=tmp_path) for c in ([], [f"checkpoint={final}"])]
+    assert all(r.returncode == 0 for r in said), [r.stderr for r in said]
+    assert said[0].stdout.strip() and said[1].stdout == said[0].stdout
+    # The advice of finetune.weights=LORA_CHECKPOINT's refusal: its weights written whole start a run at them.
+    from safetensors.torch import save_model
+
+    save_model(trainer.load(final), str(tmp_path / "w.safetensors"))
+    start = built(corpus, tmp_path / "next", f"finetune.weights={tmp_path / 'w.safetensors'}").raw_model.state_dict()
+    assert all(torch.equal(start[k], want[k]) for k in want)
+    # A LoRA run without finetune.weights (its base is what the seed draws, drawn again), with its EMA's adapters.
+    train(compose(tiny_overrides(corpus, "trainer.max_steps=2", "ema.enabled=true", *LORA)), tmp_path / "seeded")
+    for ema in (False, True):
+        got, want = (trainer.load(tmp_path / "seeded", ema=ema, **k).state_dict() for k in ({"checkpoint": "latest"}, {}))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), ema
+    # A base file replaced since (same keys and shapes): the adapters were not trained on it.
+    base = tmp_path / "base.safetensors"
+    base.write_bytes((pretrained / "model.safetensors").read_bytes())
+    train(compose(tiny_overrides(corpus, "trainer.max_steps=2", f"finetune.weights={base}", *LORA)), tmp_path / "on")
+    base.write_bytes((lora_single / "model.safetensors").read_bytes())
+    with pytest.raises(CheckpointError, match=r"trained on other pretrained weights than finetune\.weights="):
+        trainer.load(tmp_path / "on", checkpoint="latest")
 
 
 def test_a_run_refused_for_changed_data_starts_over_from_its_checkpoints_weights_as_the_refusal_says(corpus, tmp_path):

@@ -410,26 +410,34 @@ def checkpoint_model(path: Path, ema: bool | None = False, task: Any = None) -> 
                           "(RUN_DIR/checkpoints/step_N).")
     loaded = store.read(path)  # (config.yaml among the files it verifies and checks)
     cfg = _parsed_config(bytes(loaded.buffers["config.yaml"]), source, fix)
-    if OmegaConf.select(cfg, "finetune.lora.rank", default=None):
-        raise ConfigError(f"{path} is a checkpoint of a LoRA run: it holds the adapters, not the frozen base weights "
-                          "(finetune.weights), so no model is whole in it. Load the run's export (trainer.load(RUN_DIR): "
-                          "the adapters merged into the base), or continue the run from it (resume=PATH).")
     node = cfg.get("model")
     if not isinstance(node, DictConfig):  # (rt.save_state's: a loop of one's own records no config of its model)
         raise ConfigError(f"{source} has no model section to build the model from: a checkpoint of a loop of one's own "
                           "(rt.save_state) records none. Build the model as the script does and load the checkpoint "
                           "with rt.load_state, or read its weights with safetensors.torch.load_file (model.safetensors "
                           "of a one-process run).")
-    model = _instantiate_checked(OmegaConf.to_container(node, resolve=True), "model", source, fix)
-    if not isinstance(model, nn.Module):
-        raise CheckpointError(f"{source} builds a {type(model).__module__}.{type(model).__qualname__}, not a "
-                              f"torch.nn.Module. {fix}")
-    live = in_stored_dtype(model, {k: chunks[0].data.dtype for k, chunks in loaded.model.items() if chunks}).state_dict()
+
+    def build() -> nn.Module:
+        model = _instantiate_checked(OmegaConf.to_container(node, resolve=True), "model", source, fix)
+        if not isinstance(model, nn.Module):
+            raise CheckpointError(f"{source} builds a {type(model).__module__}.{type(model).__qualname__}, not a "
+                                  f"torch.nn.Module. {fix}")
+        return model
+
+    lora = OmegaConf.select(cfg, "finetune.lora.rank", default=None)
+    model = _lora_base(build, cfg, loaded, where) if lora else build()
+    from trainer.models.finetune import after_load, frozen_keys
+
+    frozen = frozen_keys(model)  # (a LoRA run's base, rebuilt above: its checkpoints leave it out)
+    live = {k: v for k, v in in_stored_dtype(model, {k: chunks[0].data.dtype for k, chunks in loaded.model.items()
+                                                     if chunks}).state_dict().items() if k not in frozen}
     problems = store.model_mismatches(loaded, live)
     if problems:
         raise CheckpointError(f"{where} does not fit the model its config.yaml builds: {store.listed(problems)}. The two "
                               f"were edited apart. {fix}")
-    model.load_state_dict({k: snapshot.assemble(k, loaded.model[k], v, where) for k, v in live.items()})
+    model.load_state_dict({k: snapshot.assemble(k, loaded.model[k], v, where) for k, v in live.items()},
+                          strict=not frozen)
+    after_load(model)  # (a LoRA adapter's scale: its config's, as the run's export merged it)
     saved = loaded.tree.get("ema")
     if ema is None:
         ema = isinstance(saved, dict) and isinstance(saved.get("shadow"), dict) and bool(saved["shadow"])
@@ -455,7 +463,39 @@ def checkpoint_model(path: Path, ema: bool | None = False, task: Any = None) -> 
         with torch.no_grad():  # (EMA keeps fp32 averages: cast to each parameter's dtype as the export does)
             for k, average in snapshot.conform(saved["shadow"], like, loaded.state, f"{where} (ema)").items():
                 params[k].copy_(average)
+    return _merged(model, build, cfg) if lora else model
+
+
+def _lora_base(build, cfg: DictConfig, loaded, where: str) -> nn.Module:
+    """A LoRA run's model with its frozen base as the run built it (its checkpoints leave the base out): from
+    finetune.weights, checked by sha256 against the files the run started from, or drawn from trainer.seed as one
+    process draws it. The caller's random generators are left as they were."""
+    from trainer.checkpoint.rng import kept
+    from trainer.models import finetune
+    from trainer.parallel import seed_everything
+    from trainer.parallel.materialize import built_whole
+
+    seed = OmegaConf.select(cfg, "trainer.seed", default=0)
+    node = OmegaConf.to_container(cfg.finetune, resolve=True)
+    with kept():
+        model = built_whole(finetune.factory(build, node), seed, seed_everything)
+        record = finetune.start(model, node, seed, is_main=True)
+    saved = loaded.tree.get("finetune")
+    if record is not None and isinstance(saved, dict) and isinstance(saved.get("sha256"), dict):
+        finetune.Source(record).check_state(saved, where)
     return model
+
+
+def _merged(model: nn.Module, build, cfg: DictConfig) -> nn.Module:
+    """A LoRA model as the run's export has it: the plain model, each adapter merged into its layer's weight."""
+    from trainer.models import finetune
+    from trainer.models.lora import merge
+
+    merged, _, _ = merge({k: v.detach() for k, v in model.state_dict().items()})
+    dtype = finetune.settings(cfg.finetune).dtype
+    plain = build() if dtype is None else build().to(finetune.DTYPES[dtype])
+    plain.load_state_dict(merged)
+    return plain
 
 
 def load_task(run_dir: str | Path, overrides: dict[str, Any] | None = None, cfg: DictConfig | None = None) -> Any:

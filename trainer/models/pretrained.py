@@ -93,8 +93,8 @@ def files_of(path: str | os.PathLike, label: str = "finetune.weights=", name: st
             if _adapters_only(p / "model.safetensors"):
                 raise ConfigError(f"{label}{path} is a checkpoint of a LoRA run: its model file holds the adapters "
                                   f"alone (the base is that run's own finetune.weights). Continue that run with "
-                                  f"resume={path}, or start from the run's export (finetune.weights=RUN_DIR, the "
-                                  f"adapters merged into the base, once the run finished).")
+                                  f"resume={path}, start from the run's export (finetune.weights=RUN_DIR, the "
+                                  f"adapters merged into the base, once the run finished), {whole}")
             return [p / "model.safetensors"]
         shown = ", ".join(model_files[:3]) + (", ..." if len(model_files) > 3 else "")
         raise ConfigError(f"{label}{path} is a checkpoint whose weights are split over its ranks' files ({shown}): "

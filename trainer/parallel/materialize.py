@@ -138,6 +138,22 @@ def forget_initialization(model: nn.Module) -> None:
                 del t._is_hf_initialized
 
 
+def built_whole(factory: Callable[[], nn.Module], seed: int, seed_everything: Callable[[int], None]) -> nn.Module:
+    """The model `factory` builds whole on this process, its weights what one process draws from `seed`: a model
+    with `init_weights()` re-initialised from the seed after construction (what the sharded path gives too). The
+    strategies build so where nothing is sharded; `trainer.load(checkpoint=...)` rebuilds a LoRA checkpoint's
+    frozen base (which the checkpoint leaves out) so."""
+    seed_everything(seed)
+    model = factory()
+    if hasattr(model, "init_weights"):
+        # (Hugging Face marks what its constructor initialised; without forgetting, nothing is re-drawn)
+        forget_initialization(model)
+        seed_everything(seed)
+        with torch.no_grad():
+            model.init_weights()
+    return model
+
+
 def materialize(model: nn.Module, device: torch.device, seed: int, seed_everything: Callable[[int], None]) -> None:
     """Allocate a sharded meta-device model's shards on `device` and run its `init_weights()` under `seed`."""
     tied = tied_parameters(model)

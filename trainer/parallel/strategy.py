@@ -213,16 +213,9 @@ class Strategy:
                 model = factory()
         on_meta = model is not None and hasattr(model, "init_weights")
         if not on_meta:
-            seed_everything(seed)
-            model = factory()
-            if hasattr(model, "init_weights"):
-                from trainer.parallel.materialize import forget_initialization
+            from trainer.parallel.materialize import built_whole
 
-                # (Hugging Face marks what its constructor initialised; without forgetting, nothing is re-drawn)
-                forget_initialization(model)
-                seed_everything(seed)
-                with torch.no_grad():
-                    model.init_weights()
+            model = built_whole(factory, seed, seed_everything)
         if activation_checkpointing:
             units = self.units(model)
             if not units:  # (it recomputed nothing, and said nothing: no memory saved)
