@@ -43,11 +43,16 @@ def test_two_ranks_equal_one_rank_with_accumulation_and_big_batch(corpus, tmp_pa
 
 
 def test_the_python_api_starts_the_processes_the_config_asks_for(corpus, tmp_path, reference):
-    """trainer.train(cfg) with world.nproc_per_node=2 trained one process (half the global batch) without a word."""
+    """trainer.train(cfg) with world.nproc_per_node=2 trained one process (half the global batch) without a word.
+    The caller's environment is as it was: the launcher left TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 set, so a torchrun
+    this process started later chose its workers' port by binding and closing it (another process took it in
+    between: EADDRINUSE)."""
     import json
+    import os
 
-    api = tmp_path / "api"
+    api, before = tmp_path / "api", dict(os.environ)
     train_in_process(corpus, api, *SHARED, *DDP2)
+    assert dict(os.environ) == before
     assert json.loads((api / "run_info.json").read_text())["world_size"] == 2
     assert_same_run(api, reference)
 

@@ -296,7 +296,8 @@ def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
     )
     # Workers of each restart get a fresh rendezvous store. The agent's shared store outlives restarts
     # and keeps the previous attempt's gloo addresses, which restarted workers then fail to reach.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    environment = dict(os.environ)  # (put back after the launch: a torchrun this process starts later would take
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # the setting, and choose its ports racily)
     os.environ[CONFIG_ENV] = json.dumps(OmegaConf.to_container(cfg))
     os.environ[RUN_DIR_ENV] = str(run_dir)
     os.environ[ENTRY_ENV] = entry.__name__  # (the worker finds it in trainer.entry.run.ENTRY_POINTS)
@@ -335,8 +336,9 @@ def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
         raise Preempted(f"stopped by {signal.Signals(e.sigval).name}; {_what_was_saved(run_dir, before)} "
                         "Rerun the same command with resume=auto to continue.") from None
     finally:
-        for name in (CONFIG_ENV, RUN_DIR_ENV, ENTRY_ENV, LAUNCHER_ENV, watchdog.HANG_DIR_ENV):
+        for name in set(os.environ) - set(environment):  # (torch's elastic launch sets variables of its own too)
             os.environ.pop(name, None)
+        os.environ.update(environment)
         shutil.rmtree(hang_dir, ignore_errors=True)
     return None
 
