@@ -26,9 +26,12 @@ train: venv
 
 # Where PYTHONDONTWRITEBYTECODE is set (the machines this project is built on set it), no process writes the .pyc files it compiles: each
 # xdist worker, forkserver and fresh interpreter of the suite compiled the same sources again. Compiled once here.
+# One pytest worker more than cores: the suite's tests wait part of the time (a watchdog's timeout, a rendezvous,
+# processes starting), which left ~15% of 2 cores idle with a worker per core; ~4% with one more.
+JOBS ?= $(shell echo $$(( $$(nproc) + 1 )))
 test: venv
 	$(PY) -m compileall -qq -j 0 trainer recipes tests benchmarks || true
-	$(PY) -m pytest -q -n auto tests $(ARGS)
+	$(PY) -m pytest -q -n $(JOBS) tests $(ARGS)
 
 # world=deepspeed's tests (pytest -m deepspeed): the deepspeed extra is installed first (after torch, without
 # build isolation: its build imports torch). On a CPU the first engine start compiles one DeepSpeed op (~1 min).
