@@ -301,17 +301,33 @@ def test_sigusr1_to_the_launcher_stops_every_worker_with_a_checkpoint_that_resum
 def test_a_sigterm_to_every_process_of_the_job_saves_a_checkpoint_that_resumes_exactly(corpus, tmp_path, ddp_reference):
     """timeout, `kill -- -PGID` and SLURM's --signal=TERM@120 signal every process of the job: the workers' forkserver
     died of it at once and took every worker with it (their parent-death signal) before they saved, "the workers saved
-    no checkpoint", the steps since the last periodic one lost (the README's sbatch example lost up to 500)."""
+    no checkpoint", the steps since the last periodic one lost (the README's sbatch example lost up to 500). And sent
+    again while the job stops (at every call from then on): the launcher's second SignalException broke torch's wait
+    for the workers, a traceback, and the launcher hung at its exit joining them."""
     import os
 
     args = [*tiny_overrides(corpus, *SHARED, *DDP2), f"hydra.run.dir={tmp_path}"]
-    r = run_cli(*args, *faulty("sigterm_group", 9, rank=0), env=FAULTY_ENV, preexec=os.setsid)  # (a group of its own)
-    assert r.returncode == 75, r.stdout + r.stderr
+    r = run_cli(*args, *faulty("sigterm_group_repeated", 9, rank=0), env=FAULTY_ENV, preexec=os.setsid)  # (a group
+    assert r.returncode == 75, r.stdout + r.stderr  # of its own)
+    assert "Traceback" not in r.stderr and "SignalException" not in r.stderr, r.stderr
     # (the signal came in step 9; the ranks agreed on it at step 10's count and took that step first)
     assert checkpoints(tmp_path)[-1] == "step_00000010", r.stderr
     assert f"the workers saved a checkpoint ({tmp_path / 'checkpoints' / 'step_00000010'})" in r.stderr, r.stderr
     r = run_cli(*args, "resume=auto")
     assert r.returncode == 0, r.stderr
+    assert_identical(tmp_path, ddp_reference[0])
+
+
+def test_sigterms_to_the_job_in_its_last_step_leave_it_finished_as_if_none_came(corpus, tmp_path, ddp_reference):
+    """The workers complete the last step and the export, and say so; the launcher called the run stopped (exit 75,
+    "the workers saved no checkpoint where they stopped ... rerun"), or with the signal again, a traceback and a hang."""
+    import os
+
+    r = run_cli(*tiny_overrides(corpus, *SHARED, *DDP2), f"hydra.run.dir={tmp_path}",
+                *faulty("sigterm_group_repeated", 12, rank=0), env=FAULTY_ENV, preexec=os.setsid)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "the export was completed, so the run is finished" in r.stdout and f"done: {tmp_path}" in r.stdout
+    assert "error:" not in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert_identical(tmp_path, ddp_reference[0])
 
 

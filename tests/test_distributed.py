@@ -46,13 +46,17 @@ def test_the_python_api_starts_the_processes_the_config_asks_for(corpus, tmp_pat
     """trainer.train(cfg) with world.nproc_per_node=2 trained one process (half the global batch) without a word.
     The caller's environment is as it was: the launcher left TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 set, so a torchrun
     this process started later chose its workers' port by binding and closing it (another process took it in
-    between: EADDRINUSE)."""
+    between: EADDRINUSE). So are its signal handlers: torch's agent left its own, which raised SignalException at a
+    later SIGTERM or Ctrl-C (a notebook's interrupt)."""
     import json
     import os
+    import signal
 
-    api, before = tmp_path / "api", dict(os.environ)
+    stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+    api, before, handlers = tmp_path / "api", dict(os.environ), [signal.getsignal(s) for s in stops]
     train_in_process(corpus, api, *SHARED, *DDP2)
     assert dict(os.environ) == before
+    assert [signal.getsignal(s) for s in stops] == handlers
     assert json.loads((api / "run_info.json").read_text())["world_size"] == 2
     assert_same_run(api, reference)
 

@@ -2,7 +2,8 @@
 
 It wraps a real task (`base`: the lm recipe's by default; the other keys of `task` go to it).
 Actions: raise an exception, SIGKILL / SIGTERM / SIGUSR1 itself, SIGTERM, SIGUSR1 or SIGINT its parent (the
-launcher), SIGTERM its whole process group ("sigterm_group": the job run in a session of its own), return a NaN loss once ("nan_once") or from then on ("nan_always"), or SIGTERM itself while
+launcher), SIGTERM its whole process group ("sigterm_group": the job run in a session of its own; at every call from
+then on: "sigterm_group_repeated"), return a NaN loss once ("nan_once") or from then on ("nan_always"), or SIGTERM itself while
 it is being built ("sigterm_at_build": before any training step, in every process that builds it), or
 "block": write this process's PID into the FIFO `hold` (the test reads it: the job is now running), then
 block forever on `hold + ".release"` (a FIFO nobody writes): a job that is busy until the test acts on it; or
@@ -68,7 +69,11 @@ class Faulty:
                 open(self.once, "w").close()
         if on_rank and self.action == "nan_always" and self.calls >= self.at_call:
             return True
-        if armed and on_rank and self.calls == self.at_call:
+        if on_rank and self.action == "sigterm_group_repeated" and self.calls >= self.at_call:
+            os.killpg(os.getpgrp(), signal.SIGTERM)  # (at every call from then on, training or eval: a user or a
+            return False  # scheduler that signals again while the job stops)
+        # (a training call's: the eval calls after it leave the count where it is, and fired the action again)
+        if armed and on_rank and training and self.calls == self.at_call:
             if self.action == "nan_once":
                 return True
             if self.action == "block":

@@ -225,13 +225,57 @@ def _first_line(error: BaseException | None) -> str:
 # -- end SLURM -------------------------------------------------------------------------------------------
 
 
+# The signals torch's agent takes over for a launch (it forwards them to the workers, and raises SignalException
+# here). A scheduler's preemption notice, SIGUSR1, too: not in torch's default list, it would kill this process and
+# orphan the workers.
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+
+
 def launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
     """Start the workers of this node, each running `entry`; `w` is world's launch keys (a LaunchConfig)."""
+    # torch never gives the signals back: its handler raised SignalException at any later one, a traceback for a
+    # second SIGTERM while this process reported the first, and in a notebook that trained through trainer.train.
+    handlers = {s: signal.getsignal(s) for s in HANDLED_SIGNALS}
     server = _start_forkserver()
     try:
         return _launch(cfg, run_dir, entry, w)
     finally:
-        _stop_forkserver(server)
+        try:
+            _stop_forkserver(server)
+        finally:
+            for s, handler in handlers.items():
+                signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def _first_stop_signal_only() -> Iterator[None]:
+    """torch's agent turns a stop signal into SignalException, forwards it to the workers and waits for them (then
+    SIGKILLs them). Another signal during that wait raised SignalException out of it: the workers were neither
+    joined nor killed, and this process hung at its exit joining them (a second Ctrl-C, a SIGTERM sent twice).
+    The first signal goes to the agent as before; the later ones are dropped: the agent has forwarded one already,
+    and a signal to the whole job reaches the workers itself. (torch installs its handler by this module global's
+    name at each start of the workers; tests/test_checkpoint.py sends SIGTERM again and again.)"""
+    from torch.distributed.elastic.multiprocessing import api
+
+    torchs, caught = api._terminate_process_handler, []
+
+    def first_only(signum, frame):
+        if not caught:
+            caught.append(signum)
+            torchs(signum, frame)
+
+    api._terminate_process_handler = first_only
+    try:
+        yield
+    finally:
+        api._terminate_process_handler = torchs
+
+
+def _workers_gone() -> None:
+    """The agent is done (its workers finished or stopped): a stop signal has nothing left to stop while this
+    process reports and cleans up (`launch` puts the caller's handlers back after)."""
+    for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
 
 
 def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
@@ -286,9 +330,7 @@ def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
         min_nodes=w.nnodes, max_nodes=w.nnodes, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs,
         max_restarts=w.max_restarts, monitor_interval=0.1,
-        # The agent forwards these to the workers (and raises SignalException here): SIGUSR1, a scheduler's
-        # preemption notice, too. Not in torch's default list, it would kill this process and orphan the workers.
-        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        signals_to_handle=",".join(s.name for s in HANDLED_SIGNALS),
         start_method="forkserver",
         # The workers' error files, which the failure report reads. Left to torch, each launch would leave a
         # torchelastic_* directory in the temp dir for good (torchrun's does); this one goes with hang_dir.
@@ -303,9 +345,13 @@ def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
     os.environ[ENTRY_ENV] = entry.__name__  # (the worker finds it in trainer.entry.run.ENTRY_POINTS)
     os.environ[LAUNCHER_ENV] = str(os.getpid())
     os.environ[watchdog.HANG_DIR_ENV] = hang_dir
-    before = _newest_checkpoint(run_dir)
+    before, export_before = _newest_checkpoint(run_dir), _export_record(run_dir)
     try:
-        elastic_launch(config, entrypoint=forked)(dict(os.environ), worker.Streams())  # (this launch's stdout, stderr)
+        try:
+            with _first_stop_signal_only():
+                elastic_launch(config, entrypoint=forked)(dict(os.environ), worker.Streams())  # (its stdout, stderr)
+        finally:
+            _workers_gone()
     except ChildFailedError as e:
         failures = every_failure(e.failures, nproc)
         rank, failure = root_failure(failures)
@@ -333,6 +379,8 @@ def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
             raise Preempted(f"stopped by {signal.Signals(e.sigval).name}: the script's processes were stopped. "
                             "What it saved with rt.save_state is what there is; rerun it to continue from its "
                             "rt.load_state.") from None
+        if _export_record(run_dir) not in (None, export_before):  # the signal came in the last step or the export:
+            return None  # the workers completed the export, and said so (exit 0: there is nothing to continue)
         raise Preempted(f"stopped by {signal.Signals(e.sigval).name}; {_what_was_saved(run_dir, before)} "
                         "Rerun the same command with resume=auto to continue.") from None
     finally:
@@ -415,6 +463,14 @@ def _newest_checkpoint(run_dir: Path) -> Path | None:
 
     done = Checkpointer(Path(run_dir) / "checkpoints").complete()
     return done[-1] if done else None
+
+
+def _export_record(run_dir: Path) -> str | None:
+    """The run's export.json (written last, once the export is complete), or None: whether a launch finished it."""
+    try:
+        return (Path(run_dir) / "export.json").read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _what_was_saved(run_dir: Path, before: Path | None) -> str:
