@@ -465,6 +465,49 @@ def test_classification_accuracy_reads_the_class_dimension_and_nll_takes_no_prob
         SupervisedTask("torch.nn.NLLLoss").loss(lambda x: pred[:, :, 0].log_softmax(-1), (torch.zeros(4), soft))
 
 
+@pytest.mark.parametrize(("loss", "pred_shape", "target"), [
+    ("CrossEntropyLoss", (6, 5), "labels"),
+    ("CrossEntropyLoss", (6, 5, 7), "labels"),  # a sequence labeller: 7 positions a sample
+    ("CrossEntropyLoss", (6, 5, 7), "ignored"),  # some positions at ignore_index (-100)
+    ("CrossEntropyLoss", (6, 5, 7), "probabilities"),
+    ("NLLLoss", (6, 5, 7), "ignored"),
+    ("MSELoss", (6, 3), "same"),  # 3 outputs a sample
+    ("BCEWithLogitsLoss", (6, 4), "binary"),
+])
+def test_the_supervised_tasks_loss_per_target_is_torchs_mean_loss(loss, pred_shape, target):
+    """num_targets counted samples while the loss summed every term: a sequence labeller's loss and accuracy, a
+    [B, 3] regression's loss, were 7 and 3 times what torch's own mean (a hand-written loop) gives, and so were the
+    gradients grad_clip clipped; an ignored label counted as a target."""
+    import torch
+
+    from trainer.task import SupervisedTask
+
+    g = torch.Generator().manual_seed(0)
+    pred = torch.randn(*pred_shape, generator=g)
+    if loss == "NLLLoss":
+        pred = pred.log_softmax(1)
+    classes = pred_shape[1]
+    indices = (pred_shape[0], *pred_shape[2:])
+    y = {"labels": lambda: torch.randint(0, classes, indices, generator=g),
+         "ignored": lambda: torch.randint(0, classes, indices, generator=g).masked_fill(
+             torch.rand(indices, generator=g) < 0.3, -100),
+         "probabilities": lambda: torch.softmax(torch.randn(*pred_shape, generator=g), 1),
+         "same": lambda: torch.randn(*pred_shape, generator=g),
+         "binary": lambda: torch.randint(0, 2, pred_shape, generator=g).float()}[target]()
+    task = SupervisedTask(f"torch.nn.{loss}")
+    batch = (torch.zeros(pred_shape[0]), y)
+    out = task.loss(lambda x: pred, batch)
+    total = out["loss"] if isinstance(out, dict) else out
+    n = float(task.num_targets(batch))
+    want = getattr(torch.nn, loss)()(pred, y)  # torch's default: the mean over its terms
+    torch.testing.assert_close(total / n, want, rtol=1e-6, atol=1e-7)  # (a sum then one division: a few ulps)
+    if isinstance(out, dict):  # accuracy over the counted labels
+        kept = y != -100 if target in ("labels", "ignored") else torch.ones(indices, dtype=torch.bool)
+        labels = y.argmax(1) if target == "probabilities" else y
+        assert out["accuracy"].item() == ((pred.argmax(1) == labels) & kept).sum().item()
+        assert n == kept.sum().item()
+
+
 @pytest.mark.slow
 def test_an_unsupported_dataset_stops_a_ddp_run_before_its_workers(tmp_path):
     from conftest import FAULTY_ENV, run_cli

@@ -97,7 +97,7 @@ class SupervisedTask:
           target_key: null
     """
 
-    target_unit = "samples"
+    target_unit = "targets"  # the loss's terms: a sample's, or each of its positions' or outputs'
 
     def __init__(self, loss: str = "torch.nn.MSELoss", input_key: str | None = None, target_key: str | None = None):
         from hydra.utils import get_class
@@ -143,8 +143,21 @@ class SupervisedTask:
                           "have the data return (x, y) samples, or dicts with task.input_key and task.target_key set, "
                           "or write a task of your own (README: Your own model, data and loss).")
 
-    def num_targets(self, batch: Any) -> int:
-        return len(self._pair(batch)[0])
+    def num_targets(self, batch: Any) -> int | torch.Tensor:
+        """How many terms loss() sums over: what torch's reduction='mean' divides by, so that train/loss and
+        val/loss are the loss a hand-written loop reports. Every element of an elementwise loss's target ([B, 3]
+        regression: 3 a sample), each class label of a classification loss but those at its ignore_index ([B, L]
+        labels of a sequence labeller: L a sample), each row of class probabilities. (It counted samples: such
+        losses and accuracies were L times too high, and so were the gradients that grad_clip saw.)"""
+        x, y = self._pair(batch)
+        if not isinstance(y, torch.Tensor):
+            return len(x)
+        if not self.classification:
+            return y.numel()
+        if y.is_floating_point():  # probabilities over dim 1
+            return y.numel() // y.shape[1] if y.dim() > 1 else 1
+        counted = (y != self.loss_fn.ignore_index).sum()
+        return int(counted) if y.device.type == "cpu" else counted  # (a device's count is reduced there, no sync)
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor | dict[str, torch.Tensor]:
         x, y = self._pair(batch)
@@ -160,8 +173,9 @@ class SupervisedTask:
         if not self.classification:
             return loss
         # The classes are dim 1 ([B, C], or [B, C, d1, ...] against [B, d1, ...]); probabilities: the likeliest.
-        labels = y.argmax(1) if y.is_floating_point() else y
-        return {"loss": loss, "accuracy": (pred.argmax(1) == labels).sum()}
+        if y.is_floating_point():
+            return {"loss": loss, "accuracy": (pred.argmax(1) == y.argmax(1)).sum()}
+        return {"loss": loss, "accuracy": ((pred.argmax(1) == y) & (y != self.loss_fn.ignore_index)).sum()}
 
     def _not_classes(self, pred: torch.Tensor, y: torch.Tensor) -> Exception:
         """Targets a classification loss cannot take (labels of [B, 1], float labels): torch's traceback before."""
