@@ -439,13 +439,32 @@ def test_a_checkpoint_given_for_a_run_dir_is_named_as_one_and_never_written_over
 
 
 def test_sample_writes_the_grid_from_the_ema_weights_and_needs_nothing_else(diffusion_reference, tmp_path):
-    out = tmp_path / "grid.png"
-    out.write_bytes(b"\x89PNG\r\n\x1a\n" + b"an earlier sample")  # (a PNG of an earlier sample: replaced)
-    r = run_main("sample", str(diffusion_reference), f"out={out}", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
+    """And replaces a PNG an earlier sample wrote, but no other: it replaced any PNG (another run's training
+    images, a picture of one's own). A samples/ it cannot write is one paragraph (a traceback)."""
+    import shutil
+
+    from test_errors import assert_clean_error
+
+    out, own = tmp_path / "grid.png", tmp_path / "photo.png"
+    for _ in range(2):  # (the second replaces the first's)
+        r = run_main("sample", str(diffusion_reference), f"out={out}", cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
     assert f"image: {out}" in r.stdout
     png = out.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24]) > (8, 8)
+    trained = sorted((diffusion_reference / "samples").glob("step_*.png"))[0]  # another run's training image
+    for path in (own, tmp_path / trained.name):
+        shutil.copyfile(trained, path)
+        assert_clean_error(run_main("sample", str(diffusion_reference), f"out={path}", cwd=tmp_path),
+                           "that PNG was not written by python -m trainer sample")
+        assert path.read_bytes() == trained.read_bytes()
+    run = tmp_path / "run"
+    shutil.copytree(diffusion_reference, run)
+    shutil.rmtree(run / "samples")
+    (run / "samples").write_text("a file where the samples go")
+    r = run_main("sample", str(run), cwd=tmp_path)
+    assert r.returncode == 74 and r.stderr.startswith("error: the sample image could not be written to"), r.stderr
+    assert "Traceback" not in r.stderr and f"sample {run} out=PATH.png" in r.stderr
 
 
 def test_sample_replaces_an_earlier_sample_under_the_run_dir_but_never_a_training_image(diffusion_reference, tmp_path):

@@ -261,8 +261,8 @@ def _user_errors(fn):
 
 def _replaces(path: Path, run: Path) -> str | None:
     """Why writing the sample to `path` would destroy something (None: it would not): a file of the run dir (its
-    export, config, a training sample's image), or a file that is not a PNG image (a regenerated sample's PNG may be
-    replaced)."""
+    export, config, a training sample's image), or any file but a PNG an earlier `sample` wrote (which a regenerated
+    sample may replace; it replaced any PNG: another run's training images, a picture of one's own)."""
     if not path.is_file():
         return None
     resolved, samples = path.resolve(), (run / "samples").resolve()
@@ -270,12 +270,16 @@ def _replaces(path: Path, run: Path) -> str | None:
                                                    resolved in _training_images(run)):
         return ("that file is the run's own (its weights, its records, a training sample's image), which the sample "
                 "would replace; give a path of its own (outside the run dir, or a new name under it)")
-    from trainer.tracking.images import PNG_SIGNATURE
+    from trainer.tracking.images import PNG_SIGNATURE, is_sample_png
 
     with open(path, "rb") as f:
-        if f.read(len(PNG_SIGNATURE)) != PNG_SIGNATURE:
-            return ("that file exists and is not a PNG image, which the sample would replace; give a new path (or "
-                    "move the file first)")
+        head = f.read(200)
+    if not head.startswith(PNG_SIGNATURE):
+        return ("that file exists and is not a PNG image, which the sample would replace; give a new path (or "
+                "move the file first)")
+    if not is_sample_png(head) and not resolved.is_relative_to(samples):  # (the run's own samples/: as before)
+        return ("that PNG was not written by python -m trainer sample (another run's training image, a picture of "
+                "your own), and the sample would replace it; give a new path (or move the file first)")
     return None
 
 
@@ -419,7 +423,7 @@ def sample(argv: list[str]) -> int:
     import torch
 
     from trainer.config.compose import yaml_value
-    from trainer.errors import CheckpointError, ConfigError, UserError
+    from trainer.errors import CheckpointError, ConfigError, StorageError, UserError
     from trainer.inference.device_map import cli_options
     from trainer.inference.finished import (
         checkpoint_model,
@@ -433,7 +437,7 @@ def sample(argv: list[str]) -> int:
     from trainer.io import atomic_write_bytes
     from trainer.loop.trainer import printable
     from trainer.redaction import scrub, secret_values
-    from trainer.tracking.images import is_image, png_bytes
+    from trainer.tracking.images import SAMPLE_TEXT, is_image, png_bytes
 
     usage = SAMPLE_USAGE
     run_dir, opts, rest = _run_and_options(argv, usage, ("checkpoint", "ema", "out"))
@@ -511,7 +515,12 @@ def sample(argv: list[str]) -> int:
             path = Path(opts.get("out", run / "samples" / f"{stem}.png"))
             if name != "image" and (len(images) > 1 or "out" not in opts):  # (each image a file of its own)
                 path = path.with_name(f"{path.stem}_{name}{path.suffix}")
-            atomic_write_bytes(path, png_bytes(value))
+            try:
+                atomic_write_bytes(path, png_bytes(value, SAMPLE_TEXT))
+            except OSError as e:  # (a read-only run dir, a file named samples: a traceback; out= is checked before)
+                raise StorageError(f"the sample image could not be written to {path} ({e.strerror or e}): give "
+                                   f"out=PATH.png somewhere writable (python -m trainer sample {run} out=PATH.png)."
+                                   ) from None
             print(scrub(f"{name}: {path}", secrets))
         else:
             print(scrub(f"{name}: {value:.4g}" if isinstance(value, float) else f"{name}: {value}", secrets))

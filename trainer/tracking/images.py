@@ -28,8 +28,20 @@ def to_hwc_uint8(image: torch.Tensor) -> torch.Tensor:
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"  # (the first 8 bytes of every PNG file)
 
 
-def png_bytes(image: torch.Tensor) -> bytes:
-    """The image (any layout `to_hwc_uint8` takes) as a PNG file's bytes (8-bit gray, RGB or RGBA)."""
+# The text chunk `python -m trainer sample` writes into its PNGs: a later `sample out=` may replace such a file (a
+# sample regenerated), and no other (another run's training images, a photo of one's own).
+SAMPLE_TEXT = {"Software": "python -m trainer sample"}
+
+
+def is_sample_png(head: bytes) -> bool:
+    """Whether a PNG file's first bytes carry SAMPLE_TEXT (written right after its header)."""
+    key, value = next(iter(SAMPLE_TEXT.items()))
+    return head.startswith(PNG_SIGNATURE) and b"tEXt" + f"{key}\0{value}".encode("latin-1") in head[:200]
+
+
+def png_bytes(image: torch.Tensor, text: dict[str, str] | None = None) -> bytes:
+    """The image (any layout `to_hwc_uint8` takes) as a PNG file's bytes (8-bit gray, RGB or RGBA); `text`: tEXt
+    chunks (latin-1 keys and values) after the header."""
     t = to_hwc_uint8(image)
     h, w, c = t.shape
     color = {1: 0, 3: 2, 4: 6}[c]
@@ -38,7 +50,8 @@ def png_bytes(image: torch.Tensor) -> bytes:
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
-    return (PNG_SIGNATURE + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, color, 0, 0, 0))
+    notes = b"".join(chunk(b"tEXt", f"{k}\0{v}".encode("latin-1")) for k, v in (text or {}).items())
+    return (PNG_SIGNATURE + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, color, 0, 0, 0)) + notes
             + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
 
 
