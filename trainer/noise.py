@@ -46,6 +46,25 @@ class for_samples:
         _state.update(self.previous.pop())
 
 
+def replayed_in_recompute() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """torch.utils.checkpoint's `context_fn` (activation checkpointing, trainer/parallel/strategy.py): the block's
+    recomputation in backward draws what its forward drew. torch restores its own generators there; this counter it
+    did not, so a model drawing `randn_like` in a checkpointed block got other noise in backward, which then
+    differentiated another function than the forward computed (other gradients than without checkpointing)."""
+    at_forward = dict(_state)  # (called as the block's forward starts)
+    return contextlib.nullcontext(), _replay(at_forward)
+
+
+@contextlib.contextmanager
+def _replay(state: dict) -> Iterator[None]:
+    previous = dict(_state)
+    _state.update(state)
+    try:
+        yield
+    finally:
+        _state.update(previous)
+
+
 @contextlib.contextmanager
 def rows(rows: torch.Tensor) -> Iterator[None]:
     """Within a `for_samples` block: draws for these rows of its batch alone (a pipeline's microbatch), the same

@@ -65,7 +65,12 @@ def recompute_in_backward(unit: nn.Module) -> None:
 
 
 def _checkpointed_forward(self: nn.Module, *args, **kwargs):
-    return checkpoint(self._forward_recomputed, *args, use_reentrant=False, **kwargs)
+    if torch.compiler.is_compiling():  # (a compiled region takes selective-checkpoint contexts only)
+        return checkpoint(self._forward_recomputed, *args, use_reentrant=False, **kwargs)
+    from trainer.noise import replayed_in_recompute
+
+    return checkpoint(self._forward_recomputed, *args, use_reentrant=False, context_fn=replayed_in_recompute,
+                      **kwargs)
 
 
 class Strategy:
