@@ -191,6 +191,12 @@ def test_a_data_cache_that_cannot_be_written_is_exit_74_naming_it_and_leaves_no_
     assert_clean_error(r, f"could not write the data cache {tmp_path / 'cache'}", "(No space left on device)",
                        "data.cache_dir=DIR (or TRAINER_CACHE_DIR=DIR for every run)", code=74)
     assert not (tmp_path / "run").exists()
+    monkeypatch.undo()  # a file where the cache goes: "could not build 'data' ... NotADirectoryError" named no setting
+    (tmp_path / "afile").write_text("x")
+    r = run_here(*tiny_overrides(corpus), f"data.cache_dir={tmp_path / 'afile'}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert_clean_error(r, f"could not write the data cache {tmp_path / 'afile'}", "(Not a directory)",
+                       "data.cache_dir=DIR", code=74)
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_deleted_lock_file_does_not_let_a_second_job_into_a_live_run_dir(corpus, tmp_path):

@@ -11,7 +11,8 @@ from pathlib import Path
 from trainer.errors import DataError, StorageError
 
 # What a write into a data cache fails with when the place is full or cannot be written (a read-only HOME).
-_CANNOT_WRITE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
+_CANNOT_WRITE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO,
+                 errno.ENOTDIR, errno.EEXIST)  # (the last two: a file where the cache dir goes)
 
 
 @contextlib.contextmanager
