@@ -114,6 +114,9 @@ def test_a_number_as_text_and_resolve_without_cfg_are_one_paragraph_saying_the_f
     (["trainer.activation_checkpointing=2"], ["trainer.activation_checkpointing=2: trainer.activation_checkpointing "
                                               "is a switch, not a number", "trainer.activation_checkpointing=true"]),
     (["trainer.activation_checkpointing='2'"], ["is a switch, not a number"]),  # (quoted: taken as true as well)
+    # (optim's and scheduler's were an OmegaConf traceback: a check of the sections' parts resolved every value)
+    (["optim.lr=${nope}"], ["optim.lr: Interpolation key 'nope' not found"]),
+    (["scheduler.warmup_steps=${oc.env:TRAINER_NO_SUCH_VAR}"], ["scheduler.warmup_steps: ", "TRAINER_NO_SUCH_VAR"]),
     (["optim.eps=-1"], ["optim.eps=-1", ">= 0"]),
     (["optim.weight_decay=-1"], ["optim.weight_decay=-1"]),
     (["optim._target_=torch.optim.SGD"], ["optim.betas, optim.eps are not options of optim._target_=SGD", "momentum"]),

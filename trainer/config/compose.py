@@ -173,7 +173,9 @@ def _refuse_what_every_part_overrides(cfg: DictConfig, overrides: list[str]) -> 
         key, sep, value = override.lstrip("+").partition("=")
         section, _, leaf = key.partition(".")
         node = cfg.get(section) if section in ("optim", "scheduler") and sep and leaf and "." not in leaf else None
-        parts = [k for k, v in node.items() if isinstance(v, DictConfig)] if isinstance(node, DictConfig) else []
+        # (keys and nodes, not values: an interpolation given there that does not resolve is named later, as for
+        # any section; items() resolved it here, a traceback)
+        parts = [k for k in node if isinstance(node._get_node(k), DictConfig)] if isinstance(node, DictConfig) else []
         if parts and leaf not in parts and all(leaf in node[p] for p in parts):
             each = " ".join(f"{section}.{p}.{leaf}={value}" for p in parts)
             raise ConfigError(f"{key}={value}: every part of {section} sets its own {leaf} ("
