@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_here, train_in_process
+from conftest import read_metrics, run_here, tiny_overrides, train_in_process
 from test_errors import assert_clean_error
 
 import trainer
@@ -198,6 +198,35 @@ def _read_only_dir(tmp_path: Path) -> Path:
 def test_mistakes_are_one_paragraph(run, tmp_path, args, needles):
     args = [a.format(tmp=tmp_path, ro=_read_only_dir(tmp_path)) for a in args]
     assert_clean_error(run_here("sample", str(run), *args, *SAMPLE), *needles)
+
+
+def test_eval_with_a_device_map_reads_the_runs_data_as_eval_without_one_does(corpus, tmp_path):
+    """It built the data without the run's seed (a factory drawing torch.randn gave another val set, and other
+    numbers, at every call) and checked nothing of it (a relative data.path read from another directory, or a file
+    changed since, was evaluated as the run's)."""
+    conf = Path(__file__).resolve().parent / "conf"
+    run = tmp_path / "drawn"
+    r = run_here("--config-dir", str(conf), "recipe=classify", "data._target_=classify.drawn", "trainer.max_steps=6",
+                 "trainer.eval_every=6", f"hydra.run.dir={run}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    trained = [e for e in read_metrics(run) if "val/loss" in e][-1]["val/loss"]
+    for _ in range(2):
+        mapped = run_here("eval", str(run), "device_map=auto", cwd=tmp_path)
+        assert mapped.returncode == 0, mapped.stderr
+        assert json.loads(mapped.stdout.strip().splitlines()[-1])["val/loss"] == pytest.approx(trained, rel=1e-6)
+    text = tmp_path / "notes.txt"
+    text.write_bytes(corpus.read_bytes()[:20000])
+    r = run_here(*tiny_overrides(text, "trainer.max_steps=2"), "data.path=notes.txt", f"hydra.run.dir={tmp_path / 'rel'}",
+                 cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "notes.txt").write_bytes(corpus.read_bytes()[20000:40000])
+    assert_clean_error(run_here("eval", str(tmp_path / "rel"), "device_map=auto", cwd=elsewhere),
+                       "data.path=notes.txt is a relative path")
+    text.write_bytes(b"Z" + text.read_bytes()[1:])  # changed in place
+    assert_clean_error(run_here("eval", str(tmp_path / "rel"), "device_map=auto", cwd=tmp_path),
+                       "is not what", "was trained on")
 
 
 def test_eval_with_a_device_map_refuses_world_overrides_it_would_ignore(run):

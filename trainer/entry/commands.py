@@ -355,6 +355,8 @@ def evaluate(argv: list[str]) -> int:
     placement, overrides = cli_options(overrides)
     cfg = config_of(run_dir, overrides)
     secrets = _secrets_of(cfg)
+    # Data of the user's choosing is evaluated as named; the run's own is checked against its checkpoint.
+    given = any(o.split("=", 1)[0].lstrip("+~").split(".")[0] == "data" for o in overrides)
     try:
         if placement:  # the export placed over devices, on this process (trainer/inference/device_map.py)
             from trainer.config.compose import yaml_value
@@ -370,14 +372,12 @@ def evaluate(argv: list[str]) -> int:
                                   f"{' '.join(world)} does not apply. Leave out the world overrides, or leave out "
                                   "device_map, max_memory and offload_dir to evaluate on world's processes.")
             task_keys = {a.split("=", 1)[0][len("task."):]: yaml_value(a) for a in overrides if a.startswith("task.")}
-            evaluate_dispatched(run_dir, cfg, task_keys, _show(placement), bool(placement.get("show_map")))
+            evaluate_dispatched(run_dir, cfg, task_keys, _show(placement), bool(placement.get("show_map")), given)
             return 0
         from trainer.entry.run import EVAL_DATA_GIVEN_ENV, CheckpointVanished
         from trainer.entry.run import evaluate as evaluate_entry
 
         which = opts.get("checkpoint", "latest")
-        # Data of the user's choosing is evaluated as named; the run's own is checked against its checkpoint.
-        given = any(o.split("=", 1)[0].lstrip("+~").split(".")[0] == "data" for o in overrides)
         for attempt in range(3):  # (latest, of a run still training: its keep_last may prune it before it is read)
             with open_dict(cfg):
                 cfg.resume = str(checkpoint_of(run_dir, which))

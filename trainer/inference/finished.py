@@ -538,7 +538,7 @@ def load_task(run_dir: str | Path, overrides: dict[str, Any] | None = None, cfg:
 
 @torch.no_grad()
 def evaluate_dispatched(run_dir: str | Path, cfg: DictConfig, task_keys: dict[str, Any], placement: dict[str, Any],
-                        show_map: bool = False) -> dict[str, float]:
+                        show_map: bool = False, data_given: bool = False) -> dict[str, float]:
     """`python -m trainer eval RUN_DIR device_map=...`: the val metrics of the run's exported weights (and its EMA's)
     on one process, the model placed by `placement` (trainer.load's keywords), in the weights' dtype. The same sums
     as the Trainer's eval on one rank: the loss over targets, the task's extra sums and eval_metrics, and its
@@ -546,15 +546,28 @@ def evaluate_dispatched(run_dir: str | Path, cfg: DictConfig, task_keys: dict[st
     import json
 
     from trainer import noise
+    from trainer.checkpoint import rng
     from trainer.config.compose import prepare
     from trainer.config.instantiate import build_data
     from trainer.data.sampling import eval_batches
     from trainer.loop.trainer import EVAL_STREAM
+    from trainer.parallel import seed_everything
     from trainer.task import EvalSums
 
     path = _run_dir(run_dir)
     cfg = prepare(cfg)
-    _, val = build_data(cfg.data)
+    if not data_given:
+        refuse_relative_data_elsewhere(path, cfg)
+    with rng.kept():
+        seed_everything(cfg.trainer.seed)  # (as training builds its data: a dataset drawn with torch.randn was another
+        train, val = build_data(cfg.data)  # at every call, and so were the metrics)
+    if not data_given:  # (the run's own data settings must read the run's data, as eval without device_map checks)
+        from trainer.entry.run import refuse_other_data
+
+        own = getattr(train, "fingerprint", None)
+        newest = _newest_complete(path)
+        if newest is not None and isinstance(own, str):
+            refuse_other_data(_state_of(newest).get("trainer", {}).get("data_identity"), own, newest)
     task = load_task(path, task_keys, cfg)  # (checked against the data this eval reads: its data.seq_len)
     metrics: dict[str, float] = {}
     for prefix, ema in (("val", False), ("val_ema", True)):
@@ -649,6 +662,22 @@ def _relink_task(cfg: DictConfig, conf) -> None:
                 if isinstance(value, str) and value.startswith("${") and key in cfg.task:
                     cfg.task[key] = value
             return
+
+
+def _newest_complete(run_dir: Path) -> Path | None:
+    from trainer.checkpoint.store import Checkpointer
+
+    done = Checkpointer(Path(run_dir) / "checkpoints").complete()
+    return done[-1] if done else None
+
+
+def _state_of(checkpoint: Path) -> dict:
+    """A checkpoint's state.json (its trainer's counters and data record), or {} where it cannot be read."""
+    try:
+        state = json.loads((checkpoint / "state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
 
 
 def refuse_relative_data_elsewhere(run_dir: str | Path, cfg: DictConfig) -> None:
