@@ -708,7 +708,6 @@ def check_eval_data(trainer, cfg: DictConfig) -> None:
     Data settings of the user's own (data.path=... on purpose) evaluate what they name."""
     import os
 
-
     if not os.environ.get(EVAL_DATA_GIVEN_ENV):
         refuse_other_data(getattr(trainer, "trained_on", None), trainer.data.identity(), cfg.resume)
 
