@@ -305,6 +305,21 @@ def test_a_secret_on_a_sweeps_command_line_reaches_neither_its_files_nor_the_con
     assert_nowhere({"key": key}, run_files(sweep), r.stdout, r.stderr, shown.stdout, shown.stderr)
 
 
+def test_a_secret_written_by_hand_into_the_machine_defaults_is_printed_by_no_command(tmp_path):
+    """`env` and `config` print the defaults file, and `--cfg hydra` the config composed with it: a WANDB_API_KEY
+    written there by hand (README: edit the file by hand if you like) was printed in clear by all three (`env`'s
+    output is what a bug report pastes); a run redacted it."""
+    home = tmp_path / "home"
+    (home / "machine").mkdir(parents=True)
+    key = f"k{uuid.uuid4().hex}"
+    (home / "machine" / "default.yaml").write_text(f"# @package _global_\nhydra: {{job: {{env_set: {{WANDB_API_KEY: {key}}}}}}}\n")
+    shown = [run_here(*args, cwd=tmp_path, env={"TRAINER_CONFIG_HOME": str(home)})
+             for args in (["env"], ["config"], ["--cfg", "hydra"])]
+    assert all(r.returncode == 0 for r in shown), [r.stderr for r in shown]
+    assert all("WANDB_API_KEY: <redacted>" in r.stdout for r in shown)
+    assert_nowhere({"key": key}, [], *(r.stdout for r in shown), *(r.stderr for r in shown))
+
+
 def test_a_job_that_moves_out_of_a_shared_default_run_dir_leaves_the_other_jobs_records_and_no_secret(corpus,
                                                                                                     tmp_path):
     """Two jobs of the same second share the default run dir. Hydra would write the later job's command line into

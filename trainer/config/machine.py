@@ -45,11 +45,26 @@ def describe() -> str:
     path = defaults_file()
     if not path.is_file():
         return f"none ({path} does not exist; python -m trainer config KEY=VALUE ... saves them)"
-    from trainer.redaction import scrub, secret_values
+    from trainer.redaction import scrub
 
     # (a file saved before its values were checked for secrets, or edited by hand: printed redacted, as runs print)
     return scrub(f"{path}:\n" + "\n".join(f"  {line}" for line in path.read_text().splitlines()
-                                           if not line.startswith("#")), secret_values())
+                                           if not line.startswith("#")), secrets())
+
+
+def secrets() -> set[str]:
+    """The secret values a command must not print: the environment's, and those of secret-looking keys in the
+    machine's defaults file (env_set's WANDB_API_KEY written there by hand: `env`, `config` and `--cfg hydra`
+    printed it)."""
+    import yaml
+
+    from trainer.redaction import secret_values
+
+    try:
+        parsed = yaml.safe_load(defaults_file().read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        parsed = None
+    return secret_values(parsed)
 
 
 def render(overrides: list[str]) -> str:

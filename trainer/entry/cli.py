@@ -727,9 +727,10 @@ def main(argv: list[str] | None = None) -> None:
     from trainer.config.flags import flags_first
 
     argv = flags_first(argv)
+    from trainer.config.machine import secrets as machine_secrets
     from trainer.redaction import ScrubbedStream, override_secrets
 
-    secrets = override_secrets(argv) | secret_values()
+    secrets = override_secrets(argv) | secret_values() | machine_secrets()
     streams = sys.stdout, sys.stderr
     if secrets:  # (Hydra prints a sweep's job lines, --cfg and --info itself, secrets and all)
         sys.stdout, sys.stderr = ScrubbedStream(sys.stdout, secrets), ScrubbedStream(sys.stderr, secrets)
