@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import DDP2, ROOT, compose_cfg, faulty, read_metrics, run_cli, tiny_overrides
+from conftest import DDP2, ROOT, compose_cfg, faulty, read_metrics, run_cli, run_here, tiny_overrides
 from omegaconf import OmegaConf
 
 from trainer.errors import ConfigError
@@ -236,6 +236,26 @@ def test_a_fresh_rerun_sets_the_earlier_events_aside(corpus, tmp_path):
     assert [s for s, _ in scalars(tmp_path / "tensorboard")["train/loss"]] == [1, 2]
     assert [s for s, _ in scalars(tmp_path / "tensorboard.prev")["train/loss"]] == [1, 2, 3]
     assert scalars(tmp_path / "tensorboard") == expected_scalars(tmp_path)
+
+
+@pytest.mark.parametrize("given", ["own", "."])
+def test_a_fresh_rerun_into_a_tensorboard_dir_of_ones_own_moves_the_events_alone(corpus, tmp_path, given):
+    """A dir holding files of one's own was renamed whole to <dir>.prev/ (the files with it); `.` (the current
+    directory) was a ValueError traceback once the run dir's other records had been set aside (its checkpoints in
+    checkpoints.prev/, its metrics emptied: eval then found no checkpoint)."""
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "notes.txt").write_text("mine")
+    where = own if given == "own" else tmp_path / "own"
+    args = [*tiny_overrides(corpus, "logger=tensorboard", "trainer.max_steps=3"), f"logger.tensorboard.dir={given}",
+            f"hydra.run.dir={tmp_path / 'run'}"]
+    for _ in range(2):
+        r = run_here(*args, cwd=own if given == "." else tmp_path)
+        assert r.returncode == 0, r.stderr
+    assert (own / "notes.txt").read_text() == "mine"
+    assert [s for s, _ in scalars(where.parent / f"{where.name}.prev")["train/loss"]] == [1, 2, 3]
+    assert [s for s, _ in scalars(where)["train/loss"]] == [1, 2, 3]
+    assert [e["step"] for e in read_metrics(tmp_path / "run") if "train/loss" in e] == [1, 2, 3]  # (the rerun's)
 
 
 def test_only_rank_0_writes(ddp_reference):

@@ -142,19 +142,37 @@ class TensorBoardLogger(NullLogger):
         """A rerun into the same run dir that found no checkpoint: an earlier attempt's event files move to
         `<dir>.prev/` (an older one's to `<dir>.prev-2/`, ...), which TensorBoard shows as a run of its own."""
         self.finish({})
-        if self.dir.is_dir() and any(self.dir.glob("events.out.tfevents.*")):
-            self.dir.rename(free_name(self.dir, ".prev"))
+        self._set_aside(copy=False)
         self._first_step, self._session_start = 0, 1
 
     def keep_copy(self) -> list[Path]:
+        self.finish({})
+        copy = self._set_aside(copy=True)
+        return [copy] if copy is not None else []
+
+    def _set_aside(self, copy: bool) -> Path | None:
+        """The event files (moved, or copied) into `<dir>.prev/`. A dir of event files alone moves whole (one
+        rename); from one that holds other files too (a dir of one's own, `logger.tensorboard.dir=.`), the event
+        files alone: the whole dir was renamed (the user's files with it), and `.` was a ValueError traceback
+        after the run dir's other records had been set aside."""
         import shutil
 
-        self.finish({})
-        if not (self.dir.is_dir() and any(self.dir.glob("events.out.tfevents.*"))):
-            return []
-        copy = free_name(self.dir, ".prev")
-        shutil.copytree(self.dir, copy)
-        return [copy]
+        here = self.dir.absolute()
+        events = sorted(here.glob("events.out.tfevents.*")) if here.is_dir() else []
+        if not events:
+            return None
+        target = free_name(here, ".prev")
+        if copy:
+            target.mkdir(parents=True)
+            for f in events:
+                shutil.copy2(f, target / f.name)
+        elif len(events) == len(list(here.iterdir())) and here != Path.cwd():
+            here.rename(target)
+        else:
+            target.mkdir(parents=True)
+            for f in events:
+                os.replace(f, target / f.name)
+        return target
 
     def take_branch(self, after: int, suffix: str, upto: int, run_dir) -> None:
         # The branch's own events stay in its kept copy (tensorboard.prev-N/): event files are not spliced.
