@@ -82,6 +82,18 @@ def test_fsdp_equals_one_process_and_each_rank_writes_its_shards(fsdp_reference,
         assert loaded.keys() == weights.keys() and all(torch.equal(loaded[k], weights[k]) for k in weights)
 
 
+def test_sgd_under_fsdp_takes_its_loop_kernel_and_equals_one_process(corpus, tmp_path):
+    """SGD inherits the base optim's fused: true, and torch's fused SGD kernel takes no DTensor shards: the README's
+    own way to swap the optimizer (~optim.betas ~optim.eps) was a NotImplementedError traceback on every rank."""
+    sgd = ("optim._target_=torch.optim.SGD", "~optim.betas", "~optim.eps", "trainer.max_steps=4", "ema.enabled=false",
+           "trainer.eval_every=4")
+    r = run_cli(*tiny_overrides(corpus, *sgd, *FSDP2), f"hydra.run.dir={tmp_path / 'fsdp'}")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("torch.optim.SGD's fused kernel takes no DTensor shards") == 1, r.stdout
+    train_in_process(corpus, tmp_path / "one", *sgd, "data.batch_size=8")
+    assert_same_run(tmp_path / "fsdp", tmp_path / "one")
+
+
 def test_fsdp_checkpoint_resumes_on_one_process_and_one_resumes_on_fsdp_with_accumulation(
         corpus, tmp_path, fsdp_reference, reference):
     # 2 processes -> 1: the same global batch continues the same loss stream.

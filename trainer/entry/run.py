@@ -66,6 +66,12 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, say=print) -> torch
         say("note: world=ddp with world.tp mixes DTensor shards and plain tensors, which optim.fused and "
             "optim.foreach kernels refuse; using the per-parameter loop (optim.fused=false optim.foreach=false).")
         cfg = OmegaConf.merge(cfg, {"fused": False, "foreach": False})
+    elif True in kinds and cfg.get("fused") and _fused_without_shards(cfg._target_):
+        # torch registers the fused kernels of Adam and AdamW for DTensor shards alone: SGD's (which inherits the
+        # base optim's fused: true) was a NotImplementedError traceback on every rank under FSDP.
+        say(f"note: {cfg._target_}'s fused kernel takes no DTensor shards (world=fsdp, world.tp), so optim.fused=false "
+            "here (its foreach kernel instead).")
+        cfg = OmegaConf.merge(cfg, {"fused": False})
     # A rate given as a whole number (optim.lr=3) is a float to the optimizer: an int in its groups (and the
     # schedule's base_lrs) made a checkpoint of float rates refuse to resume under it ("expected an integer").
     rates = {k: float(v) for k, v in cfg.items() if (k == "lr" or str(k).endswith("_lr")) and type(v) is int}
@@ -84,6 +90,14 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, say=print) -> torch
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
     return factory([g for g in groups if g["params"]])
+
+
+def _fused_without_shards(target: str) -> bool:
+    """Whether torch's fused kernel of the optimizer class `target` has no DTensor rule (any but Adam and AdamW)."""
+    from trainer.config.targets import locate
+
+    cls = locate("optim", target)
+    return not (isinstance(cls, type) and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)))
 
 
 def build_optimizers(cfg: DictConfig, model: torch.nn.Module, rt: Runtime, say=print):
