@@ -91,3 +91,24 @@ def test_a_gan_checkpoint_of_one_process_resumes_under_fsdp(gan_reference, tmp_p
     assert r.returncode == 0, r.stderr
     assert_same(tmp_path / "run", gan_reference, from_step=5)
     assert "returned a view tensor" not in r.stderr  # (FSDP2's warning of a part's view output: 4 a run, alarming)
+
+
+def test_a_step_where_one_part_skipped_its_update_still_moves_the_ema_and_is_not_counted_skipped(tmp_path):
+    """The discriminator's update skipped (non-finite) and the generator's applied: the step counted as skipped, the
+    EMA missed the generator's update, and a run of such steps warned that its weights did not change."""
+    import torch
+    from conftest import load_weights, read_metrics
+
+    from trainer import build, compose, train
+
+    args = ["recipe=gan", "debug=smoke", "trainer.max_steps=1", "task._target_=partial_gan.DiscriminatorNaN",
+            "task.num_samples=0", "trainer.nonfinite=skip", "ema.enabled=true", "ema.decay=0.5", "ema.warmup=false"]
+    before = {k: v.clone() for k, v in build(compose(args), tmp_path / "built").raw_model.state_dict().items()}
+    train(compose(args), tmp_path / "run")
+    raw, ema = load_weights(tmp_path / "run" / "model.safetensors"), load_weights(tmp_path / "run" / "model_ema.safetensors")
+    gen = [k for k in raw if k.startswith("generator.") and raw[k].is_floating_point()]
+    disc = [k for k in raw if k.startswith("discriminator.") and raw[k].is_floating_point()]
+    assert any(not torch.equal(raw[k], before[k]) for k in gen)  # the generator stepped
+    assert all(torch.equal(raw[k], before[k]) for k in disc)  # the discriminator did not
+    assert any(not torch.equal(ema[k], before[k]) for k in gen)  # and the EMA followed the generator
+    assert [e["train/skipped_steps"] for e in read_metrics(tmp_path / "run") if "train/skipped_steps" in e] == [0]

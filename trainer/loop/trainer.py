@@ -201,10 +201,12 @@ class Trainer:
         part_lrs = {f"train/lr_{name}": s.get_last_lr()[0] for name, s in self.scheduler.schedulers.items()} \
             if isinstance(self.scheduler, Schedules) else {}
         loss, sums = split_loss(self.task.training_step(step))
-        applied = bool(step.applied) and all(step.applied.values())
-        self.guard.record(applied, self.step + 1)
+        self.guard.record(bool(step.applied) and all(step.applied.values()), self.step + 1)  # (a part's NaN counts)
         self.model.zero_grad(set_to_none=True)  # what one part's loss left on another's parameters
-        if applied:
+        # A step where one part's update was skipped (fp16's overflow in the discriminator's) still changed the
+        # others: the EMA follows them, and only a step that changed nothing counts as skipped (it counted as
+        # skipped, the EMA missed the generator's update, and a run of such steps said its weights did not change).
+        if any(step.applied.values()):
             if self.ema is not None:
                 self.ema.update(self.step + 1)
         else:
