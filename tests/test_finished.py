@@ -685,7 +685,7 @@ def test_eval_from_another_directory_does_not_read_another_file_at_the_runs_rela
     assert ours.returncode == 0, ours.stderr
     r = run_here("eval", str(run), cwd=elsewhere)
     assert_clean_error(r, f"data.path=corpus.txt is a relative path: the run read {here / 'corpus.txt'}",
-                       f"would read {elsewhere / 'corpus.txt'} instead", f"Pass data.path={here / 'corpus.txt'}")
+                       f"started in {elsewhere}, would read them from here", f"Pass data.path={here / 'corpus.txt'}")
     given = run_here("eval", str(run), f"data.path={here / 'corpus.txt'}", cwd=elsewhere)
     assert given.returncode == 0, given.stderr
     assert json.loads(given.stdout.splitlines()[-1]) == json.loads(ours.stdout.splitlines()[-1])
@@ -698,9 +698,17 @@ def test_eval_from_another_directory_does_not_read_another_file_at_the_runs_rela
     assert_clean_error(run_here("eval", str(run), cwd=here), "is not what", "or the file changed since")
     val_run = tmp_path / "val_run"
     stream = [a for a in overrides if not a.startswith("data=")] + ["data=text_stream"]
-    assert run_here(*stream, f"data.path={here / 'corpus.txt'}", "data.val_path=val.txt", f"hydra.run.dir={val_run}",
+    assert run_here(*stream, "data.path=corpus.txt", "data.val_path=val.txt", f"hydra.run.dir={val_run}",
                     cwd=here).returncode == 0
-    assert_clean_error(run_here("eval", str(val_run), cwd=elsewhere), "data.val_path=val.txt is a relative path")
+    # Each relative one named at once: the advice followed for the first alone read the other from here, unchecked.
+    assert_clean_error(run_here("eval", str(val_run), cwd=elsewhere),
+                       "data.path=corpus.txt and data.val_path=val.txt are relative paths",
+                       f"Pass data.path={here / 'corpus.txt'} data.val_path={here / 'val.txt'}")
+    both = run_here("eval", str(val_run), f"data.path={here / 'corpus.txt'}", f"data.val_path={here / 'val.txt'}",
+                    cwd=elsewhere)
+    assert both.returncode == 0, both.stderr
+    assert json.loads(both.stdout.splitlines()[-1])["val/loss"] == \
+        json.loads(run_here("eval", str(val_run), cwd=here).stdout.splitlines()[-1])["val/loss"]
 
 
 def test_sample_refuses_a_run_trained_on_a_tokenizers_ids_as_training_does(reference, tmp_path):

@@ -722,22 +722,10 @@ def check_eval_data(trainer, cfg: DictConfig) -> None:
     Data settings of the user's own (data.path=... on purpose) evaluate what they name."""
     import os
 
+    from trainer.inference.finished import refuse_other_data
+
     if not os.environ.get(EVAL_DATA_GIVEN_ENV):
         refuse_other_data(getattr(trainer, "trained_on", None), trainer.data.identity(), cfg.resume)
-
-
-def refuse_other_data(saved: str | None, now: str | None, checkpoint) -> None:
-    """`check_eval_data`'s refusal: the training set's fingerprint `now` is not the one `checkpoint` recorded."""
-    from trainer.errors import CheckpointError
-
-    if not (isinstance(saved, str) and now is not None and saved != now):
-        return
-    raise CheckpointError(
-        f"eval: the data read with the run's own data settings is not what {checkpoint} was trained on (its training "
-        f"set's fingerprint {now[:16]} vs {saved[:16]}): a relative data path is read from the current directory "
-        f"({Path.cwd()}), not the one the run trained in, or the file changed since. Pass the run's data by absolute "
-        "path (data.path=/ABSOLUTE/PATH, and the like), or run the eval from the directory the run trained in; any "
-        "data=/data.* override of yours evaluates what it names (a changed file at the same path: data.path=PATH).")
 
 
 class CheckpointVanished(CheckpointError):

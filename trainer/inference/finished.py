@@ -562,8 +562,6 @@ def evaluate_dispatched(run_dir: str | Path, cfg: DictConfig, task_keys: dict[st
         seed_everything(cfg.trainer.seed)  # (as training builds its data: a dataset drawn with torch.randn was another
         train, val = build_data(cfg.data)  # at every call, and so were the metrics)
     if not data_given:  # (the run's own data settings must read the run's data, as eval without device_map checks)
-        from trainer.entry.run import refuse_other_data
-
         own = getattr(train, "fingerprint", None)
         newest = _newest_complete(path)
         if newest is not None and isinstance(own, str):
@@ -664,6 +662,18 @@ def _relink_task(cfg: DictConfig, conf) -> None:
             return
 
 
+def refuse_other_data(saved: str | None, now: str | None, checkpoint) -> None:
+    """`check_eval_data`'s refusal: the training set's fingerprint `now` is not the one `checkpoint` recorded."""
+    if not (isinstance(saved, str) and now is not None and saved != now):
+        return
+    raise CheckpointError(
+        f"eval: the data read with the run's own data settings is not what {checkpoint} was trained on (its training "
+        f"set's fingerprint {now[:16]} vs {saved[:16]}): a relative data path is read from the current directory "
+        f"({Path.cwd()}), not the one the run trained in, or the file changed since. Pass the run's data by absolute "
+        "path (data.path=/ABSOLUTE/PATH, and the like), or run the eval from the directory the run trained in; any "
+        "data=/data.* override of yours evaluates what it names (a changed file at the same path: data.path=PATH).")
+
+
 def _newest_complete(run_dir: Path) -> Path | None:
     from trainer.checkpoint.store import Checkpointer
 
@@ -695,14 +705,20 @@ def refuse_relative_data_elsewhere(run_dir: str | Path, cfg: DictConfig) -> None
         return
     if not isinstance(trained_in, str) or Path(trained_in).resolve() == Path.cwd().resolve():
         return
+    found = []  # (every one: the advice followed for the first alone read the others from here, unchecked)
     for key, value in flat(OmegaConf.to_container(cfg.get("data") or {}, resolve=True)).items():
         if not isinstance(value, str) or not value or os.path.isabs(value) or "://" in value:
             continue
         there = Path(trained_in) / value
         if there.exists() or (any(c in value for c in "*?[") and glob.glob(str(there))):
-            raise ConfigError(f"data.{key}={value} is a relative path: the run read {there}, and this eval, started "
-                              f"in {Path.cwd()}, would read {Path.cwd() / value} instead. Pass data.{key}={there}, "
-                              f"or run the eval from {trained_in}.")
+            found.append((key, value, there))
+    if found:
+        given = " and ".join(f"data.{key}={value}" for key, value, _ in found)
+        read = ", ".join(str(there) for _, _, there in found)
+        raise ConfigError(f"{given} {'is a relative path' if len(found) == 1 else 'are relative paths'}: the run read "
+                          f"{read}, and this eval, started in {Path.cwd()}, would read them from here instead. Pass "
+                          f"{' '.join(f'data.{key}={there}' for key, _, there in found)}, or run the eval from "
+                          f"{trained_in}.")
 
 
 def older_checkpoints(refused: Path) -> str:
