@@ -296,6 +296,21 @@ def test_a_lora_checkpoint_loads_and_samples_as_the_runs_export_from_its_base(co
     for ema in (False, True):
         got, want = (trainer.load(tmp_path / "seeded", ema=ema, **k).state_dict() for k in ({"checkpoint": "latest"}, {}))
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), ema
+    # finetune.weights given relative to where the run started: eval, sample and trainer.load of its checkpoints from
+    # another directory read it there ("finetune.weights=../pretrained does not exist. Give a .safetensors file").
+    import os
+
+    (tmp_path / "rel").mkdir()
+    relative = os.path.relpath(pretrained, tmp_path / "rel")
+    r = run_here(*tiny_overrides(corpus, "trainer.max_steps=2", f"finetune.weights={relative}", *LORA),
+                 f"hydra.run.dir={tmp_path / 'rel' / 'run'}", cwd=tmp_path / "rel")
+    assert r.returncode == 0, r.stderr
+    for args in (["eval", str(tmp_path / "rel" / "run")], ["sample", str(tmp_path / "rel" / "run"), "checkpoint=latest",
+                                                            "task.sample_tokens=4"]):
+        r = run_here(*args, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+    got, want = (trainer.load(tmp_path / "rel" / "run", **k).state_dict() for k in ({"checkpoint": "latest"}, {}))
+    assert all(torch.equal(got[k], want[k]) for k in want)
     # A base file replaced since (same keys and shapes): the adapters were not trained on it.
     base = tmp_path / "base.safetensors"
     base.write_bytes((pretrained / "model.safetensors").read_bytes())

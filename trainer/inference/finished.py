@@ -425,6 +425,12 @@ def checkpoint_model(path: Path, ema: bool | None = False, task: Any = None) -> 
         return model
 
     lora = OmegaConf.select(cfg, "finetune.lora.rank", default=None)
+    if lora:
+        from trainer.checkpoint.store import run_of_checkpoint
+
+        run = run_of_checkpoint(path)
+        if run is not None:
+            anchor_weights(cfg, run)
     model = _lora_base(build, cfg, loaded, where) if lora else build()
     from trainer.models.finetune import after_load, frozen_keys
 
@@ -606,6 +612,7 @@ def config_of(run_dir: str | Path, overrides: list[str]) -> DictConfig:
 
     path = _run_dir(run_dir)
     cfg = config_yaml(path)
+    anchor_weights(cfg, path)  # (before the overrides: a finetune.weights given here wins)
     conf = files("trainer.conf")
     _relink_task(cfg, conf)
     OmegaConf.set_struct(cfg, True)  # a key that is not there is a typo, not a new key
@@ -688,6 +695,24 @@ def _state_of(checkpoint: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return state if isinstance(state, dict) else {}
+
+
+def anchor_weights(cfg: DictConfig, run_dir: str | Path) -> None:
+    """A relative finetune.weights (a LoRA run's base, which its checkpoints leave out) made absolute where the run
+    read it (run_info.json's cwd), so that eval, sample and trainer.load of its checkpoints work from any directory:
+    from another, "finetune.weights=../base does not exist. Give a .safetensors file", a path the user never typed."""
+    import json
+
+    weights = OmegaConf.select(cfg, "finetune.weights", default=None)
+    if not isinstance(weights, str) or not weights or os.path.isabs(os.path.expanduser(weights)):
+        return
+    try:
+        trained_in = json.loads((Path(run_dir) / "run_info.json").read_text()).get("cwd")
+    except (OSError, ValueError, AttributeError):
+        return
+    if isinstance(trained_in, str) and (Path(trained_in) / weights).exists():
+        with open_dict(cfg):
+            cfg.finetune.weights = str(Path(trained_in) / weights)
 
 
 def refuse_relative_data_elsewhere(run_dir: str | Path, cfg: DictConfig) -> None:
