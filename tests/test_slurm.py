@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -196,8 +197,13 @@ def test_a_submitit_sweep_rerun_reordered_with_a_new_point_in_front_continues_ea
         assert [e["step"] for e in read_metrics(sweep / job) if "train/loss" in e] == list(range(1, steps + 1))
     # (job 2's own numbered dir, which Hydra made for it empty, is not left behind)
     assert sorted(d.name for d in sweep.iterdir() if d.is_dir() and not d.name.startswith(".")) == ["0", "0-2", "1"]
-    # Each job was pickled by submitit and run in a process of its own, as on SLURM, to its export.
+    # Each job was pickled by submitit and run in a process of its own, as on SLURM, to its export; its run_info.json
+    # names the command that runs the point alone there (it named submitit's _submit.py and a pickle's dir).
     assert (sweep / "0-2" / "model.safetensors").exists()
+    command = json.loads((sweep / "0-2" / "run_info.json").read_text())["command"]
+    assert command[:3] == ["python", "-m", "trainer"] and "trainer.max_steps=3" in command, command
+    assert command[-1] == f"hydra.run.dir={sweep / '0-2'}" and not any(a.endswith("_submit.py") or "/.submitit/" in a
+                                                                       for a in command), command
     outs = sorted((sweep / ".submitit").glob("*/*_log.out"))
     assert len(outs) == 3 and all("Job completed successfully" in p.read_text() for p in outs)
     logs = "".join(p.read_text() for p in outs)

@@ -527,9 +527,13 @@ def write_run_info(run_dir: Path, cfg: DictConfig, trainer: Trainer) -> None:
         except metadata.PackageNotFoundError:
             packages[name] = None
     info = {
-        # `python -m trainer ...` as typed, not the path of trainer/__main__.py that Python puts in argv[0].
+        # `python -m trainer ...` as typed, not the path of trainer/__main__.py that Python puts in argv[0]. A sweep's
+        # point that a launcher ran in a process of its own (submitit: its _submit.py and a pickle's dir): the
+        # command that runs this point alone, in this run dir.
         "command": (["python", "-m", "trainer", *sys.argv[1:]]
-                    if Path(sys.argv[0]).parts[-2:] == ("trainer", "__main__.py") else list(sys.argv)),
+                    if Path(sys.argv[0]).parts[-2:] == ("trainer", "__main__.py") else
+                    ["python", "-m", "trainer", *json.loads(os.environ[JOB_OVERRIDES_ENV]), f"hydra.run.dir={run_dir}"]
+                    if "submitit" in sys.argv[0] and JOB_OVERRIDES_ENV in os.environ else list(sys.argv)),
         "git_commit": commit,
         "git_dirty": bool(git("status", "--porcelain")) if commit else None,
         "seed": trainer.cfg.seed,
@@ -542,7 +546,7 @@ def write_run_info(run_dir: Path, cfg: DictConfig, trainer: Trainer) -> None:
         "packages": packages,
         "finetune_weights": getattr(trainer, "weights_source", None),  # the pretrained weights it started from
         "cwd": os.getcwd(),  # where its relative paths (data.path=corpus.txt) were read from (`eval` checks)
-        # The job's overrides (a sweep's point: `command` is submitit's own under its launcher), by which a sweep
+        # The job's overrides (a sweep's point's alone), by which a sweep
         # rerun with resume=auto finds this run (trainer/entry/rundir.py, sweep_point_dir).
         "overrides": json.loads(os.environ[JOB_OVERRIDES_ENV]) if JOB_OVERRIDES_ENV in os.environ else None,
     }
