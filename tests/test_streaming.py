@@ -374,3 +374,23 @@ def test_the_loader_workers_of_a_stream_end_when_train_returns(corpus, tmp_path)
     before = {p.pid for p in multiprocessing.active_children()}
     train_in_process(corpus, tmp_path, *STREAM, "trainer.max_steps=4", "data.num_workers=1")
     assert {p.pid for p in multiprocessing.active_children()} - before == set()
+
+
+def test_a_text_stream_that_leaves_much_of_its_corpus_out_says_so(tmp_path, capsys):
+    """Windows are cut within each file: a corpus of files shorter than a window trained on a third of its bytes
+    without a word (data=text reads the files as one text). Said once, with the numbers; a corpus read whole is not."""
+    from trainer.recipes.lm.data import text_stream
+
+    text = bytes(range(32, 127)) * 40
+    for i in range(30):
+        (tmp_path / f"short{i:02}.txt").write_bytes(text[:190])
+    (tmp_path / "long.txt").write_bytes(text[:3000])
+    train, _ = text_stream(str(tmp_path / "*.txt"), seq_len=256)
+    assert len(train) == 11  # (the long file's windows alone)
+    said = capsys.readouterr().out
+    assert said.count("note: data=text_stream cuts its windows") == 1, said
+    assert "5,883 of the corpus's 8,700 bytes are in no sample (30 of its 31 files are shorter than a window" in said
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "whole" / "a.txt").write_bytes(text[: 256 * 10 + 1])
+    text_stream(str(tmp_path / "whole" / "a.txt"), seq_len=256)
+    assert capsys.readouterr().out == ""

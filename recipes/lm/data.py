@@ -295,6 +295,19 @@ def text_stream(path: str, seq_len: int = 256, by_file: bool = False, val_path: 
         short = next(f for f, w in zip(files, train.windows) if w == 0)
         raise DataError(f"data.by_file=true, but {short} has fewer than data.seq_len + 1 = {seq_len + 1} bytes: a "
                         "reader given only such files would get no sample. Remove it or set data.by_file=false.")
+    total = sum(os.path.getsize(f) for f in files)
+    unread = total - sum(w * seq_len + 1 for w in train.windows if w)
+    from trainer.entry.worker import LAUNCHER_ENV
+    from trainer.parallel.backend import is_main_process
+
+    # (two thirds of a corpus of short files was left out without a word; said once: by the launcher's checks, or
+    # by the one process)
+    if unread > 0.1 * total and is_main_process() and not os.environ.get(LAUNCHER_ENV):
+        short = sum(w == 0 for w in train.windows)
+        print(f"note: data=text_stream cuts its windows of data.seq_len + 1 = {seq_len + 1} bytes within each file, so "
+              f"{unread:,} of the corpus's {total:,} bytes are in no sample ({short} of its {len(files)} files are "
+              "shorter than a window, and each file's last part shorter than one is left out). data=text reads the "
+              "files as one text; a smaller data.seq_len leaves less out.", flush=True)
     # (an empty string is a path given empty, not "none": the run had no validation without a word)
     val = _text_splits(val_path, seq_len, cache_dir, 0.0, "data.val_path")[0] if val_path is not None else None
     return train, val
