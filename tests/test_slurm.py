@@ -241,6 +241,25 @@ def test_a_submitit_launcher_misspelt_is_named_not_sent_to_install_it(tmp_path):
     assert "not installed" not in r.stderr
 
 
+@needs_submitit
+@pytest.mark.parametrize("given", ["+hydra.job.env_set.HF_TOKEN={value}", "task.sample_prompt={value}"])
+def test_a_secret_on_a_submitit_sweeps_command_line_is_refused_before_submitit_pickles_it(tmp_path, monkeypatch, given):
+    """submitit pickles each job's overrides and config into SWEEP/.submitit/ as they are: a secret on the command
+    line (a secret key's value, or a value that is a secret of the environment) was kept there in clear, where
+    multirun.yaml and the console redacted it. An interpolation of the environment is pickled as written: allowed."""
+    from test_errors import assert_clean_error
+
+    monkeypatch.setenv("MY_SECRET", "hunter2hunter2xyz")
+    value = "hf_cmdline_secret_777" if "HF_TOKEN" in given else "hunter2hunter2xyz"
+    r = run_main("-m", "hydra/launcher=submitit_local", "debug=smoke", given.format(value=value), "optim.lr=1e-3,3e-4",
+                 f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert_clean_error(r, "on the command line of a submitit sweep", "Set it in the environment the jobs inherit")
+    assert value not in r.stderr + r.stdout and not (tmp_path / "sweep").exists()
+    from trainer.entry.cli import refuse_pickled_secrets
+
+    refuse_pickled_secrets(["-m", "+hydra.job.env_set.HF_TOKEN=${oc.env:HF_TOKEN}", "optim.lr=1e-3,3e-4"])
+
+
 def test_without_the_submitit_plugin_its_launchers_are_the_install_paragraph(tmp_path):
     """Without hydra-submitit-launcher, hydra/launcher=submitit_slurm was "not an option ... Available: basic", the
     one missing extra whose error did not name its install."""

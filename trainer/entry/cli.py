@@ -763,6 +763,8 @@ def _compose_and_run(argv: list[str]) -> None:
 
             refuse_foreign_flags(argv)  # accelerate's --num_processes 2: world=ddp world.nproc_per_node=2
             known = precheck(argv)
+            if "submitit" in known.launcher:
+                refuse_pickled_secrets(argv)
         except UserError as err:
             if debug_enabled():
                 raise
@@ -780,6 +782,19 @@ def _compose_and_run(argv: list[str]) -> None:
                 hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base="1.3")(run_job)()
         finally:  # (a run took the flag over and answered the signal itself; --cfg and the like took none)
             _stop_if_signalled()
+
+
+def refuse_pickled_secrets(argv: list[str]) -> None:
+    """Under a submitit launcher, each job's overrides and config are pickled into the sweep's .submitit/ (submitit's
+    own files, which the framework does not write and cannot redact): a secret given on the command line was kept
+    there in clear. Refused before anything is written; the environment passes it to the jobs instead."""
+    given = {v for v in override_secrets(argv) if "${" not in v} | {v for v in secret_values() if any(v in a for a in argv)}
+    if given:  # (an interpolation, ${oc.env:HF_TOKEN}, is pickled as written and read in the job: allowed)
+        keys = sorted({a.split("=", 1)[0].lstrip("+~") for a in argv if any(v in a for v in given)})
+        raise ConfigError(f"{', '.join(keys)} on the command line of a submitit sweep: submitit pickles each job's "
+                          "overrides and config into the sweep dir's .submitit/ as they are, so the secret would be "
+                          "written there in clear. Set it in the environment the jobs inherit instead (export "
+                          "HF_TOKEN=..., WANDB_API_KEY=...; a job reads it there), and leave it off the command line.")
 
 
 def _stop_if_signalled() -> None:
