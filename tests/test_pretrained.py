@@ -47,3 +47,17 @@ def test_each_box_is_the_slice_of_the_whole_and_no_read_holds_the_whole(tmp_path
                     assert all(n <= box for n in counting.reads), (key, shape, offset, counting.reads)
     finally:
         reader._file.close()
+
+
+def test_a_config_mismatch_names_the_other_name_of_a_setting():
+    """GPT2Config's max_position_embeddings is n_positions: the advice `++model.n_positions=64` was then refused as a
+    second value of the setting the run's config gave as model.max_position_embeddings."""
+    from trainer.models.pretrained import _other_names
+
+    class Like:  # (a transformers config class's attribute_map: other name -> the config's own)
+        attribute_map = {"max_position_embeddings": "n_positions", "hidden_size": "n_embd"}
+
+    said = _other_names(Like, {"n_positions": (64, 32), "n_layer": (2, 1)})
+    assert said == ("; where your model config names a setting otherwise, set that key instead "
+                    "(model.max_position_embeddings for model.n_positions)")
+    assert _other_names(Like, {"n_layer": (2, 1)}) == ""

@@ -220,7 +220,17 @@ def check_config(model: nn.Module, path: str | os.PathLike, label: str = "finetu
             f"{label}{path}: its config.json describes another model than this run builds ({listed}). Built with "
             "other settings than they were trained with, the weights compute another function, even where every "
             f"shape fits. Give the model the directory's settings: {fix} (`++` sets a key whether or not the "
-            "model's config lists it).")
+            f"model's config lists it){_other_names(type(config), differ)}.")
+
+
+def _other_names(config_class, keys) -> str:
+    """Where a setting has another name in the config class (GPT2Config's max_position_embeddings is n_positions):
+    the advice's `++model.n_positions=64` was refused as a second value of a setting the run's config gives under
+    the other name."""
+    aliases = getattr(config_class, "attribute_map", {}) or {}
+    named = [f"model.{alias} for model.{key}" for key in keys for alias, canonical in aliases.items() if canonical == key]
+    return f"; where your model config names a setting otherwise, set that key instead ({', '.join(named)})" \
+        if named else ""
 
 
 def _as_override(value) -> str:
