@@ -423,6 +423,12 @@ def test_a_directory_where_the_runs_metrics_file_belongs_is_one_paragraph(corpus
     r = run_here(*tiny_overrides(corpus), f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert_clean_error(r, f"could not open {run_dir / 'metrics.jsonl'} to append the run's metrics", code=74)
     assert (run_dir / "metrics.jsonl").is_dir()
+    # A file where the eval images go: the first eval's image stopped the run after its steps ("free disk space").
+    (run_dir / "metrics.jsonl").rmdir()
+    (run_dir / "samples").write_text("mine")
+    r = run_here(*tiny_overrides(corpus), f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert_clean_error(r, f"{run_dir / 'samples'} is a file where the run's eval images go", "nothing was trained")
+    assert (run_dir / "samples").read_text() == "mine"
 
 
 def test_resume_from_a_path_that_does_not_exist(corpus, tmp_path):
