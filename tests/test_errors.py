@@ -116,6 +116,8 @@ def test_a_number_as_text_and_resolve_without_cfg_are_one_paragraph_saying_the_f
     (["trainer.activation_checkpointing='2'"], ["is a switch, not a number"]),  # (quoted: taken as true as well)
     # (optim's and scheduler's were an OmegaConf traceback: a check of the sections' parts resolved every value)
     (["optim.lr=${nope}"], ["optim.lr: Interpolation key 'nope' not found"]),
+    # (Hydra's node is composed apart from the job's: "The config has no 'hydra.run'" was false)
+    (["hydra.run.nope=1"], ["unknown config key 'hydra.run.nope'", "--cfg hydra", "lists the keys of 'hydra.run'"]),
     (["scheduler.warmup_steps=${oc.env:TRAINER_NO_SUCH_VAR}"], ["scheduler.warmup_steps: ", "TRAINER_NO_SUCH_VAR"]),
     (["optim.eps=-1"], ["optim.eps=-1", ">= 0"]),
     (["optim.weight_decay=-1"], ["optim.weight_decay=-1"]),

@@ -547,6 +547,9 @@ def explain(exc: Exception, overrides: list[str], config_dir: str | None) -> Con
         own = ("" if parent in ("trainer", "checkpoint", "ema") or parent.split(".")[0] in _config.LIST_GROUPS else
                f" To add a new key on purpose, write +{key}=VALUE.")
         keys = (f"Valid keys {where}: {', '.join(sorted(valid))}." if valid else
+                # (Hydra's own node is composed apart: "The config has no 'hydra.launcher'" was false)
+                f"python -m trainer --cfg hydra, with this command's group choices, lists the keys of '{parent}'."
+                if parent.split(".")[0] == "hydra" else
                 f"The config has no '{parent}'." if composed is not None and node is None else
                 f"'{parent}' has no keys yet.")
         return ConfigError(f"unknown config key '{key}'.{elsewhere}{did_you_mean(key, value, composed)} {keys}{own}")
