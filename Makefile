@@ -26,9 +26,9 @@ train: venv
 
 # Where PYTHONDONTWRITEBYTECODE is set (the machines this project is built on set it), no process writes the .pyc files it compiles: each
 # xdist worker, forkserver and fresh interpreter of the suite compiled the same sources again. Compiled once here.
-# One pytest worker more than cores: the suite's tests wait part of the time (a watchdog's timeout, a rendezvous,
-# processes starting), which left ~15% of 2 cores idle with a worker per core; ~4% with one more.
-JOBS ?= $(shell echo $$(( $$(nproc) + 1 )))
+# A pytest worker per core (JOBS=N to choose). One more filled the ~15% of 2 cores the suite's waits leave idle (4%
+# idle, 258 s against 269 s), but its contention made a wandb file test read the file before wandb had written it.
+JOBS ?= $(shell nproc)
 test: venv
 	$(PY) -m compileall -qq -j 0 trainer recipes tests benchmarks || true
 	$(PY) -m pytest -q -n $(JOBS) tests $(ARGS)
