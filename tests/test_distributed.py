@@ -61,6 +61,27 @@ def test_the_python_api_starts_the_processes_the_config_asks_for(corpus, tmp_pat
     assert_same_run(api, reference)
 
 
+def test_the_python_api_launches_from_a_thread_other_than_the_main_one(corpus, tmp_path):
+    """A tuner's trial thread (Ray Tune's function trainables, Optuna's n_jobs) calls trainer.train: the launcher's
+    signal handling (main thread only) raised ValueError there after the workers had trained."""
+    import threading
+
+    out = {}
+
+    def trial():
+        try:
+            train_in_process(corpus, tmp_path / "run", "trainer.max_steps=2", *DDP2)
+            out["done"] = True
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            out["error"] = repr(e)
+
+    thread = threading.Thread(target=trial)
+    thread.start()
+    thread.join()
+    assert out == {"done": True}, out
+    assert (tmp_path / "run" / "export.json").is_file()
+
+
 def test_torchrun_launch_matches_self_launch(corpus, tmp_path, reference):
     """And a world.nproc_per_node torchrun overrules is said (it trained on torchrun's 2 without a word)."""
     r = run_cli("--standalone", "--nproc_per_node=2", "-m", "trainer",

@@ -235,7 +235,8 @@ def launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
     """Start the workers of this node, each running `entry`; `w` is world's launch keys (a LaunchConfig)."""
     # torch never gives the signals back: its handler raised SignalException at any later one, a traceback for a
     # second SIGTERM while this process reported the first, and in a notebook that trained through trainer.train.
-    handlers = {s: signal.getsignal(s) for s in HANDLED_SIGNALS}
+    # (Handlers live in the main thread alone: a launch from another, a tuner's trial thread, changes none.)
+    handlers = {s: signal.getsignal(s) for s in HANDLED_SIGNALS} if _main_thread() else {}
     server = _start_forkserver()
     try:
         return _launch(cfg, run_dir, entry, w)
@@ -244,7 +245,22 @@ def launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
             _stop_forkserver(server)
         finally:
             for s, handler in handlers.items():
-                signal.signal(s, handler)
+                signal.signal(s, _live(handler))
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _live(handler):
+    """`handler`, or the default where it is a stop flag's that a run has taken over (the command's early flag: put
+    back, it would set a flag nobody reads any more)."""
+    from trainer.loop.preemption import PreemptionFlag
+
+    owner = getattr(handler, "__self__", None)
+    return signal.SIG_DFL if isinstance(owner, PreemptionFlag) and not owner.installed else handler
 
 
 @contextlib.contextmanager
@@ -274,7 +290,7 @@ def _first_stop_signal_only() -> Iterator[None]:
 def _workers_gone() -> None:
     """The agent is done (its workers finished or stopped): a stop signal has nothing left to stop while this
     process reports and cleans up (`launch` puts the caller's handlers back after)."""
-    for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT):
+    for s in HANDLED_SIGNALS if _main_thread() else ():
         signal.signal(s, signal.SIG_IGN)
 
 
