@@ -473,6 +473,7 @@ def test_classification_accuracy_reads_the_class_dimension_and_nll_takes_no_prob
     ("NLLLoss", (6, 5, 7), "ignored"),
     ("MSELoss", (6, 3), "same"),  # 3 outputs a sample
     ("BCEWithLogitsLoss", (6, 4), "binary"),
+    ("MultiLabelSoftMarginLoss", (6, 5), "binary"),  # (averages within each sample itself: 6 terms, not 30)
 ])
 def test_the_supervised_tasks_loss_per_target_is_torchs_mean_loss(loss, pred_shape, target):
     """num_targets counted samples while the loss summed every term: a sequence labeller's loss and accuracy, a
@@ -501,6 +502,14 @@ def test_the_supervised_tasks_loss_per_target_is_torchs_mean_loss(loss, pred_sha
     n = float(task.num_targets(batch))
     want = getattr(torch.nn, loss)()(pred, y)  # torch's default: the mean over its terms
     torch.testing.assert_close(total / n, want, rtol=1e-6, atol=1e-7)  # (a sum then one division: a few ulps)
+    from types import SimpleNamespace
+
+    from trainer.loop.trainer import Trainer
+    from trainer.recipes.lm.task import LanguageModeling
+
+    # MFU counts the model's 6 x parameters per sample (one forward), not per term; an lm's per token, as before.
+    assert Trainer._flops_rate.fget(SimpleNamespace(task=task)) == "samples_per_s"
+    assert Trainer._flops_rate.fget(SimpleNamespace(task=LanguageModeling())) == "targets_per_s"
     if isinstance(out, dict):  # accuracy over the counted labels
         kept = y != -100 if target in ("labels", "ignored") else torch.ones(indices, dtype=torch.bool)
         labels = y.argmax(1) if target == "probabilities" else y

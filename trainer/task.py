@@ -61,7 +61,8 @@ def named_numbers(value: Any, method: str, task: Any) -> dict[str, Any]:
 
 
 # Optional attribute: target_unit, what num_targets counts ("tokens", "samples", "images"; default "targets"):
-# throughput is logged as train/<target_unit>_per_s.
+# throughput is logged as train/<target_unit>_per_s. flops_unit = "samples": MFU counts 6 x parameters per sample
+# (one forward of the model), where num_targets counts several terms a sample (default: per target, as a token).
 # Optional methods, used when present:
 #   setup(train, val, run_dir) -> None     once per process after the datasets are built, e.g. to fit a data
 #                                          normaliser on the main process (trainer.main_process_first) and
@@ -98,6 +99,7 @@ class SupervisedTask:
     """
 
     target_unit = "targets"  # the loss's terms: a sample's, or each of its positions' or outputs'
+    flops_unit = "samples"  # what one forward of the model computes (MFU: 6 x parameters per sample, not per term)
 
     def __init__(self, loss: str = "torch.nn.MSELoss", input_key: str | None = None, target_key: str | None = None):
         from hydra.utils import get_class
@@ -110,6 +112,9 @@ class SupervisedTask:
         # against [B] sums every pair, with a warning only) or refuses with a traceback (BCE).
         self.same_shape = issubclass(cls, (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss,
                                            nn.BCEWithLogitsLoss, nn.SoftMarginLoss))
+        # Losses of one term per element (torch's mean divides by every element); the others (MultiLabelSoftMargin,
+        # CosineEmbedding, ...) average within each sample themselves, and torch's mean divides by the samples.
+        self.elementwise = self.same_shape or issubclass(cls, (nn.KLDivLoss, nn.PoissonNLLLoss))
         self.loss_name = cls.__name__
         if (input_key is None) != (target_key is None):
             from trainer.errors import ConfigError
@@ -153,7 +158,7 @@ class SupervisedTask:
         if not isinstance(y, torch.Tensor):
             return len(x)
         if not self.classification:
-            return y.numel()
+            return y.numel() if self.elementwise else len(x)
         if y.is_floating_point():  # probabilities over dim 1
             return y.numel() // y.shape[1] if y.dim() > 1 else 1
         counted = (y != self.loss_fn.ignore_index).sum()

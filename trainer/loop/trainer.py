@@ -366,8 +366,13 @@ class Trainer:
             "train/samples_per_s": rates["samples_per_s"],
             "train/step_time_ms": rates["step_time_ms"],
             "train/skipped_steps": self.skipped_steps,
-            **(self.cost.metrics(rates["targets_per_s"]) if self.cost else {}),
+            **(self.cost.metrics(rates[self._flops_rate]) if self.cost else {}),
         }
+
+    @property
+    def _flops_rate(self) -> str:
+        """Which throughput MFU counts the model's FLOPs per: targets (a token), or samples (task.flops_unit)."""
+        return "samples_per_s" if getattr(self.task, "flops_unit", None) == "samples" else "targets_per_s"
 
     @property
     def target_unit(self) -> str:
@@ -540,6 +545,9 @@ class Trainer:
         rate = trained["targets"] / trained["seconds"]
         out = {"summary/steps": trained["steps"], "summary/train_time_s": trained["seconds"],
                f"summary/{self.target_unit}_per_s": rate}
+        if self._flops_rate == "samples_per_s":  # (per sample: the steps' global batches over the same seconds)
+            rate = trained["steps"] * self.global_batch / trained["seconds"]
+            out["summary/samples_per_s"] = rate
         if self.skipped_steps:  # (fp16's overflowed steps, or nonfinite=skip's: counted in the steps, not applied)
             out["summary/skipped_steps"] = int(self.skipped_steps)
         if self.cost:
