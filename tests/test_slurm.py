@@ -258,6 +258,10 @@ def test_a_secret_on_a_submitit_sweeps_command_line_is_refused_before_submitit_p
     from trainer.entry.cli import refuse_pickled_secrets
 
     refuse_pickled_secrets(["-m", "+hydra.job.env_set.HF_TOKEN=${oc.env:HF_TOKEN}", "optim.lr=1e-3,3e-4"])
+    # One run uses no launcher: nothing is pickled, nothing refused.
+    one = run_here("hydra/launcher=submitit_local", "debug=smoke", "trainer.max_steps=1", given.format(value=value),
+                   f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
 
 
 def test_without_the_submitit_plugin_its_launchers_are_the_install_paragraph(tmp_path):

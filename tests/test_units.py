@@ -139,6 +139,17 @@ def test_a_typed_section_is_its_own_and_checked_against_the_schema_each_time():
     assert (first.max_steps, first.grad_clip) == (5, None)
     again = typed(TrainerConfig, {})
     assert (again.max_steps, again.grad_clip, again.log_every) == (1000, 1.0, 10) and again is not first
+    # The same values again (each section is typed from a cache once per process): a copy of its own each time.
+    same = typed(TrainerConfig, {"max_steps": 5, "grad_clip": None})
+    assert same.log_every == 10 and same is not first
+    # An interpolation is resolved at each call, not frozen at the first (${oc.env:...} may change in between).
+    import os
+
+    os.environ["TRAINER_TEST_SEED"] = "3"
+    assert typed(TrainerConfig, {"seed": "${oc.env:TRAINER_TEST_SEED}"}).seed == 3
+    os.environ["TRAINER_TEST_SEED"] = "5"
+    assert typed(TrainerConfig, {"seed": "${oc.env:TRAINER_TEST_SEED}"}).seed == 5
+    del os.environ["TRAINER_TEST_SEED"]
     with pytest.raises(ValidationError, match="max_steps"):
         typed(TrainerConfig, {"max_steps": "many"})
     with pytest.raises(ConfigError, match=r"world\.nnodes"):

@@ -101,6 +101,12 @@ def run_of_checkpoint(path: Path) -> Path | None:
     return None
 
 
+def newest_complete(run_dir: Path) -> Path | None:
+    """The run's newest complete checkpoint (RUN/checkpoints/step_N with its manifest), or None."""
+    done = Checkpointer(Path(run_dir) / "checkpoints").complete()
+    return done[-1] if done else None
+
+
 class _Local:
     """The backend of a checkpointer used outside a run (tools, benchmarks): one process."""
 

@@ -144,12 +144,12 @@ def typed(schema, node: DictConfig | dict | None):
     per process: a run types its ten sections ~20 times (~20 ms each in OmegaConf's merge), each a fresh copy,
     which the caller may change."""
     values = OmegaConf.to_container(node) if isinstance(node, DictConfig | ListConfig) else node or {}
-    key = (schema, repr(values))  # (the merge reads nothing but these values: interpolations resolve among them)
+    key = (schema, repr(values))  # (the merge reads nothing but these values)
     found = _typed.get(key)
     if found is None:
         found = OmegaConf.to_object(OmegaConf.merge(_structured(schema), values))  # (merge copies, never writes it)
-        if len(_typed) < 256:  # (a process running sweeps of many points: a bound, not an LRU)
-            _typed[key] = found
+        if len(_typed) < 256 and "${" not in key[1]:  # (an interpolation, ${oc.env:...}, may resolve otherwise later;
+            _typed[key] = found  # a process running sweeps of many points: a bound, not an LRU)
     return copy.deepcopy(found)
 
 

@@ -763,8 +763,8 @@ def _compose_and_run(argv: list[str]) -> None:
 
             refuse_foreign_flags(argv)  # accelerate's --num_processes 2: world=ddp world.nproc_per_node=2
             known = precheck(argv)
-            if "submitit" in known.launcher:
-                refuse_pickled_secrets(argv)
+            if "submitit" in known.launcher and (str(known.mode) == "RunMode.MULTIRUN" or {"-m", "--multirun"} & set(argv)):
+                refuse_pickled_secrets(argv)  # (a sweep's: one run uses no launcher)
         except UserError as err:
             if debug_enabled():
                 raise
@@ -794,7 +794,8 @@ def refuse_pickled_secrets(argv: list[str]) -> None:
         raise ConfigError(f"{', '.join(keys)} on the command line of a submitit sweep: submitit pickles each job's "
                           "overrides and config into the sweep dir's .submitit/ as they are, so the secret would be "
                           "written there in clear. Set it in the environment the jobs inherit instead (export "
-                          "HF_TOKEN=..., WANDB_API_KEY=...; a job reads it there), and leave it off the command line.")
+                          "HF_TOKEN=...), and on the command line name it, not its value: KEY='${oc.env:HF_TOKEN}' "
+                          "(an environment variable such as WANDB_API_KEY needs no key at all).")
 
 
 def _stop_if_signalled() -> None:

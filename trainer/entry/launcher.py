@@ -475,10 +475,9 @@ def _stop_forkserver(server) -> None:
 
 
 def _newest_checkpoint(run_dir: Path) -> Path | None:
-    from trainer.checkpoint.store import Checkpointer
+    from trainer.checkpoint.store import newest_complete
 
-    done = Checkpointer(Path(run_dir) / "checkpoints").complete()
-    return done[-1] if done else None
+    return newest_complete(run_dir)
 
 
 def _export_record(run_dir: Path) -> str | None:

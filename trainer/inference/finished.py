@@ -475,7 +475,7 @@ def checkpoint_model(path: Path, ema: bool | None = False, task: Any = None) -> 
 def _lora_base(build, cfg: DictConfig, loaded, where: str) -> nn.Module:
     """A LoRA run's model with its frozen base as the run built it (its checkpoints leave the base out): from
     finetune.weights, checked by sha256 against the files the run started from, or drawn from trainer.seed as one
-    process draws it. The caller's random generators are left as they were."""
+    process draws it (the caller's random generators are left as they were by that draw)."""
     from trainer.checkpoint.rng import kept
     from trainer.models import finetune
     from trainer.parallel import seed_everything
@@ -569,7 +569,7 @@ def evaluate_dispatched(run_dir: str | Path, cfg: DictConfig, task_keys: dict[st
         train, val = build_data(cfg.data)  # at every call, and so were the metrics)
     if not data_given:  # (the run's own data settings must read the run's data, as eval without device_map checks)
         own = getattr(train, "fingerprint", None)
-        newest = _newest_complete(path)
+        newest = store.newest_complete(path)
         if newest is not None and isinstance(own, str):
             refuse_other_data(_state_of(newest).get("trainer", {}).get("data_identity"), own, newest)
     task = load_task(path, task_keys, cfg)  # (checked against the data this eval reads: its data.seq_len)
@@ -679,13 +679,6 @@ def refuse_other_data(saved: str | None, now: str | None, checkpoint) -> None:
         f"({Path.cwd()}), not the one the run trained in, or the file changed since. Pass the run's data by absolute "
         "path (data.path=/ABSOLUTE/PATH, and the like), or run the eval from the directory the run trained in; any "
         "data=/data.* override of yours evaluates what it names (a changed file at the same path: data.path=PATH).")
-
-
-def _newest_complete(run_dir: Path) -> Path | None:
-    from trainer.checkpoint.store import Checkpointer
-
-    done = Checkpointer(Path(run_dir) / "checkpoints").complete()
-    return done[-1] if done else None
 
 
 def _state_of(checkpoint: Path) -> dict:
