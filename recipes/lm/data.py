@@ -275,6 +275,9 @@ class TextFileParts(TextStream):
         return len(self.files)
 
 
+_NOTED: set = set()  # (the corpora whose text_stream note this process printed)
+
+
 def text_stream(path: str, seq_len: int = 256, by_file: bool = False, val_path: str | None = None,
                 cache_dir: str | None = None):
     """The files `text_files(path)` names, as a stream of windows (TextStream; TextFileParts with `by_file`); the
@@ -301,8 +304,10 @@ def text_stream(path: str, seq_len: int = 256, by_file: bool = False, val_path: 
     from trainer.parallel.backend import is_main_process
 
     # (two thirds of a corpus of short files was left out without a word; said once: by the launcher's checks, or
-    # by the one process)
-    if unread > 0.1 * total and is_main_process() and not os.environ.get(LAUNCHER_ENV):
+    # by the one process, once per corpus: torchrun's rank 0 builds it in its checks and again to train)
+    noted = (tuple(map(str, files)), seq_len)
+    if unread > 0.1 * total and is_main_process() and not os.environ.get(LAUNCHER_ENV) and noted not in _NOTED:
+        _NOTED.add(noted)
         short = sum(w == 0 for w in train.windows)
         print(f"note: data=text_stream cuts its windows of data.seq_len + 1 = {seq_len + 1} bytes within each file, so "
               f"{unread:,} of the corpus's {total:,} bytes are in no sample ({short} of its {len(files)} files are "
