@@ -517,6 +517,19 @@ def test_the_supervised_tasks_loss_per_target_is_torchs_mean_loss(loss, pred_sha
         assert n == kept.sum().item()
 
 
+def test_a_batch_whose_labels_are_all_ignored_names_the_labels_not_the_frameworks_own_task(tmp_path):
+    """SupervisedTask counts the labels its loss reads: a batch of ignore_index labels alone was "Return how many terms
+    task.loss sums over", advice for a task of one's own, about the framework's."""
+    from conftest import run_here
+    from test_errors import assert_clean_error
+
+    conf = Path(__file__).resolve().parent / "conf"
+    r = run_here("--config-dir", str(conf), "recipe=classify", "data._target_=classify.ignored",
+                 f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert_clean_error(r, "counted 0 targets in step 1's whole batch", "ignore_index (-100)", "check the data's labels")
+    assert "Return how many terms" not in r.stderr
+
+
 @pytest.mark.slow
 def test_an_unsupported_dataset_stops_a_ddp_run_before_its_workers(tmp_path):
     from conftest import FAULTY_ENV, run_cli

@@ -99,6 +99,9 @@ class SupervisedTask:
     """
 
     target_unit = "targets"  # the loss's terms: a sample's, or each of its positions' or outputs'
+    # (what the Trainer says of a global batch it counted no target in: its own count, not the user's task, was read)
+    no_targets = ("Every class label of that batch is at the loss's ignore_index (-100), which the loss leaves out, so "
+                  "the batch has nothing to learn from: check the data's labels (padding alone?).")
     flops_unit = "samples"  # what one forward of the model computes (MFU: 6 x parameters per sample, not per term)
 
     def __init__(self, loss: str = "torch.nn.MSELoss", input_key: str | None = None, target_key: str | None = None):

@@ -39,6 +39,13 @@ def drawn(n: int = 120, val: int = 41):
     return TensorDataset(x[val:], y[val:]), TensorDataset(x[:val], y[:val])
 
 
+def ignored(n: int = 120, val: int = 41):
+    """blobs with every label at CrossEntropyLoss's ignore_index (-100): nothing to learn from."""
+    train, valid = blobs(n, val)
+    return (TensorDataset(train.tensors[0], torch.full_like(train.tensors[1], -100)),
+            TensorDataset(valid.tensors[0], torch.full_like(valid.tensors[1], -100)))
+
+
 class Ranking:
     """The classification task with a metric that is not a sum over ranks: the AUROC of "class 0 vs the rest"
     (task.predict / task.score, trainer/task.py)."""

@@ -157,9 +157,11 @@ class Trainer:
         # equal one batch of k*b even when batches differ in length. Data-parallel ranks average their
         # gradients, hence the factor dp_size.
         if not isinstance(n_global, torch.Tensor) and n_global <= 0:  # (a ZeroDivisionError traceback)
+            why = getattr(self.task, "no_targets", None)  # (a task of the framework's own says what its count read)
             raise UserError(f"task.num_targets of {type(self.task).__name__} (task._target_) counted {n_global:g} "
                             f"targets in step {self.step + 1}'s whole batch: the Trainer divides the summed loss by that "
-                            "count. Return how many terms task.loss sums over (tokens, samples), at least one a batch.")
+                            "count. " + (why or "Return how many terms task.loss sums over (tokens, samples), at least "
+                                         "one a batch."))
         scale = self.strategy.dp_size / n_global
         b, dp = self.data.batch_size, self.strategy.dp_size
         loss_sum, sums = None, {}
