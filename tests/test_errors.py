@@ -430,7 +430,7 @@ def test_a_directory_where_the_runs_metrics_file_belongs_is_one_paragraph(corpus
     (run_dir / "samples").write_text("mine")
     r = run_here(*tiny_overrides(corpus), f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert_clean_error(r, f"{run_dir / 'samples'} is a file where the run's eval images go", "nothing was trained")
-    assert (run_dir / "samples").read_text() == "mine"
+    assert (run_dir / "samples").read_text() == "mine" and not (run_dir / "metrics.jsonl").exists()  # (nothing written)
 
 
 def test_resume_from_a_path_that_does_not_exist(corpus, tmp_path):

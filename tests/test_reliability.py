@@ -763,11 +763,11 @@ def test_after_a_stop_signal_the_launcher_says_what_the_workers_really_saved(sto
     checkpoint was newer than the launch's, a periodic save of steps before the stop too."""
     import json
 
-    from trainer.checkpoint.store import step_of
-    from trainer.entry.launcher import _newest_checkpoint, _what_was_saved
+    from trainer.checkpoint.store import newest_complete, step_of
+    from trainer.entry.launcher import _what_was_saved
 
     run_dir = _copy(stopped, tmp_path / "run")
-    newest = _newest_checkpoint(run_dir)
+    newest = newest_complete(run_dir)
     assert _what_was_saved(run_dir, newest) == f"the workers saved no checkpoint where they stopped; the newest is {newest}."
     assert _what_was_saved(run_dir, run_dir / "checkpoints" / "step_00000004") == \
         f"the workers saved a checkpoint ({newest})."

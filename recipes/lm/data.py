@@ -219,6 +219,7 @@ class TextStream(IterableDataset):
         self.files, self.seq_len = [str(f) for f in files], seq_len
         stats = [os.stat(f) for f in self.files]
         self.windows = [max(0, (st.st_size - 1) // seq_len) for st in stats]
+        self.bytes = sum(st.st_size for st in stats)  # (what the windows leave out is told from it: text_stream)
         self.block = max(1, block_bytes // seq_len)  # windows per read
         # What a resume checks: the same files, unchanged, cut the same way.
         self.fingerprint = hashlib.sha256(repr((FORMAT, seq_len, sampled_digest(
@@ -298,11 +299,11 @@ def text_stream(path: str, seq_len: int = 256, by_file: bool = False, val_path: 
         short = next(f for f, w in zip(files, train.windows) if w == 0)
         raise DataError(f"data.by_file=true, but {short} has fewer than data.seq_len + 1 = {seq_len + 1} bytes: a "
                         "reader given only such files would get no sample. Remove it or set data.by_file=false.")
-    total = sum(os.path.getsize(f) for f in files)
-    unread = total - sum(w * seq_len + 1 for w in train.windows if w)
     from trainer.entry.worker import LAUNCHER_ENV
     from trainer.parallel.backend import is_main_process
 
+    total = train.bytes
+    unread = total - sum(w * seq_len + 1 for w in train.windows if w)
     # (two thirds of a corpus of short files was left out without a word; said once: by the launcher's checks, or
     # by the one process, once per corpus: torchrun's rank 0 builds it in its checks and again to train)
     noted = (tuple(map(str, files)), seq_len)

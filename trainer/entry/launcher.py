@@ -361,7 +361,9 @@ def _launch(cfg: DictConfig, run_dir: Path, entry: Callable, w) -> dict | None:
     os.environ[ENTRY_ENV] = entry.__name__  # (the worker finds it in trainer.entry.run.ENTRY_POINTS)
     os.environ[LAUNCHER_ENV] = str(os.getpid())
     os.environ[watchdog.HANG_DIR_ENV] = hang_dir
-    before, export_before = _newest_checkpoint(run_dir), _export_record(run_dir)
+    from trainer.checkpoint.store import newest_complete
+
+    before, export_before = newest_complete(run_dir), _export_record(run_dir)
     try:
         try:
             with _first_stop_signal_only():
@@ -474,12 +476,6 @@ def _stop_forkserver(server) -> None:
         pass  # (it is gone already)
 
 
-def _newest_checkpoint(run_dir: Path) -> Path | None:
-    from trainer.checkpoint.store import newest_complete
-
-    return newest_complete(run_dir)
-
-
 def _export_record(run_dir: Path) -> str | None:
     """The run's export.json (written last, once the export is complete), or None: whether a launch finished it."""
     try:
@@ -491,10 +487,10 @@ def _export_record(run_dir: Path) -> str | None:
 def _what_was_saved(run_dir: Path, before: Path | None) -> str:
     """What the workers left after a forwarded stop signal, read from the run dir (not assumed: a worker may have
     died before it could save)."""
-    from trainer.checkpoint.store import step_of
+    from trainer.checkpoint.store import newest_complete, step_of
     from trainer.tracking.loggers import last_step
 
-    newest = _newest_checkpoint(run_dir)
+    newest = newest_complete(run_dir)
     try:  # (a periodic save of an earlier step was called the stop's own: the steps after it were said saved)
         logged = last_step(Path(run_dir) / "metrics.jsonl")
     except OSError:

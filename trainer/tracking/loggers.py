@@ -64,6 +64,12 @@ class JsonlLogger(NullLogger):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.samples_path = Path(run_dir) / "samples.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        images = self.path.parent / "samples"
+        if os.path.lexists(images) and not images.is_dir():  # (the first eval's image stopped the run, after its
+            from trainer.errors import ConfigError  # steps, saying to free disk space)
+
+            raise ConfigError(f"{images} is a file where the run's eval images go (samples/step_N.png); nothing was "
+                              "trained. Move it, or give the run another dir (hydra.run.dir=...).")
         try:
             self._file = _appending(self.path)
         except OSError as e:  # (a directory in its place, a read-only file: a traceback before the first step)
@@ -72,13 +78,6 @@ class JsonlLogger(NullLogger):
             raise StorageError(f"could not open {self.path} to append the run's metrics ({e.strerror or e}); nothing "
                                "was trained. Make it a writable file (or move what is in its place), or give the run "
                                "another dir (hydra.run.dir=...).") from None
-        images = self.path.parent / "samples"
-        if os.path.lexists(images) and not images.is_dir():  # (the first eval's image stopped the run, after its
-            from trainer.errors import ConfigError  # steps, saying to free disk space)
-
-            self._file.close()
-            raise ConfigError(f"{images} is a file where the run's eval images go (samples/step_N.png); nothing was "
-                              "trained. Move it, or give the run another dir (hydra.run.dir=...).")
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         try:
